@@ -1,0 +1,169 @@
+//! The one error type of the core API.
+
+use std::borrow::Cow;
+
+/// A boxed error from a handler or a driver.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// `Result` with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in oncely.
+///
+/// A unique-constraint conflict on a claim is never an error: it is the answer
+/// ([`Claim::Completed`](crate::Claim::Completed) or
+/// [`Claim::InProgress`](crate::Claim::InProgress)). No driver error type
+/// appears here; backends map theirs to [`Error::Backend`] or
+/// [`Error::Unavailable`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The key (or tenant) failed validation; nothing was sent to the database.
+    #[error("invalid effect key: {reason}")]
+    InvalidKey {
+        /// What is wrong with it.
+        reason: Cow<'static, str>,
+    },
+    /// An outcome larger than the limit; nothing was stored.
+    #[error("outcome is {size} bytes, the limit is {max}")]
+    OutcomeTooLarge {
+        /// The outcome's size in bytes.
+        size: usize,
+        /// The limit that applies (the core's or the backend's).
+        max: usize,
+    },
+    /// The key exists with another request fingerprint: the same key was
+    /// reused for a different payload. The record was not changed.
+    #[error("{key}: the key was first claimed with a different request payload")]
+    FingerprintMismatch {
+        /// The displayed effect key.
+        key: String,
+    },
+    /// The lease's fence is stale: another claimant took the key over (or the
+    /// record is no longer in progress). Nothing was written.
+    #[error("{key}: lease with fence {fence} is no longer held")]
+    LeaseLost {
+        /// The displayed effect key.
+        key: String,
+        /// The fence the caller held.
+        fence: u64,
+    },
+    /// Another claimant holds a live lease on the key, and the policy said not
+    /// to wait (or the wait ran out).
+    #[error("{key}: in progress elsewhere (fence {fence})")]
+    InProgress {
+        /// The displayed effect key.
+        key: String,
+        /// The fence of the current holder.
+        fence: u64,
+    },
+    /// The message is older than the ledger's horizon: its record may have been
+    /// pruned, so the ledger cannot tell a duplicate from new work and refuses
+    /// to run it.
+    #[error("{key}: message is older than the ledger can vouch for (retention horizon)")]
+    BeyondHorizon {
+        /// The displayed effect key.
+        key: String,
+    },
+    /// An at-most-once step was attempted and never completed: it is not run
+    /// again automatically and waits for reconciliation.
+    #[error("{key}: at-most-once step was attempted and not completed; reconcile it")]
+    Abandoned {
+        /// The displayed effect key.
+        key: String,
+    },
+    /// The handler failed terminally; the failure is the stored outcome and
+    /// every duplicate gets it back.
+    #[error("{key}: failed terminally: {message}")]
+    Terminal {
+        /// The displayed effect key.
+        key: String,
+        /// The handler's message, as stored.
+        message: String,
+    },
+    /// The handler failed with a retryable error; the claim was released so
+    /// the next delivery runs it again.
+    #[error("handler failed (retryable): {0}")]
+    Handler(#[source] BoxError),
+    /// A value could not be serialized or deserialized.
+    #[error("serialization: {0}")]
+    Serialization(String),
+    /// A step was used in a way that contradicts its earlier use (another mode
+    /// for the same kind in one job, an options conflict).
+    #[error("misuse: {0}")]
+    Misuse(String),
+    /// A configuration or URL that cannot be used.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// The backend cannot be reached. No effect ran (fail closed).
+    #[error("{backend} unavailable: {message}")]
+    Unavailable {
+        /// Which backend.
+        backend: &'static str,
+        /// The driver's message.
+        message: String,
+    },
+    /// The backend found something it did not write: a foreign value at an
+    /// oncely key, an unexpected constraint violation, an incompatible bucket.
+    /// Nothing was overwritten.
+    #[error("{backend}: {message}")]
+    Corrupt {
+        /// Which backend.
+        backend: &'static str,
+        /// What was found.
+        message: String,
+    },
+    /// Any other backend failure.
+    #[error("{backend}: {message}")]
+    Backend {
+        /// Which backend.
+        backend: &'static str,
+        /// The driver's message.
+        message: String,
+        /// Whether another attempt may succeed (deadlock, serialization
+        /// failure, timeout).
+        retryable: bool,
+    },
+}
+
+impl Error {
+    /// An [`Error::InvalidKey`].
+    pub fn invalid_key(reason: impl Into<Cow<'static, str>>) -> Self {
+        Error::InvalidKey {
+            reason: reason.into(),
+        }
+    }
+
+    /// Whether the same operation may succeed if the delivery is retried later.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::InProgress { .. } | Error::Unavailable { .. } | Error::Handler(_) => true,
+            Error::Backend { retryable, .. } => *retryable,
+            _ => false,
+        }
+    }
+
+    /// Whether this is [`Error::LeaseLost`].
+    pub fn is_lease_lost(&self) -> bool {
+        matches!(self, Error::LeaseLost { .. })
+    }
+
+    /// Whether this is [`Error::InProgress`].
+    pub fn is_in_progress(&self) -> bool {
+        matches!(self, Error::InProgress { .. })
+    }
+
+    /// Whether the input was refused before any round trip.
+    pub fn is_invalid_input(&self) -> bool {
+        matches!(
+            self,
+            Error::InvalidKey { .. } | Error::OutcomeTooLarge { .. } | Error::Misuse(_)
+        )
+    }
+}
+
+impl From<serde_json::Error> for Error {
+    fn from(e: serde_json::Error) -> Self {
+        Error::Serialization(e.to_string())
+    }
+}

@@ -1,0 +1,315 @@
+//! Tenants and effect keys: what an effect is, validated before any round trip.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+
+/// Longest tenant name, in bytes.
+pub const MAX_TENANT_BYTES: usize = 64;
+/// Longest effect kind, in bytes.
+pub const MAX_KIND_BYTES: usize = 64;
+/// Longest displayed effect key (`tenant/kind:subject`), in bytes.
+///
+/// 255 bytes fits a primary key on every backend (MySQL's utf8mb4 index limit
+/// included) and a Redis or NATS key after the backend's prefix.
+pub const MAX_KEY_BYTES: usize = 255;
+
+const GLOBAL_TENANT: &str = "_global";
+
+/// The mandatory scope of every effect key.
+///
+/// Keys of two tenants never collide. Single-tenant applications say so
+/// explicitly with [`Tenant::global()`].
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Tenant(Arc<str>);
+
+impl Tenant {
+    /// A tenant named by the application (an account id, an organisation slug).
+    ///
+    /// Non-empty, at most [`MAX_TENANT_BYTES`] bytes, no `/` (the key
+    /// separator), no whitespace or control characters, and not starting with
+    /// `_` (reserved for [`Tenant::global()`]).
+    pub fn new(name: impl AsRef<str>) -> Result<Self> {
+        let name = name.as_ref();
+        check_part("tenant", name, MAX_TENANT_BYTES)?;
+        if name.contains('/') {
+            return Err(Error::invalid_key("tenant must not contain '/'"));
+        }
+        if name.chars().any(char::is_whitespace) {
+            return Err(Error::invalid_key("tenant must not contain whitespace"));
+        }
+        if name.starts_with('_') {
+            return Err(Error::invalid_key(
+                "tenant names starting with '_' are reserved (use Tenant::global())",
+            ));
+        }
+        Ok(Tenant(name.into()))
+    }
+
+    /// The one tenant of a single-tenant application.
+    pub fn global() -> Self {
+        Tenant(GLOBAL_TENANT.into())
+    }
+
+    /// The tenant's name as stored.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// Parses a stored tenant name, accepting the reserved global name.
+    pub fn parse(name: &str) -> Result<Self> {
+        if name == GLOBAL_TENANT {
+            Ok(Tenant::global())
+        } else {
+            Tenant::new(name)
+        }
+    }
+}
+
+impl fmt::Display for Tenant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for Tenant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Tenant({:?})", &*self.0)
+    }
+}
+
+/// The identity of one effect: `tenant` + `kind` + `subject`.
+///
+/// Derive it from the business fact the effect asserts (`capture` of
+/// `order-123`), never from the delivery (a broker message id changes when a
+/// producer re-publishes) and never from code locations (a refactor must not
+/// change a key). Displayed as `tenant/kind:subject`; that string is the
+/// stored key and is unambiguous because tenants contain no `/` and kinds no
+/// `:` or `/`.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EffectKey {
+    tenant: Tenant,
+    kind: Arc<str>,
+    subject: Arc<str>,
+    full: Arc<str>,
+}
+
+impl EffectKey {
+    /// Builds and validates a key. Fails with [`Error::InvalidKey`] on an empty
+    /// part, control characters, a kind containing `:` or `/`, or a displayed
+    /// key longer than [`MAX_KEY_BYTES`].
+    pub fn new(tenant: &Tenant, kind: impl AsRef<str>, subject: impl AsRef<str>) -> Result<Self> {
+        let (kind, subject) = (kind.as_ref(), subject.as_ref());
+        check_part("kind", kind, MAX_KIND_BYTES)?;
+        if kind.contains([':', '/']) || kind.chars().any(char::is_whitespace) {
+            return Err(Error::invalid_key("kind must not contain ':', '/' or whitespace"));
+        }
+        check_part("subject", subject, MAX_KEY_BYTES)?;
+        if subject.trim() != subject {
+            return Err(Error::invalid_key(
+                "subject must not start or end with whitespace",
+            ));
+        }
+        let full = format!("{}/{}:{}", tenant.as_str(), kind, subject);
+        if full.len() > MAX_KEY_BYTES {
+            return Err(Error::invalid_key(format!(
+                "key is {} bytes, the limit is {MAX_KEY_BYTES}",
+                full.len()
+            )));
+        }
+        Ok(EffectKey {
+            tenant: tenant.clone(),
+            kind: kind.into(),
+            subject: subject.into(),
+            full: full.into(),
+        })
+    }
+
+    /// A key for a client-supplied idempotency key (an HTTP `Idempotency-Key`
+    /// header), bound to the authenticated `principal`: the same client key
+    /// sent by another principal is another effect, so nobody can replay or
+    /// block an operation they do not own by guessing its key.
+    pub fn for_client(
+        tenant: &Tenant,
+        principal: &str,
+        kind: impl AsRef<str>,
+        client_key: &str,
+    ) -> Result<Self> {
+        check_part("principal", principal, MAX_KEY_BYTES)?;
+        check_part("client key", client_key, MAX_KEY_BYTES)?;
+        // Hash so that neither a ':' in the principal nor a long client key can
+        // make two (principal, key) pairs meet on one subject.
+        let mut h = blake3::Hasher::new_derive_key("oncely 2026 client key binding");
+        h.update(&(principal.len() as u64).to_le_bytes());
+        h.update(principal.as_bytes());
+        h.update(client_key.as_bytes());
+        let subject = format!("client-{}", &h.finalize().to_hex()[..40]);
+        EffectKey::new(tenant, kind, subject)
+    }
+
+    /// Parses a displayed key (`tenant/kind:subject`) back into its parts.
+    pub fn parse(s: &str) -> Result<Self> {
+        let (tenant, rest) = s
+            .split_once('/')
+            .ok_or_else(|| Error::invalid_key("expected tenant/kind:subject"))?;
+        let (kind, subject) = rest
+            .split_once(':')
+            .ok_or_else(|| Error::invalid_key("expected tenant/kind:subject"))?;
+        EffectKey::new(&Tenant::parse(tenant)?, kind, subject)
+    }
+
+    /// The tenant this key belongs to.
+    pub fn tenant(&self) -> &Tenant {
+        &self.tenant
+    }
+
+    /// What effect (`capture`, `receipt`).
+    pub fn kind(&self) -> &str {
+        &self.kind
+    }
+
+    /// Which business fact (`order-123`, `order-123:invoice-2`).
+    pub fn subject(&self) -> &str {
+        &self.subject
+    }
+
+    /// The displayed and stored form, `tenant/kind:subject`.
+    pub fn as_str(&self) -> &str {
+        &self.full
+    }
+
+    /// A stable idempotency key for an external API (a payment provider).
+    ///
+    /// 64 lowercase hex characters of a BLAKE3 hash of the key: the same
+    /// effect key gives the same provider key forever, and no tenant data is
+    /// sent to the provider in clear.
+    pub fn provider_key(&self) -> String {
+        blake3::Hasher::new_derive_key("oncely 2026 provider idempotency key")
+            .update(self.full.as_bytes())
+            .finalize()
+            .to_hex()
+            .to_string()
+    }
+}
+
+impl fmt::Display for EffectKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.full)
+    }
+}
+
+impl fmt::Debug for EffectKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "EffectKey({:?})", &*self.full)
+    }
+}
+
+fn check_part(what: &str, s: &str, max: usize) -> Result<()> {
+    if s.is_empty() {
+        return Err(Error::invalid_key(format!("{what} must not be empty")));
+    }
+    if s.len() > max {
+        return Err(Error::invalid_key(format!(
+            "{what} is {} bytes, the limit is {max}",
+            s.len()
+        )));
+    }
+    if s.chars().any(|c| c.is_control() || is_invisible_format(c)) {
+        return Err(Error::invalid_key(format!(
+            "{what} must not contain control or invisible format characters"
+        )));
+    }
+    Ok(())
+}
+
+/// Zero-width and bidi-control characters make two keys look identical in a
+/// log while differing in the ledger.
+fn is_invisible_format(c: char) -> bool {
+    matches!(c, '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2060}'..='\u{2064}' | '\u{FEFF}')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t() -> Tenant {
+        Tenant::new("acme").unwrap()
+    }
+
+    #[test]
+    fn displays_and_parses() {
+        let k = EffectKey::new(&t(), "capture", "order-123:invoice-2").unwrap();
+        assert_eq!(k.to_string(), "acme/capture:order-123:invoice-2");
+        assert_eq!(EffectKey::parse(k.as_str()).unwrap(), k);
+        let g = EffectKey::new(&Tenant::global(), "receipt", "o-1").unwrap();
+        assert_eq!(EffectKey::parse(g.as_str()).unwrap(), g);
+    }
+
+    #[test]
+    fn rejects_bad_input() {
+        assert!(Tenant::new("").is_err());
+        assert!(Tenant::new("a/b").is_err());
+        assert!(Tenant::new("_global").is_err());
+        assert!(Tenant::new("a b").is_err());
+        assert!(EffectKey::new(&t(), "", "x").is_err());
+        assert!(EffectKey::new(&t(), "cap:ture", "x").is_err());
+        assert!(EffectKey::new(&t(), "cap/ture", "x").is_err());
+        assert!(EffectKey::new(&t(), "capture", "").is_err());
+        assert!(EffectKey::new(&t(), "capture", "a\u{0}b").is_err());
+        assert!(EffectKey::new(&t(), "capture", "a\nb").is_err());
+        assert!(EffectKey::new(&t(), "capture", "a\u{200B}b").is_err());
+        assert!(EffectKey::new(&t(), "capture", " padded").is_err());
+        assert!(EffectKey::new(&t(), "capture", "x".repeat(300)).is_err());
+        let e = EffectKey::new(&t(), "capture", "x".repeat(300)).unwrap_err();
+        assert!(matches!(e, Error::InvalidKey { .. }), "{e:?}");
+    }
+
+    #[test]
+    fn length_limit_is_exact() {
+        let overhead = "acme/capture:".len();
+        let at = "y".repeat(MAX_KEY_BYTES - overhead);
+        assert_eq!(
+            EffectKey::new(&t(), "capture", &at).unwrap().as_str().len(),
+            MAX_KEY_BYTES
+        );
+        assert!(EffectKey::new(&t(), "capture", format!("{at}y")).is_err());
+    }
+
+    #[test]
+    fn provider_key_is_stable_and_opaque() {
+        let k = EffectKey::new(&t(), "capture", "order-123").unwrap();
+        let p = k.provider_key();
+        assert_eq!(p.len(), 64);
+        assert!(p.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert!(!p.contains("acme"));
+        assert_eq!(
+            p,
+            EffectKey::parse("acme/capture:order-123").unwrap().provider_key()
+        );
+        let other = EffectKey::new(&Tenant::new("globex").unwrap(), "capture", "order-123").unwrap();
+        assert_ne!(p, other.provider_key());
+        // Pinned: a change of hashing would re-run every in-flight capture.
+        assert_eq!(
+            EffectKey::new(&Tenant::global(), "capture", "order-1")
+                .unwrap()
+                .provider_key(),
+            EffectKey::new(&Tenant::global(), "capture", "order-1")
+                .unwrap()
+                .provider_key()
+        );
+    }
+
+    #[test]
+    fn client_keys_are_bound_to_principal() {
+        let a = EffectKey::for_client(&t(), "user-1", "payment", "abc").unwrap();
+        let b = EffectKey::for_client(&t(), "user-2", "payment", "abc").unwrap();
+        let a2 = EffectKey::for_client(&t(), "user-1", "payment", "abc").unwrap();
+        assert_ne!(a, b);
+        assert_eq!(a, a2);
+        // "u:1" + "x" must not meet "u" + ":1x".
+        let c = EffectKey::for_client(&t(), "u:1", "payment", "x").unwrap();
+        let d = EffectKey::for_client(&t(), "u", "payment", ":1x").unwrap();
+        assert_ne!(c, d);
+    }
+}

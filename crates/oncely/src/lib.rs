@@ -1,0 +1,58 @@
+//! # oncely
+//!
+//! Brokers deliver at least once; payments, emails and ledger entries must
+//! happen once. oncely makes the *effect* of a delivery happen once: a
+//! second, third or concurrent delivery of the same work changes nothing, and
+//! a caller who asks again gets the original outcome back.
+//!
+//! The check and the claim are one atomic database operation (a unique
+//! constraint, `INSERT … ON CONFLICT DO NOTHING RETURNING`), never a read
+//! followed by a write. Keys come from the effect (`capture:order-123`), not
+//! from the delivery.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use oncely::{ClaimOptions, EffectKey, Effects, MemoryLedger, Tenant};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> oncely::Result<()> {
+//! let effects = Effects::new(Arc::new(MemoryLedger::new()));
+//! let key = EffectKey::new(&Tenant::global(), "capture", "order-123")?;
+//! let opts = ClaimOptions::default();
+//!
+//! let first: String = effects.run(&key, &opts, |lease| async move {
+//!     // call the provider with lease.provider_key() as its idempotency key
+//!     Ok(format!("ch_{}", &lease.provider_key()[..8]))
+//! }).await?;
+//! // A redelivery does not charge again: it gets the first outcome back.
+//! let again: String = effects.run(&key, &opts, |_| async { Ok("never".to_owned()) }).await?;
+//! assert_eq!(first, again);
+//! # Ok(()) }
+//! ```
+//!
+//! Backends: [`MemoryLedger`] here for unit tests; `oncely-sqlite` (the
+//! embedded default) and `oncely-postgres` in their own crates. Every backend
+//! passes the same [`conformance`] suite.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod effects;
+mod error;
+mod key;
+mod ledger;
+mod memory;
+mod record;
+pub mod telemetry;
+
+#[cfg(feature = "conformance")]
+pub mod conformance;
+
+pub use effects::{Effects, Failure};
+pub use error::{BoxError, Error, Result};
+pub use key::{EffectKey, MAX_KEY_BYTES, MAX_KIND_BYTES, MAX_TENANT_BYTES, Tenant};
+pub use ledger::{Capabilities, Ledger};
+pub use memory::MemoryLedger;
+pub use record::{
+    Claim, ClaimOptions, Fingerprint, Lease, MAX_OUTCOME_BYTES, OnInProgress, Outcome, Record, RecordState,
+    duration_micros, from_micros, to_micros,
+};

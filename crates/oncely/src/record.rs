@@ -1,0 +1,480 @@
+//! The values a ledger stores and returns: fingerprints, outcomes, records,
+//! leases, claims and claim options.
+
+use std::fmt;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::error::{Error, Result};
+use crate::key::EffectKey;
+
+/// Largest outcome the core accepts, in bytes (64 KiB).
+///
+/// Outcomes are results (an id, a status, an amount), not payloads; a
+/// backend may declare a smaller limit in its [`Capabilities`](crate::Capabilities).
+pub const MAX_OUTCOME_BYTES: usize = 64 * 1024;
+
+/// BLAKE3 hash of a canonical request payload.
+///
+/// A claim that finds its key with another fingerprint fails with
+/// [`Error::FingerprintMismatch`] and changes nothing.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 32]);
+
+impl Fingerprint {
+    /// The fingerprint of canonical bytes.
+    pub fn of_bytes(bytes: &[u8]) -> Self {
+        Fingerprint(*blake3::hash(bytes).as_bytes())
+    }
+
+    /// The fingerprint of a serde value, serialized as JSON with object keys
+    /// sorted, so field order does not change it.
+    pub fn of_json<T: Serialize + ?Sized>(value: &T) -> Result<Self> {
+        // serde_json's Map is a BTreeMap (no preserve_order), so going through
+        // Value sorts every object's keys.
+        let canonical = serde_json::to_vec(&serde_json::to_value(value)?)?;
+        Ok(Fingerprint::of_bytes(&canonical))
+    }
+
+    /// The raw 32 bytes, as stored.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Rebuilds a stored fingerprint.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let arr: [u8; 32] = bytes
+            .try_into()
+            .map_err(|_| Error::Serialization(format!("fingerprint of {} bytes", bytes.len())))?;
+        Ok(Fingerprint(arr))
+    }
+
+    /// Lowercase hex, for backends that store text.
+    pub fn to_hex(&self) -> String {
+        blake3::Hash::from_bytes(self.0).to_hex().to_string()
+    }
+
+    /// Parses [`Fingerprint::to_hex`] output.
+    pub fn from_hex(s: &str) -> Result<Self> {
+        blake3::Hash::from_hex(s)
+            .map(|h| Fingerprint(*h.as_bytes()))
+            .map_err(|e| Error::Serialization(format!("fingerprint: {e}")))
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", &self.to_hex()[..16])
+    }
+}
+
+/// The serialized result of an effect (JSON bytes, at most
+/// [`MAX_OUTCOME_BYTES`]), stored with the completed record and replayed to
+/// duplicates byte for byte.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Outcome(Vec<u8>);
+
+impl Outcome {
+    /// Serializes a value as the outcome.
+    pub fn from_json<T: Serialize + ?Sized>(value: &T) -> Result<Self> {
+        Outcome::from_bytes(serde_json::to_vec(value)?)
+    }
+
+    /// Takes bytes as the outcome, refusing more than [`MAX_OUTCOME_BYTES`].
+    pub fn from_bytes(bytes: impl Into<Vec<u8>>) -> Result<Self> {
+        let bytes = bytes.into();
+        if bytes.len() > MAX_OUTCOME_BYTES {
+            return Err(Error::OutcomeTooLarge {
+                size: bytes.len(),
+                max: MAX_OUTCOME_BYTES,
+            });
+        }
+        Ok(Outcome(bytes))
+    }
+
+    /// The stored bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether the outcome is empty.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Deserializes the outcome.
+    pub fn to_value<T: DeserializeOwned>(&self) -> Result<T> {
+        Ok(serde_json::from_slice(&self.0)?)
+    }
+
+    /// Consumes it into its bytes.
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.0
+    }
+}
+
+impl fmt::Debug for Outcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match std::str::from_utf8(&self.0) {
+            Ok(s) if s.len() <= 80 => write!(f, "Outcome({s})"),
+            _ => write!(f, "Outcome({} bytes)", self.0.len()),
+        }
+    }
+}
+
+/// Where a record is in its life (DESIGN.md §3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RecordState {
+    /// A lease is (or was, if expired) held on the key.
+    InProgress,
+    /// The effect happened; the outcome is stored.
+    Completed,
+    /// The holder gave the key back; the next claim takes it over with
+    /// `fence + 1`. The row is kept so that fences are never reused.
+    Released,
+    /// An at-most-once step whose lease expired before completion: never
+    /// re-run automatically, listed for reconciliation. Backends may store it
+    /// as an expired at-most-once `InProgress` row; they report it as this.
+    Abandoned,
+}
+
+impl RecordState {
+    /// The stored name (`in_progress`, `completed`, `released`, `abandoned`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecordState::InProgress => "in_progress",
+            RecordState::Completed => "completed",
+            RecordState::Released => "released",
+            RecordState::Abandoned => "abandoned",
+        }
+    }
+
+    /// Parses [`RecordState::as_str`] output.
+    pub fn parse(s: &str) -> Result<Self> {
+        Ok(match s {
+            "in_progress" => RecordState::InProgress,
+            "completed" => RecordState::Completed,
+            "released" => RecordState::Released,
+            "abandoned" => RecordState::Abandoned,
+            other => return Err(Error::Serialization(format!("unknown record state {other:?}"))),
+        })
+    }
+}
+
+/// One effect's record, as the ledger stores it. Timestamps come from the
+/// backend's clock.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Record {
+    /// The effect key.
+    pub key: EffectKey,
+    /// Where the record is in its life.
+    pub state: RecordState,
+    /// The fence of the latest lease (starts at 1, never reused).
+    pub fence: u64,
+    /// The request fingerprint of the first claim, if it gave one.
+    pub fingerprint: Option<Fingerprint>,
+    /// The stored outcome (completed records only).
+    pub outcome: Option<Outcome>,
+    /// Whether the record belongs to an at-most-once step.
+    pub at_most_once: bool,
+    /// When the key was first claimed.
+    pub created_at: SystemTime,
+    /// When the record last changed state.
+    pub updated_at: SystemTime,
+    /// When the current lease ends (in-progress records).
+    pub lease_expires_at: Option<SystemTime>,
+    /// Until when a completed or released record is kept.
+    pub retain_until: SystemTime,
+    /// The backend's clock when this record was read, so gaps are measured on
+    /// one clock.
+    pub read_at: SystemTime,
+}
+
+impl Record {
+    /// A lease at this record's fence, for reconciling an abandoned step or a
+    /// stuck claim: complete or release it as if you held it. Fails with
+    /// [`Error::LeaseLost`] if the record moved on meanwhile.
+    pub fn reconciliation_lease(&self) -> Lease {
+        Lease {
+            key: self.key.clone(),
+            fence: self.fence,
+            expires_at: self.lease_expires_at.unwrap_or(self.read_at),
+            first_claimed_at: self.created_at,
+            acquired_at: self.read_at,
+            taken_over: false,
+            at_most_once: self.at_most_once,
+        }
+    }
+}
+
+/// The right to perform an effect until `expires_at`, fenced by `fence`.
+///
+/// Every write made with a lease (complete, renew, release, and the caller's
+/// own fenced business writes) is refused once a later claimant holds a
+/// higher fence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// The effect key.
+    pub key: EffectKey,
+    /// The monotonic fence token of this lease.
+    pub fence: u64,
+    /// When the lease ends, on the backend's clock.
+    pub expires_at: SystemTime,
+    /// When the key was first claimed (by anyone), on the backend's clock.
+    pub first_claimed_at: SystemTime,
+    /// When this lease was granted, on the backend's clock.
+    pub acquired_at: SystemTime,
+    /// Whether this lease took over an expired lease or a released record.
+    pub taken_over: bool,
+    /// Whether the step is at-most-once.
+    pub at_most_once: bool,
+}
+
+impl Lease {
+    /// The fence token, to pass into fenced business writes
+    /// (`UPDATE … WHERE id = $1 AND fence < $2`).
+    pub fn fence(&self) -> u64 {
+        self.fence
+    }
+
+    /// The provider idempotency key for this effect.
+    pub fn provider_key(&self) -> String {
+        self.key.provider_key()
+    }
+}
+
+/// The answer to a claim.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Claim {
+    /// This caller holds the effect: perform it, then complete (or release).
+    Acquired(Lease),
+    /// The effect already happened; here is its record and outcome.
+    Completed(Record),
+    /// Another claimant holds a live lease.
+    InProgress {
+        /// The current holder's fence.
+        fence: u64,
+        /// When its lease ends, on the backend's clock.
+        expires_at: SystemTime,
+        /// When the key was first claimed, on the backend's clock.
+        first_claimed_at: SystemTime,
+        /// The backend's clock when this was read.
+        read_at: SystemTime,
+    },
+    /// An at-most-once step was attempted and its lease ran out before it
+    /// completed: it is not run again automatically.
+    Abandoned(Record),
+}
+
+impl Claim {
+    /// A short label for metrics and spans: `acquired`, `takeover`,
+    /// `completed`, `in_progress`, `abandoned`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Claim::Acquired(l) if l.taken_over => "takeover",
+            Claim::Acquired(_) => "acquired",
+            Claim::Completed(_) => "completed",
+            Claim::InProgress { .. } => "in_progress",
+            Claim::Abandoned(_) => "abandoned",
+        }
+    }
+}
+
+/// What a duplicate does when it finds the effect in progress elsewhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnInProgress {
+    /// Poll with bounded backoff for up to `max`, then fail with
+    /// [`Error::InProgress`].
+    Wait {
+        /// The longest wait.
+        max: Duration,
+    },
+    /// Fail at once with [`Error::InProgress`] (the broker redelivers later).
+    Reject,
+}
+
+/// Options of a claim. `ClaimOptions::default()` gives a 30 s lease, 7 days
+/// of retention, no fingerprint, and `Wait { max: 30 s }`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClaimOptions {
+    /// How long the lease lasts before another claimant may take it over.
+    pub lease: Duration,
+    /// How long a completed or released record is kept. Must exceed the
+    /// longest redelivery window, dead-letter replays included.
+    pub retention: Duration,
+    /// The request fingerprint, checked against the first claim's.
+    pub fingerprint: Option<Fingerprint>,
+    /// What [`Effects::run`](crate::Effects::run) does about a live lease elsewhere.
+    pub on_in_progress: OnInProgress,
+    /// At-most-once: an expired lease is reported as
+    /// [`Claim::Abandoned`] instead of being taken over.
+    pub at_most_once: bool,
+    /// When the message was first produced. If the key is absent and this is
+    /// older than `retention`, the record may have been pruned: the claim fails
+    /// with [`Error::BeyondHorizon`] instead of running the effect again.
+    pub sent_at: Option<SystemTime>,
+    /// Whether a terminal handler failure is stored and replayed to
+    /// duplicates (`true`, the default) or released so a later delivery tries
+    /// again.
+    pub cache_failures: bool,
+}
+
+impl Default for ClaimOptions {
+    fn default() -> Self {
+        ClaimOptions {
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(7 * 24 * 3600),
+            fingerprint: None,
+            on_in_progress: OnInProgress::Wait {
+                max: Duration::from_secs(30),
+            },
+            at_most_once: false,
+            sent_at: None,
+            cache_failures: true,
+        }
+    }
+}
+
+impl ClaimOptions {
+    /// Sets the lease length.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// Sets the retention of completed records.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// Sets the request fingerprint.
+    pub fn fingerprint(mut self, fingerprint: Fingerprint) -> Self {
+        self.fingerprint = Some(fingerprint);
+        self
+    }
+
+    /// Sets the in-progress policy.
+    pub fn on_in_progress(mut self, policy: OnInProgress) -> Self {
+        self.on_in_progress = policy;
+        self
+    }
+
+    /// Marks the claim at-most-once.
+    pub fn at_most_once(mut self, yes: bool) -> Self {
+        self.at_most_once = yes;
+        self
+    }
+
+    /// Sets when the message was first produced (horizon check).
+    pub fn sent_at(mut self, at: SystemTime) -> Self {
+        self.sent_at = Some(at);
+        self
+    }
+
+    /// Sets whether terminal failures are stored and replayed.
+    pub fn cache_failures(mut self, yes: bool) -> Self {
+        self.cache_failures = yes;
+        self
+    }
+
+    /// Checks the options before any round trip: a lease of at least 1 ms
+    /// and at most a day, retention of at least the lease and at most ten years.
+    pub fn validate(&self) -> Result<()> {
+        if self.lease < Duration::from_millis(1) || self.lease > Duration::from_secs(86_400) {
+            return Err(Error::Misuse(format!(
+                "lease must be between 1 ms and 1 day, got {:?}",
+                self.lease
+            )));
+        }
+        if self.retention < self.lease || self.retention > Duration::from_secs(10 * 365 * 86_400) {
+            return Err(Error::Misuse(format!(
+                "retention must be at least the lease and at most 10 years, got {:?}",
+                self.retention
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Microseconds since the Unix epoch, the unit backends store timestamps in.
+pub fn to_micros(t: SystemTime) -> i64 {
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => d.as_micros() as i64,
+        Err(e) => -(e.duration().as_micros() as i64),
+    }
+}
+
+/// The inverse of [`to_micros`].
+pub fn from_micros(us: i64) -> SystemTime {
+    if us >= 0 {
+        UNIX_EPOCH + Duration::from_micros(us as u64)
+    } else {
+        UNIX_EPOCH - Duration::from_micros(us.unsigned_abs())
+    }
+}
+
+/// A duration in whole microseconds, saturating, for SQL parameters.
+pub fn duration_micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fingerprint_ignores_field_order() {
+        let a = serde_json::json!({"amount": 10, "order": "o-1"});
+        let b: serde_json::Value = serde_json::from_str(r#"{"order":"o-1","amount":10}"#).unwrap();
+        assert_eq!(
+            Fingerprint::of_json(&a).unwrap(),
+            Fingerprint::of_json(&b).unwrap()
+        );
+        let c = serde_json::json!({"amount": 11, "order": "o-1"});
+        assert_ne!(
+            Fingerprint::of_json(&a).unwrap(),
+            Fingerprint::of_json(&c).unwrap()
+        );
+        let f = Fingerprint::of_json(&a).unwrap();
+        assert_eq!(Fingerprint::from_hex(&f.to_hex()).unwrap(), f);
+        assert_eq!(Fingerprint::from_bytes(f.as_bytes()).unwrap(), f);
+    }
+
+    #[test]
+    fn outcome_limit_is_exact() {
+        assert!(Outcome::from_bytes(vec![b'1'; MAX_OUTCOME_BYTES]).is_ok());
+        let e = Outcome::from_bytes(vec![b'1'; MAX_OUTCOME_BYTES + 1]).unwrap_err();
+        assert!(
+            matches!(e, Error::OutcomeTooLarge { size, max } if size == MAX_OUTCOME_BYTES + 1 && max == MAX_OUTCOME_BYTES)
+        );
+    }
+
+    #[test]
+    fn micros_round_trip() {
+        let now = SystemTime::now();
+        let back = from_micros(to_micros(now));
+        assert!(now.duration_since(back).unwrap() < Duration::from_micros(1));
+        assert_eq!(from_micros(-5), UNIX_EPOCH - Duration::from_micros(5));
+    }
+
+    #[test]
+    fn options_validate() {
+        assert!(ClaimOptions::default().validate().is_ok());
+        assert!(ClaimOptions::default().lease(Duration::ZERO).validate().is_err());
+        assert!(
+            ClaimOptions::default()
+                .lease(Duration::from_secs(60))
+                .retention(Duration::from_secs(1))
+                .validate()
+                .is_err()
+        );
+    }
+}

@@ -1,0 +1,59 @@
+//! Metric and span names (part of the public API) and the helpers that
+//! record them. Architecture invariant: no other module names a metric.
+
+use std::time::{Duration, SystemTime};
+
+use crate::key::EffectKey;
+
+/// Counter `{backend,kind,result}`: every claim, by result label.
+pub const CLAIMS_TOTAL: &str = "oncely_claims_total";
+/// Counter `{kind}`: duplicates answered from a stored outcome.
+pub const DUPLICATES_SUPPRESSED_TOTAL: &str = "oncely_duplicates_suppressed_total";
+/// Counter `{kind}`: expired leases or released records taken over.
+pub const LEASE_TAKEOVERS_TOTAL: &str = "oncely_lease_takeovers_total";
+/// Counter `{kind}`: writes refused for a stale fence.
+pub const FENCE_REJECTIONS_TOTAL: &str = "oncely_fence_rejections_total";
+/// Counter: unique violations that were not the effect key (a bug, not a duplicate).
+pub const UNEXPECTED_CONSTRAINT_VIOLATIONS_TOTAL: &str = "oncely_unexpected_constraint_violations_total";
+/// Histogram `{backend}`: claim latency in seconds.
+pub const CLAIM_SECONDS: &str = "oncely_claim_seconds";
+/// Histogram `{kind}`: age of the first claim when a duplicate arrives.
+pub const REDELIVERY_GAP_SECONDS: &str = "oncely_redelivery_gap_seconds";
+/// The span every claim runs in.
+pub const CLAIM_SPAN: &str = "oncely.claim";
+
+/// Records one claim's result and latency.
+pub fn claim_recorded(backend: &'static str, key: &EffectKey, result: &'static str, took: Duration) {
+    metrics::counter!(CLAIMS_TOTAL, "backend" => backend, "kind" => key.kind().to_owned(), "result" => result)
+        .increment(1);
+    metrics::histogram!(CLAIM_SECONDS, "backend" => backend).record(took.as_secs_f64());
+    if result == "takeover" {
+        metrics::counter!(LEASE_TAKEOVERS_TOTAL, "kind" => key.kind().to_owned()).increment(1);
+    }
+}
+
+/// Records a duplicate that found the effect done or in flight, with the gap
+/// since the first claim measured on the backend's clock.
+pub fn duplicate_seen(key: &EffectKey, suppressed: bool, first_claimed_at: SystemTime, read_at: SystemTime) {
+    if suppressed {
+        metrics::counter!(DUPLICATES_SUPPRESSED_TOTAL, "kind" => key.kind().to_owned()).increment(1);
+    }
+    let gap = read_at.duration_since(first_claimed_at).unwrap_or_default();
+    metrics::histogram!(REDELIVERY_GAP_SECONDS, "kind" => key.kind().to_owned()).record(gap.as_secs_f64());
+}
+
+/// Records a write refused for a stale fence.
+pub fn fence_rejected(key: &EffectKey) {
+    metrics::counter!(FENCE_REJECTIONS_TOTAL, "kind" => key.kind().to_owned()).increment(1);
+    tracing::warn!(effect_key = %key, "fenced write refused: the lease was taken over");
+}
+
+/// Records a unique violation on something other than the effect key.
+pub fn unexpected_constraint_violation(backend: &'static str, detail: &str) {
+    metrics::counter!(UNEXPECTED_CONSTRAINT_VIOLATIONS_TOTAL).increment(1);
+    tracing::error!(
+        backend,
+        detail,
+        "unexpected unique-constraint violation (not the effect key)"
+    );
+}
