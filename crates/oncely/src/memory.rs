@@ -126,10 +126,10 @@ impl Ledger for MemoryLedger {
             );
             return Ok(Claim::Acquired(lease));
         };
-        if let (Some(stored), Some(given)) = (row.record.fingerprint, opts.fingerprint) {
-            if stored != given {
-                return Err(Error::FingerprintMismatch { key: key.to_string() });
-            }
+        if let (Some(stored), Some(given)) = (row.record.fingerprint, opts.fingerprint)
+            && stored != given
+        {
+            return Err(Error::FingerprintMismatch { key: key.to_string() });
         }
         let r = &mut row.record;
         let expired = r.lease_expires_at.is_none_or(|e| e <= now);
