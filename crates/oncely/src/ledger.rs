@@ -109,3 +109,34 @@ impl<L: Ledger + ?Sized> Ledger for std::sync::Arc<L> {
         (**self).abandoned(tenant, limit)
     }
 }
+
+/// A ledger on a SQL database whose claims can join the caller's open
+/// transaction, so the claim, the business writes and the completion commit
+/// together (the `Transactional` step mode): exactly once for local writes.
+///
+/// `Connection` is the driver's connection type (`sqlx::PgConnection`,
+/// `sqlx::SqliteConnection`); callers pass `&mut *tx`. Inside a transaction a
+/// concurrent duplicate blocks on the unique index until the first commits,
+/// then sees [`Claim::Completed`] (or acquires, if the first rolled back).
+/// Leases still apply: a claim left by a transaction that committed without
+/// completing is taken over after it expires, like any other.
+pub trait TransactionalLedger: Ledger {
+    /// The driver's connection type.
+    type Connection: Send;
+
+    /// [`Ledger::claim`] on the caller's connection, inside its transaction.
+    fn claim_in(
+        &self,
+        conn: &mut Self::Connection,
+        key: &EffectKey,
+        opts: &ClaimOptions,
+    ) -> impl Future<Output = Result<Claim>> + Send;
+
+    /// [`Ledger::complete`] on the caller's connection, inside its transaction.
+    fn complete_in(
+        &self,
+        conn: &mut Self::Connection,
+        lease: &Lease,
+        outcome: &Outcome,
+    ) -> impl Future<Output = Result<()>> + Send;
+}

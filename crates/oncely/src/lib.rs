@@ -50,7 +50,7 @@ pub mod conformance;
 pub use effects::{Effects, Failure};
 pub use error::{BoxError, Error, Result};
 pub use key::{EffectKey, MAX_KEY_BYTES, MAX_KIND_BYTES, MAX_TENANT_BYTES, Tenant};
-pub use ledger::{Capabilities, Ledger};
+pub use ledger::{Capabilities, Ledger, TransactionalLedger};
 pub use memory::MemoryLedger;
 pub use record::{
     Claim, ClaimOptions, Fingerprint, Lease, MAX_OUTCOME_BYTES, OnInProgress, Outcome, Record, RecordState,
