@@ -27,17 +27,22 @@ pub struct Tenant(Arc<str>);
 impl Tenant {
     /// A tenant named by the application (an account id, an organisation slug).
     ///
-    /// Non-empty, at most [`MAX_TENANT_BYTES`] bytes, no `/` (the key
-    /// separator), no whitespace or control characters, and not starting with
-    /// `_` (reserved for [`Tenant::global()`]).
+    /// Non-empty, at most [`MAX_TENANT_BYTES`] bytes of ASCII letters, digits
+    /// and `- _ . @ +`, not starting with `_` (reserved for
+    /// [`Tenant::global()`]).
     pub fn new(name: impl AsRef<str>) -> Result<Self> {
         let name = name.as_ref();
         check_part("tenant", name, MAX_TENANT_BYTES)?;
-        if name.contains('/') {
-            return Err(Error::invalid_key("tenant must not contain '/'"));
-        }
-        if name.chars().any(char::is_whitespace) {
-            return Err(Error::invalid_key("tenant must not contain whitespace"));
+        // Tenants are identifiers (slugs, UUIDs, account ids). A narrow
+        // alphabet keeps them safe as a key prefix on every backend: no key
+        // separator, no Redis hash-tag braces, no NATS subject wildcards.
+        if !name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'@' | b'+'))
+        {
+            return Err(Error::invalid_key(
+                "tenant may contain only ASCII letters, digits and - _ . @ +",
+            ));
         }
         if name.starts_with('_') {
             return Err(Error::invalid_key(
@@ -252,6 +257,10 @@ mod tests {
         assert!(Tenant::new("a/b").is_err());
         assert!(Tenant::new("_global").is_err());
         assert!(Tenant::new("a b").is_err());
+        assert!(Tenant::new("a{b}").is_err());
+        assert!(Tenant::new("a*").is_err());
+        assert!(Tenant::new("ünï").is_err());
+        assert!(Tenant::new("acct-42.eu@x+y").is_ok());
         assert!(EffectKey::new(&t(), "", "x").is_err());
         assert!(EffectKey::new(&t(), "cap:ture", "x").is_err());
         assert!(EffectKey::new(&t(), "cap/ture", "x").is_err());
