@@ -1,0 +1,87 @@
+//! The metrics named in DESIGN.md §8 are emitted with the documented labels.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use metrics_util::{CompositeKey, MetricKind};
+use oncely::telemetry::*;
+use oncely::{Claim, ClaimOptions, EffectKey, Effects, Error, Ledger, MemoryLedger, Tenant};
+
+fn counter(snap: &[(CompositeKey, DebugValue)], name: &str, labels: &[(&str, &str)]) -> u64 {
+    snap.iter()
+        .filter(|(k, _)| k.kind() == MetricKind::Counter && k.key().name() == name)
+        .filter(|(k, _)| {
+            labels
+                .iter()
+                .all(|(l, v)| k.key().labels().any(|x| x.key() == *l && x.value() == *v))
+        })
+        .map(|(_, v)| match v {
+            DebugValue::Counter(c) => *c,
+            _ => 0,
+        })
+        .sum()
+}
+
+fn histogram_samples(snap: &[(CompositeKey, DebugValue)], name: &str) -> usize {
+    snap.iter()
+        .filter(|(k, _)| k.key().name() == name)
+        .map(|(_, v)| match v {
+            DebugValue::Histogram(h) => h.len(),
+            _ => 0,
+        })
+        .sum()
+}
+
+fn snapshot(s: &Snapshotter) -> Vec<(CompositeKey, DebugValue)> {
+    s.snapshot().into_vec().into_iter().map(|(k, _, _, v)| (k, v)).collect()
+}
+
+#[test]
+fn effects_emit_the_documented_metrics() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let ledger = Arc::new(MemoryLedger::new());
+            let effects = Effects::new(ledger.clone());
+            let key = EffectKey::new(&Tenant::global(), "capture", "order-1").unwrap();
+            let opts = ClaimOptions::default();
+            for _ in 0..3 {
+                let v: u32 = effects.run(&key, &opts, |_| async { Ok(7) }).await.unwrap();
+                assert_eq!(v, 7);
+            }
+
+            // A takeover, then the zombie's completion is refused by its fence.
+            let slow = EffectKey::new(&Tenant::global(), "receipt", "order-1").unwrap();
+            let l2 = ledger.clone();
+            let slow2 = slow.clone();
+            let err = effects
+                .run::<u32, _, _>(&slow, &opts, |_| async move {
+                    l2.advance(Duration::from_secs(31));
+                    assert!(matches!(l2.claim(&slow2, &ClaimOptions::default()).await.unwrap(), Claim::Acquired(_)));
+                    Ok(1)
+                })
+                .await
+                .unwrap_err();
+            assert!(matches!(err, Error::LeaseLost { .. }), "{err:?}");
+            ledger.advance(Duration::from_secs(31));
+            let v: u32 = effects.run(&slow, &opts, |_| async { Ok(2) }).await.unwrap();
+            assert_eq!(v, 2);
+        });
+    });
+    let snap = snapshot(&snapshotter);
+    let capture = [("kind", "capture")];
+    assert_eq!(
+        counter(&snap, CLAIMS_TOTAL, &[("backend", "memory"), ("kind", "capture"), ("result", "acquired")]),
+        1
+    );
+    assert_eq!(counter(&snap, CLAIMS_TOTAL, &[("kind", "capture"), ("result", "completed")]), 2);
+    assert_eq!(counter(&snap, DUPLICATES_SUPPRESSED_TOTAL, &capture), 2);
+    assert_eq!(counter(&snap, FENCE_REJECTIONS_TOTAL, &[("kind", "receipt")]), 1);
+    assert_eq!(counter(&snap, LEASE_TAKEOVERS_TOTAL, &[("kind", "receipt")]), 1);
+    assert_eq!(counter(&snap, CLAIMS_TOTAL, &[("kind", "receipt"), ("result", "takeover")]), 1);
+    assert_eq!(histogram_samples(&snap, CLAIM_SECONDS), 5);
+    assert_eq!(histogram_samples(&snap, REDELIVERY_GAP_SECONDS), 2);
+}
