@@ -9,7 +9,8 @@ use serde::{Deserialize, Serialize};
 use tracing::Instrument;
 
 use crate::error::{BoxError, Error, Result};
-use crate::key::EffectKey;
+use crate::job::Job;
+use crate::key::{EffectKey, Tenant};
 use crate::ledger::Ledger;
 use crate::record::{Claim, ClaimOptions, Lease, OnInProgress, Outcome};
 use crate::telemetry;
@@ -48,7 +49,7 @@ impl<E: Into<BoxError>> From<E> for Failure {
 
 /// What [`Effects`] stores: the handler's value, or its terminal failure.
 #[derive(Serialize, Deserialize)]
-enum Envelope<T> {
+pub(crate) enum Envelope<T> {
     #[serde(rename = "ok")]
     Ok(T),
     #[serde(rename = "err")]
@@ -70,6 +71,15 @@ impl<L: Ledger> Effects<L> {
     /// The ledger underneath.
     pub fn ledger(&self) -> &L {
         &self.ledger
+    }
+
+    /// A job with several effects on one business subject (an order): each
+    /// [`Job::step`] gets its own key `tenant/kind:subject`, so a redelivery
+    /// resumes at the first unfinished step. `job_type` names the job in spans
+    /// and errors; it is not part of the step keys, so two job types that
+    /// perform the same effect on the same subject share its record.
+    pub fn job(&self, tenant: &Tenant, job_type: &str, subject: &str) -> Job<'_, L> {
+        Job::new(self, tenant, job_type, subject)
     }
 
     /// Claims `key`, runs `f` if this caller acquired it, and stores its
@@ -202,25 +212,37 @@ impl<L: Ledger> Effects<L> {
         }
     }
 
-    async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
+    pub(crate) async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
         self.ledger
             .complete(lease, outcome)
             .await
             .inspect_err(|e| fence_check(lease, e))
     }
 
-    async fn release(&self, lease: &Lease) -> Result<()> {
+    pub(crate) async fn release(&self, lease: &Lease) -> Result<()> {
         self.ledger
             .release(lease)
             .await
             .inspect_err(|e| fence_check(lease, e))
     }
 
-    async fn release_quietly(&self, lease: &Lease) {
+    pub(crate) async fn release_quietly(&self, lease: &Lease) {
         if let Err(e) = self.release(lease).await {
             tracing::warn!(effect_key = %lease.key, error = %e, "release after a failed outcome");
         }
     }
+}
+
+/// The span every claim runs in (the same fields as [`Effects::run`]'s).
+pub(crate) fn claim_span(key: &EffectKey) -> tracing::Span {
+    tracing::info_span!(
+        "oncely.claim",
+        effect_key = %key,
+        tenant = %key.tenant(),
+        kind = key.kind(),
+        fence = tracing::field::Empty,
+        result = tracing::field::Empty,
+    )
 }
 
 pub(crate) enum Resolved {
@@ -228,7 +250,7 @@ pub(crate) enum Resolved {
     Stored(Outcome),
 }
 
-fn fence_check(lease: &Lease, e: &Error) {
+pub(crate) fn fence_check(lease: &Lease, e: &Error) {
     if e.is_lease_lost() {
         telemetry::fence_rejected(&lease.key);
     }
@@ -246,7 +268,7 @@ pub(crate) fn decode<T: DeserializeOwned>(key: &EffectKey, outcome: &Outcome) ->
 }
 
 /// Terminal messages are outcomes too; keep them well under the limit.
-fn truncate(message: &str) -> String {
+pub(crate) fn truncate(message: &str) -> String {
     const MAX: usize = 4096;
     if message.len() <= MAX {
         return message.to_owned();

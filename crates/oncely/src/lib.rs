@@ -38,6 +38,7 @@
 
 mod effects;
 mod error;
+mod job;
 mod key;
 mod ledger;
 mod memory;
@@ -49,6 +50,7 @@ pub mod conformance;
 
 pub use effects::{Effects, Failure};
 pub use error::{BoxError, Error, Result};
+pub use job::{Job, StepContext, StepFuture, StepMode};
 pub use key::{EffectKey, MAX_KEY_BYTES, MAX_KIND_BYTES, MAX_TENANT_BYTES, Tenant};
 pub use ledger::{Capabilities, Ledger, TransactionalLedger};
 pub use memory::MemoryLedger;
