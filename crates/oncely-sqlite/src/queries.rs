@@ -1,0 +1,196 @@
+//! Every SQL statement of the backend, built once per ledger for its table.
+//!
+//! Timestamps are INTEGER microseconds since the Unix epoch taken from
+//! SQLite's clock (`unixepoch('subsec')`, millisecond resolution, SQLite
+//! 3.42+; the bundled library is newer). SQLite evaluates `'now'` once per
+//! statement, so every timestamp a statement writes is the same instant.
+
+use std::sync::Arc;
+
+use oncely::Error;
+
+/// The database clock in microseconds.
+const NOW_US: &str = "CAST(unixepoch('subsec') * 1000000 AS INTEGER)";
+
+/// The default table name.
+pub(crate) const DEFAULT_TABLE: &str = "oncely_effects";
+
+/// The schema version this crate writes. Bump it with a new migration step.
+pub(crate) const SCHEMA_VERSION: i64 = 1;
+
+/// The columns every record-reading statement returns, in this order, followed
+/// by the database clock (`now`). `decode_record` relies on the order.
+const RECORD_COLUMNS: &str = "e.key, e.tenant, e.kind, e.subject, e.state, e.fence, e.fingerprint, e.outcome, \
+     e.at_most_once, e.created_at, e.updated_at, e.lease_expires_at, e.retain_until";
+
+/// The statements for one table.
+#[derive(Debug)]
+pub(crate) struct Queries {
+    pub(crate) table: Arc<str>,
+    /// Tracks the schema version of each oncely table in the file, so two
+    /// ledgers with different table names can share one database.
+    pub(crate) create_version_table: Arc<str>,
+    pub(crate) read_version: Arc<str>,
+    pub(crate) write_version: Arc<str>,
+    /// Migration steps; step `i` brings the schema to version `i + 1`.
+    pub(crate) migrations: Vec<Arc<str>>,
+    pub(crate) claim: Arc<str>,
+    pub(crate) claim_read: Arc<str>,
+    pub(crate) complete: Arc<str>,
+    pub(crate) release: Arc<str>,
+    pub(crate) renew: Arc<str>,
+    pub(crate) get: Arc<str>,
+    pub(crate) prune: Arc<str>,
+    pub(crate) abandoned: Arc<str>,
+}
+
+/// Accepts table names that need no quoting anywhere: ASCII letters, digits
+/// and `_`, not starting with a digit, at most 48 bytes (index names add a
+/// suffix), and not SQLite's reserved `sqlite_` prefix.
+pub(crate) fn check_table_name(name: &str) -> Result<(), Error> {
+    let ok = !name.is_empty()
+        && name.len() <= 48
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        && !name.as_bytes()[0].is_ascii_digit()
+        && !name.to_ascii_lowercase().starts_with("sqlite_");
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Config(format!(
+            "table name {name:?}: use 1 to 48 ASCII letters, digits or '_', not starting with a digit or 'sqlite_'"
+        )))
+    }
+}
+
+impl Queries {
+    pub(crate) fn new(table: &str) -> Result<Self, Error> {
+        check_table_name(table)?;
+        let t = table;
+        let s = |sql: String| -> Arc<str> { sql.into() };
+        Ok(Queries {
+            table: t.into(),
+            create_version_table: s("CREATE TABLE IF NOT EXISTS oncely_schema (\
+                 table_name TEXT PRIMARY KEY NOT NULL, \
+                 version INTEGER NOT NULL)"
+                .to_owned()),
+            read_version: s("SELECT version FROM oncely_schema WHERE table_name = ?1".to_owned()),
+            write_version: s("INSERT INTO oncely_schema (table_name, version) VALUES (?1, ?2) \
+                 ON CONFLICT(table_name) DO UPDATE SET version = excluded.version"
+                .to_owned()),
+            migrations: vec![s(format!(
+                "CREATE TABLE IF NOT EXISTS \"{t}\" (
+                    key              TEXT PRIMARY KEY NOT NULL,
+                    tenant           TEXT NOT NULL,
+                    kind             TEXT NOT NULL,
+                    subject          TEXT NOT NULL,
+                    state            TEXT NOT NULL
+                                     CHECK (state IN ('in_progress', 'completed', 'released')),
+                    fence            INTEGER NOT NULL CHECK (fence >= 1),
+                    fingerprint      BLOB CHECK (fingerprint IS NULL OR length(fingerprint) = 32),
+                    outcome          BLOB,
+                    at_most_once     INTEGER NOT NULL CHECK (at_most_once IN (0, 1)),
+                    created_at       INTEGER NOT NULL,
+                    updated_at       INTEGER NOT NULL,
+                    lease_expires_at INTEGER,
+                    retain_until     INTEGER NOT NULL,
+                    retention_us     INTEGER NOT NULL
+                );
+                CREATE INDEX IF NOT EXISTS \"{t}_prune\" ON \"{t}\" (state, retain_until);
+                CREATE INDEX IF NOT EXISTS \"{t}_abandoned\"
+                    ON \"{t}\" (tenant, at_most_once, state, lease_expires_at);"
+            ))],
+            // The insert and the takeover are one statement: SQLite runs it
+            // under the database write lock, so there is no gap between the
+            // check and the claim. The SELECT's WHERE is the horizon check
+            // (an absent key whose message is older than the retention is not
+            // inserted); it also keeps the parser from reading ON CONFLICT as
+            // a join constraint. The DO UPDATE's WHERE is the takeover rule:
+            // same (or no) fingerprint, and released, or an expired lease of a
+            // step that is not at-most-once. Neither path writes: no row comes
+            // back and `claim_read` tells which answer applies.
+            claim: s(format!(
+                "INSERT INTO \"{t}\" (key, tenant, kind, subject, state, fence, fingerprint, outcome,
+                    at_most_once, created_at, updated_at, lease_expires_at, retain_until, retention_us)
+                 SELECT ?1, ?2, ?3, ?4, 'in_progress', 1, ?5, NULL,
+                    ?6, c.now, c.now, c.now + ?7, c.now + ?8, ?8
+                 FROM (SELECT {NOW_US} AS now) AS c
+                 WHERE ?9 IS NULL OR ?9 + ?8 >= c.now
+                    OR EXISTS (SELECT 1 FROM \"{t}\" WHERE key = ?1)
+                 ON CONFLICT(key) DO UPDATE SET
+                    state = 'in_progress',
+                    fence = fence + 1,
+                    fingerprint = COALESCE(fingerprint, excluded.fingerprint),
+                    outcome = NULL,
+                    at_most_once = excluded.at_most_once,
+                    updated_at = excluded.updated_at,
+                    lease_expires_at = excluded.lease_expires_at,
+                    retain_until = excluded.retain_until,
+                    retention_us = excluded.retention_us
+                 WHERE (fingerprint IS NULL OR excluded.fingerprint IS NULL
+                        OR fingerprint = excluded.fingerprint)
+                   AND (state = 'released'
+                        OR (state = 'in_progress' AND at_most_once = 0
+                            AND lease_expires_at <= excluded.updated_at))
+                 RETURNING fence, created_at, updated_at, lease_expires_at"
+            )),
+            // The clock comes back even when the key is absent (horizon).
+            claim_read: s(format!(
+                "SELECT {RECORD_COLUMNS}, c.now
+                 FROM (SELECT {NOW_US} AS now) AS c
+                 LEFT JOIN \"{t}\" AS e ON e.key = ?1"
+            )),
+            complete: s(format!(
+                "UPDATE \"{t}\" SET state = 'completed', outcome = ?3, lease_expires_at = NULL,
+                    updated_at = {NOW_US}, retain_until = {NOW_US} + retention_us
+                 WHERE key = ?1 AND fence = ?2 AND state = 'in_progress'"
+            )),
+            release: s(format!(
+                "UPDATE \"{t}\" SET state = 'released', lease_expires_at = NULL,
+                    updated_at = {NOW_US}, retain_until = {NOW_US} + retention_us
+                 WHERE key = ?1 AND fence = ?2 AND state = 'in_progress'"
+            )),
+            renew: s(format!(
+                "UPDATE \"{t}\" SET lease_expires_at = {NOW_US} + ?3
+                 WHERE key = ?1 AND fence = ?2 AND state = 'in_progress'
+                 RETURNING lease_expires_at"
+            )),
+            get: s(format!(
+                "SELECT {RECORD_COLUMNS}, {NOW_US} AS now FROM \"{t}\" AS e WHERE e.key = ?1"
+            )),
+            // LIMIT on a DELETE needs a compile-time option; the rowid
+            // subquery does the same with the (state, retain_until) index.
+            prune: s(format!(
+                "DELETE FROM \"{t}\" WHERE rowid IN (
+                    SELECT rowid FROM \"{t}\"
+                    WHERE state IN ('completed', 'released') AND retain_until <= {NOW_US}
+                    LIMIT ?1)"
+            )),
+            // Abandoned = an at-most-once lease that ran out; nothing stores
+            // that state, the clock decides it at read time.
+            abandoned: s(format!(
+                "SELECT {RECORD_COLUMNS}, c.now
+                 FROM (SELECT {NOW_US} AS now) AS c
+                 JOIN \"{t}\" AS e
+                   ON e.tenant = ?1 AND e.at_most_once = 1 AND e.state = 'in_progress'
+                  AND e.lease_expires_at <= c.now
+                 ORDER BY e.created_at, e.key
+                 LIMIT ?2"
+            )),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_names() {
+        for ok in ["oncely_effects", "a", "_x9", "Effects2"] {
+            assert!(check_table_name(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "9a", "a-b", "a b", "a\"b", "sqlite_x", "SQLITE_master", &"x".repeat(49)] {
+            assert!(matches!(check_table_name(bad), Err(Error::Config(_))), "{bad}");
+        }
+    }
+}

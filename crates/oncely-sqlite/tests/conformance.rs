@@ -1,0 +1,32 @@
+//! The shared conformance suite on a temporary database file.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use oncely_sqlite::{SqliteLedger, SqliteLedgerOptions};
+
+/// One temporary directory per test process (a file per test in it), removed when the process ends
+/// normally (left in the system temp dir otherwise).
+fn dir() -> &'static tempfile::TempDir {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    DIR.get_or_init(|| tempfile::tempdir().expect("temp dir"))
+}
+
+async fn ledger() -> Option<SqliteLedger> {
+    // Every test gets its own runtime, so each opens its own pool (a pool's
+    // connections belong to the runtime that made them), and its own file:
+    // SQLite has one writer per file, and the suite's short leases should not
+    // wait on another test's write lock. 70 connections so the 64 racers each
+    // run on their own connection.
+    static SEQ: AtomicUsize = AtomicUsize::new(0);
+    let path = dir()
+        .path()
+        .join(format!("conformance-{}.db", SEQ.fetch_add(1, Ordering::Relaxed)));
+    let url = format!("sqlite:{}", path.display());
+    let ledger = SqliteLedger::connect_with(&url, SqliteLedgerOptions::default().max_connections(70))
+        .await
+        .expect("open the temporary SQLite database");
+    Some(ledger)
+}
+
+oncely::conformance_tests!(ledger);
