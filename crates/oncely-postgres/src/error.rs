@@ -1,0 +1,98 @@
+//! Driver errors to `oncely::Error`. No sqlx type crosses the public API.
+
+use oncely::Error;
+
+pub(crate) const BACKEND: &str = "postgres";
+
+/// The primary key's constraint name: a unique violation on it is a
+/// duplicate claim (which the claim statement answers, never raises).
+fn is_effect_key_constraint(name: &str) -> bool {
+    name.ends_with("_pkey")
+}
+
+/// Whether the connection sits in a transaction that failed (`25P02`): every
+/// statement on it fails until the transaction ends.
+pub(crate) fn is_failed_transaction(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("25P02"))
+}
+
+pub(crate) fn map(e: sqlx::Error) -> Error {
+    match e {
+        // Cannot reach the database: fail closed, no effect runs.
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => Error::Unavailable {
+            backend: BACKEND,
+            message: e.to_string(),
+        },
+        sqlx::Error::Configuration(e) => Error::Config(e.to_string()),
+        sqlx::Error::Database(db) => {
+            let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
+            let message = db.message().to_owned();
+            match code.as_str() {
+                // serialization_failure, deadlock_detected, lock_not_available,
+                // query_canceled (statement_timeout): another attempt may pass.
+                "40001" | "40P01" | "55P03" | "57014" => Error::Backend {
+                    backend: BACKEND,
+                    message,
+                    retryable: true,
+                },
+                "23505" => {
+                    let constraint = db.constraint().unwrap_or("").to_owned();
+                    if is_effect_key_constraint(&constraint) {
+                        // The claim statement resolves key conflicts itself;
+                        // reaching here means a race it could not see, so a
+                        // retry gets the real answer.
+                        Error::Backend {
+                            backend: BACKEND,
+                            message,
+                            retryable: true,
+                        }
+                    } else {
+                        let detail = format!("{constraint}: {message}");
+                        oncely::telemetry::unexpected_constraint_violation(BACKEND, &detail);
+                        Error::Corrupt {
+                            backend: BACKEND,
+                            message: detail,
+                        }
+                    }
+                }
+                // Server shutting down or starting, too many connections,
+                // connection exceptions: unavailable, fail closed.
+                c if c.starts_with("08") || c.starts_with("57P") || c == "53300" => Error::Unavailable {
+                    backend: BACKEND,
+                    message,
+                },
+                // A check violation: the table is not the one this crate
+                // created, or holds rows it did not write.
+                "23514" => Error::Corrupt {
+                    backend: BACKEND,
+                    message: format!("{code}: {message}"),
+                },
+                // Undefined table or column: never migrated, or another schema.
+                "42P01" | "42703" | "3F000" => Error::Config(format!(
+                    "{message} (run PgLedger::migrate, or check the schema and table options)"
+                )),
+                _ => Error::Backend {
+                    backend: BACKEND,
+                    message: format!("{code}: {message}"),
+                    retryable: false,
+                },
+            }
+        }
+        other => Error::Backend {
+            backend: BACKEND,
+            message: other.to_string(),
+            retryable: false,
+        },
+    }
+}
+
+pub(crate) fn corrupt(message: impl Into<String>) -> Error {
+    Error::Corrupt {
+        backend: BACKEND,
+        message: message.into(),
+    }
+}

@@ -1,0 +1,781 @@
+//! # oncely-postgres
+//!
+//! The PostgreSQL backend of [oncely](oncely): an effect ledger in one table,
+//! claimed with one statement per claim, that can also join the caller's own
+//! transaction so that the claim, the business writes and the completion
+//! commit together.
+//!
+//! ## Quick start
+//!
+//! ```no_run
+//! use oncely::{ClaimOptions, EffectKey, Effects, Tenant};
+//! use oncely_postgres::PgLedger;
+//!
+//! # async fn demo() -> oncely::Result<()> {
+//! // Connects and runs the embedded migrations (idempotent).
+//! let ledger = PgLedger::connect("postgres://app@db/app").await?;
+//! let effects = Effects::new(ledger);
+//! let key = EffectKey::new(&Tenant::global(), "capture", "order-123")?;
+//! let charge: String = effects
+//!     .run(&key, &ClaimOptions::default(), |lease| async move {
+//!         // call the payment provider with lease.provider_key() as its idempotency key
+//!         Ok(format!("ch_{}", &lease.provider_key()[..8]))
+//!     })
+//!     .await?;
+//! # let _ = charge; Ok(()) }
+//! ```
+//!
+//! ## Exactly once for local writes: `claim_in`
+//!
+//! When the effect is a write to the same database, claim inside your own
+//! transaction. A concurrent duplicate blocks on the unique index until the
+//! first transaction ends, then sees [`Claim::Completed`] (or acquires, if the
+//! first rolled back). Open the transaction with [`PgLedger::begin`], which is
+//! cancel-safe where `Pool::begin` is not (see below).
+//!
+//! ```no_run
+//! use oncely::{Claim, ClaimOptions, EffectKey, Outcome, Tenant, TransactionalLedger};
+//! use oncely_postgres::PgLedger;
+//!
+//! # async fn demo(ledger: PgLedger) -> oncely::Result<()> {
+//! let key = EffectKey::new(&Tenant::global(), "mark-paid", "order-123")?;
+//! let mut tx = ledger.begin().await?;
+//! match ledger.claim_in(&mut *tx, &key, &ClaimOptions::default()).await? {
+//!     Claim::Acquired(lease) => {
+//!         sqlx::query("UPDATE orders SET paid = true WHERE id = $1")
+//!             .bind("order-123")
+//!             .execute(&mut *tx)
+//!             .await
+//!             .map_err(|e| oncely::Error::Misuse(e.to_string()))?;
+//!         ledger.complete_in(&mut *tx, &lease, &Outcome::from_json(&"paid")?).await?;
+//!         tx.commit().await.map_err(|e| oncely::Error::Misuse(e.to_string()))?;
+//!     }
+//!     Claim::Completed(record) => { /* done before: reply with record.outcome */ }
+//!     other => { /* in progress elsewhere or abandoned: let the broker redeliver */ let _ = other; }
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! ## Guarantees and limits
+//!
+//! | | |
+//! | --- | --- |
+//! | atomic claim | one statement: `INSERT … ON CONFLICT (key) DO UPDATE … WHERE <takeover>` plus a read of the existing row, one round trip |
+//! | caller's transaction | yes: [`TransactionalLedger`] on `&mut PgConnection` (`&mut *tx`) |
+//! | durability | a PostgreSQL commit (WAL, as `synchronous_commit` is configured) |
+//! | replication | not assumed (`replicated: false`); synchronous standbys are the server's business |
+//! | clock | the database's `now()`: lease expiry, retention and the horizon; never the worker's clock (inside a caller's transaction `now()` is that transaction's start) |
+//! | max key | [`oncely::MAX_KEY_BYTES`] (255 bytes), stored whole as the primary key |
+//! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] (64 KiB), `bytea` |
+//! | failure | cannot connect or pool exhausted: [`Error::Unavailable`] (fail closed, nothing runs); serialization failure or deadlock: retryable [`Error::Backend`] |
+//!
+//! ## Cancel safety
+//!
+//! Every operation is one autocommit statement: a dropped future either
+//! never sent it or sent it whole, and sqlx drains the reply before the
+//! connection is reused. Two hazards remain, and both are guarded.
+//!
+//! 1. **`Pool::begin` in sqlx 0.9.0 is not cancel-safe on PostgreSQL**
+//!    (upstream issue transact-rs/sqlx#4393, fixed after 0.9.0): a future
+//!    dropped after `BEGIN` was sent but before the `Transaction` exists
+//!    returns the connection to the pool *inside an open transaction* that
+//!    nothing will end. [`PgLedger::begin`] runs `pool.begin()` in a spawned
+//!    task, so the caller's cancellation cannot interrupt it; if the caller is
+//!    gone, the finished `Transaction` is dropped and rolled back properly.
+//! 2. **A connection someone else leaked** (their own `pool.begin()` on a
+//!    shared pool, an aborted `raw_sql("BEGIN; …")`): an autocommit claim on
+//!    it would silently join that transaction and vanish when the connection
+//!    is closed: a lost claim, a duplicate effect. Every ledger statement
+//!    checks, in the same statement (no extra round trip), that it runs in
+//!    its own implicit transaction: the unnamed protocol portal it runs in was
+//!    created by the very message that started the transaction
+//!    (`pg_cursors.creation_time = transaction_timestamp()`). If not, it
+//!    writes nothing; the ledger rolls the stray transaction back (logging a
+//!    warning) and runs the statement again. `transaction_timestamp() =
+//!    statement_timestamp()` would not do: the protocol's Execute message
+//!    resets the statement timestamp, so that test is false even in
+//!    autocommit. The check costs one lookup in the session's portal list
+//!    (measured in the `claim` bench; see the README of this crate's bench).
+//!
+//! `claim_in`/`complete_in` skip the check: they run inside the caller's
+//! transaction on purpose, and a dropped `Transaction` rolls back.
+//!
+//! ## Schema
+//!
+//! One table (default `public.oncely_effects`, both configurable through
+//! [`PgLedgerOptions`]) keyed by the displayed effect key, with partial indexes
+//! for pruning and for listing abandoned steps, and a `<table>_migrations`
+//! table. [`PgLedger::migrate`] applies the embedded migrations under a
+//! transaction-scoped advisory lock, so concurrent processes can run it at
+//! once.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod error;
+mod sql;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use oncely::{
+    Capabilities, Claim, ClaimOptions, EffectKey, Error, Fingerprint, Lease, Ledger, MAX_KEY_BYTES,
+    MAX_OUTCOME_BYTES, Outcome, Record, RecordState, Result, Tenant, TransactionalLedger, duration_micros,
+    from_micros,
+};
+use sqlx::postgres::{PgPoolOptions, PgRow};
+use sqlx::{AssertSqlSafe, Postgres, Row};
+
+pub use sqlx::PgConnection;
+pub use sqlx::PgPool;
+
+use crate::error::{BACKEND, corrupt, is_failed_transaction, map};
+use crate::sql::Queries;
+
+/// How many times one operation re-runs its statement after a stray
+/// transaction was rolled back or a concurrent commit was not yet visible to
+/// its snapshot. Each re-run follows an event that cannot repeat forever
+/// (a commit that already happened, a rollback just done).
+const ATTEMPTS: usize = 8;
+
+/// Longest schema or table name accepted (PostgreSQL's limit is 63 bytes; the
+/// index and migration table names add a suffix to the table name).
+const MAX_SCHEMA_BYTES: usize = 63;
+const MAX_TABLE_BYTES: usize = 48;
+
+/// Options of [`PgLedger::connect_with`] and [`PgLedger::with_options`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PgLedgerOptions {
+    max_connections: u32,
+    acquire_timeout: Duration,
+    test_before_acquire: bool,
+    schema: String,
+    table: String,
+}
+
+impl Default for PgLedgerOptions {
+    /// 16 connections, a 5 s acquire timeout, no ping before acquire, table
+    /// `public.oncely_effects`.
+    fn default() -> Self {
+        PgLedgerOptions {
+            max_connections: 16,
+            acquire_timeout: Duration::from_secs(5),
+            test_before_acquire: false,
+            schema: "public".to_owned(),
+            table: "oncely_effects".to_owned(),
+        }
+    }
+}
+
+impl PgLedgerOptions {
+    /// Pool size (connections). Only used by [`PgLedger::connect_with`].
+    pub fn max_connections(mut self, n: u32) -> Self {
+        self.max_connections = n;
+        self
+    }
+
+    /// How long an operation waits for a pooled connection before failing
+    /// with [`Error::Unavailable`]. Only used by [`PgLedger::connect_with`].
+    pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
+        self.acquire_timeout = timeout;
+        self
+    }
+
+    /// Whether the pool pings a connection before handing it out (sqlx's
+    /// default). Off by default: the ping is a full round trip before every
+    /// claim, and a dead connection already surfaces as
+    /// [`Error::Unavailable`] on the one operation that hits it (nothing
+    /// runs). Only used by [`PgLedger::connect_with`].
+    pub fn test_before_acquire(mut self, yes: bool) -> Self {
+        self.test_before_acquire = yes;
+        self
+    }
+
+    /// The schema of the ledger table (default `public`; created by
+    /// [`PgLedger::migrate`] if absent). Lowercase ASCII letters, digits and
+    /// `_`, not starting with a digit, at most 63 bytes.
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self
+    }
+
+    /// The ledger table's name (default `oncely_effects`). Lowercase ASCII
+    /// letters, digits and `_`, not starting with a digit, at most 48 bytes.
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// Checks the names and sizes; [`Error::Config`] before any round trip.
+    pub fn validate(&self) -> Result<()> {
+        identifier("schema", &self.schema, MAX_SCHEMA_BYTES)?;
+        identifier("table", &self.table, MAX_TABLE_BYTES)?;
+        if self.max_connections == 0 {
+            return Err(Error::Config("max_connections must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
+fn identifier(what: &str, s: &str, max: usize) -> Result<()> {
+    let ok = !s.is_empty()
+        && s.len() <= max
+        && s.bytes().next().is_some_and(|b| b.is_ascii_lowercase() || b == b'_')
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Config(format!(
+            "{what} name {s:?} is not a plain identifier (lowercase ASCII letters, digits and _, \
+             not starting with a digit, at most {max} bytes)"
+        )))
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    q: Queries,
+    schema: String,
+    table: String,
+}
+
+/// An effect ledger in a PostgreSQL table. Cloning is cheap (a pool handle
+/// and an `Arc`).
+#[derive(Debug, Clone)]
+pub struct PgLedger {
+    pool: PgPool,
+    inner: Arc<Inner>,
+}
+
+impl PgLedger {
+    /// Connects with default [`PgLedgerOptions`] and runs the migrations.
+    ///
+    /// Fails with [`Error::Unavailable`] when the database cannot be reached
+    /// and [`Error::Config`] on a malformed URL.
+    pub async fn connect(url: &str) -> Result<PgLedger> {
+        PgLedger::connect_with(url, PgLedgerOptions::default()).await
+    }
+
+    /// Connects a pool built from `options` and runs the migrations. The
+    /// options are validated before any round trip.
+    pub async fn connect_with(url: &str, options: PgLedgerOptions) -> Result<PgLedger> {
+        options.validate()?;
+        let pool = PgPoolOptions::new()
+            .max_connections(options.max_connections)
+            .acquire_timeout(options.acquire_timeout)
+            .test_before_acquire(options.test_before_acquire)
+            .connect(url)
+            .await
+            .map_err(map)?;
+        let ledger = PgLedger::with_options(pool, options)?;
+        ledger.migrate().await?;
+        Ok(ledger)
+    }
+
+    /// A ledger on an existing pool and the default table. Runs no
+    /// migrations: call [`PgLedger::migrate`] once at startup.
+    pub fn from_pool(pool: PgPool) -> PgLedger {
+        PgLedger::with_options(pool, PgLedgerOptions::default()).expect("the default options are valid")
+    }
+
+    /// A ledger on an existing pool with the schema and table of `options`
+    /// (its pool settings are not used). Runs no migrations.
+    pub fn with_options(pool: PgPool, options: PgLedgerOptions) -> Result<PgLedger> {
+        options.validate()?;
+        Ok(PgLedger {
+            pool,
+            inner: Arc::new(Inner {
+                q: Queries::new(&options.schema, &options.table),
+                schema: options.schema,
+                table: options.table,
+            }),
+        })
+    }
+
+    /// The pool underneath (shared with the application's own queries).
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The schema and table this ledger uses.
+    pub fn table(&self) -> (&str, &str) {
+        (&self.inner.schema, &self.inner.table)
+    }
+
+    /// Begins a transaction on the pool, cancel-safely.
+    ///
+    /// `pool.begin()` runs in a spawned task, so dropping this future (a
+    /// timeout, `select!`, an aborted task) cannot leave a pooled connection
+    /// inside a transaction nothing will end (sqlx 0.9.0, transact-rs/sqlx#4393).
+    /// Dropping the returned transaction rolls it back, as usual. Must be
+    /// called inside a Tokio runtime.
+    pub async fn begin(&self) -> Result<sqlx::Transaction<'static, Postgres>> {
+        let pool = self.pool.clone();
+        match tokio::spawn(async move { pool.begin().await }).await {
+            Ok(tx) => tx.map_err(map),
+            Err(e) => Err(Error::Backend {
+                backend: BACKEND,
+                message: format!("the task beginning a transaction failed: {e}"),
+                retryable: true,
+            }),
+        }
+    }
+
+    /// Applies the embedded migrations that are missing: idempotent, and safe
+    /// when several processes run it at once (a transaction-scoped advisory
+    /// lock per schema serialises them).
+    pub async fn migrate(&self) -> Result<()> {
+        let q = &self.inner.q;
+        let mut tx = self.begin().await?;
+        sqlx::query(sql::MIGRATION_LOCK)
+            .bind(format!("oncely migrations: {}", self.inner.schema))
+            .execute(&mut *tx)
+            .await
+            .map_err(map)?;
+        let schema_exists: bool = sqlx::query_scalar(AssertSqlSafe(q.schema_exists.clone()))
+            .bind(&self.inner.schema)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(map)?;
+        if !schema_exists {
+            sqlx::raw_sql(AssertSqlSafe(q.create_schema.clone()))
+                .execute(&mut *tx)
+                .await
+                .map_err(map)?;
+        }
+        sqlx::raw_sql(AssertSqlSafe(q.create_migrations.clone()))
+            .execute(&mut *tx)
+            .await
+            .map_err(map)?;
+        let applied: i32 = sqlx::query_scalar(AssertSqlSafe(q.applied_version.clone()))
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(map)?;
+        for (version, description, statements) in &q.migrations {
+            if *version <= applied {
+                continue;
+            }
+            sqlx::raw_sql(AssertSqlSafe(statements.clone()))
+                .execute(&mut *tx)
+                .await
+                .map_err(map)?;
+            sqlx::query(AssertSqlSafe(q.record_migration.clone()))
+                .bind(version)
+                .bind(*description)
+                .execute(&mut *tx)
+                .await
+                .map_err(map)?;
+        }
+        tx.commit().await.map_err(map)
+    }
+
+    async fn acquire(&self) -> Result<sqlx::pool::PoolConnection<Postgres>> {
+        self.pool.acquire().await.map_err(map)
+    }
+
+    /// The claim statement on `conn`; `guard` is off inside a caller's
+    /// transaction.
+    async fn claim_on(
+        &self,
+        conn: &mut PgConnection,
+        key: &EffectKey,
+        opts: &ClaimOptions,
+        guard: bool,
+    ) -> Result<Claim> {
+        opts.validate()?;
+        let sent_at = opts.sent_at.map(oncely::to_micros);
+        for _ in 0..ATTEMPTS {
+            let row = sqlx::query(AssertSqlSafe(self.inner.q.claim.clone()))
+                .bind(key.as_str())
+                .bind(key.tenant().as_str())
+                .bind(key.kind())
+                .bind(key.subject())
+                .bind(opts.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
+                .bind(opts.at_most_once)
+                .bind(duration_micros(opts.lease))
+                .bind(duration_micros(opts.retention))
+                .bind(sent_at)
+                .bind(guard)
+                .fetch_one(&mut *conn)
+                .await;
+            let row = match row {
+                Ok(row) => row,
+                Err(e) if guard && is_failed_transaction(&e) => {
+                    heal(conn).await?;
+                    continue;
+                }
+                Err(e) => return Err(map(e)),
+            };
+            let src: String = row.try_get(0).map_err(map)?;
+            match src.as_str() {
+                "leaked" => heal(conn).await?,
+                "beyond" => return Err(Error::BeyondHorizon { key: key.to_string() }),
+                // A row committed after this statement's snapshot: the next
+                // run sees it.
+                "missing" => {}
+                "acquired" => {
+                    let r = RecordRow::decode(&row, 1)?.record(key.clone())?;
+                    return Ok(Claim::Acquired(Lease {
+                        key: key.clone(),
+                        fence: r.fence,
+                        expires_at: r
+                            .lease_expires_at
+                            .ok_or_else(|| corrupt(format!("{key}: acquired without a lease")))?,
+                        first_claimed_at: r.created_at,
+                        acquired_at: r.read_at,
+                        // An insert starts at fence 1; only a takeover raises it.
+                        taken_over: r.fence > 1,
+                        at_most_once: r.at_most_once,
+                    }));
+                }
+                "existing" => {
+                    let r = RecordRow::decode(&row, 1)?.record(key.clone())?;
+                    if let Some(claim) = existing(key, opts, r)? {
+                        return Ok(claim);
+                    }
+                }
+                other => return Err(corrupt(format!("claim returned an unknown status {other:?}"))),
+            }
+        }
+        Err(Error::Backend {
+            backend: BACKEND,
+            message: format!("{key}: the claim did not settle after {ATTEMPTS} attempts"),
+            retryable: true,
+        })
+    }
+
+    /// A fenced write (complete, release, renew) on `conn`; returns the
+    /// statement's value column (the new expiry for renew).
+    async fn fenced_on(&self, conn: &mut PgConnection, lease: &Lease, write: Write<'_>, guard: bool) -> Result<i64> {
+        let lost = || Error::LeaseLost {
+            key: lease.key.to_string(),
+            fence: lease.fence,
+        };
+        let Ok(fence) = i64::try_from(lease.fence) else {
+            return Err(lost());
+        };
+        for _ in 0..ATTEMPTS {
+            let q = &self.inner.q;
+            let query = match write {
+                Write::Complete(outcome) => sqlx::query(AssertSqlSafe(q.complete.clone()))
+                    .bind(lease.key.as_str())
+                    .bind(fence)
+                    .bind(outcome.as_bytes())
+                    .bind(guard),
+                Write::Release => sqlx::query(AssertSqlSafe(q.release.clone()))
+                    .bind(lease.key.as_str())
+                    .bind(fence)
+                    .bind(guard),
+                Write::Renew(us) => sqlx::query(AssertSqlSafe(q.renew.clone()))
+                    .bind(lease.key.as_str())
+                    .bind(fence)
+                    .bind(us)
+                    .bind(guard),
+            };
+            let row = match query.fetch_one(&mut *conn).await {
+                Ok(row) => row,
+                Err(e) if guard && is_failed_transaction(&e) => {
+                    heal(conn).await?;
+                    continue;
+                }
+                Err(e) => return Err(map(e)),
+            };
+            let ok: bool = row.try_get(0).map_err(map)?;
+            if !ok {
+                heal(conn).await?;
+                continue;
+            }
+            let written: i64 = row.try_get(1).map_err(map)?;
+            let value: Option<i64> = row.try_get(2).map_err(map)?;
+            return match (written, value) {
+                (1, Some(v)) => Ok(v),
+                (0, _) => Err(lost()),
+                (n, _) => Err(corrupt(format!("{}: a fenced write changed {n} rows", lease.key))),
+            };
+        }
+        Err(Error::Backend {
+            backend: BACKEND,
+            message: format!("{}: the write did not settle after {ATTEMPTS} attempts", lease.key),
+            retryable: true,
+        })
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Write<'a> {
+    Complete(&'a Outcome),
+    Release,
+    Renew(i64),
+}
+
+/// Ends a transaction that someone else left open on this pooled connection,
+/// so the ledger's next statement runs (and commits) on its own.
+async fn heal(conn: &mut PgConnection) -> Result<()> {
+    tracing::warn!(
+        backend = BACKEND,
+        "a pooled connection was inside a transaction nobody owns (a cancelled Pool::begin, \
+         transact-rs/sqlx#4393); rolling it back before the ledger writes"
+    );
+    sqlx::raw_sql(sql::ROLLBACK).execute(conn).await.map_err(map)?;
+    Ok(())
+}
+
+/// What a claim answers when it found the record and did not take it over.
+/// `None`: the record this statement's snapshot shows could have been taken
+/// over, so the ON CONFLICT saw a newer version; run the statement again.
+fn existing(key: &EffectKey, opts: &ClaimOptions, r: Record) -> Result<Option<Claim>> {
+    if let (Some(stored), Some(given)) = (r.fingerprint, opts.fingerprint)
+        && stored != given
+    {
+        return Err(Error::FingerprintMismatch { key: key.to_string() });
+    }
+    Ok(match r.state {
+        RecordState::Completed => Some(Claim::Completed(r)),
+        RecordState::Abandoned => Some(Claim::Abandoned(r)),
+        RecordState::InProgress => match r.lease_expires_at {
+            Some(expires_at) if expires_at > r.read_at => Some(Claim::InProgress {
+                fence: r.fence,
+                expires_at,
+                first_claimed_at: r.created_at,
+                read_at: r.read_at,
+            }),
+            _ => None,
+        },
+        RecordState::Released => None,
+    })
+}
+
+/// The record columns of [`sql`]'s `cols`, from column `at` on.
+struct RecordRow {
+    state: String,
+    fence: i64,
+    fingerprint: Option<Vec<u8>>,
+    outcome: Option<Vec<u8>>,
+    at_most_once: bool,
+    created_us: i64,
+    updated_us: i64,
+    lease_us: Option<i64>,
+    retain_us: i64,
+    now_us: i64,
+}
+
+impl RecordRow {
+    fn decode(row: &PgRow, at: usize) -> Result<Self> {
+        Ok(RecordRow {
+            state: row.try_get(at).map_err(map)?,
+            fence: row.try_get(at + 1).map_err(map)?,
+            fingerprint: row.try_get(at + 2).map_err(map)?,
+            outcome: row.try_get(at + 3).map_err(map)?,
+            at_most_once: row.try_get(at + 4).map_err(map)?,
+            created_us: row.try_get(at + 5).map_err(map)?,
+            updated_us: row.try_get(at + 6).map_err(map)?,
+            lease_us: row.try_get(at + 7).map_err(map)?,
+            retain_us: row.try_get(at + 8).map_err(map)?,
+            now_us: row.try_get(at + 9).map_err(map)?,
+        })
+    }
+
+    /// The record as the contract reports it: an expired at-most-once lease
+    /// is [`RecordState::Abandoned`].
+    fn record(self, key: EffectKey) -> Result<Record> {
+        let mut state = RecordState::parse(&self.state).map_err(|e| corrupt(format!("{key}: {e}")))?;
+        let read_at = from_micros(self.now_us);
+        let lease_expires_at = self.lease_us.map(from_micros);
+        if state == RecordState::InProgress && self.at_most_once && lease_expires_at.is_some_and(|e| e <= read_at) {
+            state = RecordState::Abandoned;
+        }
+        Ok(Record {
+            state,
+            fence: u64::try_from(self.fence).map_err(|_| corrupt(format!("{key}: fence {}", self.fence)))?,
+            fingerprint: self
+                .fingerprint
+                .map(|f| Fingerprint::from_bytes(&f))
+                .transpose()
+                .map_err(|e| corrupt(format!("{key}: {e}")))?,
+            outcome: self
+                .outcome
+                .map(Outcome::from_bytes)
+                .transpose()
+                .map_err(|e| corrupt(format!("{key}: {e}")))?,
+            at_most_once: self.at_most_once,
+            created_at: from_micros(self.created_us),
+            updated_at: from_micros(self.updated_us),
+            lease_expires_at,
+            retain_until: from_micros(self.retain_us),
+            read_at,
+            key,
+        })
+    }
+}
+
+fn check_outcome(outcome: &Outcome) -> Result<()> {
+    if outcome.len() > MAX_OUTCOME_BYTES {
+        return Err(Error::OutcomeTooLarge {
+            size: outcome.len(),
+            max: MAX_OUTCOME_BYTES,
+        });
+    }
+    Ok(())
+}
+
+impl Ledger for PgLedger {
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            caller_transaction: true,
+            durability: "PostgreSQL commit (WAL, as synchronous_commit is configured)",
+            replicated: false,
+            clock: "PostgreSQL now() (database server clock)",
+            max_key_bytes: MAX_KEY_BYTES,
+            max_outcome_bytes: MAX_OUTCOME_BYTES,
+        }
+    }
+
+    async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
+        opts.validate()?;
+        let mut conn = self.acquire().await?;
+        self.claim_on(&mut conn, key, opts, true).await
+    }
+
+    async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
+        check_outcome(outcome)?;
+        let mut conn = self.acquire().await?;
+        self.fenced_on(&mut conn, lease, Write::Complete(outcome), true).await.map(|_| ())
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<()> {
+        let mut conn = self.acquire().await?;
+        self.fenced_on(&mut conn, lease, Write::Release, true).await.map(|_| ())
+    }
+
+    async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
+        if extend_by < Duration::from_millis(1) || extend_by > Duration::from_secs(86_400) {
+            return Err(Error::Misuse(format!(
+                "a lease is extended by 1 ms to 1 day, got {extend_by:?}"
+            )));
+        }
+        let mut conn = self.acquire().await?;
+        let expires_us = self
+            .fenced_on(&mut conn, lease, Write::Renew(duration_micros(extend_by)), true)
+            .await?;
+        Ok(Lease {
+            expires_at: from_micros(expires_us),
+            ..lease.clone()
+        })
+    }
+
+    async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
+        let mut conn = self.acquire().await?;
+        for _ in 0..ATTEMPTS {
+            let row = match sqlx::query(AssertSqlSafe(self.inner.q.get.clone()))
+                .bind(key.as_str())
+                .fetch_one(&mut *conn)
+                .await
+            {
+                Ok(row) => row,
+                Err(e) if is_failed_transaction(&e) => {
+                    heal(&mut conn).await?;
+                    continue;
+                }
+                Err(e) => return Err(map(e)),
+            };
+            if !row.try_get::<bool, _>(0).map_err(map)? {
+                heal(&mut conn).await?;
+                continue;
+            }
+            if row.try_get::<Option<String>, _>(1).map_err(map)?.is_none() {
+                return Ok(None);
+            }
+            return RecordRow::decode(&row, 1)?.record(key.clone()).map(Some);
+        }
+        Err(Error::Backend {
+            backend: BACKEND,
+            message: format!("{key}: the read did not settle after {ATTEMPTS} attempts"),
+            retryable: true,
+        })
+    }
+
+    async fn prune(&self, limit: u64) -> Result<u64> {
+        if limit == 0 {
+            return Ok(0);
+        }
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let mut conn = self.acquire().await?;
+        for _ in 0..ATTEMPTS {
+            let row = match sqlx::query(AssertSqlSafe(self.inner.q.prune.clone()))
+                .bind(limit)
+                .fetch_one(&mut *conn)
+                .await
+            {
+                Ok(row) => row,
+                Err(e) if is_failed_transaction(&e) => {
+                    heal(&mut conn).await?;
+                    continue;
+                }
+                Err(e) => return Err(map(e)),
+            };
+            if !row.try_get::<bool, _>(0).map_err(map)? {
+                heal(&mut conn).await?;
+                continue;
+            }
+            let n: i64 = row.try_get(1).map_err(map)?;
+            return Ok(n.max(0) as u64);
+        }
+        Err(Error::Backend {
+            backend: BACKEND,
+            message: format!("prune did not settle after {ATTEMPTS} attempts"),
+            retryable: true,
+        })
+    }
+
+    async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let mut conn = self.acquire().await?;
+        let mut rows = None;
+        for _ in 0..ATTEMPTS {
+            match sqlx::query(AssertSqlSafe(self.inner.q.abandoned.clone()))
+                .bind(tenant.as_str())
+                .bind(limit)
+                .fetch_all(&mut *conn)
+                .await
+            {
+                Ok(r) => {
+                    rows = Some(r);
+                    break;
+                }
+                Err(e) if is_failed_transaction(&e) => heal(&mut conn).await?,
+                Err(e) => return Err(map(e)),
+            }
+        }
+        let rows = rows.ok_or_else(|| Error::Backend {
+            backend: BACKEND,
+            message: format!("abandoned listing did not settle after {ATTEMPTS} attempts"),
+            retryable: true,
+        })?;
+        rows.iter()
+            .map(|row| {
+                let k: String = row.try_get(0).map_err(map)?;
+                let key = EffectKey::parse(&k).map_err(|e| corrupt(format!("stored key {k:?}: {e}")))?;
+                RecordRow::decode(row, 1)?.record(key)
+            })
+            .collect()
+    }
+}
+
+impl TransactionalLedger for PgLedger {
+    type Connection = PgConnection;
+
+    async fn claim_in(&self, conn: &mut PgConnection, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
+        self.claim_on(conn, key, opts, false).await
+    }
+
+    async fn complete_in(&self, conn: &mut PgConnection, lease: &Lease, outcome: &Outcome) -> Result<()> {
+        check_outcome(outcome)?;
+        self.fenced_on(conn, lease, Write::Complete(outcome), false).await.map(|_| ())
+    }
+}

@@ -1,0 +1,273 @@
+//! Every SQL statement of the backend, built once per ledger from the
+//! validated (and quoted) schema and table names.
+//!
+//! Architecture invariant: no other module contains SQL.
+
+use std::sync::Arc;
+
+/// Timestamps leave the database as microseconds since the epoch, so no
+/// date-time crate is needed and the database clock is the only clock.
+fn us(expr: &str) -> String {
+    format!("(extract(epoch from {expr}) * 1000000)::bigint")
+}
+
+/// The leaked-transaction guard (see the crate docs): true when this statement
+/// runs in its own implicit transaction.
+///
+/// Every statement runs in a protocol portal (the unnamed one, `''`) created
+/// when its Bind (or simple Query) message arrived, and an implicit
+/// transaction starts at that same message, with the very same timestamp. A
+/// transaction left open by someone else started earlier, at its `BEGIN`.
+///
+/// `transaction_timestamp() = statement_timestamp()` is NOT a usable test: the
+/// Execute message resets `statement_timestamp()`, so under the extended
+/// protocol (sqlx) it is false even in autocommit.
+///
+/// `$n` is a boolean parameter: false inside a caller's transaction
+/// (`claim_in`), where running in a transaction is the point.
+fn guard(param: &str) -> String {
+    format!(
+        "(NOT {param}::boolean OR coalesce((SELECT c.creation_time = transaction_timestamp() \
+         FROM pg_catalog.pg_cursors c WHERE c.name = ''), false))"
+    )
+}
+
+/// The record columns every read returns, in [`crate::RecordRow`] order.
+fn cols(a: &str) -> String {
+    format!(
+        "{a}.state, {a}.fence, {a}.fingerprint, {a}.outcome, {a}.at_most_once, {}, {}, {}, {}, {}",
+        us(&format!("{a}.created_at")),
+        us(&format!("{a}.updated_at")),
+        us(&format!("{a}.lease_expires_at")),
+        us(&format!("{a}.retain_until")),
+        us("now()"),
+    )
+}
+
+/// The same columns as typed NULLs (plus the clock), for status rows.
+fn null_cols() -> String {
+    format!(
+        "NULL::text, NULL::bigint, NULL::bytea, NULL::bytea, NULL::boolean, NULL::bigint, \
+         NULL::bigint, NULL::bigint, NULL::bigint, {}",
+        us("now()")
+    )
+}
+
+/// Double-quotes an identifier that [`crate::PgLedgerOptions`] validated
+/// (lowercase ASCII letters, digits and `_`), so it can never be anything
+/// but a name.
+pub(crate) fn quote(ident: &str) -> String {
+    format!("\"{}\"", ident.replace('"', "\"\""))
+}
+
+/// The statements of one ledger (one schema and table).
+#[derive(Debug)]
+pub(crate) struct Queries {
+    pub claim: Arc<str>,
+    pub complete: Arc<str>,
+    pub release: Arc<str>,
+    pub renew: Arc<str>,
+    pub get: Arc<str>,
+    pub prune: Arc<str>,
+    pub abandoned: Arc<str>,
+    pub schema_exists: Arc<str>,
+    pub create_schema: Arc<str>,
+    pub create_migrations: Arc<str>,
+    pub applied_version: Arc<str>,
+    pub record_migration: Arc<str>,
+    pub migrations: Vec<(i32, &'static str, Arc<str>)>,
+}
+
+impl Queries {
+    pub(crate) fn new(schema: &str, table: &str) -> Self {
+        let t = format!("{}.{}", quote(schema), quote(table));
+        let migrations_table = format!("{}.{}", quote(schema), quote(&format!("{table}_migrations")));
+        let micros = |p: &str| format!("{p}::bigint * interval '1 microsecond'");
+
+        // A claim takes the record over when it was released, or when its
+        // lease ran out and the step is not at-most-once; never on a
+        // fingerprint mismatch. `now()` decides.
+        let takeover_set = format!(
+            "state = 'in_progress', fence = e.fence + 1, at_most_once = $6, outcome = NULL, \
+             fingerprint = coalesce(e.fingerprint, $5), lease_expires_at = now() + {lease}, \
+             updated_at = now(), retain_until = now() + {ret}, retention_us = $8",
+            lease = micros("$7"),
+            ret = micros("$8"),
+        );
+        let takeover_when = "(e.fingerprint IS NULL OR $5::bytea IS NULL OR e.fingerprint = $5::bytea) \
+             AND (e.state = 'released' OR (e.state = 'in_progress' AND NOT e.at_most_once \
+             AND e.lease_expires_at <= now()))";
+
+        // One statement, one round trip. Parameters:
+        // $1 key, $2 tenant, $3 kind, $4 subject, $5 fingerprint, $6 at_most_once,
+        // $7 lease µs, $8 retention µs, $9 sent_at µs (nullable), $10 guard on.
+        //
+        // - `ins` inserts fence 1, or (ON CONFLICT) takes the record over. A
+        //   concurrent claimant of the same key blocks here on the unique
+        //   index until the other transaction ends.
+        // - `upd` is the takeover alone, for a message older than the horizon:
+        //   it may take an existing record over but must never insert.
+        // - Otherwise the existing record is returned, or a status row:
+        //   `leaked` (guard tripped: nothing was written), `beyond` (absent
+        //   and older than the horizon), `missing` (the ON CONFLICT saw a row
+        //   committed after this statement's snapshot; the caller re-runs).
+        let claim = format!(
+            "WITH g AS (\
+               SELECT {guard} AS ok, \
+                      ($9::bigint IS NOT NULL AND $9::bigint + $8::bigint < {now_us}) AS beyond\
+             ), \
+             ins AS (\
+               INSERT INTO {t} AS e (key, tenant, kind, subject, state, fence, fingerprint, outcome, \
+                 at_most_once, created_at, updated_at, lease_expires_at, retain_until, retention_us) \
+               SELECT $1, $2, $3, $4, 'in_progress', 1, $5::bytea, NULL, $6, now(), now(), \
+                 now() + {lease}, now() + {ret}, $8 \
+               FROM g WHERE g.ok AND NOT g.beyond \
+               ON CONFLICT (key) DO UPDATE SET {takeover_set} WHERE {takeover_when} \
+               RETURNING e.*\
+             ), \
+             upd AS (\
+               UPDATE {t} AS e SET {takeover_set} FROM g \
+               WHERE g.ok AND g.beyond AND e.key = $1 AND {takeover_when} \
+               RETURNING e.*\
+             ) \
+             SELECT 'acquired'::text AS src, {ci} FROM ins i \
+             UNION ALL SELECT 'acquired', {cu} FROM upd u \
+             UNION ALL SELECT 'existing', {ce} FROM {t} e, g \
+               WHERE e.key = $1 AND g.ok AND NOT EXISTS (SELECT 1 FROM ins) \
+               AND NOT EXISTS (SELECT 1 FROM upd) \
+             UNION ALL SELECT CASE WHEN NOT g.ok THEN 'leaked' WHEN g.beyond THEN 'beyond' \
+               ELSE 'missing' END, {nulls} FROM g \
+               WHERE NOT EXISTS (SELECT 1 FROM ins) AND NOT EXISTS (SELECT 1 FROM upd) \
+               AND NOT (g.ok AND EXISTS (SELECT 1 FROM {t} x WHERE x.key = $1))",
+            guard = guard("$10"),
+            now_us = us("now()"),
+            lease = micros("$7"),
+            ret = micros("$8"),
+            ci = cols("i"),
+            cu = cols("u"),
+            ce = cols("e"),
+            nulls = null_cols(),
+        );
+
+        // Fenced writes: $1 key, $2 fence, then the operation's own values,
+        // and the guard flag last. They report (guard ok, rows written).
+        let fenced = |set: &str, guard_param: &str, returning: &str| {
+            format!(
+                "WITH g AS (SELECT {guard} AS ok), \
+                 w AS (UPDATE {t} AS e SET {set} FROM g \
+                   WHERE g.ok AND e.key = $1 AND e.fence = $2 AND e.state = 'in_progress' \
+                   RETURNING {returning}) \
+                 SELECT g.ok, (SELECT count(*) FROM w), (SELECT max(w.r) FROM w) FROM g",
+                guard = guard(guard_param),
+            )
+        };
+        let complete = fenced(
+            &format!(
+                "state = 'completed', outcome = $3, lease_expires_at = NULL, updated_at = now(), \
+                 retain_until = now() + {}",
+                micros("e.retention_us")
+            ),
+            "$4",
+            "0::bigint AS r",
+        );
+        let release = fenced(
+            &format!(
+                "state = 'released', outcome = NULL, lease_expires_at = NULL, updated_at = now(), \
+                 retain_until = now() + {}",
+                micros("e.retention_us")
+            ),
+            "$3",
+            "0::bigint AS r",
+        );
+        let renew = fenced(
+            &format!("lease_expires_at = now() + {}", micros("$3")),
+            "$4",
+            &format!("{} AS r", us("e.lease_expires_at")),
+        );
+
+        let get = format!(
+            "SELECT g.ok, {ce} FROM (SELECT {guard} AS ok) g LEFT JOIN {t} e ON e.key = $1",
+            guard = guard("true"),
+            ce = cols("e"),
+        );
+
+        // Deletes in LIMITed batches (short locks); SKIP LOCKED leaves rows a
+        // claim is taking over to that claim, and the outer WHERE re-checks
+        // the latest version of each row.
+        let prune = format!(
+            "WITH g AS (SELECT {guard} AS ok), \
+             d AS (DELETE FROM {t} AS e USING g \
+               WHERE g.ok AND e.key IN (SELECT x.key FROM {t} x \
+                 WHERE x.state IN ('completed', 'released') AND x.retain_until <= now() \
+                 ORDER BY x.retain_until LIMIT $1 FOR UPDATE SKIP LOCKED) \
+               AND e.state IN ('completed', 'released') AND e.retain_until <= now() \
+               RETURNING 1) \
+             SELECT g.ok, (SELECT count(*) FROM d) FROM g",
+            guard = guard("true"),
+        );
+
+        let abandoned = format!(
+            "SELECT e.key, {ce} FROM {t} e \
+             WHERE e.tenant = $1 AND e.state = 'in_progress' AND e.at_most_once \
+               AND e.lease_expires_at <= now() \
+             ORDER BY e.created_at, e.key LIMIT $2",
+            ce = cols("e"),
+        );
+
+        let idx = |suffix: &str| quote(&format!("{table}_{suffix}"));
+        let v1 = format!(
+            "CREATE TABLE IF NOT EXISTS {t} (\
+               key text PRIMARY KEY CHECK (octet_length(key) <= 255), \
+               tenant text NOT NULL, \
+               kind text NOT NULL, \
+               subject text NOT NULL, \
+               state text NOT NULL CHECK (state IN ('in_progress', 'completed', 'released')), \
+               fence bigint NOT NULL CHECK (fence >= 1), \
+               fingerprint bytea CHECK (octet_length(fingerprint) = 32), \
+               outcome bytea CHECK (octet_length(outcome) <= {max_outcome}), \
+               at_most_once boolean NOT NULL, \
+               created_at timestamptz NOT NULL, \
+               updated_at timestamptz NOT NULL, \
+               lease_expires_at timestamptz, \
+               retain_until timestamptz NOT NULL, \
+               retention_us bigint NOT NULL CHECK (retention_us > 0)\
+             ); \
+             CREATE INDEX IF NOT EXISTS {prune_idx} ON {t} (retain_until) \
+               WHERE state IN ('completed', 'released'); \
+             CREATE INDEX IF NOT EXISTS {abandoned_idx} ON {t} (tenant, created_at) \
+               WHERE state = 'in_progress' AND at_most_once;",
+            max_outcome = oncely::MAX_OUTCOME_BYTES,
+            prune_idx = idx("prune_idx"),
+            abandoned_idx = idx("abandoned_idx"),
+        );
+
+        Queries {
+            claim: claim.into(),
+            complete: complete.into(),
+            release: release.into(),
+            renew: renew.into(),
+            get: get.into(),
+            prune: prune.into(),
+            abandoned: abandoned.into(),
+            schema_exists: "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)".into(),
+            create_schema: format!("CREATE SCHEMA IF NOT EXISTS {}", quote(schema)).into(),
+            create_migrations: format!(
+                "CREATE TABLE IF NOT EXISTS {migrations_table} (\
+                   version integer PRIMARY KEY, description text NOT NULL, \
+                   applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            .into(),
+            applied_version: format!("SELECT coalesce(max(version), 0) FROM {migrations_table}").into(),
+            record_migration: format!("INSERT INTO {migrations_table} (version, description) VALUES ($1, $2)")
+                .into(),
+            migrations: vec![(1, "effects table and indexes", v1.into())],
+        }
+    }
+}
+
+/// Serialises migrations of one schema and table across processes
+/// (transaction-scoped, so a cancelled migration cannot leave it held).
+pub(crate) const MIGRATION_LOCK: &str = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))";
+
+/// Ends a transaction that someone else left open on a pooled connection.
+pub(crate) const ROLLBACK: &str = "ROLLBACK";
