@@ -1,0 +1,41 @@
+-- Shared by every oncely script. KEYS[1] is the record; ARGV[1] is the
+-- displayed effect key the caller expects there ('' = accept any oncely record).
+local key = KEYS[1]
+local ek = ARGV[1]
+
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+-- Lua numbers are doubles: every stored number is an integer below 2^53
+-- (microseconds since 1970 are about 2^51), written without an exponent.
+local function fmt(n)
+  return string.format('%.0f', n)
+end
+
+-- Reads the record's control fields. Returns nil when the key is absent,
+-- the record as a table, or nil plus a message when the key holds something
+-- oncely did not write (which must never be overwritten).
+local function load()
+  local ty = redis.call('TYPE', key)['ok']
+  if ty == 'none' then
+    return nil
+  end
+  if ty ~= 'hash' then
+    return nil, 'key holds a ' .. ty .. ', not an oncely record; nothing was changed'
+  end
+  local v = redis.call('HMGET', key, 'v', 'k', 's', 'f', 'amo', 'c', 'le', 'fp', 'r')
+  if v[1] ~= '1' or not v[2] or (ek ~= '' and v[2] ~= ek) then
+    return nil, 'hash without oncely record fields at this key; nothing was changed'
+  end
+  local s = v[3]
+  if s ~= 'in_progress' and s ~= 'completed' and s ~= 'released' then
+    return nil, 'record has an unknown state; nothing was changed'
+  end
+  local f, c, r = tonumber(v[4]), tonumber(v[6]), tonumber(v[9])
+  if not f or not c or not r then
+    return nil, 'record lacks its fence, creation time or retention; nothing was changed'
+  end
+  return { s = s, f = f, amo = (v[5] == '1'), c = c, le = tonumber(v[7]), fp = v[8] or '', r = r }
+end
