@@ -1,0 +1,94 @@
+//! Driver errors to `oncely::Error`: no sqlx type crosses the public API.
+
+use oncely::Error;
+use sqlx::mysql::MySqlDatabaseError;
+
+pub(crate) const BACKEND: &str = "mysql";
+
+/// Server error numbers this crate decides on.
+pub(crate) const ER_DUP_ENTRY: u16 = 1062;
+const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
+const ER_LOCK_DEADLOCK: u16 = 1213;
+const ER_CON_COUNT_ERROR: u16 = 1040;
+const ER_DBACCESS_DENIED: u16 = 1044;
+const ER_ACCESS_DENIED: u16 = 1045;
+const ER_BAD_DB: u16 = 1049;
+const ER_SERVER_SHUTDOWN: u16 = 1053;
+const ER_TOO_MANY_USER_CONNECTIONS: u16 = 1203;
+const ER_QUERY_INTERRUPTED: u16 = 1317;
+
+/// The server's error number, if the error came from the server.
+pub(crate) fn number(e: &sqlx::Error) -> Option<u16> {
+    match e {
+        sqlx::Error::Database(db) => db.try_downcast_ref::<MySqlDatabaseError>().map(|m| m.number()),
+        _ => None,
+    }
+}
+
+/// Whether the statement (or, in a transaction, the transaction) was rolled
+/// back by a deadlock or lock wait timeout and may succeed if run again.
+pub(crate) fn is_retryable(e: &sqlx::Error) -> bool {
+    matches!(number(e), Some(ER_LOCK_DEADLOCK | ER_LOCK_WAIT_TIMEOUT))
+}
+
+/// Maps a driver error. Anything that means "the server cannot be reached or
+/// will not let us in" is `Unavailable`, so callers fail closed.
+pub(crate) fn map(e: sqlx::Error) -> Error {
+    match &e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Protocol(_) => Error::Unavailable {
+            backend: BACKEND,
+            message: e.to_string(),
+        },
+        sqlx::Error::Database(_) => match number(&e) {
+            Some(ER_LOCK_DEADLOCK | ER_LOCK_WAIT_TIMEOUT | ER_QUERY_INTERRUPTED) => Error::Backend {
+                backend: BACKEND,
+                message: e.to_string(),
+                retryable: true,
+            },
+            Some(
+                ER_CON_COUNT_ERROR
+                | ER_TOO_MANY_USER_CONNECTIONS
+                | ER_DBACCESS_DENIED
+                | ER_ACCESS_DENIED
+                | ER_BAD_DB
+                | ER_SERVER_SHUTDOWN,
+            ) => Error::Unavailable {
+                backend: BACKEND,
+                message: e.to_string(),
+            },
+            Some(ER_DUP_ENTRY) => unexpected_violation(&e.to_string()),
+            _ => Error::Backend {
+                backend: BACKEND,
+                message: e.to_string(),
+                retryable: false,
+            },
+        },
+        _ => Error::Backend {
+            backend: BACKEND,
+            message: e.to_string(),
+            retryable: false,
+        },
+    }
+}
+
+/// A unique violation that is not the effect key: counted and surfaced,
+/// never taken for a duplicate.
+pub(crate) fn unexpected_violation(detail: &str) -> Error {
+    oncely::telemetry::unexpected_constraint_violation(BACKEND, detail);
+    Error::Corrupt {
+        backend: BACKEND,
+        message: format!("unexpected unique-constraint violation (not the effect key): {detail}"),
+    }
+}
+
+pub(crate) fn corrupt(message: impl Into<String>) -> Error {
+    Error::Corrupt {
+        backend: BACKEND,
+        message: message.into(),
+    }
+}
