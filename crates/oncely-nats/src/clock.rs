@@ -1,0 +1,116 @@
+//! The server's clock, as seen from one worker.
+//!
+//! JetStream stamps every revision with the stream leader's clock, and every
+//! read returns that stamp, but no reply carries the server's *current* time.
+//! Lease expiry needs "now" on the server's clock, so each ledger keeps a
+//! lower bound of it:
+//!
+//! - A probe writes to [`CLOCK_KEY`](crate::codec::CLOCK_KEY) and reads the
+//!   revision back. Its stamp `ts` was taken by the server before the read's
+//!   reply arrived at local monotonic instant `m1`, so at any later local
+//!   instant `m`, `server_now >= ts + (m - m1)`.
+//! - Every revision the ledger reads is also a lower bound of the server's
+//!   clock at the moment the reply arrived, and only ever raises the estimate.
+//! - The worker's wall clock is never used; its monotonic clock only measures
+//!   time elapsed since a sample, minus a 0.1 % allowance for rate
+//!   differences between the two clocks (NTP slews at most 0.05 %).
+//!
+//! The estimate is therefore never ahead of the server; it lags by at most
+//! the probe's round trip plus 0.1 % of the sample's age (the probe is
+//! refreshed every [`REFRESH`]). Expiry judged on it is late by at most that,
+//! never early: a lease is taken over only after it has really run out on the
+//! server's clock. In a cluster the stamps come from whichever node leads the
+//! stream, so the cluster's clocks must be synchronised (NTP) as for any
+//! JetStream deployment; a leader change to a node whose clock is behind by
+//! `d` delays expiry by `d`, one ahead by `d` can expire leases up to `d`
+//! early.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime};
+
+/// How old a probe sample may get before the next operation refreshes it.
+pub(crate) const REFRESH: Duration = Duration::from_secs(2);
+
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    server: SystemTime,
+    local: Instant,
+    probed: Instant,
+}
+
+/// A lower bound of the server's clock.
+#[derive(Debug, Default)]
+pub(crate) struct ServerClock {
+    sample: Mutex<Option<Sample>>,
+    /// Single flight: concurrent operations wait for one probe.
+    pub(crate) probing: tokio::sync::Mutex<()>,
+}
+
+impl ServerClock {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Sample>> {
+        self.sample.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The current lower bound, if a probe has been taken and is fresh.
+    pub(crate) fn fresh_now(&self) -> Option<SystemTime> {
+        let s = (*self.lock())?;
+        if s.probed.elapsed() > REFRESH {
+            return None;
+        }
+        Some(Self::project(s))
+    }
+
+    fn project(s: Sample) -> SystemTime {
+        let elapsed = s.local.elapsed();
+        s.server + elapsed - elapsed / 1000
+    }
+
+    /// Records a probe: `server` was stamped before local instant `at`.
+    pub(crate) fn probed(&self, server: SystemTime, at: Instant) {
+        let mut g = self.lock();
+        let keep_old = g.is_some_and(|old| Self::project(old) > server + at.elapsed());
+        match (*g, keep_old) {
+            (Some(old), true) => *g = Some(Sample { probed: at, ..old }),
+            _ => {
+                *g = Some(Sample {
+                    server,
+                    local: at,
+                    probed: at,
+                })
+            }
+        }
+    }
+
+    /// Raises the estimate to a server stamp just read (stamped before now).
+    pub(crate) fn observe(&self, server: SystemTime) {
+        let mut g = self.lock();
+        if let Some(s) = g.as_mut()
+            && server > Self::project(*s)
+        {
+            s.server = server;
+            s.local = Instant::now();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn estimate_only_moves_forward() {
+        let c = ServerClock::default();
+        assert!(c.fresh_now().is_none());
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        c.probed(t0, Instant::now());
+        let a = c.fresh_now().unwrap();
+        assert!(a >= t0);
+        // An older stamp does not move it back.
+        c.observe(t0 - Duration::from_secs(10));
+        c.probed(t0 - Duration::from_secs(10), Instant::now());
+        assert!(c.fresh_now().unwrap() >= a);
+        // A newer one moves it forward.
+        c.observe(t0 + Duration::from_secs(10));
+        assert!(c.fresh_now().unwrap() >= t0 + Duration::from_secs(10));
+    }
+}

@@ -1,0 +1,975 @@
+//! # oncely-nats
+//!
+//! An [`oncely`] effect ledger on a NATS JetStream key-value bucket: claims
+//! are `create` (insert if absent) and revision-checked `update`s, so the
+//! check and the claim are one atomic operation on the stream leader, and
+//! with `replicas = 3` every acknowledged write is on a Raft quorum.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use oncely::{ClaimOptions, EffectKey, Effects, Tenant};
+//! use oncely_nats::{NatsKvLedger, NatsKvOptions};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> oncely::Result<()> {
+//! let ledger = NatsKvLedger::connect(
+//!     "nats://n1:4222,nats://n2:4222,nats://n3:4222",
+//!     NatsKvOptions::default().replicas(3),
+//! )
+//! .await?;
+//! let effects = Effects::new(Arc::new(ledger));
+//! let key = EffectKey::new(&Tenant::global(), "capture", "order-123")?;
+//! let charge: String = effects
+//!     .run(&key, &ClaimOptions::default(), |lease| async move {
+//!         // call the provider with lease.provider_key() as its idempotency key
+//!         Ok(format!("ch_{}", &lease.provider_key()[..8]))
+//!     })
+//!     .await?;
+//! # let _ = charge; Ok(()) }
+//! ```
+//!
+//! ## Guarantees and limits
+//!
+//! | | |
+//! | --- | --- |
+//! | atomic claim | `create` (expected last subject sequence 0) for an absent key; takeover of an expired or released record by `update` expecting the revision just read. A lost race re-reads and decides again. |
+//! | caller's transaction | no: NATS has none. Use `ProviderKeyed` or `AtMostOnce` steps. |
+//! | durability | JetStream file storage; a write is acknowledged once stored. |
+//! | replication | `replicas = 3`: Raft, acknowledged after a quorum has it; survives the loss of one node. `replicas = 1`: none. |
+//! | clock | NATS server timestamps of each revision; "now" is a lower bound of the server's clock (see below), never the worker's wall clock. |
+//! | max key | [`oncely::MAX_KEY_BYTES`] (the displayed key is stored in the value; the KV key is `<tenant>.<blake3 hex>`). |
+//! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] (stored base64, far below JetStream's 1 MiB message limit). |
+//! | round trips | claim of a new key: 1. complete / release / renew: 1 when this ledger made the claim (it remembers the revision), else 2 (read, conditional write). |
+//! | retention | per claim, enforced by [`Ledger::prune`](oncely::Ledger::prune); the bucket's `max_age` is the hard ceiling. |
+//!
+//! ### Clocks
+//!
+//! A revision's server timestamp is when it was written; a record stores the
+//! lease *length* and retention *length*, not instants, so expiry is "server
+//! now - revision timestamp > lease". The server never sends its current
+//! time, so each ledger keeps a lower bound of it: a probe write to a
+//! reserved key read back every 2 s, advanced by the worker's monotonic clock
+//! (0.1 % allowance for rate differences), and raised by every timestamp it
+//! reads. It is never ahead of the server, and behind by at most a probe's
+//! round trip plus 0.1 % of 2 s; leases therefore expire at most that late,
+//! never early. Timestamps in [`oncely::Record`] and [`oncely::Lease`] are
+//! server stamps or this estimate. Cluster nodes' clocks must be in sync (NTP),
+//! as JetStream itself assumes.
+//!
+//! ### Retention and `max_age`
+//!
+//! The bucket's `max_age` (default 30 days) drops any key not written for
+//! that long. Claims whose retention exceeds it are refused
+//! ([`oncely::Error::Misuse`]) so no completed record vanishes before its
+//! retention ends. Shorter retention is honoured by `prune`, which deletes
+//! completed and released records past it with a revision-checked delete (a
+//! record changed meanwhile is left alone). Limits that follow from `max_age`:
+//! an abandoned at-most-once step (or a lease nobody takes over) disappears
+//! `max_age` after its last write, so reconcile abandoned steps within
+//! `max_age`; and a deleted key leaves a small delete marker until `max_age`.
+//! `max_age` must be at least 2 days (longer than the longest lease).
+//!
+//! ### Errors
+//!
+//! Cannot connect: [`oncely::Error::Unavailable`]. JetStream unavailable, no
+//! quorum, timeouts: [`oncely::Error::Backend`] with `retryable: true`. A
+//! bucket with incompatible settings (history other than 1, a shorter
+//! `max_age`, other replicas, memory storage, message or byte limits that
+//! could drop live leases): [`oncely::Error::Config`], and nothing is
+//! changed. Each operation is one conditional write, so a dropped future has
+//! either been applied by the server or not, never half.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod clock;
+mod codec;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use async_nats::jetstream::{self, kv, stream};
+use futures_util::StreamExt;
+use oncely::{
+    Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, RecordState, Result,
+    Tenant, from_micros, telemetry, to_micros,
+};
+use tracing::Instrument;
+
+use crate::clock::ServerClock;
+use crate::codec::{CLOCK_KEY, MAX_VALUE_BYTES, Stored, kv_key, tenant_token};
+
+const BACKEND: &str = "nats";
+/// How often one operation re-reads and retries after losing a race on the
+/// same key before it gives up with a retryable error.
+const MAX_ATTEMPTS: usize = 64;
+/// How many leases' revisions a ledger remembers for one-round-trip completes.
+const REVISION_CACHE: usize = 4096;
+/// The longest lease [`ClaimOptions::validate`] allows.
+const MAX_LEASE: Duration = Duration::from_secs(86_400);
+
+/// Options of [`NatsKvLedger::connect`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NatsKvOptions {
+    /// The KV bucket (default `oncely_effects`).
+    pub bucket: String,
+    /// Replicas of the bucket's stream: 1, or 3 on a cluster (default 1).
+    pub replicas: usize,
+    /// The bucket's `max_age`: the longest retention a claim may ask for, and
+    /// the age at which the server drops a key nobody wrote to (default 30
+    /// days, at least 2 days).
+    pub max_age: Duration,
+    /// How long to wait for the initial connection (default 5 s).
+    pub connect_timeout: Duration,
+    /// How long to wait for a JetStream reply (default 5 s).
+    pub request_timeout: Duration,
+}
+
+impl Default for NatsKvOptions {
+    fn default() -> Self {
+        NatsKvOptions {
+            bucket: "oncely_effects".to_owned(),
+            replicas: 1,
+            max_age: Duration::from_secs(30 * 86_400),
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl NatsKvOptions {
+    /// Sets the bucket name.
+    pub fn bucket(mut self, bucket: impl Into<String>) -> Self {
+        self.bucket = bucket.into();
+        self
+    }
+
+    /// Sets the replica count (1 or 3).
+    pub fn replicas(mut self, replicas: usize) -> Self {
+        self.replicas = replicas;
+        self
+    }
+
+    /// Sets the bucket's `max_age` (the retention ceiling).
+    pub fn max_age(mut self, max_age: Duration) -> Self {
+        self.max_age = max_age;
+        self
+    }
+
+    /// Sets the connect timeout.
+    pub fn connect_timeout(mut self, t: Duration) -> Self {
+        self.connect_timeout = t;
+        self
+    }
+
+    /// Sets the JetStream request timeout.
+    pub fn request_timeout(mut self, t: Duration) -> Self {
+        self.request_timeout = t;
+        self
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.bucket.is_empty()
+            || !self
+                .bucket
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        {
+            return Err(Error::Config(format!(
+                "bucket name {:?} must be non-empty ASCII letters, digits, '_' or '-'",
+                self.bucket
+            )));
+        }
+        if !matches!(self.replicas, 1 | 3) {
+            return Err(Error::Config(format!(
+                "replicas must be 1 or 3, got {}",
+                self.replicas
+            )));
+        }
+        if self.max_age < 2 * MAX_LEASE {
+            return Err(Error::Config(format!(
+                "max_age must be at least 2 days (longer than the longest lease), got {:?}",
+                self.max_age
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The revision a ledger last wrote for a lease it holds, so complete /
+/// release / renew can write without reading first. A revision-checked write
+/// with it succeeds only if nothing changed since, which is exactly the state
+/// remembered here.
+type RevisionCache = HashMap<String, (u64, Stored)>;
+
+struct Inner {
+    store: kv::Store,
+    opts: NatsKvOptions,
+    clock: ServerClock,
+    revisions: Mutex<RevisionCache>,
+}
+
+/// An effect ledger on a NATS JetStream KV bucket. Cheap to clone (shares the
+/// connection).
+#[derive(Clone)]
+pub struct NatsKvLedger {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for NatsKvLedger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsKvLedger")
+            .field("bucket", &self.inner.opts.bucket)
+            .field("replicas", &self.inner.opts.replicas)
+            .finish()
+    }
+}
+
+fn backend_err(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::Backend {
+        backend: BACKEND,
+        message: format!("{what}: {e}"),
+        retryable: true,
+    }
+}
+
+/// One key's latest revision as read from the stream leader.
+struct Current {
+    revision: u64,
+    at: SystemTime,
+    /// `None`: a delete or purge marker (the key is absent).
+    value: Option<Stored>,
+}
+
+enum Write {
+    Done(u64),
+    Conflict,
+}
+
+impl NatsKvLedger {
+    /// Connects to one server or a comma-separated list, opens the bucket and
+    /// creates it if absent. A bucket that exists with settings this ledger
+    /// cannot rely on fails with [`Error::Config`] and is left unchanged.
+    pub async fn connect(urls: &str, opts: NatsKvOptions) -> Result<Self> {
+        opts.validate()?;
+        let addrs: Vec<async_nats::ServerAddr> = urls
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(|s| {
+                s.parse()
+                    .map_err(|e| Error::Config(format!("NATS url {s:?}: {e}")))
+            })
+            .collect::<Result<_>>()?;
+        if addrs.is_empty() {
+            return Err(Error::Config("no NATS url given".into()));
+        }
+        let client = async_nats::ConnectOptions::new()
+            .connection_timeout(opts.connect_timeout)
+            .request_timeout(Some(opts.request_timeout))
+            .name("oncely")
+            .connect(addrs)
+            .await
+            .map_err(|e| Error::Unavailable {
+                backend: BACKEND,
+                message: e.to_string(),
+            })?;
+        let js = jetstream::ContextBuilder::new()
+            .timeout(opts.request_timeout)
+            .build(client);
+        let store = open_bucket(&js, &opts).await?;
+        Self::with_store(store, opts).await
+    }
+
+    /// Uses a bucket the caller opened. Its settings are checked as by
+    /// [`NatsKvLedger::connect`] against `opts` (the bucket name is taken
+    /// from the store).
+    pub async fn from_store(store: kv::Store, opts: NatsKvOptions) -> Result<Self> {
+        let opts = NatsKvOptions {
+            bucket: store.name.clone(),
+            ..opts
+        };
+        opts.validate()?;
+        check_bucket(&store.stream.cached_info().config, &opts)?;
+        Self::with_store(store, opts).await
+    }
+
+    async fn with_store(store: kv::Store, opts: NatsKvOptions) -> Result<Self> {
+        let ledger = NatsKvLedger {
+            inner: Arc::new(Inner {
+                store,
+                opts,
+                clock: ServerClock::default(),
+                revisions: Mutex::new(HashMap::new()),
+            }),
+        };
+        ledger.now().await?;
+        Ok(ledger)
+    }
+
+    /// The underlying bucket.
+    pub fn store(&self) -> &kv::Store {
+        &self.inner.store
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &NatsKvOptions {
+        &self.inner.opts
+    }
+
+    fn subject(&self, kv_key: &str) -> String {
+        format!("{}{}", self.inner.store.prefix, kv_key)
+    }
+
+    /// A lower bound of the server's current time (see the crate docs).
+    async fn now(&self) -> Result<SystemTime> {
+        // Whole microseconds, the unit records store, so a lease's
+        // first_claimed_at equals the stored one exactly.
+        self.now_exact().await.map(|t| from_micros(to_micros(t)))
+    }
+
+    async fn now_exact(&self) -> Result<SystemTime> {
+        if let Some(now) = self.inner.clock.fresh_now() {
+            return Ok(now);
+        }
+        let _single = self.inner.clock.probing.lock().await;
+        if let Some(now) = self.inner.clock.fresh_now() {
+            return Ok(now);
+        }
+        self.inner
+            .store
+            .put(CLOCK_KEY, bytes::Bytes::new())
+            .await
+            .map_err(|e| backend_err("clock probe", e))?;
+        let msg = self
+            .inner
+            .store
+            .stream
+            .get_last_raw_message_by_subject(&self.subject(CLOCK_KEY))
+            .await
+            .map_err(|e| backend_err("clock probe", e))?;
+        self.inner
+            .clock
+            .probed(SystemTime::from(msg.time), Instant::now());
+        self.inner
+            .clock
+            .fresh_now()
+            .ok_or_else(|| backend_err("clock probe", "no sample"))
+    }
+
+    /// Reads a key's latest revision from the stream leader (a direct get may
+    /// be answered by a lagging replica).
+    async fn read(&self, kv_key: &str) -> Result<Option<Current>> {
+        use async_nats::jetstream::stream::LastRawMessageErrorKind as K;
+        let msg = match self
+            .inner
+            .store
+            .stream
+            .get_last_raw_message_by_subject(&self.subject(kv_key))
+            .await
+        {
+            Ok(m) => m,
+            Err(e) if e.kind() == K::NoMessageFound => return Ok(None),
+            Err(e) => return Err(backend_err("read", e)),
+        };
+        let at = SystemTime::from(msg.time);
+        self.inner.clock.observe(at);
+        let deleted = msg
+            .headers
+            .get("KV-Operation")
+            .is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"));
+        let value = if deleted {
+            None
+        } else {
+            Some(Stored::decode(&msg.payload).map_err(|e| Error::Corrupt {
+                backend: BACKEND,
+                message: format!("value at {kv_key} is not an oncely record: {e}"),
+            })?)
+        };
+        Ok(Some(Current {
+            revision: msg.sequence,
+            at,
+            value,
+        }))
+    }
+
+    /// A write that succeeds only if the key's latest revision is `revision`
+    /// (0: the key has never been written, or its history is gone).
+    async fn write(&self, kv_key: &str, value: &Stored, revision: u64) -> Result<Write> {
+        let bytes = value.encode()?;
+        match self.inner.store.update(kv_key, bytes, revision).await {
+            Ok(rev) => Ok(Write::Done(rev)),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(Write::Conflict),
+            Err(e) => Err(backend_err("write", e)),
+        }
+    }
+
+    fn remember(&self, kv_key: &str, revision: u64, value: Stored) {
+        let mut c = self.inner.revisions.lock().unwrap_or_else(|p| p.into_inner());
+        if c.len() >= REVISION_CACHE {
+            // Leases that were never completed (crashed handlers, dropped
+            // futures) would otherwise pile up; forgetting only costs a read.
+            c.clear();
+        }
+        c.insert(kv_key.to_owned(), (revision, value));
+    }
+
+    fn recall(&self, kv_key: &str, fence: u64) -> Option<(u64, Stored)> {
+        let mut c = self.inner.revisions.lock().unwrap_or_else(|p| p.into_inner());
+        match c.remove(kv_key) {
+            Some((rev, v)) if v.fence == fence => Some((rev, v)),
+            _ => None,
+        }
+    }
+
+    fn check_retention(&self, retention: Duration) -> Result<()> {
+        if retention > self.inner.opts.max_age {
+            return Err(Error::Misuse(format!(
+                "retention {retention:?} exceeds the bucket's max_age {:?}",
+                self.inner.opts.max_age
+            )));
+        }
+        Ok(())
+    }
+
+    fn decode_key(&self, stored: &Stored, expected: Option<&EffectKey>) -> Result<EffectKey> {
+        let key = EffectKey::parse(&stored.key).map_err(|e| Error::Corrupt {
+            backend: BACKEND,
+            message: format!("stored key {:?}: {e}", stored.key),
+        })?;
+        if let Some(exp) = expected
+            && &key != exp
+        {
+            return Err(Error::Corrupt {
+                backend: BACKEND,
+                message: format!("KV key of {exp} holds {key}"),
+            });
+        }
+        Ok(key)
+    }
+
+    fn view(&self, key: EffectKey, s: &Stored, at: SystemTime, now: SystemTime) -> Result<Record> {
+        let mut state = s.state()?;
+        let lease_end = at + Duration::from_micros(s.lease_us);
+        if state == RecordState::InProgress && s.amo && lease_end <= now {
+            state = RecordState::Abandoned;
+        }
+        Ok(Record {
+            key,
+            state,
+            fence: s.fence,
+            fingerprint: s.fingerprint()?,
+            outcome: s.outcome()?,
+            at_most_once: s.amo,
+            created_at: from_micros(s.first_us),
+            updated_at: at,
+            lease_expires_at: matches!(state, RecordState::InProgress | RecordState::Abandoned)
+                .then_some(lease_end),
+            retain_until: at + Duration::from_micros(s.retention_us),
+            read_at: now.max(at),
+        })
+    }
+
+    async fn claim_inner(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
+        let kk = kv_key(key);
+        let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        // Most claims are of new keys: try the insert first, unless the
+        // horizon check needs to know whether the key exists.
+        let mut known: Option<Option<Current>> = if opts.sent_at.is_some() { None } else { Some(None) };
+        for _ in 0..MAX_ATTEMPTS {
+            let cur = match known.take() {
+                Some(c) => c,
+                None => self.read(&kk).await?,
+            };
+            let now = self.now().await?;
+            let (revision, prev) = match cur {
+                None => (0, None),
+                Some(Current {
+                    revision,
+                    value: None,
+                    ..
+                }) => (revision, None),
+                Some(Current {
+                    revision,
+                    at,
+                    value: Some(v),
+                }) => (revision, Some((at, v))),
+            };
+            let Some((at, prev)) = prev else {
+                if opts.sent_at.is_some_and(|s| s + opts.retention < now) {
+                    return Err(Error::BeyondHorizon { key: key.to_string() });
+                }
+                let value = Stored {
+                    v: 1,
+                    key: key.to_string(),
+                    state: RecordState::InProgress.as_str().to_owned(),
+                    fence: 1,
+                    fp: opts.fingerprint.map(|f| f.to_hex()),
+                    outcome: None,
+                    amo: opts.at_most_once,
+                    first_us: to_micros(now),
+                    lease_us: micros(opts.lease),
+                    retention_us: micros(opts.retention),
+                };
+                match self.write(&kk, &value, revision).await? {
+                    Write::Done(rev) => {
+                        self.remember(&kk, rev, value);
+                        return Ok(Claim::Acquired(Lease {
+                            key: key.clone(),
+                            fence: 1,
+                            expires_at: now + opts.lease,
+                            first_claimed_at: now,
+                            acquired_at: now,
+                            taken_over: false,
+                            at_most_once: opts.at_most_once,
+                        }));
+                    }
+                    Write::Conflict => continue,
+                }
+            };
+            self.decode_key(&prev, Some(key))?;
+            let stored_fp = prev.fingerprint()?;
+            if let (Some(stored), Some(given)) = (stored_fp, opts.fingerprint)
+                && stored != given
+            {
+                return Err(Error::FingerprintMismatch { key: key.to_string() });
+            }
+            let now = now.max(at);
+            let lease_end = at + Duration::from_micros(prev.lease_us);
+            let expired = lease_end <= now;
+            match prev.state()? {
+                RecordState::Completed => {
+                    return Ok(Claim::Completed(self.view(key.clone(), &prev, at, now)?));
+                }
+                RecordState::InProgress if !expired => {
+                    return Ok(Claim::InProgress {
+                        fence: prev.fence,
+                        expires_at: lease_end,
+                        first_claimed_at: from_micros(prev.first_us),
+                        read_at: now,
+                    });
+                }
+                RecordState::InProgress if prev.amo => {
+                    return Ok(Claim::Abandoned(self.view(key.clone(), &prev, at, now)?));
+                }
+                _ => {}
+            }
+            let value = Stored {
+                state: RecordState::InProgress.as_str().to_owned(),
+                fence: prev.fence + 1,
+                fp: prev.fp.clone().or_else(|| opts.fingerprint.map(|f| f.to_hex())),
+                outcome: None,
+                amo: opts.at_most_once,
+                lease_us: micros(opts.lease),
+                retention_us: micros(opts.retention),
+                ..prev
+            };
+            match self.write(&kk, &value, revision).await? {
+                Write::Done(rev) => {
+                    let lease = Lease {
+                        key: key.clone(),
+                        fence: value.fence,
+                        expires_at: now + opts.lease,
+                        first_claimed_at: from_micros(value.first_us),
+                        acquired_at: now,
+                        taken_over: true,
+                        at_most_once: opts.at_most_once,
+                    };
+                    self.remember(&kk, rev, value);
+                    return Ok(Claim::Acquired(lease));
+                }
+                Write::Conflict => continue,
+            }
+        }
+        Err(backend_err(
+            "claim",
+            format!("{key}: gave up after {MAX_ATTEMPTS} lost races"),
+        ))
+    }
+
+    /// A write made with a lease: succeeds only while the record is in
+    /// progress at the lease's fence. Returns the new value's revision.
+    async fn fenced(&self, lease: &Lease, change: impl Fn(&mut Stored)) -> Result<(u64, Stored)> {
+        let kk = kv_key(&lease.key);
+        if let Some((rev, mut value)) = self.recall(&kk, lease.fence) {
+            change(&mut value);
+            if let Write::Done(new_rev) = self.write(&kk, &value, rev).await? {
+                return Ok((new_rev, value));
+            }
+        }
+        let lost = || {
+            telemetry::fence_rejected(&lease.key);
+            Error::LeaseLost {
+                key: lease.key.to_string(),
+                fence: lease.fence,
+            }
+        };
+        for _ in 0..MAX_ATTEMPTS {
+            let Some(Current {
+                revision,
+                value: Some(mut value),
+                ..
+            }) = self.read(&kk).await?
+            else {
+                return Err(lost());
+            };
+            self.decode_key(&value, Some(&lease.key))?;
+            if value.fence != lease.fence || value.state()? != RecordState::InProgress {
+                return Err(lost());
+            }
+            change(&mut value);
+            match self.write(&kk, &value, revision).await? {
+                Write::Done(new_rev) => return Ok((new_rev, value)),
+                Write::Conflict => continue,
+            }
+        }
+        Err(backend_err(
+            "fenced write",
+            format!("{}: gave up after {MAX_ATTEMPTS} lost races", lease.key),
+        ))
+    }
+
+    /// The latest revision of every key under `filter` (a subject), read by
+    /// an ordered consumer that delivers the last message per subject.
+    async fn scan(&self, filter: String) -> Result<Vec<(String, Current)>> {
+        use async_nats::jetstream::consumer::{DeliverPolicy, ReplayPolicy, push};
+        let consumer = self
+            .inner
+            .store
+            .stream
+            .create_consumer(push::OrderedConfig {
+                deliver_subject: inbox(),
+                filter_subject: filter,
+                deliver_policy: DeliverPolicy::LastPerSubject,
+                replay_policy: ReplayPolicy::Instant,
+                description: Some("oncely scan".to_owned()),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| backend_err("scan", e))?;
+        let mut out = Vec::new();
+        if consumer.cached_info().num_pending == 0 {
+            return Ok(out);
+        }
+        let mut messages = consumer.messages().await.map_err(|e| backend_err("scan", e))?;
+        let prefix = self.inner.store.prefix.clone();
+        loop {
+            // The pending count can go stale if keys are removed while the
+            // scan runs; an idle consumer means everything was delivered.
+            let next = match tokio::time::timeout(Duration::from_secs(2), messages.next()).await {
+                Ok(Some(m)) => m.map_err(|e| backend_err("scan", e))?,
+                Ok(None) | Err(_) => break,
+            };
+            let info = next.info().map_err(|e| backend_err("scan", e))?;
+            let (pending, revision, at) = (
+                info.pending,
+                info.stream_sequence,
+                SystemTime::from(info.published),
+            );
+            let deleted = next
+                .headers
+                .as_ref()
+                .and_then(|h| h.get("KV-Operation"))
+                .is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"));
+            if let Some(k) = next.subject.strip_prefix(prefix.as_str())
+                && k != CLOCK_KEY
+            {
+                self.inner.clock.observe(at);
+                let value = if deleted {
+                    None
+                } else {
+                    match Stored::decode(&next.payload) {
+                        Ok(v) => Some(v),
+                        Err(e) => {
+                            tracing::warn!(kv_key = k, error = %e, "skipping a value that is not an oncely record");
+                            None
+                        }
+                    }
+                };
+                out.push((k.to_owned(), Current { revision, at, value }));
+            }
+            if pending == 0 {
+                break;
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn inbox() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    let mut h = blake3::Hasher::new();
+    h.update(&std::process::id().to_le_bytes());
+    h.update(&nanos.to_le_bytes());
+    h.update(&SEQ.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+    format!("_INBOX.oncely.{}", &h.finalize().to_hex()[..32])
+}
+
+/// Opens the bucket, creating it when absent, and checks its settings.
+async fn open_bucket(js: &jetstream::Context, opts: &NatsKvOptions) -> Result<kv::Store> {
+    let mut last = String::new();
+    for _ in 0..3 {
+        match existing_bucket(js, opts).await? {
+            Some(store) => return Ok(store),
+            None => {
+                // The stream a KV bucket is made of, written out: the client's
+                // create_key_value asks for account info in a newer shape
+                // than NATS 2.9 sends.
+                let created = js
+                    .create_stream(stream::Config {
+                        name: format!("KV_{}", opts.bucket),
+                        description: Some("oncely effect ledger".to_owned()),
+                        subjects: vec![format!("$KV.{}.>", opts.bucket)],
+                        max_messages_per_subject: 1,
+                        max_messages: -1,
+                        max_bytes: -1,
+                        max_age: opts.max_age,
+                        max_message_size: -1,
+                        storage: stream::StorageType::File,
+                        num_replicas: opts.replicas,
+                        allow_rollup: true,
+                        deny_delete: true,
+                        deny_purge: false,
+                        allow_direct: true,
+                        discard: stream::DiscardPolicy::New,
+                        duplicate_window: Duration::from_secs(120),
+                        ..Default::default()
+                    })
+                    .await;
+                match created {
+                    Ok(_) => continue,
+                    // Another process may have created it meanwhile, with our
+                    // settings or others: look again and judge what is there.
+                    Err(e) => {
+                        tracing::debug!(error = %e, "bucket create failed; re-reading");
+                        last = format!("{e}: {:?}", std::error::Error::source(&e));
+                    }
+                }
+            }
+        }
+    }
+    Err(backend_err(
+        "open bucket",
+        format!("could not create or open bucket {}: {last}", opts.bucket),
+    ))
+}
+
+async fn existing_bucket(js: &jetstream::Context, opts: &NatsKvOptions) -> Result<Option<kv::Store>> {
+    use async_nats::jetstream::context::GetStreamErrorKind;
+    match js.get_stream(format!("KV_{}", opts.bucket)).await {
+        Ok(s) => check_bucket(&s.cached_info().config, opts)?,
+        Err(e) => {
+            return match e.kind() {
+                GetStreamErrorKind::JetStream(j)
+                    if j.error_code() == async_nats::jetstream::ErrorCode::STREAM_NOT_FOUND =>
+                {
+                    Ok(None)
+                }
+                _ => Err(backend_err("open bucket", e)),
+            };
+        }
+    }
+    js.get_key_value(&opts.bucket)
+        .await
+        .map(Some)
+        .map_err(|e| backend_err("open bucket", e))
+}
+
+/// Refuses a bucket whose settings could lose or drop records.
+fn check_bucket(c: &stream::Config, opts: &NatsKvOptions) -> Result<()> {
+    let mut problems = Vec::new();
+    if c.max_messages_per_subject != 1 {
+        problems.push(format!("history is {} (must be 1)", c.max_messages_per_subject));
+    }
+    if c.num_replicas.max(1) != opts.replicas {
+        problems.push(format!(
+            "replicas are {} (configured {})",
+            c.num_replicas, opts.replicas
+        ));
+    }
+    if c.storage != stream::StorageType::File {
+        problems.push("storage is memory (must be file)".to_owned());
+    }
+    if !c.max_age.is_zero() && c.max_age < opts.max_age {
+        problems.push(format!(
+            "max_age is {:?}, shorter than the configured {:?}",
+            c.max_age, opts.max_age
+        ));
+    }
+    if c.max_messages > 0 {
+        problems.push(format!(
+            "max_msgs is {} (would drop live records)",
+            c.max_messages
+        ));
+    }
+    if c.max_bytes > 0 {
+        problems.push(format!("max_bytes is {} (would drop live records)", c.max_bytes));
+    }
+    if c.max_message_size > 0 && (c.max_message_size as usize) < MAX_VALUE_BYTES {
+        problems.push(format!(
+            "max_value_size is {} (records need up to {MAX_VALUE_BYTES})",
+            c.max_message_size
+        ));
+    }
+    if c.sealed {
+        problems.push("the bucket is sealed".to_owned());
+    }
+    if c.mirror.is_some() {
+        problems.push("the bucket is a mirror (read-only)".to_owned());
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::Config(format!(
+            "NATS KV bucket {} is incompatible with oncely: {}; it was left unchanged",
+            opts.bucket,
+            problems.join("; ")
+        )))
+    }
+}
+
+impl Ledger for NatsKvLedger {
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            caller_transaction: false,
+            durability: "JetStream file storage",
+            replicated: self.inner.opts.replicas > 1,
+            clock: "NATS server timestamps",
+            max_key_bytes: oncely::MAX_KEY_BYTES,
+            max_outcome_bytes: oncely::MAX_OUTCOME_BYTES,
+        }
+    }
+
+    async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
+        opts.validate()?;
+        self.check_retention(opts.retention)?;
+        let span = tracing::info_span!(
+            telemetry::CLAIM_SPAN,
+            effect_key = %key,
+            tenant = %key.tenant(),
+            kind = key.kind(),
+            fence = tracing::field::Empty,
+            result = tracing::field::Empty,
+        );
+        let started = Instant::now();
+        let claim = self.claim_inner(key, opts).instrument(span.clone()).await?;
+        match &claim {
+            Claim::Acquired(l) => span.record("fence", l.fence),
+            Claim::InProgress { fence, .. } => span.record("fence", *fence),
+            Claim::Completed(r) | Claim::Abandoned(r) => span.record("fence", r.fence),
+        };
+        span.record("result", claim.label());
+        telemetry::claim_recorded(BACKEND, key, claim.label(), started.elapsed());
+        Ok(claim)
+    }
+
+    async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
+        if outcome.len() > oncely::MAX_OUTCOME_BYTES {
+            return Err(Error::OutcomeTooLarge {
+                size: outcome.len(),
+                max: oncely::MAX_OUTCOME_BYTES,
+            });
+        }
+        self.fenced(lease, |v| {
+            v.set_state(RecordState::Completed);
+            v.set_outcome(Some(outcome));
+        })
+        .await?;
+        Ok(())
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<()> {
+        self.fenced(lease, |v| v.set_state(RecordState::Released)).await?;
+        Ok(())
+    }
+
+    async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
+        if extend_by < Duration::from_millis(1) || extend_by > MAX_LEASE {
+            return Err(Error::Misuse(format!(
+                "a lease must be extended by 1 ms to 1 day, got {extend_by:?}"
+            )));
+        }
+        let now = self.now().await?;
+        let us = u64::try_from(extend_by.as_micros()).unwrap_or(u64::MAX);
+        let (rev, value) = self.fenced(lease, |v| v.lease_us = us).await?;
+        self.remember(&kv_key(&lease.key), rev, value);
+        Ok(Lease {
+            expires_at: now + extend_by,
+            ..lease.clone()
+        })
+    }
+
+    async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
+        let Some(Current {
+            at, value: Some(v), ..
+        }) = self.read(&kv_key(key)).await?
+        else {
+            return Ok(None);
+        };
+        let now = self.now().await?;
+        let k = self.decode_key(&v, Some(key))?;
+        self.view(k, &v, at, now).map(Some)
+    }
+
+    async fn prune(&self, limit: u64) -> Result<u64> {
+        let entries = self.scan(format!("{}>", self.inner.store.prefix)).await?;
+        let now = self.now().await?;
+        let mut pruned = 0;
+        for (kk, cur) in entries {
+            if pruned >= limit {
+                break;
+            }
+            let Some(v) = cur.value else { continue };
+            let Ok(state) = v.state() else { continue };
+            let due = cur.at + Duration::from_micros(v.retention_us) <= now;
+            if !(due && matches!(state, RecordState::Completed | RecordState::Released)) {
+                continue;
+            }
+            // Revision-checked: a record taken over since the scan stays.
+            match self
+                .inner
+                .store
+                .delete_expect_revision(&kk, Some(cur.revision))
+                .await
+            {
+                Ok(()) => pruned += 1,
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {}
+                Err(e) => return Err(backend_err("prune", e)),
+            }
+        }
+        Ok(pruned)
+    }
+
+    async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
+        let entries = self
+            .scan(format!("{}{}.*", self.inner.store.prefix, tenant_token(tenant)))
+            .await?;
+        let now = self.now().await?;
+        let mut out = Vec::new();
+        for (_, cur) in entries {
+            let Some(v) = cur.value else { continue };
+            let Ok(key) = self.decode_key(&v, None) else {
+                continue;
+            };
+            if key.tenant() != tenant {
+                continue;
+            }
+            let r = self.view(key, &v, cur.at, now)?;
+            if r.state == RecordState::Abandoned {
+                out.push(r);
+            }
+        }
+        out.sort_by_key(|r| r.created_at);
+        out.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
+        Ok(out)
+    }
+}
