@@ -91,8 +91,8 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use oncely::{
-    Capabilities, Claim, ClaimOptions, EffectKey, Error, Fingerprint, Lease, Ledger, Outcome, Record, RecordState,
-    Result, Tenant, TransactionalLedger, duration_micros, from_micros, to_micros,
+    Capabilities, Claim, ClaimOptions, EffectKey, Error, Fingerprint, Lease, Ledger, Outcome, Record,
+    RecordState, Result, Tenant, TransactionalLedger, duration_micros, from_micros, to_micros,
 };
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow};
 use sqlx::{AssertSqlSafe, Connection, Row};
@@ -101,8 +101,8 @@ use crate::error::{BACKEND, corrupt, map, map_connect};
 use crate::queries::Queries;
 
 pub use sqlx;
-pub use sqlx::sqlite::{Sqlite, SqliteConnection, SqlitePool, SqliteSynchronous};
 pub use sqlx::Transaction;
+pub use sqlx::sqlite::{Sqlite, SqliteConnection, SqlitePool, SqliteSynchronous};
 
 /// Maps a sqlx error (from your own statements in a transaction from
 /// [`SqliteLedger::begin`], or its commit) the way the ledger maps its own:
@@ -295,7 +295,12 @@ impl SqliteLedger {
                 queries::SCHEMA_VERSION
             )));
         }
-        for step in self.q.migrations.iter().skip(usize::try_from(current).unwrap_or(0)) {
+        for step in self
+            .q
+            .migrations
+            .iter()
+            .skip(usize::try_from(current).unwrap_or(0))
+        {
             sqlx::raw_sql(AssertSqlSafe(step.clone()))
                 .execute(&mut *tx)
                 .await
@@ -333,7 +338,12 @@ impl SqliteLedger {
         self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(map)
     }
 
-    async fn claim_on(&self, conn: &mut SqliteConnection, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
+    async fn claim_on(
+        &self,
+        conn: &mut SqliteConnection,
+        key: &EffectKey,
+        opts: &ClaimOptions,
+    ) -> Result<Claim> {
         opts.validate()?;
         let retention = duration_micros(opts.retention);
         let sent_at = opts.sent_at.map(to_micros);
@@ -483,10 +493,7 @@ fn decode_record(row: &SqliteRow) -> Result<Record> {
         .map_err(|e| corrupt(format!("row {stored:?}: {e}")))?;
     let at_most_once: bool = row.try_get(8).map_err(map)?;
     let ts = |i: usize| -> Result<SystemTime> { Ok(from_micros(row.try_get(i).map_err(map)?)) };
-    let lease_expires_at = row
-        .try_get::<Option<i64>, _>(11)
-        .map_err(map)?
-        .map(from_micros);
+    let lease_expires_at = row.try_get::<Option<i64>, _>(11).map_err(map)?.map(from_micros);
     let read_at = ts(13)?;
     if state == RecordState::InProgress && at_most_once && lease_expires_at.is_some_and(|e| e <= read_at) {
         state = RecordState::Abandoned;
@@ -602,7 +609,12 @@ impl TransactionalLedger for SqliteLedger {
     /// Claims on the caller's connection, inside its transaction: the claim
     /// commits or rolls back with it. Start the transaction with
     /// [`SqliteLedger::begin`] so a concurrent duplicate waits for the commit.
-    async fn claim_in(&self, conn: &mut SqliteConnection, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
+    async fn claim_in(
+        &self,
+        conn: &mut SqliteConnection,
+        key: &EffectKey,
+        opts: &ClaimOptions,
+    ) -> Result<Claim> {
         self.claim_on(conn, key, opts).await
     }
 

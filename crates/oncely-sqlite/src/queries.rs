@@ -189,7 +189,16 @@ mod tests {
         for ok in ["oncely_effects", "a", "_x9", "Effects2"] {
             assert!(check_table_name(ok).is_ok(), "{ok}");
         }
-        for bad in ["", "9a", "a-b", "a b", "a\"b", "sqlite_x", "SQLITE_master", &"x".repeat(49)] {
+        for bad in [
+            "",
+            "9a",
+            "a-b",
+            "a b",
+            "a\"b",
+            "sqlite_x",
+            "SQLITE_master",
+            &"x".repeat(49),
+        ] {
             assert!(matches!(check_table_name(bad), Err(Error::Config(_))), "{bad}");
         }
     }

@@ -1,0 +1,374 @@
+//! SQLite-specific behaviour: claims inside the caller's transaction, fail
+//! closed on an unopenable file, migrations, durability across reopening.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use oncely::conformance::fresh_tenant;
+use oncely::{
+    Claim, ClaimOptions, EffectKey, Effects, Error, Ledger, Outcome, RecordState, Tenant, TransactionalLedger,
+};
+use oncely_sqlite::{SqliteConnection, SqliteLedger, SqliteLedgerOptions, SqlitePool};
+use sqlx::sqlite::SqliteConnectOptions;
+
+async fn open(dir: &tempfile::TempDir, name: &str) -> SqliteLedger {
+    let url = format!("sqlite:{}", dir.path().join(name).display());
+    let ledger = SqliteLedger::connect_with(&url, SqliteLedgerOptions::default().max_connections(40))
+        .await
+        .unwrap();
+    sqlx::query("CREATE TABLE IF NOT EXISTS orders (id TEXT PRIMARY KEY, amount INTEGER NOT NULL)")
+        .execute(ledger.pool())
+        .await
+        .unwrap();
+    ledger
+}
+
+fn key(t: &Tenant, subject: &str) -> EffectKey {
+    EffectKey::new(t, "ship", subject).unwrap()
+}
+
+async fn orders(pool: &SqlitePool, id: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM orders WHERE id = ?1")
+        .bind(id)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+async fn insert_order(conn: &mut SqliteConnection, id: &str) {
+    sqlx::query("INSERT INTO orders (id, amount) VALUES (?1, 1250)")
+        .bind(id)
+        .execute(conn)
+        .await
+        .unwrap();
+}
+
+/// One delivery in the `Transactional` mode: claim, business write and
+/// completion in one `BEGIN IMMEDIATE` transaction. Returns whether this
+/// delivery performed the write; retries a busy `begin` like a consumer would.
+async fn deliver(ledger: &SqliteLedger, k: &EffectKey, order: &str) -> (bool, Outcome) {
+    loop {
+        let mut tx = match ledger.begin().await {
+            Ok(tx) => tx,
+            Err(e) if e.is_retryable() => continue,
+            Err(e) => panic!("{e:?}"),
+        };
+        // Handlers often read before they claim; under a deferred BEGIN that
+        // read's snapshot would make the claim fail with SQLITE_BUSY.
+        sqlx::query("SELECT count(*) FROM orders")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        match ledger
+            .claim_in(&mut tx, k, &ClaimOptions::default())
+            .await
+            .unwrap()
+        {
+            Claim::Acquired(lease) => {
+                insert_order(&mut tx, order).await;
+                let outcome = Outcome::from_json(&format!("shipped-{}", lease.fence)).unwrap();
+                ledger.complete_in(&mut tx, &lease, &outcome).await.unwrap();
+                tx.commit().await.unwrap();
+                return (true, outcome);
+            }
+            Claim::Completed(r) => return (false, r.outcome.unwrap()),
+            other => panic!("inside BEGIN IMMEDIATE a duplicate sees the committed state, got {other:?}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn claim_business_write_and_completion_commit_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = open(&dir, "commit.db").await;
+    let k = key(&fresh_tenant(), "order-1");
+    let (performed, outcome) = deliver(&ledger, &k, "order-1").await;
+    assert!(performed);
+    let r = ledger.get(&k).await.unwrap().unwrap();
+    assert_eq!(r.state, RecordState::Completed);
+    assert_eq!(r.outcome.as_ref(), Some(&outcome));
+    assert_eq!(orders(ledger.pool(), "order-1").await, 1);
+    // A redelivery in its own transaction replays and writes nothing.
+    let (again, replayed) = deliver(&ledger, &k, "order-1").await;
+    assert!(!again);
+    assert_eq!(replayed, outcome);
+    assert_eq!(orders(ledger.pool(), "order-1").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rollback_leaves_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = open(&dir, "rollback.db").await;
+    let k = key(&fresh_tenant(), "order-2");
+    let mut tx = ledger.begin().await.unwrap();
+    let lease = match ledger
+        .claim_in(&mut tx, &k, &ClaimOptions::default())
+        .await
+        .unwrap()
+    {
+        Claim::Acquired(l) => l,
+        other => panic!("{other:?}"),
+    };
+    insert_order(&mut tx, "order-2").await;
+    ledger
+        .complete_in(&mut tx, &lease, &Outcome::from_json(&"shipped").unwrap())
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    assert!(
+        ledger.get(&k).await.unwrap().is_none(),
+        "no claim row after rollback"
+    );
+    assert_eq!(
+        orders(ledger.pool(), "order-2").await,
+        0,
+        "no order row after rollback"
+    );
+
+    // Dropping the transaction (a cancelled handler) is a rollback too, and
+    // the connection it used comes back clean: the next claim commits.
+    {
+        let mut tx = ledger.begin().await.unwrap();
+        assert!(matches!(
+            ledger
+                .claim_in(&mut tx, &k, &ClaimOptions::default())
+                .await
+                .unwrap(),
+            Claim::Acquired(_)
+        ));
+        insert_order(&mut tx, "order-2").await;
+    }
+    assert!(ledger.get(&k).await.unwrap().is_none());
+    assert_eq!(orders(ledger.pool(), "order-2").await, 0);
+    let (performed, _) = deliver(&ledger, &k, "order-2").await;
+    assert!(performed);
+    assert_eq!(ledger.get(&k).await.unwrap().unwrap().fence, 1);
+    assert_eq!(orders(ledger.pool(), "order-2").await, 1);
+}
+
+/// A duplicate on another connection waits at `begin` while the first holds
+/// its transaction, then sees `Completed` (first committed) or acquires
+/// (first rolled back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicate_waits_for_the_first_transaction() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = open(&dir, "wait.db").await;
+    let t = fresh_tenant();
+    for commit in [true, false] {
+        let order = format!("order-wait-{commit}");
+        let k = key(&t, &order);
+        let mut tx = ledger.begin().await.unwrap();
+        let lease = match ledger
+            .claim_in(&mut tx, &k, &ClaimOptions::default())
+            .await
+            .unwrap()
+        {
+            Claim::Acquired(l) => l,
+            other => panic!("{other:?}"),
+        };
+        insert_order(&mut tx, &order).await;
+        let (second_started, second_claimed) = (
+            Arc::new(tokio::sync::Notify::new()),
+            Arc::new(AtomicUsize::new(0)),
+        );
+        let dup = {
+            let (ledger, k, order) = (ledger.clone(), k.clone(), order.clone());
+            let (started, claimed) = (second_started.clone(), second_claimed.clone());
+            tokio::spawn(async move {
+                started.notify_one();
+                let mut tx = ledger.begin().await.unwrap();
+                let claim = ledger
+                    .claim_in(&mut tx, &k, &ClaimOptions::default())
+                    .await
+                    .unwrap();
+                claimed.store(1, Ordering::SeqCst);
+                if let Claim::Acquired(l) = &claim {
+                    insert_order(&mut tx, &order).await;
+                    ledger
+                        .complete_in(&mut tx, l, &Outcome::from_json(&"second").unwrap())
+                        .await
+                        .unwrap();
+                    tx.commit().await.unwrap();
+                }
+                claim
+            })
+        };
+        second_started.notified().await;
+        // The first still holds the write lock: whatever the scheduling, the
+        // duplicate cannot have claimed yet.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            second_claimed.load(Ordering::SeqCst),
+            0,
+            "the duplicate did not wait"
+        );
+        if commit {
+            ledger
+                .complete_in(&mut tx, &lease, &Outcome::from_json(&"first").unwrap())
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            match dup.await.unwrap() {
+                Claim::Completed(r) => assert_eq!(r.outcome.unwrap().to_value::<String>().unwrap(), "first"),
+                other => panic!("expected Completed after the first commit, got {other:?}"),
+            }
+        } else {
+            tx.rollback().await.unwrap();
+            match dup.await.unwrap() {
+                Claim::Acquired(l) => assert_eq!(l.fence, 1, "the rolled-back claim never existed"),
+                other => panic!("expected Acquired after the first rolled back, got {other:?}"),
+            }
+        }
+        assert_eq!(orders(ledger.pool(), &order).await, 1);
+    }
+}
+
+/// Many concurrent deliveries, each in its own transaction on its own
+/// connection: exactly one business write, and every duplicate replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_transactional_deliveries_write_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = open(&dir, "race.db").await;
+    let t = fresh_tenant();
+    for round in 0..3 {
+        let order = format!("order-race-{round}");
+        let k = key(&t, &order);
+        let barrier = Arc::new(tokio::sync::Barrier::new(24));
+        let mut tasks = Vec::new();
+        for _ in 0..24 {
+            let (ledger, k, order, barrier) = (ledger.clone(), k.clone(), order.clone(), barrier.clone());
+            tasks.push(tokio::spawn(async move {
+                barrier.wait().await;
+                deliver(&ledger, &k, &order).await
+            }));
+        }
+        let mut performed = 0;
+        let mut outcomes = std::collections::HashSet::new();
+        for task in tasks {
+            let (did, outcome) = task.await.unwrap();
+            performed += usize::from(did);
+            outcomes.insert(outcome.into_bytes());
+        }
+        assert_eq!(performed, 1, "exactly one delivery writes");
+        assert_eq!(outcomes.len(), 1, "every delivery sees the one outcome");
+        assert_eq!(orders(ledger.pool(), &order).await, 1);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unopenable_database_fails_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-such-dir").join("ledger.db");
+    let e = SqliteLedger::connect(&format!("sqlite:{}", missing.display()))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Unavailable {
+                backend: "sqlite",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(e.is_retryable());
+
+    // A lazily opened pool reaches the file only on the first claim: the
+    // claim fails closed and the effect never runs.
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_lazy_with(SqliteConnectOptions::new().filename(&missing));
+    let effects = Effects::new(SqliteLedger::from_pool(pool));
+    let ran = AtomicUsize::new(0);
+    let e = effects
+        .run(&key(&fresh_tenant(), "order-3"), &ClaimOptions::default(), |_| {
+            ran.fetch_add(1, Ordering::SeqCst);
+            async { Ok(1u32) }
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Unavailable { .. }), "{e:?}");
+    assert_eq!(ran.load(Ordering::SeqCst), 0, "no effect runs without the ledger");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_urls_and_table_names_are_config_errors() {
+    for url in ["sqlite::memory:", "sqlite://file?mode=memory"] {
+        assert!(
+            matches!(SqliteLedger::connect(url).await, Err(Error::Config(_))),
+            "{url}"
+        );
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("t.db").display());
+    let e = SqliteLedger::connect_with(&url, SqliteLedgerOptions::default().table("x; DROP TABLE y"))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Config(_)), "{e:?}");
+    assert!(!dir.path().join("t.db").exists(), "a bad option opens nothing");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_run_twice_are_a_no_op() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = open(&dir, "migrate.db").await;
+    let k = key(&fresh_tenant(), "order-4");
+    let lease = match ledger.claim(&k, &ClaimOptions::default()).await.unwrap() {
+        Claim::Acquired(l) => l,
+        other => panic!("{other:?}"),
+    };
+    ledger.migrate().await.unwrap();
+    ledger.migrate().await.unwrap();
+    // Reconnecting migrates again; nothing changes.
+    let again = open(&dir, "migrate.db").await;
+    let version: i64 =
+        sqlx::query_scalar("SELECT version FROM oncely_schema WHERE table_name = 'oncely_effects'")
+            .fetch_one(again.pool())
+            .await
+            .unwrap();
+    assert_eq!(version, 1);
+    let r = again.get(&k).await.unwrap().unwrap();
+    assert_eq!((r.state, r.fence), (RecordState::InProgress, 1));
+    again
+        .complete(&lease, &Outcome::from_json(&1).unwrap())
+        .await
+        .unwrap();
+    // A second table in the same file has its own version row.
+    let other = SqliteLedger::from_pool(again.pool().clone())
+        .with_table("other_effects")
+        .unwrap();
+    other.migrate().await.unwrap();
+    other.migrate().await.unwrap();
+    assert!(other.get(&k).await.unwrap().is_none(), "tables are independent");
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM oncely_schema")
+        .fetch_one(again.pool())
+        .await
+        .unwrap();
+    assert_eq!(n, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completed_record_survives_reopening() {
+    let dir = tempfile::tempdir().unwrap();
+    let k = key(&fresh_tenant(), "order-5");
+    let outcome = Outcome::from_json(&serde_json::json!({"charge": "ch_1"})).unwrap();
+    {
+        let ledger = open(&dir, "durable.db").await;
+        let lease = match ledger.claim(&k, &ClaimOptions::default()).await.unwrap() {
+            Claim::Acquired(l) => l,
+            other => panic!("{other:?}"),
+        };
+        ledger.complete(&lease, &outcome).await.unwrap();
+        ledger.pool().close().await;
+    }
+    let reopened = open(&dir, "durable.db").await;
+    match reopened.claim(&k, &ClaimOptions::default()).await.unwrap() {
+        Claim::Completed(r) => {
+            assert_eq!(r.outcome.unwrap(), outcome);
+            assert_eq!(r.fence, 1);
+        }
+        other => panic!("expected the completed record after reopening, got {other:?}"),
+    }
+}
