@@ -16,8 +16,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use oncely::{
-    Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, MemoryLedger, Outcome, Record, Result,
-    Tenant,
+    Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, MemoryLedger, Outcome, Record,
+    Result, Tenant,
 };
 
 /// The schemes a database URL may start with, as shown in error messages.
@@ -44,7 +44,11 @@ impl Scheme {
     pub fn of_url(url: &str) -> Result<Scheme> {
         let url = url.trim();
         let scheme = match url.split_once(':') {
-            Some((s, _)) if !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"+-.".contains(&b)) => {
+            Some((s, _))
+                if !s.is_empty()
+                    && s.bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"+-.".contains(&b)) =>
+            {
                 s.to_ascii_lowercase()
             }
             _ => {
@@ -147,9 +151,13 @@ impl AnyLedger {
         let url = url.trim();
         match Scheme::of_url(url)? {
             #[cfg(feature = "sqlite")]
-            Scheme::Sqlite => Ok(AnyLedger::Sqlite(oncely_sqlite::SqliteLedger::connect(url).await?)),
+            Scheme::Sqlite => Ok(AnyLedger::Sqlite(
+                oncely_sqlite::SqliteLedger::connect(url).await?,
+            )),
             #[cfg(feature = "postgres")]
-            Scheme::Postgres => Ok(AnyLedger::Postgres(oncely_postgres::PgLedger::connect(url).await?)),
+            Scheme::Postgres => Ok(AnyLedger::Postgres(
+                oncely_postgres::PgLedger::connect(url).await?,
+            )),
             Scheme::Memory => Ok(AnyLedger::Memory(Arc::new(MemoryLedger::new()))),
             #[allow(unreachable_patterns)]
             other => Err(Error::Config(format!(
@@ -309,8 +317,15 @@ mod tests {
             Claim::Acquired(l) => l,
             other => panic!("expected Acquired, got {other:?}"),
         };
-        ledger.complete(&lease, &Outcome::from_json(&"ok").unwrap()).await.unwrap();
-        let again = ledger.clone().claim(&key, &ClaimOptions::default()).await.unwrap();
+        ledger
+            .complete(&lease, &Outcome::from_json(&"ok").unwrap())
+            .await
+            .unwrap();
+        let again = ledger
+            .clone()
+            .claim(&key, &ClaimOptions::default())
+            .await
+            .unwrap();
         assert!(matches!(again, Claim::Completed(_)), "{again:?}");
     }
 

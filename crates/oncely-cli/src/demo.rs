@@ -3,8 +3,9 @@
 //!
 //! `orders` orders each get a "charge" message delivered `deliveries_per_order`
 //! times. All deliveries of all orders are shuffled into one queue that
-//! `workers` tokio tasks consume at once, so deliveries of one order overlap
-//! the way broker redeliveries do. Each run has its own orders table in the
+//! `workers` tokio tasks consume at once; an order's copies arrive close
+//! together (see `delivery_queue`), so deliveries of one order really
+//! overlap, the way broker redeliveries do. Each run has its own orders table in the
 //! real database (status `new` → `paid`) and a fake payment provider whose
 //! call takes a few milliseconds, like a network call, and counts the charges
 //! it performed per order.
@@ -177,10 +178,16 @@ impl DemoReport {
             ));
         }
         if r.charges != self.orders {
-            problems.push(format!("oncely performed {} charges for {} orders", r.charges, self.orders));
+            problems.push(format!(
+                "oncely performed {} charges for {} orders",
+                r.charges, self.orders
+            ));
         }
         if r.orders_paid != self.orders {
-            problems.push(format!("only {} of {} orders are marked paid", r.orders_paid, self.orders));
+            problems.push(format!(
+                "only {} of {} orders are marked paid",
+                r.orders_paid, self.orders
+            ));
         }
         problems
     }
@@ -221,21 +228,33 @@ pub async fn run(config: &DemoConfig, progress: Arc<dyn Progress>) -> Result<Dem
     result
 }
 
-async fn run_both(config: &DemoConfig, run_id: &str, ledger: &AnyLedger, pool: &AnyPool, progress: Arc<dyn Progress>) -> Result<DemoReport> {
+async fn run_both(
+    config: &DemoConfig,
+    run_id: &str,
+    ledger: &AnyLedger,
+    pool: &AnyPool,
+    progress: Arc<dyn Progress>,
+) -> Result<DemoReport> {
     let seed = config.seed.unwrap_or_else(clock_seed);
-    let mut queue: Vec<u32> = (1..=config.orders)
-        .flat_map(|o| std::iter::repeat_n(o, config.deliveries_per_order as usize))
-        .collect();
-    Rng::new(seed).shuffle(&mut queue);
+    let queue = delivery_queue(config.orders, config.deliveries_per_order, config.workers, seed);
     let tenant = Tenant::new(format!("demo-{run_id}"))?;
 
     let mut reports = Vec::new();
     for guard in [Guard::Naive, Guard::Oncely] {
-        let orders = Orders::create(pool, &format!("oncely_demo_{run_id}_{}", guard.name()), config.orders).await?;
+        let orders = Orders::create(
+            pool,
+            &format!("oncely_demo_{run_id}_{}", guard.name()),
+            config.orders,
+        )
+        .await?;
         let ctx = Arc::new(Delivery {
             guard,
             orders: orders.clone(),
-            provider: Provider::new(config.orders, config.provider_latency, seed ^ 0x9e37_79b9_7f4a_7c15),
+            provider: Provider::new(
+                config.orders,
+                config.provider_latency,
+                seed ^ 0x9e37_79b9_7f4a_7c15,
+            ),
             effects: Effects::new(ledger.clone()),
             tenant: tenant.clone(),
             opts: ClaimOptions::default().retention(DEMO_RETENTION),
@@ -264,6 +283,31 @@ async fn run_both(config: &DemoConfig, run_id: &str, ledger: &AnyLedger, pool: &
     })
 }
 
+/// All deliveries of all orders in one queue, in arrival order.
+///
+/// Orders are published in a random order; each copy of an order's message
+/// arrives at the order's publish slot plus a random redelivery delay of up
+/// to `2 × deliveries × workers` slots. So the queue is shuffled, but an
+/// order's copies arrive close together, as broker redeliveries and producer
+/// retries do, and the workers really process some of them at the same time.
+/// (A uniform shuffle of the whole queue would spread them so far apart that
+/// they would rarely overlap.)
+fn delivery_queue(orders: u32, deliveries: u32, workers: usize, seed: u64) -> Vec<u32> {
+    let mut rng = Rng::new(seed);
+    let mut publish: Vec<u32> = (1..=orders).collect();
+    rng.shuffle(&mut publish);
+    let k = u64::from(deliveries);
+    let window = 2 * k * workers as u64;
+    let mut arrivals = Vec::with_capacity(orders as usize * deliveries as usize);
+    for (slot, &order) in publish.iter().enumerate() {
+        for _ in 0..deliveries {
+            arrivals.push((slot as u64 * k + rng.below(window), order));
+        }
+    }
+    arrivals.sort_unstable();
+    arrivals.into_iter().map(|(_, order)| order).collect()
+}
+
 /// Demo records are kept this long: enough to inspect them, short enough
 /// that `oncely prune` clears them from a shared database the same day.
 const DEMO_RETENTION: Duration = Duration::from_secs(3600);
@@ -272,7 +316,12 @@ const DEMO_RETENTION: Duration = Duration::from_secs(3600);
 /// the run gives up (a broker would keep redelivering).
 const MAX_ATTEMPTS: u32 = 50;
 
-async fn run_guard(workers: usize, queue: &[u32], ctx: Arc<Delivery>, progress: Arc<dyn Progress>) -> Result<RunReport> {
+async fn run_guard(
+    workers: usize,
+    queue: &[u32],
+    ctx: Arc<Delivery>,
+    progress: Arc<dyn Progress>,
+) -> Result<RunReport> {
     let guard = ctx.guard;
     let shared = Arc::new(Mutex::new(queue.iter().copied().collect::<VecDeque<u32>>()));
     progress.start(guard, queue.len() as u64);
@@ -288,7 +337,12 @@ async fn run_guard(workers: usize, queue: &[u32], ctx: Arc<Delivery>, progress: 
     let seconds = started.elapsed().as_secs_f64();
     progress.finish(guard);
 
-    let counts: Vec<u32> = ctx.provider.charges.iter().map(|c| c.load(Ordering::SeqCst)).collect();
+    let counts: Vec<u32> = ctx
+        .provider
+        .charges
+        .iter()
+        .map(|c| c.load(Ordering::SeqCst))
+        .collect();
     let charges: u64 = counts.iter().map(|&c| u64::from(c)).sum();
     Ok(RunReport {
         deliveries: queue.len() as u64,
@@ -302,7 +356,11 @@ async fn run_guard(workers: usize, queue: &[u32], ctx: Arc<Delivery>, progress: 
     })
 }
 
-async fn worker(queue: Arc<Mutex<VecDeque<u32>>>, ctx: Arc<Delivery>, progress: Arc<dyn Progress>) -> Result<()> {
+async fn worker(
+    queue: Arc<Mutex<VecDeque<u32>>>,
+    ctx: Arc<Delivery>,
+    progress: Arc<dyn Progress>,
+) -> Result<()> {
     loop {
         let Some(order) = queue.lock().unwrap_or_else(|p| p.into_inner()).pop_front() else {
             return Ok(());
@@ -393,7 +451,11 @@ impl Provider {
     async fn charge(&self, order: u32, idempotency_key: Option<&str>) -> String {
         let (lo, hi) = self.latency;
         let spread = (hi - lo).as_micros() as u64;
-        let jitter = self.rng.lock().unwrap_or_else(|p| p.into_inner()).below(spread + 1);
+        let jitter = self
+            .rng
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .below(spread + 1);
         // The network call: the window in which a naive guard's duplicate
         // reads `new` too.
         tokio::time::sleep(lo + Duration::from_micros(jitter)).await;
@@ -420,7 +482,11 @@ impl Orders {
         // Literal integers only, so a multi-row insert needs no bind limit.
         for chunk in ids.chunks(500) {
             let values: Vec<String> = chunk.iter().map(|id| format!("({id}, 'new')")).collect();
-            exec(pool, format!("INSERT INTO {table} (id, status) VALUES {}", values.join(", "))).await?;
+            exec(
+                pool,
+                format!("INSERT INTO {table} (id, status) VALUES {}", values.join(", ")),
+            )
+            .await?;
         }
         Ok(Orders {
             pool: pool.clone(),
@@ -431,36 +497,42 @@ impl Orders {
     async fn status(&self, order: u32) -> Result<String> {
         let t = &self.table;
         match &self.pool {
-            AnyPool::Sqlite(p) => sqlx::query_scalar(AssertSqlSafe(format!("SELECT status FROM {t} WHERE id = ?1")))
-                .bind(i64::from(order))
-                .fetch_one(p)
-                .await
-                .map_err(|e| db_error("sqlite", e)),
-            AnyPool::Postgres(p) => sqlx::query_scalar(AssertSqlSafe(format!("SELECT status FROM {t} WHERE id = $1")))
-                .bind(i64::from(order))
-                .fetch_one(p)
-                .await
-                .map_err(|e| db_error("postgres", e)),
+            AnyPool::Sqlite(p) => {
+                sqlx::query_scalar(AssertSqlSafe(format!("SELECT status FROM {t} WHERE id = ?1")))
+                    .bind(i64::from(order))
+                    .fetch_one(p)
+                    .await
+                    .map_err(|e| db_error("sqlite", e))
+            }
+            AnyPool::Postgres(p) => {
+                sqlx::query_scalar(AssertSqlSafe(format!("SELECT status FROM {t} WHERE id = $1")))
+                    .bind(i64::from(order))
+                    .fetch_one(p)
+                    .await
+                    .map_err(|e| db_error("postgres", e))
+            }
         }
     }
 
     async fn mark_paid(&self, order: u32) -> Result<()> {
         let t = &self.table;
         match &self.pool {
-            AnyPool::Sqlite(p) => sqlx::query(AssertSqlSafe(format!("UPDATE {t} SET status = 'paid' WHERE id = ?1")))
-                .bind(i64::from(order))
-                .execute(p)
-                .await
-                .map(drop)
-                .map_err(|e| db_error("sqlite", e)),
-            AnyPool::Postgres(p) => {
-                sqlx::query(AssertSqlSafe(format!("UPDATE {t} SET status = 'paid' WHERE id = $1")))
-                    .bind(i64::from(order))
-                    .execute(p)
-                    .await
-                    .map(drop)
-                    .map_err(|e| db_error("postgres", e))
-            }
+            AnyPool::Sqlite(p) => sqlx::query(AssertSqlSafe(format!(
+                "UPDATE {t} SET status = 'paid' WHERE id = ?1"
+            )))
+            .bind(i64::from(order))
+            .execute(p)
+            .await
+            .map(drop)
+            .map_err(|e| db_error("sqlite", e)),
+            AnyPool::Postgres(p) => sqlx::query(AssertSqlSafe(format!(
+                "UPDATE {t} SET status = 'paid' WHERE id = $1"
+            )))
+            .bind(i64::from(order))
+            .execute(p)
+            .await
+            .map(drop)
+            .map_err(|e| db_error("postgres", e)),
         }
     }
 
@@ -524,7 +596,9 @@ fn db_error(backend: &'static str, e: sqlx::Error) -> Error {
             // SQLite BUSY (5) / LOCKED (6) and their extended codes;
             // PostgreSQL serialization failure and deadlock.
             matches!(code.as_ref(), "5" | "6" | "40001" | "40P01")
-                || code.parse::<u32>().is_ok_and(|c| backend == "sqlite" && matches!(c & 0xff, 5 | 6))
+                || code
+                    .parse::<u32>()
+                    .is_ok_and(|c| backend == "sqlite" && matches!(c & 0xff, 5 | 6))
         }
         _ => false,
     };
@@ -625,11 +699,46 @@ mod tests {
     }
 
     #[test]
+    fn queue_holds_every_delivery_with_copies_close_together() {
+        let q = delivery_queue(100, 4, 8, 42);
+        assert_eq!(q, delivery_queue(100, 4, 8, 42), "same seed, same queue");
+        assert_eq!(q.len(), 400);
+        let mut counts = vec![0; 101];
+        for &o in &q {
+            counts[o as usize] += 1;
+        }
+        assert!(
+            counts[1..].iter().all(|&c| c == 4),
+            "each order delivered 4 times"
+        );
+        // Copies of one order arrive within the redelivery window
+        // (2 × 4 × 8 = 64 slots) plus the ties around it.
+        for order in 1..=100u32 {
+            let pos: Vec<usize> = q
+                .iter()
+                .enumerate()
+                .filter(|(_, o)| **o == order)
+                .map(|(i, _)| i)
+                .collect();
+            assert!(pos[3] - pos[0] < 64 + 8, "order {order} spread over {pos:?}");
+        }
+    }
+
+    #[test]
     fn bad_configs_are_refused() {
         for bad in [
-            DemoConfig { orders: 0, ..DemoConfig::default() },
-            DemoConfig { deliveries_per_order: 0, ..DemoConfig::default() },
-            DemoConfig { workers: 0, ..DemoConfig::default() },
+            DemoConfig {
+                orders: 0,
+                ..DemoConfig::default()
+            },
+            DemoConfig {
+                deliveries_per_order: 0,
+                ..DemoConfig::default()
+            },
+            DemoConfig {
+                workers: 0,
+                ..DemoConfig::default()
+            },
         ] {
             assert!(matches!(bad.validate(), Err(Error::Config(_))), "{bad:?}");
         }
@@ -652,8 +761,16 @@ mod tests {
         assert_eq!(report.oncely.duplicates_suppressed, 150, "{report:?}");
         assert_eq!(report.oncely.orders_paid, 50);
         assert_eq!(report.naive.orders_paid, 50);
-        assert!(report.oncely_problems().is_empty(), "{:?}", report.oncely_problems());
+        assert!(
+            report.oncely_problems().is_empty(),
+            "{:?}",
+            report.oncely_problems()
+        );
         // Every delivery either charged or was suppressed.
-        assert_eq!(report.naive.charges + report.naive.duplicates_suppressed, 200, "{report:?}");
+        assert_eq!(
+            report.naive.charges + report.naive.duplicates_suppressed,
+            200,
+            "{report:?}"
+        );
     }
 }

@@ -152,10 +152,12 @@ async fn run(command: Command) -> ExitCode {
             }
             Err(e) => fail(&e),
         },
-        Command::Abandoned { tenant, limit, db } => match ops::abandoned(&db.database_url, &tenant, limit).await {
-            Ok(records) => print_json(&records.iter().map(RecordView::from).collect::<Vec<_>>()),
-            Err(e) => fail(&e),
-        },
+        Command::Abandoned { tenant, limit, db } => {
+            match ops::abandoned(&db.database_url, &tenant, limit).await {
+                Ok(records) => print_json(&records.iter().map(RecordView::from).collect::<Vec<_>>()),
+                Err(e) => fail(&e),
+            }
+        }
         Command::Prune { limit, db } => match ops::prune(&db.database_url, limit).await {
             Ok(n) => {
                 println!("pruned {n} record{}", if n == 1 { "" } else { "s" });
@@ -166,7 +168,10 @@ async fn run(command: Command) -> ExitCode {
         Command::Migrate { db } => match ops::migrate(&db.database_url).await {
             Ok(report) => {
                 println!("{} ledger schema is up to date", report.backend);
-                println!("  caller's transaction: {}", if report.caller_transaction { "yes" } else { "no" });
+                println!(
+                    "  caller's transaction: {}",
+                    if report.caller_transaction { "yes" } else { "no" }
+                );
                 println!("  durability:           {}", report.durability);
                 println!("  clock:                {}", report.clock);
                 ExitCode::SUCCESS
@@ -219,8 +224,16 @@ fn print_table(r: &DemoReport, kept: bool) {
     let rows: [(&str, u64, u64); 4] = [
         ("deliveries", r.naive.deliveries, r.oncely.deliveries),
         ("charges performed", r.naive.charges, r.oncely.charges),
-        ("duplicate charges", r.naive.duplicate_charges, r.oncely.duplicate_charges),
-        ("duplicates suppressed", r.naive.duplicates_suppressed, r.oncely.duplicates_suppressed),
+        (
+            "duplicate charges",
+            r.naive.duplicate_charges,
+            r.oncely.duplicate_charges,
+        ),
+        (
+            "duplicates suppressed",
+            r.naive.duplicates_suppressed,
+            r.oncely.duplicates_suppressed,
+        ),
     ];
     for (label, naive, oncely) in rows {
         println!("{label:<24}{naive:>12}{oncely:>12}");
@@ -286,7 +299,9 @@ impl Progress for Bar {
             return;
         }
         let bar = ProgressBar::with_draw_target(Some(deliveries), ProgressDrawTarget::stderr());
-        if let Ok(style) = ProgressStyle::with_template("{prefix:>7} [{bar:40}] {pos}/{len} deliveries {elapsed}") {
+        if let Ok(style) =
+            ProgressStyle::with_template("{prefix:>7} [{bar:40}] {pos}/{len} deliveries {elapsed}")
+        {
             bar.set_style(style.progress_chars("=> "));
         }
         bar.set_prefix(guard.name());

@@ -113,7 +113,8 @@ impl From<&Record> for RecordView {
             at_most_once: r.at_most_once,
             fingerprint: r.fingerprint.map(|f| f.to_hex()),
             outcome: r.outcome.as_ref().map(|o| {
-                serde_json::from_slice(o.as_bytes()).unwrap_or_else(|_| serde_json::json!({ "bytes": o.len() }))
+                serde_json::from_slice(o.as_bytes())
+                    .unwrap_or_else(|_| serde_json::json!({ "bytes": o.len() }))
             }),
             provider_key: r.key.provider_key(),
             created_at: rfc3339(r.created_at),
@@ -157,7 +158,7 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use oncely::{ClaimOptions, Claim, Error, Outcome};
+    use oncely::{Claim, ClaimOptions, Error, Outcome};
 
     #[test]
     fn rfc3339_formats_utc() {
@@ -187,13 +188,19 @@ mod tests {
     fn record_view_shows_outcome_as_json() {
         let key = EffectKey::new(&Tenant::new("acme").unwrap(), "capture", "order-1").unwrap();
         let ledger = oncely::MemoryLedger::new();
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
         let record = rt.block_on(async {
             let Claim::Acquired(lease) = ledger.claim(&key, &ClaimOptions::default()).await.unwrap() else {
                 panic!("fresh key")
             };
             ledger
-                .complete(&lease, &Outcome::from_json(&serde_json::json!({"ok": "ch_1"})).unwrap())
+                .complete(
+                    &lease,
+                    &Outcome::from_json(&serde_json::json!({"ok": "ch_1"})).unwrap(),
+                )
                 .await
                 .unwrap();
             ledger.get(&key).await.unwrap().unwrap()
