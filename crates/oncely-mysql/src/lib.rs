@@ -298,14 +298,6 @@ impl Stored {
     }
 }
 
-/// What one claim attempt found.
-enum Attempt {
-    Done(Claim),
-    /// The row moved between the statement and the read (or the statement
-    /// did not apply to our row): run the claim again.
-    Again(&'static str),
-}
-
 static TOKEN_SEQ: AtomicU64 = AtomicU64::new(0);
 static TOKEN_SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
 
@@ -471,6 +463,9 @@ impl MySqlLedger {
         if released.is_err() {
             conn.close_on_drop();
         }
+        // Give the connection back first: the probe needs one, and the pool
+        // may have only one.
+        drop(conn);
         result?;
         self.probe().await
     }
@@ -551,12 +546,19 @@ impl MySqlLedger {
                 let mut conn = this.inner.pool.acquire().await.map_err(map)?;
                 match f(&this, &mut conn).await {
                     Ok(v) => return Ok(v),
-                    Err(Retry::Lock(e)) => last = Some(map(e)),
-                    Err(Retry::Moved(why)) => last = Some(corrupt(why)),
+                    Err(Retry::Lock(e)) => last = Some(Retry::Lock(e)),
+                    Err(Retry::Moved(why)) => last = Some(Retry::Moved(why)),
                     Err(Retry::Fail(e)) => return Err(e),
                 }
             }
-            Err(last.unwrap_or_else(|| corrupt("retries exhausted")))
+            Err(match last {
+                Some(Retry::Lock(e)) => map(e),
+                // The statement keeps missing the key's row: only a conflict
+                // on another unique index does that.
+                Some(Retry::Moved(why)) => unexpected_violation(&why),
+                Some(Retry::Fail(e)) => e,
+                None => corrupt("retries exhausted"),
+            })
         })
         .await
         .map_err(join_error)?
@@ -692,8 +694,10 @@ impl MySqlLedger {
             }
         };
         match interpret(&row, key, opts, &token, returning)? {
-            Attempt::Done(c) => Ok(c),
-            Attempt::Again(why) => Err(Retry::Moved(format!("{key}: {why}"))),
+            Some(c) => Ok(c),
+            None => Err(Retry::Moved(format!(
+                "{key}: the row changed between the claim and its read"
+            ))),
         }
     }
 }
@@ -704,7 +708,7 @@ fn interpret(
     opts: &ClaimOptions,
     token: &[u8; 16],
     returning: bool,
-) -> Result<Attempt> {
+) -> Result<Option<Claim>> {
     if row.key != key.as_str() {
         // RETURNING gave another effect's row: the insert conflicted on a
         // unique index other than the effect key, and the guard kept ODKU
@@ -725,7 +729,7 @@ fn interpret(
         let expires = row
             .lease_expires_us
             .ok_or_else(|| corrupt(format!("{key}: in-progress row without a lease")))?;
-        return Ok(Attempt::Done(Claim::Acquired(Lease {
+        return Ok(Some(Claim::Acquired(Lease {
             key: key.clone(),
             fence: row.fence,
             expires_at: from_micros(expires),
@@ -736,7 +740,7 @@ fn interpret(
         })));
     }
     let expired = row.expired();
-    Ok(Attempt::Done(match state {
+    Ok(Some(match state {
         RecordState::Completed => Claim::Completed(row.record(Some(key))?),
         RecordState::InProgress if !expired => Claim::InProgress {
             fence: row.fence,
@@ -753,7 +757,9 @@ fn interpret(
                 "claiming {key}: the takeover did not apply to the key's row"
             )));
         }
-        _ => return Ok(Attempt::Again("the row changed between the claim and its read")),
+        // The two-statement path read a row that moved after its statement
+        // (or a statement that missed it): run the claim again.
+        _ => return Ok(None),
     }))
 }
 

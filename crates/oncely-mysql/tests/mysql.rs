@@ -1,0 +1,694 @@
+//! MySQL-specific behaviour: the caller's transaction (`claim_in` /
+//! `complete_in`), exact key comparison, unexpected constraint violations,
+//! the outcome limit, strict mode, lock errors, cancellation, migrations and
+//! an unreachable server.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use oncely::conformance::{Rng, fresh_tenant, service_url, skip_or_fail};
+use oncely::{
+    Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, RecordState, Tenant, TransactionalLedger,
+};
+use oncely_mysql::{MySqlLedger, MySqlLedgerOptions};
+use sqlx::{Executor, MySqlConnection, Row};
+
+fn url() -> Option<String> {
+    service_url("ONCELY_MYSQL_URL", Some("mysql://root@127.0.0.1:3306/test"))
+}
+
+async fn ledger_with(opts: MySqlLedgerOptions) -> Option<MySqlLedger> {
+    let url = url()?;
+    match MySqlLedger::connect_with(&url, opts).await {
+        Ok(l) => Some(l),
+        Err(e) => skip_or_fail(&format!("MySQL at {url}: {e}")),
+    }
+}
+
+async fn ledger() -> Option<MySqlLedger> {
+    ledger_with(MySqlLedgerOptions::default().max_connections(40)).await
+}
+
+/// Both claim paths: the detected one (RETURNING on MariaDB) and the MySQL 8
+/// two-statement one.
+fn both_paths() -> [MySqlLedgerOptions; 2] {
+    let base = MySqlLedgerOptions::default().max_connections(40);
+    [base.clone(), base.returning(Some(false))]
+}
+
+fn key(t: &Tenant, kind: &str, subject: &str) -> EffectKey {
+    EffectKey::new(t, kind, subject).unwrap()
+}
+
+fn acquired(c: Claim) -> oncely::Lease {
+    match c {
+        Claim::Acquired(l) => l,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+/// The business table the transactional tests write to.
+async fn business_table(ledger: &MySqlLedger) {
+    ledger
+        .pool()
+        .execute(
+            "CREATE TABLE IF NOT EXISTS oncely_mysql_test_entries (
+               id BIGINT AUTO_INCREMENT PRIMARY KEY,
+               tenant VARCHAR(64) NOT NULL,
+               subject VARCHAR(255) NOT NULL,
+               KEY (tenant)
+             ) ENGINE = InnoDB",
+        )
+        .await
+        .unwrap();
+}
+
+async fn entries(ledger: &MySqlLedger, t: &Tenant) -> i64 {
+    sqlx::query_scalar("SELECT COUNT(*) FROM oncely_mysql_test_entries WHERE tenant = ?")
+        .bind(t.as_str())
+        .fetch_one(ledger.pool())
+        .await
+        .unwrap()
+}
+
+async fn write_entry(conn: &mut MySqlConnection, t: &Tenant, subject: &str) {
+    sqlx::query("INSERT INTO oncely_mysql_test_entries (tenant, subject) VALUES (?, ?)")
+        .bind(t.as_str())
+        .bind(subject)
+        .execute(conn)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn claim_in_business_write_and_complete_in_commit_together() {
+    for opts in both_paths() {
+        let Some(ledger) = ledger_with(opts).await else {
+            return;
+        };
+        business_table(&ledger).await;
+        let t = fresh_tenant();
+        let k = key(&t, "ledger-entry", "order-1");
+        let mut tx = ledger.begin().await.unwrap();
+        let lease = acquired(
+            ledger
+                .claim_in(&mut tx, &k, &ClaimOptions::default())
+                .await
+                .unwrap(),
+        );
+        assert_eq!(lease.fence, 1);
+        write_entry(&mut tx, &t, "order-1").await;
+        ledger
+            .complete_in(&mut tx, &lease, &Outcome::from_json(&"entry-1").unwrap())
+            .await
+            .unwrap();
+        // Not visible outside the transaction before it commits.
+        assert!(ledger.get(&k).await.unwrap().is_none());
+        assert_eq!(entries(&ledger, &t).await, 0);
+        tx.commit().await.unwrap();
+        let r = ledger.get(&k).await.unwrap().unwrap();
+        assert_eq!(r.state, RecordState::Completed);
+        assert_eq!(r.outcome.unwrap().to_value::<String>().unwrap(), "entry-1");
+        assert_eq!(entries(&ledger, &t).await, 1);
+        // A redelivery in its own transaction sees the completed effect.
+        let mut tx = ledger.begin().await.unwrap();
+        assert!(matches!(
+            ledger
+                .claim_in(&mut tx, &k, &ClaimOptions::default())
+                .await
+                .unwrap(),
+            Claim::Completed(_)
+        ));
+        tx.commit().await.unwrap();
+        assert_eq!(entries(&ledger, &t).await, 1);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rollback_leaves_nothing() {
+    for opts in both_paths() {
+        let Some(ledger) = ledger_with(opts).await else {
+            return;
+        };
+        business_table(&ledger).await;
+        let t = fresh_tenant();
+        let k = key(&t, "ledger-entry", "order-2");
+        let mut tx = ledger.begin().await.unwrap();
+        let lease = acquired(
+            ledger
+                .claim_in(&mut tx, &k, &ClaimOptions::default())
+                .await
+                .unwrap(),
+        );
+        write_entry(&mut tx, &t, "order-2").await;
+        ledger
+            .complete_in(&mut tx, &lease, &Outcome::from_json(&1).unwrap())
+            .await
+            .unwrap();
+        tx.rollback().await.unwrap();
+        assert!(ledger.get(&k).await.unwrap().is_none());
+        assert_eq!(entries(&ledger, &t).await, 0);
+        // A transaction dropped without commit rolls back too.
+        {
+            let mut tx = ledger.begin().await.unwrap();
+            acquired(
+                ledger
+                    .claim_in(&mut tx, &k, &ClaimOptions::default())
+                    .await
+                    .unwrap(),
+            );
+            write_entry(&mut tx, &t, "order-2").await;
+        }
+        assert_eq!(entries(&ledger, &t).await, 0);
+        // The key starts over at fence 1: nothing of the rolled-back claims remains.
+        let l = acquired(ledger.claim(&k, &ClaimOptions::default()).await.unwrap());
+        assert_eq!(l.fence, 1);
+        assert!(!l.taken_over);
+    }
+}
+
+/// 32 transactions claim one key at once, each doing its business write only
+/// if it acquired: exactly one business write commits, and every other
+/// transaction sees the effect completed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_claim_in_writes_once() {
+    for opts in both_paths() {
+        let Some(ledger) = ledger_with(opts).await else {
+            return;
+        };
+        business_table(&ledger).await;
+        let t = fresh_tenant();
+        let k = key(&t, "ledger-entry", "order-3");
+        let barrier = Arc::new(tokio::sync::Barrier::new(32));
+        let (acquired_n, completed_n, retried) = (
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(AtomicUsize::new(0)),
+        );
+        let mut tasks = Vec::new();
+        for _ in 0..32 {
+            let (ledger, k, t, barrier) = (ledger.clone(), k.clone(), t.clone(), barrier.clone());
+            let (acquired_n, completed_n, retried) =
+                (acquired_n.clone(), completed_n.clone(), retried.clone());
+            tasks.push(tokio::spawn(async move {
+                barrier.wait().await;
+                loop {
+                    let mut tx = ledger.begin().await.unwrap();
+                    match ledger.claim_in(&mut tx, &k, &ClaimOptions::default()).await {
+                        Ok(Claim::Acquired(lease)) => {
+                            write_entry(&mut tx, &t, "order-3").await;
+                            ledger
+                                .complete_in(&mut tx, &lease, &Outcome::from_json(&"done").unwrap())
+                                .await
+                                .unwrap();
+                            tx.commit().await.unwrap();
+                            acquired_n.fetch_add(1, Ordering::SeqCst);
+                        }
+                        Ok(Claim::Completed(r)) => {
+                            assert_eq!(r.outcome.unwrap().to_value::<String>().unwrap(), "done");
+                            tx.commit().await.unwrap();
+                            completed_n.fetch_add(1, Ordering::SeqCst);
+                        }
+                        Ok(other) => panic!("a waiter must see the committed outcome, got {other:?}"),
+                        // A deadlock rolled the transaction back: redo it, as
+                        // an application would.
+                        Err(e) if e.is_retryable() => {
+                            retried.fetch_add(1, Ordering::SeqCst);
+                            drop(tx);
+                            continue;
+                        }
+                        Err(e) => panic!("{e:?}"),
+                    }
+                    break;
+                }
+            }));
+        }
+        for task in tasks {
+            task.await.unwrap();
+        }
+        eprintln!("deadlock retries: {}", retried.load(Ordering::SeqCst));
+        assert_eq!(acquired_n.load(Ordering::SeqCst), 1);
+        assert_eq!(completed_n.load(Ordering::SeqCst), 31);
+        assert_eq!(entries(&ledger, &t).await, 1, "exactly one business write");
+    }
+}
+
+/// Keys that a case- or accent-insensitive collation would fold together are
+/// different effects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn keys_compare_exactly() {
+    let Some(ledger) = ledger().await else { return };
+    let t = fresh_tenant();
+    let subjects = [
+        "Order-1", "order-1", "ORDER-1", "é", "e", "É", "e\u{301}", "ß", "ss", "a", "A",
+    ];
+    for (i, s) in subjects.iter().enumerate() {
+        let l = acquired(
+            ledger
+                .claim(&key(&t, "capture", s), &ClaimOptions::default())
+                .await
+                .unwrap(),
+        );
+        assert_eq!(l.fence, 1, "{s:?} collided with an earlier key");
+        ledger
+            .complete(&l, &Outcome::from_json(&i).unwrap())
+            .await
+            .unwrap();
+    }
+    for (i, s) in subjects.iter().enumerate() {
+        let r = ledger.get(&key(&t, "capture", s)).await.unwrap().unwrap();
+        assert_eq!(r.key.subject(), *s);
+        assert_eq!(r.outcome.unwrap().to_value::<usize>().unwrap(), i, "{s:?}");
+    }
+}
+
+fn violations(snapshotter: &metrics_util::debugging::Snapshotter) -> u64 {
+    snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(k, ..)| k.key().name() == oncely::telemetry::UNEXPECTED_CONSTRAINT_VIOLATIONS_TOTAL)
+        .map(|(.., v)| match v {
+            metrics_util::debugging::DebugValue::Counter(n) => n,
+            _ => 0,
+        })
+        .sum()
+}
+
+/// A unique violation on something other than the effect key (here a
+/// secondary UNIQUE index added for the test) is an error, counted, and never
+/// taken for a duplicate; the other effect's row is not touched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unexpected_constraint_violation_is_an_error() {
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    recorder.install().expect("the only recorder of this test binary");
+    for (i, returning) in [None, Some(false)].into_iter().enumerate() {
+        let table = format!("oncely_uq_{}_{i}", std::process::id());
+        let opts = MySqlLedgerOptions::default().table(&table).returning(returning);
+        let Some(ledger) = ledger_with(opts).await else {
+            return;
+        };
+        ledger
+            .pool()
+            .execute(sqlx::AssertSqlSafe(format!(
+                "ALTER TABLE `{table}` ADD UNIQUE KEY uq_subject (subject)"
+            )))
+            .await
+            .unwrap();
+        let t = fresh_tenant();
+        let a = key(&t, "capture", "shared");
+        let b = key(&t, "refund", "shared");
+        let c = key(&t, "receipt", "shared");
+        let la = acquired(ledger.claim(&a, &ClaimOptions::default()).await.unwrap());
+        let before = ledger.get(&a).await.unwrap().unwrap();
+        violations(&snapshotter);
+        let e = ledger.claim(&b, &ClaimOptions::default()).await.unwrap_err();
+        assert!(matches!(e, Error::Corrupt { .. }), "{e:?}");
+        assert!(violations(&snapshotter) >= 1, "the violation is counted");
+        assert!(ledger.get(&b).await.unwrap().is_none());
+        let now_a = ledger.get(&a).await.unwrap().unwrap();
+        assert_eq!(
+            (now_a.state, now_a.fence, now_a.lease_expires_at, now_a.updated_at),
+            (
+                before.state,
+                before.fence,
+                before.lease_expires_at,
+                before.updated_at
+            ),
+            "the other effect's row changed"
+        );
+        // A released record is what a takeover would grab: still untouched.
+        ledger.release(&la).await.unwrap();
+        let released = ledger.get(&a).await.unwrap().unwrap();
+        let e = ledger.claim(&c, &ClaimOptions::default()).await.unwrap_err();
+        assert!(matches!(e, Error::Corrupt { .. }), "{e:?}");
+        let after = ledger.get(&a).await.unwrap().unwrap();
+        assert_eq!((after.state, after.fence), (RecordState::Released, 1));
+        assert_eq!(after.updated_at, released.updated_at);
+        // In the caller's transaction too.
+        let mut tx = ledger.begin().await.unwrap();
+        let e = ledger
+            .claim_in(&mut tx, &b, &ClaimOptions::default())
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::Corrupt { .. }), "{e:?}");
+        tx.rollback().await.unwrap();
+        assert!(violations(&snapshotter) >= 2);
+        let after = ledger.get(&a).await.unwrap().unwrap();
+        assert_eq!((after.state, after.fence), (RecordState::Released, 1));
+        drop_table(&ledger, &table).await;
+    }
+}
+
+async fn drop_table(ledger: &MySqlLedger, table: &str) {
+    ledger
+        .pool()
+        .execute(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS `{table}`")))
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM oncely_schema_migrations WHERE table_name = ?")
+        .bind(table)
+        .execute(ledger.pool())
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn outcome_over_the_limit_is_refused() {
+    let Some(default) = ledger().await else { return };
+    // The server here allows far more than 64 KiB per packet.
+    assert_eq!(default.max_outcome_bytes(), oncely::MAX_OUTCOME_BYTES);
+    assert_eq!(
+        default.capabilities().max_outcome_bytes,
+        oncely::MAX_OUTCOME_BYTES
+    );
+    let Some(ledger) = ledger_with(MySqlLedgerOptions::default().max_outcome_bytes(1000)).await else {
+        return;
+    };
+    assert_eq!(ledger.capabilities().max_outcome_bytes, 1000);
+    let t = fresh_tenant();
+    let k = key(&t, "capture", "big");
+    let l = acquired(ledger.claim(&k, &ClaimOptions::default()).await.unwrap());
+    let over = Outcome::from_bytes(vec![b'1'; 1001]).unwrap();
+    let e = ledger.complete(&l, &over).await.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::OutcomeTooLarge {
+                size: 1001,
+                max: 1000
+            }
+        ),
+        "{e:?}"
+    );
+    let mut tx = ledger.begin().await.unwrap();
+    let e = ledger.complete_in(&mut tx, &l, &over).await.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::OutcomeTooLarge {
+                size: 1001,
+                max: 1000
+            }
+        ),
+        "{e:?}"
+    );
+    drop(tx);
+    let r = ledger.get(&k).await.unwrap().unwrap();
+    assert_eq!(r.state, RecordState::InProgress);
+    assert!(r.outcome.is_none());
+    let at = Outcome::from_bytes(vec![b'1'; 1000]).unwrap();
+    ledger.complete(&l, &at).await.unwrap();
+    assert_eq!(ledger.get(&k).await.unwrap().unwrap().outcome.unwrap(), at);
+    // Over the core's limit, Outcome itself refuses it.
+    assert!(matches!(
+        Outcome::from_bytes(vec![b'1'; oncely::MAX_OUTCOME_BYTES + 1]),
+        Err(Error::OutcomeTooLarge { .. })
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn connections_are_strict() {
+    let Some(ledger) = ledger().await else { return };
+    let mode: String = sqlx::query_scalar("SELECT @@SESSION.sql_mode")
+        .fetch_one(ledger.pool())
+        .await
+        .unwrap();
+    assert!(mode.split(',').any(|m| m == "STRICT_ALL_TABLES"), "{mode}");
+    // Truncation is an error, not a clip.
+    let mut conn = ledger.pool().acquire().await.unwrap();
+    conn.execute("CREATE TEMPORARY TABLE oncely_strict_probe (v VARCHAR(3)) ENGINE = MyISAM")
+        .await
+        .unwrap();
+    let e = sqlx::query("INSERT INTO oncely_strict_probe VALUES ('abcd')")
+        .execute(&mut *conn)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("too long"), "{e}");
+    conn.execute("DROP TEMPORARY TABLE oncely_strict_probe")
+        .await
+        .unwrap();
+}
+
+/// Two transactions that each hold one key and want the other's: the
+/// deadlock victim gets a retryable backend error, and a lock wait timeout
+/// is retryable too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lock_errors_are_retryable() {
+    let Some(ledger) = ledger().await else { return };
+    let t = fresh_tenant();
+    let (a, b) = (key(&t, "capture", "a"), key(&t, "capture", "b"));
+    let mut t1 = ledger.begin().await.unwrap();
+    let mut t2 = ledger.begin().await.unwrap();
+    acquired(
+        ledger
+            .claim_in(&mut t1, &a, &ClaimOptions::default())
+            .await
+            .unwrap(),
+    );
+    acquired(
+        ledger
+            .claim_in(&mut t2, &b, &ClaimOptions::default())
+            .await
+            .unwrap(),
+    );
+    let l1 = ledger.clone();
+    let (b1, a2) = (b.clone(), a.clone());
+    let first = tokio::spawn(async move {
+        let r = l1.claim_in(&mut t1, &b1, &ClaimOptions::default()).await;
+        (r, t1)
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let second = ledger.claim_in(&mut t2, &a2, &ClaimOptions::default()).await;
+    let second_failed = second.is_err();
+    if let Err(e) = &second {
+        assert!(matches!(e, Error::Backend { retryable: true, .. }), "{e:?}");
+    }
+    drop(t2);
+    let (first, t1) = first.await.unwrap();
+    if let Err(e) = &first {
+        assert!(matches!(e, Error::Backend { retryable: true, .. }), "{e:?}");
+    }
+    assert!(
+        first.is_err() ^ second_failed,
+        "exactly one deadlock victim: {first:?} / {second:?}"
+    );
+    drop(t1);
+
+    // Lock wait timeout: a claim that waits on a row another transaction holds.
+    let c = key(&t, "capture", "c");
+    let mut holder = ledger.begin().await.unwrap();
+    acquired(
+        ledger
+            .claim_in(&mut holder, &c, &ClaimOptions::default())
+            .await
+            .unwrap(),
+    );
+    let mut waiter = ledger.begin().await.unwrap();
+    waiter
+        .execute("SET SESSION innodb_lock_wait_timeout = 1")
+        .await
+        .unwrap();
+    let e = ledger
+        .claim_in(&mut waiter, &c, &ClaimOptions::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Backend { retryable: true, .. }), "{e:?}");
+    assert!(e.is_retryable());
+    waiter
+        .execute("SET SESSION innodb_lock_wait_timeout = DEFAULT")
+        .await
+        .unwrap();
+    drop(waiter);
+    holder.rollback().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unreachable_server_is_unavailable() {
+    // Port 1 on loopback: nothing listens there.
+    let opts = MySqlLedgerOptions::default().acquire_timeout(Duration::from_secs(3));
+    let e = MySqlLedger::connect_with("mysql://root@127.0.0.1:1/test", opts)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Unavailable { backend: "mysql", .. }), "{e:?}");
+    assert!(e.is_retryable());
+    // A lazily connected pool fails closed on the first claim.
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_lazy("mysql://root@127.0.0.1:1/test")
+        .unwrap();
+    let ledger = MySqlLedger::from_pool(pool);
+    let k = key(&fresh_tenant(), "capture", "x");
+    let e = ledger.claim(&k, &ClaimOptions::default()).await.unwrap_err();
+    assert!(matches!(e, Error::Unavailable { .. }), "{e:?}");
+    let e = ledger.get(&k).await.unwrap_err();
+    assert!(matches!(e, Error::Unavailable { .. }), "{e:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bad_table_name_is_refused_before_connecting() {
+    for bad in ["", "1abc", "a-b", "x`; DROP TABLE t; --", "ünï"] {
+        let e = MySqlLedger::connect_with(
+            "mysql://root@127.0.0.1:1/test",
+            MySqlLedgerOptions::default().table(bad),
+        )
+        .await
+        .unwrap_err();
+        assert!(matches!(e, Error::Config(_)), "{bad:?}: {e:?}");
+    }
+}
+
+/// Eight migrators at once on a new table: all succeed, the schema is
+/// created once, and a ledger on it works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_migrations() {
+    let table = format!("oncely_mig_{}", std::process::id());
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let table = table.clone();
+        tasks.push(tokio::spawn(async move {
+            ledger_with(MySqlLedgerOptions::default().max_connections(2).table(table)).await
+        }));
+    }
+    let mut ledgers = Vec::new();
+    for t in tasks {
+        match t.await.unwrap() {
+            Some(l) => ledgers.push(l),
+            None => return,
+        }
+    }
+    let l = &ledgers[0];
+    let versions: Vec<u32> =
+        sqlx::query_scalar("SELECT version FROM oncely_schema_migrations WHERE table_name = ?")
+            .bind(&table)
+            .fetch_all(l.pool())
+            .await
+            .unwrap();
+    assert_eq!(versions, vec![1]);
+    l.migrate().await.unwrap();
+    let k = key(&fresh_tenant(), "capture", "m");
+    acquired(l.claim(&k, &ClaimOptions::default()).await.unwrap());
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT COLLATION_NAME FROM information_schema.COLUMNS \
+         WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = '{table}' AND COLUMN_NAME = 'effect_key'"
+    )))
+    .fetch_one(l.pool())
+    .await
+    .unwrap();
+    assert_eq!(row.get::<String, _>(0), "utf8mb4_bin");
+    drop_table(l, &table).await;
+}
+
+/// Aborting `begin`, `claim_in` and `complete_in` at random points: nothing
+/// half-committed, and every connection the pool hands out afterwards is
+/// outside any transaction (later claims persist).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cancelled_transactions_leave_the_pool_clean() {
+    let Some(ledger) = ledger_with(MySqlLedgerOptions::default().max_connections(8)).await else {
+        return;
+    };
+    business_table(&ledger).await;
+    let t = fresh_tenant();
+    let mut rng = Rng::from_env("cancelled_transactions_leave_the_pool_clean");
+    let committed = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for i in 0..120 {
+        let (ledger, t, committed) = (ledger.clone(), t.clone(), committed.clone());
+        let abort_after = Duration::from_micros(rng.below(20_000));
+        let task = tokio::spawn(async move {
+            let k = key(&t, "ledger-entry", &format!("e-{i}"));
+            let mut tx = ledger.begin().await.unwrap();
+            if let Claim::Acquired(l) = ledger
+                .claim_in(&mut tx, &k, &ClaimOptions::default())
+                .await
+                .unwrap()
+            {
+                write_entry(&mut tx, &t, &format!("e-{i}")).await;
+                ledger
+                    .complete_in(&mut tx, &l, &Outcome::from_json(&i).unwrap())
+                    .await
+                    .unwrap();
+                tx.commit().await.unwrap();
+                committed.lock().unwrap().push(k);
+            }
+        });
+        // Half of them are aborted at a random point; the others must commit.
+        if i % 2 == 0 {
+            let handle = task.abort_handle();
+            tokio::spawn(async move {
+                tokio::time::sleep(abort_after).await;
+                handle.abort();
+            });
+        }
+        tasks.push(task);
+    }
+    for task in tasks {
+        let _ = task.await;
+    }
+    // Each key is absent or completed, and has a business write exactly when
+    // it is completed (claim and write commit together).
+    let mut completed = 0;
+    for i in 0..120 {
+        let k = key(&t, "ledger-entry", &format!("e-{i}"));
+        let n: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM oncely_mysql_test_entries WHERE tenant = ? AND subject = ?",
+        )
+        .bind(t.as_str())
+        .bind(format!("e-{i}"))
+        .fetch_one(ledger.pool())
+        .await
+        .unwrap();
+        match ledger.get(&k).await.unwrap() {
+            Some(r) => {
+                assert_eq!(r.state, RecordState::Completed);
+                assert_eq!(n, 1);
+                completed += 1;
+            }
+            None => assert_eq!(n, 0, "e-{i}: a business write without its claim"),
+        }
+    }
+    let committed = committed.lock().unwrap().clone();
+    for k in &committed {
+        assert!(
+            ledger.get(k).await.unwrap().is_some(),
+            "a committed claim was lost"
+        );
+    }
+    eprintln!("{completed} of 120 transactions committed");
+    assert!(completed >= 60, "every transaction that was not aborted commits");
+    // Autocommit claims on the pool's connections must all persist.
+    for i in 0..40 {
+        let k = key(&t, "after", &format!("a-{i}"));
+        let l = acquired(ledger.claim(&k, &ClaimOptions::default()).await.unwrap());
+        ledger
+            .complete(&l, &Outcome::from_json(&i).unwrap())
+            .await
+            .unwrap();
+    }
+    let other = ledger_with(MySqlLedgerOptions::default().max_connections(1))
+        .await
+        .unwrap();
+    for i in 0..40 {
+        let r = other.get(&key(&t, "after", &format!("a-{i}"))).await.unwrap();
+        assert_eq!(
+            r.map(|r| r.state),
+            Some(RecordState::Completed),
+            "after-{i} was lost"
+        );
+    }
+    // And no pooled connection is inside a transaction.
+    for _ in 0..8 {
+        let mut conn = ledger.pool().acquire().await.unwrap();
+        // MariaDB names it; MySQL 8 has no such variable (the persisted
+        // claims above are the check there).
+        match sqlx::query_scalar::<_, i64>("SELECT @@in_transaction")
+            .fetch_one(&mut *conn)
+            .await
+        {
+            Ok(open) => assert_eq!(open, 0),
+            Err(e) => eprintln!("no @@in_transaction on this server: {e}"),
+        }
+    }
+}
