@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use oncely::{Claim, ClaimOptions, EffectKey, Ledger, Outcome, Tenant};
-use oncely_sqlite::{SqliteLedger, SqliteLedgerOptions, SqlitePool};
+use oncely_sqlite::{SqliteLedger, SqliteLedgerOptions, SqlitePool, SqliteSynchronous};
 
 const BASELINE_TABLE: &str = "CREATE TABLE IF NOT EXISTS baseline_effects (
     key TEXT PRIMARY KEY NOT NULL, tenant TEXT NOT NULL, kind TEXT NOT NULL, subject TEXT NOT NULL,
@@ -109,9 +109,17 @@ fn bench(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite:{}", dir.path().join("bench.db").display());
     let ledger = rt.block_on(async {
-        let ledger = SqliteLedger::connect_with(&url, SqliteLedgerOptions::default().max_connections(16))
-            .await
-            .unwrap();
+        let ledger = SqliteLedger::connect_with(
+            &url,
+            SqliteLedgerOptions::default()
+                // NORMAL, not the default FULL: an fsync per commit costs both
+                // sides the same and its noise (a shared disk) would drown the
+                // library's own cost, which is what this compares.
+                .synchronous(SqliteSynchronous::Normal)
+                .max_connections(16),
+        )
+        .await
+        .unwrap();
         sqlx::raw_sql(BASELINE_TABLE)
             .execute(ledger.pool())
             .await
