@@ -219,8 +219,11 @@ impl PgLedgerOptions {
 fn identifier(what: &str, s: &str, max: usize) -> Result<()> {
     let ok = !s.is_empty()
         && s.len() <= max
-        && s.bytes().next().is_some_and(|b| b.is_ascii_lowercase() || b == b'_')
-        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+        && s.bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_lowercase() || b == b'_')
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
     if ok {
         Ok(())
     } else {
@@ -445,7 +448,13 @@ impl PgLedger {
 
     /// A fenced write (complete, release, renew) on `conn`; returns the
     /// statement's value column (the new expiry for renew).
-    async fn fenced_on(&self, conn: &mut PgConnection, lease: &Lease, write: Write<'_>, guard: bool) -> Result<i64> {
+    async fn fenced_on(
+        &self,
+        conn: &mut PgConnection,
+        lease: &Lease,
+        write: Write<'_>,
+        guard: bool,
+    ) -> Result<i64> {
         let lost = || Error::LeaseLost {
             key: lease.key.to_string(),
             fence: lease.fence,
@@ -494,7 +503,10 @@ impl PgLedger {
         }
         Err(Error::Backend {
             backend: BACKEND,
-            message: format!("{}: the write did not settle after {ATTEMPTS} attempts", lease.key),
+            message: format!(
+                "{}: the write did not settle after {ATTEMPTS} attempts",
+                lease.key
+            ),
             retryable: true,
         })
     }
@@ -580,7 +592,10 @@ impl RecordRow {
         let mut state = RecordState::parse(&self.state).map_err(|e| corrupt(format!("{key}: {e}")))?;
         let read_at = from_micros(self.now_us);
         let lease_expires_at = self.lease_us.map(from_micros);
-        if state == RecordState::InProgress && self.at_most_once && lease_expires_at.is_some_and(|e| e <= read_at) {
+        if state == RecordState::InProgress
+            && self.at_most_once
+            && lease_expires_at.is_some_and(|e| e <= read_at)
+        {
             state = RecordState::Abandoned;
         }
         Ok(Record {
@@ -642,12 +657,16 @@ impl Ledger for PgLedger {
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
         check_outcome(outcome)?;
         let mut conn = self.acquire().await?;
-        self.fenced_on(&mut conn, lease, Write::Complete(outcome), true).await.map(|_| ())
+        self.fenced_on(&mut conn, lease, Write::Complete(outcome), true)
+            .await
+            .map(|_| ())
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
         let mut conn = self.acquire().await?;
-        self.fenced_on(&mut conn, lease, Write::Release, true).await.map(|_| ())
+        self.fenced_on(&mut conn, lease, Write::Release, true)
+            .await
+            .map(|_| ())
     }
 
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
@@ -776,6 +795,8 @@ impl TransactionalLedger for PgLedger {
 
     async fn complete_in(&self, conn: &mut PgConnection, lease: &Lease, outcome: &Outcome) -> Result<()> {
         check_outcome(outcome)?;
-        self.fenced_on(conn, lease, Write::Complete(outcome), false).await.map(|_| ())
+        self.fenced_on(conn, lease, Write::Complete(outcome), false)
+            .await
+            .map(|_| ())
     }
 }

@@ -258,8 +258,10 @@ impl Queries {
             )
             .into(),
             applied_version: format!("SELECT coalesce(max(version), 0) FROM {migrations_table}").into(),
-            record_migration: format!("INSERT INTO {migrations_table} (version, description) VALUES ($1, $2)")
-                .into(),
+            record_migration: format!(
+                "INSERT INTO {migrations_table} (version, description) VALUES ($1, $2)"
+            )
+            .into(),
             migrations: vec![(1, "effects table and indexes", v1.into())],
         }
     }

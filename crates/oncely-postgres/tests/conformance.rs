@@ -1,17 +1,18 @@
 //! The shared conformance suite on PostgreSQL.
 
-use std::sync::Mutex;
-
 use oncely::conformance::{service_url, skip_or_fail};
 use oncely_postgres::{PgLedger, PgLedgerOptions};
 use sqlx::postgres::PgPoolOptions;
 
 /// Migrations run once per test binary; every test then builds its own pool
 /// (a pool's sockets belong to the runtime of the test that opened them).
-static MIGRATED: Mutex<bool> = Mutex::new(false);
+static MIGRATED: tokio::sync::Mutex<bool> = tokio::sync::Mutex::const_new(false);
 
 async fn ledger() -> Option<PgLedger> {
-    let url = service_url("ONCELY_POSTGRES_URL", Some("postgres://postgres@127.0.0.1:5432/test"))?;
+    let url = service_url(
+        "ONCELY_POSTGRES_URL",
+        Some("postgres://postgres@127.0.0.1:5432/test"),
+    )?;
     // Above the suite's 64 racers, so every racer holds its own connection and
     // the race is decided by the unique index, not by pool queueing.
     let pool = match PgPoolOptions::new()
@@ -25,7 +26,7 @@ async fn ledger() -> Option<PgLedger> {
     };
     let ledger = PgLedger::with_options(pool, PgLedgerOptions::default().table("oncely_conformance"))
         .expect("valid options");
-    let mut migrated = MIGRATED.lock().unwrap_or_else(|p| p.into_inner());
+    let mut migrated = MIGRATED.lock().await;
     if !*migrated {
         ledger.migrate().await.expect("migrations run");
         *migrated = true;
