@@ -120,8 +120,8 @@ use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use oncely::{
-    Capabilities, Claim, ClaimOptions, EffectKey, Error, Fingerprint, Lease, Ledger, Outcome, Record, RecordState,
-    Result, Tenant, duration_micros, from_micros, to_micros,
+    Capabilities, Claim, ClaimOptions, EffectKey, Error, Fingerprint, Lease, Ledger, Outcome, Record,
+    RecordState, Result, Tenant, duration_micros, from_micros, to_micros,
 };
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
@@ -212,10 +212,9 @@ impl RedisLedgerOptions {
 
     fn check(&self) -> Result<()> {
         let ok = self.prefix.len() <= 64
-            && self
-                .prefix
-                .bytes()
-                .all(|b| b.is_ascii_graphic() && !matches!(b, b'{' | b'}' | b'*' | b'?' | b'[' | b']' | b'\\'));
+            && self.prefix.bytes().all(|b| {
+                b.is_ascii_graphic() && !matches!(b, b'{' | b'}' | b'*' | b'?' | b'[' | b']' | b'\\')
+            });
         if !ok {
             return Err(Error::Config(format!(
                 "redis key prefix {:?} must be at most 64 printable ASCII characters without {{ }} * ? [ ] \\",
@@ -298,7 +297,10 @@ impl RedisLedger {
     async fn ready(mut conn: Conn, opts: RedisLedgerOptions) -> Result<RedisLedger> {
         for node in conn.masters().await.map_err(map_err)? {
             let reply = conn
-                .on(&node, redis::cmd("CONFIG").arg("GET").arg("maxmemory-policy").clone())
+                .on(
+                    &node,
+                    redis::cmd("CONFIG").arg("GET").arg("maxmemory-policy").clone(),
+                )
                 .await;
             match reply.as_ref().map(policy_of) {
                 Ok(Some(p)) if p == "noeviction" => {}
@@ -309,9 +311,9 @@ impl RedisLedger {
                     )));
                 }
                 Ok(Some(p)) => tracing::warn!(policy = %p, "redis maxmemory-policy is not noeviction"),
-                Ok(None) | Err(_) => tracing::warn!(
-                    "cannot read redis maxmemory-policy; make sure it is noeviction"
-                ),
+                Ok(None) | Err(_) => {
+                    tracing::warn!("cannot read redis maxmemory-policy; make sure it is noeviction")
+                }
             }
         }
         Ok(RedisLedger {
@@ -342,7 +344,13 @@ impl RedisLedger {
     }
 
     /// One page of `SCAN` on one master.
-    async fn page(&self, conn: &mut Conn, node: &Node, cursor: &str, pattern: &str) -> Result<(String, Vec<String>)> {
+    async fn page(
+        &self,
+        conn: &mut Conn,
+        node: &Node,
+        cursor: &str,
+        pattern: &str,
+    ) -> Result<(String, Vec<String>)> {
         let reply = conn
             .on(
                 node,
@@ -545,10 +553,16 @@ impl Ledger for RedisLedger {
                                     found.push(r);
                                 }
                             }
-                            Ok(_) => tracing::warn!(key = %rkey, "record stored under another key; not listed"),
-                            Err(e) => tracing::warn!(key = %rkey, error = %e, "unreadable record; not listed"),
+                            Ok(_) => {
+                                tracing::warn!(key = %rkey, "record stored under another key; not listed")
+                            }
+                            Err(e) => {
+                                tracing::warn!(key = %rkey, error = %e, "unreadable record; not listed")
+                            }
                         },
-                        "corrupt" => tracing::warn!(key = %rkey, error = %corrupt(&rkey, &parts), "not listed"),
+                        "corrupt" => {
+                            tracing::warn!(key = %rkey, error = %corrupt(&rkey, &parts), "not listed")
+                        }
                         _ => {}
                     }
                 }

@@ -27,12 +27,22 @@ pub async fn single_with(opts: RedisLedgerOptions) -> Option<RedisLedger> {
 /// per test binary.
 pub fn cluster_urls() -> Option<Vec<String>> {
     if let Ok(urls) = std::env::var("ONCELY_REDIS_CLUSTER_URLS") {
-        return Some(urls.split(',').map(|u| u.trim().to_owned()).filter(|u| !u.is_empty()).collect());
+        return Some(
+            urls.split(',')
+                .map(|u| u.trim().to_owned())
+                .filter(|u| !u.is_empty())
+                .collect(),
+        );
     }
     static UP: OnceLock<Result<(), String>> = OnceLock::new();
     let up = UP.get_or_init(|| {
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/redis-cluster.sh");
-        match Command::new("bash").arg(script).arg("up").stdin(Stdio::null()).output() {
+        match Command::new("bash")
+            .arg(script)
+            .arg("up")
+            .stdin(Stdio::null())
+            .output()
+        {
             Ok(out) if out.status.success() => Ok(()),
             Ok(out) => Err(format!(
                 "{script} up failed: {}",
@@ -86,7 +96,16 @@ impl TempRedis {
         let dir = std::env::temp_dir().join(format!("oncely-redis-test-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let child = match Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
             .arg("--dir")
             .arg(&dir)
             .args(extra)

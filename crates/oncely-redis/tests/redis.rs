@@ -1,0 +1,485 @@
+//! Redis-specific behaviour: foreign values, a server that goes away, TTLs,
+//! the eviction-policy check, timeouts, and how records spread over a cluster.
+
+mod common;
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::{TempRedis, cluster, cluster_urls, raw, single, single_with};
+use oncely::conformance::{SHORT_LEASE, SHORT_LEASE_WAIT, fresh_tenant};
+use oncely::{Claim, ClaimOptions, EffectKey, Effects, Error, Ledger, Outcome, RecordState};
+use oncely_redis::{RedisLedger, RedisLedgerOptions};
+use redis::AsyncCommands;
+
+fn acquired(c: Claim) -> oncely::Lease {
+    match c {
+        Claim::Acquired(l) => l,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+fn single_url() -> String {
+    std::env::var("ONCELY_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+fn is_corrupt(e: &Error) -> bool {
+    matches!(e, Error::Corrupt { backend: "redis", .. })
+}
+
+/// A value oncely did not write at a record's key is reported, never
+/// overwritten, by every operation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn foreign_values_are_corrupt_and_untouched() {
+    let Some(ledger) = single().await else { return };
+    let mut conn = raw(&single_url()).await;
+    let t = fresh_tenant();
+    let opts = ClaimOptions::default();
+
+    // A string where a record would be.
+    let k = EffectKey::new(&t, "capture", "foreign-string").unwrap();
+    let rkey = ledger.redis_key(&k);
+    let _: () = conn.set(&rkey, "not yours").await.unwrap();
+    let e = ledger.claim(&k, &opts).await.unwrap_err();
+    assert!(is_corrupt(&e), "{e:?}");
+    assert!(e.to_string().contains("string"), "{e}");
+    assert!(is_corrupt(&ledger.get(&k).await.unwrap_err()));
+    // A lease someone forged for it cannot write either.
+    let l = acquired(
+        ledger
+            .claim(&EffectKey::new(&t, "capture", "donor").unwrap(), &opts)
+            .await
+            .unwrap(),
+    );
+    let forged = oncely::Lease { key: k.clone(), ..l };
+    let o = Outcome::from_json(&1).unwrap();
+    assert!(is_corrupt(&ledger.complete(&forged, &o).await.unwrap_err()));
+    assert!(is_corrupt(&ledger.release(&forged).await.unwrap_err()));
+    assert!(is_corrupt(
+        &ledger.renew(&forged, Duration::from_secs(5)).await.unwrap_err()
+    ));
+    let still: String = conn.get(&rkey).await.unwrap();
+    assert_eq!(still, "not yours");
+    let ttl: i64 = conn.pttl(&rkey).await.unwrap();
+    assert_eq!(ttl, -1, "no TTL was set on a foreign value");
+
+    // A list.
+    let k = EffectKey::new(&t, "capture", "foreign-list").unwrap();
+    let rkey = ledger.redis_key(&k);
+    let _: () = conn.rpush(&rkey, "a").await.unwrap();
+    assert!(is_corrupt(&ledger.claim(&k, &opts).await.unwrap_err()));
+    let len: i64 = conn.llen(&rkey).await.unwrap();
+    assert_eq!(len, 1);
+
+    // A hash without oncely's fields.
+    let k = EffectKey::new(&t, "capture", "foreign-hash").unwrap();
+    let rkey = ledger.redis_key(&k);
+    let _: () = conn.hset(&rkey, "name", "someone else's").await.unwrap();
+    let e = ledger.claim(&k, &opts).await.unwrap_err();
+    assert!(is_corrupt(&e), "{e:?}");
+    assert!(is_corrupt(&ledger.get(&k).await.unwrap_err()));
+    let fields: BTreeMap<String, String> = conn.hgetall(&rkey).await.unwrap();
+    assert_eq!(
+        fields,
+        BTreeMap::from([("name".to_owned(), "someone else's".to_owned())])
+    );
+
+    // An oncely record copied to another key's place.
+    let a = EffectKey::new(&t, "capture", "a").unwrap();
+    let b = EffectKey::new(&t, "capture", "b").unwrap();
+    let la = acquired(ledger.claim(&a, &opts).await.unwrap());
+    ledger.complete(&la, &o).await.unwrap();
+    let copied: Vec<(String, Vec<u8>)> = conn.hgetall(ledger.redis_key(&a)).await.unwrap();
+    let _: () = conn.hset_multiple(ledger.redis_key(&b), &copied).await.unwrap();
+    assert!(is_corrupt(&ledger.claim(&b, &opts).await.unwrap_err()));
+    assert!(is_corrupt(&ledger.get(&b).await.unwrap_err()));
+    // The real record is unaffected.
+    assert_eq!(
+        ledger.get(&a).await.unwrap().unwrap().state,
+        RecordState::Completed
+    );
+}
+
+/// Completed and released records expire by TTL: retention plus the grace
+/// that leaves prune its work. Leases in progress and abandoned steps never
+/// expire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ttls_follow_retention() {
+    for grace in [Duration::ZERO, Duration::from_secs(60)] {
+        let Some(ledger) = single_with(RedisLedgerOptions::default().expiry_grace(grace)).await else {
+            return;
+        };
+        let mut conn = raw(&single_url()).await;
+        let t = fresh_tenant();
+        let retention = Duration::from_secs(600);
+        let opts = ClaimOptions::default().retention(retention);
+        let pttl = |k: &EffectKey| ledger.redis_key(k);
+
+        let done = EffectKey::new(&t, "capture", "done").unwrap();
+        let l = acquired(ledger.claim(&done, &opts).await.unwrap());
+        let ttl: i64 = conn.pttl(pttl(&done)).await.unwrap();
+        assert_eq!(ttl, -1, "a lease in progress has no TTL");
+        ledger
+            .complete(&l, &Outcome::from_json(&1).unwrap())
+            .await
+            .unwrap();
+        let ttl: i64 = conn.pttl(pttl(&done)).await.unwrap();
+        let (low, high) = (grace.as_millis() as i64, (retention + grace).as_millis() as i64);
+        assert!(ttl > low && ttl <= high, "PTTL {ttl} not in ({low}, {high}]");
+        let r = ledger.get(&done).await.unwrap().unwrap();
+        assert_eq!(r.retain_until.duration_since(r.updated_at).unwrap(), retention);
+
+        let released = EffectKey::new(&t, "capture", "released").unwrap();
+        let l = acquired(ledger.claim(&released, &opts).await.unwrap());
+        ledger.release(&l).await.unwrap();
+        let ttl: i64 = conn.pttl(pttl(&released)).await.unwrap();
+        assert!(ttl > low && ttl <= high, "PTTL {ttl} not in ({low}, {high}]");
+        // Taking a released record over removes its TTL again.
+        let l2 = acquired(ledger.claim(&released, &opts).await.unwrap());
+        assert_eq!(l2.fence, 2);
+        let ttl: i64 = conn.pttl(pttl(&released)).await.unwrap();
+        assert_eq!(ttl, -1, "a lease taken over from a released record has no TTL");
+
+        let abandoned = EffectKey::new(&t, "receipt", "abandoned").unwrap();
+        let amo = opts.clone().lease(SHORT_LEASE).at_most_once(true);
+        acquired(ledger.claim(&abandoned, &amo).await.unwrap());
+        tokio::time::sleep(SHORT_LEASE_WAIT).await;
+        assert!(matches!(
+            ledger.claim(&abandoned, &amo).await.unwrap(),
+            Claim::Abandoned(_)
+        ));
+        let ttl: i64 = conn.pttl(pttl(&abandoned)).await.unwrap();
+        assert_eq!(ttl, -1, "an abandoned step never expires");
+    }
+}
+
+/// With no grace Redis alone deletes a record when its retention ends; with
+/// a grace, prune deletes it first and Redis later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expiry_deletes_records_past_retention() {
+    let Some(ledger) = single_with(RedisLedgerOptions::default().expiry_grace(Duration::ZERO)).await else {
+        return;
+    };
+    let t = fresh_tenant();
+    let brief = ClaimOptions::default()
+        .lease(Duration::from_millis(100))
+        .retention(Duration::from_millis(200));
+    let k = EffectKey::new(&t, "capture", "short-lived").unwrap();
+    let l = acquired(ledger.claim(&k, &brief).await.unwrap());
+    ledger
+        .complete(&l, &Outcome::from_json(&1).unwrap())
+        .await
+        .unwrap();
+    assert!(ledger.get(&k).await.unwrap().is_some());
+    tokio::time::sleep(SHORT_LEASE_WAIT).await;
+    assert!(
+        ledger.get(&k).await.unwrap().is_none(),
+        "Redis expired it by itself"
+    );
+    // The key is free again: a new claim starts a new record.
+    assert_eq!(acquired(ledger.claim(&k, &brief).await.unwrap()).fence, 1);
+}
+
+/// Nobody listening: Unavailable, and the runner's handler never runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_refused_is_unavailable() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let e = RedisLedger::connect(&format!("redis://127.0.0.1:{port}"))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Unavailable { backend: "redis", .. }), "{e:?}");
+    assert!(e.is_retryable());
+    let e = RedisLedger::connect_cluster(&[&format!("redis://127.0.0.1:{port}")])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Unavailable { .. } | Error::Backend { retryable: true, .. }
+        ),
+        "{e:?}"
+    );
+    let e = RedisLedger::connect("not a url").await.unwrap_err();
+    assert!(matches!(e, Error::Config(_)), "{e:?}");
+    let e = RedisLedger::connect_with(
+        "redis://127.0.0.1:6379",
+        RedisLedgerOptions::default().prefix("bad{prefix}"),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(e, Error::Config(_)), "{e:?}");
+}
+
+/// The server dies under a connected ledger: every operation fails closed
+/// (Unavailable) and `Effects::run` does not run its handler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_going_down_fails_closed() {
+    let Some(mut server) = TempRedis::start(&[]).await else {
+        return;
+    };
+    let ledger = RedisLedger::connect(&server.url()).await.unwrap();
+    let effects = Effects::new(ledger.clone());
+    let t = fresh_tenant();
+    let ran = AtomicUsize::new(0);
+    let k = EffectKey::new(&t, "capture", "before").unwrap();
+    let v: u32 = effects
+        .run(&k, &ClaimOptions::default(), |_| {
+            ran.fetch_add(1, Ordering::SeqCst);
+            async { Ok(7) }
+        })
+        .await
+        .unwrap();
+    assert_eq!((v, ran.load(Ordering::SeqCst)), (7, 1));
+
+    server.kill();
+    for i in 0..3 {
+        let k = EffectKey::new(&t, "capture", format!("after-{i}")).unwrap();
+        let e = effects
+            .run::<u32, _, _>(&k, &ClaimOptions::default(), |_| {
+                ran.fetch_add(1, Ordering::SeqCst);
+                async { Ok(0) }
+            })
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::Unavailable { backend: "redis", .. }),
+            "attempt {i}: {e:?}"
+        );
+        let e = ledger.get(&k).await.unwrap_err();
+        assert!(matches!(e, Error::Unavailable { .. }), "{e:?}");
+    }
+    assert_eq!(ran.load(Ordering::SeqCst), 1, "no handler ran without the ledger");
+}
+
+/// A server that does not answer in time: a retryable backend error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_server_is_a_retryable_timeout() {
+    let Some(server) = TempRedis::start(&[]).await else {
+        return;
+    };
+    let opts = RedisLedgerOptions::default().response_timeout(Duration::from_millis(200));
+    let ledger = RedisLedger::connect_with(&server.url(), opts).await.unwrap();
+    let k = EffectKey::new(&fresh_tenant(), "capture", "paused").unwrap();
+    let mut admin = raw(&server.url()).await;
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(1500)
+        .arg("ALL")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let e = ledger.claim(&k, &ClaimOptions::default()).await.unwrap_err();
+    assert!(matches!(e, Error::Backend { retryable: true, .. }), "{e:?}");
+    // Once the pause ends the ledger works again on the same connection.
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let mut answer = None;
+    for _ in 0..20 {
+        match ledger.claim(&k, &ClaimOptions::default()).await {
+            Ok(c) => {
+                answer = Some(c);
+                break;
+            }
+            Err(e) => {
+                assert!(e.is_retryable(), "{e:?}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    // The timed-out claim may or may not have been applied (as after any
+    // dropped request); either way the key has exactly one holder.
+    match answer.expect("ledger recovers after the pause") {
+        Claim::Acquired(l) => assert_eq!(l.fence, 1),
+        Claim::InProgress { fence, .. } => assert_eq!(fence, 1),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A server that may evict keys is refused unless the caller opts out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eviction_policy_is_checked() {
+    for policy in ["allkeys-lru", "volatile-ttl"] {
+        let Some(server) = TempRedis::start(&["--maxmemory-policy", policy]).await else {
+            return;
+        };
+        let e = RedisLedger::connect(&server.url()).await.unwrap_err();
+        assert!(matches!(&e, Error::Config(m) if m.contains(policy)), "{e:?}");
+        let ok = RedisLedger::connect_with(
+            &server.url(),
+            RedisLedgerOptions::default().require_noeviction(false),
+        )
+        .await;
+        assert!(ok.is_ok(), "{ok:?}");
+    }
+}
+
+/// Two ledgers with different prefixes on one server keep separate records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefixes_separate_ledgers() {
+    let Some(a) = single().await else { return };
+    let Some(b) = single_with(RedisLedgerOptions::default().prefix("other-app:")).await else {
+        return;
+    };
+    let k = EffectKey::new(&fresh_tenant(), "capture", "shared-name").unwrap();
+    assert!(b.redis_key(&k).starts_with("other-app:{"));
+    let la = acquired(a.claim(&k, &ClaimOptions::default()).await.unwrap());
+    let lb = acquired(b.claim(&k, &ClaimOptions::default()).await.unwrap());
+    assert_eq!((la.fence, lb.fence), (1, 1));
+}
+
+/// Counts a tenant's records on each cluster master.
+async fn records_per_master(tenant: &oncely::Tenant) -> Vec<usize> {
+    let mut counts = Vec::new();
+    for url in cluster_urls().unwrap() {
+        let mut conn = raw(&url).await;
+        let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut conn).await.unwrap();
+        if !matches!(&role[0], redis::Value::BulkString(b) if b == b"master") {
+            continue;
+        }
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("oncely:{{*}}:{tenant}/*"))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        counts.push(keys.len());
+    }
+    counts
+}
+
+/// Records spread over every master, subjects with braces included: the hash
+/// tag comes from the whole key, so `{same}-1` and `{same}-2` do not share a
+/// slot as they would under Redis's rule for the raw key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_keys_spread_over_masters() {
+    let Some(ledger) = cluster().await else { return };
+    assert!(ledger.is_cluster());
+    let t = fresh_tenant();
+    let mut slots = HashSet::new();
+    let mut conn = raw(&cluster_urls().unwrap()[0]).await;
+    for i in 0..60 {
+        let k = EffectKey::new(&t, "capture", format!("{{same}}-{i}")).unwrap();
+        let l = acquired(ledger.claim(&k, &ClaimOptions::default()).await.unwrap());
+        ledger
+            .complete(&l, &Outcome::from_json(&i).unwrap())
+            .await
+            .unwrap();
+        let slot: i64 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(ledger.redis_key(&k))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        slots.insert(slot);
+    }
+    assert!(slots.len() > 50, "60 keys fell into only {} slots", slots.len());
+    let raw_slot: i64 = redis::cmd("CLUSTER")
+        .arg("KEYSLOT")
+        .arg(format!("oncely:{t}/capture:{{same}}-1"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let raw_slot2: i64 = redis::cmd("CLUSTER")
+        .arg("KEYSLOT")
+        .arg(format!("oncely:{t}/capture:{{same}}-2"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(
+        raw_slot, raw_slot2,
+        "control: Redis's own rule would pin them together"
+    );
+    let counts = records_per_master(&t).await;
+    assert_eq!(counts.len(), 3, "three masters: {counts:?}");
+    assert!(
+        counts.iter().all(|&n| n > 0),
+        "every master holds records: {counts:?}"
+    );
+    assert_eq!(counts.iter().sum::<usize>(), 60);
+}
+
+/// `abandoned` finds the abandoned steps of a tenant on every master, oldest
+/// first, and nothing else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_abandoned_lists_every_master() {
+    let Some(ledger) = cluster().await else { return };
+    let t = fresh_tenant();
+    let amo = ClaimOptions::default().lease(SHORT_LEASE).at_most_once(true);
+    let mut expected = Vec::new();
+    for i in 0..12 {
+        let k = EffectKey::new(&t, "receipt", format!("mail-{i}")).unwrap();
+        acquired(ledger.claim(&k, &amo).await.unwrap());
+        expected.push(k);
+    }
+    // Neither a completed step, a live lease nor another tenant's step is listed.
+    let done = EffectKey::new(&t, "receipt", "sent").unwrap();
+    let l = acquired(ledger.claim(&done, &amo).await.unwrap());
+    ledger
+        .complete(&l, &Outcome::from_json(&"ok").unwrap())
+        .await
+        .unwrap();
+    let live = EffectKey::new(&t, "receipt", "sending").unwrap();
+    acquired(
+        ledger
+            .claim(&live, &ClaimOptions::default().at_most_once(true))
+            .await
+            .unwrap(),
+    );
+    let other = fresh_tenant();
+    let theirs = EffectKey::new(&other, "receipt", "mail-0").unwrap();
+    acquired(ledger.claim(&theirs, &amo).await.unwrap());
+    tokio::time::sleep(SHORT_LEASE_WAIT).await;
+
+    let counts = records_per_master(&t).await;
+    assert!(
+        counts.iter().filter(|&&n| n > 0).count() >= 2,
+        "the steps are on several masters: {counts:?}"
+    );
+    let listed = ledger.abandoned(&t, 100).await.unwrap();
+    let keys: Vec<EffectKey> = listed.iter().map(|r| r.key.clone()).collect();
+    assert_eq!(keys, expected, "all twelve, oldest first");
+    assert!(listed.iter().all(|r| r.state == RecordState::Abandoned));
+    assert_eq!(ledger.abandoned(&t, 5).await.unwrap().len(), 5);
+    assert_eq!(ledger.abandoned(&other, 100).await.unwrap().len(), 1);
+}
+
+/// Many clients on separate connections race on one key per master.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cluster_race_on_separate_connections() {
+    let Some(_) = cluster().await else { return };
+    let t = fresh_tenant();
+    let keys: Vec<EffectKey> = (0..6)
+        .map(|i| EffectKey::new(&t, "capture", format!("race-{i}")).unwrap())
+        .collect();
+    let mut ledgers = Vec::new();
+    for _ in 0..8 {
+        ledgers.push(cluster().await.unwrap());
+    }
+    let barrier = Arc::new(tokio::sync::Barrier::new(ledgers.len() * keys.len()));
+    let mut tasks = Vec::new();
+    for ledger in &ledgers {
+        for k in &keys {
+            let (ledger, k, barrier) = (ledger.clone(), k.clone(), barrier.clone());
+            tasks.push(tokio::spawn(async move {
+                barrier.wait().await;
+                (
+                    k.clone(),
+                    ledger.claim(&k, &ClaimOptions::default()).await.unwrap(),
+                )
+            }));
+        }
+    }
+    let mut winners = BTreeMap::new();
+    for task in tasks {
+        let (k, c) = task.await.unwrap();
+        if matches!(c, Claim::Acquired(_)) {
+            *winners.entry(k.to_string()).or_insert(0) += 1;
+        }
+    }
+    assert_eq!(winners.len(), keys.len());
+    assert!(winners.values().all(|&n| n == 1), "{winners:?}");
+}
