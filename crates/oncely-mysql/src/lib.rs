@@ -467,7 +467,7 @@ impl MySqlLedger {
         // may have only one.
         drop(conn);
         result?;
-        self.probe().await
+        self.probe(None).await
     }
 
     async fn apply_migrations(&self, conn: &mut MySqlConnection) -> Result<()> {
@@ -500,14 +500,21 @@ impl MySqlLedger {
 
     /// Asks the server once for what it supports: `RETURNING` (MariaDB
     /// 10.5+) and `max_allowed_packet` (which bounds the outcome size).
-    async fn probe(&self) -> Result<()> {
+    /// `conn`: ask on the caller's connection (`claim_in`), so a pool whose
+    /// connections are all inside the caller's transactions cannot stall it.
+    async fn probe(&self, conn: Option<&mut MySqlConnection>) -> Result<()> {
+        if self.inner.probed.initialized() {
+            return Ok(());
+        }
         self.inner
             .probed
-            .get_or_try_init(|| async {
-                let row = sqlx::query("SELECT VERSION() AS v, @@max_allowed_packet AS p")
-                    .fetch_one(&self.inner.pool)
-                    .await
-                    .map_err(map)?;
+            .get_or_try_init(|| async move {
+                let q = sqlx::query("SELECT VERSION() AS v, @@max_allowed_packet AS p");
+                let row = match conn {
+                    Some(conn) => q.fetch_one(conn).await,
+                    None => q.fetch_one(&self.inner.pool).await,
+                }
+                .map_err(map)?;
                 let version: String = row.try_get("v").map_err(map)?;
                 let packet: u64 = row.try_get("p").map_err(map)?;
                 let returning = self
@@ -537,7 +544,7 @@ impl MySqlLedger {
     {
         let this = self.clone();
         tokio::spawn(async move {
-            this.probe().await?;
+            this.probe(None).await?;
             let mut last = None;
             for attempt in 0..LOCK_RETRIES {
                 if attempt > 0 {
@@ -946,7 +953,7 @@ impl TransactionalLedger for MySqlLedger {
         opts: &ClaimOptions,
     ) -> Result<Claim> {
         opts.validate()?;
-        self.probe().await?;
+        self.probe(Some(&mut *conn)).await?;
         // Inside the caller's transaction nothing is retried: a deadlock has
         // rolled the whole transaction back, which only the caller can redo.
         let mut moved = 0;
