@@ -180,13 +180,6 @@ impl SqliteLedgerOptions {
 pub struct SqliteLedger {
     pool: SqlitePool,
     q: Arc<Queries>,
-    /// Queues this process's ledger writes (claim, complete, release, renew,
-    /// prune) in order. SQLite admits one writer at a time anyway, and a
-    /// writer that meets the lock sleeps in the busy handler (1 ms, 2 ms, 5 ms,
-    /// … up to 100 ms) while the lock is often free again within microseconds;
-    /// waiting here instead hands the lock over at once. Other processes and
-    /// your own transactions still meet the busy timeout as usual.
-    writes: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl fmt::Debug for SqliteLedger {
@@ -252,11 +245,7 @@ impl SqliteLedger {
             .connect_with(connect)
             .await
             .map_err(map_connect)?;
-        let ledger = SqliteLedger {
-            pool,
-            q,
-            writes: Arc::default(),
-        };
+        let ledger = SqliteLedger { pool, q };
         ledger.migrate().await?;
         Ok(ledger)
     }
@@ -270,7 +259,6 @@ impl SqliteLedger {
         SqliteLedger {
             pool,
             q: Arc::new(Queries::new(queries::DEFAULT_TABLE).expect("the default table name is valid")),
-            writes: Arc::default(),
         }
     }
 
@@ -280,7 +268,6 @@ impl SqliteLedger {
         Ok(SqliteLedger {
             pool: self.pool,
             q: Arc::new(Queries::new(table)?),
-            writes: self.writes,
         })
     }
 
@@ -366,7 +353,12 @@ impl SqliteLedger {
         // this never writes on a stale read. Inside a `BEGIN IMMEDIATE`
         // transaction nothing else writes, and only the clock can move.
         for _ in 0..8 {
-            let acquired = sqlx::query(AssertSqlSafe(self.q.claim.clone()))
+            let sql = if sent_at.is_some() {
+                &self.q.claim_horizon
+            } else {
+                &self.q.claim
+            };
+            let mut claim = sqlx::query(AssertSqlSafe(sql.clone()))
                 .bind(key.as_str())
                 .bind(key.tenant().as_str())
                 .bind(key.kind())
@@ -374,12 +366,11 @@ impl SqliteLedger {
                 .bind(opts.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
                 .bind(opts.at_most_once)
                 .bind(duration_micros(opts.lease))
-                .bind(retention)
-                .bind(sent_at)
-                .fetch_optional(&mut *conn)
-                .await
-                .map_err(map)?;
-            if let Some(row) = acquired {
+                .bind(retention);
+            if let Some(sent_at) = sent_at {
+                claim = claim.bind(sent_at);
+            }
+            if let Some(row) = claim.fetch_optional(&mut *conn).await.map_err(map)? {
                 return lease_from_row(key, opts, &row).map(Claim::Acquired);
             }
             let row = sqlx::query(AssertSqlSafe(self.q.claim_read.clone()))
@@ -529,9 +520,7 @@ fn decode_record(row: &SqliteRow) -> Result<Record> {
 // Every pool operation below is one autocommit statement (claim: one
 // statement, plus a read when it did not acquire), so a dropped future either
 // committed it whole or not at all, and the connection goes back to the pool
-// with no transaction open. A dropped future also gives up its turn in the
-// write queue; a statement still running on the connection then only makes
-// the next writer meet SQLite's busy timeout.
+// with no transaction open.
 impl Ledger for SqliteLedger {
     fn backend(&self) -> &'static str {
         BACKEND
@@ -550,21 +539,16 @@ impl Ledger for SqliteLedger {
 
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
         opts.validate()?;
-        // The write queue first, then a connection: a claim waiting for its
-        // turn does not hold a connection that readers could use.
-        let _turn = self.writes.lock().await;
         let mut conn = self.pool.acquire().await.map_err(map)?;
         self.claim_on(&mut conn, key, opts).await
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
-        let _turn = self.writes.lock().await;
         let mut conn = self.pool.acquire().await.map_err(map)?;
         self.complete_on(&mut conn, lease, outcome).await
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
-        let _turn = self.writes.lock().await;
         let done = sqlx::query(AssertSqlSafe(self.q.release.clone()))
             .bind(lease.key.as_str())
             .bind(fence_param(lease.fence))
@@ -575,7 +559,6 @@ impl Ledger for SqliteLedger {
     }
 
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
-        let _turn = self.writes.lock().await;
         let row = sqlx::query(AssertSqlSafe(self.q.renew.clone()))
             .bind(lease.key.as_str())
             .bind(fence_param(lease.fence))
@@ -605,7 +588,6 @@ impl Ledger for SqliteLedger {
     }
 
     async fn prune(&self, limit: u64) -> Result<u64> {
-        let _turn = self.writes.lock().await;
         let done = sqlx::query(AssertSqlSafe(self.q.prune.clone()))
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))
             .execute(&self.pool)

@@ -34,7 +34,10 @@ pub(crate) struct Queries {
     pub(crate) write_version: Arc<str>,
     /// Migration steps; step `i` brings the schema to version `i + 1`.
     pub(crate) migrations: Vec<Arc<str>>,
+    /// The claim; `claim_horizon` is the same with the horizon check, for
+    /// claims that give `sent_at` (binds `?9`).
     pub(crate) claim: Arc<str>,
+    pub(crate) claim_horizon: Arc<str>,
     pub(crate) claim_read: Arc<str>,
     pub(crate) complete: Arc<str>,
     pub(crate) release: Arc<str>,
@@ -60,6 +63,56 @@ pub(crate) fn check_table_name(name: &str) -> Result<(), Error> {
             "table name {name:?}: use 1 to 48 ASCII letters, digits or '_', not starting with a digit or 'sqlite_'"
         )))
     }
+}
+
+/// The insert and the takeover are one statement: SQLite runs it under the
+/// database write lock, so there is no gap between the check and the claim.
+/// The DO UPDATE's WHERE is the takeover rule: same (or no) fingerprint, and
+/// released, or an expired lease of a step that is not at-most-once. When
+/// neither the insert nor the takeover happens, nothing is written, no row
+/// comes back and `claim_read` tells which answer applies.
+///
+/// With `horizon`, the row comes from a SELECT whose WHERE is the horizon
+/// check: an absent key whose message (`?9`, microseconds) is older than the
+/// retention is not inserted. (A WHERE also keeps the parser from reading ON
+/// CONFLICT as a join constraint.) Without it, plain VALUES: the common case
+/// pays for no subquery.
+fn claim_sql(t: &str, horizon: bool) -> Arc<str> {
+    let source = if horizon {
+        format!(
+            "SELECT ?1, ?2, ?3, ?4, 'in_progress', 1, ?5, NULL,
+                ?6, c.now, c.now, c.now + ?7, c.now + ?8, ?8
+             FROM (SELECT {NOW_US} AS now) AS c
+             WHERE ?9 + ?8 >= c.now OR EXISTS (SELECT 1 FROM \"{t}\" WHERE key = ?1)"
+        )
+    } else {
+        format!(
+            "VALUES (?1, ?2, ?3, ?4, 'in_progress', 1, ?5, NULL,
+                ?6, {NOW_US}, {NOW_US}, {NOW_US} + ?7, {NOW_US} + ?8, ?8)"
+        )
+    };
+    format!(
+        "INSERT INTO \"{t}\" (key, tenant, kind, subject, state, fence, fingerprint, outcome,
+            at_most_once, created_at, updated_at, lease_expires_at, retain_until, retention_us)
+         {source}
+         ON CONFLICT(key) DO UPDATE SET
+            state = 'in_progress',
+            fence = fence + 1,
+            fingerprint = COALESCE(fingerprint, excluded.fingerprint),
+            outcome = NULL,
+            at_most_once = excluded.at_most_once,
+            updated_at = excluded.updated_at,
+            lease_expires_at = excluded.lease_expires_at,
+            retain_until = excluded.retain_until,
+            retention_us = excluded.retention_us
+         WHERE (fingerprint IS NULL OR excluded.fingerprint IS NULL
+                OR fingerprint = excluded.fingerprint)
+           AND (state = 'released'
+                OR (state = 'in_progress' AND at_most_once = 0
+                    AND lease_expires_at <= excluded.updated_at))
+         RETURNING fence, created_at, updated_at, lease_expires_at"
+    )
+    .into()
 }
 
 impl Queries {
@@ -99,40 +152,8 @@ impl Queries {
                 CREATE INDEX IF NOT EXISTS \"{t}_abandoned\"
                     ON \"{t}\" (tenant, at_most_once, state, lease_expires_at);"
             ))],
-            // The insert and the takeover are one statement: SQLite runs it
-            // under the database write lock, so there is no gap between the
-            // check and the claim. The SELECT's WHERE is the horizon check
-            // (an absent key whose message is older than the retention is not
-            // inserted); it also keeps the parser from reading ON CONFLICT as
-            // a join constraint. The DO UPDATE's WHERE is the takeover rule:
-            // same (or no) fingerprint, and released, or an expired lease of a
-            // step that is not at-most-once. Neither path writes: no row comes
-            // back and `claim_read` tells which answer applies.
-            claim: s(format!(
-                "INSERT INTO \"{t}\" (key, tenant, kind, subject, state, fence, fingerprint, outcome,
-                    at_most_once, created_at, updated_at, lease_expires_at, retain_until, retention_us)
-                 SELECT ?1, ?2, ?3, ?4, 'in_progress', 1, ?5, NULL,
-                    ?6, c.now, c.now, c.now + ?7, c.now + ?8, ?8
-                 FROM (SELECT {NOW_US} AS now) AS c
-                 WHERE ?9 IS NULL OR ?9 + ?8 >= c.now
-                    OR EXISTS (SELECT 1 FROM \"{t}\" WHERE key = ?1)
-                 ON CONFLICT(key) DO UPDATE SET
-                    state = 'in_progress',
-                    fence = fence + 1,
-                    fingerprint = COALESCE(fingerprint, excluded.fingerprint),
-                    outcome = NULL,
-                    at_most_once = excluded.at_most_once,
-                    updated_at = excluded.updated_at,
-                    lease_expires_at = excluded.lease_expires_at,
-                    retain_until = excluded.retain_until,
-                    retention_us = excluded.retention_us
-                 WHERE (fingerprint IS NULL OR excluded.fingerprint IS NULL
-                        OR fingerprint = excluded.fingerprint)
-                   AND (state = 'released'
-                        OR (state = 'in_progress' AND at_most_once = 0
-                            AND lease_expires_at <= excluded.updated_at))
-                 RETURNING fence, created_at, updated_at, lease_expires_at"
-            )),
+            claim: claim_sql(t, false),
+            claim_horizon: claim_sql(t, true),
             // The clock comes back even when the key is absent (horizon).
             claim_read: s(format!(
                 "SELECT {RECORD_COLUMNS}, c.now
