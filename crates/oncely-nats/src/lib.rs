@@ -303,8 +303,19 @@ impl NatsKvLedger {
                 revisions: Mutex::new(HashMap::new()),
             }),
         };
-        ledger.now().await?;
-        Ok(ledger)
+        // A replicated bucket just created answers only once its stream has
+        // elected a leader; the first clock probe doubles as that wait.
+        let deadline = Instant::now() + ledger.inner.opts.request_timeout;
+        loop {
+            match ledger.now().await {
+                Ok(_) => return Ok(ledger),
+                Err(e) if Instant::now() < deadline => {
+                    tracing::debug!(error = %e, "bucket not ready yet");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// The underlying bucket.
