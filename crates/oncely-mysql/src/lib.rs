@@ -205,7 +205,9 @@ pub struct MySqlLedger {
 struct Inner {
     pool: MySqlPool,
     table: String,
-    sql: Statements,
+    /// Index 0: for servers without `@@in_transaction`; 1: guarded.
+    sql: [Statements; 2],
+    guarded: AtomicBool,
     /// Current outcome limit: the configured one, lowered once the server's
     /// `max_allowed_packet` is known.
     max_outcome: AtomicUsize,
@@ -388,7 +390,11 @@ impl MySqlLedger {
     fn build(pool: MySqlPool, options: MySqlLedgerOptions) -> Self {
         MySqlLedger {
             inner: Arc::new(Inner {
-                sql: Statements::new(&options.table),
+                sql: [
+                    Statements::new(&options.table, false),
+                    Statements::new(&options.table, true),
+                ],
+                guarded: AtomicBool::new(false),
                 table: options.table,
                 pool,
                 max_outcome: AtomicUsize::new(options.max_outcome_bytes),
@@ -509,8 +515,9 @@ impl MySqlLedger {
         self.inner
             .probed
             .get_or_try_init(|| async move {
+                let mut conn = conn;
                 let q = sqlx::query("SELECT VERSION() AS v, @@max_allowed_packet AS p");
-                let row = match conn {
+                let row = match conn.as_deref_mut() {
                     Some(conn) => q.fetch_one(conn).await,
                     None => q.fetch_one(&self.inner.pool).await,
                 }
@@ -526,6 +533,18 @@ impl MySqlLedger {
                 // the statement's framing; keep 4 KiB for those.
                 let fits = usize::try_from(packet.saturating_sub(4096)).unwrap_or(usize::MAX);
                 self.inner.max_outcome.fetch_min(fits, Ordering::Relaxed);
+                // MariaDB tells whether a statement runs inside an open
+                // transaction; MySQL 8 has no such variable (error 1193).
+                let q = sqlx::query_scalar::<_, u64>("SELECT @@in_transaction");
+                let guarded = match conn {
+                    Some(conn) => q.fetch_one(conn).await,
+                    None => q.fetch_one(&self.inner.pool).await,
+                };
+                match guarded {
+                    Ok(_) => self.inner.guarded.store(true, Ordering::Relaxed),
+                    Err(e) if error::number(&e) == Some(1193) => {}
+                    Err(e) => return Err(map(e)),
+                }
                 Ok::<_, Error>(())
             })
             .await
@@ -555,6 +574,7 @@ impl MySqlLedger {
                     Ok(v) => return Ok(v),
                     Err(Retry::Lock(e)) => last = Some(Retry::Lock(e)),
                     Err(Retry::Moved(why)) => last = Some(Retry::Moved(why)),
+                    Err(Retry::Leaked) => last = Some(Retry::Leaked),
                     Err(Retry::Fail(e)) => return Err(e),
                 }
             }
@@ -564,7 +584,7 @@ impl MySqlLedger {
                 // on another unique index does that.
                 Some(Retry::Moved(why)) => unexpected_violation(&why),
                 Some(Retry::Fail(e)) => e,
-                None => corrupt("retries exhausted"),
+                Some(Retry::Leaked) | None => corrupt("retries exhausted"),
             })
         })
         .await
@@ -594,6 +614,9 @@ enum Retry {
     /// The row moved under a multi-statement claim: run it again, and report
     /// this if it keeps happening.
     Moved(String),
+    /// The pooled connection was inside a transaction someone else left
+    /// open; it has been rolled back and nothing was written: run it again.
+    Leaked,
     /// Final.
     Fail(Error),
 }
@@ -618,18 +641,48 @@ mod boxed {
 }
 
 impl MySqlLedger {
-    /// One claim attempt on `conn`. `in_tx`: the caller's transaction (no
-    /// internal retry, locking read-back).
+    /// The current statement set (guarded where the server allows).
+    fn sql(&self) -> &Statements {
+        &self.inner.sql[usize::from(self.inner.guarded.load(Ordering::Relaxed))]
+    }
+
+    /// After a guarded write found nothing to do on a pooled connection:
+    /// whether that was because the connection sat inside a transaction that
+    /// someone else left open (their `pool.begin()` dropped mid-way, an
+    /// aborted `BEGIN`). If so, that transaction is rolled back, so the
+    /// connection is clean for the retry and no lock of ours outlives it.
+    async fn heal_if_leaked(&self, conn: &mut MySqlConnection) -> Result<bool, Retry> {
+        if !self.inner.guarded.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        let open: u64 = sqlx::query_scalar("SELECT @@in_transaction")
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(retry_on_lock)?;
+        if open == 0 {
+            return Ok(false);
+        }
+        tracing::warn!(
+            backend = BACKEND,
+            "a pooled connection was inside a transaction left open by other code; rolling it back"
+        );
+        conn.execute("ROLLBACK").await.map_err(retry_on_lock)?;
+        Ok(true)
+    }
+
+    /// One claim attempt on `conn`. `in_caller_tx`: `claim_in` on the
+    /// caller's transaction (no leaked-transaction guard).
     async fn claim_on(
         &self,
         conn: &mut MySqlConnection,
         key: &EffectKey,
         opts: &ClaimOptions,
+        in_caller_tx: bool,
     ) -> Result<Claim, Retry> {
         let token = claim_token();
         let returning = self.inner.returning.load(Ordering::Relaxed);
         let horizon = opts.sent_at.is_some();
-        let s = &self.inner.sql;
+        let s = self.sql();
         let text = match (returning, horizon) {
             (true, false) => &s.claim_returning,
             (true, true) => &s.claim_horizon_returning,
@@ -649,7 +702,8 @@ impl MySqlLedger {
             .bind(&token[..])
             .bind(lease_us)
             .bind(retention_us)
-            .bind(retention_us);
+            .bind(retention_us)
+            .bind(in_caller_tx);
         if let Some(sent) = opts.sent_at {
             q = q.bind(to_micros(sent)).bind(retention_us).bind(key.as_str());
         }
@@ -674,6 +728,7 @@ impl MySqlLedger {
         let row = if returning {
             match q.fetch_optional(&mut *conn).await {
                 Ok(Some(row)) => stored(&row)?,
+                Ok(None) if !in_caller_tx && self.heal_if_leaked(conn).await? => return Err(Retry::Leaked),
                 Ok(None) if horizon => return Err(Error::BeyondHorizon { key: key.to_string() }.into()),
                 Ok(None) => return Err(corrupt("claim returned no row").into()),
                 Err(e) if error::number(&e) == Some(1064) && self.inner.returning_pref.is_none() => {
@@ -691,6 +746,13 @@ impl MySqlLedger {
                 .fetch_optional(&mut *conn)
                 .await
                 .map_err(retry_on_lock)?;
+            let leaked = match &read {
+                Some(row) => row.try_get::<u64, _>("in_tx").map_err(map)? != 0,
+                None => true,
+            };
+            if !in_caller_tx && leaked && self.heal_if_leaked(conn).await? {
+                return Err(Retry::Leaked);
+            }
             match read {
                 Some(row) => stored(&row)?,
                 None if horizon => return Err(Error::BeyondHorizon { key: key.to_string() }.into()),
@@ -791,7 +853,7 @@ impl Ledger for MySqlLedger {
         let (key, opts) = (key.clone(), opts.clone());
         self.on_pool(move |this, conn| {
             let (key, opts) = (key.clone(), opts.clone());
-            Box::pin(async move { this.claim_on(conn, &key, &opts).await })
+            Box::pin(async move { this.claim_on(conn, &key, &opts, false).await })
         })
         .await
     }
@@ -801,12 +863,7 @@ impl Ledger for MySqlLedger {
         let (lease, outcome) = (lease.clone(), outcome.clone());
         self.on_pool(move |this, conn| {
             let (lease, outcome) = (lease.clone(), outcome.clone());
-            Box::pin(async move {
-                this.complete_on(conn, &lease, &outcome)
-                    .await
-                    .map_err(retry_on_lock)??;
-                Ok(())
-            })
+            Box::pin(async move { this.complete_on(conn, &lease, &outcome, false).await })
         })
         .await
     }
@@ -816,13 +873,17 @@ impl Ledger for MySqlLedger {
         self.on_pool(move |this, conn| {
             let lease = lease.clone();
             Box::pin(async move {
-                let done = sqlx::query(sqlx::AssertSqlSafe(this.inner.sql.release.as_str()))
+                let done = sqlx::query(sqlx::AssertSqlSafe(this.sql().release.as_str()))
                     .bind(lease.key.as_str())
                     .bind(lease.fence)
+                    .bind(false)
                     .execute(&mut *conn)
                     .await
                     .map_err(retry_on_lock)?;
                 if done.rows_affected() == 0 {
+                    if this.heal_if_leaked(conn).await? {
+                        return Err(Retry::Leaked);
+                    }
                     return Err(lease_lost(&lease).into());
                 }
                 Ok(())
@@ -841,14 +902,18 @@ impl Ledger for MySqlLedger {
         self.on_pool(move |this, conn| {
             let lease = lease.clone();
             Box::pin(async move {
-                let done = sqlx::query(sqlx::AssertSqlSafe(this.inner.sql.renew.as_str()))
+                let done = sqlx::query(sqlx::AssertSqlSafe(this.sql().renew.as_str()))
                     .bind(duration_micros(extend_by))
                     .bind(lease.key.as_str())
                     .bind(lease.fence)
+                    .bind(false)
                     .execute(&mut *conn)
                     .await
                     .map_err(retry_on_lock)?;
                 if done.rows_affected() == 0 {
+                    if this.heal_if_leaked(conn).await? {
+                        return Err(Retry::Leaked);
+                    }
                     return Err(lease_lost(&lease).into());
                 }
                 // LAST_INSERT_ID(expr) in the statement puts the new expiry
@@ -867,7 +932,7 @@ impl Ledger for MySqlLedger {
     }
 
     async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
-        let row = sqlx::query(sqlx::AssertSqlSafe(self.inner.sql.get.as_str()))
+        let row = sqlx::query(sqlx::AssertSqlSafe(self.sql().get.as_str()))
             .bind(key.as_str())
             .fetch_optional(&self.inner.pool)
             .await
@@ -883,7 +948,7 @@ impl Ledger for MySqlLedger {
             let mut total = 0u64;
             while total < limit {
                 let n = (limit - total).min(BATCH);
-                let done = sqlx::query(sqlx::AssertSqlSafe(this.inner.sql.prune.as_str()))
+                let done = sqlx::query(sqlx::AssertSqlSafe(this.sql().prune.as_str()))
                     .bind(n)
                     .execute(&this.inner.pool)
                     .await
@@ -900,7 +965,7 @@ impl Ledger for MySqlLedger {
     }
 
     async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
-        let rows = sqlx::query(sqlx::AssertSqlSafe(self.inner.sql.abandoned.as_str()))
+        let rows = sqlx::query(sqlx::AssertSqlSafe(self.sql().abandoned.as_str()))
             .bind(tenant.as_str())
             .bind(limit)
             .fetch_all(&self.inner.pool)
@@ -927,19 +992,24 @@ impl MySqlLedger {
         conn: &mut MySqlConnection,
         lease: &Lease,
         outcome: &Outcome,
-    ) -> std::result::Result<Result<()>, sqlx::Error> {
-        let done = sqlx::query(sqlx::AssertSqlSafe(self.inner.sql.complete.as_str()))
+        in_caller_tx: bool,
+    ) -> Result<(), Retry> {
+        let done = sqlx::query(sqlx::AssertSqlSafe(self.sql().complete.as_str()))
             .bind(outcome.as_bytes())
             .bind(lease.key.as_str())
             .bind(lease.fence)
+            .bind(in_caller_tx)
             .execute(&mut *conn)
-            .await?;
+            .await
+            .map_err(retry_on_lock)?;
         // sqlx sets CLIENT_FOUND_ROWS: this is the number of rows matched.
-        Ok(if done.rows_affected() == 0 {
-            Err(lease_lost(lease))
-        } else {
-            Ok(())
-        })
+        if done.rows_affected() == 0 {
+            if !in_caller_tx && self.heal_if_leaked(conn).await? {
+                return Err(Retry::Leaked);
+            }
+            return Err(lease_lost(lease).into());
+        }
+        Ok(())
     }
 }
 
@@ -958,10 +1028,15 @@ impl TransactionalLedger for MySqlLedger {
         // rolled the whole transaction back, which only the caller can redo.
         let mut moved = 0;
         loop {
-            match self.claim_on(conn, key, opts).await {
+            match self.claim_on(conn, key, opts, true).await {
                 Ok(c) => return Ok(c),
                 Err(Retry::Fail(e)) => return Err(e),
                 Err(Retry::Lock(e)) => return Err(map(e)),
+                Err(Retry::Leaked) => {
+                    return Err(corrupt(
+                        "leaked-transaction guard tripped in a caller's transaction",
+                    ));
+                }
                 Err(Retry::Moved(why)) => {
                     // Only the two-statement path can see a row move, and in a
                     // transaction its locking read holds the row from then on.
@@ -976,7 +1051,12 @@ impl TransactionalLedger for MySqlLedger {
 
     async fn complete_in(&self, conn: &mut MySqlConnection, lease: &Lease, outcome: &Outcome) -> Result<()> {
         self.check_outcome(outcome)?;
-        self.complete_on(conn, lease, outcome).await.map_err(map)?
+        match self.complete_on(conn, lease, outcome, true).await {
+            Ok(()) => Ok(()),
+            Err(Retry::Fail(e)) => Err(e),
+            Err(Retry::Lock(e)) => Err(map(e)),
+            Err(Retry::Leaked | Retry::Moved(_)) => Err(corrupt("complete_in: unexpected retry")),
+        }
     }
 }
 

@@ -76,7 +76,16 @@ pub(crate) struct Statements {
 }
 
 impl Statements {
-    pub(crate) fn new(t: &str) -> Self {
+    /// `guarded`: the server has MariaDB's `@@in_transaction`, and every
+    /// write carries the leaked-transaction guard `(? OR @@in_transaction =
+    /// 0)`, whose parameter is true on a caller's transaction. Without it the
+    /// guard is `(? OR TRUE)`, so both sets bind the same parameters.
+    pub(crate) fn new(t: &str, guarded: bool) -> Self {
+        let guard = if guarded {
+            "(? OR @@in_transaction = 0)"
+        } else {
+            "(? OR TRUE)"
+        };
         // The takeover decision is made once, in the first assignment: MySQL
         // evaluates ODKU assignments left to right and later ones see earlier
         // results, so every later assignment asks "is the token now ours?"
@@ -108,12 +117,16 @@ impl Statements {
         let values = format!(
             "?, ?, ?, ?, 'in_progress', 1, ?, NULL, ?, ?, {NOW_US}, {NOW_US}, {NOW_US} + ?, ?, {NOW_US} + ?"
         );
-        let claim = format!("{insert_cols} VALUES ({values}) {odku}");
+        // A statement inside a transaction someone else leaked onto a pooled
+        // connection would commit only with that transaction (if ever): the
+        // guard makes it write nothing there, and the ledger rolls the stray
+        // transaction back and runs it again.
+        let claim = format!("{insert_cols} SELECT {values} FROM DUAL WHERE {guard} {odku}");
         // The horizon is checked only when the key is absent: an existing
         // record answers for itself however old the message is.
         let claim_horizon = format!(
-            "{insert_cols} SELECT {values} FROM DUAL \
-             WHERE ? + ? >= {NOW_US} OR EXISTS (SELECT 1 FROM `{t}` AS x WHERE x.effect_key = ?) {odku}"
+            "{insert_cols} SELECT {values} FROM DUAL WHERE {guard} \
+             AND (? + ? >= {NOW_US} OR EXISTS (SELECT 1 FROM `{t}` AS x WHERE x.effect_key = ?)) {odku}"
         );
         let returning = format!(" RETURNING {COLUMNS}, {NOW_US} AS now_us");
         Statements {
@@ -122,22 +135,27 @@ impl Statements {
             claim,
             claim_horizon,
             read_locking: format!(
-                "SELECT {COLUMNS}, {NOW_US} AS now_us FROM `{t}` WHERE effect_key = ? FOR UPDATE"
+                "SELECT {COLUMNS}, {NOW_US} AS now_us, {in_tx} AS in_tx FROM `{t}` WHERE effect_key = ? FOR UPDATE",
+                in_tx = if guarded {
+                    "@@in_transaction"
+                } else {
+                    "CAST(0 AS UNSIGNED)"
+                }
             ),
             get: format!("SELECT {COLUMNS}, {NOW_US} AS now_us FROM `{t}` WHERE effect_key = ?"),
             complete: format!(
                 "UPDATE `{t}` SET state = 'completed', outcome = ?, lease_expires_us = NULL, \
                  updated_us = {NOW_US}, retain_until_us = {NOW_US} + retention_us \
-                 WHERE effect_key = ? AND fence = ? AND state = 'in_progress'"
+                 WHERE effect_key = ? AND fence = ? AND state = 'in_progress' AND {guard}"
             ),
             release: format!(
                 "UPDATE `{t}` SET state = 'released', lease_expires_us = NULL, \
                  updated_us = {NOW_US}, retain_until_us = {NOW_US} + retention_us \
-                 WHERE effect_key = ? AND fence = ? AND state = 'in_progress'"
+                 WHERE effect_key = ? AND fence = ? AND state = 'in_progress' AND {guard}"
             ),
             renew: format!(
                 "UPDATE `{t}` SET lease_expires_us = LAST_INSERT_ID({NOW_US} + ?) \
-                 WHERE effect_key = ? AND fence = ? AND state = 'in_progress'"
+                 WHERE effect_key = ? AND fence = ? AND state = 'in_progress' AND {guard}"
             ),
             prune: format!(
                 "DELETE FROM `{t}` WHERE state IN ('completed', 'released') \

@@ -683,12 +683,80 @@ async fn cancelled_transactions_leave_the_pool_clean() {
         let mut conn = ledger.pool().acquire().await.unwrap();
         // MariaDB names it; MySQL 8 has no such variable (the persisted
         // claims above are the check there).
-        match sqlx::query_scalar::<_, i64>("SELECT @@in_transaction")
+        match sqlx::query_scalar::<_, u64>("SELECT @@in_transaction")
             .fetch_one(&mut *conn)
             .await
         {
             Ok(open) => assert_eq!(open, 0),
             Err(e) => eprintln!("no @@in_transaction on this server: {e}"),
         }
+    }
+}
+
+/// Leaves the pool's only connection inside an open transaction that sqlx
+/// does not know about (as a `pool.begin()` dropped between its `BEGIN` and
+/// its return does).
+async fn leak_a_transaction(ledger: &MySqlLedger) {
+    let mut conn = ledger.pool().acquire().await.unwrap();
+    conn.execute("BEGIN").await.unwrap();
+}
+
+/// Every ledger write on a pooled connection that someone else left inside a
+/// transaction is guarded: it writes nothing there, the stray transaction is
+/// rolled back, and the write is made for real (visible to another pool).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn leaked_transaction_on_the_pool_is_healed() {
+    for opts in both_paths() {
+        let Some(ledger) = ledger_with(opts.max_connections(1)).await else {
+            return;
+        };
+        let Some(other) = ledger_with(MySqlLedgerOptions::default().max_connections(1)).await else {
+            return;
+        };
+        let t = fresh_tenant();
+        let (k, k2) = (key(&t, "capture", "leak-1"), key(&t, "capture", "leak-2"));
+        leak_a_transaction(&ledger).await;
+        let l = acquired(ledger.claim(&k, &ClaimOptions::default()).await.unwrap());
+        assert_eq!(
+            other.get(&k).await.unwrap().unwrap().fence,
+            1,
+            "the claim committed"
+        );
+        leak_a_transaction(&ledger).await;
+        let renewed = ledger.renew(&l, Duration::from_secs(120)).await.unwrap();
+        assert_eq!(
+            other.get(&k).await.unwrap().unwrap().lease_expires_at,
+            Some(renewed.expires_at),
+            "the renewal committed"
+        );
+        leak_a_transaction(&ledger).await;
+        ledger
+            .complete(&renewed, &Outcome::from_json(&"ok").unwrap())
+            .await
+            .unwrap();
+        assert_eq!(
+            other.get(&k).await.unwrap().unwrap().state,
+            RecordState::Completed,
+            "the completion committed"
+        );
+        let l2 = acquired(ledger.claim(&k2, &ClaimOptions::default()).await.unwrap());
+        leak_a_transaction(&ledger).await;
+        ledger.release(&l2).await.unwrap();
+        assert_eq!(
+            other.get(&k2).await.unwrap().unwrap().state,
+            RecordState::Released
+        );
+        // A duplicate claim on a leaked connection answers from the committed row
+        // and leaves no lock behind.
+        leak_a_transaction(&ledger).await;
+        assert!(matches!(
+            ledger.claim(&k, &ClaimOptions::default()).await.unwrap(),
+            Claim::Completed(_)
+        ));
+        let open: u64 = sqlx::query_scalar("SELECT @@in_transaction")
+            .fetch_one(ledger.pool())
+            .await
+            .unwrap();
+        assert_eq!(open, 0);
     }
 }
