@@ -44,6 +44,8 @@
 //! | max key | 255 bytes (`VARCHAR(255)` utf8mb4, `utf8mb4_bin`) |
 //! | max outcome | 64 KiB ([`oncely::MAX_OUTCOME_BYTES`]), lower if the server's `max_allowed_packet` is smaller; see [`MySqlLedger::max_outcome_bytes`] |
 //! | round trips per claim | 1 on MariaDB 10.5+ (`RETURNING`), 2 on MySQL 8 (the statement, then a locking read of the row) |
+//! | leaked-transaction guard | MariaDB (`@@in_transaction`); not on MySQL 8 |
+//! | pool size | default 10; the conformance race (64 claimants) uses 70. MariaDB's default `max_connections` is 151 |
 //!
 //! ## Why `ON DUPLICATE KEY UPDATE` and not `INSERT IGNORE`
 //!
@@ -59,7 +61,7 @@
 //! fingerprint), and it is also guarded by `effect_key = ?`: a conflict on any
 //! other unique index (which ODKU would otherwise resolve by updating *that*
 //! row) changes nothing and is reported as
-//! [`Error::Corrupt`](oncely::Error::Corrupt), counted by
+//! [`oncely::Error::Corrupt`], counted by
 //! `oncely_unexpected_constraint_violations_total`.
 //!
 //! ## How a claim learns what happened
@@ -91,7 +93,19 @@
 //! transaction the same way (sqlx's `Pool::begin` can hand a connection back
 //! to the pool inside an open transaction if it is dropped between `BEGIN` and
 //! its return). `claim_in` / `complete_in` run on the caller's transaction,
-//! which sqlx rolls back when it is dropped.
+//! which sqlx rolls back when it is dropped (after a dropped `claim_in`, roll
+//! the transaction back: the claim may or may not be in it).
+//!
+//! A pooled connection can still arrive inside a transaction that *other*
+//! code left open on a shared pool (its own `pool.begin()` dropped between
+//! `BEGIN` and its return, an aborted raw `BEGIN`). An autocommit claim there
+//! would only commit with that transaction, if ever. On MariaDB every ledger
+//! write carries a guard in the same statement, `@@in_transaction = 0` (no
+//! extra round trip): inside a stray transaction it writes nothing, the ledger
+//! rolls the stray transaction back (with a warning) and runs the write
+//! again. MySQL 8 has no such variable, so there the guard is off: the
+//! ledger's own operations and [`MySqlLedger::begin`] never leak, but do not
+//! share its pool with code that might.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
