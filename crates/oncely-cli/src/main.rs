@@ -115,8 +115,10 @@ struct DemoArgs {
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
     workers: u32,
     /// Run against this database instead of a temporary SQLite file
-    /// (sqlite:PATH?mode=rwc, postgres://USER@HOST/DB, memory:).
-    #[arg(long, env = "ONCELY_DATABASE_URL")]
+    /// (sqlite:PATH?mode=rwc, postgres://USER@HOST/DB, memory:). Unlike
+    /// the other commands, the demo ignores ONCELY_DATABASE_URL: it writes
+    /// only where it is told to.
+    #[arg(long)]
     database_url: Option<String>,
     /// Print exactly one JSON object on stdout instead of the table (and no
     /// progress bar).
@@ -195,9 +197,18 @@ async fn run_demo(args: DemoArgs) -> ExitCode {
         enabled: show_bar,
         bar: Mutex::new(None),
     });
-    let report = match demo::run(&config, progress).await {
-        Ok(r) => r,
-        Err(e) => return fail(&e),
+    // On Ctrl-C the demo's future is dropped, which removes its temporary
+    // SQLite directory; PostgreSQL orders tables of an interrupted run stay.
+    let report = tokio::select! {
+        r = demo::run(&config, progress.clone()) => match r {
+            Ok(r) => r,
+            Err(e) => return fail(&e),
+        },
+        _ = tokio::signal::ctrl_c() => {
+            progress.finish(Guard::Naive);
+            eprintln!("interrupted");
+            return ExitCode::from(130);
+        }
     };
     if args.json {
         let _ = print_json(&report);
