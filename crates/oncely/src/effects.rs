@@ -75,8 +75,8 @@ impl<L: Ledger> Effects<L> {
 
     /// A job with several effects on one business subject (an order): each
     /// [`Job::step`] gets its own key `tenant/kind:subject`, so a redelivery
-    /// resumes at the first unfinished step. `job_type` names the job in spans
-    /// and errors; it is not part of the step keys, so two job types that
+    /// resumes at the first unfinished step. `job_type` names the job in error
+    /// messages; it is not part of the step keys, so two job types that
     /// perform the same effect on the same subject share its record.
     pub fn job(&self, tenant: &Tenant, job_type: &str, subject: &str) -> Job<'_, L> {
         Job::new(self, tenant, job_type, subject)

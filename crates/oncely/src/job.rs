@@ -235,9 +235,12 @@ impl<'a, L: Ledger> Job<'a, L> {
 
     /// Sets the options every step claims with (lease, retention, in-progress
     /// policy, `sent_at`, failure caching, fingerprint). `at_most_once` is
-    /// ignored: the step's mode decides it.
+    /// ignored: the step's mode decides it. A fingerprint set earlier with
+    /// [`Job::fingerprint`] is kept unless `opts` carries one.
     pub fn options(mut self, opts: ClaimOptions) -> Self {
+        let fingerprint = opts.fingerprint.or(self.opts.fingerprint);
         self.opts = opts;
+        self.opts.fingerprint = fingerprint;
         self
     }
 
