@@ -372,3 +372,80 @@ async fn completed_record_survives_reopening() {
         other => panic!("expected the completed record after reopening, got {other:?}"),
     }
 }
+
+/// Transactional deliveries aborted at random points: a claim row exists
+/// exactly when its order row does (they commit together or not at all), and
+/// the pool's connections come back clean, so later autocommit claims persist.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn aborted_transactions_commit_all_or_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("abort.db").display());
+    // A small pool, so aborted transactions' connections are reused at once.
+    let ledger = SqliteLedger::connect_with(&url, SqliteLedgerOptions::default().max_connections(4))
+        .await
+        .unwrap();
+    sqlx::query("CREATE TABLE orders (id TEXT PRIMARY KEY, amount INTEGER NOT NULL)")
+        .execute(ledger.pool())
+        .await
+        .unwrap();
+    let t = fresh_tenant();
+    let mut rng = oncely::conformance::Rng::from_env("aborted_transactions_commit_all_or_nothing");
+    let mut tasks = Vec::new();
+    for i in 0..120 {
+        let (ledger, k) = (ledger.clone(), key(&t, &format!("order-abort-{i}")));
+        let task = tokio::spawn(async move {
+            let Ok(mut tx) = ledger.begin().await else { return };
+            if let Ok(Claim::Acquired(lease)) = ledger.claim_in(&mut tx, &k, &ClaimOptions::default()).await {
+                insert_order(&mut tx, k.subject()).await;
+                ledger
+                    .complete_in(&mut tx, &lease, &Outcome::from_json(&i).unwrap())
+                    .await
+                    .unwrap();
+                let _ = tx.commit().await;
+            }
+        });
+        let abort_after = Duration::from_micros(rng.below(100_000));
+        let handle = task.abort_handle();
+        tokio::spawn(async move {
+            tokio::time::sleep(abort_after).await;
+            handle.abort();
+        });
+        tasks.push(task);
+    }
+    for task in tasks {
+        let _ = task.await;
+    }
+    let mut committed = 0;
+    for i in 0..120 {
+        let k = key(&t, &format!("order-abort-{i}"));
+        let record = ledger.get(&k).await.unwrap();
+        let order = orders(ledger.pool(), k.subject()).await;
+        match record {
+            Some(r) => {
+                assert_eq!(r.state, RecordState::Completed, "{r:?}");
+                assert_eq!(order, 1, "{k}: claim committed without its order");
+                committed += 1;
+            }
+            None => assert_eq!(order, 0, "{k}: order committed without its claim"),
+        }
+    }
+    eprintln!("{committed} of 120 transactions committed before their abort");
+    for i in 0..50 {
+        let k = key(&t, &format!("after-{i}"));
+        let Claim::Acquired(l) = ledger.claim(&k, &ClaimOptions::default()).await.unwrap() else {
+            panic!("fresh key not acquired")
+        };
+        ledger
+            .complete(&l, &Outcome::from_json(&i).unwrap())
+            .await
+            .unwrap();
+    }
+    for i in 0..50 {
+        let r = ledger.get(&key(&t, &format!("after-{i}"))).await.unwrap();
+        assert_eq!(
+            r.map(|r| r.state),
+            Some(RecordState::Completed),
+            "after-{i} was lost"
+        );
+    }
+}
