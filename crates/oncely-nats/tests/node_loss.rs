@@ -1,0 +1,212 @@
+//! Losing a node of the three-node cluster while claims run: the remaining
+//! quorum keeps serving, no key is completed by two workers, and no
+//! acknowledged completion is lost. Its own test binary and bucket, so the
+//! stopped node never disturbs the cluster conformance run.
+
+mod common;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use oncely::conformance::fresh_tenant;
+use oncely::{Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, RecordState};
+use oncely_nats::{NatsKvLedger, NatsKvOptions};
+
+const KEYS: usize = 600;
+const WORKERS: usize = 8;
+
+fn opts() -> NatsKvOptions {
+    NatsKvOptions::default()
+        .bucket("oncely_node_loss")
+        .replicas(3)
+        .request_timeout(Duration::from_secs(2))
+}
+
+/// Retries retryable errors with capped exponential backoff, as a consumer
+/// would redeliver.
+async fn retry<T, F, Fut>(mut op: F) -> Result<T, Error>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, Error>>,
+{
+    let started = Instant::now();
+    let mut backoff = Duration::from_millis(20);
+    loop {
+        match op().await {
+            Ok(v) => return Ok(v),
+            Err(e) if e.is_retryable() && started.elapsed() < Duration::from_secs(90) => {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Restarts the nodes it names when dropped, so a failing assertion does not
+/// leave the cluster degraded for the next test binary.
+struct Restart(Vec<u8>);
+
+impl Drop for Restart {
+    fn drop(&mut self) {
+        for n in &self.0 {
+            if let Err(e) = common::run(&["start-node", &n.to_string()]) {
+                eprintln!("restarting n{n}: {e}");
+            }
+        }
+    }
+}
+
+async fn script(args: &[&str]) {
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        common::run(&args).unwrap()
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn node_loss_keeps_claims_exact_and_completions_durable() {
+    let _serial = SERIAL.lock().await;
+    let Some(urls) = common::cluster_urls() else {
+        return;
+    };
+    let setup = retry(|| NatsKvLedger::connect(&urls, opts())).await.unwrap();
+    let mut stream = setup.store().stream.clone();
+    let info = stream.info().await.unwrap();
+    let leader = info.cluster.as_ref().and_then(|c| c.leader.clone());
+    let victim: u8 = leader
+        .as_deref()
+        .and_then(|l| l.strip_prefix('n')?.parse().ok())
+        .unwrap_or(1);
+    eprintln!("stream leader {leader:?}; stopping n{victim} mid-run");
+
+    let t = fresh_tenant();
+    let keys: Arc<Vec<EffectKey>> = Arc::new(
+        (0..KEYS)
+            .map(|i| EffectKey::new(&t, "capture", format!("order-{i}")).unwrap())
+            .collect(),
+    );
+    let completions = Arc::new(Mutex::new(Vec::<(usize, usize)>::new()));
+    let node_down = Arc::new(AtomicBool::new(false));
+    let while_down = Arc::new(AtomicUsize::new(0));
+    let mut workers = Vec::new();
+    for w in 0..WORKERS {
+        let (urls, keys, completions, node_down, while_down) = (
+            urls.clone(),
+            keys.clone(),
+            completions.clone(),
+            node_down.clone(),
+            while_down.clone(),
+        );
+        workers.push(tokio::spawn(async move {
+            let ledger = retry(|| NatsKvLedger::connect(&urls, opts())).await.unwrap();
+            let claim_opts = ClaimOptions::default();
+            // Every worker walks the same keys from a nearby offset, so most
+            // keys are claimed by several workers at about the same time.
+            for step in 0..KEYS {
+                let i = (step + w) % KEYS;
+                let k = &keys[i];
+                loop {
+                    let claim = retry(|| ledger.claim(k, &claim_opts)).await.unwrap();
+                    match claim {
+                        Claim::Acquired(lease) => {
+                            let outcome = Outcome::from_json(&w).unwrap();
+                            match retry(|| ledger.complete(&lease, &outcome)).await {
+                                Ok(()) => {
+                                    completions.lock().unwrap().push((i, w));
+                                    if node_down.load(Ordering::SeqCst) {
+                                        while_down.fetch_add(1, Ordering::SeqCst);
+                                    }
+                                }
+                                // A completion that timed out but was applied
+                                // is refused on retry: the key is done.
+                                Err(e) if e.is_lease_lost() => {}
+                                Err(e) => panic!("complete {k}: {e}"),
+                            }
+                            break;
+                        }
+                        Claim::Completed(_) => break,
+                        Claim::InProgress { .. } => tokio::time::sleep(Duration::from_millis(10)).await,
+                        Claim::Abandoned(r) => panic!("not at-most-once: {r:?}"),
+                    }
+                }
+            }
+        }));
+    }
+
+    // Stop the stream leader once a tenth of the keys are done.
+    let started = Instant::now();
+    while completions.lock().unwrap().len() < KEYS / 10 {
+        assert!(started.elapsed() < Duration::from_secs(120), "no progress");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let _restart = Restart(vec![victim]);
+    script(&["stop-node", &victim.to_string()]).await;
+    node_down.store(true, Ordering::SeqCst);
+    let done_at_stop = completions.lock().unwrap().len();
+    for w in workers {
+        w.await.unwrap();
+    }
+    let down_count = while_down.load(Ordering::SeqCst);
+    eprintln!("{done_at_stop} completions before the stop, {down_count} with n{victim} down");
+    assert!(done_at_stop < KEYS, "the node was stopped after the run");
+    assert!(down_count > 0, "nothing completed while the node was down");
+
+    script(&["start-node", &victim.to_string()]).await;
+
+    let completions = completions.lock().unwrap().clone();
+    let mut by_key: HashMap<usize, Vec<usize>> = HashMap::new();
+    for (i, w) in completions {
+        by_key.entry(i).or_default().push(w);
+    }
+    for (i, ws) in &by_key {
+        assert_eq!(ws.len(), 1, "{} completed by workers {ws:?}", keys[*i]);
+    }
+    // Read back through the restarted node alone: every key is completed,
+    // and every acknowledged completion is there with its worker's outcome.
+    let only_victim = format!("nats://127.0.0.1:430{victim}");
+    let reader = retry(|| NatsKvLedger::connect(&only_victim, opts()))
+        .await
+        .unwrap();
+    for (i, k) in keys.iter().enumerate() {
+        let r = retry(|| reader.get(k)).await.unwrap().expect("every key exists");
+        assert_eq!(r.state, RecordState::Completed, "{k}");
+        assert_eq!(r.fence, 1, "{k}: taken over although no lease expired");
+        if let Some(ws) = by_key.get(&i) {
+            assert_eq!(r.outcome.unwrap().to_value::<usize>().unwrap(), ws[0], "{k}");
+        }
+    }
+    assert!(by_key.len() > KEYS / 2, "most completions were acknowledged");
+}
+
+/// With two of three nodes gone there is no quorum: a claim fails with a
+/// retryable backend error (fail closed, nothing runs), and succeeds again
+/// once the nodes are back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_quorum_is_retryable_and_recovers() {
+    // Tests in one binary run in parallel; stopping nodes must not overlap.
+    let _serial = SERIAL.lock().await;
+    let Some(urls) = common::cluster_urls() else {
+        return;
+    };
+    let ledger = retry(|| NatsKvLedger::connect(&urls, opts())).await.unwrap();
+    let k = EffectKey::new(&fresh_tenant(), "capture", "no-quorum").unwrap();
+    let _restart = Restart(vec![2, 3]);
+    script(&["stop-node", "2"]).await;
+    script(&["stop-node", "3"]).await;
+    let e = ledger.claim(&k, &ClaimOptions::default()).await.unwrap_err();
+    assert!(matches!(e, Error::Backend { retryable: true, .. }), "{e:?}");
+    script(&["start-node", "2"]).await;
+    script(&["start-node", "3"]).await;
+    let claim_opts = ClaimOptions::default();
+    let claim = retry(|| ledger.claim(&k, &claim_opts)).await.unwrap();
+    assert!(matches!(claim, Claim::Acquired(_)), "{claim:?}");
+}
+
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
