@@ -180,6 +180,7 @@ impl SqliteLedgerOptions {
 pub struct SqliteLedger {
     pool: SqlitePool,
     q: Arc<Queries>,
+    durability: &'static str,
 }
 
 impl fmt::Debug for SqliteLedger {
@@ -190,6 +191,13 @@ impl fmt::Debug for SqliteLedger {
             .finish_non_exhaustive()
     }
 }
+
+const DURABLE_FULL: &str = "local file, WAL, synchronous=FULL: survives process crashes and power loss";
+const DURABLE_NORMAL: &str =
+    "local file, WAL, synchronous=NORMAL: survives process crashes; a power loss may undo the last commits";
+const DURABLE_OFF: &str =
+    "local file, synchronous=OFF: an OS crash or power loss may lose or corrupt records";
+const DURABLE_POOL: &str = "local file; as durable as the pool's journal_mode and synchronous settings";
 
 /// Parses `sqlite:path`, `sqlite://path` (with optional `?…` parameters) or
 /// a bare path. In-memory databases are refused: every pooled connection
@@ -245,7 +253,12 @@ impl SqliteLedger {
             .connect_with(connect)
             .await
             .map_err(map_connect)?;
-        let ledger = SqliteLedger { pool, q };
+        let durability = match options.synchronous {
+            SqliteSynchronous::Full | SqliteSynchronous::Extra => DURABLE_FULL,
+            SqliteSynchronous::Normal => DURABLE_NORMAL,
+            SqliteSynchronous::Off => DURABLE_OFF,
+        };
+        let ledger = SqliteLedger { pool, q, durability };
         ledger.migrate().await?;
         Ok(ledger)
     }
@@ -259,6 +272,7 @@ impl SqliteLedger {
         SqliteLedger {
             pool,
             q: Arc::new(Queries::new(queries::DEFAULT_TABLE).expect("the default table name is valid")),
+            durability: DURABLE_POOL,
         }
     }
 
@@ -268,6 +282,7 @@ impl SqliteLedger {
         Ok(SqliteLedger {
             pool: self.pool,
             q: Arc::new(Queries::new(table)?),
+            durability: self.durability,
         })
     }
 
@@ -529,7 +544,7 @@ impl Ledger for SqliteLedger {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             caller_transaction: true,
-            durability: "local file, WAL; synchronous=FULL by default (survives power loss), NORMAL if configured",
+            durability: self.durability,
             replicated: false,
             clock: "SQLite unixepoch('subsec') on the host that opens the file",
             max_key_bytes: oncely::MAX_KEY_BYTES,

@@ -294,6 +294,35 @@ async fn unopenable_database_fails_closed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn url_forms_open_the_same_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("forms.db");
+    let k = key(&fresh_tenant(), "order-6");
+    let first = SqliteLedger::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .unwrap();
+    let Claim::Acquired(l) = first.claim(&k, &ClaimOptions::default()).await.unwrap() else {
+        panic!("fresh key not acquired")
+    };
+    first
+        .complete(&l, &Outcome::from_json(&6).unwrap())
+        .await
+        .unwrap();
+    assert!(first.capabilities().durability.contains("synchronous=FULL"));
+    for url in [
+        path.display().to_string(),
+        format!("sqlite:{}?mode=rwc", path.display()),
+    ] {
+        let other = SqliteLedger::connect(&url).await.unwrap();
+        assert_eq!(
+            other.get(&k).await.unwrap().map(|r| r.state),
+            Some(RecordState::Completed),
+            "{url}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_urls_and_table_names_are_config_errors() {
     for url in ["sqlite::memory:", "sqlite://file?mode=memory"] {
         assert!(
