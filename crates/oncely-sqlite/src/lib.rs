@@ -1,12 +1,11 @@
 //! # oncely-sqlite
 //!
-//! The SQLite backend of [oncely](oncely): the embedded default effect
+//! The SQLite backend of [oncely]: the embedded default effect
 //! ledger. One file, no server; the ledger table can live in the same
 //! database as your business tables, so a claim, your writes and the
 //! completion commit in one transaction.
 //!
 //! ```no_run
-//! use std::sync::Arc;
 //! use oncely::{ClaimOptions, EffectKey, Effects, Tenant};
 //! use oncely_sqlite::SqliteLedger;
 //!
@@ -27,12 +26,12 @@
 //! ## Claims inside your transaction
 //!
 //! For effects that are writes to the same database, claim on your own
-//! transaction with [`TransactionalLedger`](oncely::TransactionalLedger): the
+//! transaction with [`TransactionalLedger`]: the
 //! claim row, the business rows and the completion commit together, or none
 //! of them does. Start the transaction with [`SqliteLedger::begin`]
 //! (`BEGIN IMMEDIATE`): it takes SQLite's write lock up front, so a
 //! concurrent duplicate waits at its own `begin` until the first commits and
-//! then sees [`Claim::Completed`](oncely::Claim::Completed) (or acquires, if
+//! then sees [`Claim::Completed`] (or acquires, if
 //! the first rolled back). A deferred `BEGIN` that reads before it writes can
 //! instead fail with a retryable busy error when another writer got there first.
 //!
@@ -45,7 +44,7 @@
 //! let mut tx = ledger.begin().await?;
 //! match ledger.claim_in(&mut *tx, &key, &ClaimOptions::default()).await? {
 //!     Claim::Acquired(lease) => {
-//!         sqlx::query("INSERT INTO shipments (order_id) VALUES (?1)")
+//!         oncely_sqlite::sqlx::query("INSERT INTO shipments (order_id) VALUES (?1)")
 //!             .bind("order-123")
 //!             .execute(&mut *tx)
 //!             .await
@@ -63,7 +62,7 @@
 //!
 //! | property | SQLite backend |
 //! | --- | --- |
-//! | atomic claim | one `INSERT … ON CONFLICT(key) DO UPDATE … WHERE <takeover> RETURNING` statement under SQLite's single-writer lock; a duplicate reads the record afterwards, and retries the claim if it changed in between |
+//! | atomic claim | one `INSERT … ON CONFLICT(key) DO UPDATE … WHERE <takeover> RETURNING` statement under SQLite's single-writer lock (insert if absent, or take over a released record or an expired lease with `fence + 1`). A new key costs that one statement; a duplicate costs a second one that reads the record, and claims again if the record changed in between (released, expired or pruned) |
 //! | caller's transaction | yes: `claim_in` / `complete_in` on `&mut SqliteConnection`, transaction from [`SqliteLedger::begin`] (`BEGIN IMMEDIATE`) |
 //! | durability | WAL with `synchronous=FULL` by default: a completed record survives a process crash and a power loss once `complete` returns. `synchronous=NORMAL` ([`SqliteLedgerOptions::synchronous`]) is faster and survives process crashes, but a power loss may roll back the last commits, so an effect could run again |
 //! | replication | none: one file on one machine (use the PostgreSQL backend across machines) |
@@ -76,9 +75,9 @@
 //! memory) does not work over network file systems.
 //!
 //! Errors: a database that cannot be opened (missing directory, permissions)
-//! is [`Error::Unavailable`](oncely::Error::Unavailable) and no effect runs;
+//! is [`Error::Unavailable`] and no effect runs;
 //! `SQLITE_BUSY`/`SQLITE_LOCKED` are retryable
-//! [`Error::Backend`](oncely::Error::Backend).
+//! [`Error::Backend`].
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
