@@ -48,12 +48,15 @@ fn unique(prefix: &str) -> String {
     )
 }
 
+/// A change to a compatible bucket's settings.
+type Tweak = Box<dyn Fn(&mut stream::Config)>;
+
 /// Each incompatible setting is refused with `Error::Config`, and the
 /// bucket's configuration is exactly what it was.
 #[tokio::test]
 async fn incompatible_buckets_are_refused_and_left_unchanged() {
     let Some((url, js)) = js().await else { return };
-    let cases: Vec<(&str, Box<dyn Fn(&mut stream::Config)>, NatsKvOptions, &str)> = vec![
+    let cases: Vec<(&str, Tweak, NatsKvOptions, &str)> = vec![
         (
             "history",
             Box::new(|c| c.max_messages_per_subject = 5),
