@@ -243,12 +243,12 @@ impl SqliteLedger {
         let pool = SqlitePoolOptions::new()
             .max_connections(options.max_connections)
             .acquire_timeout(options.acquire_timeout)
-            // A connection must never go back to the pool inside an open
-            // transaction: the next autocommit claim on it would be part of
-            // that transaction and vanish with its rollback. sqlx rolls back
-            // a dropped `Transaction` itself; this closes any connection that
-            // still reports one (e.g. the rollback is only queued).
-            .after_release(|conn, _| Box::pin(async move { Ok(!conn.is_in_transaction()) }))
+            // No release hook is needed to keep a connection inside an open
+            // transaction out of the pool: a dropped `Transaction` (or a
+            // dropped `begin`) queues its ROLLBACK on the connection's worker
+            // thread, and the pool pings that worker before it hands the
+            // connection out again, so the rollback has run by then. The
+            // `aborted_transactions_commit_all_or_nothing` test checks it.
             .connect_with(connect)
             .await
             .map_err(map_connect)?;
