@@ -519,9 +519,9 @@ async fn a_zombie_cannot_overwrite_the_new_holders_work() {
 async fn a_slow_live_step_keeps_its_lease() {
     // Real time: the lease is renewed every third of its length while the
     // closure runs, so duplicates keep seeing it in progress. The margins are
-    // wide (a renewal every 200 ms against an 600 ms lease).
+    // wide (a renewal every ~330 ms against a 1 s lease).
     let fx = effects();
-    let lease = Duration::from_millis(600);
+    let lease = Duration::from_secs(1);
     let opts = ClaimOptions::default()
         .lease(lease)
         .on_in_progress(OnInProgress::Reject);
@@ -534,7 +534,7 @@ async fn a_slow_live_step_keeps_its_lease() {
             .options(o2)
             .step("upload", StepMode::ProviderKeyed, |_| async move {
                 let _ = started_tx.send(());
-                tokio::time::sleep(Duration::from_millis(1800)).await;
+                tokio::time::sleep(Duration::from_millis(2500)).await;
                 Ok(())
             })
             .await
@@ -550,7 +550,7 @@ async fn a_slow_live_step_keeps_its_lease() {
             }
             polls += 1;
             tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                _ = tokio::time::sleep(Duration::from_millis(200)) => {}
                 _ = &mut done => unreachable!(),
             }
         }

@@ -230,7 +230,8 @@ async fn bad_input_changes_nothing<D: Db>(db: D) {
 async fn slow_step_keeps_its_lease<D: Db>(db: D) {
     let (t, id) = setup(&db).await;
     let effects = Effects::new(db.clone());
-    let lease = Duration::from_millis(400);
+    // Wide margins: a renewal every ~330 ms against a 1 s lease.
+    let lease = Duration::from_secs(1);
     let opts = ClaimOptions::default()
         .lease(lease)
         .on_in_progress(OnInProgress::Reject);
@@ -245,7 +246,7 @@ async fn slow_step_keeps_its_lease<D: Db>(db: D) {
                 .options(opts)
                 .step("upload", StepMode::ProviderKeyed, |_| async {
                     let _ = started_tx.send(());
-                    tokio::time::sleep(Duration::from_millis(1500)).await;
+                    tokio::time::sleep(Duration::from_millis(2500)).await;
                     Ok(())
                 })
                 .await
@@ -262,7 +263,7 @@ async fn slow_step_keeps_its_lease<D: Db>(db: D) {
             Claim::Completed(_) => break,
             other => panic!("a live step was {other:?}"),
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
     slow.await.unwrap().unwrap();
     assert!(seen_live > 0);
