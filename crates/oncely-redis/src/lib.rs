@@ -330,8 +330,7 @@ impl RedisLedger {
     /// The Redis key that holds `key`'s record:
     /// `<prefix>{<16 hex of BLAKE3(key)>}:<tenant>/<kind>:<subject>`.
     pub fn redis_key(&self, key: &EffectKey) -> String {
-        let tag = blake3::hash(key.as_str().as_bytes()).to_hex();
-        format!("{}{{{}}}:{}", self.opts.prefix, &tag[..TAG_HEX], key)
+        record_key(&self.opts.prefix, key)
     }
 
     /// Whether this ledger talks to a cluster.
@@ -578,6 +577,11 @@ impl Ledger for RedisLedger {
     }
 }
 
+fn record_key(prefix: &str, key: &EffectKey) -> String {
+    let tag = blake3::hash(key.as_str().as_bytes()).to_hex();
+    format!("{prefix}{{{}}}:{key}", &tag[..TAG_HEX])
+}
+
 /// Maps a driver error to the core's: no driver type crosses the API.
 fn map_err(e: RedisError) -> Error {
     let message = e.to_string();
@@ -749,4 +753,58 @@ fn record(rkey: &str, expected: Option<&EffectKey>, parts: &[Value]) -> Result<R
         retain_until: from_micros(num("ru").unwrap_or_default()),
         read_at: now,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn record_keys_carry_a_tag_of_the_whole_key() {
+        let t = Tenant::new("acme").unwrap();
+        let k = EffectKey::new(&t, "capture", "}{x}").unwrap();
+        let rkey = record_key("oncely:", &k);
+        let tag = &blake3::hash(b"acme/capture:}{x}").to_hex()[..TAG_HEX];
+        assert_eq!(rkey, format!("oncely:{{{tag}}}:acme/capture:}}{{x}}"));
+        // Redis hashes the first {...}: our tag, whatever the subject holds.
+        let open = rkey.find('{').unwrap();
+        let close = open + rkey[open..].find('}').unwrap();
+        assert_eq!(&rkey[open + 1..close], tag);
+        let other = EffectKey::new(&t, "capture", "}{y}").unwrap();
+        assert_ne!(record_key("oncely:", &other)[..close], rkey[..close]);
+    }
+
+    #[test]
+    fn prefixes_are_checked() {
+        for good in ["oncely:", "", "app-1/ledger:", "a.b_c"] {
+            assert!(
+                RedisLedgerOptions::default().prefix(good).check().is_ok(),
+                "{good:?}"
+            );
+        }
+        for bad in [
+            "a{b",
+            "a}",
+            "a*",
+            "a?",
+            "a[b]",
+            "a\\b",
+            "a b",
+            "é",
+            &"x".repeat(65),
+        ] {
+            let e = RedisLedgerOptions::default().prefix(bad).check().unwrap_err();
+            assert!(matches!(e, Error::Config(_)), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn driver_errors_map_to_core_errors() {
+        let refused: RedisError = std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into();
+        assert!(matches!(map_err(refused), Error::Unavailable { .. }));
+        let timeout: RedisError = std::io::Error::from(std::io::ErrorKind::TimedOut).into();
+        assert!(matches!(map_err(timeout), Error::Backend { retryable: true, .. }));
+        let parse: RedisError = (ErrorKind::Parse, "garbage").into();
+        assert!(matches!(map_err(parse), Error::Backend { retryable: false, .. }));
+    }
 }
