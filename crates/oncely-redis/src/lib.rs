@@ -1,6 +1,6 @@
 //! # oncely-redis
 //!
-//! The Redis and Redis Cluster backend of [oncely](oncely): an effect ledger
+//! The Redis and Redis Cluster backend of [oncely]: an effect ledger
 //! in which every operation (claim, complete, release, renew, get) is one Lua
 //! script, so the check and the write are one atomic step on the server and
 //! one round trip from the worker. Lease expiry and retention are decided by
