@@ -394,12 +394,18 @@ async fn cluster_keys_spread_over_masters() {
         "control: Redis's own rule would pin them together"
     );
     let counts = records_per_master(&t).await;
-    assert_eq!(counts.len(), 3, "three masters: {counts:?}");
-    assert!(
-        counts.iter().all(|&n| n > 0),
-        "every master holds records: {counts:?}"
-    );
-    assert_eq!(counts.iter().sum::<usize>(), 60);
+    assert_eq!(counts.iter().sum::<usize>(), 60, "{counts:?}");
+    if std::env::var_os("ONCELY_REDIS_CLUSTER_URLS").is_none() {
+        // Our own three masters: 60 evenly hashed keys reach all of them
+        // (the chance that one gets none is 3 * (2/3)^60, about 1e-10).
+        assert_eq!(counts.len(), 3, "three masters: {counts:?}");
+        assert!(
+            counts.iter().all(|&n| n > 0),
+            "every master holds records: {counts:?}"
+        );
+    } else {
+        assert!(counts.iter().filter(|&&n| n > 0).count() >= 2, "{counts:?}");
+    }
 }
 
 /// `abandoned` finds the abandoned steps of a tenant on every master, oldest
