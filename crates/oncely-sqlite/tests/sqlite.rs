@@ -478,3 +478,68 @@ async fn aborted_transactions_commit_all_or_nothing() {
         );
     }
 }
+
+/// A unique violation on anything but the effect key is an error (and a
+/// counted bug), never mistaken for a duplicate, and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn foreign_unique_violation_is_not_a_duplicate() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = open(&dir, "unique.db").await.with_table("uv_effects").unwrap();
+    ledger.migrate().await.unwrap();
+    // Someone added a constraint the ledger does not know about.
+    sqlx::query("CREATE UNIQUE INDEX uv_one_per_subject ON uv_effects (subject)")
+        .execute(ledger.pool())
+        .await
+        .unwrap();
+    let t = fresh_tenant();
+    let first = EffectKey::new(&t, "capture", "order-7").unwrap();
+    let other = EffectKey::new(&t, "receipt", "order-7").unwrap();
+    assert!(matches!(
+        ledger.claim(&first, &ClaimOptions::default()).await.unwrap(),
+        Claim::Acquired(_)
+    ));
+    let e = ledger.claim(&other, &ClaimOptions::default()).await.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Corrupt {
+                backend: "sqlite",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(ledger.get(&other).await.unwrap().is_none());
+    let r = ledger.get(&first).await.unwrap().unwrap();
+    assert_eq!((r.state, r.fence), (RecordState::InProgress, 1));
+}
+
+/// A writer that cannot get SQLite's write lock within the busy timeout gets
+/// a retryable error and writes nothing; once the lock is free it succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_database_is_retryable() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("busy.db").display());
+    let ledger = SqliteLedger::connect_with(
+        &url,
+        SqliteLedgerOptions::default().busy_timeout(Duration::from_millis(50)),
+    )
+    .await
+    .unwrap();
+    let k = key(&fresh_tenant(), "order-8");
+    let holder = ledger.begin().await.unwrap();
+    let e = ledger.claim(&k, &ClaimOptions::default()).await.unwrap_err();
+    assert!(
+        matches!(e, Error::Backend { retryable: true, .. }) && e.is_retryable(),
+        "{e:?}"
+    );
+    assert!(
+        ledger.get(&k).await.unwrap().is_none(),
+        "readers are not blocked, and nothing was written"
+    );
+    holder.rollback().await.unwrap();
+    assert!(matches!(
+        ledger.claim(&k, &ClaimOptions::default()).await.unwrap(),
+        Claim::Acquired(_)
+    ));
+}
