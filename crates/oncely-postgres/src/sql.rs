@@ -67,6 +67,7 @@ pub(crate) struct Queries {
     pub complete: Arc<str>,
     pub release: Arc<str>,
     pub renew: Arc<str>,
+    pub probe: Arc<str>,
     pub get: Arc<str>,
     pub prune: Arc<str>,
     pub abandoned: Arc<str>,
@@ -126,8 +127,8 @@ impl Queries {
                RETURNING e.*\
              ), \
              upd AS (\
-               UPDATE {t} AS e SET {takeover_set} FROM g \
-               WHERE g.ok AND g.beyond AND e.key = $1 AND {takeover_when} \
+               UPDATE {t} AS e SET {takeover_set} \
+               WHERE (SELECT g.ok AND g.beyond FROM g) AND e.key = $1 AND {takeover_when} \
                RETURNING e.*\
              ) \
              SELECT 'acquired'::text AS src, {ci} FROM ins i \
@@ -150,14 +151,14 @@ impl Queries {
         );
 
         // Fenced writes: $1 key, $2 fence, then the operation's own values,
-        // and the guard flag last. They report (guard ok, rows written).
+        // and the guard flag last. A row comes back only when the write
+        // happened; when none does, `probe` tells a stale fence (LeaseLost)
+        // from a tripped guard, on the failure path only.
         let fenced = |set: &str, guard_param: &str, returning: &str| {
             format!(
-                "WITH g AS (SELECT {guard} AS ok), \
-                 w AS (UPDATE {t} AS e SET {set} FROM g \
-                   WHERE g.ok AND e.key = $1 AND e.fence = $2 AND e.state = 'in_progress' \
-                   RETURNING {returning}) \
-                 SELECT g.ok, (SELECT count(*) FROM w), (SELECT max(w.r) FROM w) FROM g",
+                "UPDATE {t} AS e SET {set} \
+                 WHERE e.key = $1 AND e.fence = $2 AND e.state = 'in_progress' AND {guard} \
+                 RETURNING {returning}",
                 guard = guard(guard_param),
             )
         };
@@ -168,7 +169,7 @@ impl Queries {
                 micros("e.retention_us")
             ),
             "$4",
-            "0::bigint AS r",
+            "0::bigint",
         );
         let release = fenced(
             &format!(
@@ -177,13 +178,16 @@ impl Queries {
                 micros("e.retention_us")
             ),
             "$3",
-            "0::bigint AS r",
+            "0::bigint",
         );
         let renew = fenced(
             &format!("lease_expires_at = now() + {}", micros("$3")),
             "$4",
-            &format!("{} AS r", us("e.lease_expires_at")),
+            &us("e.lease_expires_at"),
         );
+        // Bound to a parameter so that it, too, runs through Bind/Execute:
+        // the guard relies on the protocol portal of the extended protocol.
+        let probe = format!("SELECT {}", guard("$1"));
 
         let get = format!(
             "SELECT g.ok, {ce} FROM (SELECT {guard} AS ok) g LEFT JOIN {t} e ON e.key = $1",
@@ -246,6 +250,7 @@ impl Queries {
             complete: complete.into(),
             release: release.into(),
             renew: renew.into(),
+            probe: probe.into(),
             get: get.into(),
             prune: prune.into(),
             abandoned: abandoned.into(),
