@@ -1,6 +1,6 @@
 -- ARGV: 1 effect key, 2 lease (us), 3 retention (us), 4 fingerprint hex or '',
 -- 5 at-most-once '1'/'0', 6 sent_at (us since epoch) or ''.
-local rec, err = load()
+local rec, err = load(true)
 if err then
   return { 'corrupt', err }
 end

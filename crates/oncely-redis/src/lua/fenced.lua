@@ -1,6 +1,6 @@
 -- ARGV: 1 effect key, 2 fence, 3 operation ('complete', 'release', 'renew'),
 -- 4 outcome bytes / unused / extension (us), 5 expiry grace (us).
-local rec, err = load()
+local rec, err = load(false)
 if err then
   return { 'corrupt', err }
 end
@@ -16,11 +16,10 @@ if op == 'renew' then
 end
 local ru = now + rec.r
 if op == 'complete' then
-  redis.call('HSET', key, 's', 'completed', 'o', ARGV[4], 'u', fmt(now), 'ru', fmt(ru))
+  redis.call('HSET', key, 's', 'completed', 'o', ARGV[4], 'u', fmt(now), 'ru', fmt(ru), 'le', '')
 else
-  redis.call('HSET', key, 's', 'released', 'u', fmt(now), 'ru', fmt(ru))
+  redis.call('HSET', key, 's', 'released', 'u', fmt(now), 'ru', fmt(ru), 'le', '')
 end
-redis.call('HDEL', key, 'le')
 -- Redis deletes the record by itself once retention (plus the grace that
 -- leaves prune something to do) has passed.
 redis.call('PEXPIRE', key, fmt(math.ceil((rec.r + tonumber(ARGV[5])) / 1000)))

@@ -1,5 +1,5 @@
 -- ARGV: 1 effect key ('' when listing: the caller checks the stored key).
-local rec, err = load()
+local rec, err = load(false)
 if err then
   return { 'corrupt', err }
 end

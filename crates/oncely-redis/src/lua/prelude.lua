@@ -17,15 +17,31 @@ end
 -- Reads the record's control fields. Returns nil when the key is absent,
 -- the record as a table, or nil plus a message when the key holds something
 -- oncely did not write (which must never be overwritten).
-local function load()
-  local ty = redis.call('TYPE', key)['ok']
-  if ty == 'none' then
-    return nil
+-- `absent_likely`: a claim usually finds nothing, so it asks TYPE first (one
+-- call when absent); the other operations expect a record, so they read it
+-- at once and look at the type only when that fails.
+local function load(absent_likely)
+  local fields = { 'v', 'k', 's', 'f', 'amo', 'c', 'le', 'fp', 'r' }
+  local v
+  if absent_likely then
+    local ty = redis.call('TYPE', key)['ok']
+    if ty == 'none' then
+      return nil
+    end
+    if ty ~= 'hash' then
+      return nil, 'key holds a ' .. ty .. ', not an oncely record; nothing was changed'
+    end
+    v = redis.call('HMGET', key, unpack(fields))
+  else
+    v = redis.pcall('HMGET', key, unpack(fields))
+    if v['err'] then
+      local ty = redis.call('TYPE', key)['ok']
+      return nil, 'key holds a ' .. ty .. ', not an oncely record; nothing was changed'
+    end
+    if not v[1] and not v[2] and not v[3] and redis.call('EXISTS', key) == 0 then
+      return nil
+    end
   end
-  if ty ~= 'hash' then
-    return nil, 'key holds a ' .. ty .. ', not an oncely record; nothing was changed'
-  end
-  local v = redis.call('HMGET', key, 'v', 'k', 's', 'f', 'amo', 'c', 'le', 'fp', 'r')
   if v[1] ~= '1' or not v[2] or (ek ~= '' and v[2] ~= ek) then
     return nil, 'hash without oncely record fields at this key; nothing was changed'
   end
@@ -37,5 +53,6 @@ local function load()
   if not f or not c or not r then
     return nil, 'record lacks its fence, creation time or retention; nothing was changed'
   end
+  -- 'le' is '' once the record is no longer in progress: tonumber gives nil.
   return { s = s, f = f, amo = (v[5] == '1'), c = c, le = tonumber(v[7]), fp = v[8] or '', r = r }
 end

@@ -1,6 +1,6 @@
 -- ARGV: 1 '' (any oncely record). Deletes a completed or released record
 -- whose retention has passed; never a lease or an abandoned step.
-local rec, err = load()
+local rec, err = load(false)
 if err or not rec or rec.s == 'in_progress' then
   return 0
 end
