@@ -30,6 +30,12 @@
 //! # Ok(()) }
 //! ```
 //!
+//! A job with several effects (capture, mark paid, send a receipt) gives each
+//! its own key with [`Effects::job`]: a redelivery resumes at the first
+//! unfinished step. [`Job`] explains the three [`StepMode`]s
+//! (transactional, provider-keyed, at-most-once) and the window each leaves
+//! open.
+//!
 //! Backends: [`MemoryLedger`] here for unit tests; `oncely-sqlite` (the
 //! embedded default) and `oncely-postgres` in their own crates. Every backend
 //! passes the same [`conformance`] suite.
