@@ -72,7 +72,13 @@
 //! 16-byte claim token on insert and on takeover; the row read back (through
 //! `RETURNING` on MariaDB, a locking `SELECT … FOR UPDATE` on MySQL, which is
 //! a current read even inside a REPEATABLE READ snapshot) carries our token
-//! exactly when this attempt acquired the lease.
+//! exactly when this attempt acquired the lease, and `fence > 1` tells a
+//! takeover from a fresh insert.
+//!
+//! MariaDB accepts `RETURNING` on `INSERT … ON DUPLICATE KEY UPDATE` and
+//! returns the row as the statement left it, inserted, updated or untouched
+//! (checked on 10.11; should a server answer with a syntax error, the ledger
+//! switches to the two-statement path for good). MySQL 8 has no `RETURNING`.
 //!
 //! ## Strict mode and keys
 //!
