@@ -71,31 +71,53 @@
 //!
 //! ## Cancel safety
 //!
-//! Every operation is one autocommit statement: a dropped future either
-//! never sent it or sent it whole, and sqlx drains the reply before the
-//! connection is reused. Two hazards remain, and both are guarded.
+//! Every ledger operation is one autocommit statement on a pooled
+//! connection. A dropped future either never sent it or sent it whole: the
+//! server runs it to its own commit or not at all, and sqlx finishes the
+//! exchange (flushes, drains the reply) before the connection is reused. So
+//! a dropped `claim` at worst leaves a committed in-progress claim that
+//! nobody holds, exactly like a crashed worker: it is taken over when its
+//! lease ends (an at-most-once claim is reported abandoned instead, as the
+//! contract requires). Running the statements in spawned tasks would add
+//! nothing, so they run on the caller's task. Two hazards remain, and both
+//! are guarded:
 //!
 //! 1. **`Pool::begin` in sqlx 0.9.0 is not cancel-safe on PostgreSQL**
-//!    (upstream issue transact-rs/sqlx#4393, fixed after 0.9.0): a future
-//!    dropped after `BEGIN` was sent but before the `Transaction` exists
-//!    returns the connection to the pool *inside an open transaction* that
-//!    nothing will end. [`PgLedger::begin`] runs `pool.begin()` in a spawned
-//!    task, so the caller's cancellation cannot interrupt it; if the caller is
-//!    gone, the finished `Transaction` is dropped and rolled back properly.
+//!    (upstream transact-rs/sqlx#4393, fixed after 0.9.0): a future dropped
+//!    after `BEGIN` was queued but before the `Transaction` exists returns
+//!    the connection to the pool *inside an open transaction* that nothing
+//!    will end. [`PgLedger::begin`] runs `pool.begin()` in a spawned task, so
+//!    the caller's cancellation cannot interrupt it; if the caller is gone,
+//!    the finished `Transaction` is dropped in that task and rolled back
+//!    properly. Use it (not `pool.begin()`) for `claim_in`.
 //! 2. **A connection someone else leaked** (their own `pool.begin()` on a
 //!    shared pool, an aborted `raw_sql("BEGIN; …")`): an autocommit claim on
-//!    it would silently join that transaction and vanish when the connection
-//!    is closed: a lost claim, a duplicate effect. Every ledger statement
-//!    checks, in the same statement (no extra round trip), that it runs in
-//!    its own implicit transaction: the unnamed protocol portal it runs in was
-//!    created by the very message that started the transaction
-//!    (`pg_cursors.creation_time = transaction_timestamp()`). If not, it
-//!    writes nothing; the ledger rolls the stray transaction back (logging a
-//!    warning) and runs the statement again. `transaction_timestamp() =
-//!    statement_timestamp()` would not do: the protocol's Execute message
-//!    resets the statement timestamp, so that test is false even in
-//!    autocommit. The check costs one lookup in the session's portal list
-//!    (measured in the `claim` bench; see the README of this crate's bench).
+//!    it would silently join that transaction and vanish when the
+//!    connection is closed: a lost claim, then a duplicate effect. Every
+//!    ledger statement checks, inside itself (no extra round trip), that it
+//!    runs in its own implicit transaction: the unnamed protocol portal it
+//!    executes in was created by the very message that started the
+//!    transaction (`pg_cursors.creation_time = transaction_timestamp()`,
+//!    exact equality, both taken from the same protocol message). If not, it
+//!    writes nothing; the ledger rolls the stray transaction back (with a
+//!    warning in the log) and runs the statement again. Fenced writes carry
+//!    the check in their `WHERE`; only when one changes nothing does a
+//!    second statement tell a stale fence from a tripped guard.
+//!
+//! Why not the obvious test, `transaction_timestamp() = statement_timestamp()`?
+//! The protocol's Execute message resets the statement timestamp after Bind
+//! started the transaction, so under sqlx (extended protocol) that test is
+//! false on every autocommit statement (measured: 0 of 200). Why not a pool
+//! hook? sqlx does not expose the connection's transaction status, so an
+//! `after_release`/`before_acquire` hook would need a round trip of its own
+//! per checkout, and it would not cover a pool handed to
+//! [`PgLedger::from_pool`]. The in-statement check costs a lookup in the
+//! session's handful of portals: no measurable difference in the `claim`
+//! bench (`baseline_plus_guard` against `baseline`), and a few microseconds
+//! of server time in `EXPLAIN ANALYZE`. The check relies on the extended
+//! protocol, which sqlx always uses for statements with parameters (all of
+//! the ledger's); over the simple protocol it would trip every time and the
+//! operation would fail after a few attempts rather than write unguarded.
 //!
 //! `claim_in`/`complete_in` skip the check: they run inside the caller's
 //! transaction on purpose, and a dropped `Transaction` rolls back.

@@ -646,3 +646,107 @@ async fn ledger_begin_is_cancel_safe() {
         );
     }
 }
+
+/// A unique violation on anything but the effect key is not a duplicate: it
+/// is reported as corruption (and counted), and nothing is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn foreign_unique_violation_is_corrupt() {
+    let Some(url) = url() else { return };
+    let opts = PgLedgerOptions::default()
+        .schema("oncely_test_custom")
+        .table("constrained")
+        .max_connections(2);
+    let ledger = match PgLedger::connect_with(&url, opts).await {
+        Ok(l) => l,
+        Err(e) => return skip_or_fail(&format!("PostgreSQL at {url}: {e}")).unwrap_or(()),
+    };
+    // Someone added a constraint the ledger knows nothing about.
+    sqlx::raw_sql(
+        "CREATE UNIQUE INDEX IF NOT EXISTS constrained_subject_key ON oncely_test_custom.constrained (subject)",
+    )
+    .execute(ledger.pool())
+    .await
+    .unwrap();
+    let subject = format!("s-{}", fresh_tenant().as_str());
+    let first = EffectKey::new(&fresh_tenant(), "capture", &subject).unwrap();
+    let second = EffectKey::new(&fresh_tenant(), "capture", &subject).unwrap();
+    assert!(matches!(
+        ledger.claim(&first, &ClaimOptions::default()).await.unwrap(),
+        Claim::Acquired(_)
+    ));
+    let e = ledger.claim(&second, &ClaimOptions::default()).await.unwrap_err();
+    assert!(
+        matches!(&e, Error::Corrupt { message, .. } if message.contains("constrained_subject_key")),
+        "{e:?}"
+    );
+    assert!(ledger.get(&second).await.unwrap().is_none());
+    // The effect key itself is still answered, never raised.
+    assert!(matches!(
+        ledger.claim(&first, &ClaimOptions::default()).await.unwrap(),
+        Claim::InProgress { .. }
+    ));
+}
+
+/// An exhausted pool fails closed: `Unavailable`, and the effect does not run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pool_timeout_is_unavailable() {
+    let Some((_ledger, _observer)) = setup(2).await else {
+        return;
+    };
+    let Some(url) = url() else { return };
+    let one = PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_millis(300))
+        .connect(&url)
+        .await
+        .unwrap();
+    let ledger = PgLedger::with_options(one.clone(), PgLedgerOptions::default().table(TABLE)).unwrap();
+    let held = one.acquire().await.unwrap();
+    let ran = AtomicUsize::new(0);
+    let e = Effects::new(ledger.clone())
+        .run(&key(&fresh_tenant(), "busy"), &ClaimOptions::default(), |_| {
+            ran.fetch_add(1, Ordering::SeqCst);
+            async { Ok(()) }
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Unavailable { .. }), "{e:?}");
+    assert_eq!(ran.load(Ordering::SeqCst), 0);
+    drop(held);
+}
+
+/// In a REPEATABLE READ transaction a claim that meets a record committed
+/// after its snapshot cannot be answered consistently: PostgreSQL raises a
+/// serialization failure, reported as a retryable backend error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn serialization_failure_is_retryable() {
+    let Some((ledger, _observer)) = setup(4).await else {
+        return;
+    };
+    let k = key(&fresh_tenant(), "rr");
+    let mut tx = ledger.begin().await.unwrap();
+    sqlx::raw_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    // Take the snapshot now.
+    sqlx::query("SELECT $1::int")
+        .bind(1)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let l = match ledger.claim(&k, &ClaimOptions::default()).await.unwrap() {
+        Claim::Acquired(l) => l,
+        other => panic!("{other:?}"),
+    };
+    ledger
+        .complete(&l, &Outcome::from_json(&1).unwrap())
+        .await
+        .unwrap();
+    let e = ledger
+        .claim_in(&mut *tx, &k, &ClaimOptions::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Backend { retryable: true, .. }), "{e:?}");
+    assert!(e.is_retryable());
+}
