@@ -56,6 +56,22 @@ async fn run<D: Db>(p: Arc<Pipeline<D>>, orders: usize, honour_keys: bool) -> Si
     );
     let crashes: u32 = report.crashes.values().flat_map(|m| m.values()).sum();
     assert!(crashes > 0, "crashes were injected (ONCELY_SEED={seed})");
+    // Crashed steps were taken over (a fence above 1) by later deliveries.
+    let snap = p.snapshot(&report.orders).await.unwrap();
+    let takeovers: u64 = snap.ledger.iter().flatten().map(|r| r.fence - 1).sum();
+    let capture_crashes: u32 = report
+        .orders
+        .iter()
+        .map(|o| {
+            report.crashes_at(&o.order_id, Boundary::AfterCaptureClaim)
+                + report.crashes_at(&o.order_id, Boundary::AfterCaptureCall)
+        })
+        .sum();
+    eprintln!("{takeovers} lease takeovers");
+    assert!(
+        takeovers >= u64::from(capture_crashes),
+        "every crashed capture was taken over (ONCELY_SEED={seed})"
+    );
     let bad = check(&p, &report, honour_keys).await.unwrap();
     assert!(bad.is_empty(), "ONCELY_SEED={seed}: {bad:#?}");
 
