@@ -3,7 +3,7 @@
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use oncely_sqlite::{SqliteLedger, SqliteLedgerOptions};
+use oncely_sqlite::{SqliteLedger, SqliteLedgerOptions, SqliteSynchronous};
 
 /// One temporary directory per test process (a file per test in it), removed when the process ends
 /// normally (left in the system temp dir otherwise).
@@ -23,7 +23,14 @@ async fn ledger() -> Option<SqliteLedger> {
         .path()
         .join(format!("conformance-{}.db", SEQ.fetch_add(1, Ordering::Relaxed)));
     let url = format!("sqlite:{}", path.display());
-    let ledger = SqliteLedger::connect_with(&url, SqliteLedgerOptions::default().max_connections(70))
+    // synchronous=NORMAL: the suite's 300 ms leases start at the claim's
+    // timestamp, and an fsync per commit on a busy disk could eat most of
+    // that before the next step looks. No behaviour the suite checks depends
+    // on fsync (tests/sqlite.rs reopens a file under the default FULL).
+    let options = SqliteLedgerOptions::default()
+        .max_connections(70)
+        .synchronous(SqliteSynchronous::Normal);
+    let ledger = SqliteLedger::connect_with(&url, options)
         .await
         .expect("open the temporary SQLite database");
     Some(ledger)
