@@ -543,3 +543,33 @@ async fn busy_database_is_retryable() {
         Claim::Acquired(_)
     ));
 }
+
+/// The core's `Transactional` step mode on this backend: `Job::step_in` on a
+/// `begin()` transaction writes the order once; a redelivered job replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_step_in_runs_once_per_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = open(&dir, "job.db").await;
+    let effects = Effects::new(ledger.clone());
+    let tenant = fresh_tenant();
+    let ran = Arc::new(AtomicUsize::new(0));
+    for _delivery in 0..3 {
+        let job = effects.job(&tenant, "payment", "order-9");
+        let mut tx = ledger.begin().await.unwrap();
+        let ran = ran.clone();
+        let id: String = job
+            .step_in("record", &mut tx, move |conn, ctx| {
+                Box::pin(async move {
+                    ran.fetch_add(1, Ordering::SeqCst);
+                    insert_order(conn, "order-9").await;
+                    Ok(format!("order-9@{}", ctx.fence()))
+                })
+            })
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(id, "order-9@1");
+    }
+    assert_eq!(ran.load(Ordering::SeqCst), 1);
+    assert_eq!(orders(ledger.pool(), "order-9").await, 1);
+}
