@@ -760,3 +760,40 @@ async fn leaked_transaction_on_the_pool_is_healed() {
         assert_eq!(open, 0);
     }
 }
+
+/// A duplicate `claim_in` blocks on the first transaction's row; when that
+/// transaction rolls back, the duplicate acquires the key at fence 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn blocked_duplicate_acquires_after_rollback() {
+    for opts in both_paths() {
+        let Some(ledger) = ledger_with(opts).await else {
+            return;
+        };
+        let k = key(&fresh_tenant(), "ledger-entry", "order-4");
+        let mut first = ledger.begin().await.unwrap();
+        acquired(
+            ledger
+                .claim_in(&mut first, &k, &ClaimOptions::default())
+                .await
+                .unwrap(),
+        );
+        let (l2, k2) = (ledger.clone(), k.clone());
+        let second = tokio::spawn(async move {
+            let mut tx = l2.begin().await.unwrap();
+            let c = l2.claim_in(&mut tx, &k2, &ClaimOptions::default()).await.unwrap();
+            tx.commit().await.unwrap();
+            c
+        });
+        // Whether the second claim is already waiting or not yet sent, the
+        // rollback leaves it an absent key.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        first.rollback().await.unwrap();
+        let lease = acquired(second.await.unwrap());
+        assert_eq!(lease.fence, 1);
+        assert!(!lease.taken_over);
+        assert_eq!(
+            ledger.get(&k).await.unwrap().unwrap().state,
+            RecordState::InProgress
+        );
+    }
+}
