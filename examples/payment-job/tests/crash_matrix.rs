@@ -2,7 +2,9 @@
 //! acks, on SQLite and PostgreSQL. For each crash point: exactly one capture,
 //! the order paid by exactly one write, exactly one receipt except in the
 //! at-most-once window (zero sends before the send, one after it; the step
-//! abandoned and listed), and one more full redelivery changes nothing.
+//! abandoned and listed), and one more full redelivery changes nothing, nor
+//! does a redelivery with an altered payload (refused as a fingerprint
+//! mismatch).
 
 mod common;
 
@@ -94,6 +96,24 @@ async fn crash_at<D: Db>(p: Arc<Pipeline<D>>, b: Boundary) {
     // One more full redelivery changes nothing.
     let again = p.deliver(&msg, None).await.unwrap();
     assert_eq!(again, acked);
+    assert_eq!(
+        p.snapshot(std::slice::from_ref(&msg)).await.unwrap(),
+        snap,
+        "{b:?}"
+    );
+
+    // A redelivery whose payload was altered is refused at its first step
+    // and changes nothing either.
+    let altered = OrderMsg {
+        amount: msg.amount + 1,
+        ..msg.clone()
+    };
+    let e = p.deliver(&altered, None).await.unwrap_err();
+    assert_eq!(e.stage, "capture");
+    assert!(
+        matches!(e.error, oncely::Error::FingerprintMismatch { .. }),
+        "{e}"
+    );
     assert_eq!(
         p.snapshot(std::slice::from_ref(&msg)).await.unwrap(),
         snap,
