@@ -461,6 +461,10 @@ impl<L: TransactionalLedger> Job<'_, L> {
     /// outcome on the transaction: commit to store it (duplicates replay it),
     /// roll back to let a later delivery try again.
     ///
+    /// The closure returns a boxed [`StepFuture`] because it borrows the
+    /// connection for as long as it runs; anything else it uses must be
+    /// moved in (clone ids and handles first).
+    ///
     /// ```
     /// use oncely::{Job, StepMode, TransactionalLedger};
     ///
