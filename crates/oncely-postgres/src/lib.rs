@@ -424,7 +424,11 @@ impl PgLedger {
         opts.validate()?;
         let sent_at = opts.sent_at.map(oncely::to_micros);
         for _ in 0..ATTEMPTS {
-            let row = sqlx::query(AssertSqlSafe(self.inner.q.claim.clone()))
+            let sql = match sent_at {
+                None => self.inner.q.claim.clone(),
+                Some(_) => self.inner.q.claim_horizon.clone(),
+            };
+            let mut query = sqlx::query(AssertSqlSafe(sql))
                 .bind(key.as_str())
                 .bind(key.tenant().as_str())
                 .bind(key.kind())
@@ -433,10 +437,11 @@ impl PgLedger {
                 .bind(opts.at_most_once)
                 .bind(duration_micros(opts.lease))
                 .bind(duration_micros(opts.retention))
-                .bind(sent_at)
-                .bind(guard)
-                .fetch_one(&mut *conn)
-                .await;
+                .bind(guard);
+            if let Some(sent_at) = sent_at {
+                query = query.bind(sent_at);
+            }
+            let row = query.fetch_one(&mut *conn).await;
             let row = match row {
                 Ok(row) => row,
                 Err(e) if guard && is_failed_transaction(&e) => {

@@ -64,6 +64,7 @@ pub(crate) fn quote(ident: &str) -> String {
 #[derive(Debug)]
 pub(crate) struct Queries {
     pub claim: Arc<str>,
+    pub claim_horizon: Arc<str>,
     pub complete: Arc<str>,
     pub release: Arc<str>,
     pub renew: Arc<str>,
@@ -101,54 +102,70 @@ impl Queries {
 
         // One statement, one round trip. Parameters:
         // $1 key, $2 tenant, $3 kind, $4 subject, $5 fingerprint, $6 at_most_once,
-        // $7 lease µs, $8 retention µs, $9 sent_at µs (nullable), $10 guard on.
+        // $7 lease µs, $8 retention µs, $9 guard on, and in the horizon
+        // variant $10 sent_at µs.
         //
         // - `ins` inserts fence 1, or (ON CONFLICT) takes the record over. A
         //   concurrent claimant of the same key blocks here on the unique
         //   index until the other transaction ends.
-        // - `upd` is the takeover alone, for a message older than the horizon:
-        //   it may take an existing record over but must never insert.
+        // - `upd` (horizon variant) is the takeover alone, for a message older
+        //   than the horizon: it may take an existing record over but must
+        //   never insert.
         // - Otherwise the existing record is returned, or a status row:
         //   `leaked` (guard tripped: nothing was written), `beyond` (absent
         //   and older than the horizon), `missing` (the ON CONFLICT saw a row
         //   committed after this statement's snapshot; the caller re-runs).
-        let claim = format!(
-            "WITH g AS (\
-               SELECT {guard} AS ok, \
-                      ($9::bigint IS NOT NULL AND $9::bigint + $8::bigint < {now_us}) AS beyond\
-             ), \
-             ins AS (\
-               INSERT INTO {t} AS e (key, tenant, kind, subject, state, fence, fingerprint, outcome, \
-                 at_most_once, created_at, updated_at, lease_expires_at, retain_until, retention_us) \
-               SELECT $1, $2, $3, $4, 'in_progress', 1, $5::bytea, NULL, $6, now(), now(), \
-                 now() + {lease}, now() + {ret}, $8 \
-               FROM g WHERE g.ok AND NOT g.beyond \
-               ON CONFLICT (key) DO UPDATE SET {takeover_set} WHERE {takeover_when} \
-               RETURNING e.*\
-             ), \
-             upd AS (\
-               UPDATE {t} AS e SET {takeover_set} \
-               WHERE (SELECT g.ok AND g.beyond FROM g) AND e.key = $1 AND {takeover_when} \
-               RETURNING e.*\
-             ) \
-             SELECT 'acquired'::text AS src, {ci} FROM ins i \
-             UNION ALL SELECT 'acquired', {cu} FROM upd u \
-             UNION ALL SELECT 'existing', {ce} FROM {t} e, g \
-               WHERE e.key = $1 AND g.ok AND NOT EXISTS (SELECT 1 FROM ins) \
-               AND NOT EXISTS (SELECT 1 FROM upd) \
-             UNION ALL SELECT CASE WHEN NOT g.ok THEN 'leaked' WHEN g.beyond THEN 'beyond' \
-               ELSE 'missing' END, {nulls} FROM g \
-               WHERE NOT EXISTS (SELECT 1 FROM ins) AND NOT EXISTS (SELECT 1 FROM upd) \
-               AND NOT (g.ok AND EXISTS (SELECT 1 FROM {t} x WHERE x.key = $1))",
-            guard = guard("$10"),
-            now_us = us("now()"),
-            lease = micros("$7"),
-            ret = micros("$8"),
-            ci = cols("i"),
-            cu = cols("u"),
-            ce = cols("e"),
-            nulls = null_cols(),
-        );
+        //
+        // Claims without `sent_at` (most) get the variant without `upd`.
+        let claim = |horizon: bool| {
+            let (beyond, not_beyond, upd, upd_branch, no_upd, status) = if horizon {
+                (
+                    format!(", ($10::bigint + $8::bigint < {}) AS beyond", us("now()")),
+                    " AND NOT g.beyond",
+                    format!(
+                        ", upd AS (\
+                           UPDATE {t} AS e SET {takeover_set} \
+                           WHERE (SELECT g.ok AND g.beyond FROM g) AND e.key = $1 AND {takeover_when} \
+                           RETURNING e.*)"
+                    ),
+                    format!(" UNION ALL SELECT 'acquired', {} FROM upd u", cols("u")),
+                    " AND NOT EXISTS (SELECT 1 FROM upd)",
+                    "CASE WHEN NOT g.ok THEN 'leaked' WHEN g.beyond THEN 'beyond' ELSE 'missing' END",
+                )
+            } else {
+                (
+                    String::new(),
+                    "",
+                    String::new(),
+                    String::new(),
+                    "",
+                    "CASE WHEN NOT g.ok THEN 'leaked' ELSE 'missing' END",
+                )
+            };
+            format!(
+                "WITH g AS (SELECT {guard} AS ok{beyond}), \
+                 ins AS (\
+                   INSERT INTO {t} AS e (key, tenant, kind, subject, state, fence, fingerprint, outcome, \
+                     at_most_once, created_at, updated_at, lease_expires_at, retain_until, retention_us) \
+                   SELECT $1, $2, $3, $4, 'in_progress', 1, $5::bytea, NULL, $6, now(), now(), \
+                     now() + {lease}, now() + {ret}, $8 \
+                   FROM g WHERE g.ok{not_beyond} \
+                   ON CONFLICT (key) DO UPDATE SET {takeover_set} WHERE {takeover_when} \
+                   RETURNING e.*){upd} \
+                 SELECT 'acquired'::text AS src, {ci} FROM ins i{upd_branch} \
+                 UNION ALL SELECT 'existing', {ce} FROM {t} e, g \
+                   WHERE e.key = $1 AND g.ok AND NOT EXISTS (SELECT 1 FROM ins){no_upd} \
+                 UNION ALL SELECT {status}, {nulls} FROM g \
+                   WHERE NOT EXISTS (SELECT 1 FROM ins){no_upd} \
+                   AND NOT (g.ok AND EXISTS (SELECT 1 FROM {t} x WHERE x.key = $1))",
+                guard = guard("$9"),
+                lease = micros("$7"),
+                ret = micros("$8"),
+                ci = cols("i"),
+                ce = cols("e"),
+                nulls = null_cols(),
+            )
+        };
 
         // Fenced writes: $1 key, $2 fence, then the operation's own values,
         // and the guard flag last. A row comes back only when the write
@@ -246,7 +263,8 @@ impl Queries {
         );
 
         Queries {
-            claim: claim.into(),
+            claim: claim(false).into(),
+            claim_horizon: claim(true).into(),
             complete: complete.into(),
             release: release.into(),
             renew: renew.into(),

@@ -293,6 +293,10 @@ async fn database_down_fails_closed() {
     let e = PgLedger::connect_with(closed, opts).await.unwrap_err();
     assert!(matches!(e, Error::Unavailable { .. }), "{e:?}");
     assert!(e.is_retryable());
+    let e = PgLedger::connect("postgres://postgres@127.0.0.1:notaport/test")
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Config(_)), "{e:?}");
 
     // A ledger whose database goes away: no effect runs.
     let lazy = PgPoolOptions::new()
@@ -749,4 +753,37 @@ async fn serialization_failure_is_retryable() {
         .unwrap_err();
     assert!(matches!(e, Error::Backend { retryable: true, .. }), "{e:?}");
     assert!(e.is_retryable());
+}
+
+/// An old message (beyond the horizon) still takes over a released record
+/// it finds, through the takeover-only path; it never inserts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn old_message_takes_over_but_never_inserts() {
+    let Some((ledger, observer)) = setup(4).await else {
+        return;
+    };
+    let day = Duration::from_secs(86_400);
+    let old = std::time::SystemTime::now() - 2 * day;
+    let opts = ClaimOptions::default().retention(day);
+    let k = key(&fresh_tenant(), "old");
+    let l = match ledger.claim(&k, &opts).await.unwrap() {
+        Claim::Acquired(l) => l,
+        other => panic!("{other:?}"),
+    };
+    ledger.release(&l).await.unwrap();
+    match ledger.claim(&k, &opts.clone().sent_at(old)).await.unwrap() {
+        Claim::Acquired(l2) => {
+            assert_eq!(l2.fence, 2);
+            assert!(l2.taken_over);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        ledger.claim(&k, &opts.clone().sent_at(old)).await.unwrap(),
+        Claim::InProgress { fence: 2, .. }
+    ));
+    let absent = key(&fresh_tenant(), "old-absent");
+    let e = ledger.claim(&absent, &opts.sent_at(old)).await.unwrap_err();
+    assert!(matches!(e, Error::BeyondHorizon { .. }), "{e:?}");
+    assert_eq!(committed(&observer, &absent).await, None);
 }
