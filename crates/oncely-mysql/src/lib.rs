@@ -64,6 +64,13 @@
 //! [`oncely::Error::Corrupt`], counted by
 //! `oncely_unexpected_constraint_violations_total`.
 //!
+//! The update clause reads the would-be-inserted values with `VALUES(col)`
+//! (first-class on MariaDB; deprecated since MySQL 8.0.20 but still
+//! supported, with a warning) and is written to be right both under the
+//! usual left-to-right assignment order and under MariaDB's
+//! `SIMULTANEOUS_ASSIGNMENT` sql_mode, which a caller's session may have
+//! (the conformance suite runs in that mode too).
+//!
 //! ## How a claim learns what happened
 //!
 //! sqlx sets `CLIENT_FOUND_ROWS`, so the affected-row count of an ODKU is 1
@@ -717,7 +724,7 @@ impl MySqlLedger {
             .bind(key.tenant().as_str())
             .bind(key.kind())
             .bind(key.subject())
-            .bind(fp.clone())
+            .bind(fp)
             .bind(opts.at_most_once)
             .bind(&token[..])
             .bind(lease_us)
@@ -727,24 +734,6 @@ impl MySqlLedger {
         if let Some(sent) = opts.sent_at {
             q = q.bind(to_micros(sent)).bind(retention_us).bind(key.as_str());
         }
-        let q = q
-            .bind(key.as_str())
-            .bind(fp.clone())
-            .bind(fp.clone())
-            .bind(&token[..])
-            .bind(&token[..])
-            .bind(&token[..])
-            .bind(&token[..])
-            .bind(fp)
-            .bind(&token[..])
-            .bind(opts.at_most_once)
-            .bind(&token[..])
-            .bind(&token[..])
-            .bind(lease_us)
-            .bind(&token[..])
-            .bind(retention_us)
-            .bind(&token[..])
-            .bind(retention_us);
         let row = if returning {
             match q.fetch_optional(&mut *conn).await {
                 Ok(Some(row)) => stored(&row)?,

@@ -86,29 +86,37 @@ impl Statements {
         } else {
             "(? OR TRUE)"
         };
-        // The takeover decision is made once, in the first assignment: MySQL
-        // evaluates ODKU assignments left to right and later ones see earlier
-        // results, so every later assignment asks "is the token now ours?"
-        // (tokens are unique per claim attempt, so it was not ours before).
-        // `effect_key = ?` keeps a conflict on some other unique index from
-        // updating another effect's row.
-        let takeover = format!(
-            "effect_key = ? \
-             AND (fingerprint IS NULL OR ? IS NULL OR fingerprint = ?) \
+        // The takeover condition, on the row as found. `VALUES(col)` is the
+        // value this statement would have inserted, so the update clause
+        // needs no parameters of its own. `effect_key = VALUES(effect_key)`
+        // keeps a conflict on some other unique index from updating another
+        // effect's row.
+        let take = format!(
+            "(effect_key = VALUES(effect_key) \
+             AND (fingerprint IS NULL OR VALUES(fingerprint) IS NULL OR fingerprint = VALUES(fingerprint)) \
              AND (state = 'released' \
-                  OR (state = 'in_progress' AND at_most_once = 0 AND lease_expires_us <= {NOW_US}))"
+                  OR (state = 'in_progress' AND at_most_once = 0 AND lease_expires_us <= {NOW_US})))"
         );
+        // MySQL and MariaDB evaluate ODKU assignments left to right, each
+        // seeing the ones before it; MariaDB's SIMULTANEOUS_ASSIGNMENT mode
+        // (which a caller's session may have) makes each see the old row.
+        // `claim_token = VALUES(claim_token) OR take` is right under both: left
+        // to right, the token (assigned first, unique per attempt) is ours
+        // exactly when the takeover happened, and if it did not, nothing was
+        // assigned, so `take` still reads the old row; simultaneously, the
+        // token test is false and `take` reads the old row.
+        let ours = format!("(claim_token = VALUES(claim_token) OR {take})");
         let odku = format!(
             "ON DUPLICATE KEY UPDATE \
-             claim_token = IF({takeover}, ?, claim_token), \
-             fence = IF(claim_token = ?, fence + 1, fence), \
-             state = IF(claim_token = ?, 'in_progress', state), \
-             fingerprint = IF(claim_token = ?, COALESCE(fingerprint, ?), fingerprint), \
-             at_most_once = IF(claim_token = ?, ?, at_most_once), \
-             updated_us = IF(claim_token = ?, {NOW_US}, updated_us), \
-             lease_expires_us = IF(claim_token = ?, {NOW_US} + ?, lease_expires_us), \
-             retention_us = IF(claim_token = ?, ?, retention_us), \
-             retain_until_us = IF(claim_token = ?, {NOW_US} + ?, retain_until_us)"
+             claim_token = IF({take}, VALUES(claim_token), claim_token), \
+             fence = IF({ours}, fence + 1, fence), \
+             fingerprint = IF({ours}, COALESCE(fingerprint, VALUES(fingerprint)), fingerprint), \
+             at_most_once = IF({ours}, VALUES(at_most_once), at_most_once), \
+             updated_us = IF({ours}, VALUES(updated_us), updated_us), \
+             lease_expires_us = IF({ours}, VALUES(lease_expires_us), lease_expires_us), \
+             retention_us = IF({ours}, VALUES(retention_us), retention_us), \
+             retain_until_us = IF({ours}, VALUES(retain_until_us), retain_until_us), \
+             state = IF({ours}, 'in_progress', state)"
         );
         let insert_cols = format!(
             "INSERT INTO `{t}` (effect_key, tenant, kind, subject, state, fence, fingerprint, outcome, \

@@ -36,3 +36,41 @@ mod two_statement {
 
     oncely::conformance_tests!(ledger);
 }
+
+/// MariaDB's `SIMULTANEOUS_ASSIGNMENT` makes every assignment of an
+/// `ON DUPLICATE KEY UPDATE` see the old row instead of the ones assigned
+/// before it. A caller's pool may run in that mode (`from_pool`, `claim_in`):
+/// the claim statement must be right under both semantics.
+mod simultaneous_assignment {
+    use super::*;
+
+    async fn ledger() -> Option<MySqlLedger> {
+        let url =
+            oncely::conformance::service_url("ONCELY_MYSQL_URL", Some("mysql://root@127.0.0.1:3306/test"))?;
+        let pool = match sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(70)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    use sqlx::Executor;
+                    conn.execute(
+                        "SET SESSION sql_mode = CONCAT(@@SESSION.sql_mode, ',STRICT_ALL_TABLES,SIMULTANEOUS_ASSIGNMENT')",
+                    )
+                    .await?;
+                    Ok(())
+                })
+            })
+            .connect(&url)
+            .await
+        {
+            Ok(p) => p,
+            // MySQL has no such mode: nothing to test there.
+            Err(sqlx::Error::Database(e)) if e.message().contains("SIMULTANEOUS_ASSIGNMENT") => return None,
+            Err(e) => return oncely::conformance::skip_or_fail(&format!("MySQL at {url}: {e}")),
+        };
+        let ledger = MySqlLedger::from_pool(pool);
+        ledger.migrate().await.unwrap();
+        Some(ledger)
+    }
+
+    oncely::conformance_tests!(ledger);
+}
