@@ -345,6 +345,14 @@ fn claim_token() -> [u8; 16] {
     t
 }
 
+fn autocommit_off() -> Error {
+    Error::Config(
+        "the ledger's pool runs with autocommit = 0: its writes would never commit; \
+         use a pool in autocommit mode (claim_in / complete_in join your transactions)"
+            .to_owned(),
+    )
+}
+
 fn join_error(e: tokio::task::JoinError) -> Error {
     Error::Backend {
         backend: BACKEND,
@@ -542,6 +550,7 @@ impl MySqlLedger {
         self.inner
             .probed
             .get_or_try_init(|| async move {
+                let in_caller_tx = conn.is_some();
                 let mut conn = conn;
                 let q = sqlx::query("SELECT VERSION() AS v, @@max_allowed_packet AS p");
                 let row = match conn.as_deref_mut() {
@@ -567,6 +576,18 @@ impl MySqlLedger {
                     Some(conn) => q.fetch_one(conn).await,
                     None => q.fetch_one(&self.inner.pool).await,
                 };
+                // A pool whose sessions run with autocommit = 0 would leave
+                // every ledger write uncommitted (claim_in asks on the
+                // caller's connection, which may legitimately be so).
+                if !in_caller_tx {
+                    let autocommit: i64 = sqlx::query_scalar("SELECT @@autocommit")
+                        .fetch_one(&self.inner.pool)
+                        .await
+                        .map_err(map)?;
+                    if autocommit == 0 {
+                        return Err(autocommit_off());
+                    }
+                }
                 match guarded {
                     Ok(_) => self.inner.guarded.store(true, Ordering::Relaxed),
                     Err(e) if error::number(&e) == Some(1193) => {}
@@ -682,12 +703,20 @@ impl MySqlLedger {
         if !self.inner.guarded.load(Ordering::Relaxed) {
             return Ok(false);
         }
-        let open: u64 = sqlx::query_scalar("SELECT @@in_transaction")
+        let row = sqlx::query("SELECT @@in_transaction AS open, @@autocommit AS autocommit")
             .fetch_one(&mut *conn)
             .await
             .map_err(retry_on_lock)?;
+        let open: u64 = row.try_get("open").map_err(map)?;
+        let autocommit: i64 = row.try_get("autocommit").map_err(map)?;
         if open == 0 {
             return Ok(false);
+        }
+        if autocommit == 0 {
+            // Every statement opens a transaction that nobody commits: the
+            // guard would trip forever. Say so instead.
+            conn.execute("ROLLBACK").await.map_err(retry_on_lock)?;
+            return Err(autocommit_off().into());
         }
         tracing::warn!(
             backend = BACKEND,

@@ -797,3 +797,30 @@ async fn blocked_duplicate_acquires_after_rollback() {
         );
     }
 }
+
+/// A pool whose sessions run with autocommit = 0 would leave every ledger
+/// write uncommitted: the ledger refuses it with a clear error instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn autocommit_off_pool_is_refused() {
+    let Some(url) = url() else { return };
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(2)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute("SET SESSION autocommit = 0").await?;
+                Ok(())
+            })
+        })
+        .connect(&url)
+        .await;
+    let pool = match pool {
+        Ok(p) => p,
+        Err(e) => return skip_or_fail(&format!("MySQL at {url}: {e}")).unwrap_or(()),
+    };
+    let ledger = MySqlLedger::from_pool(pool);
+    let e = ledger
+        .claim(&key(&fresh_tenant(), "capture", "ac"), &ClaimOptions::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Config(_)), "{e:?}");
+}
