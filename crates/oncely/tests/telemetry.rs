@@ -34,7 +34,11 @@ fn histogram_samples(snap: &[(CompositeKey, DebugValue)], name: &str) -> usize {
 }
 
 fn snapshot(s: &Snapshotter) -> Vec<(CompositeKey, DebugValue)> {
-    s.snapshot().into_vec().into_iter().map(|(k, _, _, v)| (k, v)).collect()
+    s.snapshot()
+        .into_vec()
+        .into_iter()
+        .map(|(k, _, _, v)| (k, v))
+        .collect()
 }
 
 #[test]
@@ -42,7 +46,10 @@ fn effects_emit_the_documented_metrics() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     metrics::with_local_recorder(&recorder, || {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
         rt.block_on(async {
             let ledger = Arc::new(MemoryLedger::new());
             let effects = Effects::new(ledger.clone());
@@ -60,7 +67,10 @@ fn effects_emit_the_documented_metrics() {
             let err = effects
                 .run::<u32, _, _>(&slow, &opts, |_| async move {
                     l2.advance(Duration::from_secs(31));
-                    assert!(matches!(l2.claim(&slow2, &ClaimOptions::default()).await.unwrap(), Claim::Acquired(_)));
+                    assert!(matches!(
+                        l2.claim(&slow2, &ClaimOptions::default()).await.unwrap(),
+                        Claim::Acquired(_)
+                    ));
                     Ok(1)
                 })
                 .await
@@ -74,14 +84,32 @@ fn effects_emit_the_documented_metrics() {
     let snap = snapshot(&snapshotter);
     let capture = [("kind", "capture")];
     assert_eq!(
-        counter(&snap, CLAIMS_TOTAL, &[("backend", "memory"), ("kind", "capture"), ("result", "acquired")]),
+        counter(
+            &snap,
+            CLAIMS_TOTAL,
+            &[("backend", "memory"), ("kind", "capture"), ("result", "acquired")]
+        ),
         1
     );
-    assert_eq!(counter(&snap, CLAIMS_TOTAL, &[("kind", "capture"), ("result", "completed")]), 2);
+    assert_eq!(
+        counter(
+            &snap,
+            CLAIMS_TOTAL,
+            &[("kind", "capture"), ("result", "completed")]
+        ),
+        2
+    );
     assert_eq!(counter(&snap, DUPLICATES_SUPPRESSED_TOTAL, &capture), 2);
     assert_eq!(counter(&snap, FENCE_REJECTIONS_TOTAL, &[("kind", "receipt")]), 1);
     assert_eq!(counter(&snap, LEASE_TAKEOVERS_TOTAL, &[("kind", "receipt")]), 1);
-    assert_eq!(counter(&snap, CLAIMS_TOTAL, &[("kind", "receipt"), ("result", "takeover")]), 1);
+    assert_eq!(
+        counter(
+            &snap,
+            CLAIMS_TOTAL,
+            &[("kind", "receipt"), ("result", "takeover")]
+        ),
+        1
+    );
     assert_eq!(histogram_samples(&snap, CLAIM_SECONDS), 5);
     assert_eq!(histogram_samples(&snap, REDELIVERY_GAP_SECONDS), 2);
 }
