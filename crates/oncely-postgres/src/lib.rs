@@ -458,18 +458,20 @@ impl PgLedger {
                 // run sees it.
                 "missing" => {}
                 "acquired" => {
-                    let r = RecordRow::decode(&row, 1)?.record(key.clone())?;
+                    let fence: i64 = row.try_get(2).map_err(map)?;
+                    let lease_us: Option<i64> = row.try_get(8).map_err(map)?;
+                    let now_us: i64 = row.try_get(10).map_err(map)?;
                     return Ok(Claim::Acquired(Lease {
                         key: key.clone(),
-                        fence: r.fence,
-                        expires_at: r
-                            .lease_expires_at
-                            .ok_or_else(|| corrupt(format!("{key}: acquired without a lease")))?,
-                        first_claimed_at: r.created_at,
-                        acquired_at: r.read_at,
+                        fence: u64::try_from(fence).map_err(|_| corrupt(format!("{key}: fence {fence}")))?,
+                        expires_at: from_micros(
+                            lease_us.ok_or_else(|| corrupt(format!("{key}: acquired without a lease")))?,
+                        ),
+                        first_claimed_at: from_micros(row.try_get(6).map_err(map)?),
+                        acquired_at: from_micros(now_us),
                         // An insert starts at fence 1; only a takeover raises it.
-                        taken_over: r.fence > 1,
-                        at_most_once: r.at_most_once,
+                        taken_over: fence > 1,
+                        at_most_once: row.try_get(5).map_err(map)?,
                     }));
                 }
                 "existing" => {

@@ -44,12 +44,15 @@ fn cols(a: &str) -> String {
     )
 }
 
-/// The same columns as typed NULLs (plus the clock), for status rows.
-fn null_cols() -> String {
+/// The same columns for a claim's own insert or takeover: only what a
+/// lease needs (the state is `in_progress` by construction).
+fn acquired_cols(a: &str) -> String {
     format!(
-        "NULL::text, NULL::bigint, NULL::bytea, NULL::bytea, NULL::boolean, NULL::bigint, \
-         NULL::bigint, NULL::bigint, NULL::bigint, {}",
-        us("now()")
+        "NULL::text, {a}.fence, NULL::bytea, NULL::bytea, {a}.at_most_once, {}, NULL::bigint, {}, \
+         NULL::bigint, {}",
+        us(&format!("{a}.created_at")),
+        us(&format!("{a}.lease_expires_at")),
+        us("now()"),
     )
 }
 
@@ -117,6 +120,7 @@ impl Queries {
         //   committed after this statement's snapshot; the caller re-runs).
         //
         // Claims without `sent_at` (most) get the variant without `upd`.
+        let returning = "e.fence, e.at_most_once, e.created_at, e.lease_expires_at";
         let claim = |horizon: bool| {
             let (beyond, not_beyond, upd, upd_branch, no_upd, status) = if horizon {
                 (
@@ -126,11 +130,12 @@ impl Queries {
                         ", upd AS (\
                            UPDATE {t} AS e SET {takeover_set} \
                            WHERE (SELECT g.ok AND g.beyond FROM g) AND e.key = $1 AND {takeover_when} \
-                           RETURNING e.*)"
+                           RETURNING {returning})"
                     ),
-                    format!(" UNION ALL SELECT 'acquired', {} FROM upd u", cols("u")),
+                    format!(" UNION ALL SELECT 'acquired', {} FROM upd u", acquired_cols("u")),
                     " AND NOT EXISTS (SELECT 1 FROM upd)",
-                    "CASE WHEN NOT g.ok THEN 'leaked' WHEN g.beyond THEN 'beyond' ELSE 'missing' END",
+                    "CASE WHEN NOT g.ok THEN 'leaked' WHEN e.key IS NOT NULL THEN 'existing' \
+                     WHEN g.beyond THEN 'beyond' ELSE 'missing' END",
                 )
             } else {
                 (
@@ -139,7 +144,8 @@ impl Queries {
                     String::new(),
                     String::new(),
                     "",
-                    "CASE WHEN NOT g.ok THEN 'leaked' ELSE 'missing' END",
+                    "CASE WHEN NOT g.ok THEN 'leaked' WHEN e.key IS NOT NULL THEN 'existing' \
+                     ELSE 'missing' END",
                 )
             };
             format!(
@@ -151,19 +157,15 @@ impl Queries {
                      now() + {lease}, now() + {ret}, $8 \
                    FROM g WHERE g.ok{not_beyond} \
                    ON CONFLICT (key) DO UPDATE SET {takeover_set} WHERE {takeover_when} \
-                   RETURNING e.*){upd} \
+                   RETURNING {returning}){upd} \
                  SELECT 'acquired'::text AS src, {ci} FROM ins i{upd_branch} \
-                 UNION ALL SELECT 'existing', {ce} FROM {t} e, g \
-                   WHERE e.key = $1 AND g.ok AND NOT EXISTS (SELECT 1 FROM ins){no_upd} \
-                 UNION ALL SELECT {status}, {nulls} FROM g \
-                   WHERE NOT EXISTS (SELECT 1 FROM ins){no_upd} \
-                   AND NOT (g.ok AND EXISTS (SELECT 1 FROM {t} x WHERE x.key = $1))",
+                 UNION ALL SELECT {status}, {ce} FROM g LEFT JOIN {t} e ON e.key = $1 AND g.ok \
+                   WHERE NOT EXISTS (SELECT 1 FROM ins){no_upd}",
                 guard = guard("$9"),
                 lease = micros("$7"),
                 ret = micros("$8"),
-                ci = cols("i"),
+                ci = acquired_cols("i"),
                 ce = cols("e"),
-                nulls = null_cols(),
             )
         };
 
