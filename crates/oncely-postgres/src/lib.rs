@@ -459,15 +459,15 @@ impl PgLedger {
                 "missing" => {}
                 "acquired" => {
                     let fence: i64 = row.try_get(2).map_err(map)?;
-                    let lease_us: Option<i64> = row.try_get(8).map_err(map)?;
-                    let now_us: i64 = row.try_get(10).map_err(map)?;
+                    let lease_us = micros_opt(&row, 8)?;
+                    let now_us = micros(&row, 10)?;
                     return Ok(Claim::Acquired(Lease {
                         key: key.clone(),
                         fence: u64::try_from(fence).map_err(|_| corrupt(format!("{key}: fence {fence}")))?,
                         expires_at: from_micros(
                             lease_us.ok_or_else(|| corrupt(format!("{key}: acquired without a lease")))?,
                         ),
-                        first_claimed_at: from_micros(row.try_get(6).map_err(map)?),
+                        first_claimed_at: from_micros(micros(&row, 6)?),
                         acquired_at: from_micros(now_us),
                         // An insert starts at fence 1; only a takeover raises it.
                         taken_over: fence > 1,
@@ -596,6 +596,43 @@ fn existing(key: &EffectKey, opts: &ClaimOptions, r: Record) -> Result<Option<Cl
     })
 }
 
+/// A `timestamptz` decoded from PostgreSQL's binary format (microseconds
+/// since 2000-01-01) into microseconds since the Unix epoch, so neither a
+/// date-time crate nor a numeric conversion in SQL is needed.
+struct Micros(i64);
+
+/// 2000-01-01T00:00:00Z in microseconds since the Unix epoch.
+const PG_EPOCH_US: i64 = 946_684_800_000_000;
+
+impl sqlx::Type<Postgres> for Micros {
+    fn type_info() -> sqlx::postgres::PgTypeInfo {
+        // 1184 is `timestamptz`.
+        sqlx::postgres::PgTypeInfo::with_oid(sqlx::postgres::types::Oid(1184))
+    }
+}
+
+impl<'r> sqlx::Decode<'r, Postgres> for Micros {
+    fn decode(value: sqlx::postgres::PgValueRef<'r>) -> Result<Self, sqlx::error::BoxDynError> {
+        match value.format() {
+            sqlx::postgres::PgValueFormat::Binary => {
+                let bytes: [u8; 8] = value.as_bytes()?.try_into()?;
+                Ok(Micros(i64::from_be_bytes(bytes).saturating_add(PG_EPOCH_US)))
+            }
+            sqlx::postgres::PgValueFormat::Text => Err("timestamptz in text format".into()),
+        }
+    }
+}
+
+fn micros(row: &PgRow, i: usize) -> Result<i64> {
+    row.try_get::<Micros, _>(i).map(|m| m.0).map_err(map)
+}
+
+fn micros_opt(row: &PgRow, i: usize) -> Result<Option<i64>> {
+    row.try_get::<Option<Micros>, _>(i)
+        .map(|m| m.map(|m| m.0))
+        .map_err(map)
+}
+
 /// The record columns of [`sql`]'s `cols`, from column `at` on.
 struct RecordRow {
     state: String,
@@ -618,11 +655,11 @@ impl RecordRow {
             fingerprint: row.try_get(at + 2).map_err(map)?,
             outcome: row.try_get(at + 3).map_err(map)?,
             at_most_once: row.try_get(at + 4).map_err(map)?,
-            created_us: row.try_get(at + 5).map_err(map)?,
-            updated_us: row.try_get(at + 6).map_err(map)?,
-            lease_us: row.try_get(at + 7).map_err(map)?,
-            retain_us: row.try_get(at + 8).map_err(map)?,
-            now_us: row.try_get(at + 9).map_err(map)?,
+            created_us: micros(row, at + 5)?,
+            updated_us: micros(row, at + 6)?,
+            lease_us: micros_opt(row, at + 7)?,
+            retain_us: micros(row, at + 8)?,
+            now_us: micros(row, at + 9)?,
         })
     }
 

@@ -33,14 +33,11 @@ fn guard(param: &str) -> String {
 }
 
 /// The record columns every read returns, in [`crate::RecordRow`] order.
+/// Timestamps travel as binary `timestamptz` (see `crate::Micros`).
 fn cols(a: &str) -> String {
     format!(
-        "{a}.state, {a}.fence, {a}.fingerprint, {a}.outcome, {a}.at_most_once, {}, {}, {}, {}, {}",
-        us(&format!("{a}.created_at")),
-        us(&format!("{a}.updated_at")),
-        us(&format!("{a}.lease_expires_at")),
-        us(&format!("{a}.retain_until")),
-        us("now()"),
+        "{a}.state, {a}.fence, {a}.fingerprint, {a}.outcome, {a}.at_most_once, {a}.created_at, \
+         {a}.updated_at, {a}.lease_expires_at, {a}.retain_until, now()"
     )
 }
 
@@ -48,11 +45,8 @@ fn cols(a: &str) -> String {
 /// lease needs (the state is `in_progress` by construction).
 fn acquired_cols(a: &str) -> String {
     format!(
-        "NULL::text, {a}.fence, NULL::bytea, NULL::bytea, {a}.at_most_once, {}, NULL::bigint, {}, \
-         NULL::bigint, {}",
-        us(&format!("{a}.created_at")),
-        us(&format!("{a}.lease_expires_at")),
-        us("now()"),
+        "NULL::text, {a}.fence, NULL::bytea, NULL::bytea, {a}.at_most_once, {a}.created_at, \
+         NULL::timestamptz, {a}.lease_expires_at, NULL::timestamptz, now()"
     )
 }
 
