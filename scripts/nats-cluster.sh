@@ -49,13 +49,14 @@ start_node() {
 stop_node() {
     local n=$1 pid
     pid=$(pid_of "$n") || { rm -f "$DIR/n$n.pid"; return 0; }
-    kill "$pid" 2>/dev/null || true
+    # SIGKILL: a node loss is a crash, not a graceful shutdown.
+    kill -9 "$pid" 2>/dev/null || true
     for _ in $(seq 1 100); do
         kill -0 "$pid" 2>/dev/null || { rm -f "$DIR/n$n.pid"; return 0; }
         sleep 0.1
     done
-    kill -9 "$pid" 2>/dev/null || true
-    rm -f "$DIR/n$n.pid"
+    echo "node n$n (pid $pid) did not exit" >&2
+    return 1
 }
 
 # Waits until every running node reports the same JetStream meta leader.
