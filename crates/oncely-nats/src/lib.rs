@@ -40,7 +40,7 @@
 //! | max key | [`oncely::MAX_KEY_BYTES`] (the displayed key is stored in the value; the KV key is `<tenant>.<blake3 hex>`). |
 //! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] (stored base64, far below JetStream's 1 MiB message limit). |
 //! | round trips | claim of a new key: 1. complete / release / renew: 1 when this ledger made the claim (it remembers the revision), else 2 (read, conditional write). |
-//! | retention | per claim, enforced by [`Ledger::prune`](oncely::Ledger::prune); the bucket's `max_age` is the hard ceiling. |
+//! | retention | per claim, enforced by [`Ledger::prune`]; the bucket's `max_age` is the hard ceiling. |
 //!
 //! ### Clocks
 //!
