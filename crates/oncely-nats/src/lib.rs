@@ -40,6 +40,7 @@
 //! | max key | [`oncely::MAX_KEY_BYTES`] (the displayed key is stored in the value; the KV key is `<tenant>.<blake3 hex>`). |
 //! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] (stored base64, far below JetStream's 1 MiB message limit). |
 //! | round trips | claim of a new key: 1. complete / release / renew: 1 when this ledger made the claim (it remembers the revision), else 2 (read, conditional write). |
+//! | prune / abandoned | read the latest revision of every key (the whole bucket / one tenant's keys) through an ordered consumer: cost grows with the keys kept, so prune in batches off the hot path. |
 //! | retention | per claim, enforced by [`Ledger::prune`]; the bucket's `max_age` is the hard ceiling. |
 //!
 //! ### Clocks
@@ -659,9 +660,15 @@ impl NatsKvLedger {
             .await
             .map_err(|e| backend_err("scan", e))?;
         let mut out = Vec::new();
-        if consumer.cached_info().num_pending == 0 {
+        // The consumer goes on delivering new writes after the snapshot; a
+        // busy bucket would never let `pending` reach 0, so stop after as
+        // many messages as the snapshot held (the live ones come first, in
+        // stream order; anything rewritten since is recent anyway).
+        let total = consumer.cached_info().num_pending;
+        if total == 0 {
             return Ok(out);
         }
+        let mut seen = 0u64;
         let mut messages = consumer.messages().await.map_err(|e| backend_err("scan", e))?;
         let prefix = self.inner.store.prefix.clone();
         loop {
@@ -699,7 +706,8 @@ impl NatsKvLedger {
                 };
                 out.push((k.to_owned(), Current { revision, at, value }));
             }
-            if pending == 0 {
+            seen += 1;
+            if pending == 0 || seen >= total {
                 break;
             }
         }
