@@ -428,8 +428,8 @@ impl NatsKvLedger {
 
     fn recall(&self, kv_key: &str, fence: u64) -> Option<(u64, Stored)> {
         let mut c = self.inner.revisions.lock().unwrap_or_else(|p| p.into_inner());
-        match c.remove(kv_key) {
-            Some((rev, v)) if v.fence == fence => Some((rev, v)),
+        match c.get(kv_key) {
+            Some((_, v)) if v.fence == fence => c.remove(kv_key),
             _ => None,
         }
     }

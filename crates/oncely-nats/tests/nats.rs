@@ -221,3 +221,76 @@ async fn foreign_values_are_not_overwritten() {
     assert_eq!(store.get(&kv_key).await.unwrap().unwrap(), "not oncely");
     js.delete_stream(format!("KV_{bucket}")).await.unwrap();
 }
+
+async fn shared_ledger() -> Option<NatsKvLedger> {
+    let (url, _) = js().await?;
+    Some(
+        NatsKvLedger::connect(&url, NatsKvOptions::default().bucket("oncely_conformance"))
+            .await
+            .unwrap(),
+    )
+}
+
+/// Many claimants race to take over one expired lease: the revision-checked
+/// update lets exactly one through, at fence 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_takeover_has_one_winner() {
+    let Some(ledger) = shared_ledger().await else {
+        return;
+    };
+    let k = EffectKey::new(&fresh_tenant(), "capture", "takeover-race").unwrap();
+    let short = ClaimOptions::default().lease(oncely::conformance::SHORT_LEASE);
+    assert!(matches!(
+        ledger.claim(&k, &short).await.unwrap(),
+        Claim::Acquired(_)
+    ));
+    tokio::time::sleep(oncely::conformance::SHORT_LEASE_WAIT).await;
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(32));
+    let mut tasks = Vec::new();
+    for _ in 0..32 {
+        let (ledger, k, barrier) = (ledger.clone(), k.clone(), barrier.clone());
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            ledger.claim(&k, &ClaimOptions::default()).await.unwrap()
+        }));
+    }
+    let mut winners = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            Claim::Acquired(l) => {
+                assert_eq!(l.fence, 2);
+                assert!(l.taken_over);
+                winners += 1;
+            }
+            Claim::InProgress { fence, .. } => assert_eq!(fence, 2),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(winners, 1);
+}
+
+/// A lease completed through another ledger instance (no remembered
+/// revision) works, and the instance that made the claim then cannot
+/// complete it again with its remembered, now stale, revision.
+#[tokio::test]
+async fn remembered_revisions_never_bypass_the_fence() {
+    let Some(a) = shared_ledger().await else { return };
+    let Some(b) = shared_ledger().await else { return };
+    let k = EffectKey::new(&fresh_tenant(), "capture", "two-instances").unwrap();
+    let l = match a.claim(&k, &ClaimOptions::default()).await.unwrap() {
+        Claim::Acquired(l) => l,
+        other => panic!("{other:?}"),
+    };
+    let renewed = b.renew(&l, Duration::from_secs(60)).await.unwrap();
+    b.complete(&renewed, &Outcome::from_json(&"b").unwrap())
+        .await
+        .unwrap();
+    let e = a
+        .complete(&l, &Outcome::from_json(&"a").unwrap())
+        .await
+        .unwrap_err();
+    assert!(e.is_lease_lost(), "{e:?}");
+    let r = a.get(&k).await.unwrap().unwrap();
+    assert_eq!(r.state, RecordState::Completed);
+    assert_eq!(r.outcome.unwrap().to_value::<String>().unwrap(), "b");
+}
