@@ -294,3 +294,33 @@ async fn remembered_revisions_never_bypass_the_fence() {
     assert_eq!(r.state, RecordState::Completed);
     assert_eq!(r.outcome.unwrap().to_value::<String>().unwrap(), "b");
 }
+
+/// `from_store` checks the caller's bucket like `connect` does.
+#[tokio::test]
+async fn from_store_checks_the_bucket() {
+    let Some((_, js)) = js().await else { return };
+    let good = unique("oncely_from_store");
+    js.create_stream(kv_stream(&good)).await.unwrap();
+    let store = js.get_key_value(&good).await.unwrap();
+    let ledger = NatsKvLedger::from_store(store, NatsKvOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(ledger.options().bucket, good);
+    let k = EffectKey::new(&fresh_tenant(), "capture", "o-1").unwrap();
+    assert!(matches!(
+        ledger.claim(&k, &ClaimOptions::default()).await.unwrap(),
+        Claim::Acquired(_)
+    ));
+    let bad = unique("oncely_from_store_bad");
+    let mut cfg = kv_stream(&bad);
+    cfg.max_messages_per_subject = 3;
+    js.create_stream(cfg).await.unwrap();
+    let store = js.get_key_value(&bad).await.unwrap();
+    let e = NatsKvLedger::from_store(store, NatsKvOptions::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Config(_)), "{e:?}");
+    for b in [good, bad] {
+        js.delete_stream(format!("KV_{b}")).await.unwrap();
+    }
+}
