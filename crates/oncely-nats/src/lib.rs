@@ -49,9 +49,9 @@
 //! lease *length* and retention *length*, not instants, so expiry is "server
 //! now - revision timestamp > lease". The server never sends its current
 //! time, so each ledger keeps a lower bound of it: a probe write to a
-//! reserved key read back every 2 s, advanced by the worker's monotonic clock
-//! (0.1 % allowance for rate differences), and raised by every timestamp it
-//! reads. It is never ahead of the server, and behind by at most a probe's
+//! reserved key, read back, renewed by the first operation after it is 2 s
+//! old, advanced meanwhile by the worker's monotonic clock (0.1 % allowance
+//! for rate differences), and raised by every timestamp the ledger reads. It is never ahead of the server, and behind by at most a probe's
 //! round trip plus 0.1 % of 2 s; leases therefore expire at most that late,
 //! never early. Timestamps in [`oncely::Record`] and [`oncely::Lease`] are
 //! server stamps or this estimate. Cluster nodes' clocks must be in sync (NTP),
@@ -60,14 +60,16 @@
 //! ### Retention and `max_age`
 //!
 //! The bucket's `max_age` (default 30 days) drops any key not written for
-//! that long. Claims whose retention exceeds it are refused
+//! that long. Claims whose retention exceeds the configured `max_age` are refused
 //! ([`oncely::Error::Misuse`]) so no completed record vanishes before its
 //! retention ends. Shorter retention is honoured by `prune`, which deletes
 //! completed and released records past it with a revision-checked delete (a
 //! record changed meanwhile is left alone). Limits that follow from `max_age`:
 //! an abandoned at-most-once step (or a lease nobody takes over) disappears
 //! `max_age` after its last write, so reconcile abandoned steps within
-//! `max_age`; and a deleted key leaves a small delete marker until `max_age`.
+//! `max_age`; a key whose record was pruned or dropped starts again at fence
+//! 1 (as on every backend once retention has passed); and a deleted key
+//! leaves a small delete marker until `max_age`.
 //! `max_age` must be at least 2 days (longer than the longest lease).
 //!
 //! ### Errors
@@ -77,8 +79,9 @@
 //! bucket with incompatible settings (history other than 1, a shorter
 //! `max_age`, other replicas, memory storage, message or byte limits that
 //! could drop live leases): [`oncely::Error::Config`], and nothing is
-//! changed. Each operation is one conditional write, so a dropped future has
-//! either been applied by the server or not, never half.
+//! changed. Every write is one revision-checked message, so a dropped future
+//! has either been applied by the server or not, never half, and a write
+//! based on a stale read is refused rather than applied.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
