@@ -5,11 +5,30 @@
 //! | --- | --- | --- |
 //! | `sqlite:path`, `sqlite://path`, `sqlite::memory:` | `oncely-sqlite` | `sqlite` (default) |
 //! | `postgres://…`, `postgresql://…` | `oncely-postgres` | `postgres` (default) |
+//! | `mysql://…`, `mariadb://…` | `oncely-mysql` | `mysql` (default) |
+//! | `redis://host:port[/db]` | `oncely-redis`, one server | `redis` (default) |
+//! | `redis+cluster://h1:p1,h2:p2,…` | `oncely-redis`, Redis Cluster | `redis` (default) |
+//! | `nats://h1:p1[,h2:p2,…][?bucket=B&replicas=R]` | `oncely-nats` | `nats` (default) |
 //! | `memory:` | the core's [`MemoryLedger`] (a fresh, empty ledger per connect) | always |
 //!
-//! Adding a backend (mysql, redis, nats) means one enum variant behind its
-//! feature, one arm in [`Scheme::of_url`], one in [`AnyLedger::connect`] and
-//! one line in the `each!` macro; every [`Ledger`] method follows from that.
+//! Multi-node URLs:
+//!
+//! - **Redis Cluster**: `redis+cluster://` followed by the seed nodes,
+//!   comma-separated, each `host:port` or a full `redis://host:port` URL. The
+//!   client learns the rest of the topology from any of them. Credentials on
+//!   the first node (`redis+cluster://user:pw@h1:7000,h2:7000`) apply to the
+//!   nodes that carry none, and a query string (`?protocol=resp3`) applies to
+//!   every node. A plain `redis://` URL names one server; a comma in it is
+//!   refused with a pointer to `redis+cluster://`.
+//! - **NATS**: one server or a comma-separated list (`nats://n1:4222,n2:4222`
+//!   or `nats://n1:4222,nats://n2:4222`). The query string, for the whole
+//!   list, sets the ledger's KV bucket (`bucket`, default `oncely_effects`)
+//!   and its replica count (`replicas`, 1 or 3, default 1); any other
+//!   parameter is refused.
+//!
+//! Adding a backend means one enum variant behind its feature, one arm in
+//! [`Scheme::of_url`], one in [`AnyLedger::connect`] and one line in the
+//! `each!` macro; every [`Ledger`] method follows from that.
 
 use std::fmt;
 use std::sync::Arc;
@@ -21,7 +40,8 @@ use oncely::{
 };
 
 /// The schemes a database URL may start with, as shown in error messages.
-pub const EXPECTED_SCHEMES: &str = "sqlite:, postgres://, memory:";
+pub const EXPECTED_SCHEMES: &str =
+    "sqlite:, postgres://, mysql://, mariadb://, redis://, redis+cluster://, nats://, memory:";
 
 /// The backend a database URL names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -31,6 +51,12 @@ pub enum Scheme {
     Sqlite,
     /// `postgres://` and `postgresql://`.
     Postgres,
+    /// `mysql://` and `mariadb://`.
+    MySql,
+    /// `redis://` (one server) and `redis+cluster://` (Redis Cluster).
+    Redis,
+    /// `nats://` (one server or a comma-separated list).
+    Nats,
     /// `memory:`.
     Memory,
 }
@@ -60,6 +86,9 @@ impl Scheme {
         let found = match scheme.as_str() {
             "sqlite" => Scheme::Sqlite,
             "postgres" | "postgresql" => Scheme::Postgres,
+            "mysql" | "mariadb" => Scheme::MySql,
+            "redis" | "redis+cluster" => Scheme::Redis,
+            "nats" => Scheme::Nats,
             "memory" => Scheme::Memory,
             other => {
                 return Err(Error::Config(format!(
@@ -76,12 +105,16 @@ impl Scheme {
         Ok(found)
     }
 
-    /// The backend's name (`sqlite`, `postgres`, `memory`), as
-    /// [`Ledger::backend`] reports it.
+    /// The backend's name (`sqlite`, `postgres`, `mysql`, `redis`, `nats`,
+    /// `memory`), as [`Ledger::backend`] reports it (`mariadb://` URLs open
+    /// the `mysql` backend).
     pub fn name(self) -> &'static str {
         match self {
             Scheme::Sqlite => "sqlite",
             Scheme::Postgres => "postgres",
+            Scheme::MySql => "mysql",
+            Scheme::Redis => "redis",
+            Scheme::Nats => "nats",
             Scheme::Memory => "memory",
         }
     }
@@ -91,6 +124,9 @@ impl Scheme {
         match self {
             Scheme::Sqlite => cfg!(feature = "sqlite"),
             Scheme::Postgres => cfg!(feature = "postgres"),
+            Scheme::MySql => cfg!(feature = "mysql"),
+            Scheme::Redis => cfg!(feature = "redis"),
+            Scheme::Nats => cfg!(feature = "nats"),
             Scheme::Memory => true,
         }
     }
@@ -113,6 +149,15 @@ pub enum AnyLedger {
     /// An `oncely-postgres` ledger.
     #[cfg(feature = "postgres")]
     Postgres(oncely_postgres::PgLedger),
+    /// An `oncely-mysql` ledger (MySQL or MariaDB).
+    #[cfg(feature = "mysql")]
+    MySql(oncely_mysql::MySqlLedger),
+    /// An `oncely-redis` ledger (one server or a cluster).
+    #[cfg(feature = "redis")]
+    Redis(oncely_redis::RedisLedger),
+    /// An `oncely-nats` ledger.
+    #[cfg(feature = "nats")]
+    Nats(oncely_nats::NatsKvLedger),
     /// The core's in-process ledger.
     Memory(Arc<MemoryLedger>),
 }
@@ -126,6 +171,21 @@ pub enum AnyPool {
     Sqlite(sqlx::SqlitePool),
     /// A PostgreSQL pool.
     Postgres(sqlx::PgPool),
+    /// A MySQL / MariaDB pool.
+    #[cfg(feature = "mysql")]
+    MySql(sqlx::MySqlPool),
+}
+
+impl AnyPool {
+    /// Closes the pool, waiting for checked-out connections to come back.
+    pub async fn close(&self) {
+        match self {
+            AnyPool::Sqlite(p) => p.close().await,
+            AnyPool::Postgres(p) => p.close().await,
+            #[cfg(feature = "mysql")]
+            AnyPool::MySql(p) => p.close().await,
+        }
+    }
 }
 
 /// Calls `$body` with `$l` bound to the inner ledger of every variant.
@@ -136,6 +196,12 @@ macro_rules! each {
             AnyLedger::Sqlite($l) => $body,
             #[cfg(feature = "postgres")]
             AnyLedger::Postgres($l) => $body,
+            #[cfg(feature = "mysql")]
+            AnyLedger::MySql($l) => $body,
+            #[cfg(feature = "redis")]
+            AnyLedger::Redis($l) => $body,
+            #[cfg(feature = "nats")]
+            AnyLedger::Nats($l) => $body,
             AnyLedger::Memory($l) => $body,
         }
     };
@@ -144,12 +210,37 @@ macro_rules! each {
 impl AnyLedger {
     /// Connects to the backend the URL's scheme names (see the module docs).
     ///
-    /// The scheme is checked before anything is opened: an unknown one fails
-    /// with [`Error::Config`]. An unreachable server fails with the backend's
-    /// [`Error::Unavailable`].
+    /// The scheme (and, for Redis Cluster and NATS, the node list and the
+    /// query parameters) is checked before anything is opened: an unknown
+    /// one fails with [`Error::Config`]. An unreachable server fails with the
+    /// backend's [`Error::Unavailable`].
     pub async fn connect(url: &str) -> Result<AnyLedger> {
         let url = url.trim();
         match Scheme::of_url(url)? {
+            #[cfg(feature = "mysql")]
+            Scheme::MySql => Ok(AnyLedger::MySql(oncely_mysql::MySqlLedger::connect(url).await?)),
+            #[cfg(feature = "redis")]
+            Scheme::Redis => Ok(AnyLedger::Redis(match redis_target(url)? {
+                RedisTarget::Single(url) => oncely_redis::RedisLedger::connect(&url).await?,
+                RedisTarget::Cluster(nodes) => {
+                    let nodes: Vec<&str> = nodes.iter().map(String::as_str).collect();
+                    oncely_redis::RedisLedger::connect_cluster(&nodes).await?
+                }
+            })),
+            #[cfg(feature = "nats")]
+            Scheme::Nats => {
+                let target = nats_target(url)?;
+                let mut opts = oncely_nats::NatsKvOptions::default();
+                if let Some(bucket) = target.bucket {
+                    opts = opts.bucket(bucket);
+                }
+                if let Some(replicas) = target.replicas {
+                    opts = opts.replicas(replicas);
+                }
+                Ok(AnyLedger::Nats(
+                    oncely_nats::NatsKvLedger::connect(&target.servers, opts).await?,
+                ))
+            }
             #[cfg(feature = "sqlite")]
             Scheme::Sqlite => Ok(AnyLedger::Sqlite(
                 oncely_sqlite::SqliteLedger::connect(url).await?,
@@ -173,30 +264,37 @@ impl AnyLedger {
             AnyLedger::Sqlite(_) => Scheme::Sqlite,
             #[cfg(feature = "postgres")]
             AnyLedger::Postgres(_) => Scheme::Postgres,
+            #[cfg(feature = "mysql")]
+            AnyLedger::MySql(_) => Scheme::MySql,
+            #[cfg(feature = "redis")]
+            AnyLedger::Redis(_) => Scheme::Redis,
+            #[cfg(feature = "nats")]
+            AnyLedger::Nats(_) => Scheme::Nats,
             AnyLedger::Memory(_) => Scheme::Memory,
         }
     }
 
     /// The SQL pool the ledger runs on, or `None` for backends without one
-    /// (memory).
+    /// (Redis, NATS, memory).
     pub fn pool(&self) -> Option<AnyPool> {
         match self {
             #[cfg(feature = "sqlite")]
             AnyLedger::Sqlite(l) => Some(AnyPool::Sqlite(l.pool().clone())),
             #[cfg(feature = "postgres")]
             AnyLedger::Postgres(l) => Some(AnyPool::Postgres(l.pool().clone())),
-            AnyLedger::Memory(_) => None,
+            #[cfg(feature = "mysql")]
+            AnyLedger::MySql(l) => Some(AnyPool::MySql(l.pool().clone())),
+            _ => None,
         }
     }
 
-    /// Closes the backend's connections (a no-op for memory). Waits for
-    /// checked-out connections to come back.
+    /// Closes the backend's SQL pool, waiting for checked-out connections to
+    /// come back. Redis and NATS connections close when the last clone of
+    /// the ledger is dropped (every write they acknowledged is already on
+    /// the server); memory has nothing to close.
     pub async fn close(&self) {
         if let Some(pool) = self.pool() {
-            match pool {
-                AnyPool::Sqlite(p) => p.close().await,
-                AnyPool::Postgres(p) => p.close().await,
-            }
+            pool.close().await;
         }
     }
 }
@@ -245,6 +343,139 @@ impl Ledger for AnyLedger {
     async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
         each!(self, l => l.abandoned(tenant, limit).await)
     }
+}
+
+/// The server(s) a `redis://` or `redis+cluster://` URL names.
+#[cfg(feature = "redis")]
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum RedisTarget {
+    /// One server: the URL as the redis client takes it.
+    Single(String),
+    /// A cluster's seed nodes, each a `redis://` URL.
+    Cluster(Vec<String>),
+}
+
+/// Splits a Redis URL into what [`oncely_redis::RedisLedger`] connects to.
+/// Messages never quote the URL (it may hold a password).
+#[cfg(feature = "redis")]
+fn redis_target(url: &str) -> Result<RedisTarget> {
+    const FORMS: &str = "redis://host:port[/db] or redis+cluster://host:port,host:port,…";
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Err(Error::Config(format!("a Redis URL is {FORMS}")));
+    };
+    if !scheme.eq_ignore_ascii_case("redis+cluster") {
+        if rest.contains(',') {
+            return Err(Error::Config(
+                "a redis:// URL names one server; give a cluster's nodes as \
+                 redis+cluster://host:port,host:port,…"
+                    .to_owned(),
+            ));
+        }
+        return Ok(RedisTarget::Single(format!("redis://{rest}")));
+    }
+    let (list, query) = match rest.split_once('?') {
+        Some((list, query)) => (list, Some(query)),
+        None => (rest, None),
+    };
+    let mut userinfo: Option<&str> = None;
+    let mut nodes = Vec::new();
+    for (i, item) in list.split(',').map(str::trim).enumerate() {
+        if item.is_empty() {
+            continue;
+        }
+        let item = match item.split_once("://") {
+            Some((s, node)) if s.eq_ignore_ascii_case("redis") => node,
+            Some(_) => {
+                return Err(Error::Config(format!(
+                    "redis+cluster:// node {} has a scheme other than redis://; \
+                     nodes are host:port or redis://host:port",
+                    i + 1
+                )));
+            }
+            None => item,
+        };
+        let own = item.rsplit_once('@').map(|(u, _)| u);
+        // The first node's credentials stand for the cluster's: every node
+        // of one cluster takes the same ones.
+        if nodes.is_empty() {
+            userinfo = own;
+        }
+        let mut node = String::from("redis://");
+        if let (None, Some(u)) = (own, userinfo) {
+            node.push_str(u);
+            node.push('@');
+        }
+        node.push_str(item);
+        if let Some(q) = query {
+            node.push('?');
+            node.push_str(q);
+        }
+        nodes.push(node);
+    }
+    if nodes.is_empty() {
+        return Err(Error::Config(format!(
+            "redis+cluster:// lists no nodes (expected {FORMS})"
+        )));
+    }
+    Ok(RedisTarget::Cluster(nodes))
+}
+
+/// What a `nats://` URL names: the server list (as `async-nats` takes it)
+/// and the ledger options given as query parameters.
+#[cfg(feature = "nats")]
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct NatsTarget {
+    servers: String,
+    bucket: Option<String>,
+    replicas: Option<usize>,
+}
+
+/// Splits a NATS URL into servers and options. Messages never quote the
+/// URL (it may hold a password or a token).
+#[cfg(feature = "nats")]
+fn nats_target(url: &str) -> Result<NatsTarget> {
+    if !url.contains("://") {
+        return Err(Error::Config(
+            "a NATS URL is nats://host:port[,host:port…][?bucket=NAME&replicas=1|3]".to_owned(),
+        ));
+    }
+    let (servers, query) = match url.split_once('?') {
+        Some((servers, query)) => (servers, query),
+        None => (url, ""),
+    };
+    let mut target = NatsTarget {
+        servers: servers.to_owned(),
+        bucket: None,
+        replicas: None,
+    };
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let duplicate = match name {
+            "bucket" => target.bucket.replace(value.to_owned()).is_some(),
+            "replicas" => {
+                let n = value
+                    .parse()
+                    .map_err(|_| Error::Config("NATS URL parameter replicas must be 1 or 3".to_owned()))?;
+                target.replicas.replace(n).is_some()
+            }
+            _ => {
+                // Quote the name only if it is plainly a name: the pair
+                // may be a mistyped credential.
+                let shown = if name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+                    format!(" '{name}'")
+                } else {
+                    String::new()
+                };
+                return Err(Error::Config(format!(
+                    "unknown NATS URL parameter{shown} (expected bucket, replicas)"
+                )));
+            }
+        };
+        if duplicate {
+            return Err(Error::Config(format!("NATS URL parameter {name} is given twice")));
+        }
+    }
+    Ok(target)
 }
 
 #[cfg(test)]

@@ -5,10 +5,12 @@
 //! times. All deliveries of all orders are shuffled into one queue that
 //! `workers` tokio tasks consume at once; an order's copies arrive close
 //! together (see `delivery_queue`), so deliveries of one order really
-//! overlap, the way broker redeliveries do. Each run has its own orders table in the
-//! real database (status `new` → `paid`) and a fake payment provider whose
-//! call takes a few milliseconds, like a network call, and counts the charges
-//! it performed per order.
+//! overlap, the way broker redeliveries do. Each run has its own orders table
+//! (status `new` → `paid`) in the ledger's database (SQLite, PostgreSQL,
+//! MySQL), or in a scratch SQLite file when the ledger has no SQL database
+//! (Redis, NATS, memory), and a fake payment provider whose call takes a few
+//! milliseconds, like a network call, and counts the charges it performed
+//! per order.
 //!
 //! - **naive**: read the order's status; if it is not `paid`, charge, then
 //!   write `paid`. Two deliveries that read before either writes both charge.
@@ -26,7 +28,7 @@ use std::time::{Duration, Instant, SystemTime};
 use oncely::{ClaimOptions, EffectKey, Effects, Error, Ledger, Result, Tenant};
 use serde::Serialize;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-use sqlx::{AssertSqlSafe, PgPool, SqlitePool};
+use sqlx::{AssertSqlSafe, SqlitePool};
 
 use crate::any::{AnyLedger, AnyPool};
 
@@ -152,7 +154,8 @@ pub struct DemoReport {
     pub deliveries_per_order: u64,
     /// Concurrent consumers.
     pub workers: u64,
-    /// The ledger's backend (`sqlite`, `postgres`, `memory`).
+    /// The ledger's backend (`sqlite`, `postgres`, `mysql`, `redis`, `nats`,
+    /// `memory`).
     pub backend: &'static str,
     /// The tenant of this run's effect keys (`demo-<run id>`); inspect them
     /// with `oncely get <tenant>/capture:order-1`.
@@ -197,7 +200,7 @@ impl DemoReport {
 ///
 /// Every run gets a fresh run id: new orders tables (dropped afterwards) and
 /// a new tenant for its effect keys (kept, with one hour of retention, for
-/// inspection), so demos on a shared PostgreSQL never collide.
+/// inspection), so demos on a shared server never collide.
 pub async fn run(config: &DemoConfig, progress: Arc<dyn Progress>) -> Result<DemoReport> {
     config.validate()?;
     let run_id = run_id();
@@ -214,8 +217,9 @@ pub async fn run(config: &DemoConfig, progress: Arc<dyn Progress>) -> Result<Dem
     let ledger = AnyLedger::connect(&url).await?;
     let (pool, _orders_scratch) = match ledger.pool() {
         Some(pool) => (pool, None),
-        // The memory ledger has no database: keep the orders in a scratch
-        // SQLite file so the naive guard still reads a real table.
+        // Redis, NATS and memory ledgers have no SQL database: keep the
+        // orders in a scratch SQLite file so the naive guard still reads a
+        // real table.
         None => {
             let dir = scratch_dir()?;
             let pool = scratch_sqlite(&dir.path().join("orders.db"), config.workers).await?;
@@ -223,7 +227,7 @@ pub async fn run(config: &DemoConfig, progress: Arc<dyn Progress>) -> Result<Dem
         }
     };
     let result = run_both(config, &run_id, &ledger, &pool, progress).await;
-    close(&pool).await;
+    pool.close().await;
     ledger.close().await;
     result
 }
@@ -467,16 +471,42 @@ impl Provider {
     }
 }
 
-/// The orders table of one run, on the ledger's own database.
+/// The orders table of one run: on the ledger's own database for the SQL
+/// backends, in a scratch SQLite file otherwise (see [`run`]).
 #[derive(Clone)]
 struct Orders {
     pool: AnyPool,
     table: Arc<str>,
 }
 
+/// Runs `$body` with `$p` bound to the pool of every [`AnyPool`] variant and
+/// `$backend` to the backend's name, for queries whose SQL is the same on
+/// all of them.
+macro_rules! on_pool {
+    ($pool:expr, |$p:ident, $backend:ident| $body:expr) => {
+        match $pool {
+            AnyPool::Sqlite($p) => {
+                let $backend = "sqlite";
+                $body
+            }
+            AnyPool::Postgres($p) => {
+                let $backend = "postgres";
+                $body
+            }
+            #[cfg(feature = "mysql")]
+            AnyPool::MySql($p) => {
+                let $backend = "mysql";
+                $body
+            }
+        }
+    };
+}
+
 impl Orders {
     async fn create(pool: &AnyPool, table: &str, orders: u32) -> Result<Orders> {
-        let create = format!("CREATE TABLE {table} (id BIGINT PRIMARY KEY, status TEXT NOT NULL)");
+        // VARCHAR rather than TEXT: MySQL cannot give a TEXT column a plain
+        // string type, and the other two treat both alike.
+        let create = format!("CREATE TABLE {table} (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL)");
         exec(pool, create).await?;
         let ids: Vec<u32> = (1..=orders).collect();
         // Literal integers only, so a multi-row insert needs no bind limit.
@@ -494,60 +524,45 @@ impl Orders {
         })
     }
 
-    async fn status(&self, order: u32) -> Result<String> {
-        let t = &self.table;
+    /// The backend's spelling of the first bind parameter.
+    fn param(&self) -> &'static str {
         match &self.pool {
-            AnyPool::Sqlite(p) => {
-                sqlx::query_scalar(AssertSqlSafe(format!("SELECT status FROM {t} WHERE id = ?1")))
-                    .bind(i64::from(order))
-                    .fetch_one(p)
-                    .await
-                    .map_err(|e| db_error("sqlite", e))
-            }
-            AnyPool::Postgres(p) => {
-                sqlx::query_scalar(AssertSqlSafe(format!("SELECT status FROM {t} WHERE id = $1")))
-                    .bind(i64::from(order))
-                    .fetch_one(p)
-                    .await
-                    .map_err(|e| db_error("postgres", e))
-            }
+            AnyPool::Sqlite(_) => "?1",
+            AnyPool::Postgres(_) => "$1",
+            #[cfg(feature = "mysql")]
+            AnyPool::MySql(_) => "?",
         }
     }
 
+    async fn status(&self, order: u32) -> Result<String> {
+        let sql = format!("SELECT status FROM {} WHERE id = {}", self.table, self.param());
+        on_pool!(&self.pool, |p, backend| sqlx::query_scalar(AssertSqlSafe(sql))
+            .bind(i64::from(order))
+            .fetch_one(p)
+            .await
+            .map_err(|e| db_error(backend, e)))
+    }
+
     async fn mark_paid(&self, order: u32) -> Result<()> {
-        let t = &self.table;
-        match &self.pool {
-            AnyPool::Sqlite(p) => sqlx::query(AssertSqlSafe(format!(
-                "UPDATE {t} SET status = 'paid' WHERE id = ?1"
-            )))
+        let sql = format!(
+            "UPDATE {} SET status = 'paid' WHERE id = {}",
+            self.table,
+            self.param()
+        );
+        on_pool!(&self.pool, |p, backend| sqlx::query(AssertSqlSafe(sql))
             .bind(i64::from(order))
             .execute(p)
             .await
             .map(drop)
-            .map_err(|e| db_error("sqlite", e)),
-            AnyPool::Postgres(p) => sqlx::query(AssertSqlSafe(format!(
-                "UPDATE {t} SET status = 'paid' WHERE id = $1"
-            )))
-            .bind(i64::from(order))
-            .execute(p)
-            .await
-            .map(drop)
-            .map_err(|e| db_error("postgres", e)),
-        }
+            .map_err(|e| db_error(backend, e)))
     }
 
     async fn count_paid(&self) -> Result<u64> {
         let sql = format!("SELECT COUNT(*) FROM {} WHERE status = 'paid'", self.table);
-        let n: i64 = match &self.pool {
-            AnyPool::Sqlite(p) => sqlx::query_scalar(AssertSqlSafe(sql))
-                .fetch_one(p)
-                .await
-                .map_err(|e| db_error("sqlite", e))?,
-            AnyPool::Postgres(p) => sqlx::query_scalar(AssertSqlSafe(sql))
-                .fetch_one(p)
-                .await
-                .map_err(|e| db_error("postgres", e))?,
-        };
+        let n: i64 = on_pool!(&self.pool, |p, backend| sqlx::query_scalar(AssertSqlSafe(sql))
+            .fetch_one(p)
+            .await
+            .map_err(|e| db_error(backend, e)))?;
         Ok(n as u64)
     }
 
@@ -557,33 +572,11 @@ impl Orders {
 }
 
 async fn exec(pool: &AnyPool, sql: String) -> Result<()> {
-    match pool {
-        AnyPool::Sqlite(p) => exec_sqlite(p, sql).await,
-        AnyPool::Postgres(p) => exec_pg(p, sql).await,
-    }
-}
-
-async fn exec_sqlite(pool: &SqlitePool, sql: String) -> Result<()> {
-    sqlx::query(AssertSqlSafe(sql))
-        .execute(pool)
+    on_pool!(pool, |p, backend| sqlx::query(AssertSqlSafe(sql))
+        .execute(p)
         .await
         .map(drop)
-        .map_err(|e| db_error("sqlite", e))
-}
-
-async fn exec_pg(pool: &PgPool, sql: String) -> Result<()> {
-    sqlx::query(AssertSqlSafe(sql))
-        .execute(pool)
-        .await
-        .map(drop)
-        .map_err(|e| db_error("postgres", e))
-}
-
-async fn close(pool: &AnyPool) {
-    match pool {
-        AnyPool::Sqlite(p) => p.close().await,
-        AnyPool::Postgres(p) => p.close().await,
-    }
+        .map_err(|e| db_error(backend, e)))
 }
 
 /// Maps a driver error on the orders table; busy and locked databases,
@@ -594,7 +587,8 @@ fn db_error(backend: &'static str, e: sqlx::Error) -> Error {
         sqlx::Error::Database(d) => {
             let code = d.code().unwrap_or_default();
             // SQLite BUSY (5) / LOCKED (6) and their extended codes;
-            // PostgreSQL serialization failure and deadlock.
+            // PostgreSQL serialization failure and deadlock; MySQL's
+            // deadlock (SQLSTATE 40001 too).
             matches!(code.as_ref(), "5" | "6" | "40001" | "40P01")
                 || code
                     .parse::<u32>()
