@@ -758,14 +758,23 @@ impl MySqlLedger {
             .bind(&token[..])
             .bind(lease_us)
             .bind(retention_us)
-            .bind(retention_us)
-            .bind(in_caller_tx);
+            .bind(retention_us);
         if let Some(sent) = opts.sent_at {
-            q = q.bind(to_micros(sent)).bind(retention_us).bind(key.as_str());
+            q = q
+                .bind(in_caller_tx)
+                .bind(to_micros(sent))
+                .bind(retention_us)
+                .bind(key.as_str());
         }
         let row = if returning {
             match q.fetch_optional(&mut *conn).await {
-                Ok(Some(row)) => stored(&row)?,
+                Ok(Some(row)) => {
+                    let in_tx = row.try_get::<u64, _>("in_tx").map_err(map)? != 0;
+                    if !in_caller_tx && in_tx && self.heal_if_leaked(conn).await? {
+                        return Err(Retry::Leaked);
+                    }
+                    stored(&row)?
+                }
                 Ok(None) if !in_caller_tx && self.heal_if_leaked(conn).await? => return Err(Retry::Leaked),
                 Ok(None) if horizon => return Err(Error::BeyondHorizon { key: key.to_string() }.into()),
                 Ok(None) => return Err(corrupt("claim returned no row").into()),

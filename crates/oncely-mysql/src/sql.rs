@@ -55,7 +55,7 @@ pub(crate) const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS oncely_sch
 /// The statements of one ledger table.
 #[derive(Debug)]
 pub(crate) struct Statements {
-    /// The claim without a horizon check. Parameters: see `bind_claim`.
+    /// The claim without a horizon check (parameters: see `claim_on`).
     pub claim: String,
     /// The claim with a horizon check (`INSERT … SELECT … WHERE`).
     pub claim_horizon: String,
@@ -126,29 +126,32 @@ impl Statements {
             "?, ?, ?, ?, 'in_progress', 1, ?, NULL, ?, ?, {NOW_US}, {NOW_US}, {NOW_US} + ?, ?, {NOW_US} + ?"
         );
         // A statement inside a transaction someone else leaked onto a pooled
-        // connection would commit only with that transaction (if ever): the
-        // guard makes it write nothing there, and the ledger rolls the stray
-        // transaction back and runs it again.
-        let claim = format!("{insert_cols} SELECT {values} FROM DUAL WHERE {guard} {odku}");
+        // connection would commit only with that transaction (if ever). The
+        // plain claim stays an `INSERT … VALUES` (an `INSERT … SELECT` costs
+        // the server more) and reports `in_tx` instead: the ledger then rolls
+        // the stray transaction back, its own write with it, before anyone
+        // could see it, and runs the claim again. The horizon claim is an
+        // `INSERT … SELECT` anyway and carries the guard in its `WHERE`.
+        let claim = format!("{insert_cols} VALUES ({values}) {odku}");
         // The horizon is checked only when the key is absent: an existing
         // record answers for itself however old the message is.
         let claim_horizon = format!(
             "{insert_cols} SELECT {values} FROM DUAL WHERE {guard} \
              AND (? + ? >= {NOW_US} OR EXISTS (SELECT 1 FROM `{t}` AS x WHERE x.effect_key = ?)) {odku}"
         );
-        let returning = format!(" RETURNING {COLUMNS}, {NOW_US} AS now_us");
+        let in_tx = if guarded {
+            "@@in_transaction"
+        } else {
+            "CAST(0 AS UNSIGNED)"
+        };
+        let returning = format!(" RETURNING {COLUMNS}, {NOW_US} AS now_us, {in_tx} AS in_tx");
         Statements {
             claim_returning: format!("{claim}{returning}"),
             claim_horizon_returning: format!("{claim_horizon}{returning}"),
             claim,
             claim_horizon,
             read_locking: format!(
-                "SELECT {COLUMNS}, {NOW_US} AS now_us, {in_tx} AS in_tx FROM `{t}` WHERE effect_key = ? FOR UPDATE",
-                in_tx = if guarded {
-                    "@@in_transaction"
-                } else {
-                    "CAST(0 AS UNSIGNED)"
-                }
+                "SELECT {COLUMNS}, {NOW_US} AS now_us, {in_tx} AS in_tx FROM `{t}` WHERE effect_key = ? FOR UPDATE"
             ),
             get: format!("SELECT {COLUMNS}, {NOW_US} AS now_us FROM `{t}` WHERE effect_key = ?"),
             complete: format!(
