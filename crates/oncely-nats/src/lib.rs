@@ -945,27 +945,40 @@ impl Ledger for NatsKvLedger {
     async fn prune(&self, limit: u64) -> Result<u64> {
         let entries = self.scan(format!("{}>", self.inner.store.prefix)).await?;
         let now = self.now().await?;
+        let prunable = |cur: &Current| {
+            cur.value.as_ref().is_some_and(|v| {
+                matches!(v.state(), Ok(RecordState::Completed | RecordState::Released))
+                    && cur.at + Duration::from_micros(v.retention_us) <= now
+            })
+        };
         let mut pruned = 0;
         for (kk, cur) in entries {
             if pruned >= limit {
                 break;
             }
-            let Some(v) = cur.value else { continue };
-            let Ok(state) = v.state() else { continue };
-            let due = cur.at + Duration::from_micros(v.retention_us) <= now;
-            if !(due && matches!(state, RecordState::Completed | RecordState::Released)) {
+            if !prunable(&cur) {
                 continue;
             }
-            // Revision-checked: a record taken over since the scan stays.
-            match self
-                .inner
-                .store
-                .delete_expect_revision(&kk, Some(cur.revision))
-                .await
-            {
-                Ok(()) => pruned += 1,
-                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {}
-                Err(e) => return Err(backend_err("prune", e)),
+            let mut revision = cur.revision;
+            for _ in 0..MAX_ATTEMPTS {
+                // Revision-checked: a record taken over since the scan stays.
+                match self.inner.store.delete_expect_revision(&kk, Some(revision)).await {
+                    Ok(()) => {
+                        pruned += 1;
+                        break;
+                    }
+                    // Either the record changed, or the stream leader refused
+                    // a matching revision (NATS 2.9 clusters do so under
+                    // concurrent writes to other keys): read again and decide
+                    // again, as a claim does.
+                    Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                        match self.read(&kk).await? {
+                            Some(c) if prunable(&c) => revision = c.revision,
+                            _ => break,
+                        }
+                    }
+                    Err(e) => return Err(backend_err("prune", e)),
+                }
             }
         }
         Ok(pruned)
