@@ -43,6 +43,13 @@ use oncely::{
 pub const EXPECTED_SCHEMES: &str =
     "sqlite:, postgres://, mysql://, mariadb://, redis://, redis+cluster://, nats://, memory:";
 
+/// How long a MySQL connection may take to open or to be handed out by the
+/// pool. The backend's default (30 s) is meant for services riding out a
+/// failover; an operator at a terminal would wait half a minute to learn
+/// that the server is down.
+#[cfg(feature = "mysql")]
+const MYSQL_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The backend a database URL names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -218,7 +225,13 @@ impl AnyLedger {
         let url = url.trim();
         match Scheme::of_url(url)? {
             #[cfg(feature = "mysql")]
-            Scheme::MySql => Ok(AnyLedger::MySql(oncely_mysql::MySqlLedger::connect(url).await?)),
+            Scheme::MySql => Ok(AnyLedger::MySql(
+                oncely_mysql::MySqlLedger::connect_with(
+                    url,
+                    oncely_mysql::MySqlLedgerOptions::default().acquire_timeout(MYSQL_ACQUIRE_TIMEOUT),
+                )
+                .await?,
+            )),
             #[cfg(feature = "redis")]
             Scheme::Redis => Ok(AnyLedger::Redis(match redis_target(url)? {
                 RedisTarget::Single(url) => oncely_redis::RedisLedger::connect(&url).await?,
@@ -507,18 +520,171 @@ mod tests {
         for url in ["postgres://u@h/db", "postgresql://u:secret@h:5432/db"] {
             assert_eq!(Scheme::of_url(url).unwrap(), Scheme::Postgres, "{url}");
         }
+        #[cfg(feature = "mysql")]
+        for url in ["mysql://root@127.0.0.1:3306/test", "MariaDB://u:pw@db/app"] {
+            assert_eq!(Scheme::of_url(url).unwrap(), Scheme::MySql, "{url}");
+        }
+        #[cfg(feature = "redis")]
+        for url in [
+            "redis://127.0.0.1:6379",
+            "redis://h/2",
+            "redis+cluster://a:7000,b:7001",
+        ] {
+            assert_eq!(Scheme::of_url(url).unwrap(), Scheme::Redis, "{url}");
+        }
+        #[cfg(feature = "nats")]
+        for url in ["nats://127.0.0.1:4222", "NATS://a:4222,b:4222?bucket=x"] {
+            assert_eq!(Scheme::of_url(url).unwrap(), Scheme::Nats, "{url}");
+        }
+    }
+
+    #[test]
+    fn every_scheme_has_a_backend_name_and_a_feature() {
+        let all = [
+            (Scheme::Sqlite, "sqlite", cfg!(feature = "sqlite")),
+            (Scheme::Postgres, "postgres", cfg!(feature = "postgres")),
+            (Scheme::MySql, "mysql", cfg!(feature = "mysql")),
+            (Scheme::Redis, "redis", cfg!(feature = "redis")),
+            (Scheme::Nats, "nats", cfg!(feature = "nats")),
+            (Scheme::Memory, "memory", true),
+        ];
+        for (scheme, name, built) in all {
+            assert_eq!(scheme.name(), name);
+            assert_eq!(scheme.to_string(), name);
+            assert_eq!(scheme.compiled_in(), built, "{name}");
+        }
+    }
+
+    #[cfg(feature = "redis")]
+    #[test]
+    fn redis_urls_name_one_server_or_a_cluster() {
+        let single = |url: &str| RedisTarget::Single(url.to_owned());
+        let cluster = |nodes: &[&str]| RedisTarget::Cluster(nodes.iter().map(|n| n.to_string()).collect());
+        let cases = [
+            ("redis://127.0.0.1:6379", single("redis://127.0.0.1:6379")),
+            ("REDIS://h:1/3", single("redis://h:1/3")),
+            ("redis+cluster://a:7000", cluster(&["redis://a:7000"])),
+            (
+                "redis+cluster://a:7000, b:7001 ,redis://c:7002,",
+                cluster(&["redis://a:7000", "redis://b:7001", "redis://c:7002"]),
+            ),
+            // The first node's credentials go to the nodes without their
+            // own; a node with its own keeps them.
+            (
+                "redis+cluster://u:pw@a:7000,b:7001,v:x@c:7002",
+                cluster(&["redis://u:pw@a:7000", "redis://u:pw@b:7001", "redis://v:x@c:7002"]),
+            ),
+            // The query applies to every node.
+            (
+                "redis+cluster://a:7000,b:7001?protocol=resp3",
+                cluster(&["redis://a:7000?protocol=resp3", "redis://b:7001?protocol=resp3"]),
+            ),
+        ];
+        for (url, want) in cases {
+            assert_eq!(redis_target(url).unwrap(), want, "{url}");
+        }
+    }
+
+    #[cfg(feature = "redis")]
+    #[test]
+    fn bad_redis_urls_are_config_errors_without_the_password() {
+        for (url, says) in [
+            ("redis://:hunter2@a:7000,b:7001", "redis+cluster://"),
+            ("redis+cluster://", "no nodes"),
+            ("redis+cluster://, ,", "no nodes"),
+            ("redis+cluster://a:7000,nats://:hunter2@b:1", "node 2"),
+            ("redis:hunter2", "redis://host:port"),
+        ] {
+            let m = match redis_target(url) {
+                Err(Error::Config(m)) => m,
+                other => panic!("{url}: expected Error::Config, got {other:?}"),
+            };
+            assert!(m.contains(says), "{url}: {m}");
+            assert!(!m.contains("hunter2"), "{url}: {m}");
+        }
+    }
+
+    #[cfg(feature = "nats")]
+    #[test]
+    fn nats_urls_carry_servers_and_options() {
+        let t = nats_target("nats://127.0.0.1:4222").unwrap();
+        assert_eq!(
+            t,
+            NatsTarget {
+                servers: "nats://127.0.0.1:4222".to_owned(),
+                bucket: None,
+                replicas: None
+            }
+        );
+        let t = nats_target("nats://u:pw@n1:4222,n2:4222,nats://n3:4222?bucket=payments&replicas=3").unwrap();
+        assert_eq!(
+            t,
+            NatsTarget {
+                servers: "nats://u:pw@n1:4222,n2:4222,nats://n3:4222".to_owned(),
+                bucket: Some("payments".to_owned()),
+                replicas: Some(3)
+            }
+        );
+        let t = nats_target("nats://n1?&replicas=1&").unwrap();
+        assert_eq!((t.bucket, t.replicas), (None, Some(1)));
+    }
+
+    #[cfg(feature = "nats")]
+    #[test]
+    fn bad_nats_parameters_are_config_errors() {
+        for (url, says) in [
+            ("nats://n1?replicas=three", "replicas must be 1 or 3"),
+            ("nats://n1?replicas=", "replicas must be 1 or 3"),
+            ("nats://n1?bucket=a&bucket=b", "bucket is given twice"),
+            (
+                "nats://n1?max_age=9",
+                "unknown NATS URL parameter 'max_age' (expected bucket, replicas)",
+            ),
+            ("nats://n1?token:hunter2", "unknown NATS URL parameter (expected"),
+            ("nats:n1", "nats://host:port"),
+        ] {
+            let m = match nats_target(url) {
+                Err(Error::Config(m)) => m,
+                other => panic!("{url}: expected Error::Config, got {other:?}"),
+            };
+            assert!(m.contains(says), "{url}: {m}");
+            assert!(!m.contains("hunter2"), "{url}: {m}");
+        }
+    }
+
+    /// Values the URL parser accepts but the backend refuses still fail
+    /// with a typed error before any connection: the NATS options are
+    /// validated first.
+    #[cfg(feature = "nats")]
+    #[tokio::test]
+    async fn nats_options_from_the_url_are_validated_before_connecting() {
+        // Port 1: nothing listens, so a connection attempt would be
+        // Unavailable instead.
+        for url in [
+            "nats://127.0.0.1:1?replicas=2",
+            "nats://127.0.0.1:1?bucket=no.dots",
+        ] {
+            let err = AnyLedger::connect(url).await.unwrap_err();
+            assert!(matches!(err, Error::Config(_)), "{url}: {err:?}");
+        }
     }
 
     #[test]
     fn unknown_scheme_is_a_config_error_naming_it() {
-        assert_eq!(
-            config_message("mongodb://localhost/x"),
-            "unknown database URL scheme 'mongodb' (expected sqlite:, postgres://, memory:)"
-        );
-        assert_eq!(
-            config_message("x:whatever"),
-            "unknown database URL scheme 'x' (expected sqlite:, postgres://, memory:)"
-        );
+        let all = "sqlite:, postgres://, mysql://, mariadb://, redis://, redis+cluster://, nats://, memory:";
+        for (url, scheme) in [
+            ("mongodb://localhost/x", "mongodb"),
+            ("x:whatever", "x"),
+            // TLS variants are not built in; they must not pass for the
+            // plain schemes.
+            ("rediss://127.0.0.1:6380", "rediss"),
+            ("tls://127.0.0.1:4222", "tls"),
+        ] {
+            assert_eq!(
+                config_message(url),
+                format!("unknown database URL scheme '{scheme}' (expected {all})")
+            );
+        }
     }
 
     #[test]
@@ -558,6 +724,34 @@ mod tests {
             .await
             .unwrap();
         assert!(matches!(again, Claim::Completed(_)), "{again:?}");
+    }
+
+    /// Port 1 on loopback: nothing listens there. Each backend fails
+    /// closed with its own `Unavailable`, never a panic or a hang.
+    #[tokio::test]
+    async fn unreachable_servers_are_unavailable() {
+        let mut urls: Vec<(&str, &str)> = Vec::new();
+        #[cfg(feature = "mysql")]
+        urls.extend([
+            ("mysql://root@127.0.0.1:1/test", "mysql"),
+            ("mariadb://root@127.0.0.1:1/test", "mysql"),
+        ]);
+        #[cfg(feature = "redis")]
+        urls.extend([
+            ("redis://127.0.0.1:1", "redis"),
+            ("redis+cluster://127.0.0.1:1,127.0.0.1:2", "redis"),
+        ]);
+        #[cfg(feature = "nats")]
+        urls.extend([
+            ("nats://127.0.0.1:1", "nats"),
+            ("nats://127.0.0.1:1,127.0.0.1:2", "nats"),
+        ]);
+        for (url, backend) in urls {
+            match AnyLedger::connect(url).await {
+                Err(Error::Unavailable { backend: b, .. }) => assert_eq!(b, backend, "{url}"),
+                other => panic!("{url}: expected Unavailable, got {other:?}"),
+            }
+        }
     }
 
     #[tokio::test]
