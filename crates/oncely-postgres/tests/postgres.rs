@@ -506,7 +506,7 @@ async fn aborted_operations_never_lose_or_split_writes() {
         return;
     };
     let Some(url) = url() else { return };
-    let Some(small) = pool(&url, 4).await else { return };
+    let Some(small) = pool(&url, 2).await else { return };
     let ledger = PgLedger::with_options(small.clone(), PgLedgerOptions::default().table(TABLE)).unwrap();
     let mut rng = Rng::from_env("aborted_operations_never_lose_or_split_writes");
     let t = fresh_tenant();
@@ -582,8 +582,10 @@ async fn aborted_operations_never_lose_or_split_writes() {
             "{k}: record {record:?} with {paid} business rows"
         );
     }
-    // Whatever the aborts left behind, autocommit claims on this pool commit.
-    for i in 0..40 {
+    // Whatever the aborts left behind, autocommit claims and completions on
+    // this pool commit, also right after another cancelled `pool.begin()`.
+    for i in 0..120 {
+        abort_a_begin(&small, &mut rng).await;
         let k = key(&t, &format!("after-{i}"));
         let l = match ledger.claim(&k, &ClaimOptions::default()).await.unwrap() {
             Claim::Acquired(l) => l,
@@ -598,16 +600,9 @@ async fn aborted_operations_never_lose_or_split_writes() {
             Some("completed"),
             "after-{i} lost"
         );
-        let p = small.clone();
-        let task = tokio::spawn(async move {
-            let _tx = p.begin().await;
-            std::future::pending::<()>().await;
-        });
-        tokio::time::sleep(Duration::from_micros(rng.below(300))).await;
-        task.abort();
     }
     small.close().await;
-    for i in 0..40 {
+    for i in 0..120 {
         assert_eq!(
             committed(&observer, &key(&t, &format!("after-{i}")))
                 .await
