@@ -5,8 +5,8 @@
 
 use std::sync::Arc;
 
-/// Timestamps leave the database as microseconds since the epoch, so no
-/// date-time crate is needed and the database clock is the only clock.
+/// A timestamp as microseconds since the Unix epoch, for arithmetic in SQL
+/// (the horizon) and the renewed expiry.
 fn us(expr: &str) -> String {
     format!("(extract(epoch from {expr}) * 1000000)::bigint")
 }
@@ -14,10 +14,12 @@ fn us(expr: &str) -> String {
 /// The leaked-transaction guard (see the crate docs): true when this statement
 /// runs in its own implicit transaction.
 ///
-/// Every statement runs in a protocol portal (the unnamed one, `''`) created
-/// when its Bind (or simple Query) message arrived, and an implicit
+/// A statement sent with parameters runs in the unnamed protocol portal
+/// (`''`), created when its Bind message arrived; in autocommit the implicit
 /// transaction starts at that same message, with the very same timestamp. A
 /// transaction left open by someone else started earlier, at its `BEGIN`.
+/// (The simple protocol's portal is not listed in `pg_cursors`: there the
+/// check fails closed.)
 ///
 /// `transaction_timestamp() = statement_timestamp()` is NOT a usable test: the
 /// Execute message resets `statement_timestamp()`, so under the extended
