@@ -113,12 +113,19 @@
 //! code left open on a shared pool (its own `pool.begin()` dropped between
 //! `BEGIN` and its return, an aborted raw `BEGIN`). An autocommit claim there
 //! would only commit with that transaction, if ever. On MariaDB every ledger
-//! write carries a guard in the same statement, `@@in_transaction = 0` (no
-//! extra round trip): inside a stray transaction it writes nothing, the ledger
-//! rolls the stray transaction back (with a warning) and runs the write
-//! again. MySQL 8 has no such variable, so there the guard is off: the
-//! ledger's own operations and [`MySqlLedger::begin`] never leak, but do not
-//! share its pool with code that might.
+//! write checks `@@in_transaction` in the same statement (no extra round
+//! trip): updates and the horizon claim carry `@@in_transaction = 0` in their
+//! `WHERE` and write nothing inside a stray transaction; the plain claim (an
+//! `INSERT … VALUES`, cheaper than an `INSERT … SELECT` that could carry a
+//! `WHERE`) returns it, and if it was 1 the ledger rolls the stray
+//! transaction back, its own uncommitted write with it, before returning the
+//! connection. Either way the ledger logs a warning and runs the write again
+//! on a clean connection, and since these run in a spawned task, no
+//! cancellation can leave such a write (and its row lock) behind. A pool
+//! whose sessions run with `autocommit = 0` is refused with
+//! [`oncely::Error::Config`]. MySQL 8 has no `@@in_transaction`, so there the
+//! guard is off: the ledger's own operations and [`MySqlLedger::begin`] never
+//! leak, but do not share its pool with code that might.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
