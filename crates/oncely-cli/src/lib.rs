@@ -15,9 +15,11 @@
 //!
 //! ```text
 //! $ cargo run --release -p oncely-cli -- demo
+//! $ oncely demo --database-url mysql://root@127.0.0.1:3306/test
 //! $ oncely get acme/capture:order-123 --database-url sqlite:ledger.db
 //! $ oncely abandoned --tenant acme --database-url postgres://localhost/app
-//! $ oncely prune --limit 10000 --database-url postgres://localhost/app
+//! $ oncely prune --limit 10000 --database-url 'nats://n1:4222,n2:4222,n3:4222?replicas=3'
+//! $ oncely migrate --database-url redis+cluster://10.0.0.1:7000,10.0.0.2:7000
 //! ```
 //!
 //! Exit codes: 0 success, 1 runtime failure (database unreachable, backend
@@ -45,7 +47,17 @@
 //! | --- | --- | --- |
 //! | `sqlite:path`, `sqlite://path` | `oncely-sqlite` | `sqlite` (default) |
 //! | `postgres://…`, `postgresql://…` | `oncely-postgres` | `postgres` (default) |
+//! | `mysql://…`, `mariadb://…` | `oncely-mysql` | `mysql` (default) |
+//! | `redis://host:port[/db]` | `oncely-redis`, one server | `redis` (default) |
+//! | `redis+cluster://h1:p1,h2:p2,…` | `oncely-redis`, Redis Cluster (seed nodes) | `redis` (default) |
+//! | `nats://h1:p1[,h2:p2,…][?bucket=B&replicas=1\|3]` | `oncely-nats` (JetStream KV) | `nats` (default) |
 //! | `memory:` | the core's in-process ledger, empty on every connect | always |
+//!
+//! See [`any`] for the multi-node syntax. The demo keeps its orders table in
+//! the ledger's database on SQLite, PostgreSQL and MySQL, and in a scratch
+//! SQLite file on Redis, NATS and `memory:`. A backend left out of the build
+//! (`--no-default-features --features sqlite`) is a clear usage error when
+//! its URL is given.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

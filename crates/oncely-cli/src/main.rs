@@ -20,7 +20,11 @@ use oncely_cli::ops::{self, RecordView};
 /// double-charge demo and lets operators inspect and maintain a ledger.
 ///
 /// Database URLs: sqlite:PATH or sqlite://PATH (add ?mode=rwc to create the
-/// file), postgres://USER@HOST/DB, memory: (an empty in-process ledger).
+/// file), postgres://USER@HOST/DB, mysql://USER@HOST/DB or mariadb://USER@HOST/DB,
+/// redis://HOST:PORT[/DB] (one server), redis+cluster://HOST:PORT,HOST:PORT,...
+/// (a Redis Cluster's seed nodes), nats://HOST:PORT[,HOST:PORT...] with
+/// optional ?bucket=NAME&replicas=1|3 (JetStream KV), memory: (an empty
+/// in-process ledger).
 ///
 /// Exit codes: 0 success; 1 runtime failure (database unreachable, backend
 /// error, oncely charged twice in the demo); 2 usage error (bad arguments,
@@ -47,7 +51,8 @@ enum Command {
     /// By default the database is a fresh SQLite file in a temporary
     /// directory, removed afterwards. With --database-url the ledger records
     /// stay (tenant demo-<run id>, kept one hour) and the orders tables are
-    /// dropped. Exits 1 if oncely charged any order twice.
+    /// dropped. On Redis, NATS and memory: the orders table lives in a
+    /// scratch SQLite file. Exits 1 if oncely charged any order twice.
     Demo(DemoArgs),
     /// Print one effect's record as JSON.
     ///
@@ -90,6 +95,10 @@ enum Command {
     },
     /// Create or upgrade the ledger's schema, then print the backend's
     /// guarantees.
+    ///
+    /// SQL backends create or upgrade their table; NATS creates its KV
+    /// bucket (or checks an existing one's settings); Redis checks the
+    /// server's eviction policy and needs no schema.
     Migrate {
         #[command(flatten)]
         db: DbArgs,
@@ -98,7 +107,10 @@ enum Command {
 
 #[derive(Debug, Args)]
 struct DbArgs {
-    /// The ledger's database: sqlite:PATH, postgres://USER@HOST/DB or memory:.
+    /// The ledger's database: sqlite:PATH, postgres://USER@HOST/DB,
+    /// mysql://USER@HOST/DB (or mariadb://), redis://HOST:PORT,
+    /// redis+cluster://HOST:PORT,HOST:PORT,..., nats://HOST:PORT[,HOST:PORT...]
+    /// [?bucket=NAME&replicas=1|3] or memory:.
     #[arg(long, env = "ONCELY_DATABASE_URL")]
     database_url: String,
 }
@@ -115,9 +127,11 @@ struct DemoArgs {
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
     workers: u32,
     /// Run against this database instead of a temporary SQLite file
-    /// (sqlite:PATH?mode=rwc, postgres://USER@HOST/DB, memory:). Unlike
-    /// the other commands, the demo ignores ONCELY_DATABASE_URL: it writes
-    /// only where it is told to.
+    /// (sqlite:PATH?mode=rwc, postgres://USER@HOST/DB, mysql://USER@HOST/DB
+    /// or mariadb://, redis://HOST:PORT, redis+cluster://HOST:PORT,HOST:PORT,...,
+    /// nats://HOST:PORT[,HOST:PORT...][?bucket=NAME&replicas=1|3], memory:).
+    /// Unlike the other commands, the demo ignores ONCELY_DATABASE_URL: it
+    /// writes only where it is told to.
     #[arg(long)]
     database_url: Option<String>,
     /// Print exactly one JSON object on stdout instead of the table (and no
@@ -198,7 +212,8 @@ async fn run_demo(args: DemoArgs) -> ExitCode {
         bar: Mutex::new(None),
     });
     // On Ctrl-C the demo's future is dropped, which removes its temporary
-    // SQLite directory; PostgreSQL orders tables of an interrupted run stay.
+    // SQLite directories; PostgreSQL and MySQL orders tables of an
+    // interrupted run stay.
     let report = tokio::select! {
         r = demo::run(&config, progress.clone()) => match r {
             Ok(r) => r,

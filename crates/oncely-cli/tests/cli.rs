@@ -65,33 +65,230 @@ fn demo_on_the_default_sqlite_file() {
     assert_eq!(v["backend"], "sqlite");
 }
 
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// The URL of a server from `var` (or `default`) if a ledger opens on it;
+/// otherwise `None` after `skip_or_fail` (which panics under
+/// ONCELY_REQUIRE_SERVICES=1).
+fn reachable(var: &str, default: &str, what: &str) -> Option<String> {
+    let url = oncely::conformance::service_url(var, Some(default))?;
+    server_at(url, what)
+}
+
+fn server_at(url: String, what: &str) -> Option<String> {
+    let rt = runtime();
+    match rt.block_on(AnyLedger::connect(&url)) {
+        Ok(l) => {
+            rt.block_on(l.close());
+            Some(url)
+        }
+        Err(e) => oncely::conformance::skip_or_fail(&format!("{what} at {url}: {e}")),
+    }
+}
+
+/// The demo on a server, then the operator commands on what it left: the
+/// records stay (for inspection) under the run's own tenant.
+fn demo_on(url: &str, backend: &str) -> Value {
+    let v = demo_json(&["--database-url", url]);
+    assert_eq!(v["backend"], backend, "{v}");
+    let tenant = v["tenant"].as_str().unwrap();
+    let key = format!("{tenant}/capture:order-7");
+    let out = oncely(&["get", &key, "--database-url", url]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let record: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(record["key"], key.as_str());
+    assert_eq!(record["state"], "completed");
+    assert_eq!(record["fence"], 1, "charged by one claim: {record}");
+    assert!(
+        record["outcome"]["ok"].as_str().unwrap().starts_with("ch_"),
+        "{record}"
+    );
+    let out = oncely(&[
+        "get",
+        &format!("{tenant}/capture:order-121"),
+        "--database-url",
+        url,
+    ]);
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    // The demo completes every step: nothing abandoned.
+    let out = oncely(&["abandoned", "--tenant", tenant, "--database-url", url]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out).trim(), "[]");
+    let out = oncely(&["migrate", "--database-url", url]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).starts_with(&format!("{backend} ledger schema is up to date")),
+        "{}",
+        stdout(&out)
+    );
+    v
+}
+
 #[test]
 fn demo_on_postgres() {
-    let Some(url) = oncely::conformance::service_url(
+    let Some(url) = reachable(
         "ONCELY_POSTGRES_URL",
-        Some("postgres://postgres@127.0.0.1:5432/test"),
+        "postgres://postgres@127.0.0.1:5432/test",
+        "PostgreSQL",
     ) else {
         return;
     };
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
+    demo_on(&url, "postgres");
+}
+
+#[cfg(feature = "mysql")]
+#[test]
+fn demo_on_mysql() {
+    let Some(url) = reachable(
+        "ONCELY_MYSQL_URL",
+        "mysql://root@127.0.0.1:3306/test",
+        "MySQL/MariaDB",
+    ) else {
+        return;
+    };
+    let v = demo_on(&url, "mysql");
+    // The orders tables lived in the same database and were dropped.
+    let run_id = v["tenant"]
+        .as_str()
+        .unwrap()
+        .trim_start_matches("demo-")
+        .to_owned();
+    let rt = runtime();
+    let left: i64 = rt.block_on(async {
+        let ledger = AnyLedger::connect(&url).await.unwrap();
+        let Some(oncely_cli::AnyPool::MySql(pool)) = ledger.pool() else {
+            panic!("a MySQL ledger has a MySQL pool")
+        };
+        let n = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.tables \
+             WHERE table_schema = DATABASE() AND table_name LIKE ?",
+        )
+        .bind(format!("oncely_demo_{run_id}%"))
+        .fetch_one(&pool)
+        .await
         .unwrap();
-    match rt.block_on(AnyLedger::connect(&url)) {
-        Ok(l) => rt.block_on(l.close()),
-        Err(e) => {
-            oncely::conformance::skip_or_fail::<()>(&format!("PostgreSQL at {url}: {e}"));
-            return;
-        }
+        ledger.close().await;
+        n
+    });
+    assert_eq!(left, 0, "orders tables of run {run_id} left behind");
+
+    // mariadb:// opens the same backend on the same database.
+    if let Some(rest) = url.strip_prefix("mysql://") {
+        let maria = format!("mariadb://{rest}");
+        let out = oncely(&[
+            "get",
+            &format!("{}/capture:order-1", v["tenant"].as_str().unwrap()),
+            "--database-url",
+            &maria,
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let record: Value = serde_json::from_str(&stdout(&out)).unwrap();
+        assert_eq!(record["state"], "completed");
     }
-    let v = demo_json(&["--database-url", &url]);
-    assert_eq!(v["backend"], "postgres");
-    // The run's ledger records stay (for inspection) under its own tenant.
-    let key = format!("{}/capture:order-7", v["tenant"].as_str().unwrap());
-    let out = oncely(&["get", &key, "--database-url", &url]);
+}
+
+#[cfg(feature = "redis")]
+#[test]
+fn demo_on_redis() {
+    let Some(url) = reachable("ONCELY_REDIS_URL", "redis://127.0.0.1:6379", "Redis") else {
+        return;
+    };
+    demo_on(&url, "redis");
+}
+
+/// The seed nodes of a Redis Cluster as a `redis+cluster://` URL:
+/// ONCELY_REDIS_CLUSTER_URLS (comma-separated `redis://` URLs, as the
+/// oncely-redis tests take it), or the local three-master cluster that
+/// scripts/redis-cluster.sh starts (idempotent; it is left running, as the
+/// oncely-redis tests leave it).
+fn redis_cluster_url() -> Option<String> {
+    let nodes: Vec<String> = match std::env::var("ONCELY_REDIS_CLUSTER_URLS") {
+        Ok(urls) => urls
+            .split(',')
+            .map(|u| u.trim().to_owned())
+            .filter(|u| !u.is_empty())
+            .collect(),
+        Err(_) => {
+            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/redis-cluster.sh");
+            match Command::new("bash").arg(script).arg("up").output() {
+                Ok(out) if out.status.success() => {}
+                Ok(out) => {
+                    return oncely::conformance::skip_or_fail(&format!(
+                        "{script} up failed: {}",
+                        stderr(&out).trim()
+                    ));
+                }
+                Err(e) => return oncely::conformance::skip_or_fail(&format!("{script}: {e}")),
+            }
+            (7000..=7002).map(|p| format!("redis://127.0.0.1:{p}")).collect()
+        }
+    };
+    let list: Vec<&str> = nodes
+        .iter()
+        .map(|n| n.strip_prefix("redis://").unwrap_or(n))
+        .collect();
+    server_at(format!("redis+cluster://{}", list.join(",")), "Redis Cluster")
+}
+
+#[cfg(feature = "redis")]
+#[test]
+fn demo_on_redis_cluster() {
+    let Some(url) = redis_cluster_url() else {
+        return;
+    };
+    demo_on(&url, "redis");
+}
+
+#[cfg(feature = "nats")]
+#[test]
+fn demo_on_nats() {
+    let Some(url) = reachable("ONCELY_NATS_URL", "nats://127.0.0.1:4222", "NATS") else {
+        return;
+    };
+    demo_on(&url, "nats");
+}
+
+#[cfg(feature = "nats")]
+#[test]
+fn nats_bucket_comes_from_the_url() {
+    let Some(url) = reachable("ONCELY_NATS_URL", "nats://127.0.0.1:4222", "NATS") else {
+        return;
+    };
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let own = format!("{url}{sep}bucket=oncely_cli_test&replicas=1");
+    let out = oncely(&["demo", "--json", "--orders", "10", "--database-url", &own]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let record: Value = serde_json::from_str(&stdout(&out)).unwrap();
-    assert_eq!(record["state"], "completed");
+    let v: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    let key = format!("{}/capture:order-3", v["tenant"].as_str().unwrap());
+    let out = oncely(&["get", &key, "--database-url", &own]);
+    assert!(out.status.success(), "in its bucket: {}", stderr(&out));
+    // The default bucket never saw this run.
+    let out = oncely(&["get", &key, "--database-url", &url]);
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "not in the default bucket: {}",
+        stdout(&out)
+    );
+    // The run's records are an hour from their retention: prune keeps them.
+    // (This bucket is the test's own, so prune touches nobody else's.)
+    let out = oncely(&["prune", "--database-url", &own]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = oncely(&["get", &key, "--database-url", &own]);
+    assert!(out.status.success(), "kept by prune: {}", stderr(&out));
+    // An option the URL cannot carry is a usage error, before connecting.
+    let out = oncely(&["get", &key, "--database-url", &format!("{url}{sep}replicas=2")]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("replicas must be 1 or 3"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 #[test]
@@ -142,8 +339,10 @@ fn unknown_scheme_is_a_usage_error() {
         let out = oncely(&args);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
         assert!(
-            stderr(&out)
-                .contains("unknown database URL scheme 'mongodb' (expected sqlite:, postgres://, memory:)"),
+            stderr(&out).contains(
+                "unknown database URL scheme 'mongodb' (expected sqlite:, postgres://, mysql://, \
+                 mariadb://, redis://, redis+cluster://, nats://, memory:)"
+            ),
             "{args:?}: {}",
             stderr(&out)
         );
@@ -192,6 +391,27 @@ fn bad_arguments_exit_2() {
     for cmd in ["demo", "get", "abandoned", "prune", "migrate"] {
         assert!(stdout(&out).contains(cmd), "--help lists {cmd}: {}", stdout(&out));
     }
+    // Every command that takes a URL documents every scheme.
+    for cmd in ["demo", "get", "abandoned", "prune", "migrate"] {
+        let out = oncely(&[cmd, "--help"]);
+        assert!(out.status.success());
+        for scheme in [
+            "sqlite:",
+            "postgres://",
+            "mysql://",
+            "mariadb://",
+            "redis://",
+            "redis+cluster://",
+            "nats://",
+            "memory:",
+        ] {
+            assert!(
+                stdout(&out).contains(scheme),
+                "{cmd} --help shows {scheme}: {}",
+                stdout(&out)
+            );
+        }
+    }
 }
 
 #[test]
@@ -205,6 +425,37 @@ fn unreachable_database_is_a_runtime_error() {
     ]);
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(stderr(&out).contains("postgres unavailable"), "{}", stderr(&out));
+    let mut servers: Vec<(&str, &str)> = Vec::new();
+    #[cfg(feature = "mysql")]
+    servers.extend([
+        ("mysql://root@127.0.0.1:1/test", "mysql"),
+        ("mariadb://root@127.0.0.1:1/test", "mysql"),
+    ]);
+    #[cfg(feature = "redis")]
+    servers.extend([
+        ("redis://127.0.0.1:1", "redis"),
+        ("redis+cluster://127.0.0.1:1,127.0.0.1:2", "redis"),
+    ]);
+    #[cfg(feature = "nats")]
+    servers.extend([
+        ("nats://127.0.0.1:1", "nats"),
+        ("nats://127.0.0.1:1,127.0.0.1:2", "nats"),
+    ]);
+    for (url, backend) in servers {
+        for args in [
+            vec!["get", "acme/capture:order-1", "--database-url", url],
+            vec!["demo", "--json", "--orders", "5", "--database-url", url],
+        ] {
+            let out = oncely(&args);
+            assert_eq!(out.status.code(), Some(1), "{args:?}: {}", stderr(&out));
+            assert!(
+                stderr(&out).starts_with(&format!("error: {backend} unavailable: ")),
+                "{args:?}: {}",
+                stderr(&out)
+            );
+            assert!(stdout(&out).is_empty(), "{args:?}: {}", stdout(&out));
+        }
+    }
     let dir = tempfile::tempdir().unwrap();
     // A SQLite file in a directory that does not exist cannot be created.
     let url = format!(
