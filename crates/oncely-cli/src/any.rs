@@ -555,6 +555,35 @@ mod tests {
         }
     }
 
+    /// With all features every URL opens its backend; in a slimmer build
+    /// (`--no-default-features --features sqlite`) the left-out ones name
+    /// the missing feature.
+    #[test]
+    fn a_backend_left_out_of_the_build_names_its_feature() {
+        for (url, scheme) in [
+            ("sqlite:x.db", Scheme::Sqlite),
+            ("postgres://h/db", Scheme::Postgres),
+            ("mariadb://h/db", Scheme::MySql),
+            ("redis+cluster://a:1,b:2", Scheme::Redis),
+            ("nats://n1:4222", Scheme::Nats),
+        ] {
+            match Scheme::of_url(url) {
+                Ok(found) => {
+                    assert!(scheme.compiled_in(), "{url}");
+                    assert_eq!(found, scheme, "{url}");
+                }
+                Err(Error::Config(m)) => {
+                    assert!(!scheme.compiled_in(), "{url}: {m}");
+                    assert!(
+                        m.contains(&format!("built without the '{}' feature", scheme.name())),
+                        "{url}: {m}"
+                    );
+                }
+                Err(e) => panic!("{url}: {e:?}"),
+            }
+        }
+    }
+
     #[cfg(feature = "redis")]
     #[test]
     fn redis_urls_name_one_server_or_a_cluster() {
@@ -730,23 +759,21 @@ mod tests {
     /// closed with its own `Unavailable`, never a panic or a hang.
     #[tokio::test]
     async fn unreachable_servers_are_unavailable() {
-        let mut urls: Vec<(&str, &str)> = Vec::new();
-        #[cfg(feature = "mysql")]
-        urls.extend([
+        let urls: &[(&str, &str)] = &[
+            #[cfg(feature = "mysql")]
             ("mysql://root@127.0.0.1:1/test", "mysql"),
+            #[cfg(feature = "mysql")]
             ("mariadb://root@127.0.0.1:1/test", "mysql"),
-        ]);
-        #[cfg(feature = "redis")]
-        urls.extend([
+            #[cfg(feature = "redis")]
             ("redis://127.0.0.1:1", "redis"),
+            #[cfg(feature = "redis")]
             ("redis+cluster://127.0.0.1:1,127.0.0.1:2", "redis"),
-        ]);
-        #[cfg(feature = "nats")]
-        urls.extend([
+            #[cfg(feature = "nats")]
             ("nats://127.0.0.1:1", "nats"),
+            #[cfg(feature = "nats")]
             ("nats://127.0.0.1:1,127.0.0.1:2", "nats"),
-        ]);
-        for (url, backend) in urls {
+        ];
+        for &(url, backend) in urls {
             match AnyLedger::connect(url).await {
                 Err(Error::Unavailable { backend: b, .. }) => assert_eq!(b, backend, "{url}"),
                 other => panic!("{url}: expected Unavailable, got {other:?}"),

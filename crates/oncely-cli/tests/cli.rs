@@ -206,6 +206,7 @@ fn demo_on_redis() {
 /// oncely-redis tests take it), or the local three-master cluster that
 /// scripts/redis-cluster.sh starts (idempotent; it is left running, as the
 /// oncely-redis tests leave it).
+#[cfg(feature = "redis")]
 fn redis_cluster_url() -> Option<String> {
     let nodes: Vec<String> = match std::env::var("ONCELY_REDIS_CLUSTER_URLS") {
         Ok(urls) => urls
@@ -425,23 +426,21 @@ fn unreachable_database_is_a_runtime_error() {
     ]);
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(stderr(&out).contains("postgres unavailable"), "{}", stderr(&out));
-    let mut servers: Vec<(&str, &str)> = Vec::new();
-    #[cfg(feature = "mysql")]
-    servers.extend([
+    let servers: &[(&str, &str)] = &[
+        #[cfg(feature = "mysql")]
         ("mysql://root@127.0.0.1:1/test", "mysql"),
+        #[cfg(feature = "mysql")]
         ("mariadb://root@127.0.0.1:1/test", "mysql"),
-    ]);
-    #[cfg(feature = "redis")]
-    servers.extend([
+        #[cfg(feature = "redis")]
         ("redis://127.0.0.1:1", "redis"),
+        #[cfg(feature = "redis")]
         ("redis+cluster://127.0.0.1:1,127.0.0.1:2", "redis"),
-    ]);
-    #[cfg(feature = "nats")]
-    servers.extend([
+        #[cfg(feature = "nats")]
         ("nats://127.0.0.1:1", "nats"),
+        #[cfg(feature = "nats")]
         ("nats://127.0.0.1:1,127.0.0.1:2", "nats"),
-    ]);
-    for (url, backend) in servers {
+    ];
+    for &(url, backend) in servers {
         for args in [
             vec!["get", "acme/capture:order-1", "--database-url", url],
             vec!["demo", "--json", "--orders", "5", "--database-url", url],
