@@ -109,8 +109,8 @@ enum Command {
 struct DbArgs {
     /// The ledger's database: sqlite:PATH, postgres://USER@HOST/DB,
     /// mysql://USER@HOST/DB (or mariadb://), redis://HOST:PORT,
-    /// redis+cluster://HOST:PORT,HOST:PORT,..., nats://HOST:PORT[,HOST:PORT...]
-    /// [?bucket=NAME&replicas=1|3] or memory:.
+    /// redis+cluster://HOST:PORT,HOST:PORT,...,
+    /// nats://HOST:PORT[,HOST:PORT...][?bucket=NAME&replicas=1|3] or memory:.
     #[arg(long, env = "ONCELY_DATABASE_URL")]
     database_url: String,
 }
