@@ -260,9 +260,11 @@ impl NatsKvLedger {
             .split(',')
             .map(str::trim)
             .filter(|s| !s.is_empty())
-            .map(|s| {
+            .enumerate()
+            .map(|(i, s)| {
+                // Name the address by position: it may carry a password.
                 s.parse()
-                    .map_err(|e| Error::Config(format!("NATS url {s:?}: {e}")))
+                    .map_err(|e| Error::Config(format!("NATS url #{} of the list: {e}", i + 1)))
             })
             .collect::<Result<_>>()?;
         if addrs.is_empty() {

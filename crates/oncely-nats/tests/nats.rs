@@ -171,6 +171,17 @@ async fn bad_options_are_config_errors() {
         .await
         .unwrap_err();
     assert!(matches!(e, Error::Config(_)), "{e:?}");
+    // A bad address in a list is named by position, never quoted: it may
+    // carry a password.
+    let e = NatsKvLedger::connect(
+        "nats://127.0.0.1:1,nats://u:hunter2@[bad:4222",
+        NatsKvOptions::default(),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(e, Error::Config(_)), "{e:?}");
+    assert!(!e.to_string().contains("hunter2"), "{e}");
+    assert!(e.to_string().contains("#2"), "{e}");
 }
 
 /// Nobody listening: `Unavailable`, retryable, and nothing ran.
