@@ -641,3 +641,8 @@ impl TransactionalLedger for SqliteLedger {
         self.complete_on(conn, lease, outcome).await
     }
 }
+
+/// The README's Rust examples, compiled as doc tests so they stay true.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
