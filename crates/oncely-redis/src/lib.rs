@@ -735,11 +735,24 @@ fn record(rkey: &str, expected: Option<&EffectKey>, parts: &[Value]) -> Result<R
         .and_then(|f| u64::try_from(f).ok())
         .ok_or_else(|| bad("record without a fence"))?;
     let at_most_once = text_field("amo") == Some("1");
-    let lease_expires_at = num("le").map(from_micros);
+    // Format 2 leaves a stale 'le' behind on completion (one field less to
+    // write per operation): it means something only while in progress.
+    let lease_expires_at = if state == RecordState::InProgress {
+        num("le").map(from_micros)
+    } else {
+        None
+    };
     let mut state = state;
     if state == RecordState::InProgress && at_most_once && lease_expires_at.is_none_or(|e| e <= now) {
         state = RecordState::Abandoned;
     }
+    // Format 2 writes 'u' and 'ru' only once they differ from what the
+    // first claim implies (see lua/prelude.lua).
+    let created = num("c").ok_or_else(|| bad("record without a creation time"))?;
+    let retain_until = match num("ru") {
+        Some(ru) => ru,
+        None => created.saturating_add(num("r").ok_or_else(|| bad("record without its retention"))?),
+    };
     Ok(Record {
         key,
         state,
@@ -747,10 +760,10 @@ fn record(rkey: &str, expected: Option<&EffectKey>, parts: &[Value]) -> Result<R
         fingerprint,
         outcome,
         at_most_once,
-        created_at: from_micros(num("c").ok_or_else(|| bad("record without a creation time"))?),
-        updated_at: from_micros(num("u").unwrap_or_default()),
+        created_at: from_micros(created),
+        updated_at: from_micros(num("u").unwrap_or(created)),
         lease_expires_at,
-        retain_until: from_micros(num("ru").unwrap_or_default()),
+        retain_until: from_micros(retain_until),
         read_at: now,
     })
 }

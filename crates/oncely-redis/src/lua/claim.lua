@@ -11,8 +11,15 @@ if not rec then
     return { 'horizon' }
   end
   local exp = now + lease
-  redis.call('HSET', key, 'v', '1', 'k', ek, 's', 'in_progress', 'f', '1', 'fp', fp, 'amo', amo,
-    'c', fmt(now), 'u', fmt(now), 'le', fmt(exp), 'ru', fmt(now + ret), 'r', fmt(ret))
+  if fp == '' and amo == '0' then
+    redis.call('HSET', key, 'v', '2', 'k', ek, 's', 'in_progress', 'f', '1', 'c', now, 'le', exp, 'r', ARGV[3])
+  elseif amo == '0' then
+    redis.call('HSET', key, 'v', '2', 'k', ek, 's', 'in_progress', 'f', '1', 'c', now, 'le', exp, 'r', ARGV[3],
+      'fp', fp)
+  else
+    redis.call('HSET', key, 'v', '2', 'k', ek, 's', 'in_progress', 'f', '1', 'c', now, 'le', exp, 'r', ARGV[3],
+      'fp', fp, 'amo', amo)
+  end
   return { 'acquired', 1, exp, now, now, 0 }
 end
 if rec.fp ~= '' and fp ~= '' and rec.fp ~= fp then
@@ -31,9 +38,13 @@ if rec.s == 'in_progress' then
   end
 end
 local f, exp = rec.f + 1, now + lease
-redis.call('HSET', key, 's', 'in_progress', 'f', fmt(f), 'amo', amo, 'u', fmt(now), 'le', fmt(exp), 'r', fmt(ret))
+-- A record never completed nor released has no 'ru': its retention ends at
+-- 'c' + 'r' of the first claim, which the new 'r' must not move.
+redis.call('HSETNX', key, 'ru', rec.c + rec.r)
 if rec.fp == '' and fp ~= '' then
-  redis.call('HSET', key, 'fp', fp)
+  redis.call('HSET', key, 's', 'in_progress', 'f', f, 'amo', amo, 'u', now, 'le', exp, 'r', ARGV[3], 'fp', fp)
+else
+  redis.call('HSET', key, 's', 'in_progress', 'f', f, 'amo', amo, 'u', now, 'le', exp, 'r', ARGV[3])
 end
 -- A released record carried a TTL; a lease must never vanish.
 redis.call('PERSIST', key)

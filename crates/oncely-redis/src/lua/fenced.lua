@@ -11,16 +11,16 @@ local now = now_us()
 local op = ARGV[3]
 if op == 'renew' then
   local exp = now + tonumber(ARGV[4])
-  redis.call('HSET', key, 'le', fmt(exp))
+  redis.call('HSET', key, 'le', exp)
   return { 'ok', now, exp }
 end
 local ru = now + rec.r
 if op == 'complete' then
-  redis.call('HSET', key, 's', 'completed', 'o', ARGV[4], 'u', fmt(now), 'ru', fmt(ru), 'le', '')
+  redis.call('HSET', key, 's', 'completed', 'o', ARGV[4], 'u', now, 'ru', ru)
 else
-  redis.call('HSET', key, 's', 'released', 'u', fmt(now), 'ru', fmt(ru), 'le', '')
+  redis.call('HSET', key, 's', 'released', 'u', now, 'ru', ru)
 end
 -- Redis deletes the record by itself once retention (plus the grace that
 -- leaves prune something to do) has passed.
-redis.call('PEXPIRE', key, fmt(math.ceil((rec.r + tonumber(ARGV[5])) / 1000)))
+redis.call('PEXPIRE', key, math.ceil((rec.r + tonumber(ARGV[5])) / 1000))
 return { 'ok', now, ru }
