@@ -30,12 +30,13 @@ end
 -- Reads the record's control fields. Returns nil when the key is absent,
 -- the record as a table, or nil plus a message when the key holds something
 -- oncely did not write (which must never be overwritten).
--- `absent_likely`: a claim usually finds nothing, so it asks TYPE first (one
--- call when absent); the other operations expect a record, so they read it
--- at once and look at the type only when that fails.
-local function load(absent_likely)
+-- `claim`: a claim usually finds nothing, so it asks TYPE first (one call
+-- when absent) and then reads every control field; the other operations
+-- expect a record, so they read it at once, only the fields they use (each
+-- one costs), and look at the type only when that fails.
+local function load(claim)
   local v
-  if absent_likely then
+  if claim then
     local ty = redis.call('TYPE', key)['ok']
     if ty == 'none' then
       return nil
@@ -43,9 +44,9 @@ local function load(absent_likely)
     if ty ~= 'hash' then
       return foreign(ty)
     end
-    v = redis.call('HMGET', key, 'v', 'k', 's', 'f', 'amo', 'c', 'le', 'fp', 'r')
+    v = redis.call('HMGET', key, 'v', 'k', 's', 'f', 'c', 'r', 'amo', 'le', 'fp')
   else
-    v = redis.pcall('HMGET', key, 'v', 'k', 's', 'f', 'amo', 'c', 'le', 'fp', 'r')
+    v = redis.pcall('HMGET', key, 'v', 'k', 's', 'f', 'c', 'r')
     if v['err'] then
       return foreign(redis.call('TYPE', key)['ok'])
     end
@@ -60,10 +61,13 @@ local function load(absent_likely)
   if s ~= 'in_progress' and s ~= 'completed' and s ~= 'released' then
     return nil, 'record has an unknown state; nothing was changed'
   end
-  local f, c, r = tonumber(v[4]), tonumber(v[6]), tonumber(v[9])
+  local f, c, r = tonumber(v[4]), tonumber(v[5]), tonumber(v[6])
   if not f or not c or not r then
     return nil, 'record lacks its fence, creation time or retention; nothing was changed'
   end
+  if not claim then
+    return { s = s, f = f, c = c, r = r }
+  end
   -- 'le' is '' in a format 1 record no longer in progress: tonumber gives nil.
-  return { s = s, f = f, amo = (v[5] == '1'), c = c, le = tonumber(v[7]), fp = v[8] or '', r = r }
+  return { s = s, f = f, c = c, r = r, amo = (v[7] == '1'), le = tonumber(v[8]), fp = v[9] or '' }
 end
