@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use oncely::{Claim, ClaimOptions, EffectKey, Ledger, Outcome, Tenant};
@@ -97,31 +97,6 @@ async fn baseline_op(b: &Baseline, t: &Tenant, outcome: &Outcome) {
     assert_eq!(done.rows_affected(), 1);
 }
 
-/// Runs `iters` operations spread over `tasks` tokio tasks; returns the wall time.
-async fn spread<F, Fut>(iters: u64, tasks: u64, op: F) -> Duration
-where
-    F: Fn() -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = ()> + Send,
-{
-    let op = Arc::new(op);
-    let start = Instant::now();
-    let handles: Vec<_> = (0..tasks)
-        .map(|i| {
-            let op = op.clone();
-            let n = iters / tasks + u64::from(i < iters % tasks);
-            tokio::spawn(async move {
-                for _ in 0..n {
-                    op().await;
-                }
-            })
-        })
-        .collect();
-    for h in handles {
-        h.await.unwrap();
-    }
-    start.elapsed()
-}
-
 fn bench(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(4)
@@ -178,7 +153,7 @@ fn bench(c: &mut Criterion) {
             b.to_async(&rt).iter_custom(|iters| {
                 let (ledger, tenant, opts, outcome) =
                     (ledger.clone(), tenant.clone(), opts.clone(), outcome.clone());
-                spread(iters, tasks, move || {
+                oncely::conformance::spread(iters, tasks, move || {
                     let (ledger, tenant, opts, outcome) =
                         (ledger.clone(), tenant.clone(), opts.clone(), outcome.clone());
                     async move { oncely_op(&ledger, &tenant, &opts, &outcome).await }
@@ -188,7 +163,7 @@ fn bench(c: &mut Criterion) {
         group.bench_function("baseline", |b| {
             b.to_async(&rt).iter_custom(|iters| {
                 let (baseline, tenant, outcome) = (baseline.clone(), tenant.clone(), outcome.clone());
-                spread(iters, tasks, move || {
+                oncely::conformance::spread(iters, tasks, move || {
                     let (baseline, tenant, outcome) = (baseline.clone(), tenant.clone(), outcome.clone());
                     async move { baseline_op(&baseline, &tenant, &outcome).await }
                 })

@@ -6,9 +6,8 @@
 //! nats://127.0.0.1:4222).
 #![allow(missing_docs)]
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use oncely::{Claim, ClaimOptions, EffectKey, Ledger, Outcome, Tenant};
@@ -82,13 +81,11 @@ fn bench(c: &mut Criterion) {
                 b.to_async(&rt).iter_custom(|iters| {
                     let (ledger, tenant, outcome) = (ledger.clone(), tenant.clone(), outcome.clone());
                     async move {
-                        let start = Instant::now();
-                        spread(iters, tasks, move || {
+                        oncely::conformance::spread(iters, tasks as u64, move || {
                             let (ledger, tenant, outcome) = (ledger.clone(), tenant.clone(), outcome.clone());
                             async move { oncely_once(&ledger, &tenant, &outcome).await }
                         })
-                        .await;
-                        start.elapsed()
+                        .await
                     }
                 })
             });
@@ -99,43 +96,17 @@ fn bench(c: &mut Criterion) {
                 b.to_async(&rt).iter_custom(|iters| {
                     let (store, claim_val, done_val) = (store.clone(), claim_val.clone(), done_val.clone());
                     async move {
-                        let start = Instant::now();
-                        spread(iters, tasks, move || {
+                        oncely::conformance::spread(iters, tasks as u64, move || {
                             let (store, claim_val, done_val) =
                                 (store.clone(), claim_val.clone(), done_val.clone());
                             async move { baseline_once(&store, &claim_val, &done_val).await }
                         })
-                        .await;
-                        start.elapsed()
+                        .await
                     }
                 })
             });
         }
         g.finish();
-    }
-}
-
-/// Runs `iters` operations spread over `tasks` tokio tasks.
-async fn spread<F, Fut>(iters: u64, tasks: usize, op: F)
-where
-    F: Fn() -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = ()> + Send,
-{
-    let op = Arc::new(op);
-    let per = iters / tasks as u64;
-    let extra = iters % tasks as u64;
-    let mut handles = Vec::new();
-    for t in 0..tasks as u64 {
-        let n = per + u64::from(t < extra);
-        let op = op.clone();
-        handles.push(tokio::spawn(async move {
-            for _ in 0..n {
-                op().await;
-            }
-        }));
-    }
-    for h in handles {
-        h.await.unwrap();
     }
 }
 

@@ -836,6 +836,34 @@ pub async fn naive_guard_double_applies<L: Ledger + Clone + 'static>(ledger: L) 
     );
 }
 
+/// Runs `iters` calls of `op` spread over `tasks` tokio tasks and returns the
+/// wall time: the shared driver of every backend's `benches/claim.rs`, so the
+/// library and its hand-written baseline are timed the same way.
+pub async fn spread<F, Fut>(iters: u64, tasks: u64, op: F) -> Duration
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let tasks = tasks.max(1);
+    let op = Arc::new(op);
+    let start = std::time::Instant::now();
+    let handles: Vec<_> = (0..tasks)
+        .map(|i| {
+            let op = op.clone();
+            let n = iters / tasks + u64::from(i < iters % tasks);
+            tokio::spawn(async move {
+                for _ in 0..n {
+                    op().await;
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.await.expect("benchmark task panicked");
+    }
+    start.elapsed()
+}
+
 /// Generates one `#[tokio::test]` per conformance function, each calling
 /// `$make().await` (an `async fn() -> Option<L>`; `None` skips).
 #[macro_export]
