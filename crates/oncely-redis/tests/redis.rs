@@ -105,6 +105,59 @@ async fn foreign_values_are_corrupt_and_untouched() {
 /// Completed and released records expire by TTL: retention plus the grace
 /// that leaves prune its work. Leases in progress and abandoned steps never
 /// expire.
+/// The scripts build the stored times from the server's `TIME` without
+/// formatting numbers (format 2 leaves out the fields a first claim implies):
+/// what a record reads back is exactly what the operations returned, whatever
+/// the microsecond digits (a short `TIME` microsecond part must be padded).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_times_match_returned_times() {
+    let Some(ledger) = single().await else { return };
+    let mut conn = raw(&single_url()).await;
+    let t = fresh_tenant();
+    let retention = Duration::from_secs(3600);
+    let opts = ClaimOptions::default().retention(retention);
+    let mut short_micros = 0;
+    for i in 0..40 {
+        let k = EffectKey::new(&t, "capture", format!("times-{i}")).unwrap();
+        let l = acquired(ledger.claim(&k, &opts).await.unwrap());
+        let micros = oncely::to_micros(l.acquired_at).rem_euclid(1_000_000);
+        if micros < 100_000 {
+            short_micros += 1;
+        } else if short_micros < 3 {
+            // Aim the next claim just past the server's next second, where
+            // TIME's microsecond part has fewer than six digits.
+            let wait = 1_000_000 - micros + 10_000;
+            tokio::time::sleep(Duration::from_micros(u64::try_from(wait).unwrap())).await;
+        }
+        let r = ledger.get(&k).await.unwrap().unwrap();
+        assert_eq!(r.state, RecordState::InProgress);
+        assert_eq!(r.created_at, l.acquired_at, "{k}");
+        assert_eq!(r.created_at, l.first_claimed_at, "{k}");
+        assert_eq!(r.updated_at, l.acquired_at, "{k}");
+        assert_eq!(r.lease_expires_at, Some(l.expires_at), "{k}");
+        assert_eq!(r.retain_until, r.created_at + retention, "{k}");
+        let stored: String = conn.hget(ledger.redis_key(&k), "v").await.unwrap();
+        assert_eq!(stored, "2", "record format");
+        if i % 2 == 0 {
+            ledger
+                .complete(&l, &Outcome::from_json(&i).unwrap())
+                .await
+                .unwrap();
+            let r = ledger.get(&k).await.unwrap().unwrap();
+            assert_eq!(r.state, RecordState::Completed);
+            assert_eq!(r.lease_expires_at, None, "a completed record has no lease");
+            assert!(r.updated_at >= l.acquired_at);
+            assert_eq!(r.retain_until, r.updated_at + retention, "{k}");
+        } else {
+            let renewed = ledger.renew(&l, Duration::from_secs(90)).await.unwrap();
+            let r = ledger.get(&k).await.unwrap().unwrap();
+            assert_eq!(r.lease_expires_at, Some(renewed.expires_at), "{k}");
+            ledger.release(&l).await.unwrap();
+        }
+    }
+    assert!(short_micros > 0, "no claim landed early in a second");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ttls_follow_retention() {
     for grace in [Duration::ZERO, Duration::from_secs(60)] {
