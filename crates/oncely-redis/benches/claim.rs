@@ -2,8 +2,8 @@
 //! redis-rs commands doing the same two round trips on the same server.
 //!
 //! - `oncely`: `Ledger::claim` + `Ledger::complete` (two Lua scripts by
-//!   `EVALSHA`: type check, fingerprint check, server `TIME`, one hash per
-//!   record, fenced completion, TTL).
+//!   `EVALSHA`: existence check, fingerprint check, server `TIME`, one hash
+//!   per record, fenced completion, TTL).
 //! - `baseline`: `SET key "in_progress:1" NX PX <lease>`, then
 //!   `SET key <outcome> XX PX <retention>`: the usual hand-rolled Redis
 //!   idempotency guard, with no fence, no fingerprint and no stored state

@@ -50,6 +50,12 @@
 //! masters whatever the subjects look like. The key stays readable in
 //! `redis-cli` and `SCAN MATCH '<prefix>{*}:<tenant>/*'` finds a tenant's records.
 //!
+//! The hash's field `v` is the record format, now `2`: a claim writes only
+//! the fields it cannot leave implied (state, fence, creation time, lease
+//! expiry, retention; the fingerprint and the at-most-once mark only when
+//! set), because every field written costs server time on every claim.
+//! `src/lua/prelude.lua` lists them; format 1 records are read as well.
+//!
 //! A completed or released record carries a TTL of its retention plus
 //! [`RedisLedgerOptions::expiry_grace`] (1 minute by default), so Redis
 //! deletes it by itself; [`prune`](oncely::Ledger::prune) deletes the ones
@@ -125,7 +131,7 @@ use oncely::{
 };
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
-use redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
+use redis::{Cmd, ErrorKind, RedisError, Script, ServerErrorKind, Value};
 
 use crate::conn::{Conn, Node};
 
@@ -366,18 +372,29 @@ impl RedisLedger {
         scan_page(reply)
     }
 
+    /// Sends a script call built by [`evalsha`], loading the script first
+    /// when the server does not have it (a restart, `SCRIPT FLUSH`, a new
+    /// cluster node).
+    async fn run(&self, script: &Script, cmd: &Cmd) -> Result<Value> {
+        let mut conn = self.conn.clone();
+        match cmd.query_async(&mut conn).await {
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                script.load_async(&mut conn).await.map_err(map_err)?;
+                cmd.query_async(&mut conn).await.map_err(map_err)
+            }
+            reply => reply.map_err(map_err),
+        }
+    }
+
     async fn fenced(&self, lease: &Lease, op: &str, arg: &[u8]) -> Result<Vec<Value>> {
         let rkey = self.redis_key(&lease.key);
-        let reply: Value = FENCED
-            .key(&rkey)
-            .arg(lease.key.as_str())
+        let mut cmd = evalsha(&FENCED, &rkey);
+        cmd.arg(lease.key.as_str())
             .arg(lease.fence)
             .arg(op)
             .arg(arg)
-            .arg(duration_micros(self.opts.expiry_grace))
-            .invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(map_err)?;
+            .arg(duration_micros(self.opts.expiry_grace));
+        let reply = self.run(&FENCED, &cmd).await?;
         let parts = array(reply)?;
         match tag(&parts)? {
             "ok" => Ok(parts),
@@ -410,17 +427,20 @@ impl Ledger for RedisLedger {
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
         opts.validate()?;
         let rkey = self.redis_key(key);
-        let reply: Value = CLAIM
-            .key(&rkey)
-            .arg(key.as_str())
+        let mut cmd = evalsha(&CLAIM, &rkey);
+        cmd.arg(key.as_str())
             .arg(duration_micros(opts.lease))
-            .arg(duration_micros(opts.retention))
-            .arg(opts.fingerprint.map(|f| f.to_hex()).unwrap_or_default())
-            .arg(if opts.at_most_once { "1" } else { "0" })
-            .arg(opts.sent_at.map(|t| to_micros(t).to_string()).unwrap_or_default())
-            .invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(map_err)?;
+            .arg(duration_micros(opts.retention));
+        match opts.fingerprint {
+            Some(f) => cmd.arg(f.to_hex().as_str()),
+            None => cmd.arg(""),
+        };
+        cmd.arg(if opts.at_most_once { "1" } else { "0" });
+        match opts.sent_at {
+            Some(t) => cmd.arg(to_micros(t)),
+            None => cmd.arg(""),
+        };
+        let reply = self.run(&CLAIM, &cmd).await?;
         let parts = array(reply)?;
         match tag(&parts)? {
             "acquired" => Ok(Claim::Acquired(Lease {
@@ -483,12 +503,9 @@ impl Ledger for RedisLedger {
 
     async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
         let rkey = self.redis_key(key);
-        let reply: Value = GET
-            .key(&rkey)
-            .arg(key.as_str())
-            .invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(map_err)?;
+        let mut cmd = evalsha(&GET, &rkey);
+        cmd.arg(key.as_str());
+        let reply = self.run(&GET, &cmd).await?;
         let parts = array(reply)?;
         match tag(&parts)? {
             "none" => Ok(None),
@@ -575,6 +592,16 @@ impl Ledger for RedisLedger {
         found.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
         Ok(found)
     }
+}
+
+/// `EVALSHA <script> 1 <rkey>`, for the caller to add the script's `ARGV`.
+/// The hot operations build their call as one [`Cmd`] (one buffer) rather
+/// than through [`Script::key`], which first copies every argument into a
+/// buffer of its own and then all of them again into a `Cmd`.
+fn evalsha(script: &Script, rkey: &str) -> Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(script.get_hash()).arg(1).arg(rkey);
+    cmd
 }
 
 fn record_key(prefix: &str, key: &EffectKey) -> String {

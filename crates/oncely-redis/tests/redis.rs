@@ -105,6 +105,40 @@ async fn foreign_values_are_corrupt_and_untouched() {
 /// Completed and released records expire by TTL: retention plus the grace
 /// that leaves prune its work. Leases in progress and abandoned steps never
 /// expire.
+async fn flush_scripts(conn: &mut redis::aio::MultiplexedConnection) {
+    let _: () = redis::cmd("SCRIPT").arg("FLUSH").query_async(conn).await.unwrap();
+}
+
+/// A server that lost its scripts (a restart, `SCRIPT FLUSH`) is sent them
+/// again by every operation, which then takes effect once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flushed_scripts_are_loaded_again() {
+    let Some(ledger) = single().await else { return };
+    let mut conn = raw(&single_url()).await;
+    let t = fresh_tenant();
+    let k = EffectKey::new(&t, "capture", "flushed").unwrap();
+    let opts = ClaimOptions::default();
+    flush_scripts(&mut conn).await;
+    let l = acquired(ledger.claim(&k, &opts).await.unwrap());
+    assert_eq!(l.fence, 1);
+    flush_scripts(&mut conn).await;
+    let l = ledger.renew(&l, Duration::from_secs(60)).await.unwrap();
+    flush_scripts(&mut conn).await;
+    ledger
+        .complete(&l, &Outcome::from_json(&7).unwrap())
+        .await
+        .unwrap();
+    flush_scripts(&mut conn).await;
+    let r = ledger.get(&k).await.unwrap().unwrap();
+    assert_eq!(r.state, RecordState::Completed);
+    assert_eq!(r.fence, 1);
+    flush_scripts(&mut conn).await;
+    assert!(matches!(
+        ledger.claim(&k, &opts).await.unwrap(),
+        Claim::Completed(_)
+    ));
+}
+
 /// The scripts build the stored times from the server's `TIME` without
 /// formatting numbers (format 2 leaves out the fields a first claim implies):
 /// what a record reads back is exactly what the operations returned, whatever
