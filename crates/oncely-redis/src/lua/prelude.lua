@@ -11,7 +11,7 @@
 --
 -- Record format 2 (field 'v'): 'v' 'k' 's' 'f' 'c' 'le' 'r' always; 'fp' only
 -- with a fingerprint, 'amo' only for an at-most-once step ('1'), 'u' only once
--- updated (else it is 'c'), 'ru' only once completed or released (else it is
+-- updated (else it is 'c'), 'ru' only once completed, released or taken over (else it is
 -- 'c' + 'r'), 'o' only once completed. 'le' means something only in progress.
 -- Each field written costs server time on every claim, hence the optional
 -- ones. Format 1 (every field always written) reads the same way.
