@@ -706,6 +706,20 @@ impl MySqlLedger {
     /// someone else left open (their `pool.begin()` dropped mid-way, an
     /// aborted `BEGIN`). If so, that transaction is rolled back, so the
     /// connection is clean for the retry and no lock of ours outlives it.
+    /// A fenced write matched no row: the lease is lost, unless the pooled
+    /// connection sat inside a transaction someone else left open (checked
+    /// when `may_leak`), which is healed so the write runs again.
+    async fn fence_miss(&self, conn: &mut MySqlConnection, lease: &Lease, may_leak: bool) -> Retry {
+        if may_leak {
+            match self.heal_if_leaked(conn).await {
+                Ok(true) => return Retry::Leaked,
+                Ok(false) => {}
+                Err(e) => return e,
+            }
+        }
+        lease_lost(lease).into()
+    }
+
     async fn heal_if_leaked(&self, conn: &mut MySqlConnection) -> Result<bool, Retry> {
         if !self.inner.guarded.load(Ordering::Relaxed) {
             return Ok(false);
@@ -935,10 +949,7 @@ impl Ledger for MySqlLedger {
                     .await
                     .map_err(retry_on_lock)?;
                 if done.rows_affected() == 0 {
-                    if this.heal_if_leaked(conn).await? {
-                        return Err(Retry::Leaked);
-                    }
-                    return Err(lease_lost(&lease).into());
+                    return Err(this.fence_miss(conn, &lease, true).await);
                 }
                 Ok(())
             })
@@ -965,10 +976,7 @@ impl Ledger for MySqlLedger {
                     .await
                     .map_err(retry_on_lock)?;
                 if done.rows_affected() == 0 {
-                    if this.heal_if_leaked(conn).await? {
-                        return Err(Retry::Leaked);
-                    }
-                    return Err(lease_lost(&lease).into());
+                    return Err(this.fence_miss(conn, &lease, true).await);
                 }
                 // LAST_INSERT_ID(expr) in the statement puts the new expiry
                 // in the OK packet.
@@ -1058,10 +1066,7 @@ impl MySqlLedger {
             .map_err(retry_on_lock)?;
         // sqlx sets CLIENT_FOUND_ROWS: this is the number of rows matched.
         if done.rows_affected() == 0 {
-            if !in_caller_tx && self.heal_if_leaked(conn).await? {
-                return Err(Retry::Leaked);
-            }
-            return Err(lease_lost(lease).into());
+            return Err(self.fence_miss(conn, lease, !in_caller_tx).await);
         }
         Ok(())
     }
