@@ -2,6 +2,7 @@
 # A three-node NATS JetStream cluster on loopback, for oncely-nats tests.
 #
 #   scripts/nats-cluster.sh up            start (idempotent) and wait for a JetStream meta leader
+#   scripts/nats-cluster.sh boot          start every node and return at once (no waiting)
 #   scripts/nats-cluster.sh down          stop every node and remove the data directory
 #   scripts/nats-cluster.sh stop-node N   stop node N (1-3), keep its data
 #   scripts/nats-cluster.sh start-node N  start node N again and wait for the cluster
@@ -89,9 +90,9 @@ EOF
 cmd=${1:-}
 node=${2:-}
 case $cmd in
-    up | down | stop-node | start-node | status) ;;
+    up | boot | down | stop-node | start-node | status) ;;
     urls) urls; exit 0 ;;
-    *) echo "usage: $0 up|down|stop-node N|start-node N|urls|status" >&2; exit 2 ;;
+    *) echo "usage: $0 up|boot|down|stop-node N|start-node N|urls|status" >&2; exit 2 ;;
 esac
 if [[ $cmd == stop-node || $cmd == start-node ]] && [[ ! $node =~ ^[123]$ ]]; then
     echo "node must be 1, 2 or 3" >&2
@@ -107,6 +108,10 @@ case $cmd in
         for n in 1 2 3; do start_node "$n"; done
         wait_ready
         urls
+        ;;
+    boot)
+        mkdir -p "$DIR"
+        for n in 1 2 3; do start_node "$n"; done
         ;;
     down)
         for n in 1 2 3; do stop_node "$n"; done

@@ -75,7 +75,9 @@
 //! ### Errors
 //!
 //! Cannot connect: [`oncely::Error::Unavailable`]. JetStream unavailable, no
-//! quorum, timeouts: [`oncely::Error::Backend`] with `retryable: true`. A
+//! quorum, timeouts: [`oncely::Error::Backend`] with `retryable: true`;
+//! `connect` itself keeps asking for up to `open_timeout` (default 30 s)
+//! while a cluster that just (re)started elects the bucket's leader. A
 //! bucket with incompatible settings (history other than 1, a shorter
 //! `max_age`, other replicas, memory storage, message or byte limits that
 //! could drop live leases): [`oncely::Error::Config`], and nothing is
@@ -127,6 +129,11 @@ pub struct NatsKvOptions {
     pub connect_timeout: Duration,
     /// How long to wait for a JetStream reply (default 5 s).
     pub request_timeout: Duration,
+    /// How long [`NatsKvLedger::connect`] keeps asking while the bucket does
+    /// not answer yet, as when a cluster that just restarted is still electing
+    /// the stream's leader (default 30 s). Settings the ledger refuses fail at
+    /// once.
+    pub open_timeout: Duration,
 }
 
 impl Default for NatsKvOptions {
@@ -137,6 +144,7 @@ impl Default for NatsKvOptions {
             max_age: Duration::from_secs(30 * 86_400),
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(5),
+            open_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -169,6 +177,12 @@ impl NatsKvOptions {
     /// Sets the JetStream request timeout.
     pub fn request_timeout(mut self, t: Duration) -> Self {
         self.request_timeout = t;
+        self
+    }
+
+    /// Sets how long `connect` waits for the bucket to answer.
+    pub fn open_timeout(mut self, t: Duration) -> Self {
+        self.open_timeout = t;
         self
     }
 
@@ -311,7 +325,7 @@ impl NatsKvLedger {
         };
         // A replicated bucket just created answers only once its stream has
         // elected a leader; the first clock probe doubles as that wait.
-        let deadline = Instant::now() + ledger.inner.opts.request_timeout;
+        let deadline = Instant::now() + ledger.inner.opts.open_timeout;
         loop {
             match ledger.now().await {
                 Ok(_) => return Ok(ledger),
@@ -735,10 +749,27 @@ fn inbox() -> String {
 }
 
 /// Opens the bucket, creating it when absent, and checks its settings.
+///
+/// A stream just created on a cluster answers `STREAM.INFO` only once it has
+/// elected a leader, so a request that times out (or any other retryable
+/// error) is tried again until `open_timeout` has passed. Settings this
+/// ledger cannot rely on fail at once.
 async fn open_bucket(js: &jetstream::Context, opts: &NatsKvOptions) -> Result<kv::Store> {
+    let deadline = Instant::now() + opts.open_timeout;
     let mut last = String::new();
-    for _ in 0..3 {
-        match existing_bucket(js, opts).await? {
+    let mut creates = 0;
+    while creates < 3 {
+        let existing = match existing_bucket(js, opts).await {
+            Ok(found) => found,
+            Err(e) if e.is_retryable() && Instant::now() < deadline => {
+                tracing::debug!(error = %e, "bucket not answering yet; retrying");
+                last = e.to_string();
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        match existing {
             Some(store) => return Ok(store),
             None => {
                 // The stream a KV bucket is made of, written out: the client's
@@ -765,6 +796,7 @@ async fn open_bucket(js: &jetstream::Context, opts: &NatsKvOptions) -> Result<kv
                         ..Default::default()
                     })
                     .await;
+                creates += 1;
                 match created {
                     Ok(_) => continue,
                     // Another process may have created it meanwhile, with our

@@ -214,4 +214,63 @@ async fn lost_quorum_is_retryable_and_recovers() {
     assert!(matches!(claim, Claim::Acquired(_)), "{claim:?}");
 }
 
+/// Brings the whole cluster back up when dropped.
+struct Up;
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        if let Err(e) = common::run(&["up"]) {
+            eprintln!("restarting the cluster: {e}");
+        }
+    }
+}
+
+/// Every node stops and starts again on its data (a power cut, a rolling
+/// upgrade gone wrong). The bucket's stream must elect a new leader before
+/// it answers, so `connect` keeps asking until it does, with no retry loop
+/// of the caller's around it, and the completed record is there unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_cluster_restart_keeps_records_and_connect_waits_for_the_stream() {
+    let _serial = SERIAL.lock().await;
+    let Some(urls) = common::cluster_urls() else {
+        return;
+    };
+    // Replies are awaited for half a second, shorter than an election takes:
+    // the wait for the restarted stream is connect's own.
+    let opts = || opts().request_timeout(Duration::from_millis(500));
+    let ledger = retry(|| NatsKvLedger::connect(&urls, opts())).await.unwrap();
+    let k = EffectKey::new(&fresh_tenant(), "capture", "restart").unwrap();
+    let Claim::Acquired(lease) = ledger.claim(&k, &ClaimOptions::default()).await.unwrap() else {
+        panic!("a fresh key is acquired");
+    };
+    let outcome = Outcome::from_json(&"captured").unwrap();
+    ledger.complete(&lease, &outcome).await.unwrap();
+    drop(ledger);
+
+    let _up = Up;
+    for n in ["1", "2", "3"] {
+        script(&["stop-node", n]).await;
+    }
+    // Connect while the nodes are still finding each other.
+    script(&["boot"]).await;
+
+    let waited = Instant::now();
+    let after = NatsKvLedger::connect(&urls, opts())
+        .await
+        .expect("connect waits for the restarted stream's leader");
+    eprintln!("connect after the restart took {:?}", waited.elapsed());
+    let r = retry(|| after.get(&k))
+        .await
+        .unwrap()
+        .expect("the record survived");
+    assert_eq!(r.state, RecordState::Completed);
+    assert_eq!(
+        r.outcome.as_ref().map(Outcome::as_bytes),
+        Some(outcome.as_bytes())
+    );
+    let claim_opts = ClaimOptions::default();
+    let claim = retry(|| after.claim(&k, &claim_opts)).await.unwrap();
+    assert!(matches!(claim, Claim::Completed(_)), "{claim:?}");
+}
+
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
