@@ -297,8 +297,10 @@ impl NatsKvLedger {
         let js = jetstream::ContextBuilder::new()
             .timeout(opts.request_timeout)
             .build(client);
-        let store = open_bucket(&js, &opts).await?;
-        Self::with_store(store, opts).await
+        // One deadline for opening the bucket and the first clock probe.
+        let deadline = Instant::now() + opts.open_timeout;
+        let store = open_bucket(&js, &opts, deadline).await?;
+        Self::with_store(store, opts, deadline).await
     }
 
     /// Uses a bucket the caller opened. Its settings are checked as by
@@ -311,10 +313,11 @@ impl NatsKvLedger {
         };
         opts.validate()?;
         check_bucket(&store.stream.cached_info().config, &opts)?;
-        Self::with_store(store, opts).await
+        let deadline = Instant::now() + opts.open_timeout;
+        Self::with_store(store, opts, deadline).await
     }
 
-    async fn with_store(store: kv::Store, opts: NatsKvOptions) -> Result<Self> {
+    async fn with_store(store: kv::Store, opts: NatsKvOptions, deadline: Instant) -> Result<Self> {
         let ledger = NatsKvLedger {
             inner: Arc::new(Inner {
                 store,
@@ -325,7 +328,6 @@ impl NatsKvLedger {
         };
         // A replicated bucket just created answers only once its stream has
         // elected a leader; the first clock probe doubles as that wait.
-        let deadline = Instant::now() + ledger.inner.opts.open_timeout;
         loop {
             match ledger.now().await {
                 Ok(_) => return Ok(ledger),
@@ -752,10 +754,9 @@ fn inbox() -> String {
 ///
 /// A stream just created on a cluster answers `STREAM.INFO` only once it has
 /// elected a leader, so a request that times out (or any other retryable
-/// error) is tried again until `open_timeout` has passed. Settings this
-/// ledger cannot rely on fail at once.
-async fn open_bucket(js: &jetstream::Context, opts: &NatsKvOptions) -> Result<kv::Store> {
-    let deadline = Instant::now() + opts.open_timeout;
+/// error) is tried again until `deadline`. Settings this ledger cannot rely
+/// on fail at once.
+async fn open_bucket(js: &jetstream::Context, opts: &NatsKvOptions, deadline: Instant) -> Result<kv::Store> {
     let mut last = String::new();
     let mut creates = 0;
     while creates < 3 {
