@@ -78,6 +78,7 @@
 //! quorum, timeouts: [`oncely::Error::Backend`] with `retryable: true`;
 //! `connect` itself keeps asking for up to `open_timeout` (default 30 s)
 //! while a cluster that just (re)started elects the bucket's leader. A
+//! server running without JetStream: [`oncely::Error::Config`] at once. A
 //! bucket with incompatible settings (history other than 1, a shorter
 //! `max_age`, other replicas, memory storage, message or byte limits that
 //! could drop live leases): [`oncely::Error::Config`], and nothing is
@@ -827,6 +828,14 @@ async fn existing_bucket(js: &jetstream::Context, opts: &NatsKvOptions) -> Resul
                 {
                     Ok(None)
                 }
+                // Nobody subscribes to the JetStream API: the server runs
+                // without JetStream. A restarting cluster answers late (a
+                // timeout), never this, so waiting would not help.
+                GetStreamErrorKind::Request if no_responders(&e) => Err(Error::Config(
+                    "the NATS server has no JetStream (no responder on its JetStream API); \
+                     start nats-server with -js or jetstream {} in its configuration"
+                        .into(),
+                )),
                 _ => Err(backend_err("open bucket", e)),
             };
         }
@@ -835,6 +844,14 @@ async fn existing_bucket(js: &jetstream::Context, opts: &NatsKvOptions) -> Resul
         .await
         .map(Some)
         .map_err(|e| backend_err("open bucket", e))
+}
+
+/// Whether a request failed because nothing listens on its subject.
+fn no_responders(e: &(dyn std::error::Error + 'static)) -> bool {
+    use async_nats::jetstream::context::{RequestError, RequestErrorKind};
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<RequestError>())
+        .is_some_and(|r| r.kind() == RequestErrorKind::NoResponders)
 }
 
 /// Refuses a bucket whose settings could lose or drop records.

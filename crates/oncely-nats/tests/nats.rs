@@ -195,6 +195,53 @@ async fn unreachable_server_is_unavailable() {
     assert!(e.is_retryable());
 }
 
+/// A NATS server on port 4390 started without JetStream; killed on drop.
+struct NoJetStream(std::process::Child);
+
+impl Drop for NoJetStream {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A server without JetStream is a deployment mistake, not a transient state:
+/// `connect` says so at once with `Error::Config` instead of waiting out
+/// `open_timeout` (ten minutes here, so waiting would fail the test too).
+#[tokio::test]
+async fn server_without_jetstream_is_a_config_error_at_once() {
+    let bin = std::env::var("NATS_SERVER").unwrap_or_else(|_| "/usr/sbin/nats-server".to_owned());
+    let child = match std::process::Command::new(&bin)
+        .args(["-a", "127.0.0.1", "-p", "4390"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) => {
+            skip_or_fail::<()>(&format!("starting {bin}: {e}"));
+            return;
+        }
+    };
+    let _server = NoJetStream(child);
+    let url = "nats://127.0.0.1:4390";
+    let opts = || NatsKvOptions::default().open_timeout(Duration::from_secs(600));
+    // The server takes a moment to listen; only a refused connection is retried.
+    let mut attempts = 0;
+    let e = loop {
+        match NatsKvLedger::connect(url, opts()).await {
+            Err(Error::Unavailable { .. }) if attempts < 50 => {
+                attempts += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Ok(_) => panic!("connected to a server without JetStream"),
+            Err(e) => break e,
+        }
+    };
+    assert!(matches!(e, Error::Config(_)), "{e:?}");
+    assert!(e.to_string().contains("JetStream"), "{e}");
+}
+
 /// A value written at an oncely key by something else is reported as
 /// corrupt and never overwritten.
 #[tokio::test]
