@@ -89,6 +89,19 @@ async fn committed(observer: &PgPool, key: &EffectKey) -> Option<String> {
         .unwrap()
 }
 
+/// Asserts that the records `{prefix}0` .. `{prefix}{n - 1}` of tenant `t` are
+/// committed as completed, read from the observer pool.
+async fn all_completed(observer: &PgPool, t: &Tenant, prefix: &str, n: usize) {
+    for i in 0..n {
+        assert_eq!(
+            committed(observer, &key(t, &format!("{prefix}{i}")))
+                .await
+                .as_deref(),
+            Some("completed")
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn claim_in_commits_with_the_business_write() {
     let Some((ledger, observer)) = setup(8).await else {
@@ -496,14 +509,7 @@ async fn ledger_writes_survive_leaked_transactions() {
     assert!(leaks > 0, "no leaked transaction in {rounds} rounds");
     eprintln!("{leaks} leaked transactions healed in {rounds} rounds");
     one.close().await;
-    for i in 0..rounds {
-        assert_eq!(
-            committed(&observer, &key(&t, &format!("after-leak-{i}")))
-                .await
-                .as_deref(),
-            Some("completed")
-        );
-    }
+    all_completed(&observer, &t, "after-leak-", rounds).await;
 }
 
 /// Tasks aborted at random await points of claim, complete, `begin` and
@@ -612,14 +618,7 @@ async fn aborted_operations_never_lose_or_split_writes() {
         );
     }
     small.close().await;
-    for i in 0..120 {
-        assert_eq!(
-            committed(&observer, &key(&t, &format!("after-{i}")))
-                .await
-                .as_deref(),
-            Some("completed")
-        );
-    }
+    all_completed(&observer, &t, "after-", 120).await;
 }
 
 /// `PgLedger::begin` dropped at random moments never leaves a transaction
