@@ -85,6 +85,21 @@ pub enum Error {
     /// the next delivery runs it again.
     #[error("handler failed (retryable): {0}")]
     Handler(#[source] BoxError),
+    /// The handler's own write hit a unique constraint that is not the effect
+    /// key: a bug in the guard or the data, never a duplicate (the claim
+    /// answers duplicates itself). Not retryable: redelivering would hit it
+    /// again. Counted in `oncely_unexpected_constraint_violations_total`.
+    #[error("{key}: unexpected unique-constraint violation in the handler: {message}")]
+    ConstraintViolation {
+        /// The displayed effect key.
+        key: String,
+        /// The driver's message.
+        message: String,
+    },
+    /// A value that cannot be used (a claim option out of range, a timestamp
+    /// outside what the ledger stores); nothing was sent to the database.
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
     /// A value could not be serialized or deserialized.
     #[error("serialization: {0}")]
     Serialization(String),
@@ -157,7 +172,10 @@ impl Error {
     pub fn is_invalid_input(&self) -> bool {
         matches!(
             self,
-            Error::InvalidKey { .. } | Error::OutcomeTooLarge { .. } | Error::Misuse(_)
+            Error::InvalidKey { .. }
+                | Error::InvalidInput(_)
+                | Error::OutcomeTooLarge { .. }
+                | Error::Misuse(_)
         )
     }
 }

@@ -5,19 +5,17 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Mutex;
-use std::time::Instant;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tracing::Instrument;
 
-use crate::effects::{
-    Effects, Envelope, Failure, Resolved, claim_span, decode, fence_check, truncate, with_renewal,
-};
 use crate::error::{Error, Result};
+use crate::held::HeldLease;
 use crate::key::{EffectKey, Tenant};
 use crate::ledger::{Ledger, TransactionalLedger};
-use crate::record::{Claim, ClaimOptions, Fingerprint, Lease, OnInProgress, Outcome, Record};
+use crate::pipeline::{self, Failure, Resolved};
+use crate::record::{ClaimOptions, Fingerprint, Lease, OnInProgress, Record};
 use crate::telemetry;
 
 /// How a step is made safe to run twice (see [`Job`] for the window each
@@ -59,7 +57,7 @@ impl fmt::Display for StepMode {
 /// lease's fence.
 #[derive(Debug, Clone)]
 pub struct StepContext {
-    lease: Lease,
+    lease: HeldLease,
     mode: StepMode,
 }
 
@@ -84,6 +82,15 @@ impl StepContext {
 
     /// The lease this attempt runs under.
     pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// The lease with its renewal state: [`HeldLease::lost`] resolves when
+    /// this attempt can no longer count on it (check it before a call that
+    /// must not happen twice). In a transactional step the claim's row stays
+    /// locked by the transaction, so the lease cannot be taken over while the
+    /// transaction is open.
+    pub fn held(&self) -> &HeldLease {
         &self.lease
     }
 
@@ -202,7 +209,7 @@ pub type StepFuture<'c, T> = Pin<Box<dyn Future<Output = Result<T, Failure>> + S
 /// All steps of a job share its [`ClaimOptions`] (lease, retention,
 /// in-progress policy, fingerprint); the mode decides the rest.
 pub struct Job<'a, L> {
-    effects: &'a Effects<L>,
+    ledger: &'a L,
     tenant: Tenant,
     job_type: String,
     subject: String,
@@ -222,9 +229,9 @@ impl<L> fmt::Debug for Job<'_, L> {
 }
 
 impl<'a, L: Ledger> Job<'a, L> {
-    pub(crate) fn new(effects: &'a Effects<L>, tenant: &Tenant, job_type: &str, subject: &str) -> Self {
+    pub(crate) fn new(ledger: &'a L, tenant: &Tenant, job_type: &str, subject: &str) -> Self {
         Job {
-            effects,
+            ledger,
             tenant: tenant.clone(),
             job_type: job_type.to_owned(),
             subject: subject.to_owned(),
@@ -276,27 +283,34 @@ impl<'a, L: Ledger> Job<'a, L> {
     /// `tenant/kind:subject:discriminator` for an effect legitimately repeated
     /// on one subject (a second invoice on the same order). Validated before
     /// any round trip.
+    ///
+    /// The subject and the discriminator are escaped (`\` → `\\`, `:` →
+    /// `\:`) before they are joined, so the encoding is injective: job
+    /// `order-1` step `invoice` with discriminator `invoice-2` and job
+    /// `order-1:invoice-2` step `invoice` are two effects
+    /// (`order-1:invoice-2` and `order-1\:invoice-2`). Subjects without `:`
+    /// or `\` keep their plain form.
     pub fn step_key(&self, kind: &str, discriminator: Option<&str>) -> Result<EffectKey> {
         // The job type is a label, but a bad one is still bad input.
         EffectKey::new(&self.tenant, &self.job_type, &self.subject)
             .map_err(|e| Error::invalid_key(format!("job type or subject: {e}")))?;
-        match discriminator {
-            None => EffectKey::new(&self.tenant, kind, &self.subject),
-            Some(d) => {
-                if d.is_empty() || d.trim() != d {
-                    return Err(Error::invalid_key(
-                        "discriminator must be non-empty, without leading or trailing whitespace",
-                    ));
-                }
-                EffectKey::new(&self.tenant, kind, format!("{}:{d}", self.subject))
+        let mut subject = escape_part(&self.subject);
+        if let Some(d) = discriminator {
+            if d.is_empty() || d.trim() != d {
+                return Err(Error::invalid_key(
+                    "discriminator must be non-empty, without leading or trailing whitespace",
+                ));
             }
+            subject.push(':');
+            subject.push_str(&escape_part(d));
         }
+        EffectKey::new(&self.tenant, kind, subject)
     }
 
     /// The stored record of a step, if any.
     pub async fn step_record(&self, kind: &str, discriminator: Option<&str>) -> Result<Option<Record>> {
         let key = self.step_key(kind, discriminator)?;
-        self.effects.ledger().get(&key).await
+        self.ledger.get(&key).await
     }
 
     /// Runs a [`ProviderKeyed`](StepMode::ProviderKeyed) or
@@ -354,39 +368,19 @@ impl<'a, L: Ledger> Job<'a, L> {
             )));
         }
         let (key, opts) = self.prepare(kind, discriminator, mode)?;
-        let span = claim_span(&key);
+        let ledger = self.ledger;
+        let span = telemetry::claim_span(&key);
         async move {
-            let lease = match self.effects.claim_with_policy(&key, &opts).await? {
-                Resolved::Lease(lease) => lease,
-                Resolved::Stored(outcome) => return decode(&key, &outcome),
+            let (lease, deadline) = match pipeline::claim(ledger, &key, &opts).await? {
+                Resolved::Lease(lease, deadline) => (lease, deadline),
+                Resolved::Stored(outcome) => return pipeline::decode(&key, &outcome),
             };
-            tracing::Span::current().record("fence", lease.fence);
-            let ctx = StepContext {
-                lease: lease.clone(),
-                mode,
-            };
-            let ledger = self.effects.ledger();
-            match with_renewal(ledger, &lease, opts.lease, f(ctx)).await {
-                Ok(value) => {
-                    let outcome = match self.encode(&value) {
-                        Ok(o) => o,
-                        Err(e) => {
-                            if mode == StepMode::AtMostOnce {
-                                // The effect has happened; releasing would
-                                // let the next delivery repeat it.
-                                tracing::error!(effect_key = %key, error = %e,
-                                    "at-most-once step ran but its outcome cannot be stored; left to be abandoned and reconciled");
-                            } else {
-                                self.effects.release_quietly(&lease).await;
-                            }
-                            return Err(e);
-                        }
-                    };
-                    self.effects.complete(&lease, &outcome).await?;
-                    Ok(value)
-                }
-                Err(failure) => self.effects.settle(&lease, &opts, Err::<T, _>(failure)).await,
-            }
+            let result = pipeline::run_held(ledger, &lease, deadline, &opts, |held| {
+                f(StepContext { lease: held, mode })
+            })
+            .await;
+            let settlement = pipeline::settlement(ledger, &lease, &opts, result);
+            pipeline::settle(ledger, &lease, settlement).await
         }
         .instrument(span)
         .await
@@ -424,20 +418,6 @@ impl<'a, L: Ledger> Job<'a, L> {
             }
         }
         Ok((key, opts))
-    }
-
-    /// The stored form of a value, refused if it exceeds the core's or the
-    /// backend's limit, before anything is written.
-    fn encode<T: Serialize>(&self, value: &T) -> Result<Outcome> {
-        let outcome = Outcome::from_json(&Envelope::Ok(value))?;
-        let max = self.effects.ledger().capabilities().max_outcome_bytes;
-        if outcome.len() > max {
-            return Err(Error::OutcomeTooLarge {
-                size: outcome.len(),
-                max,
-            });
-        }
-        Ok(outcome)
     }
 }
 
@@ -521,69 +501,36 @@ impl<L: TransactionalLedger> Job<'_, L> {
         F: for<'c> FnOnce(&'c mut L::Connection, StepContext) -> StepFuture<'c, T>,
     {
         let (key, opts) = self.prepare(kind, discriminator, StepMode::Transactional)?;
-        let ledger = self.effects.ledger();
-        let span = claim_span(&key);
+        let ledger = self.ledger;
+        let span = telemetry::claim_span(&key);
         async move {
-            let t0 = Instant::now();
-            let claim = ledger.claim_in(conn, &key, &opts).await?;
-            let label = claim.label();
-            telemetry::claim_recorded(ledger.backend(), &key, label, t0.elapsed());
-            tracing::Span::current().record("result", label);
-            let lease = match claim {
-                Claim::Acquired(lease) => lease,
-                Claim::Completed(record) => {
-                    telemetry::duplicate_seen(&key, true, record.created_at, record.read_at);
-                    let outcome = record.outcome.ok_or_else(|| Error::Corrupt {
-                        backend: ledger.backend(),
-                        message: format!("{key}: completed record without an outcome"),
-                    })?;
-                    return decode(&key, &outcome);
-                }
-                Claim::InProgress {
-                    fence,
-                    first_claimed_at,
-                    read_at,
-                    ..
-                } => {
-                    telemetry::duplicate_seen(&key, false, first_claimed_at, read_at);
-                    return Err(Error::InProgress {
-                        key: key.to_string(),
-                        fence,
-                    });
-                }
-                Claim::Abandoned(_) => return Err(Error::Abandoned { key: key.to_string() }),
+            let (lease, deadline) = match pipeline::claim_in(ledger, conn, &key, &opts).await? {
+                Resolved::Lease(lease, deadline) => (lease, deadline),
+                Resolved::Stored(outcome) => return pipeline::decode(&key, &outcome),
             };
-            tracing::Span::current().record("fence", lease.fence);
+            // No renewal: the transaction holds the claim's row until it ends.
+            let (held, _run) = HeldLease::new(lease.clone(), deadline);
             let ctx = StepContext {
-                lease: lease.clone(),
+                lease: held,
                 mode: StepMode::Transactional,
             };
-            match f(&mut *conn, ctx).await {
-                Ok(value) => {
-                    let outcome = self.encode(&value)?;
-                    ledger
-                        .complete_in(conn, &lease, &outcome)
-                        .await
-                        .inspect_err(|e| fence_check(&lease, e))?;
-                    Ok(value)
-                }
-                Err(Failure::Retryable(e)) => Err(Error::Handler(e)),
-                Err(Failure::Terminal(message)) => {
-                    if opts.cache_failures {
-                        let outcome = Outcome::from_json(&Envelope::<()>::Err(truncate(&message)))?;
-                        ledger
-                            .complete_in(conn, &lease, &outcome)
-                            .await
-                            .inspect_err(|e| fence_check(&lease, e))?;
-                    }
-                    Err(Error::Terminal {
-                        key: key.to_string(),
-                        message,
-                    })
-                }
-            }
+            let result = f(&mut *conn, ctx).await;
+            let settlement = pipeline::settlement(ledger, &lease, &opts, result);
+            pipeline::settle_in(ledger, conn, &lease, settlement).await
         }
         .instrument(span)
         .await
     }
+}
+
+/// Escapes `\` and `:` so that joining escaped parts with `:` is injective.
+fn escape_part(part: &str) -> String {
+    let mut out = String::with_capacity(part.len());
+    for c in part.chars() {
+        if matches!(c, '\\' | ':') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
 }

@@ -220,18 +220,40 @@ fn check_part(what: &str, s: &str, max: usize) -> Result<()> {
             s.len()
         )));
     }
-    if s.chars().any(|c| c.is_control() || is_invisible_format(c)) {
+    if let Some(c) = s.chars().find(|&c| is_deceptive(c)) {
         return Err(Error::invalid_key(format!(
-            "{what} must not contain control or invisible format characters"
+            "{what} must not contain control, format, invisible or non-ASCII space characters \
+             (found U+{:04X})",
+            c as u32
         )));
     }
     Ok(())
 }
 
-/// Zero-width and bidi-control characters make two keys look identical in a
-/// log while differing in the ledger.
-fn is_invisible_format(c: char) -> bool {
-    matches!(c, '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2060}'..='\u{2064}' | '\u{FEFF}')
+/// Characters that let two keys print the same while differing in the
+/// ledger: controls (Cc), format characters (Cf: zero-width, bidi controls
+/// and isolates, the soft hyphen, tag characters, the Arabic letter mark…),
+/// the rest of Unicode's default-ignorable code points (the combining
+/// grapheme joiner, Hangul fillers, variation selectors), line and paragraph
+/// separators, spaces other than U+0020, and noncharacters.
+///
+/// The ranges are Unicode 15.1's `Cf`, `Zl`, `Zp`, `Zs` and
+/// `Default_Ignorable_Code_Point` (DerivedCoreProperties.txt), which are
+/// stable: a character never leaves these sets in a later version.
+pub(crate) fn is_deceptive(c: char) -> bool {
+    if c.is_control() {
+        return true;
+    }
+    let u = c as u32;
+    matches!(
+        u,
+        0x00A0 | 0x00AD | 0x034F | 0x0600..=0x0605 | 0x061C | 0x06DD | 0x070F | 0x0890..=0x0891
+            | 0x08E2 | 0x115F..=0x1160 | 0x1680 | 0x17B4..=0x17B5 | 0x180B..=0x180F
+            | 0x2000..=0x200F | 0x2028..=0x202F | 0x205F..=0x206F | 0x3000 | 0x3164
+            | 0xFE00..=0xFE0F | 0xFEFF | 0xFFA0 | 0xFFF0..=0xFFFB | 0x110BD | 0x110CD
+            | 0x13430..=0x1343F | 0x1BCA0..=0x1BCA3 | 0x1D173..=0x1D17A | 0xE0000..=0xE0FFF
+            | 0xFDD0..=0xFDEF
+    ) || u & 0xFFFE == 0xFFFE
 }
 
 #[cfg(test)]
@@ -268,10 +290,75 @@ mod tests {
         assert!(EffectKey::new(&t(), "capture", "a\u{0}b").is_err());
         assert!(EffectKey::new(&t(), "capture", "a\nb").is_err());
         assert!(EffectKey::new(&t(), "capture", "a\u{200B}b").is_err());
+        assert!(EffectKey::new(&t(), "capture", "a b").is_ok());
+        assert!(EffectKey::new(&t(), "capture", "ünïcødé-注文-🧾").is_ok());
         assert!(EffectKey::new(&t(), "capture", " padded").is_err());
         assert!(EffectKey::new(&t(), "capture", "x".repeat(300)).is_err());
         let e = EffectKey::new(&t(), "capture", "x".repeat(300)).unwrap_err();
         assert!(matches!(e, Error::InvalidKey { .. }), "{e:?}");
+    }
+
+    /// Each of these makes a key print like another one (or like nothing).
+    #[test]
+    fn refuses_invisible_and_bidi_characters() {
+        let sneaky = [
+            '\u{00A0}',
+            '\u{00AD}',
+            '\u{034F}',
+            '\u{061C}',
+            '\u{115F}',
+            '\u{17B4}',
+            '\u{180E}',
+            '\u{2007}',
+            '\u{200B}',
+            '\u{200D}',
+            '\u{200E}',
+            '\u{2028}',
+            '\u{202E}',
+            '\u{202F}',
+            '\u{2060}',
+            '\u{2066}',
+            '\u{2067}',
+            '\u{2068}',
+            '\u{2069}',
+            '\u{206F}',
+            '\u{3000}',
+            '\u{3164}',
+            '\u{FE0F}',
+            '\u{FEFF}',
+            '\u{FFA0}',
+            '\u{FFFB}',
+            '\u{FFFE}',
+            '\u{1D173}',
+            '\u{E0001}',
+            '\u{E0041}',
+            '\u{E007F}',
+            '\u{E0100}',
+            '\u{FDD0}',
+            '\u{10FFFF}',
+            '\u{0085}',
+            '\u{007F}',
+        ];
+        for c in sneaky {
+            let subject = format!("order{c}1");
+            let e = EffectKey::new(&t(), "capture", &subject).unwrap_err();
+            assert!(matches!(e, Error::InvalidKey { .. }), "U+{:04X}: {e:?}", c as u32);
+            assert!(e.to_string().contains(&format!("U+{:04X}", c as u32)), "{e}");
+            assert!(
+                EffectKey::new(&t(), format!("cap{c}ture"), "x").is_err(),
+                "kind U+{:04X}",
+                c as u32
+            );
+            assert!(
+                EffectKey::for_client(&t(), &format!("user{c}"), "payment", "k").is_err(),
+                "principal U+{:04X}",
+                c as u32
+            );
+        }
+        // Visible non-ASCII text stays allowed.
+        for ok in ["café", "注文-1", "Ωmega", "🧾", "naïve–dash", "a\u{0301}"] {
+            assert!(EffectKey::new(&t(), "capture", ok).is_ok(), "{ok}");
+        }
     }
 
     #[test]

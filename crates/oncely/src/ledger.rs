@@ -1,7 +1,7 @@
 //! The backend contract.
 
 use std::future::Future;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use crate::error::Result;
 use crate::key::{EffectKey, Tenant};
@@ -29,26 +29,40 @@ pub struct Capabilities {
 /// An effect ledger: one implementation per backend crate.
 ///
 /// Every method is one atomic operation on the backend (one round trip where
-/// the backend allows it), decided by the backend's clock, and cancel-safe: a
-/// dropped future never loses a committed claim or leaves one half-written.
+/// the backend allows it), decided by the backend's clock *at the moment the
+/// write takes effect* (after any wait on a lock, never a statement's or a
+/// transaction's start time), and cancel-safe: a dropped future never loses a
+/// committed claim or leaves one half-written.
 ///
-/// The rules every backend follows (the conformance suite checks each):
-/// - `claim` on an absent key inserts an in-progress record with fence 1. If
-///   [`ClaimOptions::sent_at`] is older than the retention, it inserts nothing
-///   and fails with [`Error::BeyondHorizon`](crate::Error::BeyondHorizon).
+/// The rules every backend follows (the conformance suite checks each; the
+/// shared decisions are written once in [`backend`](crate::backend)):
+/// - `claim` on an absent key inserts an in-progress record whose fence is
+///   [`next_fence`](crate::backend::next_fence)`(None, now)`: above every
+///   fence the key ever had, even if its record was pruned. If
+///   [`ClaimOptions::sent_at`] is at or before the ledger's horizon for the
+///   key's tenant and kind ([`Ledger::horizon`]), it inserts nothing and fails
+///   with [`Error::BeyondHorizon`](crate::Error::BeyondHorizon).
 /// - `claim` on an existing key first compares fingerprints (both present and
 ///   different: [`Error::FingerprintMismatch`](crate::Error::FingerprintMismatch),
 ///   nothing changes); then a completed record answers [`Claim::Completed`], a
 ///   live lease [`Claim::InProgress`], an expired at-most-once lease
 ///   [`Claim::Abandoned`], and an expired lease or a released record is taken
-///   over with `fence + 1`.
+///   over with [`next_fence`](crate::backend::next_fence)`(Some(fence), now)`
+///   ([`answer_existing`](crate::backend::answer_existing)).
+/// - A granted lease reports `acquired_at` as the clock when the grant was
+///   written and never has less than half its length left then
+///   ([`needs_refresh`](crate::backend::needs_refresh)): a claim that waited
+///   on a lock must not hand out a lease that ended while it waited.
 /// - `complete`, `release` and `renew` succeed only while the record is in
 ///   progress at the lease's fence (an expired lease that nobody took over
 ///   still counts); otherwise they fail with
 ///   [`Error::LeaseLost`](crate::Error::LeaseLost) and change nothing.
 /// - `complete` and `release` keep the record until `now + retention` (the
 ///   retention given at claim time). `prune` deletes only completed and
-///   released records past that point: never a lease, never an abandoned step.
+///   released records past that point: never a lease, never an abandoned
+///   step; and it raises the horizon of each tenant and kind it deletes from
+///   to the newest `created_at` it deleted, before or atomically with the
+///   delete.
 pub trait Ledger: Send + Sync {
     /// The backend's name for metrics and spans (`memory`, `sqlite`, `postgres`…).
     fn backend(&self) -> &'static str;
@@ -78,6 +92,68 @@ pub trait Ledger: Send + Sync {
     /// Lists up to `limit` abandoned at-most-once steps of a tenant, oldest
     /// first, for reconciliation.
     fn abandoned(&self, tenant: &Tenant, limit: u64) -> impl Future<Output = Result<Vec<Record>>> + Send;
+
+    /// The horizon of a tenant and kind: the newest `created_at` among the
+    /// records `prune` deleted there (or what else the backend knows it may
+    /// have lost, such as a bucket's maximum age), on the backend's clock.
+    /// `None`: nothing of this tenant and kind was ever pruned. A claim whose
+    /// `sent_at` is at or before it fails with `BeyondHorizon` when its key
+    /// is absent.
+    fn horizon(&self, tenant: &Tenant, kind: &str)
+    -> impl Future<Output = Result<Option<SystemTime>>> + Send;
+
+    /// Whether a handler's error is a unique-constraint violation raised by
+    /// this backend's driver (a write of the handler's own, in the ledger's
+    /// database). The runners never take it for a duplicate: the claim
+    /// answers duplicates itself, so such a violation is a bug in the guard
+    /// or the data, reported as the non-retryable
+    /// [`Error::ConstraintViolation`](crate::Error::ConstraintViolation) and
+    /// counted. Backends without such errors keep the default, `None`;
+    /// otherwise the driver's message.
+    fn unique_violation(&self, error: &(dyn std::error::Error + 'static)) -> Option<String> {
+        let _ = error;
+        None
+    }
+}
+
+impl<L: Ledger + ?Sized> Ledger for &L {
+    fn backend(&self) -> &'static str {
+        (**self).backend()
+    }
+    fn capabilities(&self) -> Capabilities {
+        (**self).capabilities()
+    }
+    fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> impl Future<Output = Result<Claim>> + Send {
+        (**self).claim(key, opts)
+    }
+    fn complete(&self, lease: &Lease, outcome: &Outcome) -> impl Future<Output = Result<()>> + Send {
+        (**self).complete(lease, outcome)
+    }
+    fn release(&self, lease: &Lease) -> impl Future<Output = Result<()>> + Send {
+        (**self).release(lease)
+    }
+    fn renew(&self, lease: &Lease, extend_by: Duration) -> impl Future<Output = Result<Lease>> + Send {
+        (**self).renew(lease, extend_by)
+    }
+    fn get(&self, key: &EffectKey) -> impl Future<Output = Result<Option<Record>>> + Send {
+        (**self).get(key)
+    }
+    fn prune(&self, limit: u64) -> impl Future<Output = Result<u64>> + Send {
+        (**self).prune(limit)
+    }
+    fn abandoned(&self, tenant: &Tenant, limit: u64) -> impl Future<Output = Result<Vec<Record>>> + Send {
+        (**self).abandoned(tenant, limit)
+    }
+    fn horizon(
+        &self,
+        tenant: &Tenant,
+        kind: &str,
+    ) -> impl Future<Output = Result<Option<SystemTime>>> + Send {
+        (**self).horizon(tenant, kind)
+    }
+    fn unique_violation(&self, error: &(dyn std::error::Error + 'static)) -> Option<String> {
+        (**self).unique_violation(error)
+    }
 }
 
 impl<L: Ledger + ?Sized> Ledger for std::sync::Arc<L> {
@@ -108,6 +184,16 @@ impl<L: Ledger + ?Sized> Ledger for std::sync::Arc<L> {
     fn abandoned(&self, tenant: &Tenant, limit: u64) -> impl Future<Output = Result<Vec<Record>>> + Send {
         (**self).abandoned(tenant, limit)
     }
+    fn horizon(
+        &self,
+        tenant: &Tenant,
+        kind: &str,
+    ) -> impl Future<Output = Result<Option<SystemTime>>> + Send {
+        (**self).horizon(tenant, kind)
+    }
+    fn unique_violation(&self, error: &(dyn std::error::Error + 'static)) -> Option<String> {
+        (**self).unique_violation(error)
+    }
 }
 
 /// A ledger on a SQL database whose claims can join the caller's open
@@ -123,6 +209,21 @@ impl<L: Ledger + ?Sized> Ledger for std::sync::Arc<L> {
 pub trait TransactionalLedger: Ledger {
     /// The driver's connection type.
     type Connection: Send;
+
+    /// The driver's transaction (`sqlx::Transaction<'static, _>`): dereferences
+    /// to the connection that `claim_in` and `complete_in` take.
+    type Transaction: Send + std::ops::DerefMut<Target = Self::Connection>;
+
+    /// Begins a transaction on the ledger's pool, cancel-safely (a dropped
+    /// future never leaves a pooled connection inside a transaction), in the
+    /// mode the backend's claims need (SQLite: `BEGIN IMMEDIATE`).
+    fn begin(&self) -> impl Future<Output = Result<Self::Transaction>> + Send;
+
+    /// Commits a transaction from [`TransactionalLedger::begin`].
+    fn commit(&self, tx: Self::Transaction) -> impl Future<Output = Result<()>> + Send;
+
+    /// Rolls a transaction back (dropping it does too, later).
+    fn rollback(&self, tx: Self::Transaction) -> impl Future<Output = Result<()>> + Send;
 
     /// [`Ledger::claim`] on the caller's connection, inside its transaction.
     fn claim_in(

@@ -42,25 +42,30 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod backend;
 mod effects;
 mod error;
+mod held;
 mod job;
 mod key;
 mod ledger;
 mod memory;
+mod pipeline;
 mod record;
 pub mod telemetry;
 
 #[cfg(feature = "conformance")]
 pub mod conformance;
 
-pub use effects::{Effects, Failure};
+pub use effects::Effects;
 pub use error::{BoxError, Error, Result};
+pub use held::HeldLease;
 pub use job::{Job, StepContext, StepFuture, StepMode};
 pub use key::{EffectKey, MAX_KEY_BYTES, MAX_KIND_BYTES, MAX_TENANT_BYTES, Tenant};
 pub use ledger::{Capabilities, Ledger, TransactionalLedger};
 pub use memory::MemoryLedger;
+pub use pipeline::Failure;
 pub use record::{
     Claim, ClaimOptions, Fingerprint, Lease, MAX_OUTCOME_BYTES, OnInProgress, Outcome, Record, RecordState,
-    duration_micros, from_micros, to_micros,
+    StoredOutcome,
 };

@@ -5,6 +5,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
+use crate::backend::{self, answer_existing, check_outcome, effective_state, is_beyond_horizon, next_fence};
 use crate::error::{Error, Result};
 use crate::key::{EffectKey, Tenant};
 use crate::ledger::{Capabilities, Ledger};
@@ -23,8 +24,15 @@ struct Row {
 /// [`MemoryLedger::advance`].
 #[derive(Debug, Default)]
 pub struct MemoryLedger {
-    rows: Mutex<HashMap<EffectKey, Row>>,
+    rows: Mutex<Rows>,
     offset_us: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct Rows {
+    records: HashMap<EffectKey, Row>,
+    /// Per tenant and kind: the newest `created_at` that prune deleted.
+    horizons: HashMap<(Tenant, String), SystemTime>,
 }
 
 impl MemoryLedger {
@@ -33,16 +41,24 @@ impl MemoryLedger {
         Self::default()
     }
 
-    /// Moves this ledger's clock forward (lease expiry, retention).
+    /// Moves this ledger's clock forward (lease expiry, retention), by at
+    /// most ten years in all.
     pub fn advance(&self, by: Duration) {
-        self.offset_us.fetch_add(by.as_micros() as u64, Ordering::SeqCst);
+        let by = u64::try_from(by.as_micros())
+            .unwrap_or(u64::MAX)
+            .min(MAX_OFFSET_US);
+        let _ = self
+            .offset_us
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |o| {
+                Some(o.saturating_add(by).min(MAX_OFFSET_US))
+            });
     }
 
     fn now(&self) -> SystemTime {
         SystemTime::now() + Duration::from_micros(self.offset_us.load(Ordering::SeqCst))
     }
 
-    fn rows(&self) -> std::sync::MutexGuard<'_, HashMap<EffectKey, Row>> {
+    fn rows(&self) -> std::sync::MutexGuard<'_, Rows> {
         // A panic while holding the lock cannot leave a row half-written (each
         // operation mutates one row in one assignment), so poison is ignored.
         self.rows.lock().unwrap_or_else(|p| p.into_inner())
@@ -51,7 +67,7 @@ impl MemoryLedger {
     fn fenced<T>(&self, lease: &Lease, f: impl FnOnce(&mut Row, SystemTime) -> T) -> Result<T> {
         let now = self.now();
         let mut rows = self.rows();
-        match rows.get_mut(&lease.key) {
+        match rows.records.get_mut(&lease.key) {
             Some(row) if row.record.fence == lease.fence && row.record.state == RecordState::InProgress => {
                 Ok(f(row, now))
             }
@@ -63,13 +79,19 @@ impl MemoryLedger {
     }
 }
 
+/// Ten years of [`MemoryLedger::advance`]: far enough for any test, and no
+/// overflow when leases and retentions are added to the clock.
+const MAX_OFFSET_US: u64 = 10 * 366 * 86_400 * 1_000_000;
+
 fn view(row: &Row, now: SystemTime) -> Record {
     let mut r = row.record.clone();
     r.read_at = now;
-    if r.state == RecordState::InProgress && r.at_most_once && r.lease_expires_at.is_some_and(|e| e <= now) {
-        r.state = RecordState::Abandoned;
-    }
+    r.state = effective_state(r.state, r.at_most_once, r.lease_expires_at, now);
     r
+}
+
+fn clock_us(now: SystemTime) -> i64 {
+    backend::to_micros(now).unwrap_or(backend::MAX_MICROS)
 }
 
 impl Ledger for MemoryLedger {
@@ -92,26 +114,30 @@ impl Ledger for MemoryLedger {
         opts.validate()?;
         let now = self.now();
         let mut rows = self.rows();
-        let Some(row) = rows.get_mut(key) else {
-            if opts.sent_at.is_some_and(|s| s + opts.retention < now) {
+        let Rows { records, horizons } = &mut *rows;
+        let Some(row) = records.get_mut(key) else {
+            let horizon = horizons
+                .get(&(key.tenant().clone(), key.kind().to_owned()))
+                .copied();
+            if is_beyond_horizon(opts.sent_at, horizon) {
                 return Err(Error::BeyondHorizon { key: key.to_string() });
             }
             let lease = Lease {
                 key: key.clone(),
-                fence: 1,
+                fence: next_fence(None, clock_us(now)),
                 expires_at: now + opts.lease,
                 first_claimed_at: now,
                 acquired_at: now,
                 taken_over: false,
                 at_most_once: opts.at_most_once,
             };
-            rows.insert(
+            records.insert(
                 key.clone(),
                 Row {
                     record: Record {
                         key: key.clone(),
                         state: RecordState::InProgress,
-                        fence: 1,
+                        fence: lease.fence,
                         fingerprint: opts.fingerprint,
                         outcome: None,
                         at_most_once: opts.at_most_once,
@@ -126,30 +152,12 @@ impl Ledger for MemoryLedger {
             );
             return Ok(Claim::Acquired(lease));
         };
-        if let (Some(stored), Some(given)) = (row.record.fingerprint, opts.fingerprint)
-            && stored != given
-        {
-            return Err(Error::FingerprintMismatch { key: key.to_string() });
+        if let Some(answer) = answer_existing(key, opts, view(row, now))? {
+            return Ok(answer);
         }
         let r = &mut row.record;
-        let expired = r.lease_expires_at.is_none_or(|e| e <= now);
-        match r.state {
-            RecordState::Completed => return Ok(Claim::Completed(view(row, now))),
-            RecordState::InProgress if !expired => {
-                return Ok(Claim::InProgress {
-                    fence: r.fence,
-                    expires_at: r.lease_expires_at.unwrap_or(now),
-                    first_claimed_at: r.created_at,
-                    read_at: now,
-                });
-            }
-            RecordState::InProgress | RecordState::Abandoned if r.at_most_once => {
-                return Ok(Claim::Abandoned(view(row, now)));
-            }
-            _ => {}
-        }
         r.state = RecordState::InProgress;
-        r.fence += 1;
+        r.fence = next_fence(Some(r.fence), clock_us(now));
         r.at_most_once = opts.at_most_once;
         r.lease_expires_at = Some(now + opts.lease);
         r.updated_at = now;
@@ -169,6 +177,7 @@ impl Ledger for MemoryLedger {
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
+        check_outcome(outcome, MAX_OUTCOME_BYTES)?;
         self.fenced(lease, |row, now| {
             let r = &mut row.record;
             r.state = RecordState::Completed;
@@ -201,13 +210,14 @@ impl Ledger for MemoryLedger {
 
     async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
         let now = self.now();
-        Ok(self.rows().get(key).map(|row| view(row, now)))
+        Ok(self.rows().records.get(key).map(|row| view(row, now)))
     }
 
     async fn prune(&self, limit: u64) -> Result<u64> {
         let now = self.now();
         let mut rows = self.rows();
-        let doomed: Vec<EffectKey> = rows
+        let Rows { records, horizons } = &mut *rows;
+        let doomed: Vec<EffectKey> = records
             .values()
             .filter(|row| {
                 matches!(row.record.state, RecordState::Completed | RecordState::Released)
@@ -217,7 +227,12 @@ impl Ledger for MemoryLedger {
             .take(usize::try_from(limit).unwrap_or(usize::MAX))
             .collect();
         for k in &doomed {
-            rows.remove(k);
+            if let Some(row) = records.remove(k) {
+                let horizon = horizons
+                    .entry((k.tenant().clone(), k.kind().to_owned()))
+                    .or_insert(row.record.created_at);
+                *horizon = (*horizon).max(row.record.created_at);
+            }
         }
         Ok(doomed.len() as u64)
     }
@@ -226,6 +241,7 @@ impl Ledger for MemoryLedger {
         let now = self.now();
         let mut out: Vec<Record> = self
             .rows()
+            .records
             .values()
             .filter(|row| row.record.key.tenant() == tenant)
             .map(|row| view(row, now))
@@ -234,5 +250,13 @@ impl Ledger for MemoryLedger {
         out.sort_by_key(|r| r.created_at);
         out.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
         Ok(out)
+    }
+
+    async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
+        Ok(self
+            .rows()
+            .horizons
+            .get(&(tenant.clone(), kind.to_owned()))
+            .copied())
     }
 }

@@ -2,10 +2,10 @@
 //! leases, claims and claim options.
 
 use std::fmt;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
-use serde::Serialize;
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::key::EffectKey;
@@ -118,6 +118,67 @@ impl Outcome {
     pub fn into_bytes(self) -> Vec<u8> {
         self.0
     }
+
+    /// The outcome [`Effects`](crate::Effects) and [`Job`](crate::Job) store
+    /// for a handler that returned `value`: what a reconciler writes when the
+    /// provider says the effect happened, so that duplicates replay it.
+    pub fn value<T: Serialize + ?Sized>(value: &T) -> Result<Self> {
+        Outcome::from_json(&StoredOutcome::Value(value))
+    }
+
+    /// The outcome stored for a terminal failure (replayed to duplicates as
+    /// [`Error::Terminal`]). Messages longer than 4 KiB are cut at a
+    /// character boundary.
+    pub fn failure(message: &str) -> Result<Self> {
+        Outcome::from_json(&StoredOutcome::<()>::Failed(truncate(message)))
+    }
+
+    /// Decodes an outcome written by [`Effects`](crate::Effects),
+    /// [`Job`](crate::Job), [`Outcome::value`] or [`Outcome::failure`]: the
+    /// handler's value or its stored terminal failure.
+    pub fn decode<T: DeserializeOwned>(&self) -> Result<StoredOutcome<T>> {
+        self.to_value()
+    }
+}
+
+/// What the runners store as an effect's outcome: the handler's value, or the
+/// message of its terminal failure. Stored as JSON, `{"ok": value}` or
+/// `{"err": "message"}`; read it back with [`Outcome::decode`] or
+/// [`Record::stored`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StoredOutcome<T> {
+    /// The handler's value.
+    #[serde(rename = "ok")]
+    Value(T),
+    /// A terminal failure's message, replayed as [`Error::Terminal`].
+    #[serde(rename = "err")]
+    Failed(String),
+}
+
+impl<T> StoredOutcome<T> {
+    /// The value, or the stored failure as [`Error::Terminal`] for `key`.
+    pub fn into_result(self, key: &EffectKey) -> Result<T> {
+        match self {
+            StoredOutcome::Value(v) => Ok(v),
+            StoredOutcome::Failed(message) => Err(Error::Terminal {
+                key: key.to_string(),
+                message,
+            }),
+        }
+    }
+}
+
+/// Terminal messages are outcomes too; keep them well under the limit.
+fn truncate(message: &str) -> String {
+    const MAX: usize = 4096;
+    if message.len() <= MAX {
+        return message.to_owned();
+    }
+    let mut end = MAX;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &message[..end])
 }
 
 impl fmt::Debug for Outcome {
@@ -176,7 +237,8 @@ pub struct Record {
     pub key: EffectKey,
     /// Where the record is in its life.
     pub state: RecordState,
-    /// The fence of the latest lease (starts at 1, never reused).
+    /// The fence of the latest lease: above every fence the key ever had,
+    /// for the life of the ledger, prunes included (see [`Lease::fence`]).
     pub fence: u64,
     /// The request fingerprint of the first claim, if it gave one.
     pub fingerprint: Option<Fingerprint>,
@@ -198,6 +260,12 @@ pub struct Record {
 }
 
 impl Record {
+    /// The stored outcome decoded as [`Outcome::decode`] does; `None` when
+    /// the record holds no outcome (not completed).
+    pub fn stored<T: DeserializeOwned>(&self) -> Result<Option<StoredOutcome<T>>> {
+        self.outcome.as_ref().map(Outcome::decode).transpose()
+    }
+
     /// A lease at this record's fence, for reconciling an abandoned step or a
     /// stuck claim: complete or release it as if you held it. Fails with
     /// [`Error::LeaseLost`] if the record moved on meanwhile.
@@ -223,13 +291,19 @@ impl Record {
 pub struct Lease {
     /// The effect key.
     pub key: EffectKey,
-    /// The monotonic fence token of this lease.
+    /// The fence token of this lease: strictly above every fence the key
+    /// had before, for the life of the ledger (prunes included), so a stale
+    /// holder can never match a later lease. Backends derive it from their
+    /// clock (microseconds) or the previous fence + 1, whichever is higher
+    /// ([`backend::next_fence`](crate::backend::next_fence)).
     pub fence: u64,
     /// When the lease ends, on the backend's clock.
     pub expires_at: SystemTime,
     /// When the key was first claimed (by anyone), on the backend's clock.
     pub first_claimed_at: SystemTime,
-    /// When this lease was granted, on the backend's clock.
+    /// When this lease was granted: the backend's clock at the moment the
+    /// grant was written (after any wait on a lock), so
+    /// `expires_at - acquired_at` is what was left of the lease then.
     pub acquired_at: SystemTime,
     /// Whether this lease took over an expired lease or a released record.
     pub taken_over: bool,
@@ -301,7 +375,8 @@ pub enum OnInProgress {
 }
 
 /// Options of a claim. `ClaimOptions::default()` gives a 30 s lease, 7 days
-/// of retention, no fingerprint, and `Wait { max: 30 s }`.
+/// of retention, no fingerprint, `Wait { max: 30 s }`, and a safety margin
+/// of a quarter of the lease.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ClaimOptions {
     /// How long the lease lasts before another claimant may take it over.
@@ -316,14 +391,28 @@ pub struct ClaimOptions {
     /// At-most-once: an expired lease is reported as
     /// [`Claim::Abandoned`] instead of being taken over.
     pub at_most_once: bool,
-    /// When the message was first produced. If the key is absent and this is
-    /// older than `retention`, the record may have been pruned: the claim fails
-    /// with [`Error::BeyondHorizon`] instead of running the effect again.
+    /// When the message was first produced (the broker's or the producer's
+    /// timestamp). If the key is absent and this is at or before the
+    /// ledger's horizon for the key's tenant and kind (the creation time of
+    /// the newest record that `prune` deleted there), the record may have
+    /// been pruned: the claim fails with [`Error::BeyondHorizon`] instead of
+    /// running the effect again, whatever this claim's own retention.
+    ///
+    /// Without it, a claim cannot tell a pruned effect from a new one: a
+    /// replay that arrives after its record was pruned runs again. Give it
+    /// whenever the message carries its production time. It must lie between
+    /// 1970 and 9999 ([`Error::InvalidInput`] otherwise).
     pub sent_at: Option<SystemTime>,
     /// Whether a terminal handler failure is stored and replayed to
     /// duplicates (`true`, the default) or released so a later delivery tries
     /// again.
     pub cache_failures: bool,
+    /// The least lease that must be left, measured on the worker's
+    /// monotonic clock from when the claim request was sent, for the runner
+    /// to start the handler; a grant with less (a claim that waited on a
+    /// lock, a slow round trip) is given back and claimed again. `None`: a
+    /// quarter of the lease.
+    pub safety_margin: Option<Duration>,
 }
 
 impl Default for ClaimOptions {
@@ -338,6 +427,7 @@ impl Default for ClaimOptions {
             at_most_once: false,
             sent_at: None,
             cache_failures: true,
+            safety_margin: None,
         }
     }
 }
@@ -385,49 +475,54 @@ impl ClaimOptions {
         self
     }
 
-    /// Checks the options before any round trip: a lease of at least 1 ms
-    /// and at most a day, retention of at least the lease and at most ten years.
+    /// Sets the safety margin (see [`ClaimOptions::safety_margin`]).
+    pub fn safety_margin(mut self, margin: Duration) -> Self {
+        self.safety_margin = Some(margin);
+        self
+    }
+
+    /// The safety margin in effect: the one set, or a quarter of the lease.
+    pub fn margin(&self) -> Duration {
+        self.safety_margin.unwrap_or(self.lease / 4)
+    }
+
+    /// Checks the options before any round trip ([`Error::InvalidInput`]): a
+    /// lease of at least 1 ms and at most a day, retention of at least the
+    /// lease and at most ten years, a safety margin below the lease, and a
+    /// `sent_at` between 1970 and 9999.
     pub fn validate(&self) -> Result<()> {
         if self.lease < Duration::from_millis(1) || self.lease > Duration::from_secs(86_400) {
-            return Err(Error::Misuse(format!(
+            return Err(Error::InvalidInput(format!(
                 "lease must be between 1 ms and 1 day, got {:?}",
                 self.lease
             )));
         }
         if self.retention < self.lease || self.retention > Duration::from_secs(10 * 365 * 86_400) {
-            return Err(Error::Misuse(format!(
+            return Err(Error::InvalidInput(format!(
                 "retention must be at least the lease and at most 10 years, got {:?}",
                 self.retention
             )));
+        }
+        if self.margin() >= self.lease {
+            return Err(Error::InvalidInput(format!(
+                "safety margin {:?} must be shorter than the lease {:?}",
+                self.margin(),
+                self.lease
+            )));
+        }
+        if let Some(at) = self.sent_at {
+            crate::backend::to_micros(at).map_err(|_| {
+                Error::InvalidInput(format!("sent_at must lie between 1970 and 9999, got {at:?}"))
+            })?;
         }
         Ok(())
     }
 }
 
-/// Microseconds since the Unix epoch, the unit backends store timestamps in.
-pub fn to_micros(t: SystemTime) -> i64 {
-    match t.duration_since(UNIX_EPOCH) {
-        Ok(d) => d.as_micros() as i64,
-        Err(e) => -(e.duration().as_micros() as i64),
-    }
-}
-
-/// The inverse of [`to_micros`].
-pub fn from_micros(us: i64) -> SystemTime {
-    if us >= 0 {
-        UNIX_EPOCH + Duration::from_micros(us as u64)
-    } else {
-        UNIX_EPOCH - Duration::from_micros(us.unsigned_abs())
-    }
-}
-
-/// A duration in whole microseconds, saturating, for SQL parameters.
-pub fn duration_micros(d: Duration) -> i64 {
-    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
-}
-
 #[cfg(test)]
 mod tests {
+    use std::time::UNIX_EPOCH;
+
     use super::*;
 
     #[test]
@@ -458,11 +553,25 @@ mod tests {
     }
 
     #[test]
-    fn micros_round_trip() {
-        let now = SystemTime::now();
-        let back = from_micros(to_micros(now));
-        assert!(now.duration_since(back).unwrap() < Duration::from_micros(1));
-        assert_eq!(from_micros(-5), UNIX_EPOCH - Duration::from_micros(5));
+    fn stored_outcomes_decode_publicly() {
+        let k = EffectKey::parse("acme/capture:o-1").unwrap();
+        let ok = Outcome::value(&serde_json::json!({"charge": "ch_1"})).unwrap();
+        assert_eq!(ok.as_bytes(), br#"{"ok":{"charge":"ch_1"}}"#);
+        match ok.decode::<serde_json::Value>().unwrap() {
+            StoredOutcome::Value(v) => assert_eq!(v["charge"], "ch_1"),
+            other => panic!("{other:?}"),
+        }
+        let failed = Outcome::failure("card declined").unwrap();
+        assert_eq!(
+            failed.decode::<u32>().unwrap(),
+            StoredOutcome::Failed("card declined".into())
+        );
+        let e = failed.decode::<u32>().unwrap().into_result(&k).unwrap_err();
+        assert!(matches!(e, Error::Terminal { ref message, .. } if message == "card declined"));
+        let long = Outcome::failure(&"é".repeat(5000)).unwrap();
+        assert!(long.len() < 4200);
+        // A raw outcome that no runner wrote is a decoding error, not a value.
+        assert!(Outcome::from_json(&7).unwrap().decode::<u32>().is_err());
     }
 
     #[test]
@@ -475,6 +584,21 @@ mod tests {
                 .retention(Duration::from_secs(1))
                 .validate()
                 .is_err()
+        );
+        let bad = |o: ClaimOptions| matches!(o.validate(), Err(Error::InvalidInput(_)));
+        assert!(bad(
+            ClaimOptions::default().sent_at(UNIX_EPOCH - Duration::from_secs(1))
+        ));
+        assert!(bad(
+            ClaimOptions::default().sent_at(UNIX_EPOCH + Duration::from_secs(1 << 40))
+        ));
+        assert!(bad(ClaimOptions::default().safety_margin(Duration::from_secs(30))));
+        assert!(ClaimOptions::default().sent_at(UNIX_EPOCH).validate().is_ok());
+        assert!(
+            ClaimOptions::default()
+                .sent_at(SystemTime::now())
+                .validate()
+                .is_ok()
         );
     }
 }

@@ -22,6 +22,19 @@ pub const REDELIVERY_GAP_SECONDS: &str = "oncely_redelivery_gap_seconds";
 /// The span every claim runs in.
 pub const CLAIM_SPAN: &str = "oncely.claim";
 
+/// The span every claim runs in, with the fields of DESIGN.md §8 (`fence`
+/// and `result` are recorded once known).
+pub(crate) fn claim_span(key: &EffectKey) -> tracing::Span {
+    tracing::info_span!(
+        CLAIM_SPAN,
+        effect_key = %key,
+        tenant = %key.tenant(),
+        kind = key.kind(),
+        fence = tracing::field::Empty,
+        result = tracing::field::Empty,
+    )
+}
+
 /// Records one claim's result and latency.
 pub fn claim_recorded(backend: &'static str, key: &EffectKey, result: &'static str, took: Duration) {
     metrics::counter!(CLAIMS_TOTAL, "backend" => backend, "kind" => key.kind().to_owned(), "result" => result)
@@ -46,6 +59,13 @@ pub fn duplicate_seen(key: &EffectKey, suppressed: bool, first_claimed_at: Syste
 pub fn fence_rejected(key: &EffectKey) {
     metrics::counter!(FENCE_REJECTIONS_TOTAL, "kind" => key.kind().to_owned()).increment(1);
     tracing::warn!(effect_key = %key, "fenced write refused: the lease was taken over");
+}
+
+/// Records a grant the runner gave back because too little of its lease was
+/// left when it arrived (a claim that waited on a lock, a slow round trip).
+pub fn stale_grant(key: &EffectKey, left: Duration) {
+    tracing::warn!(effect_key = %key, left_ms = left.as_millis() as u64,
+        "lease arrived with less than the safety margin left; released and claiming again");
 }
 
 /// Records a unique violation on something other than the effect key.

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::sync::{Arc, Mutex};
 
-use oncely::{ClaimOptions, EffectKey, Effects, MemoryLedger, Tenant};
+use oncely::{ClaimOptions, EffectKey, Effects, Ledger, MemoryLedger, Tenant};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Metadata, Subscriber};
@@ -83,6 +83,7 @@ async fn claims_run_in_a_span_with_the_effect_key() {
             .await
             .unwrap();
     }
+    let fence = effects.ledger().get(&key).await.unwrap().unwrap().fence;
     let spans = spans.lock().unwrap();
     let claims: Vec<_> = spans
         .iter()
@@ -96,6 +97,6 @@ async fn claims_run_in_a_span_with_the_effect_key() {
         assert_eq!(f["kind"], "capture");
     }
     assert_eq!(claims[0]["result"], "acquired");
-    assert_eq!(claims[0]["fence"], "1");
+    assert_eq!(claims[0]["fence"], fence.to_string());
     assert_eq!(claims[1]["result"], "completed");
 }

@@ -1,0 +1,233 @@
+//! The backend kit: the rules every backend shares, written once, for the
+//! authors of backend crates.
+//!
+//! A backend writes its atomic operations (a statement, a script, a
+//! revision-checked update) and maps its rows; what a record *means* is
+//! decided here, so that the backends cannot drift apart:
+//!
+//! - [`answer_existing`]: what a claim answers when it finds a record it may
+//!   not take over (and whether it may take it over at all);
+//! - [`effective_state`]: an expired at-most-once lease reads as abandoned;
+//! - [`next_fence`]: the fence of a new grant, above every fence the key ever
+//!   had, prunes included;
+//! - [`is_beyond_horizon`]: when a claim for an absent key must be refused
+//!   because the ledger has pruned records at least that old;
+//! - [`needs_refresh`]: when a grant written with a clock read before a lock
+//!   wait must be refreshed before it is returned;
+//! - [`check_outcome`]: the outcome size limit;
+//! - [`to_micros`], [`from_micros`], [`duration_micros`]: the one time unit
+//!   backends store (microseconds since the Unix epoch), with checked
+//!   arithmetic.
+//!
+//! Backends written in another language (the Redis Lua scripts) restate
+//! these rules; their comments point here.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::error::{Error, Result};
+use crate::key::EffectKey;
+use crate::record::{Claim, ClaimOptions, Lease, MAX_OUTCOME_BYTES, Outcome, Record, RecordState};
+
+/// The latest instant a backend stores: 9999-12-31T23:59:59.999999Z, in
+/// microseconds since the Unix epoch. Every timestamp (and every sum of a
+/// timestamp and a lease or a retention) stays below 2^63 µs with room to
+/// spare, and below 2^53 (exact in a Lua or JSON number) until the year 2255.
+pub const MAX_MICROS: i64 = 253_402_300_799_999_999;
+
+/// Microseconds since the Unix epoch, the unit backends store timestamps
+/// in. Fails with [`Error::InvalidInput`] before 1970 or after
+/// [`MAX_MICROS`], instead of wrapping into a time that means something else.
+pub fn to_micros(t: SystemTime) -> Result<i64> {
+    let us = t
+        .duration_since(UNIX_EPOCH)
+        .map_err(|e| Error::InvalidInput(format!("{t:?} is {:?} before 1970", e.duration())))?
+        .as_micros();
+    i64::try_from(us)
+        .ok()
+        .filter(|us| *us <= MAX_MICROS)
+        .ok_or_else(|| Error::InvalidInput(format!("{t:?} is after the year 9999")))
+}
+
+/// The inverse of [`to_micros`]; any `i64` maps to a time (negative values
+/// before 1970), so decoding a stored value never panics.
+pub fn from_micros(us: i64) -> SystemTime {
+    if us >= 0 {
+        UNIX_EPOCH + Duration::from_micros(us.unsigned_abs())
+    } else {
+        UNIX_EPOCH - Duration::from_micros(us.unsigned_abs())
+    }
+}
+
+/// A duration in whole microseconds, saturating at `i64::MAX`. Leases and
+/// retentions are validated (at most ten years) before they get here.
+pub fn duration_micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
+/// The fence of a new grant: the backend clock's microseconds at the moment
+/// the grant is written, or `previous + 1` if that is higher.
+///
+/// A fence must stay above every fence the key ever had, for the life of the
+/// ledger. A takeover knows the previous fence; a claim of an absent key does
+/// not (the record may have been pruned, with whatever fence it had), so the
+/// clock carries the order: a pruned record's last fence was granted at least
+/// its retention before the prune, so today's clock is above it. This holds
+/// as long as the backend's clock never steps back by more than the shortest
+/// retention in use; leases rely on that clock already.
+///
+/// Backends that compute the fence in SQL or Lua write the same expression
+/// (`GREATEST(fence + 1, now_us)`), with `now_us` read after any lock wait.
+pub fn next_fence(previous: Option<u64>, now_us: i64) -> u64 {
+    let clock = u64::try_from(now_us).unwrap_or(0);
+    match previous {
+        None => clock.max(1),
+        Some(p) => clock.max(p.saturating_add(1)),
+    }
+}
+
+/// What a stored record is, as the contract reports it: an in-progress
+/// at-most-once record whose lease ended at or before `now` is
+/// [`RecordState::Abandoned`] (backends store it as in progress).
+pub fn effective_state(
+    stored: RecordState,
+    at_most_once: bool,
+    lease_expires_at: Option<SystemTime>,
+    now: SystemTime,
+) -> RecordState {
+    if stored == RecordState::InProgress && at_most_once && lease_expires_at.is_some_and(|e| e <= now) {
+        RecordState::Abandoned
+    } else {
+        stored
+    }
+}
+
+/// Whether a lease that ends at `expires_at` has ended at `now` (expiry is
+/// inclusive: a lease is live strictly before its end).
+pub fn lease_live(expires_at: Option<SystemTime>, now: SystemTime) -> bool {
+    expires_at.is_some_and(|e| e > now)
+}
+
+/// The answer to a claim that found `record` (read at `record.read_at` on the
+/// backend's clock, with its state already made effective).
+///
+/// - both fingerprints present and different: [`Error::FingerprintMismatch`];
+/// - completed: [`Claim::Completed`]; abandoned: [`Claim::Abandoned`];
+/// - in progress with a live lease: [`Claim::InProgress`];
+/// - `Ok(None)`: released, or an expired lease of a step that is not
+///   at-most-once: the claim takes the record over (with
+///   [`next_fence`]), in the same atomic operation that re-checks this
+///   decision against the record's current version.
+pub fn answer_existing(key: &EffectKey, opts: &ClaimOptions, record: Record) -> Result<Option<Claim>> {
+    if let (Some(stored), Some(given)) = (record.fingerprint, opts.fingerprint)
+        && stored != given
+    {
+        return Err(Error::FingerprintMismatch { key: key.to_string() });
+    }
+    Ok(match record.state {
+        RecordState::Completed => Some(Claim::Completed(record)),
+        RecordState::Abandoned => Some(Claim::Abandoned(record)),
+        RecordState::InProgress => match record.lease_expires_at {
+            Some(expires_at) if expires_at > record.read_at => Some(Claim::InProgress {
+                fence: record.fence,
+                expires_at,
+                first_claimed_at: record.created_at,
+                read_at: record.read_at,
+            }),
+            Some(_) | None if record.at_most_once => Some(Claim::Abandoned(Record {
+                state: RecordState::Abandoned,
+                ..record
+            })),
+            _ => None,
+        },
+        RecordState::Released => None,
+    })
+}
+
+/// Whether a claim of an absent key whose message was produced at `sent_at`
+/// must fail with [`Error::BeyondHorizon`]: the ledger has pruned a record
+/// of this tenant and kind created at `watermark` or later than the message,
+/// so the message's own record may have been among them.
+///
+/// Prune records the watermark (the newest `created_at` it deleted) before,
+/// or atomically with, the delete; a claim compares against a watermark read
+/// after it knows the key is absent.
+pub fn is_beyond_horizon(sent_at: Option<SystemTime>, watermark: Option<SystemTime>) -> bool {
+    matches!((sent_at, watermark), (Some(s), Some(w)) if s <= w)
+}
+
+/// Whether a grant must be refreshed (its expiry written again from the
+/// clock after the write) before the claim returns it: less than half the
+/// requested lease was left when it was written.
+///
+/// That happens when the statement read the clock, then waited on a lock
+/// (a concurrent transaction holding the key), then wrote: the lease was
+/// measured from before the wait. Returned as is, the next claimant could
+/// take it over at once while this one runs. A backend whose statements read
+/// the clock only after every wait never sees this; one that cannot ensure
+/// it renews the lease (fenced) when this says so, or claims again if the
+/// renewal finds it taken over.
+pub fn needs_refresh(lease: &Lease, requested: Duration) -> bool {
+    let left = lease
+        .expires_at
+        .duration_since(lease.acquired_at)
+        .unwrap_or_default();
+    left < requested / 2
+}
+
+/// Refuses an outcome over `max` (the backend's limit, at most
+/// [`MAX_OUTCOME_BYTES`]) with [`Error::OutcomeTooLarge`], before any write.
+pub fn check_outcome(outcome: &Outcome, max: usize) -> Result<()> {
+    let max = max.min(MAX_OUTCOME_BYTES);
+    if outcome.len() > max {
+        return Err(Error::OutcomeTooLarge {
+            size: outcome.len(),
+            max,
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn micros_are_checked() {
+        let now = SystemTime::now();
+        let back = from_micros(to_micros(now).unwrap());
+        assert!(now.duration_since(back).unwrap() < Duration::from_micros(1));
+        assert_eq!(from_micros(-5), UNIX_EPOCH - Duration::from_micros(5));
+        assert_eq!(to_micros(UNIX_EPOCH).unwrap(), 0);
+        assert_eq!(to_micros(from_micros(MAX_MICROS)).unwrap(), MAX_MICROS);
+        for bad in [
+            UNIX_EPOCH - Duration::from_micros(1),
+            from_micros(MAX_MICROS) + Duration::from_micros(1),
+            // 2^64 µs ahead used to wrap to a time near now.
+            UNIX_EPOCH + Duration::from_micros(u64::MAX) + Duration::from_secs(1),
+        ] {
+            assert!(matches!(to_micros(bad), Err(Error::InvalidInput(_))), "{bad:?}");
+        }
+        assert_eq!(from_micros(i64::MIN), UNIX_EPOCH - Duration::from_micros(1 << 63));
+        assert_eq!(duration_micros(Duration::MAX), i64::MAX);
+    }
+
+    #[test]
+    fn fences_follow_the_clock_and_never_repeat() {
+        assert_eq!(next_fence(None, 0), 1);
+        assert_eq!(next_fence(None, -7), 1);
+        assert_eq!(next_fence(None, 1_000), 1_000);
+        assert_eq!(next_fence(Some(1_000), 1_000), 1_001);
+        assert_eq!(next_fence(Some(5), 1_000), 1_000);
+        assert_eq!(next_fence(Some(u64::MAX), 1), u64::MAX);
+    }
+
+    #[test]
+    fn horizon_is_inclusive_and_needs_both() {
+        let w = UNIX_EPOCH + Duration::from_secs(100);
+        assert!(is_beyond_horizon(Some(w), Some(w)));
+        assert!(is_beyond_horizon(Some(w - Duration::from_secs(1)), Some(w)));
+        assert!(!is_beyond_horizon(Some(w + Duration::from_micros(1)), Some(w)));
+        assert!(!is_beyond_horizon(None, Some(w)));
+        assert!(!is_beyond_horizon(Some(w), None));
+    }
+}
