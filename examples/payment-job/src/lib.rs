@@ -34,7 +34,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, UNIX_EPOCH};
 
-use oncely::{ClaimOptions, EffectKey, Effects, Error, OnInProgress, Record, StepFuture, StepMode, Tenant};
+use oncely::{
+    ClaimOptions, EffectKey, Effects, Error, OnInProgress, Record, StepFuture, StepMode, StoredOutcome, Tenant,
+};
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
@@ -240,6 +242,9 @@ pub struct Pipeline<D> {
     pub mailer: Arc<FakeMailer>,
     /// The claim options of every step (lease, in-progress wait).
     pub opts: ClaimOptions,
+    /// Captures that ran under a lease taken over from an attempt that
+    /// crashed or stalled (`Lease::taken_over`).
+    pub capture_takeovers: Arc<AtomicU64>,
 }
 
 impl<D: Db> Pipeline<D> {
@@ -255,6 +260,7 @@ impl<D: Db> Pipeline<D> {
             opts: ClaimOptions::default()
                 .lease(lease)
                 .on_in_progress(OnInProgress::Wait { max: wait }),
+            capture_takeovers: Arc::default(),
         }
     }
 
@@ -291,6 +297,9 @@ impl<D: Db> Pipeline<D> {
             .step("capture", StepMode::ProviderKeyed, |ctx| {
                 let hook = &hook;
                 async move {
+                    if ctx.lease().taken_over {
+                        self.capture_takeovers.fetch_add(1, Ordering::SeqCst);
+                    }
                     hook.at(Boundary::AfterCaptureClaim).await;
                     let charge = self
                         .provider
@@ -607,10 +616,10 @@ pub async fn check<D: Db>(
             bad.push(format!("{id}: not paid exactly once: {order:?}"));
         }
         let capture = p.db.get(&p.step_key("capture", id)).await?;
-        let charge: Option<Charge> = capture
-            .and_then(|r| r.outcome)
-            .and_then(|o| o.to_value::<serde_json::Value>().ok())
-            .and_then(|v| serde_json::from_value(v["ok"].clone()).ok());
+        let charge: Option<Charge> = match capture.map(|r| r.stored::<Charge>()).transpose()? {
+            Some(Some(StoredOutcome::Value(charge))) => Some(charge),
+            _ => None,
+        };
         if charge.as_ref().map(|c| &c.id) != order.charge_id.as_ref() {
             bad.push(format!(
                 "{id}: order charge {:?} vs ledger {charge:?}",

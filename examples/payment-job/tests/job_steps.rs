@@ -62,7 +62,7 @@ async fn transactional_commits_or_vanishes<D: Db>(db: D) {
         .step_in("mark-paid", &mut *tx, mark_paid::<D>(&id, &ran))
         .await
         .unwrap();
-    assert_eq!(out, "paid at fence 1");
+    assert!(out.starts_with("paid at fence "), "{out}");
     drop(tx);
     assert!(job.step_record("mark-paid", None).await.unwrap().is_none());
     assert_eq!(order(&db, &id).await.status, "pending");
@@ -74,12 +74,10 @@ async fn transactional_commits_or_vanishes<D: Db>(db: D) {
         .await
         .unwrap();
     D::commit(tx).await.unwrap();
-    assert_eq!(
-        out, "paid at fence 1",
-        "the rolled-back claim left no fence behind"
-    );
     let r = job.step_record("mark-paid", None).await.unwrap().unwrap();
-    assert_eq!((r.state, r.fence), (RecordState::Completed, 1));
+    assert_eq!(r.state, RecordState::Completed);
+    assert_eq!(out, format!("paid at fence {}", r.fence));
+    assert!(!r.at_most_once);
     let o = order(&db, &id).await;
     assert_eq!((o.status.as_str(), o.paid_writes), ("paid", 1));
 
@@ -115,9 +113,12 @@ async fn concurrent_duplicates_run_once<D: Db>(db: D) {
             })
         })
         .collect();
+    let mut outs = Vec::new();
     for task in tasks {
-        assert_eq!(task.await.unwrap(), "paid at fence 1");
+        outs.push(task.await.unwrap());
     }
+    outs.dedup();
+    assert_eq!(outs.len(), 1, "every duplicate got the one outcome: {outs:?}");
     assert_eq!(ran.load(Ordering::SeqCst), 1, "one duplicate ran the step");
     assert_eq!(order(&db, &id).await.paid_writes, 1);
 }
@@ -254,10 +255,11 @@ async fn slow_step_keeps_its_lease<D: Db>(db: D) {
     };
     started.await.unwrap();
     let mut seen_live = 0;
+    let mut first_fence = None;
     while !slow.is_finished() {
         match db.claim(&key, &opts).await.unwrap() {
             Claim::InProgress { fence, .. } => {
-                assert_eq!(fence, 1);
+                assert_eq!(*first_fence.get_or_insert(fence), fence);
                 seen_live += 1;
             }
             Claim::Completed(_) => break,
@@ -269,8 +271,8 @@ async fn slow_step_keeps_its_lease<D: Db>(db: D) {
     assert!(seen_live > 0);
     let r = db.get(&key).await.unwrap().unwrap();
     assert_eq!(
-        (r.state, r.fence),
-        (RecordState::Completed, 1),
+        (r.state, Some(r.fence)),
+        (RecordState::Completed, first_fence),
         "renewed, never taken over"
     );
 }
