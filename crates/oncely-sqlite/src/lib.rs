@@ -91,8 +91,9 @@ use std::time::{Duration, SystemTime};
 
 use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Fingerprint, Lease, Ledger, Outcome, Record,
-    RecordState, Result, Tenant, TransactionalLedger, duration_micros, from_micros, to_micros,
+    RecordState, Result, Tenant, TransactionalLedger,
 };
+use oncely::backend::{duration_micros, from_micros, to_micros};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow};
 use sqlx::{AssertSqlSafe, Connection, Row};
 
@@ -360,7 +361,7 @@ impl SqliteLedger {
     ) -> Result<Claim> {
         opts.validate()?;
         let retention = duration_micros(opts.retention);
-        let sent_at = opts.sent_at.map(to_micros);
+        let sent_at = opts.sent_at.map(to_micros).transpose()?;
         // A takeover-able record or a vanished row seen by the follow-up read
         // means the record changed after the claim statement ran (released,
         // expired or pruned in between); claim again. Each pass is atomic, so
@@ -619,10 +620,27 @@ impl Ledger for SqliteLedger {
             .map_err(map)?;
         rows.iter().map(decode_record).collect()
     }
+
+    async fn horizon(&self, _tenant: &Tenant, _kind: &str) -> Result<Option<SystemTime>> {
+        Ok(None)
+    }
 }
 
 impl TransactionalLedger for SqliteLedger {
     type Connection = SqliteConnection;
+    type Transaction = Transaction<'static, Sqlite>;
+
+    async fn begin(&self) -> Result<Self::Transaction> {
+        SqliteLedger::begin(self).await
+    }
+
+    async fn commit(&self, tx: Self::Transaction) -> Result<()> {
+        tx.commit().await.map_err(map)
+    }
+
+    async fn rollback(&self, tx: Self::Transaction) -> Result<()> {
+        tx.rollback().await.map_err(map)
+    }
 
     /// Claims on the caller's connection, inside its transaction: the claim
     /// commits or rolls back with it. Start the transaction with
