@@ -3,7 +3,8 @@
 //!
 //! - `oncely`: `Ledger::claim` + `Ledger::complete` (two Lua scripts by
 //!   `EVALSHA`: existence check, fingerprint check, server `TIME`, one hash
-//!   per record, fenced completion, TTL).
+//!   per record with a clock fence, fenced completion; no TTL, records
+//!   are deleted by prune).
 //! - `baseline`: `SET key "in_progress:1" NX PX <lease>`, then
 //!   `SET key <outcome> XX PX <retention>`: the usual hand-rolled Redis
 //!   idempotency guard, with no fence, no fingerprint and no stored state
@@ -11,7 +12,9 @@
 //!
 //! Both sides use one `ConnectionManager` (one multiplexed connection) to the
 //! server at `ONCELY_REDIS_URL` (default `redis://127.0.0.1:6379`), and keys
-//! of the same shape and length. Records expire two minutes after the run.
+//! of the same shape and length. The ledger's records carry no TTL (only
+//! prune deletes them), so the bench deletes every key of its prefixes when
+//! it is done; the baseline's keys expire a minute after the run.
 #![allow(missing_docs)]
 
 use std::sync::Arc;
@@ -44,14 +47,9 @@ struct Setup {
 
 async fn setup() -> Setup {
     let url = std::env::var("ONCELY_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
-    let ledger = RedisLedger::connect_with(
-        &url,
-        RedisLedgerOptions::default()
-            .prefix("oncely-bench:")
-            .expiry_grace(Duration::from_secs(60)),
-    )
-    .await
-    .expect("Redis for the bench");
+    let ledger = RedisLedger::connect_with(&url, RedisLedgerOptions::default().prefix("oncely-bench:"))
+        .await
+        .expect("Redis for the bench");
     let raw = ConnectionManager::new(redis::Client::open(url).unwrap())
         .await
         .unwrap();
@@ -136,6 +134,7 @@ fn bench(c: &mut Criterion) {
         .build()
         .unwrap();
     let setup = Arc::new(rt.block_on(setup()));
+    let cleanup = setup.clone();
     for (group_name, tasks) in [
         ("redis/claim_complete_1_task", 1u64),
         ("redis/claim_complete_8_tasks", 8),
@@ -153,6 +152,37 @@ fn bench(c: &mut Criterion) {
             });
         }
         group.finish();
+    }
+    rt.block_on(clean(&cleanup));
+}
+
+/// Deletes the ledger's records of this run (records carry no TTL: only
+/// prune deletes them, and prune would wait out their retention).
+async fn clean(s: &Setup) {
+    let mut conn = s.raw.clone();
+    let pattern = format!("oncely-bench:{{*}}:{}/*", s.tenant);
+    let mut cursor = 0u64;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        if !keys.is_empty() {
+            let _: u64 = redis::cmd("UNLINK")
+                .arg(&keys)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+        }
+        if next == 0 {
+            break;
+        }
+        cursor = next;
     }
 }
 

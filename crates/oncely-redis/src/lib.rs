@@ -3,8 +3,9 @@
 //! The Redis and Redis Cluster backend of [oncely]: an effect ledger
 //! in which every operation (claim, complete, release, renew, get) is one Lua
 //! script, so the check and the write are one atomic step on the server and
-//! one round trip from the worker. Lease expiry and retention are decided by
-//! the server's clock (`redis.call('TIME')`), never by a worker's.
+//! one round trip from the worker. Lease expiry, retention and fences are
+//! decided by the server's clock (`redis.call('TIME')`, read inside the
+//! script that writes), never by a worker's.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -34,10 +35,13 @@
 //! | caller's transaction | no: Redis cannot join a SQL transaction |
 //! | durability | as the server is configured (see below); none at all with `--save "" --appendonly no` |
 //! | replication | asynchronous: a claim returns before any replica has it ([`Capabilities::replicated`](oncely::Capabilities) is `false`) |
-//! | clock | the Redis server's `TIME` (per master in a cluster; each key lives on one master) |
+//! | clock | the Redis server's `TIME`, read inside each script, so at the moment its write takes effect (per master in a cluster; each record lives on one master) |
+//! | fences | the server's clock in µs at the grant, or the previous fence + 1 if higher ([`next_fence`](oncely::backend::next_fence)): never repeated for a key, prunes included, as long as a master's clock never steps back by more than the shortest retention in use (or a failover promotes a replica whose clock is that far behind) |
+//! | expiry | none: records carry no TTL, and only [`prune`](oncely::Ledger::prune) deletes them, so **prune must be scheduled** (see Records) |
+//! | horizon | a watermark per tenant and kind that prune raises before it deletes; one server: read atomically with the claim; a cluster: read after the claim's insert, one more round trip for a claim with `sent_at` that inserts (see Horizon) |
 //! | max key | [`oncely::MAX_KEY_BYTES`] bytes of effect key, plus the prefix and a 19-byte hash tag |
 //! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] bytes, stored in the record's hash |
-//! | cluster | yes: each operation touches exactly one key, so one slot |
+//! | cluster | yes: each operation on a record touches exactly one key, so one slot |
 //!
 //! ## Records
 //!
@@ -56,15 +60,19 @@
 //! set), because every field written costs server time on every claim.
 //! `src/lua/prelude.lua` lists them; format 1 records are read as well.
 //!
-//! A completed or released record carries a TTL of its retention plus
-//! [`RedisLedgerOptions::expiry_grace`] (1 minute by default), so Redis
-//! deletes it by itself; [`prune`](oncely::Ledger::prune) deletes the ones
-//! already past their retention a little earlier, by walking the keyspace of
-//! every master with `SCAN` (one script call per candidate: an operator job,
-//! not a hot path). A lease in progress has no TTL, and neither has an
-//! abandoned at-most-once step: both stay until they are resolved, as the
-//! contract requires (a vanished lease would let its fence be reused; a
-//! vanished abandoned step would be run again).
+//! No record carries a TTL. [`prune`](oncely::Ledger::prune) is the one path
+//! that deletes records, because a deletion must raise the horizon first
+//! (a record that Redis expired by itself would vanish without a trace, and
+//! a late replay of its message would run the effect again). **Schedule
+//! `prune`** (for example every few minutes, with a limit): without it the
+//! completed and released records stay in Redis's memory for good. Prune
+//! deletes completed and released records past their retention, walking
+//! the keyspace of every master with `SCAN` (a few script calls per
+//! candidate: an operator job, not a hot path). A lease in progress is never
+//! pruned, and neither is an abandoned at-most-once step: both stay until
+//! they are resolved, as the contract requires. Records written by earlier
+//! versions of this crate carry a TTL; the first prune that visits one
+//! removes it (one that expires before that leaves the horizon unraised).
 //!
 //! [`abandoned`](oncely::Ledger::abandoned) also walks every master with
 //! `SCAN MATCH` on the tenant's prefix and reads each match, so its cost grows
@@ -72,11 +80,35 @@
 //! it from reconciliation jobs, not per request. A resharding in progress
 //! while it runs may hide a record from one listing.
 //!
+//! ## Horizon
+//!
+//! The horizon of a tenant and kind ([`Ledger::horizon`](oncely::Ledger::horizon))
+//! is a plain string key, `<prefix>{<tag>}#horizon:<tenant>/<kind>`
+//! ([`RedisLedger::horizon_key`]), holding the microseconds of the newest
+//! creation time among the records prune deleted there. Prune raises it
+//! (never lowers it) before it deletes those records. A claim with
+//! [`ClaimOptions::sent_at`] that finds its key absent fails with
+//! [`Error::BeyondHorizon`] if `sent_at` is at or before it
+//! ([`is_beyond_horizon`](oncely::backend::is_beyond_horizon)). On one
+//! server the claim script reads the watermark in the same atomic step as
+//! its insert. In a cluster the watermark lives in another slot, so a claim
+//! that inserted reads it afterwards and, past the horizon, deletes its own
+//! insert again (only if it is still exactly the record it wrote) before
+//! failing; this runs to completion even if the caller drops the claim's
+//! future. If that delete cannot reach the server, the claim fails all the
+//! same and its record stays in progress until the lease ends; a later
+//! delivery then takes it over like any abandoned lease, without a horizon
+//! check (it is logged as an error).
+//!
+//! A claim without `sent_at` cannot be told from new work: if its record
+//! was pruned, it acquires and runs the effect again. Pass the message's
+//! production time wherever the broker gives one.
+//!
 //! ## Durability: what the server configuration gives
 //!
 //! - `appendonly no` and no snapshots (how this project's test server runs):
-//!   nothing survives a restart. A restart forgets every claim and every
-//!   outcome, and redeliveries then run their effects again.
+//!   nothing survives a restart. A restart forgets every claim, every
+//!   outcome and every horizon, and redeliveries then run their effects again.
 //! - `appendonly yes` with `appendfsync everysec`: a crash of the machine can
 //!   lose about the last second of acknowledged claims and completions.
 //!   `appendfsync always` fsyncs each write before the reply; then a single
@@ -87,17 +119,21 @@
 //!   rolls back a write that `WAIT` failed to replicate. This crate does not
 //!   issue `WAIT`.
 //! - A failover can lose what the old master acknowledged but had not yet
-//!   replicated: a claim (and the next delivery acquires the key again) or a
+//!   replicated: a claim (and the next delivery acquires the key again), a
 //!   completion (and the next delivery finds the lease, later takes it over
-//!   and runs the effect again). Either way a duplicate effect is possible.
+//!   and runs the effect again) or a raise of the horizon. Either way a
+//!   duplicate effect is possible.
 //!   Provider-keyed steps stay safe because the provider deduplicates by
 //!   [`Lease::provider_key`](oncely::Lease::provider_key); at-most-once steps
 //!   may be sent twice. Where that is not acceptable, use a consensus
 //!   replicated backend (oncely-nats with R=3) or PostgreSQL.
 //! - Eviction: the server must run `maxmemory-policy noeviction`. Under
-//!   `allkeys-*` Redis may evict a live lease or an abandoned step; under
-//!   `volatile-*` it may evict completed records (they carry a TTL) before
-//!   their retention ends, and a redelivery would run the effect again.
+//!   `allkeys-*` Redis may evict a live lease, an abandoned step, a
+//!   completed record before its retention ends (a redelivery would run the
+//!   effect again) or a horizon watermark. `volatile-*` evicts only keys with
+//!   a TTL, which this crate no longer sets, but records written by earlier
+//!   versions carry one until prune removes it, and a policy that evicts is
+//!   one setting away from evicting everything, so it is refused as well.
 //!   [`RedisLedger::connect`] reads `CONFIG GET maxmemory-policy` on every
 //!   master and refuses any other policy unless
 //!   [`RedisLedgerOptions::require_noeviction`] is turned off; where `CONFIG`
@@ -110,37 +146,54 @@
 //! or a cluster in transition (`TRYAGAIN`, `CLUSTERDOWN`, `LOADING`) is
 //! [`Error::Backend`] with `retryable: true`. `MOVED` and `ASK` are followed by
 //! the cluster client. A key holding something oncely did not write (a
-//! string, a foreign hash) is [`Error::Corrupt`] and is never overwritten.
+//! string, a foreign hash) is [`Error::Corrupt`] and is never overwritten;
+//! so is a horizon key that does not hold a number.
 //!
 //! Each operation is one script, and Redis runs a script entirely or not at
 //! all, so a dropped future never leaves a half-applied change. A claim whose
 //! future was dropped may still have been applied on the server: the key is
 //! then in progress until the lease expires and is taken over afterwards (or
 //! reported abandoned, for an at-most-once step), as the contract allows.
+//! Metrics and spans of claims are recorded by oncely's runners, not here.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod conn;
+mod error;
+mod reply;
 
+use std::collections::HashMap;
 use std::sync::{Arc, LazyLock};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
+use oncely::backend::{
+    answer_existing, check_outcome, duration_micros, from_micros, is_beyond_horizon, to_micros,
+};
 use oncely::{
-    Capabilities, Claim, ClaimOptions, EffectKey, Error, Fingerprint, Lease, Ledger, Outcome, Record,
-    RecordState, Result, Tenant, duration_micros, from_micros, to_micros,
+    Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, RecordState, Result,
+    Tenant,
 };
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
-use redis::{Cmd, ErrorKind, RedisError, Script, ServerErrorKind, Value};
+use redis::{Cmd, ErrorKind, Script, ServerErrorKind, Value};
 
 use crate::conn::{Conn, Node};
+use crate::error::{corrupt, map_err, unexpected};
+use crate::reply::{array, int, policy_of, record, scan_page, tag, text, uint};
 
-const BACKEND: &str = "redis";
+pub(crate) const BACKEND: &str = "redis";
 const DEFAULT_PREFIX: &str = "oncely:";
 /// The hash tag is this many hex digits of BLAKE3: 64 bits, so two keys
 /// sharing a tag is as likely as any other slot collision and harmless.
 const TAG_HEX: usize = 16;
 const SCAN_COUNT: usize = 500;
+/// What follows a horizon key's tag. A record key has `:` there, so neither
+/// this ledger's `SCAN` patterns nor those of a ledger with another prefix
+/// (prefixes cannot contain `{`) ever match a horizon key.
+const HORIZON_INFIX: &str = "#horizon:";
+/// How often a cluster claim tries to take back an insert that turned out to
+/// be beyond the horizon, on retryable errors, before it gives up and logs.
+const UNDO_ATTEMPTS: u32 = 4;
 
 macro_rules! lua {
     ($file:literal) => {
@@ -152,14 +205,14 @@ static CLAIM: LazyLock<Script> = lua!("lua/claim.lua");
 static FENCED: LazyLock<Script> = lua!("lua/fenced.lua");
 static GET: LazyLock<Script> = lua!("lua/get.lua");
 static PRUNE: LazyLock<Script> = lua!("lua/prune.lua");
+static HORIZON: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/horizon.lua")));
 
 /// Options of a [`RedisLedger`]. `RedisLedgerOptions::default()` gives the
-/// prefix `oncely:`, a 1 minute expiry grace, a 2 s connection timeout, a 5 s
-/// response timeout and a required `noeviction` policy.
+/// prefix `oncely:`, a 2 s connection timeout, a 5 s response timeout and a
+/// required `noeviction` policy.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisLedgerOptions {
     prefix: String,
-    expiry_grace: Duration,
     connection_timeout: Duration,
     response_timeout: Duration,
     require_noeviction: bool,
@@ -169,7 +222,6 @@ impl Default for RedisLedgerOptions {
     fn default() -> Self {
         RedisLedgerOptions {
             prefix: DEFAULT_PREFIX.to_owned(),
-            expiry_grace: Duration::from_secs(60),
             connection_timeout: Duration::from_secs(2),
             response_timeout: Duration::from_secs(5),
             require_noeviction: true,
@@ -183,14 +235,6 @@ impl RedisLedgerOptions {
     /// the `SCAN` patterns). Checked when connecting.
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
-        self
-    }
-
-    /// Sets how long past its retention a completed or released record is
-    /// left for [`prune`](oncely::Ledger::prune) before Redis expires it by
-    /// itself. Zero leaves all deletion to Redis (prune then finds nothing).
-    pub fn expiry_grace(mut self, grace: Duration) -> Self {
-        self.expiry_grace = grace;
         self
     }
 
@@ -226,9 +270,6 @@ impl RedisLedgerOptions {
                 "redis key prefix {:?} must be at most 64 printable ASCII characters without {{ }} * ? [ ] \\",
                 self.prefix
             )));
-        }
-        if self.expiry_grace > Duration::from_secs(365 * 86_400) {
-            return Err(Error::Config("expiry grace must be at most a year".into()));
         }
         Ok(())
     }
@@ -339,6 +380,14 @@ impl RedisLedger {
         record_key(&self.opts.prefix, key)
     }
 
+    /// The Redis key that holds the horizon watermark of a tenant and kind:
+    /// `<prefix>{<16 hex of BLAKE3(tenant/kind)>}#horizon:<tenant>/<kind>`,
+    /// a string of the microseconds since 1970 of the newest creation time
+    /// among the records prune deleted there.
+    pub fn horizon_key(&self, tenant: &Tenant, kind: &str) -> String {
+        horizon_key(&self.opts.prefix, tenant, kind)
+    }
+
     /// Whether this ledger talks to a cluster.
     pub fn is_cluster(&self) -> bool {
         matches!(self.conn, Conn::Cluster(_))
@@ -388,12 +437,8 @@ impl RedisLedger {
 
     async fn fenced(&self, lease: &Lease, op: &str, arg: &[u8]) -> Result<Vec<Value>> {
         let rkey = self.redis_key(&lease.key);
-        let mut cmd = evalsha(&FENCED, &rkey);
-        cmd.arg(lease.key.as_str())
-            .arg(lease.fence)
-            .arg(op)
-            .arg(arg)
-            .arg(duration_micros(self.opts.expiry_grace));
+        let mut cmd = evalsha(&FENCED, &rkey, None);
+        cmd.arg(lease.key.as_str()).arg(lease.fence).arg(op).arg(arg);
         let reply = self.run(&FENCED, &cmd).await?;
         let parts = array(reply)?;
         match tag(&parts)? {
@@ -405,6 +450,178 @@ impl RedisLedger {
             "corrupt" => Err(corrupt(&rkey, &parts)),
             other => Err(unexpected(other)),
         }
+    }
+
+    /// Reads a horizon watermark: `None` where nothing was ever pruned.
+    async fn watermark(&self, hkey: &str) -> Result<Option<SystemTime>> {
+        let bad = |what: String| Error::Corrupt {
+            backend: BACKEND,
+            message: format!("{hkey}: {what}"),
+        };
+        let mut conn = self.conn.clone();
+        match redis::cmd("GET").arg(hkey).query_async::<Value>(&mut conn).await {
+            Ok(Value::Nil) => Ok(None),
+            Ok(v) => text(&v)
+                .and_then(|s| s.parse::<i64>().ok())
+                .map(|us| Some(from_micros(us)))
+                .ok_or_else(|| bad(format!("horizon key holds {v:?}, not a watermark"))),
+            Err(e) if e.code() == Some("WRONGTYPE") => {
+                Err(bad("horizon key holds another type, not a watermark".into()))
+            }
+            Err(e) => Err(map_err(e)),
+        }
+    }
+
+    /// The cluster half of the horizon check, for a claim with `sent_at`
+    /// that inserted a new record: reads the watermark of the key's tenant
+    /// and kind (another slot, so not in the claim's script) and, if the
+    /// message is at or before it, takes the insert back and fails with
+    /// [`Error::BeyondHorizon`]. A watermark that cannot be read takes the
+    /// insert back too and fails with that error (fail closed: the
+    /// redelivery claims again and checks again).
+    ///
+    /// Why this order cannot let a pruned effect run again: prune raises the
+    /// watermark to at least a record's creation time and only *then*
+    /// deletes the record (each step acknowledged before the next is sent).
+    /// A replay's claim either runs its script before that delete, and
+    /// finds the record (completed: the stored outcome, nothing runs), or
+    /// after it; then the raise was acknowledged before the delete, the
+    /// delete before the insert, and the insert before this read, so this
+    /// read sees the raised watermark and refuses. Reading before the insert
+    /// would leave a gap: prune could raise and delete between the read and
+    /// the insert.
+    ///
+    /// It runs as a task of its own, so a caller that drops the claim's
+    /// future does not leave the insert behind: an insert left behind would
+    /// be taken over after its lease like any abandoned claim, with no
+    /// horizon check, and the pruned effect would run again.
+    async fn settle_horizon(&self, lease: Lease, hkey: String, sent_at: Option<SystemTime>) -> Result<Lease> {
+        let ledger = self.clone();
+        let task = tokio::spawn(async move {
+            let watermark = ledger.watermark(&hkey).await;
+            if let Ok(w) = &watermark
+                && !is_beyond_horizon(sent_at, *w)
+            {
+                return Ok(lease);
+            }
+            ledger.undo(&lease).await;
+            match watermark {
+                Ok(_) => Err(Error::BeyondHorizon {
+                    key: lease.key.to_string(),
+                }),
+                Err(e) => Err(e),
+            }
+        });
+        task.await.map_err(|e| Error::Backend {
+            backend: BACKEND,
+            message: format!("horizon check of a claim did not finish: {e}"),
+            retryable: true,
+        })?
+    }
+
+    /// Deletes the record a claim just inserted, if it is still exactly that
+    /// record (fenced by the lease, and its creation time), retrying
+    /// transient errors a few times. Failures are logged: the caller fails
+    /// its claim either way.
+    async fn undo(&self, lease: &Lease) {
+        let created = match to_micros(lease.first_claimed_at) {
+            Ok(us) => us.to_string(),
+            Err(e) => {
+                tracing::error!(key = %lease.key, error = %e, "cannot take back a claim beyond the horizon");
+                return;
+            }
+        };
+        let mut pause = Duration::from_millis(50);
+        for attempt in 1..=UNDO_ATTEMPTS {
+            match self.fenced(lease, "undo", created.as_bytes()).await {
+                // Lost: no longer the record this claim wrote (taken over
+                // after its lease ended), so nothing of ours to take back.
+                Ok(_) | Err(Error::LeaseLost { .. }) => return,
+                Err(e) if e.is_retryable() && attempt < UNDO_ATTEMPTS => {
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                }
+                Err(e) => {
+                    tracing::error!(
+                        key = %lease.key,
+                        fence = lease.fence,
+                        error = %e,
+                        "cannot take back a claim beyond the horizon; its record stays in progress \
+                         and a later delivery may take it over after the lease ends"
+                    );
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Prunes what is due among one `SCAN` page's keys, at most `budget`
+    /// records: first raises the horizon of each tenant and kind to the
+    /// newest creation time it will delete there, then deletes (see
+    /// [`RedisLedger::settle_horizon`] for why in this order). A raise that
+    /// fails stops prune before it deletes anything of that page.
+    async fn prune_page(&self, conn: &mut Conn, keys: Vec<String>, budget: u64) -> Result<u64> {
+        let mut due = Vec::new();
+        for rkey in keys {
+            if due.len() as u64 >= budget {
+                break;
+            }
+            let reply: Value = PRUNE
+                .key(&rkey)
+                .arg("")
+                .arg("check")
+                .invoke_async(conn)
+                .await
+                .map_err(map_err)?;
+            let parts = array(reply)?;
+            if tag(&parts)? != "due" {
+                continue;
+            }
+            let stored = parts.get(1).and_then(text).unwrap_or_default();
+            let created = int(parts.get(2))?;
+            match EffectKey::parse(&stored) {
+                Ok(key) if self.redis_key(&key) == rkey => due.push((rkey, key, created)),
+                _ => tracing::warn!(key = %rkey, "record stored under another key; not pruned"),
+            }
+        }
+        let mut marks: HashMap<(Tenant, String), i64> = HashMap::new();
+        for (_, key, created) in &due {
+            let mark = marks
+                .entry((key.tenant().clone(), key.kind().to_owned()))
+                .or_insert(*created);
+            *mark = (*mark).max(*created);
+        }
+        for ((tenant, kind), mark) in &marks {
+            let hkey = self.horizon_key(tenant, kind);
+            let reply: Value = HORIZON
+                .key(&hkey)
+                .arg(*mark)
+                .invoke_async(conn)
+                .await
+                .map_err(map_err)?;
+            let parts = array(reply)?;
+            match tag(&parts)? {
+                "ok" => {}
+                "corrupt" => return Err(corrupt(&hkey, &parts)),
+                other => return Err(unexpected(other)),
+            }
+        }
+        let mut deleted = 0;
+        for (rkey, key, _) in &due {
+            let mark = marks[&(key.tenant().clone(), key.kind().to_owned())];
+            let reply: Value = PRUNE
+                .key(rkey)
+                .arg(key.as_str())
+                .arg("delete")
+                .arg(mark)
+                .invoke_async(conn)
+                .await
+                .map_err(map_err)?;
+            if tag(&array(reply)?)? == "deleted" {
+                deleted += 1;
+            }
+        }
+        Ok(deleted)
     }
 }
 
@@ -426,8 +643,14 @@ impl Ledger for RedisLedger {
 
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
         opts.validate()?;
+        // validate() refuses a sent_at outside 1970..9999; the conversion is
+        // checked all the same, so nothing can wrap into another time.
+        let sent_at = opts.sent_at.map(to_micros).transpose()?;
         let rkey = self.redis_key(key);
-        let mut cmd = evalsha(&CLAIM, &rkey);
+        let hkey = sent_at.map(|_| self.horizon_key(key.tenant(), key.kind()));
+        // One server: the script reads the watermark with its insert.
+        let in_script = hkey.as_deref().filter(|_| !self.is_cluster());
+        let mut cmd = evalsha(&CLAIM, &rkey, in_script);
         cmd.arg(key.as_str())
             .arg(duration_micros(opts.lease))
             .arg(duration_micros(opts.retention));
@@ -436,22 +659,33 @@ impl Ledger for RedisLedger {
             None => cmd.arg(""),
         };
         cmd.arg(if opts.at_most_once { "1" } else { "0" });
-        match opts.sent_at {
-            Some(t) => cmd.arg(to_micros(t)),
+        match sent_at {
+            Some(us) => cmd.arg(us),
             None => cmd.arg(""),
         };
         let reply = self.run(&CLAIM, &cmd).await?;
         let parts = array(reply)?;
         match tag(&parts)? {
-            "acquired" => Ok(Claim::Acquired(Lease {
-                key: key.clone(),
-                fence: uint(parts.get(1))?,
-                expires_at: from_micros(int(parts.get(2))?),
-                first_claimed_at: from_micros(int(parts.get(3))?),
-                acquired_at: from_micros(int(parts.get(4))?),
-                taken_over: int(parts.get(5))? == 1,
-                at_most_once: opts.at_most_once,
-            })),
+            "acquired" => {
+                let lease = Lease {
+                    key: key.clone(),
+                    fence: uint(parts.get(1))?,
+                    expires_at: from_micros(int(parts.get(2))?),
+                    first_claimed_at: from_micros(int(parts.get(3))?),
+                    acquired_at: from_micros(int(parts.get(4))?),
+                    taken_over: int(parts.get(5))? == 1,
+                    at_most_once: opts.at_most_once,
+                };
+                match hkey {
+                    // A takeover found the record: the horizon is not its
+                    // question (the contract checks absent keys only).
+                    Some(hkey) if in_script.is_none() && !lease.taken_over => self
+                        .settle_horizon(lease, hkey, opts.sent_at)
+                        .await
+                        .map(Claim::Acquired),
+                    _ => Ok(Claim::Acquired(lease)),
+                }
+            }
             "in_progress" => Ok(Claim::InProgress {
                 fence: uint(parts.get(1))?,
                 expires_at: from_micros(int(parts.get(2))?),
@@ -459,27 +693,26 @@ impl Ledger for RedisLedger {
                 read_at: from_micros(int(parts.get(4))?),
             }),
             "record" => {
+                // The script decided; the kit's rule says what the record answers.
                 let r = record(&rkey, Some(key), &parts)?;
-                match r.state {
-                    RecordState::Completed => Ok(Claim::Completed(r)),
-                    RecordState::Abandoned => Ok(Claim::Abandoned(r)),
-                    s => Err(unexpected(s.as_str())),
+                match answer_existing(key, opts, r)? {
+                    Some(c @ (Claim::Completed(_) | Claim::Abandoned(_))) => Ok(c),
+                    other => Err(unexpected(&format!("{other:?}"))),
                 }
             }
             "horizon" => Err(Error::BeyondHorizon { key: key.to_string() }),
             "mismatch" => Err(Error::FingerprintMismatch { key: key.to_string() }),
-            "corrupt" => Err(corrupt(&rkey, &parts)),
+            // The third element names the horizon key when that is what is wrong.
+            "corrupt" => match (&hkey, parts.get(2)) {
+                (Some(hkey), Some(_)) => Err(corrupt(hkey, &parts)),
+                _ => Err(corrupt(&rkey, &parts)),
+            },
             other => Err(unexpected(other)),
         }
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
-        if outcome.len() > oncely::MAX_OUTCOME_BYTES {
-            return Err(Error::OutcomeTooLarge {
-                size: outcome.len(),
-                max: oncely::MAX_OUTCOME_BYTES,
-            });
-        }
+        check_outcome(outcome, oncely::MAX_OUTCOME_BYTES)?;
         self.fenced(lease, "complete", outcome.as_bytes()).await.map(drop)
     }
 
@@ -503,7 +736,7 @@ impl Ledger for RedisLedger {
 
     async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
         let rkey = self.redis_key(key);
-        let mut cmd = evalsha(&GET, &rkey);
+        let mut cmd = evalsha(&GET, &rkey, None);
         cmd.arg(key.as_str());
         let reply = self.run(&GET, &cmd).await?;
         let parts = array(reply)?;
@@ -517,23 +750,18 @@ impl Ledger for RedisLedger {
 
     async fn prune(&self, limit: u64) -> Result<u64> {
         let mut pruned = 0u64;
+        if limit == 0 {
+            return Ok(0);
+        }
         let pattern = self.pattern("*");
         let mut conn = self.conn.clone();
         for node in conn.masters().await.map_err(map_err)? {
             let mut cursor = "0".to_owned();
             loop {
                 let (next, keys) = self.page(&mut conn, &node, &cursor, &pattern).await?;
-                for rkey in keys {
-                    if pruned >= limit {
-                        return Ok(pruned);
-                    }
-                    let n: u64 = PRUNE
-                        .key(&rkey)
-                        .arg("")
-                        .invoke_async(&mut conn)
-                        .await
-                        .map_err(map_err)?;
-                    pruned += n;
+                pruned += self.prune_page(&mut conn, keys, limit - pruned).await?;
+                if pruned >= limit {
+                    return Ok(pruned);
                 }
                 if next == "0" {
                     break;
@@ -592,15 +820,25 @@ impl Ledger for RedisLedger {
         found.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
         Ok(found)
     }
+
+    async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
+        // A kind is checked as in an effect key, before any round trip.
+        EffectKey::new(tenant, kind, "horizon")?;
+        self.watermark(&self.horizon_key(tenant, kind)).await
+    }
 }
 
-/// `EVALSHA <script> 1 <rkey>`, for the caller to add the script's `ARGV`.
-/// The hot operations build their call as one [`Cmd`] (one buffer) rather
-/// than through [`Script::key`], which first copies every argument into a
-/// buffer of its own and then all of them again into a `Cmd`.
-fn evalsha(script: &Script, rkey: &str) -> Cmd {
+/// `EVALSHA <script> <n> <rkey> [<horizon key>]`, for the caller to add the
+/// script's `ARGV`. The hot operations build their call as one [`Cmd`] (one
+/// buffer) rather than through [`Script::key`], which first copies every
+/// argument into a buffer of its own and then all of them again into a `Cmd`.
+fn evalsha(script: &Script, rkey: &str, horizon: Option<&str>) -> Cmd {
     let mut cmd = redis::cmd("EVALSHA");
-    cmd.arg(script.get_hash()).arg(1).arg(rkey);
+    cmd.arg(script.get_hash());
+    match horizon {
+        Some(hkey) => cmd.arg(2).arg(rkey).arg(hkey),
+        None => cmd.arg(1).arg(rkey),
+    };
     cmd
 }
 
@@ -609,190 +847,10 @@ fn record_key(prefix: &str, key: &EffectKey) -> String {
     format!("{prefix}{{{}}}:{key}", &tag[..TAG_HEX])
 }
 
-/// Maps a driver error to the core's: no driver type crosses the API.
-fn map_err(e: RedisError) -> Error {
-    let message = e.to_string();
-    if e.is_connection_refusal()
-        || e.is_connection_dropped()
-        || matches!(e.kind(), ErrorKind::ClusterConnectionNotFound)
-    {
-        return Error::Unavailable {
-            backend: BACKEND,
-            message,
-        };
-    }
-    if e.is_timeout() {
-        return Error::Backend {
-            backend: BACKEND,
-            message,
-            retryable: true,
-        };
-    }
-    let retryable = match e.kind() {
-        ErrorKind::Io => true,
-        ErrorKind::Server(
-            ServerErrorKind::TryAgain
-            | ServerErrorKind::ClusterDown
-            | ServerErrorKind::MasterDown
-            | ServerErrorKind::BusyLoading
-            | ServerErrorKind::ReadOnly
-            | ServerErrorKind::Moved
-            | ServerErrorKind::Ask,
-        ) => true,
-        _ => e.code() == Some("BUSY"),
-    };
-    Error::Backend {
-        backend: BACKEND,
-        message,
-        retryable,
-    }
-}
-
-fn unexpected(what: &str) -> Error {
-    Error::Backend {
-        backend: BACKEND,
-        message: format!("unexpected script reply {what:?}"),
-        retryable: false,
-    }
-}
-
-fn corrupt(rkey: &str, parts: &[Value]) -> Error {
-    let what = parts.get(1).and_then(text).unwrap_or_default();
-    Error::Corrupt {
-        backend: BACKEND,
-        message: format!("{rkey}: {what}"),
-    }
-}
-
-fn array(v: Value) -> Result<Vec<Value>> {
-    match v {
-        Value::Array(a) => Ok(a),
-        other => Err(unexpected(&format!("{other:?}"))),
-    }
-}
-
-fn text(v: &Value) -> Option<String> {
-    match v {
-        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
-        Value::SimpleString(s) => Some(s.clone()),
-        Value::VerbatimString { text, .. } => Some(text.clone()),
-        Value::Okay => Some("OK".into()),
-        _ => None,
-    }
-}
-
-fn tag(parts: &[Value]) -> Result<&str> {
-    match parts.first() {
-        Some(Value::BulkString(b)) => std::str::from_utf8(b).map_err(|_| unexpected("non-UTF-8 tag")),
-        Some(Value::SimpleString(s)) => Ok(s),
-        other => Err(unexpected(&format!("{other:?}"))),
-    }
-}
-
-fn int(v: Option<&Value>) -> Result<i64> {
-    match v {
-        Some(Value::Int(i)) => Ok(*i),
-        Some(Value::BulkString(b)) => std::str::from_utf8(b)
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| unexpected("non-numeric field")),
-        other => Err(unexpected(&format!("{other:?}"))),
-    }
-}
-
-fn uint(v: Option<&Value>) -> Result<u64> {
-    u64::try_from(int(v)?).map_err(|_| unexpected("negative fence"))
-}
-
-fn policy_of(v: &Value) -> Option<String> {
-    match v {
-        Value::Array(a) => a.get(1).and_then(text),
-        Value::Map(m) => m.first().and_then(|(_, v)| text(v)),
-        _ => None,
-    }
-}
-
-fn scan_page(v: Value) -> Result<(String, Vec<String>)> {
-    let mut parts = array(v)?.into_iter();
-    let cursor = parts.next().as_ref().and_then(text);
-    let keys = match parts.next() {
-        Some(Value::Array(keys)) => keys.iter().filter_map(text).collect(),
-        _ => Vec::new(),
-    };
-    cursor
-        .map(|c| (c, keys))
-        .ok_or_else(|| unexpected("SCAN reply without cursor"))
-}
-
-/// Builds a record from a script's `{'record', now, HGETALL}` reply. A field
-/// that does not parse means the hash is not oncely's: [`Error::Corrupt`].
-fn record(rkey: &str, expected: Option<&EffectKey>, parts: &[Value]) -> Result<Record> {
-    let bad = |what: &str| Error::Corrupt {
-        backend: BACKEND,
-        message: format!("{rkey}: {what}"),
-    };
-    let now = from_micros(int(parts.get(1))?);
-    let Some(Value::Array(flat)) = parts.get(2) else {
-        return Err(bad("record reply without fields"));
-    };
-    let mut fields = std::collections::HashMap::new();
-    for pair in flat.chunks(2) {
-        if let [Value::BulkString(k), Value::BulkString(v)] = pair {
-            fields.insert(String::from_utf8_lossy(k).into_owned(), v.as_slice());
-        }
-    }
-    let field = |name: &str| fields.get(name).copied();
-    let text_field = |name: &str| field(name).and_then(|b| std::str::from_utf8(b).ok());
-    let num = |name: &str| text_field(name).and_then(|s| s.parse::<i64>().ok());
-    let stored_key = text_field("k").ok_or_else(|| bad("record without its key"))?;
-    let key = EffectKey::parse(stored_key).map_err(|e| bad(&format!("stored key {stored_key:?}: {e}")))?;
-    if expected.is_some_and(|k| *k != key) {
-        return Err(bad(&format!("holds the record of {key}")));
-    }
-    let state = RecordState::parse(text_field("s").unwrap_or_default()).map_err(|e| bad(&e.to_string()))?;
-    let fingerprint = match text_field("fp").unwrap_or_default() {
-        "" => None,
-        hex => Some(Fingerprint::from_hex(hex).map_err(|e| bad(&e.to_string()))?),
-    };
-    let outcome = match field("o") {
-        Some(bytes) => Some(Outcome::from_bytes(bytes.to_vec()).map_err(|e| bad(&e.to_string()))?),
-        None => None,
-    };
-    let fence = num("f")
-        .and_then(|f| u64::try_from(f).ok())
-        .ok_or_else(|| bad("record without a fence"))?;
-    let at_most_once = text_field("amo") == Some("1");
-    // Format 2 leaves a stale 'le' behind on completion (one field less to
-    // write per operation): it means something only while in progress.
-    let lease_expires_at = if state == RecordState::InProgress {
-        num("le").map(from_micros)
-    } else {
-        None
-    };
-    let mut state = state;
-    if state == RecordState::InProgress && at_most_once && lease_expires_at.is_none_or(|e| e <= now) {
-        state = RecordState::Abandoned;
-    }
-    // Format 2 writes 'u' and 'ru' only once they differ from what the
-    // first claim implies (see lua/prelude.lua).
-    let created = num("c").ok_or_else(|| bad("record without a creation time"))?;
-    let retain_until = match num("ru") {
-        Some(ru) => ru,
-        None => created.saturating_add(num("r").ok_or_else(|| bad("record without its retention"))?),
-    };
-    Ok(Record {
-        key,
-        state,
-        fence,
-        fingerprint,
-        outcome,
-        at_most_once,
-        created_at: from_micros(created),
-        updated_at: from_micros(num("u").unwrap_or(created)),
-        lease_expires_at,
-        retain_until: from_micros(retain_until),
-        read_at: now,
-    })
+fn horizon_key(prefix: &str, tenant: &Tenant, kind: &str) -> String {
+    let scope = format!("{tenant}/{kind}");
+    let tag = blake3::hash(scope.as_bytes()).to_hex();
+    format!("{prefix}{{{}}}{HORIZON_INFIX}{scope}", &tag[..TAG_HEX])
 }
 
 #[cfg(test)]
@@ -812,6 +870,76 @@ mod tests {
         assert_eq!(&rkey[open + 1..close], tag);
         let other = EffectKey::new(&t, "capture", "}{y}").unwrap();
         assert_ne!(record_key("oncely:", &other)[..close], rkey[..close]);
+    }
+
+    /// Horizon keys match no record pattern of any prefix: `#` stands where
+    /// a record key has `:` after its tag, and prefixes cannot hold `{`.
+    #[test]
+    fn horizon_keys_are_not_records() {
+        let t = Tenant::new("acme").unwrap();
+        let hkey = horizon_key("oncely:", &t, "capture");
+        let tag = &blake3::hash(b"acme/capture").to_hex()[..TAG_HEX];
+        assert_eq!(hkey, format!("oncely:{{{tag}}}#horizon:acme/capture"));
+        let record_like = |k: &str, prefix: &str| {
+            k.strip_prefix(prefix)
+                .and_then(|rest| rest.strip_prefix('{'))
+                .is_some_and(|rest| {
+                    rest.len() > TAG_HEX + 1 && rest.as_bytes()[TAG_HEX..TAG_HEX + 2] == *b"}:"
+                })
+        };
+        assert!(record_like(
+            &record_key("oncely:", &EffectKey::new(&t, "capture", "x").unwrap()),
+            "oncely:"
+        ));
+        for prefix in ["oncely:", "", "oncely", "oncely:{"] {
+            assert!(!record_like(&hkey, prefix), "{prefix:?}");
+        }
+    }
+
+    /// The take-back of a claim beyond the horizon deletes only the record
+    /// that claim wrote: not one with another fence or creation time, not
+    /// one taken over after its lease ended.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn undo_takes_back_only_the_record_its_claim_wrote() {
+        use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
+        let Some(url) = service_url("ONCELY_REDIS_URL", Some("redis://127.0.0.1:6379")) else {
+            return;
+        };
+        let ledger = match RedisLedger::connect(&url).await {
+            Ok(l) => l,
+            Err(e) => return skip_or_fail(&format!("redis at {url}: {e}")).unwrap_or(()),
+        };
+        let t = fresh_tenant();
+        let acquire = |c: Claim| match c {
+            Claim::Acquired(l) => l,
+            other => panic!("expected Acquired, got {other:?}"),
+        };
+        let opts = ClaimOptions::default().lease(Duration::from_millis(200));
+        let k = EffectKey::new(&t, "capture", "undo").unwrap();
+        let l = acquire(ledger.claim(&k, &opts).await.unwrap());
+        ledger
+            .undo(&Lease {
+                fence: l.fence + 1,
+                ..l.clone()
+            })
+            .await;
+        ledger
+            .undo(&Lease {
+                first_claimed_at: l.first_claimed_at + Duration::from_micros(1),
+                ..l.clone()
+            })
+            .await;
+        assert_eq!(ledger.get(&k).await.unwrap().unwrap().fence, l.fence);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let l2 = acquire(ledger.claim(&k, &opts).await.unwrap());
+        assert!(l2.taken_over);
+        ledger.undo(&l).await;
+        assert_eq!(ledger.get(&k).await.unwrap().unwrap().fence, l2.fence);
+
+        let fresh = EffectKey::new(&t, "capture", "undo-fresh").unwrap();
+        let l3 = acquire(ledger.claim(&fresh, &opts).await.unwrap());
+        ledger.undo(&l3).await;
+        assert!(ledger.get(&fresh).await.unwrap().is_none());
     }
 
     #[test]
@@ -836,15 +964,5 @@ mod tests {
             let e = RedisLedgerOptions::default().prefix(bad).check().unwrap_err();
             assert!(matches!(e, Error::Config(_)), "{bad:?}");
         }
-    }
-
-    #[test]
-    fn driver_errors_map_to_core_errors() {
-        let refused: RedisError = std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into();
-        assert!(matches!(map_err(refused), Error::Unavailable { .. }));
-        let timeout: RedisError = std::io::Error::from(std::io::ErrorKind::TimedOut).into();
-        assert!(matches!(map_err(timeout), Error::Backend { retryable: true, .. }));
-        let parse: RedisError = (ErrorKind::Parse, "garbage").into();
-        assert!(matches!(map_err(parse), Error::Backend { retryable: false, .. }));
     }
 }

@@ -1,15 +1,17 @@
-//! Redis-specific behaviour: foreign values, a server that goes away, TTLs,
-//! the eviction-policy check, timeouts, and how records spread over a cluster.
+//! Redis-specific behaviour: foreign values, a server that goes away, records
+//! without TTLs, prune and the horizon watermark, clock fences, the
+//! eviction-policy check, timeouts, and how records spread over a cluster.
 
 mod common;
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use common::{TempRedis, cluster, cluster_urls, raw, single, single_with};
-use oncely::conformance::{SHORT_LEASE, SHORT_LEASE_WAIT, fresh_tenant};
+use oncely::backend::to_micros;
+use oncely::conformance::{SHORT_LEASE, SHORT_LEASE_WAIT, fresh_tenant, prune_until_gone};
 use oncely::{Claim, ClaimOptions, EffectKey, Effects, Error, Ledger, Outcome, RecordState};
 use oncely_redis::{RedisLedger, RedisLedgerOptions};
 use redis::AsyncCommands;
@@ -102,9 +104,6 @@ async fn foreign_values_are_corrupt_and_untouched() {
     );
 }
 
-/// Completed and released records expire by TTL: retention plus the grace
-/// that leaves prune its work. Leases in progress and abandoned steps never
-/// expire.
 async fn flush_scripts(conn: &mut redis::aio::MultiplexedConnection) {
     let _: () = redis::cmd("SCRIPT").arg("FLUSH").query_async(conn).await.unwrap();
 }
@@ -120,7 +119,6 @@ async fn flushed_scripts_are_loaded_again() {
     let opts = ClaimOptions::default();
     flush_scripts(&mut conn).await;
     let l = acquired(ledger.claim(&k, &opts).await.unwrap());
-    assert_eq!(l.fence, 1);
     flush_scripts(&mut conn).await;
     let l = ledger.renew(&l, Duration::from_secs(60)).await.unwrap();
     flush_scripts(&mut conn).await;
@@ -131,7 +129,7 @@ async fn flushed_scripts_are_loaded_again() {
     flush_scripts(&mut conn).await;
     let r = ledger.get(&k).await.unwrap().unwrap();
     assert_eq!(r.state, RecordState::Completed);
-    assert_eq!(r.fence, 1);
+    assert_eq!(r.fence, l.fence);
     flush_scripts(&mut conn).await;
     assert!(matches!(
         ledger.claim(&k, &opts).await.unwrap(),
@@ -154,7 +152,10 @@ async fn stored_times_match_returned_times() {
     for i in 0..40 {
         let k = EffectKey::new(&t, "capture", format!("times-{i}")).unwrap();
         let l = acquired(ledger.claim(&k, &opts).await.unwrap());
-        let micros = oncely::to_micros(l.acquired_at).rem_euclid(1_000_000);
+        let acquired_us = to_micros(l.acquired_at).unwrap();
+        // A new key's fence is the server's clock at the grant, in µs.
+        assert_eq!(l.fence, u64::try_from(acquired_us).unwrap(), "{k}");
+        let micros = acquired_us.rem_euclid(1_000_000);
         if micros < 100_000 {
             short_micros += 1;
         } else if short_micros < 3 {
@@ -192,81 +193,240 @@ async fn stored_times_match_returned_times() {
     assert!(short_micros > 0, "no claim landed early in a second");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ttls_follow_retention() {
-    for grace in [Duration::ZERO, Duration::from_secs(60)] {
-        let Some(ledger) = single_with(RedisLedgerOptions::default().expiry_grace(grace)).await else {
-            return;
-        };
-        let mut conn = raw(&single_url()).await;
-        let t = fresh_tenant();
-        let retention = Duration::from_secs(600);
-        let opts = ClaimOptions::default().retention(retention);
-        let pttl = |k: &EffectKey| ledger.redis_key(k);
-
-        let done = EffectKey::new(&t, "capture", "done").unwrap();
-        let l = acquired(ledger.claim(&done, &opts).await.unwrap());
-        let ttl: i64 = conn.pttl(pttl(&done)).await.unwrap();
-        assert_eq!(ttl, -1, "a lease in progress has no TTL");
-        ledger
-            .complete(&l, &Outcome::from_json(&1).unwrap())
-            .await
-            .unwrap();
-        let ttl: i64 = conn.pttl(pttl(&done)).await.unwrap();
-        let (low, high) = (grace.as_millis() as i64, (retention + grace).as_millis() as i64);
-        assert!(ttl > low && ttl <= high, "PTTL {ttl} not in ({low}, {high}]");
-        let r = ledger.get(&done).await.unwrap().unwrap();
-        assert_eq!(r.retain_until.duration_since(r.updated_at).unwrap(), retention);
-
-        let released = EffectKey::new(&t, "capture", "released").unwrap();
-        let l = acquired(ledger.claim(&released, &opts).await.unwrap());
-        ledger.release(&l).await.unwrap();
-        let ttl: i64 = conn.pttl(pttl(&released)).await.unwrap();
-        assert!(ttl > low && ttl <= high, "PTTL {ttl} not in ({low}, {high}]");
-        // Taking a released record over removes its TTL again.
-        let l2 = acquired(ledger.claim(&released, &opts).await.unwrap());
-        assert_eq!(l2.fence, 2);
-        let ttl: i64 = conn.pttl(pttl(&released)).await.unwrap();
-        assert_eq!(ttl, -1, "a lease taken over from a released record has no TTL");
-
-        let abandoned = EffectKey::new(&t, "receipt", "abandoned").unwrap();
-        let amo = opts.clone().lease(SHORT_LEASE).at_most_once(true);
-        acquired(ledger.claim(&abandoned, &amo).await.unwrap());
-        tokio::time::sleep(SHORT_LEASE_WAIT).await;
-        assert!(matches!(
-            ledger.claim(&abandoned, &amo).await.unwrap(),
-            Claim::Abandoned(_)
-        ));
-        let ttl: i64 = conn.pttl(pttl(&abandoned)).await.unwrap();
-        assert_eq!(ttl, -1, "an abandoned step never expires");
-    }
+/// A prefix of the test's own, so that its `prune` walks only its records
+/// (and a watermark broken on purpose breaks no other test's prune).
+fn own_prefix(t: &oncely::Tenant) -> RedisLedgerOptions {
+    RedisLedgerOptions::default().prefix(format!("oncely-{t}:"))
 }
 
-/// With no grace Redis alone deletes a record when its retention ends; with
-/// a grace, prune deletes it first and Redis later.
+/// No record carries a TTL (completed, released, taken over, abandoned), so
+/// Redis never deletes one by itself: a record past its retention stays
+/// until prune deletes it. A record written with a TTL by an earlier
+/// version loses it at the first prune.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn expiry_deletes_records_past_retention() {
-    let Some(ledger) = single_with(RedisLedgerOptions::default().expiry_grace(Duration::ZERO)).await else {
+async fn records_carry_no_ttl() {
+    let t = fresh_tenant();
+    let Some(ledger) = single_with(own_prefix(&t)).await else {
         return;
     };
-    let t = fresh_tenant();
-    let brief = ClaimOptions::default()
-        .lease(Duration::from_millis(100))
-        .retention(Duration::from_millis(200));
-    let k = EffectKey::new(&t, "capture", "short-lived").unwrap();
-    let l = acquired(ledger.claim(&k, &brief).await.unwrap());
+    let mut conn = raw(&single_url()).await;
+    let brief = ClaimOptions::default().lease(SHORT_LEASE).retention(SHORT_LEASE);
+    let rkey = |s: &str| ledger.redis_key(&EffectKey::new(&t, "capture", s).unwrap());
+
+    let done = EffectKey::new(&t, "capture", "done").unwrap();
+    let l = acquired(ledger.claim(&done, &brief).await.unwrap());
+    let ttl: i64 = conn.pttl(rkey("done")).await.unwrap();
+    assert_eq!(ttl, -1, "a lease in progress has no TTL");
     ledger
         .complete(&l, &Outcome::from_json(&1).unwrap())
         .await
         .unwrap();
-    assert!(ledger.get(&k).await.unwrap().is_some());
-    tokio::time::sleep(SHORT_LEASE_WAIT).await;
-    assert!(
-        ledger.get(&k).await.unwrap().is_none(),
-        "Redis expired it by itself"
+    let ttl: i64 = conn.pttl(rkey("done")).await.unwrap();
+    assert_eq!(ttl, -1, "a completed record has no TTL");
+
+    let released = EffectKey::new(&t, "capture", "released").unwrap();
+    let l = acquired(ledger.claim(&released, &brief).await.unwrap());
+    ledger.release(&l).await.unwrap();
+    let ttl: i64 = conn.pttl(rkey("released")).await.unwrap();
+    assert_eq!(ttl, -1, "a released record has no TTL");
+    // A released record written by an earlier version carried a TTL; taking
+    // it over removes it (a lease must never vanish).
+    let _: () = conn.pexpire(rkey("released"), 600_000).await.unwrap();
+    let l2 = acquired(ledger.claim(&released, &brief).await.unwrap());
+    assert!(l2.taken_over && l2.fence > l.fence);
+    let ttl: i64 = conn.pttl(rkey("released")).await.unwrap();
+    assert_eq!(ttl, -1, "a lease taken over from a released record has no TTL");
+
+    let abandoned = EffectKey::new(&t, "receipt", "abandoned").unwrap();
+    let amo = brief.clone().at_most_once(true);
+    acquired(ledger.claim(&abandoned, &amo).await.unwrap());
+
+    // An earlier version's completed record with a TTL, not yet due.
+    let legacy = EffectKey::new(&t, "capture", "legacy").unwrap();
+    let l = acquired(
+        ledger
+            .claim(
+                &legacy,
+                &ClaimOptions::default().retention(Duration::from_secs(3600)),
+            )
+            .await
+            .unwrap(),
     );
-    // The key is free again: a new claim starts a new record.
-    assert_eq!(acquired(ledger.claim(&k, &brief).await.unwrap()).fence, 1);
+    ledger
+        .complete(&l, &Outcome::from_json(&2).unwrap())
+        .await
+        .unwrap();
+    let _: () = conn.pexpire(rkey("legacy"), 600_000).await.unwrap();
+
+    tokio::time::sleep(SHORT_LEASE_WAIT).await;
+    assert!(matches!(
+        ledger.claim(&abandoned, &amo).await.unwrap(),
+        Claim::Abandoned(_)
+    ));
+    let ttl: i64 = conn.pttl(ledger.redis_key(&abandoned)).await.unwrap();
+    assert_eq!(ttl, -1, "an abandoned step never expires");
+    let r = ledger.get(&done).await.unwrap().expect("only prune deletes");
+    assert_eq!(r.state, RecordState::Completed);
+    assert!(r.retain_until <= r.read_at, "past its retention");
+
+    assert_eq!(ledger.prune(u64::MAX).await.unwrap(), 1, "only `done` is due");
+    assert!(ledger.get(&done).await.unwrap().is_none());
+    let ttl: i64 = conn.pttl(rkey("legacy")).await.unwrap();
+    assert_eq!(ttl, -1, "prune made the earlier version's record permanent");
+    assert_eq!(
+        ledger.get(&legacy).await.unwrap().unwrap().state,
+        RecordState::Completed
+    );
+}
+
+/// Prune raises the horizon before it deletes: with a watermark it cannot
+/// raise it deletes nothing. Once it can, the watermark is the newest
+/// creation time it deleted, never lowered by a later prune of an older
+/// record, and a replay of a message at or before it is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_raises_the_horizon_before_it_deletes() {
+    let t = fresh_tenant();
+    let Some(ledger) = single_with(own_prefix(&t)).await else {
+        return;
+    };
+    let mut conn = raw(&single_url()).await;
+    let older = EffectKey::new(&t, "capture", "older").unwrap();
+    let newer = EffectKey::new(&t, "capture", "newer").unwrap();
+    let lo = acquired(
+        ledger
+            .claim(
+                &older,
+                &ClaimOptions::default()
+                    .lease(Duration::from_millis(100))
+                    .retention(Duration::from_millis(1500)),
+            )
+            .await
+            .unwrap(),
+    );
+    ledger
+        .complete(&lo, &Outcome::from_json(&1).unwrap())
+        .await
+        .unwrap();
+    let ln = acquired(
+        ledger
+            .claim(
+                &newer,
+                &ClaimOptions::default()
+                    .lease(Duration::from_millis(100))
+                    .retention(Duration::from_millis(200)),
+            )
+            .await
+            .unwrap(),
+    );
+    ledger
+        .complete(&ln, &Outcome::from_json(&2).unwrap())
+        .await
+        .unwrap();
+    let created_older = lo.first_claimed_at;
+    let created_newer = ln.first_claimed_at;
+    assert!(created_newer > created_older);
+    tokio::time::sleep(SHORT_LEASE_WAIT).await;
+
+    let hkey = ledger.horizon_key(&t, "capture");
+    let _: () = conn.rpush(&hkey, "not a watermark").await.unwrap();
+    let e = ledger.prune(u64::MAX).await.unwrap_err();
+    assert!(is_corrupt(&e) && e.to_string().contains("horizon"), "{e:?}");
+    assert!(
+        ledger.get(&newer).await.unwrap().is_some(),
+        "nothing is deleted before the horizon is raised"
+    );
+    assert!(is_corrupt(&ledger.horizon(&t, "capture").await.unwrap_err()));
+    // A claim that must ask the horizon fails closed and writes nothing.
+    let other = EffectKey::new(&t, "capture", "other").unwrap();
+    let e = ledger
+        .claim(&other, &ClaimOptions::default().sent_at(SystemTime::now()))
+        .await
+        .unwrap_err();
+    assert!(is_corrupt(&e) && e.to_string().contains(&hkey), "{e:?}");
+    assert!(ledger.get(&other).await.unwrap().is_none());
+    acquired(ledger.claim(&other, &ClaimOptions::default()).await.unwrap());
+
+    let _: () = conn.del(&hkey).await.unwrap();
+    assert_eq!(ledger.prune(u64::MAX).await.unwrap(), 1);
+    assert!(ledger.get(&newer).await.unwrap().is_none());
+    assert_eq!(ledger.horizon(&t, "capture").await.unwrap(), Some(created_newer));
+    let stored: String = conn.get(&hkey).await.unwrap();
+    assert_eq!(stored, to_micros(created_newer).unwrap().to_string());
+    let ttl: i64 = conn.pttl(&hkey).await.unwrap();
+    assert_eq!(ttl, -1, "a watermark is kept for good");
+    assert_eq!(ledger.horizon(&t, "receipt").await.unwrap(), None);
+    assert!(matches!(
+        ledger.horizon(&t, "bad:kind").await.unwrap_err(),
+        Error::InvalidKey { .. }
+    ));
+
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    prune_until_gone(&ledger, &older).await;
+    assert_eq!(
+        ledger.horizon(&t, "capture").await.unwrap(),
+        Some(created_newer),
+        "an older record's prune never lowers the watermark"
+    );
+
+    // Replays: at or before the watermark refused, after it new work.
+    for (k, sent) in [(&older, created_older), (&newer, created_newer)] {
+        let e = ledger
+            .claim(k, &ClaimOptions::default().sent_at(sent))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::BeyondHorizon { .. }), "{e:?}");
+        assert!(ledger.get(k).await.unwrap().is_none());
+    }
+    let l = acquired(
+        ledger
+            .claim(
+                &newer,
+                &ClaimOptions::default().sent_at(created_newer + Duration::from_micros(1)),
+            )
+            .await
+            .unwrap(),
+    );
+    assert!(l.fence > ln.fence, "a fence after prune is above the pruned one");
+}
+
+/// Fences follow the server's clock: a takeover gets the previous fence + 1
+/// when that is above the clock, and a stored fence that Lua could not hold
+/// exactly (2^53 or more) is refused, never rounded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fences_follow_the_server_clock() {
+    let Some(ledger) = single().await else { return };
+    let mut conn = raw(&single_url()).await;
+    let k = EffectKey::new(&fresh_tenant(), "capture", "fence").unwrap();
+    let rkey = ledger.redis_key(&k);
+    let l = acquired(ledger.claim(&k, &ClaimOptions::default()).await.unwrap());
+    ledger.release(&l).await.unwrap();
+    let l2 = acquired(ledger.claim(&k, &ClaimOptions::default()).await.unwrap());
+    assert!(l2.fence > l.fence);
+    assert_eq!(
+        l2.fence,
+        u64::try_from(to_micros(l2.acquired_at).unwrap()).unwrap()
+    );
+    ledger.release(&l2).await.unwrap();
+    // A fence an hour ahead of the clock (a record from a master whose clock
+    // ran fast): the next grant is one above it.
+    let ahead = l2.fence + 3_600_000_000;
+    let _: () = conn.hset(&rkey, "f", ahead).await.unwrap();
+    let l3 = acquired(ledger.claim(&k, &ClaimOptions::default()).await.unwrap());
+    assert_eq!((l3.fence, l3.taken_over), (ahead + 1, true));
+    ledger.release(&l3).await.unwrap();
+
+    let _: () = conn.hset(&rkey, "f", 1u64 << 53).await.unwrap();
+    assert!(is_corrupt(
+        &ledger.claim(&k, &ClaimOptions::default()).await.unwrap_err()
+    ));
+    assert!(is_corrupt(&ledger.get(&k).await.unwrap_err()));
+    let forged = oncely::Lease {
+        fence: (1 << 53) + 1,
+        ..l3
+    };
+    assert!(is_corrupt(&ledger.release(&forged).await.unwrap_err()));
+    let f: u64 = conn.hget(&rkey, "f").await.unwrap();
+    assert_eq!(f, 1 << 53, "nothing was changed");
 }
 
 /// Nobody listening: Unavailable, and the runner's handler never runs.
@@ -374,11 +534,12 @@ async fn slow_server_is_a_retryable_timeout() {
     }
     // The timed-out claim may or may not have been applied (as after any
     // dropped request); either way the key has exactly one holder.
-    match answer.expect("ledger recovers after the pause") {
-        Claim::Acquired(l) => assert_eq!(l.fence, 1),
-        Claim::InProgress { fence, .. } => assert_eq!(fence, 1),
+    let fence = match answer.expect("ledger recovers after the pause") {
+        Claim::Acquired(l) => l.fence,
+        Claim::InProgress { fence, .. } => fence,
         other => panic!("{other:?}"),
-    }
+    };
+    assert_eq!(ledger.get(&k).await.unwrap().unwrap().fence, fence);
 }
 
 /// A server that may evict keys is refused unless the caller opts out.
@@ -408,9 +569,9 @@ async fn prefixes_separate_ledgers() {
     };
     let k = EffectKey::new(&fresh_tenant(), "capture", "shared-name").unwrap();
     assert!(b.redis_key(&k).starts_with("other-app:{"));
-    let la = acquired(a.claim(&k, &ClaimOptions::default()).await.unwrap());
-    let lb = acquired(b.claim(&k, &ClaimOptions::default()).await.unwrap());
-    assert_eq!((la.fence, lb.fence), (1, 1));
+    // Each acquires: neither sees the other's record.
+    acquired(a.claim(&k, &ClaimOptions::default()).await.unwrap());
+    acquired(b.claim(&k, &ClaimOptions::default()).await.unwrap());
 }
 
 /// Counts a tenant's records on each cluster master.
@@ -569,4 +730,51 @@ async fn cluster_race_on_separate_connections() {
     }
     assert_eq!(winners.len(), keys.len());
     assert!(winners.values().all(|&n| n == 1), "{winners:?}");
+}
+
+/// On a cluster the watermark lives in another slot than the record, so a
+/// claim with `sent_at` reads it after its insert. A watermark it cannot
+/// read fails the claim closed and takes the insert back: nothing is left
+/// for a later delivery to take over without the check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_claim_checks_the_horizon_after_its_insert() {
+    let t = fresh_tenant();
+    let Some(ledger) = common::cluster_with(own_prefix(&t)).await else {
+        return;
+    };
+    let urls = cluster_urls().unwrap();
+    let mut conn = redis::cluster::ClusterClient::new(urls)
+        .unwrap()
+        .get_async_connection()
+        .await
+        .unwrap();
+    let k = EffectKey::new(&t, "capture", "checked-after").unwrap();
+    let hkey = ledger.horizon_key(&t, "capture");
+    let slot = |key: String| redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).clone();
+    let (a, b): (i64, i64) = (
+        slot(ledger.redis_key(&k)).query_async(&mut conn).await.unwrap(),
+        slot(hkey.clone()).query_async(&mut conn).await.unwrap(),
+    );
+    assert_ne!(a, b, "the record and the watermark are in different slots");
+
+    let _: () = conn.rpush(&hkey, "not a watermark").await.unwrap();
+    let sent = ClaimOptions::default().sent_at(SystemTime::now());
+    let e = ledger.claim(&k, &sent).await.unwrap_err();
+    assert!(is_corrupt(&e) && e.to_string().contains(&hkey), "{e:?}");
+    assert!(
+        ledger.get(&k).await.unwrap().is_none(),
+        "the insert was taken back"
+    );
+    // Without sent_at the horizon is not asked.
+    let l = acquired(ledger.claim(&k, &ClaimOptions::default()).await.unwrap());
+    ledger.release(&l).await.unwrap();
+    // A takeover found the record: the horizon is not its question either.
+    let l2 = acquired(ledger.claim(&k, &sent).await.unwrap());
+    assert!(l2.taken_over);
+
+    let _: () = conn.del(&hkey).await.unwrap();
+    let fresh = EffectKey::new(&t, "capture", "fresh").unwrap();
+    let l = acquired(ledger.claim(&fresh, &sent).await.unwrap());
+    assert!(!l.taken_over);
+    assert_eq!(ledger.get(&fresh).await.unwrap().unwrap().fence, l.fence);
 }

@@ -1,28 +1,54 @@
 -- ARGV: 1 effect key, 2 lease (us), 3 retention (us), 4 fingerprint hex or '',
 -- 5 at-most-once '1'/'0', 6 sent_at (us since epoch) or ''.
+-- KEYS[2], on a single server and only with a sent_at: the horizon watermark
+-- of the key's tenant and kind (horizon.lua), read here atomically with the
+-- insert. In a cluster it lives in another slot, so the worker reads it after
+-- the insert instead (RedisLedger::settle_horizon says why that is enough).
+--
+-- The decision restates oncely::backend: is_beyond_horizon for an absent
+-- key, answer_existing for a record, next_fence for the grant.
 local rec, err = load(true)
 if err then
   return { 'corrupt', err }
 end
 local now, now_s = now_us()
-local lease, ret, fp, amo = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
+local lease, fp, amo = tonumber(ARGV[2]), ARGV[4], ARGV[5]
 if not rec then
-  if ARGV[6] ~= '' and tonumber(ARGV[6]) + ret < now then
-    return { 'horizon' }
+  if KEYS[2] then
+    local w = redis.pcall('GET', KEYS[2])
+    if type(w) == 'table' then
+      return { 'corrupt', 'horizon key holds a ' .. redis.call('TYPE', KEYS[2])['ok'] .. ', not a watermark', 'horizon' }
+    end
+    if w then
+      local wn = tonumber(w)
+      if not wn then
+        return { 'corrupt', 'horizon key holds ' .. string.format('%q', string.sub(w, 1, 40)) .. ', not a watermark',
+          'horizon' }
+      end
+      -- is_beyond_horizon: sent_at at or before the watermark. A sent_at
+      -- above 2^53 rounds to a number still above every watermark, so the
+      -- comparison stays exact.
+      if tonumber(ARGV[6]) <= wn then
+        return { 'horizon' }
+      end
+    end
   end
+  -- next_fence(None, now) is the clock itself (TIME is far above 1), so the
+  -- fence is stored as the digits of now, without formatting a number.
   local exp = now + lease
   local exp_s = fmt(exp)
   if fp == '' and amo == '0' then
-    redis.call('HSET', key, 'v', '2', 'k', ek, 's', 'in_progress', 'f', '1', 'c', now_s, 'le', exp_s, 'r', ARGV[3])
+    redis.call('HSET', key, 'v', '2', 'k', ek, 's', 'in_progress', 'f', now_s, 'c', now_s, 'le', exp_s, 'r', ARGV[3])
   elseif amo == '0' then
-    redis.call('HSET', key, 'v', '2', 'k', ek, 's', 'in_progress', 'f', '1', 'c', now_s, 'le', exp_s, 'r', ARGV[3],
+    redis.call('HSET', key, 'v', '2', 'k', ek, 's', 'in_progress', 'f', now_s, 'c', now_s, 'le', exp_s, 'r', ARGV[3],
       'fp', fp)
   else
-    redis.call('HSET', key, 'v', '2', 'k', ek, 's', 'in_progress', 'f', '1', 'c', now_s, 'le', exp_s, 'r', ARGV[3],
+    redis.call('HSET', key, 'v', '2', 'k', ek, 's', 'in_progress', 'f', now_s, 'c', now_s, 'le', exp_s, 'r', ARGV[3],
       'fp', fp, 'amo', amo)
   end
-  return { 'acquired', 1, exp, now, now, 0 }
+  return { 'acquired', now, exp, now, now, 0 }
 end
+-- answer_existing: fingerprints first, then the state.
 if rec.fp ~= '' and fp ~= '' and rec.fp ~= fp then
   return { 'mismatch' }
 end
@@ -30,6 +56,7 @@ if rec.s == 'completed' then
   return { 'record', now, redis.call('HGETALL', key) }
 end
 if rec.s == 'in_progress' then
+  -- lease_live: expiry is inclusive.
   if rec.le and rec.le > now then
     return { 'in_progress', rec.f, rec.le, rec.c, now }
   end
@@ -38,7 +65,8 @@ if rec.s == 'in_progress' then
     return { 'record', now, redis.call('HGETALL', key) }
   end
 end
-local f, exp = rec.f + 1, now + lease
+-- Released, or an expired lease: take it over.
+local f, exp = next_fence(rec.f, now), now + lease
 -- A record never completed nor released has no 'ru': its retention ends at
 -- 'c' + 'r' of the first claim, which the new 'r' must not move.
 redis.call('HSETNX', key, 'ru', fmt(rec.c + rec.r))
@@ -47,6 +75,7 @@ if rec.fp == '' and fp ~= '' then
 else
   redis.call('HSET', key, 's', 'in_progress', 'f', fmt(f), 'amo', amo, 'u', now_s, 'le', fmt(exp), 'r', ARGV[3])
 end
--- A released record carried a TTL; a lease must never vanish.
+-- A released record written by an earlier version of this crate carried a
+-- TTL (records carry none now); a lease must never vanish.
 redis.call('PERSIST', key)
 return { 'acquired', f, exp, rec.c, now, 1 }

@@ -1,20 +1,28 @@
--- Shared by every oncely script. KEYS[1] is the record; ARGV[1] is the
+-- Shared by every oncely record script. KEYS[1] is the record; ARGV[1] is the
 -- displayed effect key the caller expects there ('' = accept any oncely record).
 --
 -- Every script runs once per operation, so this code is the hot path: each
 -- redis.call and each string built here costs server time per claim.
 --
+-- The clock is the server's TIME, read inside the script: Redis runs a script
+-- atomically, with no lock wait between reading the clock and writing, so a
+-- lease is measured from the moment its grant is written (the rule of the
+-- `Ledger` contract; `oncely::backend::needs_refresh` can never apply here).
+--
 -- Stored numbers are formatted here with '%d' (exact: every one is an
--- integer below 2^53, microseconds since 1970 being about 2^51). Handing Lua
--- numbers to redis.call would also work (Redis prints them like %.17g), but
--- that conversion costs about twice as much per argument.
+-- integer below 2^53, microseconds since 1970 being about 2^51, and so is
+-- every fence, see next_fence). Handing Lua numbers to redis.call would also
+-- work (Redis prints them like %.17g), but that conversion costs about twice
+-- as much per argument.
 --
 -- Record format 2 (field 'v'): 'v' 'k' 's' 'f' 'c' 'le' 'r' always; 'fp' only
 -- with a fingerprint, 'amo' only for an at-most-once step ('1'), 'u' only once
 -- updated (else it is 'c'), 'ru' only once completed, released or taken over (else it is
 -- 'c' + 'r'), 'o' only once completed. 'le' means something only in progress.
 -- Each field written costs server time on every claim, hence the optional
--- ones. Format 1 (every field always written) reads the same way.
+-- ones. Format 1 (every field always written) reads the same way. Fences of
+-- records written before fences followed the clock are small integers; the
+-- next grant is still above them (next_fence).
 local key = KEYS[1]
 local ek = ARGV[1]
 
@@ -27,6 +35,19 @@ end
 
 local function fmt(n)
   return string.format('%d', n)
+end
+
+-- Restates oncely::backend::next_fence for a takeover: the clock's
+-- microseconds at this write, or the previous fence + 1 if that is higher.
+-- The clock carries the order across prunes (a pruned record's fences were
+-- granted at least its retention ago), previous + 1 across a clock that
+-- stands still. A claim of an absent key uses the clock alone (see claim.lua).
+-- Both stay below 2^53, so Lua's numbers hold them exactly.
+local function next_fence(previous, now)
+  if previous + 1 > now then
+    return previous + 1
+  end
+  return now
 end
 
 local function foreign(ty)
@@ -68,8 +89,14 @@ local function load(claim)
   if not f or not c or not r then
     return nil, 'record lacks its fence, creation time or retention; nothing was changed'
   end
+  -- Fences follow the clock in microseconds and reach 2^53 in the year
+  -- 2255; above it Lua's numbers are no longer exact (f + 1 == f), so a
+  -- fence up there was not written by oncely and is never used.
+  if f >= 9007199254740992 then
+    return nil, 'record fence is beyond 2^53; nothing was changed'
+  end
   if not claim then
-    return { s = s, f = f, c = c, r = r }
+    return { s = s, f = f, c = c, r = r, k = v[2] }
   end
   -- 'le' is '' in a format 1 record no longer in progress: tonumber gives nil.
   return { s = s, f = f, c = c, r = r, amo = (v[7] == '1'), le = tonumber(v[8]), fp = v[9] or '' }

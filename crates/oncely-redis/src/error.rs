@@ -1,0 +1,79 @@
+//! Driver errors and unexpected replies mapped to the core's errors: no
+//! driver type crosses the API.
+
+use oncely::Error;
+use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
+
+use crate::BACKEND;
+use crate::reply::text;
+
+/// Maps a driver error to the core's.
+pub(crate) fn map_err(e: RedisError) -> Error {
+    let message = e.to_string();
+    if e.is_connection_refusal()
+        || e.is_connection_dropped()
+        || matches!(e.kind(), ErrorKind::ClusterConnectionNotFound)
+    {
+        return Error::Unavailable {
+            backend: BACKEND,
+            message,
+        };
+    }
+    if e.is_timeout() {
+        return Error::Backend {
+            backend: BACKEND,
+            message,
+            retryable: true,
+        };
+    }
+    let retryable = match e.kind() {
+        ErrorKind::Io => true,
+        ErrorKind::Server(
+            ServerErrorKind::TryAgain
+            | ServerErrorKind::ClusterDown
+            | ServerErrorKind::MasterDown
+            | ServerErrorKind::BusyLoading
+            | ServerErrorKind::ReadOnly
+            | ServerErrorKind::Moved
+            | ServerErrorKind::Ask,
+        ) => true,
+        _ => e.code() == Some("BUSY"),
+    };
+    Error::Backend {
+        backend: BACKEND,
+        message,
+        retryable,
+    }
+}
+
+pub(crate) fn unexpected(what: &str) -> Error {
+    Error::Backend {
+        backend: BACKEND,
+        message: format!("unexpected script reply {what:?}"),
+        retryable: false,
+    }
+}
+
+/// A script's `{'corrupt', message}` reply about `rkey`.
+pub(crate) fn corrupt(rkey: &str, parts: &[Value]) -> Error {
+    let what = parts.get(1).and_then(text).unwrap_or_default();
+    Error::Corrupt {
+        backend: BACKEND,
+        message: format!("{rkey}: {what}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn driver_errors_map_to_core_errors() {
+        let refused: RedisError = std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into();
+        assert!(matches!(map_err(refused), Error::Unavailable { .. }));
+        let timeout: RedisError = std::io::Error::from(std::io::ErrorKind::TimedOut).into();
+        assert!(matches!(map_err(timeout), Error::Backend { retryable: true, .. }));
+        let parse: RedisError = (ErrorKind::Parse, "garbage").into();
+        assert!(matches!(map_err(parse), Error::Backend { retryable: false, .. }));
+    }
+}
