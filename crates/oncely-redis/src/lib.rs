@@ -94,11 +94,14 @@
 //! its insert. In a cluster the watermark lives in another slot, so a claim
 //! that inserted reads it afterwards and, past the horizon, deletes its own
 //! insert again (only if it is still exactly the record it wrote) before
-//! failing; this runs to completion even if the caller drops the claim's
-//! future. If that delete cannot reach the server, the claim fails all the
-//! same and its record stays in progress until the lease ends; a later
-//! delivery then takes it over like any abandoned lease, without a horizon
-//! check (it is logged as an error).
+//! failing: one more round trip for a claim with `sent_at` that inserts,
+//! two for one that turns out to be beyond the horizon. Such a claim runs
+//! to completion even if the caller drops its future. What a cluster cannot
+//! close: if the claim's reply is lost after the server applied the insert
+//! (a response timeout, a dropped connection), or the delete cannot reach
+//! the server (logged as an error), the claim fails and the record it
+//! wrote stays in progress until its lease ends; a later delivery then takes
+//! it over like any abandoned lease, and a takeover asks no horizon.
 //!
 //! A claim without `sent_at` cannot be told from new work: if its record
 //! was pruned, it acquires and runs the effect again. Pass the message's
@@ -490,33 +493,91 @@ impl RedisLedger {
     /// read sees the raised watermark and refuses. Reading before the insert
     /// would leave a gap: prune could raise and delete between the read and
     /// the insert.
-    ///
-    /// It runs as a task of its own, so a caller that drops the claim's
-    /// future does not leave the insert behind: an insert left behind would
-    /// be taken over after its lease like any abandoned claim, with no
-    /// horizon check, and the pruned effect would run again.
-    async fn settle_horizon(&self, lease: Lease, hkey: String, sent_at: Option<SystemTime>) -> Result<Lease> {
-        let ledger = self.clone();
-        let task = tokio::spawn(async move {
-            let watermark = ledger.watermark(&hkey).await;
-            if let Ok(w) = &watermark
-                && !is_beyond_horizon(sent_at, *w)
-            {
-                return Ok(lease);
+    async fn settle_horizon(&self, lease: Lease, hkey: &str, sent_at: Option<SystemTime>) -> Result<Lease> {
+        let watermark = self.watermark(hkey).await;
+        if let Ok(w) = &watermark
+            && !is_beyond_horizon(sent_at, *w)
+        {
+            return Ok(lease);
+        }
+        self.undo(&lease).await;
+        match watermark {
+            Ok(_) => Err(Error::BeyondHorizon {
+                key: lease.key.to_string(),
+            }),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// One claim: the script, and on a cluster the horizon check after an
+    /// insert ([`RedisLedger::settle_horizon`]).
+    async fn claim_once(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
+        // validate() refuses a sent_at outside 1970..9999; the conversion is
+        // checked all the same, so nothing can wrap into another time.
+        let sent_at = opts.sent_at.map(to_micros).transpose()?;
+        let rkey = self.redis_key(key);
+        let hkey = sent_at.map(|_| self.horizon_key(key.tenant(), key.kind()));
+        // One server: the script reads the watermark with its insert.
+        let in_script = hkey.as_deref().filter(|_| !self.is_cluster());
+        let mut cmd = evalsha(&CLAIM, &rkey, in_script);
+        cmd.arg(key.as_str())
+            .arg(duration_micros(opts.lease))
+            .arg(duration_micros(opts.retention));
+        match opts.fingerprint {
+            Some(f) => cmd.arg(f.to_hex().as_str()),
+            None => cmd.arg(""),
+        };
+        cmd.arg(if opts.at_most_once { "1" } else { "0" });
+        match sent_at {
+            Some(us) => cmd.arg(us),
+            None => cmd.arg(""),
+        };
+        let reply = self.run(&CLAIM, &cmd).await?;
+        let parts = array(reply)?;
+        match tag(&parts)? {
+            "acquired" => {
+                let lease = Lease {
+                    key: key.clone(),
+                    fence: uint(parts.get(1))?,
+                    expires_at: from_micros(int(parts.get(2))?),
+                    first_claimed_at: from_micros(int(parts.get(3))?),
+                    acquired_at: from_micros(int(parts.get(4))?),
+                    taken_over: int(parts.get(5))? == 1,
+                    at_most_once: opts.at_most_once,
+                };
+                match hkey {
+                    // A takeover found the record: the horizon is not its
+                    // question (the contract checks absent keys only).
+                    Some(hkey) if in_script.is_none() && !lease.taken_over => self
+                        .settle_horizon(lease, &hkey, opts.sent_at)
+                        .await
+                        .map(Claim::Acquired),
+                    _ => Ok(Claim::Acquired(lease)),
+                }
             }
-            ledger.undo(&lease).await;
-            match watermark {
-                Ok(_) => Err(Error::BeyondHorizon {
-                    key: lease.key.to_string(),
-                }),
-                Err(e) => Err(e),
+            "in_progress" => Ok(Claim::InProgress {
+                fence: uint(parts.get(1))?,
+                expires_at: from_micros(int(parts.get(2))?),
+                first_claimed_at: from_micros(int(parts.get(3))?),
+                read_at: from_micros(int(parts.get(4))?),
+            }),
+            "record" => {
+                // The script decided; the kit's rule says what the record answers.
+                let r = record(&rkey, Some(key), &parts)?;
+                match answer_existing(key, opts, r)? {
+                    Some(c @ (Claim::Completed(_) | Claim::Abandoned(_))) => Ok(c),
+                    other => Err(unexpected(&format!("{other:?}"))),
+                }
             }
-        });
-        task.await.map_err(|e| Error::Backend {
-            backend: BACKEND,
-            message: format!("horizon check of a claim did not finish: {e}"),
-            retryable: true,
-        })?
+            "horizon" => Err(Error::BeyondHorizon { key: key.to_string() }),
+            "mismatch" => Err(Error::FingerprintMismatch { key: key.to_string() }),
+            // The third element names the horizon key when that is what is wrong.
+            "corrupt" => match (&hkey, parts.get(2)) {
+                (Some(hkey), Some(_)) => Err(corrupt(hkey, &parts)),
+                _ => Err(corrupt(&rkey, &parts)),
+            },
+            other => Err(unexpected(other)),
+        }
     }
 
     /// Deletes the record a claim just inserted, if it is still exactly that
@@ -643,72 +704,23 @@ impl Ledger for RedisLedger {
 
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
         opts.validate()?;
-        // validate() refuses a sent_at outside 1970..9999; the conversion is
-        // checked all the same, so nothing can wrap into another time.
-        let sent_at = opts.sent_at.map(to_micros).transpose()?;
-        let rkey = self.redis_key(key);
-        let hkey = sent_at.map(|_| self.horizon_key(key.tenant(), key.kind()));
-        // One server: the script reads the watermark with its insert.
-        let in_script = hkey.as_deref().filter(|_| !self.is_cluster());
-        let mut cmd = evalsha(&CLAIM, &rkey, in_script);
-        cmd.arg(key.as_str())
-            .arg(duration_micros(opts.lease))
-            .arg(duration_micros(opts.retention));
-        match opts.fingerprint {
-            Some(f) => cmd.arg(f.to_hex().as_str()),
-            None => cmd.arg(""),
-        };
-        cmd.arg(if opts.at_most_once { "1" } else { "0" });
-        match sent_at {
-            Some(us) => cmd.arg(us),
-            None => cmd.arg(""),
-        };
-        let reply = self.run(&CLAIM, &cmd).await?;
-        let parts = array(reply)?;
-        match tag(&parts)? {
-            "acquired" => {
-                let lease = Lease {
-                    key: key.clone(),
-                    fence: uint(parts.get(1))?,
-                    expires_at: from_micros(int(parts.get(2))?),
-                    first_claimed_at: from_micros(int(parts.get(3))?),
-                    acquired_at: from_micros(int(parts.get(4))?),
-                    taken_over: int(parts.get(5))? == 1,
-                    at_most_once: opts.at_most_once,
-                };
-                match hkey {
-                    // A takeover found the record: the horizon is not its
-                    // question (the contract checks absent keys only).
-                    Some(hkey) if in_script.is_none() && !lease.taken_over => self
-                        .settle_horizon(lease, hkey, opts.sent_at)
-                        .await
-                        .map(Claim::Acquired),
-                    _ => Ok(Claim::Acquired(lease)),
-                }
-            }
-            "in_progress" => Ok(Claim::InProgress {
-                fence: uint(parts.get(1))?,
-                expires_at: from_micros(int(parts.get(2))?),
-                first_claimed_at: from_micros(int(parts.get(3))?),
-                read_at: from_micros(int(parts.get(4))?),
-            }),
-            "record" => {
-                // The script decided; the kit's rule says what the record answers.
-                let r = record(&rkey, Some(key), &parts)?;
-                match answer_existing(key, opts, r)? {
-                    Some(c @ (Claim::Completed(_) | Claim::Abandoned(_))) => Ok(c),
-                    other => Err(unexpected(&format!("{other:?}"))),
-                }
-            }
-            "horizon" => Err(Error::BeyondHorizon { key: key.to_string() }),
-            "mismatch" => Err(Error::FingerprintMismatch { key: key.to_string() }),
-            // The third element names the horizon key when that is what is wrong.
-            "corrupt" => match (&hkey, parts.get(2)) {
-                (Some(hkey), Some(_)) => Err(corrupt(hkey, &parts)),
-                _ => Err(corrupt(&rkey, &parts)),
-            },
-            other => Err(unexpected(other)),
+        if self.is_cluster() && opts.sent_at.is_some() {
+            // A claim that inserts on a cluster writes, then reads the
+            // watermark, then may take its insert back: it runs as a task of
+            // its own, so a caller that drops its future (a timeout,
+            // `select!`) never leaves the insert behind. Left behind, it
+            // would be taken over after its lease like any abandoned claim,
+            // with no horizon check, and the pruned effect would run again.
+            let (ledger, key, opts) = (self.clone(), key.clone(), opts.clone());
+            return tokio::spawn(async move { ledger.claim_once(&key, &opts).await })
+                .await
+                .map_err(|e| Error::Backend {
+                    backend: BACKEND,
+                    message: format!("claim did not finish: {e}"),
+                    retryable: true,
+                })?;
         }
+        self.claim_once(key, opts).await
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {

@@ -778,3 +778,50 @@ async fn cluster_claim_checks_the_horizon_after_its_insert() {
     assert!(!l.taken_over);
     assert_eq!(ledger.get(&fresh).await.unwrap().unwrap().fence, l.fence);
 }
+
+/// A cluster claim beyond the horizon whose caller drops it at any moment
+/// (a timeout, `select!`) leaves no record behind: the read of the
+/// watermark and the take-back run to the end on their own. A record left
+/// behind would be taken over after its lease, with no horizon check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_dropped_claim_beyond_the_horizon_leaves_nothing() {
+    let t = fresh_tenant();
+    let Some(ledger) = common::cluster_with(own_prefix(&t)).await else {
+        return;
+    };
+    let mut conn = redis::cluster::ClusterClient::new(cluster_urls().unwrap())
+        .unwrap()
+        .get_async_connection()
+        .await
+        .unwrap();
+    // As if prune had deleted records of this tenant and kind created now.
+    let now = to_micros(SystemTime::now()).unwrap();
+    let _: () = conn.set(ledger.horizon_key(&t, "capture"), now).await.unwrap();
+    let replay = ClaimOptions::default().sent_at(SystemTime::now() - Duration::from_secs(3600));
+    let mut rng = oncely::conformance::Rng::from_env("cluster_dropped_claim");
+    let mut keys = Vec::new();
+    let mut dropped = 0;
+    for i in 0..150 {
+        let k = EffectKey::new(&t, "capture", format!("dropped-{i}")).unwrap();
+        // Drop points spread over the claim's two round trips.
+        // A zero timeout drops the claim right after its first poll.
+        let after = match i % 4 {
+            0 => Duration::ZERO,
+            _ => Duration::from_micros(rng.below(3_000)),
+        };
+        match tokio::time::timeout(after, ledger.claim(&k, &replay)).await {
+            Err(_) => dropped += 1,
+            Ok(Err(Error::BeyondHorizon { .. })) => {}
+            Ok(other) => panic!("{other:?}"),
+        }
+        keys.push(k);
+    }
+    assert!(dropped > 0, "no claim was dropped");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for k in &keys {
+        assert!(
+            ledger.get(k).await.unwrap().is_none(),
+            "{k}: a dropped claim left its insert behind"
+        );
+    }
+}
