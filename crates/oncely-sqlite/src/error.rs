@@ -17,18 +17,73 @@ const SQLITE_CANTOPEN: i64 = 14;
 const SQLITE_AUTH: i64 = 23;
 const SQLITE_NOTADB: i64 = 26;
 
-/// Maps a driver error. A unique violation here is never the effect key (the
-/// claim statement answers that conflict itself), so it is reported as a bug
-/// and never mistaken for a duplicate.
+// Extended result codes of a unique or primary-key constraint failure.
+const SQLITE_CONSTRAINT_PRIMARYKEY: i64 = 1555;
+const SQLITE_CONSTRAINT_UNIQUE: i64 = 2067;
+
+/// How [`map`] starts the message of a unique violation, so that
+/// [`unique_violation`] recognises one that a handler passed on as an
+/// `oncely::Error` (from `map_error`) instead of the driver's error.
+const UNIQUE_PREFIX: &str = "unexpected unique-constraint violation: ";
+
+/// The message of a unique or primary-key violation, if `db` is one.
+fn unique_message(db: &dyn sqlx::error::DatabaseError) -> Option<String> {
+    let code = db.code().and_then(|c| c.parse::<i64>().ok());
+    let unique = matches!(
+        code,
+        Some(SQLITE_CONSTRAINT_UNIQUE | SQLITE_CONSTRAINT_PRIMARYKEY)
+    ) || db.kind() == ErrorKind::UniqueViolation;
+    unique.then(|| db.message().to_owned())
+}
+
+/// Whether `error`, or any error in its source chain, is a SQLite unique or
+/// primary-key violation: the driver's error (a handler's `?` on a sqlx
+/// call), or this crate's mapping of one. Returns the driver's message.
+pub(crate) fn unique_violation(error: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if let Some(sqlx::Error::Database(db)) = e.downcast_ref::<sqlx::Error>()
+            && let Some(message) = unique_message(db.as_ref())
+        {
+            return Some(message);
+        }
+        if let Some(Error::Corrupt {
+            backend: BACKEND,
+            message,
+        }) = e.downcast_ref::<Error>()
+            && let Some(message) = message.strip_prefix(UNIQUE_PREFIX)
+        {
+            return Some(message.to_owned());
+        }
+        next = e.source();
+    }
+    None
+}
+
+/// Maps a driver error of the ledger's own statements. A unique violation
+/// here is never the effect key (the claim statement answers that conflict
+/// itself), so it is reported (and counted) as a bug and never mistaken for
+/// a duplicate.
 pub(crate) fn map(e: sqlx::Error) -> Error {
+    if let sqlx::Error::Database(db) = &e
+        && let Some(message) = unique_message(db.as_ref())
+    {
+        oncely::telemetry::unexpected_constraint_violation(BACKEND, &message);
+    }
+    map_uncounted(e)
+}
+
+/// [`map`] without counting a unique violation: for the caller's own
+/// statements (`map_error`), where the runner counts it if the handler
+/// returns it.
+pub(crate) fn map_uncounted(e: sqlx::Error) -> Error {
     match e {
         sqlx::Error::Database(db) => {
             let message = db.message().to_owned();
-            if db.kind() == ErrorKind::UniqueViolation {
-                oncely::telemetry::unexpected_constraint_violation(BACKEND, &message);
+            if unique_message(db.as_ref()).is_some() {
                 return Error::Corrupt {
                     backend: BACKEND,
-                    message: format!("unexpected unique-constraint violation: {message}"),
+                    message: format!("{UNIQUE_PREFIX}{message}"),
                 };
             }
             let code = db.code().and_then(|c| c.parse::<i64>().ok()).unwrap_or(0);

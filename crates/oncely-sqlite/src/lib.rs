@@ -62,11 +62,16 @@
 //!
 //! | property | SQLite backend |
 //! | --- | --- |
-//! | atomic claim | one `INSERT … ON CONFLICT(key) DO UPDATE … WHERE <takeover> RETURNING` statement under SQLite's single-writer lock (insert if absent, or take over a released record or an expired lease with `fence + 1`). A new key costs that one statement; a duplicate costs a second one that reads the record, and claims again if the record changed in between (released, expired or pruned) |
+//! | atomic claim | one `INSERT … ON CONFLICT(key) DO UPDATE … WHERE <takeover> RETURNING` statement under SQLite's single-writer lock (insert if absent, or take over a released record or an expired lease). A new key costs that one statement; a duplicate costs a second one that reads the record, and claims again if the record changed in between (released, expired or pruned) |
 //! | caller's transaction | yes: `claim_in` / `complete_in` on `&mut SqliteConnection`, transaction from [`SqliteLedger::begin`] (`BEGIN IMMEDIATE`) |
-//! | durability | WAL with `synchronous=FULL` by default: a completed record survives a process crash and a power loss once `complete` returns. `synchronous=NORMAL` ([`SqliteLedgerOptions::synchronous`]) is faster and survives process crashes, but a power loss may roll back the last commits, so an effect could run again |
+//! | clock | SQLite's clock (`unixepoch('subsec')`, millisecond resolution) on the machine that opens the file, read once per statement *after* the statement holds the write lock: a claim that waited for another transaction is judged, and its lease measured, from the moment it writes. `acquired_at` is that moment |
+//! | fences | the clock in microseconds on a first claim, `max(previous + 1, clock)` on a takeover ([`oncely::backend::next_fence`]): a key's fences only grow, across prune too, as long as the host's clock does not step back by more than the shortest retention in use. Not 1, 2, 3… |
+//! | horizon | prune raises a watermark per tenant and kind (table `<table>_horizon`) to the newest `created_at` it deletes, in the same transaction as the delete. A claim with [`ClaimOptions::sent_at`](oncely::ClaimOptions::sent_at) at or before it, for an absent key, fails with [`Error::BeyondHorizon`]; a claim without `sent_at` cannot be told from new work |
+//! | durability | WAL with `synchronous=FULL` by default: a completed record survives a process crash and a power loss once `complete` returns. `synchronous=NORMAL` ([`SqliteLedgerOptions::synchronous`]) is faster and survives process crashes, but a power loss may roll back the last commits, so an effect could run again. [`Capabilities::durability`](oncely::Capabilities::durability) reports the journal mode and `synchronous` setting the database actually runs with |
+//! | storage that does not survive | refused with [`Error::Config`]: `sqlite::memory:`, `mode=memory`, `vfs=memdb`, and an empty path (`sqlite:`, `sqlite://`: a private temporary database per connection). [`SqliteLedgerOptions::ephemeral`] accepts them, as one in-memory database shared by the whole pool, reported as not durable |
+//! | schema | verified on connect and after [`SqliteLedger::migrate`]: the columns with their type affinities, a PRIMARY KEY or UNIQUE index on exactly `key`, BINARY collation on it; a table that fails is refused with [`Error::Config`] naming it and the problem |
+//! | read-only | [`SqliteLedgerOptions::read_only`] opens the file with `mode=ro`: never creates it (a missing file is [`Error::Config`] naming the path), never migrates, verifies the schema, refuses writes |
 //! | replication | none: one file on one machine (use the PostgreSQL backend across machines) |
-//! | clock | SQLite's clock (`unixepoch('subsec')`, millisecond resolution) on the machine that opens the file |
 //! | concurrency | many readers, one writer at a time; writers wait up to the busy timeout (5 s by default), then fail with a retryable `Error::Backend` |
 //! | max key | [`oncely::MAX_KEY_BYTES`] (255 bytes, stored whole as TEXT) |
 //! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] (64 KiB, BLOB) |
@@ -77,101 +82,53 @@
 //! Errors: a database that cannot be opened (missing directory, permissions)
 //! is [`Error::Unavailable`] and no effect runs;
 //! `SQLITE_BUSY`/`SQLITE_LOCKED` are retryable
-//! [`Error::Backend`].
+//! [`Error::Backend`]. A unique violation raised by a handler's own write
+//! (a business table's UNIQUE constraint in a [`Job::step_in`](oncely::Job::step_in)
+//! closure) is never taken for a duplicate: the runner reports the
+//! non-retryable [`Error::ConstraintViolation`] and counts it in
+//! `oncely_unexpected_constraint_violations_total`. Let the closure return
+//! the sqlx error (`?`), or [`map_error`]'s mapping of it; both are
+//! recognised.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod error;
+mod options;
 mod queries;
+mod schema;
 
 use std::fmt;
-use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
+use oncely::backend::{
+    answer_existing, check_outcome, duration_micros, effective_state, from_micros, is_beyond_horizon,
+    to_micros,
+};
 use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Fingerprint, Lease, Ledger, Outcome, Record,
     RecordState, Result, Tenant, TransactionalLedger,
 };
-use oncely::backend::{duration_micros, from_micros, to_micros};
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow};
+use sqlx::sqlite::{SqliteJournalMode, SqlitePoolOptions, SqliteRow};
 use sqlx::{AssertSqlSafe, Connection, Row};
 
-use crate::error::{BACKEND, corrupt, map, map_connect};
+use crate::error::{BACKEND, corrupt, map, map_connect, map_uncounted};
+use crate::options::{DURABLE_EPHEMERAL, DURABLE_UNCHECKED, Probe, Storage};
 use crate::queries::Queries;
 
+pub use crate::options::SqliteLedgerOptions;
 pub use sqlx;
 pub use sqlx::Transaction;
 pub use sqlx::sqlite::{Sqlite, SqliteConnection, SqlitePool, SqliteSynchronous};
 
 /// Maps a sqlx error (from your own statements in a transaction from
 /// [`SqliteLedger::begin`], or its commit) the way the ledger maps its own:
-/// busy and locked are retryable, an unopenable file is `Unavailable`.
+/// busy and locked are retryable, an unopenable file is `Unavailable`, a
+/// unique violation is [`Error::Corrupt`] (returned from a
+/// [`Job::step_in`](oncely::Job::step_in) closure, the runner still
+/// recognises it as one; see [`Ledger::unique_violation`]).
 pub fn map_error(e: sqlx::Error) -> Error {
-    map(e)
-}
-
-/// How [`SqliteLedger::connect_with`] opens the database.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct SqliteLedgerOptions {
-    /// Most connections in the pool (default 16). SQLite runs one writer at a
-    /// time; more connections help concurrent readers and keep waiting
-    /// writers off each other's connections.
-    pub max_connections: u32,
-    /// The ledger table (default `oncely_effects`).
-    pub table: String,
-    /// How long a writer waits for SQLite's write lock before failing with a
-    /// retryable error (default 5 s).
-    pub busy_timeout: Duration,
-    /// How long an operation waits for a free pooled connection (default 30 s).
-    pub acquire_timeout: Duration,
-    /// `PRAGMA synchronous` (default `Full`; see the crate docs' table).
-    pub synchronous: SqliteSynchronous,
-}
-
-impl Default for SqliteLedgerOptions {
-    fn default() -> Self {
-        SqliteLedgerOptions {
-            max_connections: 16,
-            table: queries::DEFAULT_TABLE.to_owned(),
-            busy_timeout: Duration::from_secs(5),
-            acquire_timeout: Duration::from_secs(30),
-            synchronous: SqliteSynchronous::Full,
-        }
-    }
-}
-
-impl SqliteLedgerOptions {
-    /// Sets the pool size.
-    pub fn max_connections(mut self, n: u32) -> Self {
-        self.max_connections = n;
-        self
-    }
-
-    /// Sets the ledger table name.
-    pub fn table(mut self, name: impl Into<String>) -> Self {
-        self.table = name.into();
-        self
-    }
-
-    /// Sets the busy timeout.
-    pub fn busy_timeout(mut self, timeout: Duration) -> Self {
-        self.busy_timeout = timeout;
-        self
-    }
-
-    /// Sets the pool acquire timeout.
-    pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
-        self.acquire_timeout = timeout;
-        self
-    }
-
-    /// Sets `PRAGMA synchronous`.
-    pub fn synchronous(mut self, synchronous: SqliteSynchronous) -> Self {
-        self.synchronous = synchronous;
-        self
-    }
+    map_uncounted(e)
 }
 
 /// An effect ledger in a SQLite database file. Cheap to clone: a pool handle
@@ -180,7 +137,14 @@ impl SqliteLedgerOptions {
 pub struct SqliteLedger {
     pool: SqlitePool,
     q: Arc<Queries>,
-    durability: &'static str,
+    /// What the database was found to be (see [`Probe`]); unset for a
+    /// caller's pool until `migrate` or `verify` reads it.
+    durability: Arc<OnceLock<&'static str>>,
+    read_only: bool,
+    /// An ephemeral database lives as long as one connection to it: this one,
+    /// outside the pool (which may close idle connections), dropped with the
+    /// last clone of the ledger. Never used otherwise.
+    _keep_alive: Option<Arc<Mutex<SqliteConnection>>>,
 }
 
 impl fmt::Debug for SqliteLedger {
@@ -188,45 +152,30 @@ impl fmt::Debug for SqliteLedger {
         f.debug_struct("SqliteLedger")
             .field("table", &self.q.table)
             .field("pool_size", &self.pool.size())
+            .field("read_only", &self.read_only)
             .finish_non_exhaustive()
     }
 }
 
-const DURABLE_FULL: &str = "local file, WAL, synchronous=FULL: survives process crashes and power loss";
-const DURABLE_NORMAL: &str =
-    "local file, WAL, synchronous=NORMAL: survives process crashes; a power loss may undo the last commits";
-const DURABLE_OFF: &str =
-    "local file, synchronous=OFF: an OS crash or power loss may lose or corrupt records";
-const DURABLE_POOL: &str = "local file; as durable as the pool's journal_mode and synchronous settings";
-
-/// Parses `sqlite:path`, `sqlite://path` (with optional `?…` parameters) or
-/// a bare path. In-memory databases are refused: every pooled connection
-/// would get its own empty database.
-fn connect_options(url: &str) -> Result<SqliteConnectOptions> {
-    let lower = url.to_ascii_lowercase();
-    if lower.contains(":memory:") || lower.contains("mode=memory") {
-        return Err(Error::Config(format!(
-            "{url}: in-memory SQLite gives every pooled connection its own database; use a file \
-             (a temporary one in tests), or oncely::MemoryLedger"
-        )));
-    }
-    let opts = if lower.starts_with("sqlite:") {
-        SqliteConnectOptions::from_str(url).map_err(|e| Error::Config(format!("{url}: {e}")))?
-    } else {
-        SqliteConnectOptions::new().filename(url)
-    };
-    Ok(opts)
-}
-
 impl SqliteLedger {
     /// Opens (creating if missing) the database at `url` with the default
-    /// [`SqliteLedgerOptions`], and runs the migrations.
+    /// [`SqliteLedgerOptions`], runs the migrations and verifies the tables.
     ///
     /// Accepts `sqlite:path`, `sqlite://path` and a bare file path. A file
     /// that cannot be opened (missing directory, permissions) fails with
-    /// [`Error::Unavailable`].
+    /// [`Error::Unavailable`]; storage that would not survive (in memory, an
+    /// empty path) with [`Error::Config`].
     pub async fn connect(url: &str) -> Result<SqliteLedger> {
         Self::connect_with(url, SqliteLedgerOptions::default()).await
+    }
+
+    /// Opens the file read-only, for commands that only read (`get`,
+    /// `abandoned`, `horizon`): creates nothing, migrates nothing, verifies
+    /// the schema. Same as [`SqliteLedger::connect_with`] with
+    /// [`SqliteLedgerOptions::read_only`]. A path with no database is
+    /// [`Error::Config`] naming it.
+    pub async fn connect_read_only(url: &str) -> Result<SqliteLedger> {
+        Self::connect_with(url, SqliteLedgerOptions::default().read_only(true)).await
     }
 
     /// [`SqliteLedger::connect`] with options.
@@ -235,44 +184,122 @@ impl SqliteLedger {
         if options.max_connections == 0 {
             return Err(Error::Config("max_connections must be at least 1".to_owned()));
         }
-        let connect = connect_options(url)?
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(options.synchronous)
-            .busy_timeout(options.busy_timeout)
-            .foreign_keys(true);
-        let pool = SqlitePoolOptions::new()
-            .max_connections(options.max_connections)
-            .acquire_timeout(options.acquire_timeout)
-            // No release hook is needed to keep a connection inside an open
-            // transaction out of the pool: a dropped `Transaction` (or a
-            // dropped `begin`) queues its ROLLBACK on the connection's worker
-            // thread, and the pool pings that worker before it hands the
-            // connection out again, so the rollback has run by then. The
-            // `aborted_transactions_commit_all_or_nothing` test checks it.
-            .connect_with(connect)
-            .await
-            .map_err(map_connect)?;
-        let durability = match options.synchronous {
-            SqliteSynchronous::Full | SqliteSynchronous::Extra => DURABLE_FULL,
-            SqliteSynchronous::Normal => DURABLE_NORMAL,
-            SqliteSynchronous::Off => DURABLE_OFF,
+        let target = options::parse(url)?;
+        let read_only = options.read_only || target.read_only;
+        let migrate = options.migrate && !read_only;
+        let connect = match (&target.storage, options.ephemeral) {
+            (Storage::File(path), false) => {
+                // Only a migrating ledger creates the file: a mistyped path
+                // in a read command must not become an empty new database.
+                // (A `file:` URI filename is SQLite's to resolve; opening it
+                // without create fails the same way, as Unavailable.)
+                let uri = path.to_string_lossy().starts_with("file:");
+                if !migrate && !uri && !path.exists() {
+                    let why = if read_only { "read-only" } else { "migrate(false)" };
+                    return Err(Error::Config(format!(
+                        "no SQLite database at {} ({why} creates none): check the path, or run \
+                         `oncely migrate` to create it",
+                        path.display()
+                    )));
+                }
+                let mut connect = target.connect.create_if_missing(migrate).read_only(read_only);
+                if !read_only {
+                    connect = connect.journal_mode(SqliteJournalMode::Wal);
+                }
+                connect
+            }
+            (Storage::File(path), true) => {
+                return Err(Error::Config(format!(
+                    "{url}: ephemeral(true) asks for an in-memory database, but this names the file {}; \
+                     drop ephemeral(true) to keep records in it, or use sqlite::memory:",
+                    path.display()
+                )));
+            }
+            (storage, false) => return Err(options::not_durable(url, storage)),
+            (_, true) if read_only => {
+                return Err(Error::Config(format!(
+                    "{url}: an ephemeral database starts empty; opening it read-only leaves nothing to read"
+                )));
+            }
+            (_, true) => options::ephemeral_options(),
+        }
+        .synchronous(options.synchronous)
+        .busy_timeout(options.busy_timeout)
+        .foreign_keys(true);
+        let keep_alive = if options.ephemeral {
+            let conn = SqliteConnection::connect_with(&connect)
+                .await
+                .map_err(map_connect)?;
+            Some(Arc::new(Mutex::new(conn)))
+        } else {
+            None
         };
-        let ledger = SqliteLedger { pool, q, durability };
-        ledger.migrate().await?;
+        let mut pool = SqlitePoolOptions::new()
+            .max_connections(options.max_connections)
+            .acquire_timeout(options.acquire_timeout);
+        if options.ephemeral {
+            // Nothing to gain from recycling connections to memory.
+            pool = pool.idle_timeout(None).max_lifetime(None);
+        }
+        // No release hook is needed to keep a connection inside an open
+        // transaction out of the pool: a dropped `Transaction` (or a dropped
+        // `begin`) queues its ROLLBACK on the connection's worker thread, and
+        // the pool pings that worker before it hands the connection out
+        // again, so the rollback has run by then. The
+        // `aborted_transactions_commit_all_or_nothing` test checks it.
+        let pool = pool.connect_with(connect).await.map_err(map_connect)?;
+        let ledger = SqliteLedger {
+            pool,
+            q,
+            durability: Arc::new(OnceLock::new()),
+            read_only,
+            _keep_alive: keep_alive,
+        };
+        let mut conn = ledger.pool.acquire().await.map_err(map_connect)?;
+        // What the URL promised is checked against what SQLite opened: a
+        // URI filename or a VFS the parser did not recognise must not pass
+        // for a durable file.
+        let probe = Probe::read(&mut conn).await?;
+        if options.ephemeral {
+            let _ = ledger.durability.set(DURABLE_EPHEMERAL);
+        } else if !probe.is_file() {
+            return Err(Error::Config(format!(
+                "{url}: SQLite opened {} with journal_mode={}: not a durable file. Use a file path, or \
+                 SqliteLedgerOptions::ephemeral(true) for a non-durable in-memory ledger",
+                if probe.file.is_empty() {
+                    "no file"
+                } else {
+                    &probe.file
+                },
+                probe.journal_mode
+            )));
+        } else {
+            let _ = ledger.durability.set(probe.durability(read_only));
+        }
+        if migrate {
+            schema::migrate(&mut conn, &ledger.q).await?;
+        } else {
+            schema::verify(&mut conn, &ledger.q).await?;
+        }
         Ok(ledger)
     }
 
     /// A ledger over an existing pool, with the default table. Call
-    /// [`SqliteLedger::migrate`] once before use if the table may not exist.
+    /// [`SqliteLedger::migrate`] once before use if the table may not exist,
+    /// or [`SqliteLedger::verify`] if it must.
     ///
     /// The pool's connect options are yours: WAL and a busy timeout are
-    /// strongly recommended (see [`SqliteLedger::connect`]).
+    /// strongly recommended (see [`SqliteLedger::connect`]). Nothing is
+    /// refused here (an in-memory pool is your explicit choice), but
+    /// [`Capabilities::durability`] says what `migrate` or `verify` found
+    /// (until then: unchecked).
     pub fn from_pool(pool: SqlitePool) -> SqliteLedger {
         SqliteLedger {
             pool,
             q: Arc::new(Queries::new(queries::DEFAULT_TABLE).expect("the default table name is valid")),
-            durability: DURABLE_POOL,
+            durability: Arc::new(OnceLock::new()),
+            read_only: false,
+            _keep_alive: None,
         }
     }
 
@@ -280,56 +307,44 @@ impl SqliteLedger {
     /// [`Error::Config`] on a name that is not a plain identifier.
     pub fn with_table(self, table: &str) -> Result<SqliteLedger> {
         Ok(SqliteLedger {
-            pool: self.pool,
             q: Arc::new(Queries::new(table)?),
-            durability: self.durability,
+            ..self
         })
     }
 
-    /// Creates or upgrades the ledger table. Running it again is a no-op: the
-    /// schema version is kept per table in `oncely_schema`, and each step is
-    /// applied in one `BEGIN IMMEDIATE` transaction, so concurrent migrators
-    /// take turns.
+    /// Creates or upgrades the ledger table and its horizon table, then
+    /// verifies them. Running it again is a no-op: the schema version is kept
+    /// per table in `oncely_schema`, and the steps are applied in one
+    /// `BEGIN IMMEDIATE` transaction, so concurrent migrators take turns. A
+    /// table that already exists is checked first and refused with
+    /// [`Error::Config`] if the claim could not rely on it (see
+    /// [`SqliteLedger::verify`]); then nothing is changed.
     pub async fn migrate(&self) -> Result<()> {
+        self.writable("migrate")?;
         let mut conn = self.pool.acquire().await.map_err(map_connect)?;
-        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await.map_err(map)?;
-        sqlx::query(AssertSqlSafe(self.q.create_version_table.clone()))
-            .execute(&mut *tx)
-            .await
-            .map_err(map)?;
-        let current: i64 = sqlx::query_scalar(AssertSqlSafe(self.q.read_version.clone()))
-            .bind(&*self.q.table)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(map)?
-            .unwrap_or(0);
-        if current > queries::SCHEMA_VERSION {
-            return Err(corrupt(format!(
-                "table {} has schema version {current}; this oncely-sqlite knows up to {}",
-                self.q.table,
-                queries::SCHEMA_VERSION
-            )));
+        self.probe(&mut conn).await?;
+        schema::migrate(&mut conn, &self.q).await
+    }
+
+    /// Checks, changing nothing, that the ledger's tables exist at this
+    /// crate's schema version with the columns (and type affinities), a
+    /// PRIMARY KEY or UNIQUE index on exactly the effect key, and BINARY
+    /// (case-sensitive) comparison of keys. Runs on every connect; for a
+    /// ledger from [`SqliteLedger::from_pool`] call it (or `migrate`)
+    /// yourself. Fails with [`Error::Config`] naming the table and what is
+    /// wrong.
+    pub async fn verify(&self) -> Result<()> {
+        let mut conn = self.pool.acquire().await.map_err(map_connect)?;
+        self.probe(&mut conn).await?;
+        schema::verify(&mut conn, &self.q).await
+    }
+
+    async fn probe(&self, conn: &mut SqliteConnection) -> Result<()> {
+        if self.durability.get().is_none() {
+            let probe = Probe::read(conn).await?;
+            let _ = self.durability.set(probe.durability(self.read_only));
         }
-        for step in self
-            .q
-            .migrations
-            .iter()
-            .skip(usize::try_from(current).unwrap_or(0))
-        {
-            sqlx::raw_sql(AssertSqlSafe(step.clone()))
-                .execute(&mut *tx)
-                .await
-                .map_err(map)?;
-        }
-        if current != queries::SCHEMA_VERSION {
-            sqlx::query(AssertSqlSafe(self.q.write_version.clone()))
-                .bind(&*self.q.table)
-                .bind(queries::SCHEMA_VERSION)
-                .execute(&mut *tx)
-                .await
-                .map_err(map)?;
-        }
-        tx.commit().await.map_err(map)
+        Ok(())
     }
 
     /// The pool underneath, for your own queries.
@@ -342,15 +357,33 @@ impl SqliteLedger {
         &self.q.table
     }
 
+    /// Whether the ledger was opened read-only.
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+
     /// Starts a write transaction with `BEGIN IMMEDIATE` on a pooled
     /// connection, for [`TransactionalLedger::claim_in`] and your own writes.
     ///
     /// It takes SQLite's write lock at once (waiting up to the busy timeout),
     /// so a duplicate claim on another connection waits for this one to
     /// commit or roll back instead of failing. Dropping the transaction rolls
-    /// it back.
+    /// it back. (Also [`TransactionalLedger::begin`].)
     pub async fn begin(&self) -> Result<Transaction<'static, Sqlite>> {
+        self.writable("begin")?;
         self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(map)
+    }
+
+    /// Refuses a write on a read-only ledger before it reaches SQLite (whose
+    /// `SQLITE_READONLY` would read as a retryable outage).
+    fn writable(&self, what: &str) -> Result<()> {
+        if self.read_only {
+            return Err(Error::Config(format!(
+                "{what}: the ledger on table {} was opened read-only",
+                self.q.table
+            )));
+        }
+        Ok(())
     }
 
     async fn claim_on(
@@ -360,7 +393,7 @@ impl SqliteLedger {
         opts: &ClaimOptions,
     ) -> Result<Claim> {
         opts.validate()?;
-        let retention = duration_micros(opts.retention);
+        self.writable("claim")?;
         let sent_at = opts.sent_at.map(to_micros).transpose()?;
         // A takeover-able record or a vanished row seen by the follow-up read
         // means the record changed after the claim statement ran (released,
@@ -381,7 +414,7 @@ impl SqliteLedger {
                 .bind(opts.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
                 .bind(opts.at_most_once)
                 .bind(duration_micros(opts.lease))
-                .bind(retention);
+                .bind(duration_micros(opts.retention));
             if let Some(sent_at) = sent_at {
                 claim = claim.bind(sent_at);
             }
@@ -390,35 +423,23 @@ impl SqliteLedger {
             }
             let row = sqlx::query(AssertSqlSafe(self.q.claim_read.clone()))
                 .bind(key.as_str())
+                .bind(key.tenant().as_str())
+                .bind(key.kind())
                 .fetch_one(&mut *conn)
                 .await
                 .map_err(map)?;
-            let now: i64 = row.try_get(13).map_err(map)?;
-            let present: Option<String> = row.try_get(0).map_err(map)?;
+            let present: Option<String> = row.try_get("key").map_err(map)?;
             if present.is_none() {
-                if sent_at.is_some_and(|s| s.saturating_add(retention) < now) {
+                // The statement compared microseconds; so does this, or a
+                // sent_at with sub-microsecond digits would loop.
+                let watermark: Option<i64> = row.try_get("watermark").map_err(map)?;
+                if is_beyond_horizon(sent_at.map(from_micros), watermark.map(from_micros)) {
                     return Err(Error::BeyondHorizon { key: key.to_string() });
                 }
                 continue;
             }
-            let r = decode_record(&row)?;
-            if let (Some(stored), Some(given)) = (r.fingerprint, opts.fingerprint)
-                && stored != given
-            {
-                return Err(Error::FingerprintMismatch { key: key.to_string() });
-            }
-            match r.state {
-                RecordState::Completed => return Ok(Claim::Completed(r)),
-                RecordState::Abandoned => return Ok(Claim::Abandoned(r)),
-                RecordState::InProgress if r.lease_expires_at.is_some_and(|e| e > r.read_at) => {
-                    return Ok(Claim::InProgress {
-                        fence: r.fence,
-                        expires_at: r.lease_expires_at.unwrap_or(r.read_at),
-                        first_claimed_at: r.created_at,
-                        read_at: r.read_at,
-                    });
-                }
-                RecordState::InProgress | RecordState::Released => continue,
+            if let Some(answer) = answer_existing(key, opts, decode_record(&row)?)? {
+                return Ok(answer);
             }
         }
         Err(Error::Backend {
@@ -429,12 +450,8 @@ impl SqliteLedger {
     }
 
     async fn complete_on(&self, conn: &mut SqliteConnection, lease: &Lease, outcome: &Outcome) -> Result<()> {
-        if outcome.len() > oncely::MAX_OUTCOME_BYTES {
-            return Err(Error::OutcomeTooLarge {
-                size: outcome.len(),
-                max: oncely::MAX_OUTCOME_BYTES,
-            });
-        }
+        check_outcome(outcome, oncely::MAX_OUTCOME_BYTES)?;
+        self.writable("complete")?;
         let done = sqlx::query(AssertSqlSafe(self.q.complete.clone()))
             .bind(lease.key.as_str())
             .bind(fence_param(lease.fence))
@@ -447,8 +464,9 @@ impl SqliteLedger {
 }
 
 fn fence_param(fence: u64) -> i64 {
-    // A fence past i64::MAX matches no stored row (they start at 1 and grow
-    // by one), so it is reported as lost like any other stale fence.
+    // Fences are clock microseconds (about 2^51 today); one past i64::MAX
+    // matches no stored row, so it is reported as lost like any other stale
+    // fence.
     i64::try_from(fence).unwrap_or(-1)
 }
 
@@ -468,74 +486,76 @@ fn fence_from(v: i64) -> Result<u64> {
 }
 
 fn lease_from_row(key: &EffectKey, opts: &ClaimOptions, row: &SqliteRow) -> Result<Lease> {
-    let fence = fence_from(row.try_get(0).map_err(map)?)?;
-    let created: i64 = row.try_get(1).map_err(map)?;
-    let updated: i64 = row.try_get(2).map_err(map)?;
-    let expires: i64 = row.try_get(3).map_err(map)?;
+    let fence = fence_from(row.try_get("fence").map_err(map)?)?;
+    let created: i64 = row.try_get("created_at").map_err(map)?;
+    let updated: i64 = row.try_get("updated_at").map_err(map)?;
+    let expires: i64 = row.try_get("lease_expires_at").map_err(map)?;
     Ok(Lease {
         key: key.clone(),
         fence,
         expires_at: from_micros(expires),
         first_claimed_at: from_micros(created),
+        // The statement's clock, read after it took the write lock: the
+        // moment the grant was written.
         acquired_at: from_micros(updated),
-        taken_over: fence > 1,
+        taken_over: row.try_get("taken_over").map_err(map)?,
         at_most_once: opts.at_most_once,
     })
 }
 
-/// Decodes the columns of `queries::RECORD_COLUMNS` plus `now`. An expired
-/// at-most-once lease is reported as [`RecordState::Abandoned`].
+/// Decodes the columns of `queries::RECORD_COLUMNS` plus `now`, by name. An
+/// expired at-most-once lease is reported as [`RecordState::Abandoned`].
 fn decode_record(row: &SqliteRow) -> Result<Record> {
-    let stored: String = row.try_get(0).map_err(map)?;
-    let tenant: String = row.try_get(1).map_err(map)?;
-    let kind: String = row.try_get(2).map_err(map)?;
-    let subject: String = row.try_get(3).map_err(map)?;
+    let stored: String = row.try_get("key").map_err(map)?;
+    let tenant: String = row.try_get("tenant").map_err(map)?;
+    let kind: String = row.try_get("kind").map_err(map)?;
+    let subject: String = row.try_get("subject").map_err(map)?;
     let key = Tenant::parse(&tenant)
         .and_then(|t| EffectKey::new(&t, &kind, &subject))
         .map_err(|e| corrupt(format!("row {stored:?}: {e}")))?;
     if key.as_str() != stored {
         return Err(corrupt(format!("row {stored:?} has parts of {key}")));
     }
-    let state: String = row.try_get(4).map_err(map)?;
-    let mut state = RecordState::parse(&state).map_err(|e| corrupt(format!("row {stored:?}: {e}")))?;
+    let state: String = row.try_get("state").map_err(map)?;
+    let state = RecordState::parse(&state).map_err(|e| corrupt(format!("row {stored:?}: {e}")))?;
     let fingerprint = row
-        .try_get::<Option<Vec<u8>>, _>(6)
+        .try_get::<Option<Vec<u8>>, _>("fingerprint")
         .map_err(map)?
         .map(|b| Fingerprint::from_bytes(&b))
         .transpose()
         .map_err(|e| corrupt(format!("row {stored:?}: {e}")))?;
     let outcome = row
-        .try_get::<Option<Vec<u8>>, _>(7)
+        .try_get::<Option<Vec<u8>>, _>("outcome")
         .map_err(map)?
         .map(Outcome::from_bytes)
         .transpose()
         .map_err(|e| corrupt(format!("row {stored:?}: {e}")))?;
-    let at_most_once: bool = row.try_get(8).map_err(map)?;
-    let ts = |i: usize| -> Result<SystemTime> { Ok(from_micros(row.try_get(i).map_err(map)?)) };
-    let lease_expires_at = row.try_get::<Option<i64>, _>(11).map_err(map)?.map(from_micros);
-    let read_at = ts(13)?;
-    if state == RecordState::InProgress && at_most_once && lease_expires_at.is_some_and(|e| e <= read_at) {
-        state = RecordState::Abandoned;
-    }
+    let at_most_once: bool = row.try_get("at_most_once").map_err(map)?;
+    let ts = |column: &str| -> Result<SystemTime> { Ok(from_micros(row.try_get(column).map_err(map)?)) };
+    let lease_expires_at = row
+        .try_get::<Option<i64>, _>("lease_expires_at")
+        .map_err(map)?
+        .map(from_micros);
+    let read_at = ts("now")?;
     Ok(Record {
         key,
-        state,
-        fence: fence_from(row.try_get(5).map_err(map)?)?,
+        state: effective_state(state, at_most_once, lease_expires_at, read_at),
+        fence: fence_from(row.try_get("fence").map_err(map)?)?,
         fingerprint,
         outcome,
         at_most_once,
-        created_at: ts(9)?,
-        updated_at: ts(10)?,
+        created_at: ts("created_at")?,
+        updated_at: ts("updated_at")?,
         lease_expires_at,
-        retain_until: ts(12)?,
+        retain_until: ts("retain_until")?,
         read_at,
     })
 }
 
 // Every pool operation below is one autocommit statement (claim: one
-// statement, plus a read when it did not acquire), so a dropped future either
-// committed it whole or not at all, and the connection goes back to the pool
-// with no transaction open.
+// statement, plus a read when it did not acquire; prune: one transaction),
+// so a dropped future either committed it whole or not at all, and the
+// connection goes back to the pool with no transaction open.
 impl Ledger for SqliteLedger {
     fn backend(&self) -> &'static str {
         BACKEND
@@ -544,9 +564,9 @@ impl Ledger for SqliteLedger {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             caller_transaction: true,
-            durability: self.durability,
+            durability: self.durability.get().copied().unwrap_or(DURABLE_UNCHECKED),
             replicated: false,
-            clock: "SQLite unixepoch('subsec') on the host that opens the file",
+            clock: "SQLite unixepoch('subsec') on the host that opens the file, read after the write lock is taken",
             max_key_bytes: oncely::MAX_KEY_BYTES,
             max_outcome_bytes: oncely::MAX_OUTCOME_BYTES,
         }
@@ -554,16 +574,20 @@ impl Ledger for SqliteLedger {
 
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
         opts.validate()?;
+        self.writable("claim")?;
         let mut conn = self.pool.acquire().await.map_err(map)?;
         self.claim_on(&mut conn, key, opts).await
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
+        check_outcome(outcome, oncely::MAX_OUTCOME_BYTES)?;
+        self.writable("complete")?;
         let mut conn = self.pool.acquire().await.map_err(map)?;
         self.complete_on(&mut conn, lease, outcome).await
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
+        self.writable("release")?;
         let done = sqlx::query(AssertSqlSafe(self.q.release.clone()))
             .bind(lease.key.as_str())
             .bind(fence_param(lease.fence))
@@ -574,6 +598,7 @@ impl Ledger for SqliteLedger {
     }
 
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
+        self.writable("renew")?;
         let row = sqlx::query(AssertSqlSafe(self.q.renew.clone()))
             .bind(lease.key.as_str())
             .bind(fence_param(lease.fence))
@@ -588,7 +613,7 @@ impl Ledger for SqliteLedger {
             });
         };
         Ok(Lease {
-            expires_at: from_micros(row.try_get(0).map_err(map)?),
+            expires_at: from_micros(row.try_get("lease_expires_at").map_err(map)?),
             ..lease.clone()
         })
     }
@@ -602,12 +627,32 @@ impl Ledger for SqliteLedger {
         row.as_ref().map(decode_record).transpose()
     }
 
+    /// Raises the horizon of every tenant and kind it deletes from and
+    /// deletes, in one `BEGIN IMMEDIATE` transaction: a claim never sees the
+    /// records gone and the horizon not yet raised.
     async fn prune(&self, limit: u64) -> Result<u64> {
-        let done = sqlx::query(AssertSqlSafe(self.q.prune.clone()))
-            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-            .execute(&self.pool)
+        self.writable("prune")?;
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let mut conn = self.pool.acquire().await.map_err(map)?;
+        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await.map_err(map)?;
+        // One clock reading for both statements, so they pick the same rows.
+        let cutoff: i64 = sqlx::query_scalar(AssertSqlSafe(self.q.now.clone()))
+            .fetch_one(&mut *tx)
             .await
             .map_err(map)?;
+        sqlx::query(AssertSqlSafe(self.q.prune_horizon.clone()))
+            .bind(limit)
+            .bind(cutoff)
+            .execute(&mut *tx)
+            .await
+            .map_err(map)?;
+        let done = sqlx::query(AssertSqlSafe(self.q.prune.clone()))
+            .bind(limit)
+            .bind(cutoff)
+            .execute(&mut *tx)
+            .await
+            .map_err(map)?;
+        tx.commit().await.map_err(map)?;
         Ok(done.rows_affected())
     }
 
@@ -621,8 +666,20 @@ impl Ledger for SqliteLedger {
         rows.iter().map(decode_record).collect()
     }
 
-    async fn horizon(&self, _tenant: &Tenant, _kind: &str) -> Result<Option<SystemTime>> {
-        Ok(None)
+    async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
+        let watermark: Option<i64> = sqlx::query_scalar(AssertSqlSafe(self.q.horizon.clone()))
+            .bind(tenant.as_str())
+            .bind(kind)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(map)?;
+        Ok(watermark.map(from_micros))
+    }
+
+    /// A SQLite unique or primary-key violation (extended codes 2067, 1555)
+    /// anywhere in the error's source chain.
+    fn unique_violation(&self, error: &(dyn std::error::Error + 'static)) -> Option<String> {
+        error::unique_violation(error)
     }
 }
 
@@ -630,6 +687,7 @@ impl TransactionalLedger for SqliteLedger {
     type Connection = SqliteConnection;
     type Transaction = Transaction<'static, Sqlite>;
 
+    /// [`SqliteLedger::begin`]: `BEGIN IMMEDIATE`.
     async fn begin(&self) -> Result<Self::Transaction> {
         SqliteLedger::begin(self).await
     }

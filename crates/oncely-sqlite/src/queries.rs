@@ -3,7 +3,9 @@
 //! Timestamps are INTEGER microseconds since the Unix epoch taken from
 //! SQLite's clock (`unixepoch('subsec')`, millisecond resolution, SQLite
 //! 3.42+; the bundled library is newer). SQLite evaluates `'now'` once per
-//! statement, so every timestamp a statement writes is the same instant.
+//! statement, after the statement has taken its locks (a writer that waited
+//! for the write lock reads the clock when it gets it), so every timestamp a
+//! statement writes is the same instant: the moment the write takes effect.
 
 use std::sync::Arc;
 
@@ -16,10 +18,11 @@ const NOW_US: &str = "CAST(unixepoch('subsec') * 1000000 AS INTEGER)";
 pub(crate) const DEFAULT_TABLE: &str = "oncely_effects";
 
 /// The schema version this crate writes. Bump it with a new migration step.
-pub(crate) const SCHEMA_VERSION: i64 = 1;
+/// 1: the ledger table. 2: the horizon table (what prune deleted).
+pub(crate) const SCHEMA_VERSION: i64 = 2;
 
-/// The columns every record-reading statement returns, in this order, followed
-/// by the database clock (`now`). `decode_record` relies on the order.
+/// The columns every record-reading statement returns, followed by the
+/// database clock (`now`). `decode_record` reads them by name.
 const RECORD_COLUMNS: &str = "e.key, e.tenant, e.kind, e.subject, e.state, e.fence, e.fingerprint, e.outcome, \
      e.at_most_once, e.created_at, e.updated_at, e.lease_expires_at, e.retain_until";
 
@@ -27,6 +30,8 @@ const RECORD_COLUMNS: &str = "e.key, e.tenant, e.kind, e.subject, e.state, e.fen
 #[derive(Debug)]
 pub(crate) struct Queries {
     pub(crate) table: Arc<str>,
+    /// The horizon table of this ledger table (`<table>_horizon`).
+    pub(crate) horizon_table: Arc<str>,
     /// Tracks the schema version of each oncely table in the file, so two
     /// ledgers with different table names can share one database.
     pub(crate) create_version_table: Arc<str>,
@@ -43,13 +48,19 @@ pub(crate) struct Queries {
     pub(crate) release: Arc<str>,
     pub(crate) renew: Arc<str>,
     pub(crate) get: Arc<str>,
+    /// Prune is three statements in one `BEGIN IMMEDIATE` transaction: read
+    /// the clock once, raise the horizon over the records about to go, then
+    /// delete exactly those records.
+    pub(crate) now: Arc<str>,
+    pub(crate) prune_horizon: Arc<str>,
     pub(crate) prune: Arc<str>,
+    pub(crate) horizon: Arc<str>,
     pub(crate) abandoned: Arc<str>,
 }
 
 /// Accepts table names that need no quoting anywhere: ASCII letters, digits
-/// and `_`, not starting with a digit, at most 48 bytes (index names add a
-/// suffix), and not SQLite's reserved `sqlite_` prefix.
+/// and `_`, not starting with a digit, at most 48 bytes (the horizon table
+/// and the indexes add a suffix), and not SQLite's reserved `sqlite_` prefix.
 pub(crate) fn check_table_name(name: &str) -> Result<(), Error> {
     let ok = !name.is_empty()
         && name.len() <= 48
@@ -66,28 +77,49 @@ pub(crate) fn check_table_name(name: &str) -> Result<(), Error> {
 }
 
 /// The insert and the takeover are one statement: SQLite runs it under the
-/// database write lock, so there is no gap between the check and the claim.
+/// database write lock, and reads its clock (`'now'`, once per statement)
+/// only after it holds that lock, so a claim that waited for another
+/// writer's transaction is judged, and its lease measured, from the moment
+/// it writes. There is no gap between the check and the claim.
+///
+/// The fence is the clock in microseconds on insert, and
+/// `max(fence + 1, clock)` on takeover (`oncely::backend::next_fence`): a key
+/// claimed again after its record was pruned gets a fence above every fence
+/// it had, because the pruned record's fences were granted at least its
+/// retention earlier. The clock has millisecond resolution; `+ 1` keeps two
+/// grants in one millisecond apart.
+///
 /// The DO UPDATE's WHERE is the takeover rule: same (or no) fingerprint, and
 /// released, or an expired lease of a step that is not at-most-once. When
 /// neither the insert nor the takeover happens, nothing is written, no row
 /// comes back and `claim_read` tells which answer applies.
 ///
+/// `taken_over` tells the two writes apart without another read: an insert
+/// writes `fence = created_at = updated_at` (all the statement's clock); a
+/// takeover keeps the old `created_at`, and if that equals the clock (the
+/// record was created in the same millisecond), its fence was at least that
+/// clock, so the new fence is above it.
+///
 /// With `horizon`, the row comes from a SELECT whose WHERE is the horizon
-/// check: an absent key whose message (`?9`, microseconds) is older than the
-/// retention is not inserted. (A WHERE also keeps the parser from reading ON
-/// CONFLICT as a join constraint.) Without it, plain VALUES: the common case
-/// pays for no subquery.
-fn claim_sql(t: &str, horizon: bool) -> Arc<str> {
+/// check: an absent key whose message (`?9`, microseconds) was produced at or
+/// before the newest record prune deleted for this tenant and kind is not
+/// inserted (`oncely::backend::is_beyond_horizon`). The watermark is read in
+/// the same statement, under the same lock, as the insert. (A WHERE also
+/// keeps the parser from reading ON CONFLICT as a join constraint.) Without
+/// it, plain VALUES: the common case pays for no subquery.
+fn claim_sql(t: &str, h: &str, horizon: bool) -> Arc<str> {
     let source = if horizon {
         format!(
-            "SELECT ?1, ?2, ?3, ?4, 'in_progress', 1, ?5, NULL,
+            "SELECT ?1, ?2, ?3, ?4, 'in_progress', max(c.now, 1), ?5, NULL,
                 ?6, c.now, c.now, c.now + ?7, c.now + ?8, ?8
              FROM (SELECT {NOW_US} AS now) AS c
-             WHERE ?9 + ?8 >= c.now OR EXISTS (SELECT 1 FROM \"{t}\" WHERE key = ?1)"
+             WHERE NOT EXISTS (SELECT 1 FROM \"{h}\"
+                               WHERE tenant = ?2 AND kind = ?3 AND pruned_through >= ?9)
+                OR EXISTS (SELECT 1 FROM \"{t}\" WHERE key = ?1)"
         )
     } else {
         format!(
-            "VALUES (?1, ?2, ?3, ?4, 'in_progress', 1, ?5, NULL,
+            "VALUES (?1, ?2, ?3, ?4, 'in_progress', max({NOW_US}, 1), ?5, NULL,
                 ?6, {NOW_US}, {NOW_US}, {NOW_US} + ?7, {NOW_US} + ?8, ?8)"
         )
     };
@@ -97,7 +129,7 @@ fn claim_sql(t: &str, horizon: bool) -> Arc<str> {
          {source}
          ON CONFLICT(key) DO UPDATE SET
             state = 'in_progress',
-            fence = fence + 1,
+            fence = max(fence + 1, excluded.fence),
             fingerprint = COALESCE(fingerprint, excluded.fingerprint),
             outcome = NULL,
             at_most_once = excluded.at_most_once,
@@ -110,15 +142,68 @@ fn claim_sql(t: &str, horizon: bool) -> Arc<str> {
            AND (state = 'released'
                 OR (state = 'in_progress' AND at_most_once = 0
                     AND lease_expires_at <= excluded.updated_at))
-         RETURNING fence, created_at, updated_at, lease_expires_at"
+         RETURNING fence, created_at, updated_at, lease_expires_at,
+            NOT (fence = updated_at AND created_at = updated_at) AS taken_over"
     )
     .into()
+}
+
+/// The ledger table as this crate creates it (schema version 1).
+fn ledger_table_sql(t: &str) -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS \"{t}\" (
+            key              TEXT PRIMARY KEY NOT NULL,
+            tenant           TEXT NOT NULL,
+            kind             TEXT NOT NULL,
+            subject          TEXT NOT NULL,
+            state            TEXT NOT NULL
+                             CHECK (state IN ('in_progress', 'completed', 'released')),
+            fence            INTEGER NOT NULL CHECK (fence >= 1),
+            fingerprint      BLOB CHECK (fingerprint IS NULL OR length(fingerprint) = 32),
+            outcome          BLOB,
+            at_most_once     INTEGER NOT NULL CHECK (at_most_once IN (0, 1)),
+            created_at       INTEGER NOT NULL,
+            updated_at       INTEGER NOT NULL,
+            lease_expires_at INTEGER,
+            retain_until     INTEGER NOT NULL,
+            retention_us     INTEGER NOT NULL
+        );
+        CREATE INDEX IF NOT EXISTS \"{t}_prune\" ON \"{t}\" (state, retain_until);
+        CREATE INDEX IF NOT EXISTS \"{t}_abandoned\"
+            ON \"{t}\" (tenant, at_most_once, state, lease_expires_at);"
+    )
+}
+
+/// The horizon table (schema version 2): per tenant and kind, the newest
+/// `created_at` among the records prune deleted. Rows only ever grow.
+fn horizon_table_sql(h: &str) -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS \"{h}\" (
+            tenant         TEXT NOT NULL,
+            kind           TEXT NOT NULL,
+            pruned_through INTEGER NOT NULL,
+            PRIMARY KEY (tenant, kind)
+        );"
+    )
+}
+
+/// The records prune may delete: completed or released, past retention at
+/// the cutoff `?2` (one clock reading for the whole prune), at most `?1` of
+/// them, in key order so that the horizon statement and the delete, run one
+/// after the other in one transaction, pick exactly the same rows.
+fn prunable(t: &str) -> String {
+    format!(
+        "SELECT key FROM \"{t}\"
+         WHERE state IN ('completed', 'released') AND retain_until <= ?2
+         ORDER BY key LIMIT ?1"
+    )
 }
 
 impl Queries {
     pub(crate) fn new(table: &str) -> Result<Self, Error> {
         check_table_name(table)?;
         let t = table;
+        let h = format!("{t}_horizon");
         let s = |sql: String| -> Arc<str> { sql.into() };
         Ok(Queries {
             table: t.into(),
@@ -130,33 +215,13 @@ impl Queries {
             write_version: s("INSERT INTO oncely_schema (table_name, version) VALUES (?1, ?2) \
                  ON CONFLICT(table_name) DO UPDATE SET version = excluded.version"
                 .to_owned()),
-            migrations: vec![s(format!(
-                "CREATE TABLE IF NOT EXISTS \"{t}\" (
-                    key              TEXT PRIMARY KEY NOT NULL,
-                    tenant           TEXT NOT NULL,
-                    kind             TEXT NOT NULL,
-                    subject          TEXT NOT NULL,
-                    state            TEXT NOT NULL
-                                     CHECK (state IN ('in_progress', 'completed', 'released')),
-                    fence            INTEGER NOT NULL CHECK (fence >= 1),
-                    fingerprint      BLOB CHECK (fingerprint IS NULL OR length(fingerprint) = 32),
-                    outcome          BLOB,
-                    at_most_once     INTEGER NOT NULL CHECK (at_most_once IN (0, 1)),
-                    created_at       INTEGER NOT NULL,
-                    updated_at       INTEGER NOT NULL,
-                    lease_expires_at INTEGER,
-                    retain_until     INTEGER NOT NULL,
-                    retention_us     INTEGER NOT NULL
-                );
-                CREATE INDEX IF NOT EXISTS \"{t}_prune\" ON \"{t}\" (state, retain_until);
-                CREATE INDEX IF NOT EXISTS \"{t}_abandoned\"
-                    ON \"{t}\" (tenant, at_most_once, state, lease_expires_at);"
-            ))],
-            claim: claim_sql(t, false),
-            claim_horizon: claim_sql(t, true),
-            // The clock comes back even when the key is absent (horizon).
+            migrations: vec![s(ledger_table_sql(t)), s(horizon_table_sql(&h))],
+            claim: claim_sql(t, &h, false),
+            claim_horizon: claim_sql(t, &h, true),
+            // The clock and the horizon come back even when the key is absent.
             claim_read: s(format!(
-                "SELECT {RECORD_COLUMNS}, c.now
+                "SELECT {RECORD_COLUMNS}, c.now,
+                    (SELECT pruned_through FROM \"{h}\" WHERE tenant = ?2 AND kind = ?3) AS watermark
                  FROM (SELECT {NOW_US} AS now) AS c
                  LEFT JOIN \"{t}\" AS e ON e.key = ?1"
             )),
@@ -178,14 +243,29 @@ impl Queries {
             get: s(format!(
                 "SELECT {RECORD_COLUMNS}, {NOW_US} AS now FROM \"{t}\" AS e WHERE e.key = ?1"
             )),
-            // LIMIT on a DELETE needs a compile-time option; the rowid
-            // subquery does the same with the (state, retain_until) index.
-            prune: s(format!(
-                "DELETE FROM \"{t}\" WHERE rowid IN (
-                    SELECT rowid FROM \"{t}\"
-                    WHERE state IN ('completed', 'released') AND retain_until <= {NOW_US}
-                    LIMIT ?1)"
+            now: s(format!("SELECT {NOW_US}")),
+            // The newest created_at per tenant and kind among the doomed
+            // records; a watermark never moves back. (The subquery selects by
+            // key, not rowid, so a user's WITHOUT ROWID table works too.)
+            prune_horizon: s(format!(
+                "INSERT INTO \"{h}\" (tenant, kind, pruned_through)
+                 SELECT tenant, kind, max(created_at) FROM \"{t}\"
+                 WHERE key IN ({prunable})
+                 GROUP BY tenant, kind
+                 ON CONFLICT(tenant, kind) DO UPDATE
+                    SET pruned_through = max(pruned_through, excluded.pruned_through)",
+                prunable = prunable(t)
             )),
+            // LIMIT on a DELETE needs a compile-time option; the subquery does
+            // the same with the (state, retain_until) index.
+            prune: s(format!(
+                "DELETE FROM \"{t}\" WHERE key IN ({prunable})",
+                prunable = prunable(t)
+            )),
+            horizon: s(format!(
+                "SELECT pruned_through FROM \"{h}\" WHERE tenant = ?1 AND kind = ?2"
+            )),
+            horizon_table: h.into(),
             // Abandoned = an at-most-once lease that ran out; nothing stores
             // that state, the clock decides it at read time.
             abandoned: s(format!(

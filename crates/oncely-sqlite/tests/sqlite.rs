@@ -141,9 +141,14 @@ async fn rollback_leaves_nothing() {
     }
     assert!(ledger.get(&k).await.unwrap().is_none());
     assert_eq!(orders(ledger.pool(), "order-2").await, 0);
-    let (performed, _) = deliver(&ledger, &k, "order-2").await;
+    let (performed, outcome) = deliver(&ledger, &k, "order-2").await;
     assert!(performed);
-    assert_eq!(ledger.get(&k).await.unwrap().unwrap().fence, 1);
+    let r = ledger.get(&k).await.unwrap().unwrap();
+    assert_eq!(
+        outcome.to_value::<String>().unwrap(),
+        format!("shipped-{}", r.fence),
+        "the record is the committed delivery's"
+    );
     assert_eq!(orders(ledger.pool(), "order-2").await, 1);
 }
 
@@ -216,7 +221,7 @@ async fn duplicate_waits_for_the_first_transaction() {
         } else {
             tx.rollback().await.unwrap();
             match dup.await.unwrap() {
-                Claim::Acquired(l) => assert_eq!(l.fence, 1, "the rolled-back claim never existed"),
+                Claim::Acquired(l) => assert!(!l.taken_over, "the rolled-back claim never existed: {l:?}"),
                 other => panic!("expected Acquired after the first rolled back, got {other:?}"),
             }
         }
@@ -357,9 +362,9 @@ async fn migrations_run_twice_are_a_no_op() {
             .fetch_one(again.pool())
             .await
             .unwrap();
-    assert_eq!(version, 1);
+    assert_eq!(version, 2);
     let r = again.get(&k).await.unwrap().unwrap();
-    assert_eq!((r.state, r.fence), (RecordState::InProgress, 1));
+    assert_eq!((r.state, r.fence), (RecordState::InProgress, lease.fence));
     again
         .complete(&lease, &Outcome::from_json(&1).unwrap())
         .await
@@ -383,7 +388,7 @@ async fn completed_record_survives_reopening() {
     let dir = tempfile::tempdir().unwrap();
     let k = key(&fresh_tenant(), "order-5");
     let outcome = Outcome::from_json(&serde_json::json!({"charge": "ch_1"})).unwrap();
-    {
+    let fence = {
         let ledger = open(&dir, "durable.db").await;
         let lease = match ledger.claim(&k, &ClaimOptions::default()).await.unwrap() {
             Claim::Acquired(l) => l,
@@ -391,12 +396,13 @@ async fn completed_record_survives_reopening() {
         };
         ledger.complete(&lease, &outcome).await.unwrap();
         ledger.pool().close().await;
-    }
+        lease.fence
+    };
     let reopened = open(&dir, "durable.db").await;
     match reopened.claim(&k, &ClaimOptions::default()).await.unwrap() {
         Claim::Completed(r) => {
             assert_eq!(r.outcome.unwrap(), outcome);
-            assert_eq!(r.fence, 1);
+            assert_eq!(r.fence, fence);
         }
         other => panic!("expected the completed record after reopening, got {other:?}"),
     }
@@ -494,10 +500,9 @@ async fn foreign_unique_violation_is_not_a_duplicate() {
     let t = fresh_tenant();
     let first = EffectKey::new(&t, "capture", "order-7").unwrap();
     let other = EffectKey::new(&t, "receipt", "order-7").unwrap();
-    assert!(matches!(
-        ledger.claim(&first, &ClaimOptions::default()).await.unwrap(),
-        Claim::Acquired(_)
-    ));
+    let Claim::Acquired(lease) = ledger.claim(&first, &ClaimOptions::default()).await.unwrap() else {
+        panic!("fresh key not acquired")
+    };
     let e = ledger.claim(&other, &ClaimOptions::default()).await.unwrap_err();
     assert!(
         matches!(
@@ -511,7 +516,7 @@ async fn foreign_unique_violation_is_not_a_duplicate() {
     );
     assert!(ledger.get(&other).await.unwrap().is_none());
     let r = ledger.get(&first).await.unwrap().unwrap();
-    assert_eq!((r.state, r.fence), (RecordState::InProgress, 1));
+    assert_eq!((r.state, r.fence), (RecordState::InProgress, lease.fence));
 }
 
 /// A writer that cannot get SQLite's write lock within the busy timeout gets
@@ -553,6 +558,7 @@ async fn job_step_in_runs_once_per_job() {
     let effects = Effects::new(ledger.clone());
     let tenant = fresh_tenant();
     let ran = Arc::new(AtomicUsize::new(0));
+    let mut first = None;
     for _delivery in 0..3 {
         let job = effects.job(&tenant, "payment", "order-9");
         let mut tx = ledger.begin().await.unwrap();
@@ -568,8 +574,16 @@ async fn job_step_in_runs_once_per_job() {
             .await
             .unwrap();
         tx.commit().await.unwrap();
-        assert_eq!(id, "order-9@1");
+        // Every delivery replays the first one's outcome (its fence).
+        assert_eq!(&id, first.get_or_insert_with(|| id.clone()));
     }
+    let r = effects
+        .job(&tenant, "payment", "order-9")
+        .step_record("record", None)
+        .await
+        .unwrap()
+        .expect("the step's record");
+    assert_eq!(first.unwrap(), format!("order-9@{}", r.fence));
     assert_eq!(ran.load(Ordering::SeqCst), 1);
     assert_eq!(orders(ledger.pool(), "order-9").await, 1);
 }
