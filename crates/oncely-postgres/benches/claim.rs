@@ -92,8 +92,8 @@ async fn baseline_once(pool: &PgPool, tenant: &Tenant, opts: &ClaimOptions, outc
         .bind(tenant.as_str())
         .bind(key.kind())
         .bind(key.subject())
-        .bind(oncely::duration_micros(opts.lease))
-        .bind(oncely::duration_micros(opts.retention))
+        .bind(oncely::backend::duration_micros(opts.lease))
+        .bind(oncely::backend::duration_micros(opts.retention))
         .fetch_optional(pool)
         .await
         .unwrap();

@@ -71,9 +71,22 @@ pub(crate) fn map(e: sqlx::Error) -> Error {
                     backend: BACKEND,
                     message: format!("{code}: {message}"),
                 },
-                // Undefined table or column: never migrated, or another schema.
-                "42P01" | "42703" | "3F000" => Error::Config(format!(
+                // Undefined table, column or function: never migrated, or
+                // another schema.
+                "42P01" | "42703" | "42883" | "3F000" => Error::Config(format!(
                     "{message} (run PgLedger::migrate, or check the schema and table options)"
+                )),
+                // A write in a read-only session (PgLedgerOptions::read_only,
+                // default_transaction_read_only): retrying cannot help.
+                "25006" => Error::Config(format!(
+                    "{message} (the session is read-only: PgLedgerOptions::read_only or \
+                     default_transaction_read_only)"
+                )),
+                // The role may not do this (create the schema, write the
+                // table): a deployment's configuration, not a passing fault.
+                "42501" => Error::Config(format!(
+                    "{message} (the role lacks a privilege; a role that may only read connects with \
+                     PgLedgerOptions::read_only)"
                 )),
                 _ => Error::Backend {
                     backend: BACKEND,
@@ -95,4 +108,29 @@ pub(crate) fn corrupt(message: impl Into<String>) -> Error {
         backend: BACKEND,
         message: message.into(),
     }
+}
+
+/// The driver's message for a unique violation (SQLSTATE 23505) anywhere in
+/// `error`'s source chain: a `sqlx::Error` the handler returned with `?`,
+/// wrapped or not. See `Ledger::unique_violation`.
+pub(crate) fn unique_violation(error: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        let db = match e.downcast_ref::<sqlx::Error>() {
+            Some(sqlx::Error::Database(db)) => Some(&**db),
+            _ => e
+                .downcast_ref::<sqlx::postgres::PgDatabaseError>()
+                .map(|db| db as &dyn sqlx::error::DatabaseError),
+        };
+        if let Some(db) = db
+            && db.code().as_deref() == Some("23505")
+        {
+            return Some(match db.constraint() {
+                Some(constraint) => format!("{constraint}: {}", db.message()),
+                None => db.message().to_owned(),
+            });
+        }
+        next = e.source();
+    }
+    None
 }

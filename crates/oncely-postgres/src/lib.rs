@@ -12,7 +12,7 @@
 //! use oncely_postgres::PgLedger;
 //!
 //! # async fn demo() -> oncely::Result<()> {
-//! // Connects and runs the embedded migrations (idempotent).
+//! // Connects, runs the embedded migrations (idempotent) and checks the table.
 //! let ledger = PgLedger::connect("postgres://app@db/app").await?;
 //! let effects = Effects::new(ledger);
 //! let key = EffectKey::new(&Tenant::global(), "capture", "order-123")?;
@@ -28,9 +28,9 @@
 //! ## Exactly once for local writes: `claim_in`
 //!
 //! When the effect is a write to the same database, claim inside your own
-//! transaction. A concurrent duplicate blocks on the unique index until the
-//! first transaction ends, then sees [`Claim::Completed`] (or acquires, if the
-//! first rolled back). Open the transaction with [`PgLedger::begin`], which is
+//! transaction. A concurrent duplicate waits until the first transaction
+//! ends, then sees [`Claim::Completed`] (or acquires, if the first rolled
+//! back). Open the transaction with [`PgLedger::begin`], which is
 //! cancel-safe where `Pool::begin` is not (see below).
 //!
 //! ```no_run
@@ -57,23 +57,50 @@
 //! # Ok(()) }
 //! ```
 //!
+//! ## Read-only access
+//!
+//! Operators and dashboards read the ledger with a role that may only
+//! `SELECT` (and use the schema): [`PgLedgerOptions::read_only`] opens every
+//! pooled session with `default_transaction_read_only`, creates and migrates
+//! nothing, refuses the ledger's writes before any round trip, and still
+//! checks the table. [`Ledger::get`], [`Ledger::abandoned`] and
+//! [`Ledger::horizon`] work. [`PgLedgerOptions::migrate`]`(false)` is the
+//! same for a writing role whose schema is migrated by a deployment step
+//! (`oncely migrate`).
+//!
+//! ```no_run
+//! use oncely::{Ledger, Tenant};
+//! use oncely_postgres::{PgLedger, PgLedgerOptions};
+//!
+//! # async fn demo() -> oncely::Result<()> {
+//! let ledger = PgLedger::connect_with("postgres://auditor@db/app", PgLedgerOptions::default().read_only(true))
+//!     .await?;
+//! let stuck = ledger.abandoned(&Tenant::global(), 100).await?;
+//! # let _ = stuck; Ok(()) }
+//! ```
+//!
 //! ## Guarantees and limits
 //!
 //! | | |
 //! | --- | --- |
-//! | atomic claim | one statement: `INSERT … ON CONFLICT (key) DO UPDATE … WHERE <takeover>` plus a read of the existing row, one round trip |
-//! | caller's transaction | yes: [`TransactionalLedger`] on `&mut PgConnection` (`&mut *tx`) |
+//! | atomic claim | one statement: a per-key advisory lock, then `INSERT … ON CONFLICT (key) DO UPDATE … WHERE <takeover>` plus a read of the existing row, one round trip |
+//! | caller's transaction | yes: [`TransactionalLedger`] on `&mut PgConnection` (`&mut *tx`); the claim holds its key's transaction-scoped advisory lock until the transaction ends |
 //! | durability | a PostgreSQL commit (WAL, as `synchronous_commit` is configured) |
 //! | replication | not assumed (`replicated: false`); synchronous standbys are the server's business |
-//! | clock | the database's `now()`: lease expiry, retention and the horizon; never the worker's clock (inside a caller's transaction `now()` is that transaction's start) |
+//! | clock | the database's `clock_timestamp()` at the moment each write takes effect: after the claim's wait on its key's lock, and inside a caller's transaction too (never `now()`, the transaction's start). It decides lease expiry, takeover and retention; the worker's clock never does |
+//! | fences | the clock's microseconds when the lease is written, or the previous fence + 1 if that is higher ([`next_fence`](oncely::backend::next_fence)): a key never gets a fence it had before, prunes included, as long as the server's clock never steps back by more than the shortest retention in use |
+//! | horizon | a watermark per tenant and kind (table `<table>_horizon`): prune raises it to the newest `created_at` it deletes, in the same transaction. A claim with [`ClaimOptions::sent_at`] at or before it fails with [`Error::BeyondHorizon`] when the key is absent (an old message may still take over a released or expired record it finds). A claim without `sent_at` cannot tell a replay of a pruned effect from new work. Records pruned by schema version 1 (before the watermark existed) left none |
+//! | schema check | on connect and at the end of [`PgLedger::migrate`]: the columns and their types, a primary key or unique index on exactly `key`, deterministic collations on the text columns (a case-insensitive collation would let `Acme` and `acme` share a record); otherwise [`Error::Config`] naming the table and the problem |
 //! | max key | [`oncely::MAX_KEY_BYTES`] (255 bytes), stored whole as the primary key |
 //! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] (64 KiB), `bytea` |
-//! | failure | cannot connect or pool exhausted: [`Error::Unavailable`] (fail closed, nothing runs); serialization failure or deadlock: retryable [`Error::Backend`] |
+//! | locks | one advisory lock per claim, held for the statement (autocommit) or until the caller's transaction ends (`claim_in`): a transaction claiming thousands of keys can exhaust the server's lock table (`max_locks_per_transaction` × connections). Prune deletes in batches of at most 500 rows per transaction and skips keys whose lock is held |
+//! | failure | cannot connect or pool exhausted: [`Error::Unavailable`] (fail closed, nothing runs); serialization failure or deadlock: retryable [`Error::Backend`]; a unique violation in a step's own write: [`Error::ConstraintViolation`] (through [`Ledger::unique_violation`]); a read-only session or a missing privilege: [`Error::Config`] |
 //!
 //! ## Cancel safety
 //!
 //! Every ledger operation is one autocommit statement on a pooled
-//! connection. A dropped future either never sent it or sent it whole: the
+//! connection (prune: one per batch). A dropped future either never sent it
+//! or sent it whole: the
 //! server runs it to its own commit or not at all, and sqlx finishes the
 //! exchange (flushes, drains the reply) before the connection is reused. So
 //! a dropped `claim` at worst leaves a committed in-progress claim that
@@ -94,16 +121,18 @@
 //! 2. **A connection someone else leaked** (their own `pool.begin()` on a
 //!    shared pool, an aborted `raw_sql("BEGIN; …")`): an autocommit claim on
 //!    it would silently join that transaction and vanish when the
-//!    connection is closed: a lost claim, then a duplicate effect. Every
+//!    connection is closed: a lost claim, then a duplicate effect (and its
+//!    key's advisory lock would stay held by the stray transaction). Every
 //!    ledger statement checks, inside itself (no extra round trip), that it
 //!    runs in its own implicit transaction: the unnamed protocol portal it
 //!    executes in was created by the very message that started the
 //!    transaction (`pg_cursors.creation_time = transaction_timestamp()`,
 //!    exact equality, both taken from the same protocol message). If not, it
-//!    writes nothing; the ledger rolls the stray transaction back (with a
-//!    warning in the log) and runs the statement again. Fenced writes carry
-//!    the check in their `WHERE`; only when one changes nothing does a
-//!    second statement tell a stale fence from a tripped guard.
+//!    writes nothing and takes no lock; the ledger rolls the stray
+//!    transaction back (with a warning in the log) and runs the statement
+//!    again. Fenced writes carry the check in their `WHERE`; only when one
+//!    changes nothing does a second statement tell a stale fence from a
+//!    tripped guard.
 //!
 //! Why not the obvious test, `transaction_timestamp() = statement_timestamp()`?
 //! The protocol's Execute message resets the statement timestamp after Bind
@@ -130,25 +159,32 @@
 //!
 //! One table (default `public.oncely_effects`, both configurable through
 //! [`PgLedgerOptions`]) keyed by the displayed effect key, with partial indexes
-//! for pruning and for listing abandoned steps, and a `<table>_migrations`
-//! table. [`PgLedger::migrate`] applies the embedded migrations under a
-//! transaction-scoped advisory lock, so concurrent processes can run it at
-//! once.
+//! for pruning and for listing abandoned steps; a `<table>_horizon` table
+//! (the watermark per tenant and kind), a `<table>_beyond` function (the
+//! claim's horizon check, which needs a snapshot of its own) and a
+//! `<table>_migrations` table. [`PgLedger::migrate`] applies the embedded
+//! migrations under a transaction-scoped advisory lock, so concurrent
+//! processes can run it at once, and checks the result before it commits.
+//! A table created by someone else is checked before anything is added to
+//! it.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod error;
+mod schema;
 mod sql;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
+use oncely::backend::{
+    answer_existing, check_outcome, duration_micros, effective_state, from_micros, to_micros,
+};
 use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Fingerprint, Lease, Ledger, MAX_KEY_BYTES,
-    MAX_OUTCOME_BYTES, Outcome, Record, RecordState, Result, Tenant, TransactionalLedger, duration_micros,
-    from_micros,
+    MAX_OUTCOME_BYTES, Outcome, Record, RecordState, Result, Tenant, TransactionalLedger,
 };
-use sqlx::postgres::{PgPoolOptions, PgRow};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Postgres, Row};
 
 pub use sqlx::PgConnection;
@@ -164,9 +200,16 @@ use crate::sql::Queries;
 const ATTEMPTS: usize = 8;
 
 /// Longest schema or table name accepted (PostgreSQL's limit is 63 bytes; the
-/// index and migration table names add a suffix to the table name).
+/// index, horizon, function and migration table names add a suffix to the
+/// table name).
 const MAX_SCHEMA_BYTES: usize = 63;
 const MAX_TABLE_BYTES: usize = 48;
+
+/// Most records one prune transaction deletes. Each deleted key's advisory
+/// lock is held until its transaction ends, and the server's lock table is
+/// shared by every session (`max_locks_per_transaction` × connections, 6400
+/// by default), so a prune of a million records runs as many small batches.
+const PRUNE_BATCH: u64 = 500;
 
 /// Options of [`PgLedger::connect_with`] and [`PgLedger::with_options`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -176,11 +219,13 @@ pub struct PgLedgerOptions {
     test_before_acquire: bool,
     schema: String,
     table: String,
+    migrate: bool,
+    read_only: bool,
 }
 
 impl Default for PgLedgerOptions {
     /// 16 connections, a 5 s acquire timeout, no ping before acquire, table
-    /// `public.oncely_effects`.
+    /// `public.oncely_effects`, migrations on connect, read-write.
     fn default() -> Self {
         PgLedgerOptions {
             max_connections: 16,
@@ -188,6 +233,8 @@ impl Default for PgLedgerOptions {
             test_before_acquire: false,
             schema: "public".to_owned(),
             table: "oncely_effects".to_owned(),
+            migrate: true,
+            read_only: false,
         }
     }
 }
@@ -231,6 +278,30 @@ impl PgLedgerOptions {
         self
     }
 
+    /// Whether [`PgLedger::connect_with`] runs the migrations (default
+    /// true). With `false` it creates and changes nothing: it checks what
+    /// exists and fails with [`Error::Config`] naming what is missing or
+    /// wrong (a deployment step runs `oncely migrate` instead, with a role
+    /// that may change the schema).
+    pub fn migrate(mut self, yes: bool) -> Self {
+        self.migrate = yes;
+        self
+    }
+
+    /// A ledger that only reads (default false), for a role that may only
+    /// `SELECT`: implies `migrate(false)`, [`PgLedger::connect_with`] opens
+    /// every pooled session with `default_transaction_read_only = on`, and
+    /// the ledger refuses its own writes (claims, completions, releases,
+    /// renewals, prune, [`PgLedger::migrate`]) with [`Error::Config`] before
+    /// any round trip. [`Ledger::get`], [`Ledger::abandoned`] and
+    /// [`Ledger::horizon`] work. On a pool handed to
+    /// [`PgLedger::with_options`] the sessions are the pool's; only the
+    /// ledger's own refusal applies.
+    pub fn read_only(mut self, yes: bool) -> Self {
+        self.read_only = yes;
+        self
+    }
+
     /// Checks the names and sizes; [`Error::Config`] before any round trip.
     pub fn validate(&self) -> Result<()> {
         identifier("schema", &self.schema, MAX_SCHEMA_BYTES)?;
@@ -265,6 +336,7 @@ struct Inner {
     q: Queries,
     schema: String,
     table: String,
+    read_only: bool,
 }
 
 /// An effect ledger in a PostgreSQL table. Cloning is cheap (a pool handle
@@ -276,38 +348,59 @@ pub struct PgLedger {
 }
 
 impl PgLedger {
-    /// Connects with default [`PgLedgerOptions`] and runs the migrations.
+    /// Connects with default [`PgLedgerOptions`], runs the migrations and
+    /// checks the table.
     ///
     /// Fails with [`Error::Unavailable`] when the database cannot be reached
-    /// and [`Error::Config`] on a malformed URL.
+    /// and [`Error::Config`] on a malformed URL or a table the ledger cannot
+    /// use.
     pub async fn connect(url: &str) -> Result<PgLedger> {
         PgLedger::connect_with(url, PgLedgerOptions::default()).await
     }
 
-    /// Connects a pool built from `options` and runs the migrations. The
-    /// options are validated before any round trip.
+    /// Connects a pool built from `options`, runs the migrations (unless
+    /// [`PgLedgerOptions::migrate`] is off or the ledger is
+    /// [read-only](PgLedgerOptions::read_only)) and checks the schema
+    /// ([`PgLedger::verify`]). The options are validated before any round
+    /// trip.
     pub async fn connect_with(url: &str, options: PgLedgerOptions) -> Result<PgLedger> {
         options.validate()?;
+        let mut connect: PgConnectOptions = url.parse().map_err(map)?;
+        if options.read_only {
+            // The server refuses writes too, whatever the role may do.
+            connect = connect.options([("default_transaction_read_only", "on")]);
+        }
         let pool = PgPoolOptions::new()
             .max_connections(options.max_connections)
             .acquire_timeout(options.acquire_timeout)
             .test_before_acquire(options.test_before_acquire)
-            .connect(url)
+            .connect_with(connect)
             .await
             .map_err(map)?;
+        let migrate = options.migrate && !options.read_only;
         let ledger = PgLedger::with_options(pool, options)?;
-        ledger.migrate().await?;
+        let ready = if migrate {
+            ledger.migrate().await
+        } else {
+            ledger.verify().await
+        };
+        if let Err(e) = ready {
+            ledger.pool.close().await;
+            return Err(e);
+        }
         Ok(ledger)
     }
 
     /// A ledger on an existing pool and the default table. Runs no
-    /// migrations: call [`PgLedger::migrate`] once at startup.
+    /// migrations and no check: call [`PgLedger::migrate`] (or
+    /// [`PgLedger::verify`]) once at startup.
     pub fn from_pool(pool: PgPool) -> PgLedger {
         PgLedger::with_options(pool, PgLedgerOptions::default()).expect("the default options are valid")
     }
 
-    /// A ledger on an existing pool with the schema and table of `options`
-    /// (its pool settings are not used). Runs no migrations.
+    /// A ledger on an existing pool with the schema, table and read-only
+    /// setting of `options` (its pool settings are not used). Runs no
+    /// migrations and no check.
     pub fn with_options(pool: PgPool, options: PgLedgerOptions) -> Result<PgLedger> {
         options.validate()?;
         Ok(PgLedger {
@@ -316,6 +409,7 @@ impl PgLedger {
                 q: Queries::new(&options.schema, &options.table),
                 schema: options.schema,
                 table: options.table,
+                read_only: options.read_only,
             }),
         })
     }
@@ -349,52 +443,15 @@ impl PgLedger {
         }
     }
 
-    /// Applies the embedded migrations that are missing: idempotent, and safe
-    /// when several processes run it at once (a transaction-scoped advisory
-    /// lock per schema serialises them).
-    pub async fn migrate(&self) -> Result<()> {
-        let q = &self.inner.q;
-        let mut tx = self.begin().await?;
-        sqlx::query(sql::MIGRATION_LOCK)
-            .bind(format!("oncely migrations: {}", self.inner.schema))
-            .execute(&mut *tx)
-            .await
-            .map_err(map)?;
-        let schema_exists: bool = sqlx::query_scalar(AssertSqlSafe(q.schema_exists.clone()))
-            .bind(&self.inner.schema)
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(map)?;
-        if !schema_exists {
-            sqlx::raw_sql(AssertSqlSafe(q.create_schema.clone()))
-                .execute(&mut *tx)
-                .await
-                .map_err(map)?;
+    /// Refuses a write on a read-only ledger, before any round trip.
+    fn writable(&self) -> Result<()> {
+        if self.inner.read_only {
+            return Err(Error::Config(format!(
+                "the ledger on {}.{} was opened read-only (PgLedgerOptions::read_only): it does not write",
+                self.inner.schema, self.inner.table
+            )));
         }
-        sqlx::raw_sql(AssertSqlSafe(q.create_migrations.clone()))
-            .execute(&mut *tx)
-            .await
-            .map_err(map)?;
-        let applied: i32 = sqlx::query_scalar(AssertSqlSafe(q.applied_version.clone()))
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(map)?;
-        for (version, description, statements) in &q.migrations {
-            if *version <= applied {
-                continue;
-            }
-            sqlx::raw_sql(AssertSqlSafe(statements.clone()))
-                .execute(&mut *tx)
-                .await
-                .map_err(map)?;
-            sqlx::query(AssertSqlSafe(q.record_migration.clone()))
-                .bind(version)
-                .bind(*description)
-                .execute(&mut *tx)
-                .await
-                .map_err(map)?;
-        }
-        tx.commit().await.map_err(map)
+        Ok(())
     }
 
     /// Whether `conn` runs statements in their own implicit transactions
@@ -426,7 +483,8 @@ impl PgLedger {
         guard: bool,
     ) -> Result<Claim> {
         opts.validate()?;
-        let sent_at = opts.sent_at.map(oncely::to_micros);
+        self.writable()?;
+        let sent_at = opts.sent_at.map(to_micros).transpose()?;
         for _ in 0..ATTEMPTS {
             let sql = match sent_at {
                 None => self.inner.q.claim.clone(),
@@ -458,29 +516,16 @@ impl PgLedger {
             match src.as_str() {
                 "leaked" => heal(conn).await?,
                 "beyond" => return Err(Error::BeyondHorizon { key: key.to_string() }),
-                // A row committed after this statement's snapshot: the next
-                // run sees it.
+                // A row committed after this statement's snapshot (while it
+                // waited on the key's lock): the next run sees it.
                 "missing" => {}
-                "acquired" => {
-                    let fence: i64 = row.try_get(2).map_err(map)?;
-                    let lease_us = micros_opt(&row, 8)?;
-                    let now_us = micros(&row, 10)?;
-                    return Ok(Claim::Acquired(Lease {
-                        key: key.clone(),
-                        fence: u64::try_from(fence).map_err(|_| corrupt(format!("{key}: fence {fence}")))?,
-                        expires_at: from_micros(
-                            lease_us.ok_or_else(|| corrupt(format!("{key}: acquired without a lease")))?,
-                        ),
-                        first_claimed_at: from_micros(micros(&row, 6)?),
-                        acquired_at: from_micros(now_us),
-                        // An insert starts at fence 1; only a takeover raises it.
-                        taken_over: fence > 1,
-                        at_most_once: row.try_get(5).map_err(map)?,
-                    }));
-                }
+                "acquired" => return acquired(key, &row).map(Claim::Acquired),
                 "existing" => {
-                    let r = RecordRow::decode(&row, 1)?.record(key.clone())?;
-                    if let Some(claim) = existing(key, opts, r)? {
+                    let record = RecordRow::decode(&row, 1)?.record(key.clone())?;
+                    // `None`: the record could be taken over now (its lease
+                    // ended after the statement's ON CONFLICT looked at
+                    // it); run the statement again to do so.
+                    if let Some(claim) = answer_existing(key, opts, record)? {
                         return Ok(claim);
                     }
                 }
@@ -503,6 +548,7 @@ impl PgLedger {
         write: Write<'_>,
         guard: bool,
     ) -> Result<i64> {
+        self.writable()?;
         let lost = || Error::LeaseLost {
             key: lease.key.to_string(),
             fence: lease.fence,
@@ -554,6 +600,88 @@ impl PgLedger {
             retryable: true,
         })
     }
+
+    /// One prune batch of at most `batch` records: how many were
+    /// candidates (past retention, not locked) and how many were deleted.
+    async fn prune_batch(&self, conn: &mut PgConnection, batch: u64) -> Result<(u64, u64)> {
+        let batch = i64::try_from(batch).unwrap_or(i64::MAX);
+        for _ in 0..ATTEMPTS {
+            let row = match sqlx::query(AssertSqlSafe(self.inner.q.prune.clone()))
+                .bind(batch)
+                .fetch_one(&mut *conn)
+                .await
+            {
+                Ok(row) => row,
+                Err(e) if is_failed_transaction(&e) => {
+                    heal(conn).await?;
+                    continue;
+                }
+                Err(e) => return Err(map(e)),
+            };
+            if !row.try_get::<bool, _>(0).map_err(map)? {
+                heal(conn).await?;
+                continue;
+            }
+            let count = |i| {
+                row.try_get::<i64, _>(i)
+                    .map(|n| u64::try_from(n).unwrap_or(0))
+                    .map_err(map)
+            };
+            return Ok((count(1)?, count(2)?));
+        }
+        Err(Error::Backend {
+            backend: BACKEND,
+            message: format!("prune did not settle after {ATTEMPTS} attempts"),
+            retryable: true,
+        })
+    }
+
+    /// A read-only statement with the leaked-transaction guard in column 0:
+    /// heals a stray transaction and runs it again.
+    async fn guarded_read<'q>(
+        &self,
+        conn: &mut PgConnection,
+        what: &str,
+        query: impl Fn() -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<PgRow> {
+        for _ in 0..ATTEMPTS {
+            let row = match query().fetch_one(&mut *conn).await {
+                Ok(row) => row,
+                Err(e) if is_failed_transaction(&e) => {
+                    heal(conn).await?;
+                    continue;
+                }
+                Err(e) => return Err(map(e)),
+            };
+            if !row.try_get::<bool, _>(0).map_err(map)? {
+                heal(conn).await?;
+                continue;
+            }
+            return Ok(row);
+        }
+        Err(Error::Backend {
+            backend: BACKEND,
+            message: format!("{what} did not settle after {ATTEMPTS} attempts"),
+            retryable: true,
+        })
+    }
+}
+
+/// The lease of an `acquired` claim row (see the claim statement in `sql`).
+fn acquired(key: &EffectKey, row: &PgRow) -> Result<Lease> {
+    let fence: i64 = row.try_get(2).map_err(map)?;
+    let expires_us =
+        micros_opt(row, 8)?.ok_or_else(|| corrupt(format!("{key}: acquired without a lease")))?;
+    Ok(Lease {
+        key: key.clone(),
+        fence: u64::try_from(fence).map_err(|_| corrupt(format!("{key}: fence {fence}")))?,
+        expires_at: from_micros(expires_us),
+        first_claimed_at: from_micros(micros(row, 6)?),
+        // The clock the lease was measured from, read after the key's lock.
+        acquired_at: from_micros(micros(row, 7)?),
+        taken_over: row.try_get(11).map_err(map)?,
+        at_most_once: row.try_get(5).map_err(map)?,
+    })
 }
 
 #[derive(Clone, Copy)]
@@ -573,31 +701,6 @@ async fn heal(conn: &mut PgConnection) -> Result<()> {
     );
     sqlx::raw_sql(sql::ROLLBACK).execute(conn).await.map_err(map)?;
     Ok(())
-}
-
-/// What a claim answers when it found the record and did not take it over.
-/// `None`: the record this statement's snapshot shows could have been taken
-/// over, so the ON CONFLICT saw a newer version; run the statement again.
-fn existing(key: &EffectKey, opts: &ClaimOptions, r: Record) -> Result<Option<Claim>> {
-    if let (Some(stored), Some(given)) = (r.fingerprint, opts.fingerprint)
-        && stored != given
-    {
-        return Err(Error::FingerprintMismatch { key: key.to_string() });
-    }
-    Ok(match r.state {
-        RecordState::Completed => Some(Claim::Completed(r)),
-        RecordState::Abandoned => Some(Claim::Abandoned(r)),
-        RecordState::InProgress => match r.lease_expires_at {
-            Some(expires_at) if expires_at > r.read_at => Some(Claim::InProgress {
-                fence: r.fence,
-                expires_at,
-                first_claimed_at: r.created_at,
-                read_at: r.read_at,
-            }),
-            _ => None,
-        },
-        RecordState::Released => None,
-    })
 }
 
 /// A `timestamptz` decoded from PostgreSQL's binary format (microseconds
@@ -667,20 +770,14 @@ impl RecordRow {
         })
     }
 
-    /// The record as the contract reports it: an expired at-most-once lease
-    /// is [`RecordState::Abandoned`].
+    /// The record as the contract reports it (an expired at-most-once lease
+    /// is [`RecordState::Abandoned`]), read at the row's clock.
     fn record(self, key: EffectKey) -> Result<Record> {
-        let mut state = RecordState::parse(&self.state).map_err(|e| corrupt(format!("{key}: {e}")))?;
+        let stored = RecordState::parse(&self.state).map_err(|e| corrupt(format!("{key}: {e}")))?;
         let read_at = from_micros(self.now_us);
         let lease_expires_at = self.lease_us.map(from_micros);
-        if state == RecordState::InProgress
-            && self.at_most_once
-            && lease_expires_at.is_some_and(|e| e <= read_at)
-        {
-            state = RecordState::Abandoned;
-        }
         Ok(Record {
-            state,
+            state: effective_state(stored, self.at_most_once, lease_expires_at, read_at),
             fence: u64::try_from(self.fence).map_err(|_| corrupt(format!("{key}: fence {}", self.fence)))?,
             fingerprint: self
                 .fingerprint
@@ -703,16 +800,6 @@ impl RecordRow {
     }
 }
 
-fn check_outcome(outcome: &Outcome) -> Result<()> {
-    if outcome.len() > MAX_OUTCOME_BYTES {
-        return Err(Error::OutcomeTooLarge {
-            size: outcome.len(),
-            max: MAX_OUTCOME_BYTES,
-        });
-    }
-    Ok(())
-}
-
 impl Ledger for PgLedger {
     fn backend(&self) -> &'static str {
         BACKEND
@@ -723,7 +810,7 @@ impl Ledger for PgLedger {
             caller_transaction: true,
             durability: "PostgreSQL commit (WAL, as synchronous_commit is configured)",
             replicated: false,
-            clock: "PostgreSQL now() (database server clock)",
+            clock: "PostgreSQL clock_timestamp() when each write takes effect (database server clock)",
             max_key_bytes: MAX_KEY_BYTES,
             max_outcome_bytes: MAX_OUTCOME_BYTES,
         }
@@ -731,12 +818,14 @@ impl Ledger for PgLedger {
 
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
         opts.validate()?;
+        self.writable()?;
         let mut conn = self.acquire().await?;
         self.claim_on(&mut conn, key, opts, true).await
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
-        check_outcome(outcome)?;
+        check_outcome(outcome, MAX_OUTCOME_BYTES)?;
+        self.writable()?;
         let mut conn = self.acquire().await?;
         self.fenced_on(&mut conn, lease, Write::Complete(outcome), true)
             .await
@@ -744,6 +833,7 @@ impl Ledger for PgLedger {
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
+        self.writable()?;
         let mut conn = self.acquire().await?;
         self.fenced_on(&mut conn, lease, Write::Release, true)
             .await
@@ -751,11 +841,13 @@ impl Ledger for PgLedger {
     }
 
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
+        // The same bounds as a claim's lease (ClaimOptions::validate).
         if extend_by < Duration::from_millis(1) || extend_by > Duration::from_secs(86_400) {
-            return Err(Error::Misuse(format!(
+            return Err(Error::InvalidInput(format!(
                 "a lease is extended by 1 ms to 1 day, got {extend_by:?}"
             )));
         }
+        self.writable()?;
         let mut conn = self.acquire().await?;
         let expires_us = self
             .fenced_on(&mut conn, lease, Write::Renew(duration_micros(extend_by)), true)
@@ -768,66 +860,35 @@ impl Ledger for PgLedger {
 
     async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
         let mut conn = self.acquire().await?;
-        for _ in 0..ATTEMPTS {
-            let row = match sqlx::query(AssertSqlSafe(self.inner.q.get.clone()))
-                .bind(key.as_str())
-                .fetch_one(&mut *conn)
-                .await
-            {
-                Ok(row) => row,
-                Err(e) if is_failed_transaction(&e) => {
-                    heal(&mut conn).await?;
-                    continue;
-                }
-                Err(e) => return Err(map(e)),
-            };
-            if !row.try_get::<bool, _>(0).map_err(map)? {
-                heal(&mut conn).await?;
-                continue;
-            }
-            if row.try_get::<Option<String>, _>(1).map_err(map)?.is_none() {
-                return Ok(None);
-            }
-            return RecordRow::decode(&row, 1)?.record(key.clone()).map(Some);
+        let row = self
+            .guarded_read(&mut conn, &format!("{key}: the read"), || {
+                sqlx::query(AssertSqlSafe(self.inner.q.get.clone())).bind(key.as_str())
+            })
+            .await?;
+        if row.try_get::<Option<String>, _>(1).map_err(map)?.is_none() {
+            return Ok(None);
         }
-        Err(Error::Backend {
-            backend: BACKEND,
-            message: format!("{key}: the read did not settle after {ATTEMPTS} attempts"),
-            retryable: true,
-        })
+        RecordRow::decode(&row, 1)?.record(key.clone()).map(Some)
     }
 
     async fn prune(&self, limit: u64) -> Result<u64> {
         if limit == 0 {
             return Ok(0);
         }
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.writable()?;
         let mut conn = self.acquire().await?;
-        for _ in 0..ATTEMPTS {
-            let row = match sqlx::query(AssertSqlSafe(self.inner.q.prune.clone()))
-                .bind(limit)
-                .fetch_one(&mut *conn)
-                .await
-            {
-                Ok(row) => row,
-                Err(e) if is_failed_transaction(&e) => {
-                    heal(&mut conn).await?;
-                    continue;
-                }
-                Err(e) => return Err(map(e)),
-            };
-            if !row.try_get::<bool, _>(0).map_err(map)? {
-                heal(&mut conn).await?;
-                continue;
+        let mut deleted = 0;
+        while deleted < limit {
+            let batch = (limit - deleted).min(PRUNE_BATCH);
+            let (candidates, n) = self.prune_batch(&mut conn, batch).await?;
+            deleted += n;
+            // Fewer candidates than asked: nothing more is due. None deleted:
+            // every candidate's key is held by a claim; the next prune gets it.
+            if candidates < batch || n == 0 {
+                break;
             }
-            let n: i64 = row.try_get(1).map_err(map)?;
-            return Ok(n.max(0) as u64);
         }
-        Err(Error::Backend {
-            backend: BACKEND,
-            message: format!("prune did not settle after {ATTEMPTS} attempts"),
-            retryable: true,
-        })
+        Ok(deleted)
     }
 
     async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
@@ -865,17 +926,47 @@ impl Ledger for PgLedger {
             })
             .collect()
     }
+
+    async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
+        let mut conn = self.acquire().await?;
+        let row = self
+            .guarded_read(&mut conn, "the horizon read", || {
+                sqlx::query(AssertSqlSafe(self.inner.q.horizon.clone()))
+                    .bind(tenant.as_str())
+                    .bind(kind)
+            })
+            .await?;
+        Ok(micros_opt(&row, 1)?.map(from_micros))
+    }
+
+    fn unique_violation(&self, error: &(dyn std::error::Error + 'static)) -> Option<String> {
+        error::unique_violation(error)
+    }
 }
 
 impl TransactionalLedger for PgLedger {
     type Connection = PgConnection;
+    type Transaction = sqlx::Transaction<'static, Postgres>;
+
+    /// [`PgLedger::begin`]: cancel-safe.
+    async fn begin(&self) -> Result<Self::Transaction> {
+        PgLedger::begin(self).await
+    }
+
+    async fn commit(&self, tx: Self::Transaction) -> Result<()> {
+        tx.commit().await.map_err(map)
+    }
+
+    async fn rollback(&self, tx: Self::Transaction) -> Result<()> {
+        tx.rollback().await.map_err(map)
+    }
 
     async fn claim_in(&self, conn: &mut PgConnection, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
         self.claim_on(conn, key, opts, false).await
     }
 
     async fn complete_in(&self, conn: &mut PgConnection, lease: &Lease, outcome: &Outcome) -> Result<()> {
-        check_outcome(outcome)?;
+        check_outcome(outcome, MAX_OUTCOME_BYTES)?;
         self.fenced_on(conn, lease, Write::Complete(outcome), false)
             .await
             .map(|_| ())

@@ -2,13 +2,26 @@
 //! validated (and quoted) schema and table names.
 //!
 //! Architecture invariant: no other module contains SQL.
+//!
+//! The clock: every write reads `clock_timestamp()`, the server's clock at
+//! the moment the expression is evaluated, never `now()` (the start of the
+//! transaction: inside a caller's transaction that can be long ago, and even
+//! in autocommit it is read before any wait on a lock). Only prune's
+//! candidate search uses `now()`, where reading the clock early can only
+//! delete later, never earlier.
 
 use std::sync::Arc;
 
-/// A timestamp as microseconds since the Unix epoch, for arithmetic in SQL
-/// (the horizon) and the renewed expiry.
+/// A timestamp as microseconds since the Unix epoch (`extract` is exact
+/// `numeric` since PostgreSQL 14), for fences, the horizon and the renewed
+/// expiry.
 fn us(expr: &str) -> String {
     format!("(extract(epoch from {expr}) * 1000000)::bigint")
+}
+
+/// A `bigint` parameter of microseconds as an interval.
+fn micros(p: &str) -> String {
+    format!("{p}::bigint * interval '1 microsecond'")
 }
 
 /// The leaked-transaction guard (see the crate docs): true when this statement
@@ -34,21 +47,13 @@ fn guard(param: &str) -> String {
     )
 }
 
-/// The record columns every read returns, in [`crate::RecordRow`] order.
-/// Timestamps travel as binary `timestamptz` (see `crate::Micros`).
+/// The record columns every read returns, in [`crate::RecordRow`] order,
+/// ending with the clock the record was read at. Timestamps travel as
+/// binary `timestamptz` (see `crate::Micros`).
 fn cols(a: &str) -> String {
     format!(
         "{a}.state, {a}.fence, {a}.fingerprint, {a}.outcome, {a}.at_most_once, {a}.created_at, \
-         {a}.updated_at, {a}.lease_expires_at, {a}.retain_until, now()"
-    )
-}
-
-/// The same columns for a claim's own insert or takeover: only what a
-/// lease needs (the state is `in_progress` by construction).
-fn acquired_cols(a: &str) -> String {
-    format!(
-        "NULL::text, {a}.fence, NULL::bytea, NULL::bytea, {a}.at_most_once, {a}.created_at, \
-         NULL::timestamptz, {a}.lease_expires_at, NULL::timestamptz, now()"
+         {a}.updated_at, {a}.lease_expires_at, {a}.retain_until, clock_timestamp()"
     )
 }
 
@@ -58,6 +63,22 @@ fn acquired_cols(a: &str) -> String {
 pub(crate) fn quote(ident: &str) -> String {
     format!("\"{}\"", ident.replace('"', "\"\""))
 }
+
+/// The seed of the per-key advisory locks of one ledger: a stable hash
+/// (64-bit FNV-1a, the same in every process and release) of its schema and
+/// table, so that two ledgers in one database do not wait on each other's
+/// keys. Advisory lock ids are database-wide.
+fn lock_seed(schema: &str, table: &str) -> i64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in schema.bytes().chain([b'.']).chain(table.bytes()) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    i64::from_ne_bytes(h.to_ne_bytes())
+}
+
+/// The current schema version: the last of [`Queries::migrations`].
+pub(crate) const SCHEMA_VERSION: i32 = 2;
 
 /// The statements of one ledger (one schema and table).
 #[derive(Debug)]
@@ -71,96 +92,132 @@ pub(crate) struct Queries {
     pub get: Arc<str>,
     pub prune: Arc<str>,
     pub abandoned: Arc<str>,
+    pub horizon: Arc<str>,
     pub schema_exists: Arc<str>,
     pub create_schema: Arc<str>,
     pub create_migrations: Arc<str>,
     pub applied_version: Arc<str>,
     pub record_migration: Arc<str>,
     pub migrations: Vec<(i32, &'static str, Arc<str>)>,
+    /// The names the schema check reports (`schema.table`).
+    pub horizon_table: String,
+    pub beyond_function: String,
 }
 
 impl Queries {
     pub(crate) fn new(schema: &str, table: &str) -> Self {
         let t = format!("{}.{}", quote(schema), quote(table));
         let migrations_table = format!("{}.{}", quote(schema), quote(&format!("{table}_migrations")));
-        let micros = |p: &str| format!("{p}::bigint * interval '1 microsecond'");
+        let horizon_name = format!("{table}_horizon");
+        let h = format!("{}.{}", quote(schema), quote(&horizon_name));
+        let beyond_name = format!("{table}_beyond");
+        let beyond = format!("{}.{}", quote(schema), quote(&beyond_name));
+        // The per-key lock every claim takes before it reads the clock, and
+        // prune tries before it deletes.
+        let key_lock =
+            |f: &str, key: &str| format!("{f}(hashtextextended({key}, {}))", lock_seed(schema, table));
 
         // A claim takes the record over when it was released, or when its
         // lease ran out and the step is not at-most-once; never on a
-        // fingerprint mismatch. `now()` decides.
+        // fingerprint mismatch. The clock is read here, in the ON CONFLICT
+        // branch, after the row lock it may have waited on; the fence is
+        // above the previous one and the clock's microseconds
+        // (oncely::backend::next_fence), so it never repeats, even after the
+        // record is pruned and inserted again.
         let takeover_set = format!(
-            "state = 'in_progress', fence = e.fence + 1, at_most_once = $6, outcome = NULL, \
-             fingerprint = coalesce(e.fingerprint, $5), lease_expires_at = now() + {lease}, \
-             updated_at = now(), retain_until = now() + {ret}, retention_us = $8",
+            "state = 'in_progress', fence = greatest(e.fence + 1, {now_us}), at_most_once = $6, \
+             outcome = NULL, fingerprint = coalesce(e.fingerprint, $5), \
+             lease_expires_at = clock_timestamp() + {lease}, updated_at = clock_timestamp(), \
+             retain_until = clock_timestamp() + {ret}, retention_us = $8",
+            now_us = us("clock_timestamp()"),
             lease = micros("$7"),
             ret = micros("$8"),
         );
         let takeover_when = "(e.fingerprint IS NULL OR $5::bytea IS NULL OR e.fingerprint = $5::bytea) \
              AND (e.state = 'released' OR (e.state = 'in_progress' AND NOT e.at_most_once \
-             AND e.lease_expires_at <= now()))";
+             AND e.lease_expires_at <= clock_timestamp()))";
 
         // One statement, one round trip. Parameters:
         // $1 key, $2 tenant, $3 kind, $4 subject, $5 fingerprint, $6 at_most_once,
         // $7 lease µs, $8 retention µs, $9 guard on, and in the horizon
         // variant $10 sent_at µs.
         //
-        // - `ins` inserts fence 1, or (ON CONFLICT) takes the record over. A
-        //   concurrent claimant of the same key blocks here on the unique
-        //   index until the other transaction ends.
-        // - `upd` (horizon variant) is the takeover alone, for a message older
-        //   than the horizon: it may take an existing record over but must
-        //   never insert.
+        // - `g` takes the key's transaction-scoped advisory lock, THEN reads
+        //   the clock. PostgreSQL computes an inserted row's values before
+        //   the INSERT waits on the unique index, so without the lock a
+        //   claim that waited on another transaction's uncommitted claim
+        //   (claim_in) would write a lease measured from before the wait,
+        //   possibly already over. Every writer that creates or deletes a
+        //   key's row holds this lock (claims until their transaction ends,
+        //   prune while it deletes), so once `g` has it, nothing is left to
+        //   wait for on the insert path. The lock sits in subquery `l`,
+        //   which PostgreSQL never flattens into `g` (its target list calls
+        //   a volatile function), so `g`'s expressions are evaluated on the
+        //   row `l` returns, after the lock; `g0` is kept apart by
+        //   `OFFSET 0` so the guard is evaluated once. In autocommit the
+        //   lock ends with the statement; in a caller's transaction it is
+        //   held until that transaction ends, and a concurrent claim of the
+        //   key waits for it, then reads a fresh clock.
+        // - In the horizon variant `g.beyond` calls the `_beyond` function:
+        //   VOLATILE, so its queries take a new snapshot, after the lock (the
+        //   statement's own snapshot predates the wait and could miss a
+        //   prune that committed meanwhile). It is true when the key is
+        //   absent and the tenant and kind's watermark is at or after
+        //   `sent_at` (oncely::backend::is_beyond_horizon). While this claim
+        //   holds the key's lock, no claim can insert the key and no prune
+        //   can delete it, so "absent" stays true until the statement ends.
+        //   An old message therefore never inserts, and still takes over an
+        //   existing released or expired record through the ON CONFLICT.
+        // - `ins` inserts with fence = the clock's microseconds, or takes
+        //   the record over.
         // - Otherwise the existing record is returned, or a status row:
-        //   `leaked` (guard tripped: nothing was written), `beyond` (absent
-        //   and older than the horizon), `missing` (the ON CONFLICT saw a row
-        //   committed after this statement's snapshot; the caller re-runs).
+        //   `leaked` (guard tripped: nothing was written, no lock taken),
+        //   `beyond`, or `missing` (the ON CONFLICT met a row committed after
+        //   this statement's snapshot, e.g. while it waited on the lock; the
+        //   caller runs the statement again and the next snapshot shows it).
         //
-        // Claims without `sent_at` (most) get the variant without `upd`.
-        let returning = "e.fence, e.at_most_once, e.created_at, e.lease_expires_at";
+        // The acquired row reports `acquired_at` as the clock its lease was
+        // measured from (`lease_expires_at - lease`), and whether it took a
+        // record over (an insert's `created_at` is this statement's clock;
+        // a record taken over was created by an earlier statement).
         let claim = |horizon: bool| {
-            let (beyond, not_beyond, upd, upd_branch, no_upd, status) = if horizon {
+            let (beyond, not_beyond, beyond_status) = if horizon {
                 (
-                    format!(", ($10::bigint + $8::bigint < {}) AS beyond", us("now()")),
+                    format!(", (l.ok AND {beyond}($2, $3, $1, $10::bigint)) AS beyond"),
                     " AND NOT g.beyond",
-                    format!(
-                        ", upd AS (\
-                           UPDATE {t} AS e SET {takeover_set} \
-                           WHERE (SELECT g.ok AND g.beyond FROM g) AND e.key = $1 AND {takeover_when} \
-                           RETURNING {returning})"
-                    ),
-                    format!(" UNION ALL SELECT 'acquired', {} FROM upd u", acquired_cols("u")),
-                    " AND NOT EXISTS (SELECT 1 FROM upd)",
-                    "CASE WHEN NOT g.ok THEN 'leaked' WHEN e.key IS NOT NULL THEN 'existing' \
-                     WHEN g.beyond THEN 'beyond' ELSE 'missing' END",
+                    " WHEN g.beyond THEN 'beyond'",
                 )
             } else {
-                (
-                    String::new(),
-                    "",
-                    String::new(),
-                    String::new(),
-                    "",
-                    "CASE WHEN NOT g.ok THEN 'leaked' WHEN e.key IS NOT NULL THEN 'existing' \
-                     ELSE 'missing' END",
-                )
+                (String::new(), "", "")
             };
             format!(
-                "WITH g AS (SELECT {guard} AS ok{beyond}), \
+                "WITH g AS (\
+                   SELECT l.ok, clock_timestamp() AS now{beyond} \
+                   FROM (SELECT g0.ok, CASE WHEN g0.ok THEN {lock} END AS locked \
+                         FROM (SELECT {guard} AS ok OFFSET 0) g0) l), \
                  ins AS (\
                    INSERT INTO {t} AS e (key, tenant, kind, subject, state, fence, fingerprint, outcome, \
                      at_most_once, created_at, updated_at, lease_expires_at, retain_until, retention_us) \
-                   SELECT $1, $2, $3, $4, 'in_progress', 1, $5::bytea, NULL, $6, now(), now(), \
-                     now() + {lease}, now() + {ret}, $8 \
+                   SELECT $1, $2, $3, $4, 'in_progress', greatest({now_us}, 1), $5::bytea, NULL, $6, \
+                     g.now, g.now, g.now + {lease}, g.now + {ret}, $8 \
                    FROM g WHERE g.ok{not_beyond} \
                    ON CONFLICT (key) DO UPDATE SET {takeover_set} WHERE {takeover_when} \
-                   RETURNING {returning}){upd} \
-                 SELECT 'acquired'::text AS src, {ci} FROM ins i{upd_branch} \
-                 UNION ALL SELECT {status}, {ce} FROM g LEFT JOIN {t} e ON e.key = $1 AND g.ok \
-                   WHERE NOT EXISTS (SELECT 1 FROM ins){no_upd}",
+                   RETURNING e.fence, e.at_most_once, e.created_at, e.lease_expires_at, \
+                     e.lease_expires_at - {lease} AS acquired_at, \
+                     e.created_at <> (SELECT g.now FROM g) AS taken_over) \
+                 SELECT 'acquired'::text AS src, NULL::text, i.fence, NULL::bytea, NULL::bytea, \
+                   i.at_most_once, i.created_at, i.acquired_at, i.lease_expires_at, NULL::timestamptz, \
+                   i.acquired_at, i.taken_over \
+                 FROM ins i \
+                 UNION ALL SELECT CASE WHEN NOT g.ok THEN 'leaked'{beyond_status} \
+                   WHEN e.key IS NOT NULL THEN 'existing' ELSE 'missing' END, {ce}, NULL::boolean \
+                 FROM g LEFT JOIN {t} e ON e.key = $1 AND g.ok \
+                 WHERE NOT EXISTS (SELECT 1 FROM ins)",
+                lock = key_lock("pg_advisory_xact_lock", "$1"),
                 guard = guard("$9"),
+                now_us = us("g.now"),
                 lease = micros("$7"),
                 ret = micros("$8"),
-                ci = acquired_cols("i"),
                 ce = cols("e"),
             )
         };
@@ -179,8 +236,8 @@ impl Queries {
         };
         let complete = fenced(
             &format!(
-                "state = 'completed', outcome = $3, lease_expires_at = NULL, updated_at = now(), \
-                 retain_until = now() + {}",
+                "state = 'completed', outcome = $3, lease_expires_at = NULL, updated_at = clock_timestamp(), \
+                 retain_until = clock_timestamp() + {}",
                 micros("e.retention_us")
             ),
             "$4",
@@ -188,15 +245,15 @@ impl Queries {
         );
         let release = fenced(
             &format!(
-                "state = 'released', outcome = NULL, lease_expires_at = NULL, updated_at = now(), \
-                 retain_until = now() + {}",
+                "state = 'released', outcome = NULL, lease_expires_at = NULL, updated_at = clock_timestamp(), \
+                 retain_until = clock_timestamp() + {}",
                 micros("e.retention_us")
             ),
             "$3",
             "0::bigint",
         );
         let renew = fenced(
-            &format!("lease_expires_at = now() + {}", micros("$3")),
+            &format!("lease_expires_at = clock_timestamp() + {}", micros("$3")),
             "$4",
             &us("e.lease_expires_at"),
         );
@@ -210,30 +267,61 @@ impl Queries {
             ce = cols("e"),
         );
 
-        // Deletes in LIMITed batches (short locks); SKIP LOCKED leaves rows a
-        // claim is taking over to that claim, and the outer WHERE re-checks
-        // the latest version of each row.
+        // One batch of prune ($1 rows at most), in one statement and so in
+        // one transaction:
+        // - `c`: candidates, oldest retention first. `now()` (not the clock)
+        //   so the prune index serves the search; it is this statement's
+        //   start, so a record is only ever deleted after its retention.
+        //   SKIP LOCKED leaves rows a claim is taking over to that claim.
+        // - `l`: only keys whose advisory lock is free: a claim holding a
+        //   key's lock (waiting to insert it, or inside a caller's
+        //   transaction) never sees the key deleted under it. The locks are
+        //   transaction-scoped, so a batch holds at most $1 of them (the
+        //   caller keeps batches small enough for the lock table).
+        // - `d` deletes, re-checking the latest version of each row.
+        // - `w` raises the horizon of each tenant and kind to the newest
+        //   `created_at` deleted, in the same transaction as the delete
+        //   (in a fixed order, so two prunes lock watermark rows alike).
+        // Returns the guard, how many candidates there were and how many
+        // were deleted.
         let prune = format!(
             "WITH g AS (SELECT {guard} AS ok), \
-             d AS (DELETE FROM {t} AS e USING g \
-               WHERE g.ok AND e.key IN (SELECT x.key FROM {t} x \
-                 WHERE x.state IN ('completed', 'released') AND x.retain_until <= now() \
-                 ORDER BY x.retain_until LIMIT $1 FOR UPDATE SKIP LOCKED) \
-               AND e.state IN ('completed', 'released') AND e.retain_until <= now() \
+             c AS (SELECT x.key FROM {t} x \
+               WHERE (SELECT g.ok FROM g) AND x.state IN ('completed', 'released') \
+                 AND x.retain_until <= now() \
+               ORDER BY x.retain_until LIMIT $1 FOR UPDATE SKIP LOCKED), \
+             l AS (SELECT c.key FROM c WHERE {try_lock}), \
+             d AS (DELETE FROM {t} AS e USING l \
+               WHERE e.key = l.key AND e.state IN ('completed', 'released') AND e.retain_until <= now() \
+               RETURNING e.tenant, e.kind, e.created_at), \
+             w AS (INSERT INTO {h} AS w (tenant, kind, watermark) \
+               SELECT d.tenant, d.kind, max(d.created_at) FROM d GROUP BY d.tenant, d.kind \
+               ORDER BY d.tenant, d.kind \
+               ON CONFLICT (tenant, kind) DO UPDATE SET watermark = greatest(w.watermark, excluded.watermark) \
                RETURNING 1) \
-             SELECT g.ok, (SELECT count(*) FROM d) FROM g",
+             SELECT g.ok, (SELECT count(*) FROM c), (SELECT count(*) FROM d), (SELECT count(*) FROM w) \
+             FROM g",
             guard = guard("true"),
+            try_lock = key_lock("pg_try_advisory_xact_lock", "c.key"),
         );
 
         let abandoned = format!(
             "SELECT e.key, {ce} FROM {t} e \
              WHERE e.tenant = $1 AND e.state = 'in_progress' AND e.at_most_once \
-               AND e.lease_expires_at <= now() \
+               AND e.lease_expires_at <= clock_timestamp() \
              ORDER BY e.created_at, e.key LIMIT $2",
             ce = cols("e"),
         );
 
+        let horizon = format!(
+            "SELECT g.ok, w.watermark FROM (SELECT {guard} AS ok) g \
+             LEFT JOIN {h} w ON w.tenant = $1 AND w.kind = $2 AND g.ok",
+            guard = guard("true"),
+        );
+
         let idx = |suffix: &str| quote(&format!("{table}_{suffix}"));
+        // Version 1, as the first release created it (unchanged: a database
+        // migrated by it must see the same statements recorded).
         let v1 = format!(
             "CREATE TABLE IF NOT EXISTS {t} (\
                key text PRIMARY KEY CHECK (octet_length(key) <= 255), \
@@ -259,6 +347,31 @@ impl Queries {
             prune_idx = idx("prune_idx"),
             abandoned_idx = idx("abandoned_idx"),
         );
+        // Version 2: the horizon watermark per tenant and kind, and the
+        // claim's fresh-snapshot horizon check. Existing records keep their
+        // fences (1, 2, 3…); their next takeover jumps to the clock's
+        // microseconds. Records pruned under version 1 left no watermark
+        // (version 1 judged a message by its claimant's retention instead).
+        //
+        // `_beyond` is a VOLATILE SQL function with sub-queries, so
+        // PostgreSQL neither inlines it into the claim nor reuses the
+        // claim's snapshot: each call reads what is committed when it runs.
+        let v2 = format!(
+            "CREATE TABLE IF NOT EXISTS {h} (\
+               tenant text NOT NULL, \
+               kind text NOT NULL, \
+               watermark timestamptz NOT NULL, \
+               PRIMARY KEY (tenant, kind)\
+             ); \
+             CREATE OR REPLACE FUNCTION {beyond}(p_tenant text, p_kind text, p_key text, p_sent_us bigint) \
+               RETURNS boolean LANGUAGE sql VOLATILE PARALLEL UNSAFE \
+               AS $oncely$ \
+                 SELECT EXISTS (SELECT 1 FROM {h} w WHERE w.tenant = p_tenant AND w.kind = p_kind \
+                                  AND {w_us} >= p_sent_us) \
+                    AND NOT EXISTS (SELECT 1 FROM {t} e WHERE e.key = p_key) \
+               $oncely$;",
+            w_us = us("w.watermark"),
+        );
 
         Queries {
             claim: claim(false).into(),
@@ -270,6 +383,7 @@ impl Queries {
             get: get.into(),
             prune: prune.into(),
             abandoned: abandoned.into(),
+            horizon: horizon.into(),
             schema_exists: "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)".into(),
             create_schema: format!("CREATE SCHEMA IF NOT EXISTS {}", quote(schema)).into(),
             create_migrations: format!(
@@ -283,7 +397,16 @@ impl Queries {
                 "INSERT INTO {migrations_table} (version, description) VALUES ($1, $2)"
             )
             .into(),
-            migrations: vec![(1, "effects table and indexes", v1.into())],
+            migrations: vec![
+                (1, "effects table and indexes", v1.into()),
+                (
+                    2,
+                    "horizon watermark per tenant and kind, fresh-snapshot horizon check",
+                    v2.into(),
+                ),
+            ],
+            horizon_table: horizon_name,
+            beyond_function: beyond_name,
         }
     }
 }
@@ -294,3 +417,67 @@ pub(crate) const MIGRATION_LOCK: &str = "SELECT pg_advisory_xact_lock(hashtextex
 
 /// Ends a transaction that someone else left open on a pooled connection.
 pub(crate) const ROLLBACK: &str = "ROLLBACK";
+
+/// The columns of a table (`$1` schema, `$2` table): name, type as
+/// PostgreSQL spells it, whether its collation (if any) is deterministic,
+/// its collation's name, whether it is NOT NULL, whether it has a default
+/// (or is generated or an identity). No row: the table does not exist.
+/// Reads only the catalog, which every role may read.
+pub(crate) const TABLE_COLUMNS: &str = "\
+    SELECT r.relkind::text, a.attname::text, format_type(a.atttypid, a.atttypmod), \
+      coalesce(co.collisdeterministic, true), coalesce(co.collname::text, ''), a.attnotnull, \
+      (a.atthasdef OR a.attidentity <> '' OR a.attgenerated <> '') \
+    FROM pg_catalog.pg_class r \
+    JOIN pg_catalog.pg_namespace n ON n.oid = r.relnamespace \
+    LEFT JOIN pg_catalog.pg_attribute a ON a.attrelid = r.oid AND a.attnum > 0 AND NOT a.attisdropped \
+    LEFT JOIN pg_catalog.pg_collation co ON co.oid = a.attcollation AND a.attcollation <> 0 \
+    WHERE n.nspname = $1 AND r.relname = $2 AND r.relkind IN ('r', 'p', 'v', 'm', 'f') \
+    ORDER BY a.attnum";
+
+/// The unique keys of a table that ON CONFLICT can use and that hold on
+/// each row at once: valid, immediate (not deferrable), without a
+/// predicate or an expression. One row per such index: its name, its key
+/// columns in order, and whether every key column's collation in the
+/// index is deterministic.
+pub(crate) const UNIQUE_KEYS: &str = "\
+    SELECT ic.relname::text, \
+      array(SELECT a.attname::text FROM unnest(i.indkey[0:i.indnkeyatts - 1]) WITH ORDINALITY k(attnum, o) \
+            JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
+            ORDER BY k.o), \
+      coalesce((SELECT bool_and(coalesce(co.collisdeterministic, true)) \
+                FROM unnest(i.indcollation) AS ic2(coll) \
+                LEFT JOIN pg_catalog.pg_collation co ON co.oid = ic2.coll AND ic2.coll <> 0), true) \
+    FROM pg_catalog.pg_index i \
+    JOIN pg_catalog.pg_class r ON r.oid = i.indrelid \
+    JOIN pg_catalog.pg_namespace n ON n.oid = r.relnamespace \
+    JOIN pg_catalog.pg_class ic ON ic.oid = i.indexrelid \
+    WHERE n.nspname = $1 AND r.relname = $2 AND i.indisunique AND i.indisvalid AND i.indimmediate \
+      AND i.indpred IS NULL AND i.indexprs IS NULL";
+
+/// Whether the claim's horizon function exists (`$1` schema, `$2` name), with
+/// the signature the claim calls.
+pub(crate) const FUNCTION_EXISTS: &str = "\
+    SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_proc p \
+      JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace \
+      WHERE n.nspname = $1 AND p.proname = $2 \
+        AND p.proargtypes = '25 25 25 20'::pg_catalog.oidvector AND p.prorettype = 16)";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_seed_is_stable_and_per_table() {
+        // Every process and release must derive the same lock ids.
+        assert_eq!(
+            lock_seed("public", "oncely_effects"),
+            lock_seed("public", "oncely_effects")
+        );
+        assert_ne!(lock_seed("public", "a"), lock_seed("public", "b"));
+        assert_ne!(lock_seed("a", "b_c"), lock_seed("a_b", "c"));
+        assert_eq!(
+            lock_seed("", ""),
+            i64::from_ne_bytes(0xaf63_a34c_8601_8bb1_u64.to_ne_bytes())
+        );
+    }
+}

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use oncely::conformance::{Rng, fresh_tenant, service_url, skip_or_fail};
+use oncely::conformance::{Rng, fresh_tenant, prune_until_gone, service_url, skip_or_fail};
 use oncely::{
     Claim, ClaimOptions, EffectKey, Effects, Error, Ledger, Outcome, RecordState, Tenant, TransactionalLedger,
 };
@@ -144,7 +144,7 @@ async fn rollback_leaves_nothing() {
     };
     let k = key(&fresh_tenant(), "order-2");
     let id = k.as_str().to_owned();
-    {
+    let first = {
         let mut tx = ledger.begin().await.unwrap();
         let lease = match ledger
             .claim_in(&mut *tx, &k, &ClaimOptions::default())
@@ -160,7 +160,8 @@ async fn rollback_leaves_nothing() {
             .await
             .unwrap();
         tx.rollback().await.unwrap();
-    }
+        lease
+    };
     {
         // A dropped transaction rolls back too.
         let mut tx = ledger.begin().await.unwrap();
@@ -175,9 +176,13 @@ async fn rollback_leaves_nothing() {
     assert_eq!(committed(&observer, &k).await, None);
     assert_eq!(orders(&observer, &id).await, 0);
     assert!(ledger.get(&k).await.unwrap().is_none());
-    // The key is free: a later claim acquires fence 1.
+    // The key is free: a later claim inserts it anew, with a fence above the
+    // rolled-back one's (fences follow the clock, they do not restart).
     match ledger.claim(&k, &ClaimOptions::default()).await.unwrap() {
-        Claim::Acquired(l) => assert_eq!(l.fence, 1),
+        Claim::Acquired(l) => {
+            assert!(!l.taken_over);
+            assert!(l.fence > first.fence, "{} after {}", l.fence, first.fence);
+        }
         other => panic!("{other:?}"),
     }
 }
@@ -221,7 +226,7 @@ async fn concurrent_claim_in_writes_once() {
     for t in tasks {
         match t.await.unwrap() {
             Claim::Acquired(l) => {
-                assert_eq!(l.fence, 1);
+                assert!(!l.taken_over, "{l:?}");
                 acquired += 1;
             }
             Claim::Completed(r) => {
@@ -365,7 +370,7 @@ async fn concurrent_migrations_are_safe() {
     .fetch_all(&admin)
     .await
     .unwrap();
-    assert_eq!(versions, vec![1]);
+    assert_eq!(versions, vec![1, 2]);
     let k = key(&fresh_tenant(), "migrated");
     assert!(matches!(
         ledgers[3].claim(&k, &ClaimOptions::default()).await.unwrap(),
@@ -762,35 +767,64 @@ async fn serialization_failure_is_retryable() {
     assert!(e.is_retryable());
 }
 
-/// An old message (beyond the horizon) still takes over a released record
-/// it finds, through the takeover-only path; it never inserts.
+/// An old message (at or before the horizon of its tenant and kind) still
+/// takes over a released record it finds; it never inserts one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn old_message_takes_over_but_never_inserts() {
     let Some((ledger, observer)) = setup(4).await else {
         return;
     };
-    let day = Duration::from_secs(86_400);
-    let old = std::time::SystemTime::now() - 2 * day;
-    let opts = ClaimOptions::default().retention(day);
-    let k = key(&fresh_tenant(), "old");
-    let l = match ledger.claim(&k, &opts).await.unwrap() {
+    let t = fresh_tenant();
+    let old = std::time::SystemTime::now() - Duration::from_secs(3600);
+    let day = ClaimOptions::default().retention(Duration::from_secs(86_400));
+    // A released record of this tenant and kind, kept for a day...
+    let k = key(&t, "old");
+    let l = match ledger.claim(&k, &day).await.unwrap() {
         Claim::Acquired(l) => l,
         other => panic!("{other:?}"),
     };
     ledger.release(&l).await.unwrap();
-    match ledger.claim(&k, &opts.clone().sent_at(old)).await.unwrap() {
+    // ...and one pruned, which sets the horizon after `old`.
+    let brief = ClaimOptions::default()
+        .lease(Duration::from_millis(100))
+        .retention(Duration::from_millis(200));
+    let pruned = key(&t, "pruned");
+    let p = match ledger.claim(&pruned, &brief).await.unwrap() {
+        Claim::Acquired(l) => l,
+        other => panic!("{other:?}"),
+    };
+    ledger
+        .complete(&p, &Outcome::from_json(&1).unwrap())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    prune_until_gone(&ledger, &pruned).await;
+    let horizon = ledger.horizon(&t, k.kind()).await.unwrap().unwrap();
+    assert!(horizon > old);
+    match ledger.claim(&k, &day.clone().sent_at(old)).await.unwrap() {
         Claim::Acquired(l2) => {
-            assert_eq!(l2.fence, 2);
+            assert!(l2.fence > l.fence);
             assert!(l2.taken_over);
         }
         other => panic!("{other:?}"),
     }
     assert!(matches!(
-        ledger.claim(&k, &opts.clone().sent_at(old)).await.unwrap(),
-        Claim::InProgress { fence: 2, .. }
+        ledger.claim(&k, &day.clone().sent_at(old)).await.unwrap(),
+        Claim::InProgress { .. }
     ));
-    let absent = key(&fresh_tenant(), "old-absent");
-    let e = ledger.claim(&absent, &opts.sent_at(old)).await.unwrap_err();
+    let absent = key(&t, "old-absent");
+    let e = ledger
+        .claim(&absent, &day.clone().sent_at(old))
+        .await
+        .unwrap_err();
     assert!(matches!(e, Error::BeyondHorizon { .. }), "{e:?}");
     assert_eq!(committed(&observer, &absent).await, None);
+    // A message produced after the horizon is new work.
+    assert!(matches!(
+        ledger
+            .claim(&absent, &day.sent_at(std::time::SystemTime::now()))
+            .await
+            .unwrap(),
+        Claim::Acquired(_)
+    ));
 }

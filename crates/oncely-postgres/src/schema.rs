@@ -1,0 +1,315 @@
+//! Migrations and the schema check: the ledger refuses a table it cannot
+//! rely on (issue: a table someone else created, with no unique key on the
+//! effect key or a case-insensitive collation, would let two claims of one
+//! effect both acquire, or two keys share one record).
+
+use oncely::{Error, Result};
+use sqlx::{AssertSqlSafe, PgConnection, Row};
+
+use crate::PgLedger;
+use crate::error::map;
+use crate::sql::{self, SCHEMA_VERSION};
+
+/// What a column must be: its name, the types the ledger can use, and
+/// whether it is compared by equality on text (then its collation must be
+/// deterministic).
+struct Column {
+    name: &'static str,
+    kind: Kind,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// `text`, or `varchar` long enough for any part of a key (255).
+    Text,
+    BigInt,
+    Bytes,
+    Bool,
+    Timestamp,
+}
+
+impl Kind {
+    fn accepts(self, ty: &str) -> bool {
+        match self {
+            Kind::Text => {
+                ty == "text"
+                    || ty == "character varying"
+                    || ty
+                        .strip_prefix("character varying(")
+                        .and_then(|n| n.strip_suffix(')'))
+                        .and_then(|n| n.parse::<usize>().ok())
+                        .is_some_and(|n| n >= oncely::MAX_KEY_BYTES)
+            }
+            Kind::BigInt => ty == "bigint",
+            Kind::Bytes => ty == "bytea",
+            Kind::Bool => ty == "boolean",
+            Kind::Timestamp => ty == "timestamp with time zone",
+        }
+    }
+
+    fn expected(self) -> &'static str {
+        match self {
+            Kind::Text => "text",
+            Kind::BigInt => "bigint",
+            Kind::Bytes => "bytea",
+            Kind::Bool => "boolean",
+            Kind::Timestamp => "timestamptz",
+        }
+    }
+}
+
+const fn col(name: &'static str, kind: Kind) -> Column {
+    Column { name, kind }
+}
+
+/// The effects table: every column a statement reads or writes.
+const EFFECTS: &[Column] = &[
+    col("key", Kind::Text),
+    col("tenant", Kind::Text),
+    col("kind", Kind::Text),
+    col("subject", Kind::Text),
+    col("state", Kind::Text),
+    col("fence", Kind::BigInt),
+    col("fingerprint", Kind::Bytes),
+    col("outcome", Kind::Bytes),
+    col("at_most_once", Kind::Bool),
+    col("created_at", Kind::Timestamp),
+    col("updated_at", Kind::Timestamp),
+    col("lease_expires_at", Kind::Timestamp),
+    col("retain_until", Kind::Timestamp),
+    col("retention_us", Kind::BigInt),
+];
+
+/// The horizon table.
+const HORIZON: &[Column] = &[
+    col("tenant", Kind::Text),
+    col("kind", Kind::Text),
+    col("watermark", Kind::Timestamp),
+];
+
+impl PgLedger {
+    /// Applies the embedded migrations that are missing, then checks the
+    /// schema ([`PgLedger::verify`]) before committing: idempotent, and safe
+    /// when several processes run it at once (a transaction-scoped advisory
+    /// lock per schema serialises them). A table that existed before the
+    /// first migration (created by someone else) is checked before anything
+    /// is added to it. Refused on a [read-only](crate::PgLedgerOptions::read_only)
+    /// ledger.
+    pub async fn migrate(&self) -> Result<()> {
+        self.writable()?;
+        let q = &self.inner.q;
+        let (schema, table) = (&self.inner.schema, &self.inner.table);
+        let mut tx = self.begin().await?;
+        sqlx::query(sql::MIGRATION_LOCK)
+            .bind(format!("oncely migrations: {schema}"))
+            .execute(&mut *tx)
+            .await
+            .map_err(map)?;
+        let schema_exists: bool = sqlx::query_scalar(AssertSqlSafe(q.schema_exists.clone()))
+            .bind(schema)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(map)?;
+        if !schema_exists {
+            sqlx::raw_sql(AssertSqlSafe(q.create_schema.clone()))
+                .execute(&mut *tx)
+                .await
+                .map_err(map)?;
+        }
+        sqlx::raw_sql(AssertSqlSafe(q.create_migrations.clone()))
+            .execute(&mut *tx)
+            .await
+            .map_err(map)?;
+        let applied: i32 = sqlx::query_scalar(AssertSqlSafe(q.applied_version.clone()))
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(map)?;
+        if applied == 0 {
+            // `CREATE TABLE IF NOT EXISTS` would accept any table by that
+            // name; judge it first, so that the refusal names what is wrong
+            // with it rather than an index that could not be built.
+            let problems = check_table(&mut tx, schema, table, EFFECTS, &["key"]).await?;
+            if let Some(problems) = problems.filter(|p| !p.is_empty()) {
+                return Err(refusal(schema, table, &problems));
+            }
+        }
+        for (version, description, statements) in &q.migrations {
+            if *version <= applied {
+                continue;
+            }
+            sqlx::raw_sql(AssertSqlSafe(statements.clone()))
+                .execute(&mut *tx)
+                .await
+                .map_err(map)?;
+            sqlx::query(AssertSqlSafe(q.record_migration.clone()))
+                .bind(version)
+                .bind(*description)
+                .execute(&mut *tx)
+                .await
+                .map_err(map)?;
+        }
+        // Dropping `tx` on a refusal rolls back everything above.
+        self.verify_on(&mut tx).await?;
+        tx.commit().await.map_err(map)
+    }
+
+    /// Checks, without changing anything, that the schema is one the ledger
+    /// can rely on: the ledger table, the `<table>_horizon` table and the
+    /// claim's `<table>_beyond` function exist (schema version
+    /// 2), the tables have the columns the ledger uses with compatible types
+    /// (no other `NOT NULL` column without a default), a primary key or
+    /// unique index on exactly `key` (and on `(tenant, kind)` for the
+    /// horizon), not deferrable nor partial, and deterministic collations on
+    /// their text columns: under a case-insensitive (nondeterministic)
+    /// collation `Acme` and `acme` would share one record.
+    ///
+    /// Fails with [`Error::Config`] naming the table and every problem
+    /// found. Reads only the catalog, so any role can run it; runs on
+    /// connect and at the end of [`PgLedger::migrate`].
+    pub async fn verify(&self) -> Result<()> {
+        let mut conn = self.acquire().await?;
+        self.verify_on(&mut conn).await
+    }
+
+    async fn verify_on(&self, conn: &mut PgConnection) -> Result<()> {
+        let q = &self.inner.q;
+        let (schema, table) = (&self.inner.schema, &self.inner.table);
+        let missing = |name: &str, what: &str| {
+            Error::Config(format!(
+                "{what} {schema}.{name} does not exist; run `oncely migrate` (PgLedger::migrate) with a role \
+                 that may create it, or connect with PgLedgerOptions::migrate(true) (this release needs \
+                 schema version {SCHEMA_VERSION})"
+            ))
+        };
+        match check_table(conn, schema, table, EFFECTS, &["key"]).await? {
+            None => return Err(missing(table, "table")),
+            Some(p) if !p.is_empty() => return Err(refusal(schema, table, &p)),
+            Some(_) => {}
+        }
+        match check_table(conn, schema, &q.horizon_table, HORIZON, &["tenant", "kind"]).await? {
+            None => return Err(missing(&q.horizon_table, "table")),
+            Some(p) if !p.is_empty() => return Err(refusal(schema, &q.horizon_table, &p)),
+            Some(_) => {}
+        }
+        let function: bool = sqlx::query_scalar(sql::FUNCTION_EXISTS)
+            .bind(schema)
+            .bind(&q.beyond_function)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(map)?;
+        if !function {
+            return Err(missing(&q.beyond_function, "function"));
+        }
+        Ok(())
+    }
+}
+
+fn refusal(schema: &str, table: &str, problems: &[String]) -> Error {
+    Error::Config(format!(
+        "table {schema}.{table} cannot hold an oncely ledger: {}",
+        problems.join("; ")
+    ))
+}
+
+/// What is wrong with a table, or `None` if it does not exist.
+async fn check_table(
+    conn: &mut PgConnection,
+    schema: &str,
+    table: &str,
+    columns: &[Column],
+    unique_key: &[&str],
+) -> Result<Option<Vec<String>>> {
+    let rows = sqlx::query(sql::TABLE_COLUMNS)
+        .bind(schema)
+        .bind(table)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(map)?;
+    let Some(first) = rows.first() else {
+        return Ok(None);
+    };
+    let mut problems = Vec::new();
+    let relkind: String = first.try_get(0).map_err(map)?;
+    if relkind != "r" && relkind != "p" {
+        problems.push(format!("it is not a table (relkind {relkind:?})"));
+        return Ok(Some(problems));
+    }
+    struct Found {
+        name: String,
+        ty: String,
+        deterministic: bool,
+        collation: String,
+        not_null: bool,
+        has_default: bool,
+    }
+    let mut found = Vec::new();
+    for row in &rows {
+        let Some(name) = row.try_get::<Option<String>, _>(1).map_err(map)? else {
+            continue;
+        };
+        found.push(Found {
+            name,
+            ty: row.try_get(2).map_err(map)?,
+            deterministic: row.try_get(3).map_err(map)?,
+            collation: row.try_get(4).map_err(map)?,
+            not_null: row.try_get(5).map_err(map)?,
+            has_default: row.try_get(6).map_err(map)?,
+        });
+    }
+    for c in columns {
+        match found.iter().find(|f| f.name == c.name) {
+            None => problems.push(format!("column {} is missing", c.name)),
+            Some(f) if !c.kind.accepts(&f.ty) => problems.push(format!(
+                "column {} is {}, expected {}",
+                c.name,
+                f.ty,
+                c.kind.expected()
+            )),
+            Some(f) if c.kind == Kind::Text && !f.deterministic => problems.push(format!(
+                "column {} uses the nondeterministic collation {:?}: values that differ (in case, \
+                 accents…) would compare equal, so two keys could share one record; use a deterministic \
+                 collation such as \"C\"",
+                c.name, f.collation
+            )),
+            Some(_) => {}
+        }
+    }
+    for f in &found {
+        if f.not_null && !f.has_default && !columns.iter().any(|c| c.name == f.name) {
+            problems.push(format!(
+                "column {} is NOT NULL without a default, and the ledger does not write it",
+                f.name
+            ));
+        }
+    }
+    let keys = sqlx::query(sql::UNIQUE_KEYS)
+        .bind(schema)
+        .bind(table)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(map)?;
+    let mut exact = Vec::new();
+    for row in &keys {
+        let name: String = row.try_get(0).map_err(map)?;
+        let cols: Vec<String> = row.try_get(1).map_err(map)?;
+        let deterministic: bool = row.try_get(2).map_err(map)?;
+        if cols.iter().map(String::as_str).eq(unique_key.iter().copied()) {
+            exact.push((name, deterministic));
+        }
+    }
+    let wanted = unique_key.join(", ");
+    if exact.is_empty() {
+        problems.push(format!(
+            "no primary key or unique index on exactly ({wanted}) (one that is not deferrable, partial or \
+             on an expression): without it two claims of one effect would both acquire"
+        ));
+    } else if !exact.iter().any(|(_, deterministic)| *deterministic) {
+        let names: Vec<&str> = exact.iter().map(|(n, _)| n.as_str()).collect();
+        problems.push(format!(
+            "the unique index {} on ({wanted}) uses a nondeterministic collation: keys that differ in case \
+             would share one record",
+            names.join(", ")
+        ));
+    }
+    Ok(Some(problems))
+}
