@@ -587,3 +587,169 @@ async fn job_step_in_runs_once_per_job() {
     assert_eq!(ran.load(Ordering::SeqCst), 1);
     assert_eq!(orders(ledger.pool(), "order-9").await, 1);
 }
+
+/// A claim that waited for SQLite's write lock is stamped with the clock of
+/// its write, not of its request: `acquired_at` is after the wait, the whole
+/// lease is left, and the record says the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquired_at_is_the_clock_of_the_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = open(&dir, "clock.db").await;
+    let t = fresh_tenant();
+    let lease = Duration::from_secs(1);
+    let opts = ClaimOptions::default().lease(lease);
+    let mut tx = ledger.begin().await.unwrap();
+    let Claim::Acquired(first) = ledger.claim_in(&mut tx, &key(&t, "holder"), &opts).await.unwrap() else {
+        panic!("fresh key not acquired")
+    };
+    let waiter = {
+        let (ledger, k, opts) = (ledger.clone(), key(&t, "waiter"), opts.clone());
+        tokio::spawn(async move { ledger.claim(&k, &opts).await })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!waiter.is_finished(), "the second writer waits for the lock");
+    tx.commit().await.unwrap();
+    let Claim::Acquired(second) = waiter.await.unwrap().unwrap() else {
+        panic!("fresh key not acquired")
+    };
+    let waited = second.acquired_at.duration_since(first.acquired_at).unwrap();
+    assert!(
+        waited >= Duration::from_millis(1900),
+        "stamped before the wait: {waited:?}"
+    );
+    assert_eq!(
+        second.expires_at.duration_since(second.acquired_at).unwrap(),
+        lease
+    );
+    let r = ledger.get(&key(&t, "waiter")).await.unwrap().unwrap();
+    assert_eq!(
+        (r.created_at, r.updated_at),
+        (second.acquired_at, second.acquired_at)
+    );
+    assert_eq!(r.lease_expires_at, Some(second.expires_at));
+}
+
+/// Fences only grow, also when grants come faster than the clock's
+/// millisecond (`previous + 1`), and a takeover says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fences_grow_faster_than_the_clock() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = open(&dir, "fences.db").await;
+    let k = key(&fresh_tenant(), "order-fast");
+    let mut last: Option<u64> = None;
+    for i in 0..50 {
+        let Claim::Acquired(l) = ledger.claim(&k, &ClaimOptions::default()).await.unwrap() else {
+            panic!("a released key is acquired")
+        };
+        assert_eq!(l.taken_over, i > 0, "{l:?}");
+        if let Some(last) = last {
+            assert!(l.fence > last, "fence {} after {last}", l.fence);
+        }
+        last = Some(l.fence);
+        ledger.release(&l).await.unwrap();
+    }
+}
+
+/// Prune raises the horizon of exactly the tenants and kinds it deleted
+/// from, to the newest `created_at` it deleted, and never lowers it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_raises_the_horizon_of_what_it_deleted() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = open(&dir, "horizon.db").await;
+    let t = fresh_tenant();
+    let complete = |k: EffectKey, retention: Duration| {
+        let ledger = ledger.clone();
+        async move {
+            let opts = ClaimOptions::default().lease(retention).retention(retention);
+            let Claim::Acquired(l) = ledger.claim(&k, &opts).await.unwrap() else {
+                panic!("fresh key not acquired")
+            };
+            ledger
+                .complete(&l, &Outcome::from_json(&1).unwrap())
+                .await
+                .unwrap();
+            ledger.get(&k).await.unwrap().unwrap().created_at
+        }
+    };
+    // An old record kept a while, a newer one kept briefly.
+    let old = EffectKey::new(&t, "capture", "old").unwrap();
+    let old_created = complete(old.clone(), Duration::from_millis(1500)).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let new = EffectKey::new(&t, "capture", "new").unwrap();
+    let new_created = complete(new.clone(), Duration::from_millis(100)).await;
+    let other = EffectKey::new(&t, "receipt", "kept").unwrap();
+    complete(other.clone(), Duration::from_secs(3600)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(ledger.prune(u64::MAX).await.unwrap(), 1);
+    assert!(ledger.get(&new).await.unwrap().is_none());
+    assert_eq!(ledger.horizon(&t, "capture").await.unwrap(), Some(new_created));
+    assert_eq!(
+        ledger.horizon(&t, "receipt").await.unwrap(),
+        None,
+        "nothing pruned there"
+    );
+    // The older record goes later; the horizon stays at the newest.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(ledger.prune(u64::MAX).await.unwrap(), 1);
+    assert!(ledger.get(&old).await.unwrap().is_none());
+    assert!(old_created < new_created);
+    assert_eq!(ledger.horizon(&t, "capture").await.unwrap(), Some(new_created));
+    // A replay of the old record is beyond the horizon; a message produced
+    // after it is new work.
+    let e = ledger
+        .claim(&old, &ClaimOptions::default().sent_at(old_created))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::BeyondHorizon { .. }), "{e:?}");
+    assert!(ledger.get(&old).await.unwrap().is_none());
+    assert!(matches!(
+        ledger
+            .claim(
+                &old,
+                &ClaimOptions::default().sent_at(new_created + Duration::from_millis(1))
+            )
+            .await
+            .unwrap(),
+        Claim::Acquired(_)
+    ));
+}
+
+/// A prune with a limit raises the horizon only for the records it deleted:
+/// the horizon statement and the delete pick the same rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limited_prune_raises_only_what_it_deleted() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = open(&dir, "limit.db").await;
+    let tenants: Vec<_> = (0..6).map(|_| fresh_tenant()).collect();
+    let brief = ClaimOptions::default()
+        .lease(Duration::from_millis(50))
+        .retention(Duration::from_millis(50));
+    for t in &tenants {
+        let k = EffectKey::new(t, "capture", "x").unwrap();
+        let Claim::Acquired(l) = ledger.claim(&k, &brief).await.unwrap() else {
+            panic!("fresh key not acquired")
+        };
+        ledger
+            .complete(&l, &Outcome::from_json(&1).unwrap())
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for round in 1..=tenants.len() {
+        assert_eq!(ledger.prune(1).await.unwrap(), 1);
+        let mut raised = 0;
+        for t in &tenants {
+            let k = EffectKey::new(t, "capture", "x").unwrap();
+            let gone = ledger.get(&k).await.unwrap().is_none();
+            let horizon = ledger.horizon(t, "capture").await.unwrap();
+            assert_eq!(
+                gone,
+                horizon.is_some(),
+                "{t}: deleted {gone}, horizon {horizon:?}"
+            );
+            raised += usize::from(gone);
+        }
+        assert_eq!(raised, round);
+    }
+    assert_eq!(ledger.prune(1).await.unwrap(), 0);
+}
