@@ -6,7 +6,11 @@ use sqlx::mysql::MySqlDatabaseError;
 pub(crate) const BACKEND: &str = "mysql";
 
 /// Server error numbers this crate decides on.
-pub(crate) const ER_DUP_ENTRY: u16 = 1062;
+const ER_DUP_KEY: u16 = 1022;
+const ER_DUP_ENTRY: u16 = 1062;
+const ER_DUP_UNIQUE: u16 = 1169;
+const ER_DUP_ENTRY_WITH_KEY_NAME: u16 = 1586;
+const ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION: u16 = 1792;
 const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
 const ER_LOCK_DEADLOCK: u16 = 1213;
 const ER_CON_COUNT_ERROR: u16 = 1040;
@@ -23,6 +27,38 @@ pub(crate) fn number(e: &sqlx::Error) -> Option<u16> {
         sqlx::Error::Database(db) => db.try_downcast_ref::<MySqlDatabaseError>().map(|m| m.number()),
         _ => None,
     }
+}
+
+/// Whether the server refused a duplicate key (SQLSTATE 23000 also covers
+/// NOT NULL and foreign-key failures, which are not duplicates: the number
+/// decides).
+fn is_duplicate(number: u16) -> bool {
+    matches!(
+        number,
+        ER_DUP_KEY | ER_DUP_ENTRY | ER_DUP_UNIQUE | ER_DUP_ENTRY_WITH_KEY_NAME
+    )
+}
+
+/// The driver's message if `error`, or any error in its source chain, is a
+/// duplicate-key error from this driver (a handler's own write hitting a
+/// unique index): [`oncely::Ledger::unique_violation`].
+pub(crate) fn unique_violation(error: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if let Some(e) = e.downcast_ref::<sqlx::Error>()
+            && number(e).is_some_and(is_duplicate)
+        {
+            return Some(e.to_string());
+        }
+        // sqlx::Error::Database gives its inner error as its source.
+        if let Some(db) = e.downcast_ref::<MySqlDatabaseError>()
+            && is_duplicate(db.number())
+        {
+            return Some(db.to_string());
+        }
+        next = e.source();
+    }
+    None
 }
 
 /// Whether the statement (or, in a transaction, the transaction) was rolled
@@ -61,7 +97,10 @@ pub(crate) fn map(e: sqlx::Error) -> Error {
                 backend: BACKEND,
                 message: e.to_string(),
             },
-            Some(ER_DUP_ENTRY) => unexpected_violation(&e.to_string()),
+            Some(n) if is_duplicate(n) => unexpected_violation(&e.to_string()),
+            Some(ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION) => Error::Misuse(format!(
+                "a write on a read-only session (MySqlLedgerOptions::read_only): {e}"
+            )),
             _ => Error::Backend {
                 backend: BACKEND,
                 message: e.to_string(),

@@ -1,26 +1,76 @@
 //! Every SQL statement of the backend, built once per table name.
 //!
-//! Timestamps are BIGINT microseconds since the Unix epoch taken from the
-//! server: [`NOW_US`] reads `UTC_TIMESTAMP(6)`, which is evaluated once per
-//! statement and does not depend on the session's `time_zone` (so it is also
-//! right on a caller's connection in `claim_in`).
+//! Timestamps are BIGINT microseconds since the Unix epoch, read from the
+//! server's clock. Two clocks are used, on purpose:
+//!
+//! - [`STMT_US`]: `UTC_TIMESTAMP(6)`, the time the *statement started*. It is
+//!   constant within a statement, so a fresh row's `fence`, `created_us` and
+//!   `updated_us` are one value (which is how a claim tells its own insert
+//!   from a takeover: `fence = created_us` only on the insert). An inserted
+//!   row's values are computed before the insert waits on a lock (another
+//!   transaction's uncommitted row of the same key), so this is also all an
+//!   insert can know: the claim compares it with [`NOW_US`] read after the
+//!   write and refreshes the grant if the statement waited (`claim.rs`).
+//! - [`NOW_US`]: the clock *when it is evaluated*. An `ON DUPLICATE KEY
+//!   UPDATE` (a takeover), an `UPDATE` and a `RETURNING` clause are evaluated
+//!   after any lock wait, so expiry, takeover and fences are judged on the
+//!   clock at the moment the write takes effect (DESIGN.md §3).
+//!
+//! `SYSDATE(6)` is the only call-time clock MySQL and MariaDB have, and it is
+//! in the session's time zone, which the ledger does not own (`claim_in` runs
+//! on the caller's connection, `from_pool` on the caller's pool). So
+//! [`NOW_US`] never converts a local time to UTC: it is the statement's UTC
+//! start plus the time elapsed since, and the elapsed time is measured twice,
+//! as a difference of local wall-clock times (wrong only if the zone's offset
+//! changed during the statement) and as a difference of
+//! `UNIX_TIMESTAMP()`s (which follows the zone's rules, but is ambiguous in
+//! the repeated hour when clocks go back), taking the smaller, never below
+//! zero. A DST change during a statement can therefore only make the clock
+//! read *early* (a lease looks live a little longer, a grant a little
+//! shorter; the runner measures its own deadline from when it sent the
+//! claim, so that stays safe), never late (which would take over a live
+//! lease). With the session in UTC or a fixed offset, both are exact.
+//! A server started with `--sysdate-is-now` makes `SYSDATE()` the statement
+//! start again; the ledger refuses such a server at its first operation.
 
-/// The server's clock in microseconds since the epoch, session time zone
-/// independent.
-pub(crate) const NOW_US: &str = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))";
+/// The statement's start, UTC, in µs since the epoch; independent of the
+/// session time zone and constant within one statement.
+pub(crate) const STMT_US: &str = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))";
 
-/// The columns every read returns, in the order `row_to_stored` expects.
+/// The server's clock when this expression is evaluated (after any lock
+/// wait of the statement), UTC µs; see the module docs for why it is built
+/// this way.
+pub(crate) const NOW_US: &str = "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) \
+     + GREATEST(0, LEAST(TIMESTAMPDIFF(MICROSECOND, NOW(6), SYSDATE(6)), \
+     COALESCE(CAST((UNIX_TIMESTAMP(SYSDATE(6)) - UNIX_TIMESTAMP(NOW(6))) * 1000000 AS SIGNED), \
+     9223372036854775807))))";
+
+/// How many µs `SYSDATE(6)` runs ahead of the statement start after a 2 ms
+/// sleep: about 2000, or 0 on a server started with `--sysdate-is-now`.
+pub(crate) const SYSDATE_PROBE: &str =
+    "SELECT TIMESTAMPDIFF(MICROSECOND, NOW(6), IF(SLEEP(0.002) = 0, SYSDATE(6), NULL)) AS d";
+
+/// The columns every read returns, in the order `row::stored` expects.
 const COLUMNS: &str = "effect_key, state, fence, fingerprint, outcome, at_most_once, claim_token, \
                        created_us, updated_us, lease_expires_us, retain_until_us";
+
+/// The name of a ledger table's horizon table.
+pub(crate) fn horizon_table(t: &str) -> String {
+    format!("{t}_horizon")
+}
 
 /// The schema versions, applied in order under `GET_LOCK`. Each statement is
 /// idempotent on its own (`IF NOT EXISTS`), because MySQL DDL commits
 /// implicitly and a migrator can die between a DDL and its bookkeeping row.
+/// What a table must look like is checked separately (`schema::verify`),
+/// because `IF NOT EXISTS` accepts any table of that name.
 pub(crate) fn migrations(t: &str) -> Vec<(u32, Vec<String>)> {
-    vec![(
-        1,
-        vec![format!(
-            "CREATE TABLE IF NOT EXISTS `{t}` (
+    let h = horizon_table(t);
+    vec![
+        (
+            1,
+            vec![format!(
+                "CREATE TABLE IF NOT EXISTS `{t}` (
   effect_key VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
   tenant VARCHAR(64) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
   kind VARCHAR(64) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
@@ -40,8 +90,24 @@ pub(crate) fn migrations(t: &str) -> Vec<(u32, Vec<String>)> {
   KEY prune_idx (state, retain_until_us),
   KEY abandoned_idx (tenant, at_most_once, state, created_us)
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin"
-        )],
-    )]
+            )],
+        ),
+        // Version 2: the horizon, one watermark per tenant and kind (the
+        // newest `created_us` prune deleted there). NULL: a prune locked the
+        // row but deleted nothing of that tenant and kind. Rows of version 1
+        // need no change: their small fences are below every clock fence.
+        (
+            2,
+            vec![format!(
+                "CREATE TABLE IF NOT EXISTS `{h}` (
+  tenant VARCHAR(64) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+  kind VARCHAR(64) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+  watermark_us BIGINT NULL,
+  PRIMARY KEY (tenant, kind)
+) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin"
+            )],
+        ),
+    ]
 }
 
 /// The migration bookkeeping table, shared by every ledger table of a schema.
@@ -53,26 +119,57 @@ pub(crate) const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS oncely_sch
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4";
 
 /// The statements of one ledger table.
+///
+/// The claim comes in variants: with `RETURNING` (MariaDB 10.5+) or without
+/// (MySQL 8: the statement, then [`Statements::read_back`]); and for claims
+/// with `sent_at`, a `_pre` form that inserts only if the message is after
+/// the horizon, and a `_h` form that also returns the horizon read after the
+/// write (see `claim.rs` for how the two together decide `BeyondHorizon`).
 #[derive(Debug)]
 pub(crate) struct Statements {
-    /// The claim without a horizon check (parameters: see `claim_on`).
+    /// Parameters: key, tenant, kind, subject, fingerprint, at_most_once,
+    /// token, lease µs, retention µs, retention µs.
     pub claim: String,
-    /// The claim with a horizon check (`INSERT … SELECT … WHERE`).
-    pub claim_horizon: String,
-    /// The same two with `RETURNING` (MariaDB 10.5+).
+    /// `claim`'s parameters, then guard, tenant, kind, sent_at µs.
+    pub claim_pre: String,
+    /// `claim … RETURNING`.
     pub claim_returning: String,
-    pub claim_horizon_returning: String,
-    /// Read-back after a claim without `RETURNING` (locking read, so it is a
-    /// current read even inside a caller's REPEATABLE READ snapshot).
-    pub read_locking: String,
+    /// `claim … RETURNING` with the horizon: `claim`'s parameters, then
+    /// tenant, kind.
+    pub claim_returning_h: String,
+    /// `claim_pre … RETURNING` with the horizon: `claim_pre`'s parameters,
+    /// then tenant, kind.
+    pub claim_pre_returning_h: String,
+    /// The row after a claim without `RETURNING`: a locking read, so it is a
+    /// current read even inside a caller's REPEATABLE READ snapshot.
+    /// Parameter: key.
+    pub read_back: String,
+    /// `read_back` with the horizon (a locking read too). Parameters:
+    /// tenant, kind, key.
+    pub read_back_h: String,
+    /// Gives a fresh grant a new expiry and fence from the clock after a
+    /// wait. Parameters: lease µs, key, token, fence, guard.
+    pub refresh: String,
+    /// Deletes this claim's own fresh row (a claim found beyond the horizon
+    /// after its insert). Parameters: key, token, fence, guard.
+    pub undo: String,
     pub get: String,
     pub complete: String,
     pub release: String,
     /// Renew returns the new expiry through `LAST_INSERT_ID(expr)`, which the
     /// server reports in the OK packet: one round trip.
     pub renew: String,
-    pub prune: String,
     pub abandoned: String,
+    pub horizon: String,
+    /// Prune, step 1: a batch of prunable keys (a plain read). Parameter: limit.
+    pub prune_candidates: String,
+    /// Prune, step 3: locks the candidates that are still prunable (current
+    /// read). Built per batch size by [`Statements::prune_lock`].
+    prune_lock_prefix: String,
+    /// Prune, step 2 and 4: the watermark upsert prefix; rows appended per
+    /// batch by [`Statements::watermark_upsert`].
+    watermark_prefix: String,
+    delete_prefix: String,
 }
 
 impl Statements {
@@ -81,102 +178,193 @@ impl Statements {
     /// 0)`, whose parameter is true on a caller's transaction. Without it the
     /// guard is `(? OR TRUE)`, so both sets bind the same parameters.
     pub(crate) fn new(t: &str, guarded: bool) -> Self {
+        let h = horizon_table(t);
         let guard = if guarded {
             "(? OR @@in_transaction = 0)"
         } else {
             "(? OR TRUE)"
         };
-        // The takeover condition, on the row as found. `VALUES(col)` is the
-        // value this statement would have inserted, so the update clause
-        // needs no parameters of its own. `effect_key = VALUES(effect_key)`
-        // keeps a conflict on some other unique index from updating another
-        // effect's row.
+        // The takeover condition, on the row as found, judged on the clock
+        // after the row lock was granted. `VALUES(col)` is the value this
+        // statement would have inserted, so the update clause needs no
+        // parameters of its own. `effect_key = VALUES(effect_key)` keeps a
+        // conflict on some other unique index from updating another effect's
+        // row.
         let take = format!(
             "(effect_key = VALUES(effect_key) \
              AND (fingerprint IS NULL OR VALUES(fingerprint) IS NULL OR fingerprint = VALUES(fingerprint)) \
              AND (state = 'released' \
                   OR (state = 'in_progress' AND at_most_once = 0 AND lease_expires_us <= {NOW_US})))"
         );
+        // Whether the takeover happened, for the assignments after the first.
         // MySQL and MariaDB evaluate ODKU assignments left to right, each
-        // seeing the ones before it; MariaDB's SIMULTANEOUS_ASSIGNMENT mode
-        // (which a caller's session may have) makes each see the old row.
-        // `claim_token = VALUES(claim_token) OR take` is right under both: left
-        // to right, the token (assigned first, unique per attempt) is ours
-        // exactly when the takeover happened, and if it did not, nothing was
-        // assigned, so `take` still reads the old row; simultaneously, the
-        // token test is false and `take` reads the old row.
-        let ours = format!("(claim_token = VALUES(claim_token) OR {take})");
+        // seeing the ones before it: the first assignment decides (one read of
+        // the clock) and writes the claim token, unique per attempt, and the
+        // others test the token, so they agree with it whatever the clock
+        // does meanwhile. MariaDB's SIMULTANEOUS_ASSIGNMENT mode (which a
+        // caller's session may have) makes each assignment see the old row,
+        // token included, so there each one re-evaluates the takeover; the
+        // clock only moves forward, so they can only disagree if the old lease
+        // ends in the microseconds between two of them, which at worst writes
+        // a lease nobody holds (it expires like any other).
+        let ours = format!(
+            "IF(FIND_IN_SET('SIMULTANEOUS_ASSIGNMENT', @@SESSION.sql_mode) > 0, {take}, \
+             claim_token = VALUES(claim_token))"
+        );
+        // A takeover's fence is above the previous one and on the clock
+        // (`backend::next_fence`), so it stays above every fence the key had
+        // even after a prune. The lease length is recovered from the values
+        // the insert would have written.
         let odku = format!(
             "ON DUPLICATE KEY UPDATE \
              claim_token = IF({take}, VALUES(claim_token), claim_token), \
-             fence = IF({ours}, fence + 1, fence), \
+             fence = IF({ours}, GREATEST(fence + 1, {NOW_US}), fence), \
              fingerprint = IF({ours}, COALESCE(fingerprint, VALUES(fingerprint)), fingerprint), \
              at_most_once = IF({ours}, VALUES(at_most_once), at_most_once), \
-             updated_us = IF({ours}, VALUES(updated_us), updated_us), \
-             lease_expires_us = IF({ours}, VALUES(lease_expires_us), lease_expires_us), \
+             updated_us = IF({ours}, {NOW_US}, updated_us), \
+             lease_expires_us = IF({ours}, {NOW_US} + (VALUES(lease_expires_us) - VALUES(created_us)), \
+                                   lease_expires_us), \
              retention_us = IF({ours}, VALUES(retention_us), retention_us), \
-             retain_until_us = IF({ours}, VALUES(retain_until_us), retain_until_us), \
+             retain_until_us = IF({ours}, {NOW_US} + VALUES(retention_us), retain_until_us), \
              state = IF({ours}, 'in_progress', state)"
         );
         let insert_cols = format!(
             "INSERT INTO `{t}` (effect_key, tenant, kind, subject, state, fence, fingerprint, outcome, \
              at_most_once, claim_token, created_us, updated_us, lease_expires_us, retention_us, retain_until_us)"
         );
+        // A fresh row: fence, created and updated are the statement's start
+        // (one value; the fence is `next_fence(None, now)`), checked against
+        // the clock after the write by the claim.
         let values = format!(
-            "?, ?, ?, ?, 'in_progress', 1, ?, NULL, ?, ?, {NOW_US}, {NOW_US}, {NOW_US} + ?, ?, {NOW_US} + ?"
+            "?, ?, ?, ?, 'in_progress', {STMT_US}, ?, NULL, ?, ?, {STMT_US}, {STMT_US}, {STMT_US} + ?, ?, \
+             {STMT_US} + ?"
         );
         // A statement inside a transaction someone else leaked onto a pooled
         // connection would commit only with that transaction (if ever). The
         // plain claim stays an `INSERT … VALUES` (an `INSERT … SELECT` costs
         // the server more) and reports `in_tx` instead: the ledger then rolls
         // the stray transaction back, its own write with it, before anyone
-        // could see it, and runs the claim again. The horizon claim is an
+        // could see it, and runs the claim again. The `_pre` claim is an
         // `INSERT … SELECT` anyway and carries the guard in its `WHERE`.
         let claim = format!("{insert_cols} VALUES ({values}) {odku}");
-        // The horizon is checked only when the key is absent: an existing
-        // record answers for itself however old the message is.
-        let claim_horizon = format!(
+        // Inserts nothing when the ledger has pruned this tenant and kind up
+        // to the message's production time or later. A locking read: it waits
+        // for a prune that is raising the watermark, and holds off one that
+        // has not started, whatever the caller's snapshot. (If it refuses,
+        // the key may still exist and answer for itself: the claim reads it.)
+        let claim_pre = format!(
             "{insert_cols} SELECT {values} FROM DUAL WHERE {guard} \
-             AND (? + ? >= {NOW_US} OR EXISTS (SELECT 1 FROM `{t}` AS x WHERE x.effect_key = ?)) {odku}"
+             AND NOT EXISTS (SELECT 1 FROM `{h}` AS w WHERE w.tenant = ? AND w.kind = ? \
+             AND w.watermark_us >= ? LOCK IN SHARE MODE) {odku}"
         );
         let in_tx = if guarded {
             "@@in_transaction"
         } else {
             "CAST(0 AS UNSIGNED)"
         };
+        // Evaluated after the write, so `now_us` is the clock once any lock
+        // wait is over, and the watermark is a current read taken after our
+        // row exists: a prune that deleted this key before our insert could
+        // proceed has committed its watermark by then.
         let returning = format!(" RETURNING {COLUMNS}, {NOW_US} AS now_us, {in_tx} AS in_tx");
+        let watermark = format!(
+            "(SELECT w.watermark_us FROM `{h}` AS w WHERE w.tenant = ? AND w.kind = ? LOCK IN SHARE MODE) \
+             AS horizon_us"
+        );
+        let fenced = "WHERE effect_key = ? AND fence = ? AND state = 'in_progress'";
         Statements {
             claim_returning: format!("{claim}{returning}"),
-            claim_horizon_returning: format!("{claim_horizon}{returning}"),
+            claim_returning_h: format!("{claim}{returning}, {watermark}"),
+            claim_pre_returning_h: format!("{claim_pre}{returning}, {watermark}"),
             claim,
-            claim_horizon,
-            read_locking: format!(
+            claim_pre,
+            read_back: format!(
                 "SELECT {COLUMNS}, {NOW_US} AS now_us, {in_tx} AS in_tx FROM `{t}` WHERE effect_key = ? FOR UPDATE"
+            ),
+            read_back_h: format!(
+                "SELECT {COLUMNS}, {NOW_US} AS now_us, {in_tx} AS in_tx, {watermark} \
+                 FROM `{t}` WHERE effect_key = ? FOR UPDATE"
+            ),
+            refresh: format!(
+                "UPDATE `{t}` SET fence = GREATEST(fence + 1, {NOW_US}), updated_us = {NOW_US}, \
+                 lease_expires_us = {NOW_US} + ?, retain_until_us = {NOW_US} + retention_us \
+                 WHERE effect_key = ? AND claim_token = ? AND fence = ? AND state = 'in_progress' AND {guard}"
+            ),
+            undo: format!(
+                "DELETE FROM `{t}` WHERE effect_key = ? AND claim_token = ? AND fence = ? \
+                 AND state = 'in_progress' AND {guard}"
             ),
             get: format!("SELECT {COLUMNS}, {NOW_US} AS now_us FROM `{t}` WHERE effect_key = ?"),
             complete: format!(
                 "UPDATE `{t}` SET state = 'completed', outcome = ?, lease_expires_us = NULL, \
-                 updated_us = {NOW_US}, retain_until_us = {NOW_US} + retention_us \
-                 WHERE effect_key = ? AND fence = ? AND state = 'in_progress' AND {guard}"
+                 updated_us = {NOW_US}, retain_until_us = {NOW_US} + retention_us {fenced} AND {guard}"
             ),
             release: format!(
                 "UPDATE `{t}` SET state = 'released', lease_expires_us = NULL, \
-                 updated_us = {NOW_US}, retain_until_us = {NOW_US} + retention_us \
-                 WHERE effect_key = ? AND fence = ? AND state = 'in_progress' AND {guard}"
+                 updated_us = {NOW_US}, retain_until_us = {NOW_US} + retention_us {fenced} AND {guard}"
             ),
             renew: format!(
-                "UPDATE `{t}` SET lease_expires_us = LAST_INSERT_ID({NOW_US} + ?) \
-                 WHERE effect_key = ? AND fence = ? AND state = 'in_progress' AND {guard}"
-            ),
-            prune: format!(
-                "DELETE FROM `{t}` WHERE state IN ('completed', 'released') \
-                 AND retain_until_us <= {NOW_US} LIMIT ?"
+                "UPDATE `{t}` SET lease_expires_us = LAST_INSERT_ID({NOW_US} + ?) {fenced} AND {guard}"
             ),
             abandoned: format!(
                 "SELECT {COLUMNS}, {NOW_US} AS now_us FROM `{t}` \
                  WHERE tenant = ? AND at_most_once = 1 AND state = 'in_progress' \
                  AND lease_expires_us <= {NOW_US} ORDER BY created_us LIMIT ?"
             ),
+            horizon: format!("SELECT watermark_us FROM `{h}` WHERE tenant = ? AND kind = ?"),
+            prune_candidates: format!(
+                "SELECT effect_key, tenant, kind FROM `{t}` \
+                 WHERE state IN ('completed', 'released') AND retain_until_us <= {NOW_US} LIMIT ?"
+            ),
+            prune_lock_prefix: format!(
+                "SELECT effect_key, tenant, kind, created_us FROM `{t}` \
+                 WHERE state IN ('completed', 'released') AND retain_until_us <= {NOW_US} AND effect_key IN "
+            ),
+            watermark_prefix: format!("INSERT INTO `{h}` (tenant, kind, watermark_us) VALUES "),
+            delete_prefix: format!("DELETE FROM `{t}` WHERE effect_key IN "),
         }
+    }
+
+    /// Prune, step 3, for `n` keys: `FOR UPDATE`, in key order.
+    pub(crate) fn prune_lock(&self, n: usize) -> String {
+        format!(
+            "{}{} ORDER BY effect_key FOR UPDATE",
+            self.prune_lock_prefix,
+            placeholders(n, "?")
+        )
+    }
+
+    /// Prune, steps 2 and 4, for `n` (tenant, kind, watermark) rows: creates
+    /// missing rows and raises the watermark, never lowering it (NULL as a
+    /// watermark leaves it as it is, which step 2 uses to lock the rows).
+    pub(crate) fn watermark_upsert(&self, n: usize) -> String {
+        format!(
+            "{}{} ON DUPLICATE KEY UPDATE watermark_us = \
+             GREATEST(COALESCE(watermark_us, VALUES(watermark_us)), COALESCE(VALUES(watermark_us), watermark_us))",
+            self.watermark_prefix,
+            (0..n).map(|_| "(?, ?, ?)").collect::<Vec<_>>().join(", ")
+        )
+    }
+
+    /// Prune, step 5, for `n` keys.
+    pub(crate) fn prune_delete(&self, n: usize) -> String {
+        format!("{}{}", self.delete_prefix, placeholders(n, "?"))
+    }
+}
+
+fn placeholders(n: usize, p: &str) -> String {
+    format!("({})", vec![p; n.max(1)].join(", "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_statements_have_one_placeholder_per_value() {
+        let s = Statements::new("t", true);
+        assert_eq!(s.prune_lock(3).matches('?').count(), 3);
+        assert_eq!(s.prune_delete(2).matches('?').count(), 2);
+        assert_eq!(s.watermark_upsert(2).matches('?').count(), 6);
     }
 }

@@ -25,6 +25,7 @@ mod detected {
     }
 
     oncely::conformance_tests!(ledger);
+    oncely::transactional_conformance_tests!(ledger);
 }
 
 mod two_statement {
@@ -35,6 +36,7 @@ mod two_statement {
     }
 
     oncely::conformance_tests!(ledger);
+    oncely::transactional_conformance_tests!(ledger);
 }
 
 /// MariaDB's `SIMULTANEOUS_ASSIGNMENT` makes every assignment of an
@@ -73,4 +75,5 @@ mod simultaneous_assignment {
     }
 
     oncely::conformance_tests!(ledger);
+    oncely::transactional_conformance_tests!(ledger);
 }
