@@ -82,16 +82,18 @@
 //!
 //! ## Horizon
 //!
-//! The horizon of a tenant and kind ([`Ledger::horizon`](oncely::Ledger::horizon))
-//! is a plain string key, `<prefix>{<tag>}#horizon:<tenant>/<kind>`
+//! The horizon of a tenant and kind ([`Ledger::horizon`]) is a plain string
+//! key, `<prefix>{<tag>}#horizon:<tenant>/<kind>`
 //! ([`RedisLedger::horizon_key`]), holding the microseconds of the newest
-//! creation time among the records prune deleted there. Prune raises it
-//! (never lowers it) before it deletes those records. A claim with
+//! creation time among the records prune deleted there. It has no TTL and is
+//! never deleted (one small key per tenant and kind). Prune raises it (never
+//! lowers it) before it deletes those records; a record that stops being due
+//! between the raise and the delete (taken over) is kept, and leaves the
+//! watermark a little ahead, on the safe side. A claim with
 //! [`ClaimOptions::sent_at`] that finds its key absent fails with
-//! [`Error::BeyondHorizon`] if `sent_at` is at or before it
-//! ([`is_beyond_horizon`](oncely::backend::is_beyond_horizon)). On one
-//! server the claim script reads the watermark in the same atomic step as
-//! its insert. In a cluster the watermark lives in another slot, so a claim
+//! [`Error::BeyondHorizon`] if `sent_at` is at or before the watermark
+//! ([`is_beyond_horizon`]). On one server the claim script reads the
+//! watermark in the same atomic step as its insert. In a cluster the watermark lives in another slot, so a claim
 //! that inserted reads it afterwards and, past the horizon, deletes its own
 //! insert again (only if it is still exactly the record it wrote) before
 //! failing: one more round trip for a claim with `sent_at` that inserts,
@@ -157,6 +159,9 @@
 //! future was dropped may still have been applied on the server: the key is
 //! then in progress until the lease expires and is taken over afterwards (or
 //! reported abandoned, for an at-most-once step), as the contract allows.
+//! The one operation of several scripts, a cluster claim with `sent_at`
+//! (insert, horizon check, take-back), runs as a task of its own: a dropped
+//! future does not stop it halfway.
 //! Metrics and spans of claims are recorded by oncely's runners, not here.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -622,18 +627,30 @@ impl RedisLedger {
     /// [`RedisLedger::settle_horizon`] for why in this order). A raise that
     /// fails stops prune before it deletes anything of that page.
     async fn prune_page(&self, conn: &mut Conn, keys: Vec<String>, budget: u64) -> Result<u64> {
-        let mut due = Vec::new();
+        // One check per key, all of a page at once: they share the
+        // multiplexed connection, so they travel pipelined rather than one
+        // round trip after another (prune visits every record).
+        let mut checks = tokio::task::JoinSet::new();
         for rkey in keys {
-            if due.len() as u64 >= budget {
-                break;
-            }
-            let reply: Value = PRUNE
-                .key(&rkey)
-                .arg("")
-                .arg("check")
-                .invoke_async(conn)
-                .await
-                .map_err(map_err)?;
+            let mut conn = conn.clone();
+            checks.spawn(async move {
+                let reply: Value = PRUNE
+                    .key(&rkey)
+                    .arg("")
+                    .arg("check")
+                    .invoke_async(&mut conn)
+                    .await
+                    .map_err(map_err)?;
+                Ok::<_, Error>((rkey, reply))
+            });
+        }
+        let mut due = Vec::new();
+        while let Some(done) = checks.join_next().await {
+            let (rkey, reply) = done.map_err(|e| Error::Backend {
+                backend: BACKEND,
+                message: format!("prune check did not finish: {e}"),
+                retryable: true,
+            })??;
             let parts = array(reply)?;
             if tag(&parts)? != "due" {
                 continue;
@@ -645,6 +662,7 @@ impl RedisLedger {
                 _ => tracing::warn!(key = %rkey, "record stored under another key; not pruned"),
             }
         }
+        due.truncate(usize::try_from(budget).unwrap_or(usize::MAX));
         let mut marks: HashMap<(Tenant, String), i64> = HashMap::new();
         for (_, key, created) in &due {
             let mark = marks
