@@ -60,15 +60,20 @@ impl ServerClock {
         Some(Self::project(s))
     }
 
+    /// The sample advanced by the local time elapsed since it was taken,
+    /// minus the rate allowance. Checked: a stamp near the end of
+    /// `SystemTime`'s range (a server clock gone wrong) stays where it is
+    /// instead of panicking; a bound that does not move is still a bound.
     fn project(s: Sample) -> SystemTime {
         let elapsed = s.local.elapsed();
-        s.server + elapsed - elapsed / 1000
+        s.server.checked_add(elapsed - elapsed / 1000).unwrap_or(s.server)
     }
 
     /// Records a probe: `server` was stamped before local instant `at`.
     pub(crate) fn probed(&self, server: SystemTime, at: Instant) {
         let mut g = self.lock();
-        let keep_old = g.is_some_and(|old| Self::project(old) > server + at.elapsed());
+        let probe_now = server.checked_add(at.elapsed()).unwrap_or(server);
+        let keep_old = g.is_some_and(|old| Self::project(old) > probe_now);
         match (*g, keep_old) {
             (Some(old), true) => *g = Some(Sample { probed: at, ..old }),
             _ => {
@@ -112,5 +117,35 @@ mod tests {
         // A newer one moves it forward.
         c.observe(t0 + Duration::from_secs(10));
         assert!(c.fresh_now().unwrap() >= t0 + Duration::from_secs(10));
+    }
+
+    /// The latest time `SystemTime` can hold here (its seconds are an `i64`).
+    fn end_of_time() -> SystemTime {
+        let mut t = SystemTime::UNIX_EPOCH;
+        let mut step = Duration::from_secs(1 << 62);
+        while step >= Duration::from_nanos(1) {
+            if let Some(next) = t.checked_add(step) {
+                t = next;
+            } else {
+                step /= 2;
+            }
+        }
+        t
+    }
+
+    /// A server stamp at the very end of time (a broken server clock) must
+    /// not panic the worker with "overflow when adding duration to instant".
+    #[test]
+    fn stamps_at_the_end_of_time_do_not_panic() {
+        let end = end_of_time();
+        let c = ServerClock::default();
+        let long_ago = Instant::now()
+            .checked_sub(Duration::from_secs(1))
+            .unwrap_or_else(Instant::now);
+        c.probed(end, long_ago);
+        assert_eq!(c.fresh_now().unwrap(), end);
+        c.probed(end, Instant::now());
+        c.observe(end);
+        assert_eq!(c.fresh_now().unwrap(), end);
     }
 }

@@ -5,6 +5,11 @@
 //! `<escaped tenant>.<blake3 hex of the displayed key>`; the displayed key
 //! itself is stored in the value, so it round-trips byte for byte and a hash
 //! collision would be detected (and refused) rather than merged.
+//!
+//! The horizon watermark of a tenant and kind lives in the same bucket at
+//! `<escaped tenant>.horizon.<blake3 hex of the kind>`: three tokens where a
+//! record key has two, so no record key can be a watermark key, and a
+//! tenant's `<escaped tenant>.*` (its records) never lists its watermarks.
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as B64;
@@ -45,6 +50,20 @@ pub(crate) fn kv_key(key: &EffectKey) -> String {
     format!("{}.{}", tenant_token(key.tenant()), hash.to_hex())
 }
 
+/// The KV key of the horizon watermark of `tenant` and `kind`.
+pub(crate) fn watermark_key(tenant: &Tenant, kind: &str) -> String {
+    let hash = blake3::Hasher::new_derive_key("oncely 2026 nats horizon key")
+        .update(kind.as_bytes())
+        .finalize();
+    format!("{}.horizon.{}", tenant_token(tenant), hash.to_hex())
+}
+
+/// Whether a KV key holds an effect record (not the clock probe, not a
+/// watermark).
+pub(crate) fn is_record_key(kv_key: &str) -> bool {
+    kv_key != CLOCK_KEY && kv_key.matches('.').count() == 1
+}
+
 /// The value stored at an effect's KV key.
 ///
 /// Timestamps of the revision itself are not stored: the server stamps every
@@ -75,6 +94,12 @@ pub(crate) struct Stored {
     pub lease_us: u64,
     /// Retention from this revision's server timestamp, µs.
     pub retention_us: u64,
+    /// `sent_at` (µs) of the claim that created this record, kept until the
+    /// record's next write: that claim checks the horizon only *after* its
+    /// create, so until a lease holder writes again (which proves the check
+    /// passed) a takeover must not trust the record (see `horizon.rs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hz: Option<i64>,
 }
 
 impl Stored {
@@ -119,6 +144,44 @@ impl Stored {
             return Err(Error::Serialization(format!("unknown record version {}", s.v)));
         }
         Ok(s)
+    }
+}
+
+/// The value at a watermark key: the newest `created_at` (µs) that prune
+/// deleted, or was about to delete, among the records of a tenant and kind.
+/// The tenant and kind are stored in clear so a hash collision is refused,
+/// and so an operator reading the bucket knows what the number is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Watermark {
+    /// Format version.
+    pub v: u8,
+    /// The tenant.
+    pub tenant: String,
+    /// The kind.
+    pub kind: String,
+    /// The watermark, µs since the Unix epoch.
+    pub w_us: i64,
+}
+
+impl Watermark {
+    pub(crate) fn encode(&self) -> Result<bytes::Bytes> {
+        Ok(serde_json::to_vec(self)?.into())
+    }
+
+    /// Decodes the watermark of `tenant` and `kind`; anything else at its key
+    /// is an error, never a lower horizon.
+    pub(crate) fn decode(raw: &[u8], tenant: &Tenant, kind: &str) -> Result<Self> {
+        let w: Watermark = serde_json::from_slice(raw)?;
+        if w.v != 1 {
+            return Err(Error::Serialization(format!("unknown watermark version {}", w.v)));
+        }
+        if w.tenant != tenant.as_str() || w.kind != kind {
+            return Err(Error::Serialization(format!(
+                "the watermark of {tenant}/{kind} holds {}/{}",
+                w.tenant, w.kind
+            )));
+        }
+        Ok(w)
     }
 }
 
@@ -167,6 +230,7 @@ mod tests {
             first_us: 5,
             lease_us: 6,
             retention_us: 7,
+            hz: Some(8),
         };
         let o = Outcome::from_bytes(vec![0u8, 255, 10]).unwrap();
         s.set_outcome(Some(&o));
@@ -176,5 +240,35 @@ mod tests {
         assert_eq!(back.outcome().unwrap().unwrap(), o);
         assert_eq!(back.state().unwrap(), RecordState::Completed);
         assert!(Stored::decode(b"not json").is_err());
+        // Records written before `hz` existed still decode.
+        let old = br#"{"v":1,"key":"t/k:s","state":"completed","fence":1,"amo":false,"first_us":5,"lease_us":6,"retention_us":7}"#;
+        assert_eq!(Stored::decode(old).unwrap().hz, None);
+    }
+
+    #[test]
+    fn watermark_keys_never_look_like_records() {
+        let t = Tenant::new("a.b@c").unwrap();
+        let k = EffectKey::new(&t, "capture", "horizon").unwrap();
+        let w = watermark_key(&t, "capture");
+        assert!(w.starts_with(&format!("{}.", tenant_token(&t))));
+        assert!(
+            w.bytes()
+                .all(|c| c.is_ascii_alphanumeric() || b"-/_=.".contains(&c))
+        );
+        assert!(is_record_key(&kv_key(&k)));
+        assert!(!is_record_key(&w));
+        assert!(!is_record_key(CLOCK_KEY));
+        assert_ne!(w, watermark_key(&t, "receipt"));
+        assert_ne!(w, watermark_key(&Tenant::new("a").unwrap(), "capture"));
+        let v = Watermark {
+            v: 1,
+            tenant: t.as_str().to_owned(),
+            kind: "capture".into(),
+            w_us: 42,
+        };
+        let raw = v.encode().unwrap();
+        assert_eq!(Watermark::decode(&raw, &t, "capture").unwrap(), v);
+        assert!(Watermark::decode(&raw, &t, "receipt").is_err());
+        assert!(Watermark::decode(b"{}", &t, "capture").is_err());
     }
 }

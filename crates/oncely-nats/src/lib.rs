@@ -39,9 +39,11 @@
 //! | clock | NATS server timestamps of each revision; "now" is a lower bound of the server's clock (see below), never the worker's wall clock. |
 //! | max key | [`oncely::MAX_KEY_BYTES`] (the displayed key is stored in the value; the KV key is `<tenant>.<blake3 hex>`). |
 //! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] (stored base64, far below JetStream's 1 MiB message limit). |
-//! | round trips | claim of a new key: 1. complete / release / renew: 1 when this ledger made the claim (it remembers the revision), else 2 (read, conditional write). |
-//! | prune / abandoned | read the latest revision of every key (the whole bucket / one tenant's keys) through an ordered consumer: cost grows with the keys kept, so prune in batches off the hot path. |
-//! | retention | per claim, enforced by [`Ledger::prune`]; the bucket's `max_age` is the hard ceiling. |
+//! | fences | the server clock's µs (its lower bound, below) when a record is created, `max(previous + 1, clock µs)` on takeover ([`oncely::backend::next_fence`]): they grow for the life of the bucket, across prunes and `max_age` drops, as long as retentions are longer than the clock estimate's lag (milliseconds). |
+//! | horizon | per tenant and kind: the later of a watermark that `prune` raises before it deletes, and `now - max_age` (what the bucket drops by itself). See below. |
+//! | round trips | claim of a new key: 1 (2 with `sent_at`: the create, then the watermark). complete / release / renew: 1 when this ledger made the claim (it remembers the revision), else 2 (read, conditional write). |
+//! | prune / abandoned | read the latest revision of every key (the whole bucket / one tenant's keys) through an ordered consumer: cost grows with the keys kept, so prune in batches off the hot path. Prune also writes each pruned tenant and kind's watermark once per call (2 round trips each). |
+//! | retention | per claim, enforced by [`Ledger::prune`]; the bucket's `max_age` is the hard ceiling (a longer retention is refused). |
 //!
 //! ### Clocks
 //!
@@ -51,26 +53,56 @@
 //! time, so each ledger keeps a lower bound of it: a probe write to a
 //! reserved key, read back, renewed by the first operation after it is 2 s
 //! old, advanced meanwhile by the worker's monotonic clock (0.1 % allowance
-//! for rate differences), and raised by every timestamp the ledger reads. It is never ahead of the server, and behind by at most a probe's
-//! round trip plus 0.1 % of 2 s; leases therefore expire at most that late,
-//! never early. Timestamps in [`oncely::Record`] and [`oncely::Lease`] are
-//! server stamps or this estimate. Cluster nodes' clocks must be in sync (NTP),
-//! as JetStream itself assumes.
+//! for rate differences), and raised by every timestamp the ledger reads.
+//! It is never ahead of the server, and behind by at most a probe's round
+//! trip plus 0.1 % of 2 s; leases therefore expire at most that late, never
+//! early. A lease is enforced from the stamp of the revision that granted or
+//! renewed it; the [`oncely::Lease`] a claim or renewal returns has
+//! `acquired_at` = the estimate read just before that write (so at or before
+//! the stamp) and `expires_at = acquired_at + length`: it never ends later
+//! than the lease the server enforces, so the runner's deadline and safety
+//! margin, computed from it, err on the safe side. Timestamps in
+//! [`oncely::Record`] and [`oncely::Lease`] are server stamps or this
+//! estimate. Cluster nodes' clocks must be in sync (NTP), as JetStream
+//! itself assumes. A server clock outside 1970..9999 is an error
+//! ([`oncely::Error::Backend`], not retryable), never a panic.
 //!
 //! ### Retention and `max_age`
 //!
 //! The bucket's `max_age` (default 30 days) drops any key not written for
-//! that long. Claims whose retention exceeds the configured `max_age` are refused
-//! ([`oncely::Error::Misuse`]) so no completed record vanishes before its
-//! retention ends. Shorter retention is honoured by `prune`, which deletes
-//! completed and released records past it with a revision-checked delete (a
-//! record changed meanwhile is left alone). Limits that follow from `max_age`:
-//! an abandoned at-most-once step (or a lease nobody takes over) disappears
-//! `max_age` after its last write, so reconcile abandoned steps within
-//! `max_age`; a key whose record was pruned or dropped starts again at fence
-//! 1 (as on every backend once retention has passed); and a deleted key
-//! leaves a small delete marker until `max_age`.
+//! that long. Claims whose retention exceeds the configured `max_age` are
+//! refused before any round trip ([`oncely::Error::InvalidInput`]) so no
+//! completed record vanishes before its retention ends. Shorter retention
+//! is honoured by `prune`, which deletes completed and released records past
+//! it with a revision-checked delete (a record changed meanwhile is left
+//! alone). Limits that follow from `max_age`: an abandoned at-most-once step
+//! (or a lease nobody takes over) disappears `max_age` after its last write,
+//! so reconcile abandoned steps within `max_age`; and a deleted key leaves a
+//! small delete marker until `max_age`. A key whose record was pruned or
+//! dropped gets a fence above all its earlier ones when claimed again.
 //! `max_age` must be at least 2 days (longer than the longest lease).
+//!
+//! ### Horizon
+//!
+//! [`Ledger::horizon`] of a tenant and kind is the later of two instants:
+//! the newest `created_at` among the records `prune` deleted there (a
+//! watermark kept in the bucket at `<tenant>.horizon.<blake3 hex of the
+//! kind>`, raised with a revision-checked update *before* each delete), and
+//! `now - max_age` of the bucket (a record untouched that long vanished, and
+//! was created before). A claim of an absent key whose
+//! [`oncely::ClaimOptions::sent_at`] is at or before the horizon fails with
+//! [`oncely::Error::BeyondHorizon`] and leaves nothing behind: older than
+//! `now - max_age` before any write; otherwise the claim creates the record,
+//! then reads the watermark, and deletes exactly the revision it created if
+//! the message is beyond it. That order (prune: raise, then delete; claim:
+//! create, then read) is what makes a replay of a pruned effect unable to
+//! run again; `horizon.rs` has the argument. A claim's own retention plays
+//! no part. A record whose claimant died between its create and that check
+//! is checked again by whoever takes its expired lease over. Without
+//! `sent_at`, a claim cannot tell a replay of a pruned effect from new work:
+//! it runs it; give messages their production time where replays can come
+//! late. An existing record always answers for itself, however old the
+//! message.
 //!
 //! ### Errors
 //!
@@ -90,6 +122,7 @@
 
 mod clock;
 mod codec;
+mod horizon;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -97,14 +130,14 @@ use std::time::{Duration, Instant, SystemTime};
 
 use async_nats::jetstream::{self, kv, stream};
 use futures_util::StreamExt;
+use oncely::backend::{answer_existing, check_outcome, effective_state, from_micros, next_fence, to_micros};
 use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, RecordState, Result,
-    Tenant, from_micros, telemetry, to_micros,
+    Tenant,
 };
-use tracing::Instrument;
 
 use crate::clock::ServerClock;
-use crate::codec::{CLOCK_KEY, MAX_VALUE_BYTES, Stored, kv_key, tenant_token};
+use crate::codec::{CLOCK_KEY, MAX_VALUE_BYTES, Stored, is_record_key, kv_key, tenant_token};
 
 const BACKEND: &str = "nats";
 /// How often one operation re-reads and retries after losing a race on the
@@ -224,6 +257,9 @@ type RevisionCache = HashMap<String, (u64, Stored)>;
 struct Inner {
     store: kv::Store,
     opts: NatsKvOptions,
+    /// The bucket's own `max_age` (at least `opts.max_age`), `None` when
+    /// unbounded: records untouched this long vanish, which bounds the horizon.
+    bucket_max_age: Option<Duration>,
     clock: ServerClock,
     revisions: Mutex<RevisionCache>,
 }
@@ -250,6 +286,50 @@ fn backend_err(what: &str, e: impl std::fmt::Display) -> Error {
         message: format!("{what}: {e}"),
         retryable: true,
     }
+}
+
+/// A time read from the server that records cannot hold: the server's clock
+/// is wrong (before 1970 or after 9999), not the caller's input.
+fn clock_out_of_range(t: SystemTime) -> Error {
+    Error::Backend {
+        backend: BACKEND,
+        message: format!("the NATS server's clock reads {t:?}, outside 1970..9999"),
+        retryable: false,
+    }
+}
+
+/// `t` in µs, for a time that came from the server's clock.
+fn server_us(t: SystemTime) -> Result<i64> {
+    to_micros(t).map_err(|_| clock_out_of_range(t))
+}
+
+/// `at + d` for a server time and a validated length (a lease, at most a
+/// day): checked, so a broken server clock is an error, never a panic.
+fn later(at: SystemTime, d: Duration) -> Result<SystemTime> {
+    at.checked_add(d).ok_or_else(|| clock_out_of_range(at))
+}
+
+/// `at + us` for a length read from a stored record: checked, so a value
+/// no oncely ledger wrote is reported as corrupt, never a panic.
+fn stored_end(at: SystemTime, us: u64, what: &str) -> Result<SystemTime> {
+    at.checked_add(Duration::from_micros(us))
+        .ok_or_else(|| Error::Corrupt {
+            backend: BACKEND,
+            message: format!("{what} of {us} µs from {at:?} ends past the representable time"),
+        })
+}
+
+/// Whole µs of a validated lease or retention (at most ten years).
+fn length_us(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// One message as read from the stream leader.
+struct Raw {
+    revision: u64,
+    at: SystemTime,
+    /// `None`: a delete or purge marker (the key is absent).
+    payload: Option<bytes::Bytes>,
 }
 
 /// One key's latest revision as read from the stream leader.
@@ -299,7 +379,7 @@ impl NatsKvLedger {
             .timeout(opts.request_timeout)
             .build(client);
         // One deadline for opening the bucket and the first clock probe.
-        let deadline = Instant::now() + opts.open_timeout;
+        let deadline = Deadline::after(opts.open_timeout);
         let store = open_bucket(&js, &opts, deadline).await?;
         Self::with_store(store, opts, deadline).await
     }
@@ -314,15 +394,17 @@ impl NatsKvLedger {
         };
         opts.validate()?;
         check_bucket(&store.stream.cached_info().config, &opts)?;
-        let deadline = Instant::now() + opts.open_timeout;
+        let deadline = Deadline::after(opts.open_timeout);
         Self::with_store(store, opts, deadline).await
     }
 
-    async fn with_store(store: kv::Store, opts: NatsKvOptions, deadline: Instant) -> Result<Self> {
+    async fn with_store(store: kv::Store, opts: NatsKvOptions, deadline: Deadline) -> Result<Self> {
+        let bucket_max_age = Some(store.stream.cached_info().config.max_age).filter(|a| !a.is_zero());
         let ledger = NatsKvLedger {
             inner: Arc::new(Inner {
                 store,
                 opts,
+                bucket_max_age,
                 clock: ServerClock::default(),
                 revisions: Mutex::new(HashMap::new()),
             }),
@@ -332,7 +414,7 @@ impl NatsKvLedger {
         loop {
             match ledger.now().await {
                 Ok(_) => return Ok(ledger),
-                Err(e) if Instant::now() < deadline => {
+                Err(e) if !deadline.passed() => {
                     tracing::debug!(error = %e, "bucket not ready yet");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
@@ -355,11 +437,13 @@ impl NatsKvLedger {
         format!("{}{}", self.inner.store.prefix, kv_key)
     }
 
-    /// A lower bound of the server's current time (see the crate docs).
+    /// A lower bound of the server's current time (see the crate docs), in
+    /// whole microseconds (the unit records store, so a lease's
+    /// `first_claimed_at` equals the stored one exactly) and within what
+    /// records can hold (1970..9999; a server clock outside is an error).
     async fn now(&self) -> Result<SystemTime> {
-        // Whole microseconds, the unit records store, so a lease's
-        // first_claimed_at equals the stored one exactly.
-        self.now_exact().await.map(|t| from_micros(to_micros(t)))
+        let t = self.now_exact().await?;
+        server_us(t).map(from_micros)
     }
 
     async fn now_exact(&self) -> Result<SystemTime> {
@@ -391,9 +475,9 @@ impl NatsKvLedger {
             .ok_or_else(|| backend_err("clock probe", "no sample"))
     }
 
-    /// Reads a key's latest revision from the stream leader (a direct get may
+    /// Reads a key's latest message from the stream leader (a direct get may
     /// be answered by a lagging replica).
-    async fn read(&self, kv_key: &str) -> Result<Option<Current>> {
+    async fn read_raw(&self, kv_key: &str) -> Result<Option<Raw>> {
         use async_nats::jetstream::stream::LastRawMessageErrorKind as K;
         let msg = match self
             .inner
@@ -412,25 +496,42 @@ impl NatsKvLedger {
             .headers
             .get("KV-Operation")
             .is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"));
-        let value = if deleted {
-            None
-        } else {
-            Some(Stored::decode(&msg.payload).map_err(|e| Error::Corrupt {
-                backend: BACKEND,
-                message: format!("value at {kv_key} is not an oncely record: {e}"),
-            })?)
-        };
-        Ok(Some(Current {
+        Ok(Some(Raw {
             revision: msg.sequence,
             at,
+            payload: (!deleted).then_some(msg.payload),
+        }))
+    }
+
+    /// Reads a record's latest revision from the stream leader.
+    async fn read(&self, kv_key: &str) -> Result<Option<Current>> {
+        let Some(raw) = self.read_raw(kv_key).await? else {
+            return Ok(None);
+        };
+        let value = raw
+            .payload
+            .map(|p| {
+                Stored::decode(&p).map_err(|e| Error::Corrupt {
+                    backend: BACKEND,
+                    message: format!("value at {kv_key} is not an oncely record: {e}"),
+                })
+            })
+            .transpose()?;
+        Ok(Some(Current {
+            revision: raw.revision,
+            at: raw.at,
             value,
         }))
     }
 
-    /// A write that succeeds only if the key's latest revision is `revision`
-    /// (0: the key has never been written, or its history is gone).
+    /// A record write that succeeds only if the key's latest revision is
+    /// `revision` (0: the key has never been written, or its history is gone).
     async fn write(&self, kv_key: &str, value: &Stored, revision: u64) -> Result<Write> {
-        let bytes = value.encode()?;
+        self.write_raw(kv_key, value.encode()?, revision).await
+    }
+
+    /// [`NatsKvLedger::write`] of any value.
+    async fn write_raw(&self, kv_key: &str, bytes: bytes::Bytes, revision: u64) -> Result<Write> {
         match self.inner.store.update(kv_key, bytes, revision).await {
             Ok(rev) => Ok(Write::Done(rev)),
             Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(Write::Conflict),
@@ -457,8 +558,11 @@ impl NatsKvLedger {
     }
 
     fn check_retention(&self, retention: Duration) -> Result<()> {
+        // A completed record must outlive its retention; the bucket would
+        // drop it at max_age, so a longer retention is a promise we cannot
+        // keep: refused up front, before any round trip.
         if retention > self.inner.opts.max_age {
-            return Err(Error::Misuse(format!(
+            return Err(Error::InvalidInput(format!(
                 "retention {retention:?} exceeds the bucket's max_age {:?}",
                 self.inner.opts.max_age
             )));
@@ -483,11 +587,9 @@ impl NatsKvLedger {
     }
 
     fn view(&self, key: EffectKey, s: &Stored, at: SystemTime, now: SystemTime) -> Result<Record> {
-        let mut state = s.state()?;
-        let lease_end = at + Duration::from_micros(s.lease_us);
-        if state == RecordState::InProgress && s.amo && lease_end <= now {
-            state = RecordState::Abandoned;
-        }
+        let stored = s.state()?;
+        let lease_end = stored_end(at, s.lease_us, "lease")?;
+        let state = effective_state(stored, s.amo, Some(lease_end), now);
         Ok(Record {
             key,
             state,
@@ -499,22 +601,29 @@ impl NatsKvLedger {
             updated_at: at,
             lease_expires_at: matches!(state, RecordState::InProgress | RecordState::Abandoned)
                 .then_some(lease_end),
-            retain_until: at + Duration::from_micros(s.retention_us),
+            retain_until: stored_end(at, s.retention_us, "retention")?,
             read_at: now.max(at),
         })
     }
 
     async fn claim_inner(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
         let kk = kv_key(key);
-        let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
-        // Most claims are of new keys: try the insert first, unless the
-        // horizon check needs to know whether the key exists.
-        let mut known: Option<Option<Current>> = if opts.sent_at.is_some() { None } else { Some(None) };
+        // `validate` has checked it lies in 1970..9999.
+        let sent_us = opts.sent_at.map(to_micros).transpose()?;
+        // Most claims are of new keys: try the create first. A claim with
+        // `sent_at` does too: its horizon check follows the create (see
+        // horizon.rs for why that order).
+        let mut known: Option<Option<Current>> = Some(None);
         for _ in 0..MAX_ATTEMPTS {
             let cur = match known.take() {
                 Some(c) => c,
                 None => self.read(&kk).await?,
             };
+            // Read before the write is sent, so it is at most the server's
+            // time when the write takes effect (the revision's stamp, from
+            // which everyone else measures this lease): the lease we report,
+            // `now + lease`, ends no later than the one the server enforces,
+            // so the runner's deadline and safety margin err on the safe side.
             let now = self.now().await?;
             let (revision, prev) = match cur {
                 None => (0, None),
@@ -530,85 +639,85 @@ impl NatsKvLedger {
                 }) => (revision, Some((at, v))),
             };
             let Some((at, prev)) = prev else {
-                if opts.sent_at.is_some_and(|s| s + opts.retention < now) {
+                // What the bucket dropped by age needs no round trip to know.
+                if oncely::backend::is_beyond_horizon(opts.sent_at, self.aged_out_before(now)) {
                     return Err(Error::BeyondHorizon { key: key.to_string() });
                 }
+                let now_us = server_us(now)?;
                 let value = Stored {
                     v: 1,
                     key: key.to_string(),
                     state: RecordState::InProgress.as_str().to_owned(),
-                    fence: 1,
+                    // The clock carries the order across prunes: the key's
+                    // pruned record got its last fence at least its
+                    // retention ago, on the same clock.
+                    fence: next_fence(None, now_us),
                     fp: opts.fingerprint.map(|f| f.to_hex()),
                     outcome: None,
                     amo: opts.at_most_once,
-                    first_us: to_micros(now),
-                    lease_us: micros(opts.lease),
-                    retention_us: micros(opts.retention),
+                    first_us: now_us,
+                    lease_us: length_us(opts.lease),
+                    retention_us: length_us(opts.retention),
+                    hz: sent_us,
+                };
+                let lease = Lease {
+                    key: key.clone(),
+                    fence: value.fence,
+                    expires_at: later(now, opts.lease)?,
+                    first_claimed_at: now,
+                    acquired_at: now,
+                    taken_over: false,
+                    at_most_once: opts.at_most_once,
                 };
                 match self.write(&kk, &value, revision).await? {
                     Write::Done(rev) => {
+                        if let Some(sent_at) = opts.sent_at {
+                            self.check_created(key, &kk, rev, sent_at, now).await?;
+                        }
                         self.remember(&kk, rev, value);
-                        return Ok(Claim::Acquired(Lease {
-                            key: key.clone(),
-                            fence: 1,
-                            expires_at: now + opts.lease,
-                            first_claimed_at: now,
-                            acquired_at: now,
-                            taken_over: false,
-                            at_most_once: opts.at_most_once,
-                        }));
+                        return Ok(Claim::Acquired(lease));
                     }
                     Write::Conflict => continue,
                 }
             };
             self.decode_key(&prev, Some(key))?;
-            let stored_fp = prev.fingerprint()?;
-            if let (Some(stored), Some(given)) = (stored_fp, opts.fingerprint)
-                && stored != given
-            {
-                return Err(Error::FingerprintMismatch { key: key.to_string() });
-            }
             let now = now.max(at);
-            let lease_end = at + Duration::from_micros(prev.lease_us);
-            let expired = lease_end <= now;
-            match prev.state()? {
-                RecordState::Completed => {
-                    return Ok(Claim::Completed(self.view(key.clone(), &prev, at, now)?));
-                }
-                RecordState::InProgress if !expired => {
-                    return Ok(Claim::InProgress {
-                        fence: prev.fence,
-                        expires_at: lease_end,
-                        first_claimed_at: from_micros(prev.first_us),
-                        read_at: now,
-                    });
-                }
-                RecordState::InProgress if prev.amo => {
-                    return Ok(Claim::Abandoned(self.view(key.clone(), &prev, at, now)?));
-                }
-                _ => {}
+            if let Some(answer) = answer_existing(key, opts, self.view(key.clone(), &prev, at, now)?)? {
+                return Ok(answer);
+            }
+            // An expired lease whose creating claim may not have finished its
+            // horizon check: if that check fails now, the record should never
+            // have existed. Remove it (this revision only) and claim the
+            // absent key, with this claim's own `sent_at`.
+            if let Some(hz) = prev.hz
+                && self.unchecked_is_beyond(key, hz, at).await?
+            {
+                tracing::warn!(effect_key = %key, "removing a record whose claim was beyond the horizon");
+                self.undo_create(&kk, revision).await?;
+                continue;
             }
             let value = Stored {
                 state: RecordState::InProgress.as_str().to_owned(),
-                fence: prev.fence + 1,
+                fence: next_fence(Some(prev.fence), server_us(now)?),
                 fp: prev.fp.clone().or_else(|| opts.fingerprint.map(|f| f.to_hex())),
                 outcome: None,
                 amo: opts.at_most_once,
-                lease_us: micros(opts.lease),
-                retention_us: micros(opts.retention),
+                lease_us: length_us(opts.lease),
+                retention_us: length_us(opts.retention),
+                hz: None,
                 ..prev
+            };
+            let lease = Lease {
+                key: key.clone(),
+                fence: value.fence,
+                expires_at: later(now, opts.lease)?,
+                first_claimed_at: from_micros(value.first_us),
+                acquired_at: now,
+                taken_over: true,
+                at_most_once: opts.at_most_once,
             };
             match self.write(&kk, &value, revision).await? {
                 Write::Done(rev) => {
-                    let lease = Lease {
-                        key: key.clone(),
-                        fence: value.fence,
-                        expires_at: now + opts.lease,
-                        first_claimed_at: from_micros(value.first_us),
-                        acquired_at: now,
-                        taken_over: true,
-                        at_most_once: opts.at_most_once,
-                    };
                     self.remember(&kk, rev, value);
                     return Ok(Claim::Acquired(lease));
                 }
@@ -623,20 +732,23 @@ impl NatsKvLedger {
 
     /// A write made with a lease: succeeds only while the record is in
     /// progress at the lease's fence. Returns the new value's revision.
+    ///
+    /// Every such write also clears the record's `hz` mark: a lease holder
+    /// writes only after its claim returned, so that claim's horizon check
+    /// passed. (A refused write is counted as a fence rejection by the
+    /// runner, not here: telemetry is recorded in one place.)
     async fn fenced(&self, lease: &Lease, change: impl Fn(&mut Stored)) -> Result<(u64, Stored)> {
         let kk = kv_key(&lease.key);
         if let Some((rev, mut value)) = self.recall(&kk, lease.fence) {
             change(&mut value);
+            value.hz = None;
             if let Write::Done(new_rev) = self.write(&kk, &value, rev).await? {
                 return Ok((new_rev, value));
             }
         }
-        let lost = || {
-            telemetry::fence_rejected(&lease.key);
-            Error::LeaseLost {
-                key: lease.key.to_string(),
-                fence: lease.fence,
-            }
+        let lost = || Error::LeaseLost {
+            key: lease.key.to_string(),
+            fence: lease.fence,
         };
         for _ in 0..MAX_ATTEMPTS {
             let Some(Current {
@@ -652,6 +764,7 @@ impl NatsKvLedger {
                 return Err(lost());
             }
             change(&mut value);
+            value.hz = None;
             match self.write(&kk, &value, revision).await? {
                 Write::Done(new_rev) => return Ok((new_rev, value)),
                 Write::Conflict => continue,
@@ -663,7 +776,7 @@ impl NatsKvLedger {
         ))
     }
 
-    /// The latest revision of every key under `filter` (a subject), read by
+    /// The latest revision of every record under `filter` (a subject), read by
     /// an ordered consumer that delivers the last message per subject.
     async fn scan(&self, filter: String) -> Result<Vec<(String, Current)>> {
         use async_nats::jetstream::consumer::{DeliverPolicy, ReplayPolicy, push};
@@ -712,7 +825,7 @@ impl NatsKvLedger {
                 .and_then(|h| h.get("KV-Operation"))
                 .is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"));
             if let Some(k) = next.subject.strip_prefix(prefix.as_str())
-                && k != CLOCK_KEY
+                && is_record_key(k)
             {
                 self.inner.clock.observe(at);
                 let value = if deleted {
@@ -737,6 +850,21 @@ impl NatsKvLedger {
     }
 }
 
+/// When `connect` stops waiting for the bucket. Checked: an `open_timeout`
+/// too long for `Instant` (`Duration::MAX`) means no deadline, not a panic.
+#[derive(Debug, Clone, Copy)]
+struct Deadline(Option<Instant>);
+
+impl Deadline {
+    fn after(timeout: Duration) -> Self {
+        Deadline(Instant::now().checked_add(timeout))
+    }
+
+    fn passed(self) -> bool {
+        self.0.is_some_and(|d| Instant::now() >= d)
+    }
+}
+
 fn inbox() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static SEQ: AtomicU64 = AtomicU64::new(0);
@@ -757,13 +885,13 @@ fn inbox() -> String {
 /// elected a leader, so a request that times out (or any other retryable
 /// error) is tried again until `deadline`. Settings this ledger cannot rely
 /// on fail at once.
-async fn open_bucket(js: &jetstream::Context, opts: &NatsKvOptions, deadline: Instant) -> Result<kv::Store> {
+async fn open_bucket(js: &jetstream::Context, opts: &NatsKvOptions, deadline: Deadline) -> Result<kv::Store> {
     let mut last = String::new();
     let mut creates = 0;
     while creates < 3 {
         let existing = match existing_bucket(js, opts).await {
             Ok(found) => found,
-            Err(e) if e.is_retryable() && Instant::now() < deadline => {
+            Err(e) if e.is_retryable() && !deadline.passed() => {
                 tracing::debug!(error = %e, "bucket not answering yet; retrying");
                 last = e.to_string();
                 tokio::time::sleep(Duration::from_millis(200)).await;
@@ -923,36 +1051,16 @@ impl Ledger for NatsKvLedger {
         }
     }
 
+    // No span and no metrics here: the core's claim pipeline records each
+    // claim once (a backend that did too would count every claim twice).
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
         opts.validate()?;
         self.check_retention(opts.retention)?;
-        let span = tracing::info_span!(
-            telemetry::CLAIM_SPAN,
-            effect_key = %key,
-            tenant = %key.tenant(),
-            kind = key.kind(),
-            fence = tracing::field::Empty,
-            result = tracing::field::Empty,
-        );
-        let started = Instant::now();
-        let claim = self.claim_inner(key, opts).instrument(span.clone()).await?;
-        match &claim {
-            Claim::Acquired(l) => span.record("fence", l.fence),
-            Claim::InProgress { fence, .. } => span.record("fence", *fence),
-            Claim::Completed(r) | Claim::Abandoned(r) => span.record("fence", r.fence),
-        };
-        span.record("result", claim.label());
-        telemetry::claim_recorded(BACKEND, key, claim.label(), started.elapsed());
-        Ok(claim)
+        self.claim_inner(key, opts).await
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
-        if outcome.len() > oncely::MAX_OUTCOME_BYTES {
-            return Err(Error::OutcomeTooLarge {
-                size: outcome.len(),
-                max: oncely::MAX_OUTCOME_BYTES,
-            });
-        }
+        check_outcome(outcome, oncely::MAX_OUTCOME_BYTES)?;
         self.fenced(lease, |v| {
             v.set_state(RecordState::Completed);
             v.set_outcome(Some(outcome));
@@ -968,16 +1076,19 @@ impl Ledger for NatsKvLedger {
 
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
         if extend_by < Duration::from_millis(1) || extend_by > MAX_LEASE {
-            return Err(Error::Misuse(format!(
+            return Err(Error::InvalidInput(format!(
                 "a lease must be extended by 1 ms to 1 day, got {extend_by:?}"
             )));
         }
+        // Read before the write, as in a claim: the reported end is no later
+        // than the one the server measures from the new revision's stamp.
         let now = self.now().await?;
-        let us = u64::try_from(extend_by.as_micros()).unwrap_or(u64::MAX);
+        let expires_at = later(now, extend_by)?;
+        let us = length_us(extend_by);
         let (rev, value) = self.fenced(lease, |v| v.lease_us = us).await?;
         self.remember(&kv_key(&lease.key), rev, value);
         Ok(Lease {
-            expires_at: now + extend_by,
+            expires_at,
             ..lease.clone()
         })
     }
@@ -1000,19 +1111,55 @@ impl Ledger for NatsKvLedger {
         let prunable = |cur: &Current| {
             cur.value.as_ref().is_some_and(|v| {
                 matches!(v.state(), Ok(RecordState::Completed | RecordState::Released))
-                    && cur.at + Duration::from_micros(v.retention_us) <= now
+                    && cur
+                        .at
+                        .checked_add(Duration::from_micros(v.retention_us))
+                        .is_some_and(|end| end <= now)
             })
         };
-        let mut pruned = 0;
+        // This call's victims: KV key, revision, created_at (µs), effect key.
+        let mut doomed = Vec::new();
         for (kk, cur) in entries {
-            if pruned >= limit {
+            if u64::try_from(doomed.len()).unwrap_or(u64::MAX) >= limit {
                 break;
             }
-            if !prunable(&cur) {
+            let Some(v) = cur.value.as_ref().filter(|_| prunable(&cur)) else {
                 continue;
+            };
+            match self.decode_key(v, None) {
+                Ok(key) => doomed.push((kk, cur.revision, v.first_us, key)),
+                // Its tenant and kind are unknown, so its horizon could not be
+                // raised: left for an operator.
+                Err(e) => {
+                    tracing::warn!(kv_key = %kk, error = %e, "not pruning a record with an unreadable key")
+                }
             }
-            let mut revision = cur.revision;
+        }
+        // Before any delete, raise each tenant and kind's watermark to the
+        // newest record about to go (see horizon.rs for why first). A record
+        // that then is not deleted (taken over meanwhile) leaves the horizon
+        // a little later than needed: refusing a late message is safe,
+        // running a pruned effect again is not.
+        let mut raised: HashMap<(Tenant, String), i64> = HashMap::new();
+        for (_, _, first_us, key) in &doomed {
+            let w = raised
+                .entry((key.tenant().clone(), key.kind().to_owned()))
+                .or_insert(*first_us);
+            *w = (*w).max(*first_us);
+        }
+        for ((tenant, kind), w) in &raised {
+            self.raise_watermark(tenant, kind, *w).await?;
+        }
+        let mut pruned = 0;
+        for (kk, mut revision, mut first_us, key) in doomed {
             for _ in 0..MAX_ATTEMPTS {
+                let group = (key.tenant().clone(), key.kind().to_owned());
+                if raised.get(&group).is_none_or(|w| *w < first_us) {
+                    // Claimed again since the scan and prunable again already
+                    // (a retention of milliseconds): its own creation counts.
+                    self.raise_watermark(key.tenant(), key.kind(), first_us).await?;
+                    raised.insert(group, first_us);
+                }
                 // Revision-checked: a record taken over since the scan stays.
                 match self.inner.store.delete_expect_revision(&kk, Some(revision)).await {
                     Ok(()) => {
@@ -1025,7 +1172,10 @@ impl Ledger for NatsKvLedger {
                     // again, as a claim does.
                     Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                         match self.read(&kk).await? {
-                            Some(c) if prunable(&c) => revision = c.revision,
+                            Some(c) if prunable(&c) => {
+                                revision = c.revision;
+                                first_us = c.value.as_ref().map_or(first_us, |v| v.first_us);
+                            }
                             _ => break,
                         }
                     }
@@ -1036,13 +1186,18 @@ impl Ledger for NatsKvLedger {
         Ok(pruned)
     }
 
+    async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
+        let now = self.now().await?;
+        self.horizon_at(tenant, kind, now).await
+    }
+
     async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
         let entries = self
             .scan(format!("{}{}.*", self.inner.store.prefix, tenant_token(tenant)))
             .await?;
         let now = self.now().await?;
         let mut out = Vec::new();
-        for (_, cur) in entries {
+        for (kk, cur) in entries {
             let Some(v) = cur.value else { continue };
             let Ok(key) = self.decode_key(&v, None) else {
                 continue;
@@ -1050,7 +1205,14 @@ impl Ledger for NatsKvLedger {
             if key.tenant() != tenant {
                 continue;
             }
-            let r = self.view(key, &v, cur.at, now)?;
+            // One unreadable record must not hide every abandoned step.
+            let r = match self.view(key, &v, cur.at, now) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(kv_key = %kk, error = %e, "skipping an unreadable record");
+                    continue;
+                }
+            };
             if r.state == RecordState::Abandoned {
                 out.push(r);
             }

@@ -2,7 +2,7 @@
 //! are checked, never silently changed, and an unreachable server fails
 //! closed.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::{self, stream};
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
@@ -290,7 +290,8 @@ async fn shared_ledger() -> Option<NatsKvLedger> {
 }
 
 /// Many claimants race to take over one expired lease: the revision-checked
-/// update lets exactly one through, at fence 2.
+/// update lets exactly one through, with a fence above the expired one, and
+/// every loser sees the winner's fence.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_takeover_has_one_winner() {
     let Some(ledger) = shared_ledger().await else {
@@ -298,10 +299,9 @@ async fn concurrent_takeover_has_one_winner() {
     };
     let k = EffectKey::new(&fresh_tenant(), "capture", "takeover-race").unwrap();
     let short = ClaimOptions::default().lease(oncely::conformance::SHORT_LEASE);
-    assert!(matches!(
-        ledger.claim(&k, &short).await.unwrap(),
-        Claim::Acquired(_)
-    ));
+    let Claim::Acquired(first) = ledger.claim(&k, &short).await.unwrap() else {
+        panic!("a fresh key is acquired");
+    };
     tokio::time::sleep(oncely::conformance::SHORT_LEASE_WAIT).await;
     let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(32));
     let mut tasks = Vec::new();
@@ -312,19 +312,21 @@ async fn concurrent_takeover_has_one_winner() {
             ledger.claim(&k, &ClaimOptions::default()).await.unwrap()
         }));
     }
-    let mut winners = 0;
+    let mut winners = Vec::new();
+    let mut seen = Vec::new();
     for t in tasks {
         match t.await.unwrap() {
             Claim::Acquired(l) => {
-                assert_eq!(l.fence, 2);
+                assert!(l.fence > first.fence, "{} after {}", l.fence, first.fence);
                 assert!(l.taken_over);
-                winners += 1;
+                winners.push(l.fence);
             }
-            Claim::InProgress { fence, .. } => assert_eq!(fence, 2),
+            Claim::InProgress { fence, .. } => seen.push(fence),
             other => panic!("{other:?}"),
         }
     }
-    assert_eq!(winners, 1);
+    assert_eq!(winners.len(), 1, "{winners:?}");
+    assert!(seen.iter().all(|f| *f == winners[0]), "{seen:?} vs {winners:?}");
 }
 
 /// A lease completed through another ledger instance (no remembered
@@ -381,4 +383,296 @@ async fn from_store_checks_the_bucket() {
     for b in [good, bad] {
         js.delete_stream(format!("KV_{b}")).await.unwrap();
     }
+}
+
+/// A bucket of one test's own (so listing its keys is cheap); the caller
+/// deletes it with [`drop_bucket`].
+async fn own_ledger(prefix: &str) -> Option<(NatsKvLedger, jetstream::Context, String)> {
+    let (url, js) = js().await?;
+    let bucket = unique(prefix);
+    let ledger = NatsKvLedger::connect(&url, NatsKvOptions::default().bucket(&bucket))
+        .await
+        .unwrap();
+    Some((ledger, js, bucket))
+}
+
+async fn drop_bucket(js: &jetstream::Context, bucket: &str) {
+    js.delete_stream(format!("KV_{bucket}")).await.unwrap();
+}
+
+/// The server's stamp on the latest revision of `tenant`'s one record (the
+/// instant from which every ledger measures its lease).
+async fn stamp(ledger: &NatsKvLedger, tenant: &oncely::Tenant) -> SystemTime {
+    use futures_util::StreamExt;
+    // Fresh tenants are letters, digits and '-': their KV token is the tenant.
+    let prefix = format!("{}.", tenant.as_str());
+    let store = ledger.store();
+    let mut keys = store.keys().await.unwrap().boxed();
+    while let Some(k) = keys.next().await {
+        let k = k.unwrap();
+        if k.starts_with(&prefix) && k.matches('.').count() == 1 {
+            let e = store.entry(&k).await.unwrap().expect("the record exists");
+            return SystemTime::from(e.created);
+        }
+    }
+    panic!("no record of {tenant}");
+}
+
+fn acquired(c: Claim) -> oncely::Lease {
+    match c {
+        Claim::Acquired(l) => l,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+/// Leases are judged on the server's clock at the revision-checked write:
+/// everyone else measures a lease from its revision's stamp. What a grant or
+/// a renewal reports must end no later than that (`acquired_at` at or before
+/// the stamp, `expires_at - acquired_at` the requested length), so the
+/// runner's deadline and safety margin, computed from the report, err on
+/// the safe side.
+#[tokio::test]
+async fn reported_leases_end_no_later_than_the_server_enforces() {
+    let Some((ledger, js, bucket)) = own_ledger("oncely_lease_clock").await else {
+        return;
+    };
+    let len = oncely::conformance::SHORT_LEASE;
+    let o = ClaimOptions::default().lease(len);
+    let check = |l: &oncely::Lease, stamp: SystemTime, len: Duration, what: &str| {
+        assert!(
+            l.acquired_at <= stamp,
+            "{what}: acquired_at {:?} is after the write's stamp {stamp:?}",
+            l.acquired_at
+        );
+        assert!(
+            l.expires_at <= stamp + len,
+            "{what}: {l:?} outlasts {stamp:?} + {len:?}"
+        );
+    };
+    // A new key.
+    let t = fresh_tenant();
+    let k = EffectKey::new(&t, "capture", "o-1").unwrap();
+    let l = acquired(ledger.claim(&k, &o).await.unwrap());
+    assert_eq!(l.expires_at.duration_since(l.acquired_at).unwrap(), len);
+    check(&l, stamp(&ledger, &t).await, len, "create");
+    // A renewal.
+    let longer = Duration::from_secs(5);
+    let r = ledger.renew(&l, longer).await.unwrap();
+    check(&r, stamp(&ledger, &t).await, longer, "renew");
+    assert!(r.expires_at >= l.expires_at);
+    // A takeover.
+    let t = fresh_tenant();
+    let k = EffectKey::new(&t, "capture", "o-2").unwrap();
+    let first = acquired(ledger.claim(&k, &o).await.unwrap());
+    tokio::time::sleep(oncely::conformance::SHORT_LEASE_WAIT).await;
+    let l = acquired(ledger.claim(&k, &o).await.unwrap());
+    assert!(l.taken_over && l.fence > first.fence, "{l:?}");
+    assert_eq!(l.expires_at.duration_since(l.acquired_at).unwrap(), len);
+    check(&l, stamp(&ledger, &t).await, len, "takeover");
+    drop_bucket(&js, &bucket).await;
+}
+
+/// The bucket drops every key nobody wrote for `max_age`, so the horizon is
+/// never before `now - max_age`, even where nothing was pruned; a message
+/// older than that is refused before anything is written.
+#[tokio::test]
+async fn max_age_bounds_the_horizon() {
+    let Some(ledger) = shared_ledger().await else {
+        return;
+    };
+    let max_age = ledger.options().max_age;
+    let t = fresh_tenant();
+    let h = ledger
+        .horizon(&t, "capture")
+        .await
+        .unwrap()
+        .expect("max_age is a horizon");
+    // Worker and server run on one machine here; allow a minute either way.
+    let now = SystemTime::now();
+    let slack = Duration::from_secs(60);
+    assert!(
+        h > now - max_age - slack && h < now - max_age + slack,
+        "{h:?} vs now {now:?} - {max_age:?}"
+    );
+    let k = EffectKey::new(&t, "capture", "ancient").unwrap();
+    let day = Duration::from_secs(86_400);
+    let e = ledger
+        .claim(&k, &ClaimOptions::default().sent_at(now - max_age - day))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::BeyondHorizon { .. }), "{e:?}");
+    assert!(ledger.get(&k).await.unwrap().is_none());
+    acquired(
+        ledger
+            .claim(&k, &ClaimOptions::default().sent_at(now - max_age + day))
+            .await
+            .unwrap(),
+    );
+}
+
+/// A claim with `sent_at` checks the horizon after its create; one that
+/// never finished that check (crashed, dropped, its reply lost) leaves its
+/// record marked. Whoever takes that record over after its lease expired
+/// checks again: beyond the horizon, the record is removed and the key
+/// claimed as absent (a replay with `sent_at` is refused, a claim without it
+/// starts afresh). A record whose holder wrote since (a renewal) passed its
+/// check, and is taken over as usual.
+#[tokio::test]
+async fn unchecked_records_are_checked_again_on_takeover() {
+    let Some(ledger) = shared_ledger().await else {
+        return;
+    };
+    let t = fresh_tenant();
+    let hour_ago = SystemTime::now() - Duration::from_secs(3600);
+    let short = ClaimOptions::default().lease(oncely::conformance::SHORT_LEASE);
+    let key = |s: &str| EffectKey::new(&t, "capture", s).unwrap();
+    // Three claims of messages an hour old pass the check (nothing pruned);
+    // their holders stop without completing.
+    let replayed = acquired(
+        ledger
+            .claim(&key("replayed"), &short.clone().sent_at(hour_ago))
+            .await
+            .unwrap(),
+    );
+    let fresh = acquired(
+        ledger
+            .claim(&key("fresh"), &short.clone().sent_at(hour_ago))
+            .await
+            .unwrap(),
+    );
+    let renewed = acquired(
+        ledger
+            .claim(&key("renewed"), &short.clone().sent_at(hour_ago))
+            .await
+            .unwrap(),
+    );
+    let renewed = ledger
+        .renew(&renewed, oncely::conformance::SHORT_LEASE)
+        .await
+        .unwrap();
+    // A newer effect of the same kind is pruned: the horizon passes them.
+    let brief = ClaimOptions::default()
+        .lease(Duration::from_millis(100))
+        .retention(Duration::from_millis(300));
+    let newer = key("newer");
+    let l = acquired(ledger.claim(&newer, &brief).await.unwrap());
+    ledger
+        .complete(&l, &Outcome::from_json(&1).unwrap())
+        .await
+        .unwrap();
+    tokio::time::sleep(oncely::conformance::SHORT_LEASE_WAIT).await;
+    oncely::conformance::prune_until_gone(&ledger, &newer).await;
+    assert!(ledger.horizon(&t, "capture").await.unwrap().unwrap() >= hour_ago);
+    // The replay of an unchecked record is refused, and the record is gone.
+    let e = ledger
+        .claim(&key("replayed"), &short.clone().sent_at(hour_ago))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::BeyondHorizon { .. }), "{e:?}");
+    assert!(ledger.get(&key("replayed")).await.unwrap().is_none());
+    assert!(ledger.release(&replayed).await.unwrap_err().is_lease_lost());
+    // A claim without `sent_at` finds the key absent: a new record.
+    let l = acquired(ledger.claim(&key("fresh"), &short).await.unwrap());
+    assert!(!l.taken_over && l.fence > fresh.fence, "{l:?}");
+    // The renewed record is taken over as any expired lease.
+    let l = acquired(
+        ledger
+            .claim(&key("renewed"), &short.clone().sent_at(hour_ago))
+            .await
+            .unwrap(),
+    );
+    assert!(l.taken_over && l.fence > renewed.fence, "{l:?}");
+}
+
+/// The order that keeps a pruned effect from running again (prune: raise
+/// the watermark, then delete; claim: create, then read it), under
+/// concurrency: claimants keep replaying every message (produced before its
+/// first claim) while a pruner deletes the records as soon as their tiny
+/// retention ends. Each effect runs exactly once; later replays get its
+/// outcome or `BeyondHorizon`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replays_racing_prune_never_run_an_effect_twice() {
+    let Some((ledger, js, bucket)) = own_ledger("oncely_prune_race").await else {
+        return;
+    };
+    const KEYS: usize = 64;
+    let t = fresh_tenant();
+    let sent_at = SystemTime::now() - Duration::from_secs(1);
+    // One kind per key: each has its own watermark, so every key's first
+    // prune is a race of its own (with one kind, the first prune of any key
+    // would put every other key's replays beyond the horizon).
+    let keys: Vec<EffectKey> = (0..KEYS)
+        .map(|i| EffectKey::new(&t, format!("k{i}"), "o").unwrap())
+        .collect();
+    let runs = std::sync::Arc::new(std::sync::Mutex::new(vec![0usize; KEYS]));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let o = ClaimOptions::default()
+        .lease(Duration::from_millis(200))
+        .retention(Duration::from_millis(200))
+        .sent_at(sent_at);
+    let mut tasks = Vec::new();
+    for w in 0..3 {
+        let (ledger, keys, runs, stop, o) = (
+            ledger.clone(),
+            keys.clone(),
+            runs.clone(),
+            stop.clone(),
+            o.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut i = w;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                i = (i + 1) % KEYS;
+                match ledger.claim(&keys[i], &o).await {
+                    Ok(Claim::Acquired(l)) => {
+                        runs.lock().unwrap()[i] += 1;
+                        ledger
+                            .complete(&l, &Outcome::from_json(&w).unwrap())
+                            .await
+                            .unwrap();
+                    }
+                    Ok(Claim::Completed(_) | Claim::InProgress { .. }) | Err(Error::BeyondHorizon { .. }) => {
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+        }));
+    }
+    let pruner = {
+        let (ledger, stop) = (ledger.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut pruned = 0;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                // Passes far apart delete many records each: long batches
+                // give a wrong order many chances to show.
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                pruned += ledger.prune(u64::MAX).await.unwrap();
+            }
+            pruned
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let pruned = pruner.await.unwrap();
+    let runs = runs.lock().unwrap().clone();
+    eprintln!("pruned {pruned}; runs per key {runs:?}");
+    assert!(pruned >= KEYS as u64 / 2, "the race needs prunes: {pruned}");
+    for (i, n) in runs.iter().enumerate() {
+        assert!(*n <= 1, "{} ran {n} times", keys[i]);
+    }
+    drop_bucket(&js, &bucket).await;
+}
+
+/// An `open_timeout` too long to add to the worker's clock means "no
+/// deadline", not a panic ("overflow when adding duration to instant").
+#[tokio::test]
+async fn unbounded_open_timeout_does_not_panic() {
+    let Some((url, _)) = js().await else { return };
+    let opts = NatsKvOptions::default()
+        .bucket("oncely_conformance")
+        .open_timeout(Duration::MAX);
+    NatsKvLedger::connect(&url, opts).await.unwrap();
 }

@@ -93,14 +93,17 @@ async fn node_loss_keeps_claims_exact_and_completions_durable() {
             .collect(),
     );
     let completions = Arc::new(Mutex::new(Vec::<(usize, usize)>::new()));
+    // Every lease granted: key, fence, whether it was a takeover.
+    let grants = Arc::new(Mutex::new(Vec::<(usize, u64, bool)>::new()));
     let node_down = Arc::new(AtomicBool::new(false));
     let while_down = Arc::new(AtomicUsize::new(0));
     let mut workers = Vec::new();
     for w in 0..WORKERS {
-        let (urls, keys, completions, node_down, while_down) = (
+        let (urls, keys, completions, grants, node_down, while_down) = (
             urls.clone(),
             keys.clone(),
             completions.clone(),
+            grants.clone(),
             node_down.clone(),
             while_down.clone(),
         );
@@ -121,6 +124,7 @@ async fn node_loss_keeps_claims_exact_and_completions_durable() {
                     let claim = retry(|| ledger.claim(k, &claim_opts)).await.unwrap();
                     match claim {
                         Claim::Acquired(lease) => {
+                            grants.lock().unwrap().push((i, lease.fence, lease.taken_over));
                             let outcome = Outcome::from_json(&w).unwrap();
                             match retry(|| ledger.complete(&lease, &outcome)).await {
                                 Ok(()) => {
@@ -166,6 +170,13 @@ async fn node_loss_keeps_claims_exact_and_completions_durable() {
     script(&["start-node", &victim.to_string()]).await;
 
     let completions = completions.lock().unwrap().clone();
+    // No lease expired (they last 30 s), so nothing was taken over: each key
+    // was granted once, and its record keeps that grant's fence.
+    let mut granted: HashMap<usize, u64> = HashMap::new();
+    for (i, fence, taken_over) in grants.lock().unwrap().iter().copied() {
+        assert!(!taken_over, "{} taken over although no lease expired", keys[i]);
+        assert!(granted.insert(i, fence).is_none(), "{} granted twice", keys[i]);
+    }
     let mut by_key: HashMap<usize, Vec<usize>> = HashMap::new();
     for (i, w) in completions {
         by_key.entry(i).or_default().push(w);
@@ -182,7 +193,9 @@ async fn node_loss_keeps_claims_exact_and_completions_durable() {
     for (i, k) in keys.iter().enumerate() {
         let r = retry(|| reader.get(k)).await.unwrap().expect("every key exists");
         assert_eq!(r.state, RecordState::Completed, "{k}");
-        assert_eq!(r.fence, 1, "{k}: taken over although no lease expired");
+        if let Some(fence) = granted.get(&i) {
+            assert_eq!(r.fence, *fence, "{k}: the record's fence is not its grant's");
+        }
         if let Some(ws) = by_key.get(&i) {
             assert_eq!(r.outcome.unwrap().to_value::<usize>().unwrap(), ws[0], "{k}");
         }
