@@ -116,11 +116,17 @@ pub(crate) fn corrupt(message: impl Into<String>) -> Error {
 pub(crate) fn unique_violation(error: &(dyn std::error::Error + 'static)) -> Option<String> {
     let mut next = Some(error);
     while let Some(e) = next {
+        // The driver's error itself, or its source as `sqlx::Error` exposes
+        // it (the boxed database error), or the concrete PostgreSQL error.
         let db = match e.downcast_ref::<sqlx::Error>() {
             Some(sqlx::Error::Database(db)) => Some(&**db),
             _ => e
-                .downcast_ref::<sqlx::postgres::PgDatabaseError>()
-                .map(|db| db as &dyn sqlx::error::DatabaseError),
+                .downcast_ref::<Box<dyn sqlx::error::DatabaseError>>()
+                .map(|db| &**db)
+                .or_else(|| {
+                    e.downcast_ref::<sqlx::postgres::PgDatabaseError>()
+                        .map(|db| db as &dyn sqlx::error::DatabaseError)
+                }),
         };
         if let Some(db) = db
             && db.code().as_deref() == Some("23505")

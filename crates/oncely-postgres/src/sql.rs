@@ -168,6 +168,11 @@ impl Queries {
         //   can delete it, so "absent" stays true until the statement ends.
         //   An old message therefore never inserts, and still takes over an
         //   existing released or expired record through the ON CONFLICT.
+        //   (In a caller's REPEATABLE READ or SERIALIZABLE transaction the
+        //   function sees that transaction's snapshot: a key committed by
+        //   someone else after it reads as absent, so such a claim may fail
+        //   with BeyondHorizon where READ COMMITTED would answer the record.
+        //   It never inserts either way.)
         // - `ins` inserts with fence = the clock's microseconds, or takes
         //   the record over.
         // - Otherwise the existing record is returned, or a status row:

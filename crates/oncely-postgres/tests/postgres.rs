@@ -828,3 +828,97 @@ async fn old_message_takes_over_but_never_inserts() {
         Claim::Acquired(_)
     ));
 }
+
+/// A completed record past its retention whose key a transaction holds
+/// (its `claim_in` got `Completed` and the transaction goes on, holding the
+/// key's lock and the row) is not pruned under it, and prune does not wait
+/// for that transaction; once it ends, the record is pruned. (The window
+/// where a claim holds the key's lock but no row lock yet is
+/// `prune_never_deletes_a_key_a_claim_is_deciding`, in `schema.rs`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prune_skips_keys_a_claim_holds() {
+    let Some((ledger, _observer)) = setup(4).await else {
+        return;
+    };
+    let k = key(&fresh_tenant(), "held");
+    let brief = ClaimOptions::default()
+        .lease(Duration::from_millis(100))
+        .retention(Duration::from_millis(200));
+    let l = match ledger.claim(&k, &brief).await.unwrap() {
+        Claim::Acquired(l) => l,
+        other => panic!("{other:?}"),
+    };
+    ledger
+        .complete(&l, &Outcome::from_json(&1).unwrap())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let mut tx = ledger.begin().await.unwrap();
+    assert!(matches!(
+        ledger.claim_in(&mut *tx, &k, &brief).await.unwrap(),
+        Claim::Completed(_)
+    ));
+    for _ in 0..3 {
+        ledger.prune(u64::MAX).await.unwrap();
+        assert!(
+            ledger.get(&k).await.unwrap().is_some(),
+            "pruned while a transaction holds its key"
+        );
+    }
+    ledger.rollback(tx).await.unwrap();
+    prune_until_gone(&ledger, &k).await;
+}
+
+/// A claim with `sent_at` reads the horizon after its wait on the key's lock,
+/// not from its statement's snapshot (taken before the wait): a prune that
+/// committed while it waited, raising the horizon past the message, makes
+/// it `BeyondHorizon` once the key turns out absent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn horizon_is_read_after_the_lock_wait() {
+    let Some((ledger, observer)) = setup(6).await else {
+        return;
+    };
+    let t = fresh_tenant();
+    let sent_at = std::time::SystemTime::now() - Duration::from_secs(3600);
+    let brief = ClaimOptions::default()
+        .lease(Duration::from_millis(100))
+        .retention(Duration::from_millis(200));
+    // A record of the same tenant and kind, ready to be pruned.
+    let older = key(&t, "older");
+    let l = match ledger.claim(&older, &brief).await.unwrap() {
+        Claim::Acquired(l) => l,
+        other => panic!("{other:?}"),
+    };
+    ledger
+        .complete(&l, &Outcome::from_json(&1).unwrap())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(ledger.horizon(&t, "mark-paid").await.unwrap(), None);
+
+    // A transaction holds the key (claimed, not committed)...
+    let k = key(&t, "late");
+    let mut tx = ledger.begin().await.unwrap();
+    assert!(matches!(
+        ledger
+            .claim_in(&mut *tx, &k, &ClaimOptions::default())
+            .await
+            .unwrap(),
+        Claim::Acquired(_)
+    ));
+    // ...while an hour-old message's claim waits for it.
+    let waiting = {
+        let (ledger, k) = (ledger.clone(), k.clone());
+        tokio::spawn(async move { ledger.claim(&k, &ClaimOptions::default().sent_at(sent_at)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "the claim did not wait for the key");
+    // Meanwhile prune raises the horizon past the message; then the key's
+    // holder rolls back, leaving it absent.
+    prune_until_gone(&ledger, &older).await;
+    assert!(ledger.horizon(&t, "mark-paid").await.unwrap().unwrap() > sent_at);
+    ledger.rollback(tx).await.unwrap();
+    let e = waiting.await.unwrap().unwrap_err();
+    assert!(matches!(e, Error::BeyondHorizon { .. }), "{e:?}");
+    assert_eq!(committed(&observer, &k).await, None);
+}

@@ -589,3 +589,82 @@ async fn a_version_1_ledger_migrates() {
     ledger.pool().close().await;
     drop_schema(&admin, &schema).await;
 }
+
+/// Prune never deletes a key while a claim holds the key's lock, even between
+/// the claim's horizon check and its insert (where the claim holds no row
+/// lock yet). The check is slowed down on purpose here (the function is
+/// replaced by one that sleeps after checking) to hold that window open: a
+/// prune that deleted the key in it would let an hour-old message insert the
+/// key again, after its record was pruned, and run the effect twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prune_never_deletes_a_key_a_claim_is_deciding() {
+    let Some(url) = url() else { return };
+    let Some(admin) = admin(&url).await else { return };
+    let schema = fresh_schema(&admin, "window").await;
+    let ledger = PgLedger::connect_with(&url, options(&schema).max_connections(4))
+        .await
+        .unwrap();
+    let body: String = sqlx::query_scalar("SELECT pg_get_functiondef(to_regproc($1))")
+        .bind(format!("{schema}.oncely_effects_beyond"))
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    let check = body
+        .split_once("$function$")
+        .and_then(|(_, rest)| rest.split_once("$function$"))
+        .map(|(check, _)| check.trim().to_owned())
+        .expect("the function's body");
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE OR REPLACE FUNCTION {schema}.oncely_effects_beyond(p_tenant text, p_kind text, p_key text, \
+           p_sent_us bigint) RETURNS boolean LANGUAGE plpgsql VOLATILE AS $f$ \
+         DECLARE r boolean; \
+         BEGIN r := ({check}); PERFORM pg_sleep(0.6); RETURN r; END $f$"
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+
+    let k = key("deciding");
+    let brief = ClaimOptions::default()
+        .lease(Duration::from_millis(100))
+        .retention(Duration::from_millis(200));
+    let l = match ledger.claim(&k, &brief).await.unwrap() {
+        Claim::Acquired(l) => l,
+        other => panic!("{other:?}"),
+    };
+    ledger
+        .complete(&l, &Outcome::from_json(&"first").unwrap())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // An hour-old replay: its claim finds the key present (not beyond the
+    // horizon) and sleeps before its insert, holding the key's lock.
+    let replay = {
+        let (ledger, k) = (ledger.clone(), k.clone());
+        let sent_at = std::time::SystemTime::now() - Duration::from_secs(3600);
+        tokio::spawn(async move { ledger.claim(&k, &ClaimOptions::default().sent_at(sent_at)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert!(!replay.is_finished());
+    assert_eq!(
+        ledger.prune(u64::MAX).await.unwrap(),
+        0,
+        "pruned a key a claim was deciding on"
+    );
+    match replay.await.unwrap().unwrap() {
+        Claim::Completed(r) => assert_eq!(r.outcome.unwrap().to_value::<String>().unwrap(), "first"),
+        other => panic!("the replay ran the effect again: {other:?}"),
+    }
+    // Once nobody holds the key, prune takes it and the replay is refused.
+    prune_until_gone(&ledger, &k).await;
+    let e = ledger
+        .claim(
+            &k,
+            &ClaimOptions::default().sent_at(std::time::SystemTime::now() - Duration::from_secs(3600)),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::BeyondHorizon { .. }), "{e:?}");
+    ledger.pool().close().await;
+    drop_schema(&admin, &schema).await;
+}
