@@ -484,8 +484,9 @@ pub async fn prune_keeps_what_it_must<L: Ledger>(ledger: L) {
         .complete(&l, &Outcome::from_json(&2).unwrap())
         .await
         .unwrap();
-    let n = ledger.prune(u64::MAX).await.unwrap();
-    assert!(n >= 2, "pruned {n}");
+    // Other tests prune the same table concurrently and may delete these
+    // records first, so the count proves nothing; what is gone does.
+    ledger.prune(u64::MAX).await.unwrap();
     assert!(ledger.get(&done).await.unwrap().is_none());
     assert!(ledger.get(&released).await.unwrap().is_none());
     assert_eq!(
