@@ -176,9 +176,6 @@ impl MySqlLedger {
                 .bind(sent_us);
         }
         if returning {
-            if horizon {
-                q = q.bind(key.tenant().as_str()).bind(key.kind());
-            }
             return match q.fetch_optional(&mut *conn).await {
                 Ok(Some(row)) => {
                     let row = stored(&row, true, horizon)?;
@@ -212,15 +209,12 @@ impl MySqlLedger {
             return Ok(None);
         }
         let s = self.sql();
-        let read = if horizon {
-            sqlx::query(sqlx::AssertSqlSafe(s.read_back_h.as_str()))
-                .bind(key.tenant().as_str())
-                .bind(key.kind())
-                .bind(key.as_str())
-        } else {
-            sqlx::query(sqlx::AssertSqlSafe(s.read_back.as_str())).bind(key.as_str())
-        };
-        let read = read.fetch_optional(&mut *conn).await.map_err(retry_on_lock)?;
+        let read = if horizon { &s.read_back_h } else { &s.read_back };
+        let read = sqlx::query(sqlx::AssertSqlSafe(read.as_str()))
+            .bind(key.as_str())
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(retry_on_lock)?;
         let row = read.map(|r| stored(&r, true, horizon)).transpose()?;
         let leaked = row.as_ref().is_none_or(|r| r.in_tx);
         if !in_caller_tx && leaked && self.heal_if_leaked(conn).await? {

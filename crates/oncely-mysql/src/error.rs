@@ -50,8 +50,14 @@ pub(crate) fn unique_violation(error: &(dyn std::error::Error + 'static)) -> Opt
         {
             return Some(e.to_string());
         }
-        // sqlx::Error::Database gives its inner error as its source.
-        if let Some(db) = e.downcast_ref::<MySqlDatabaseError>()
+        // sqlx::Error::Database gives its boxed inner error as its source,
+        // and some wrappers (std::io::Error) report their inner error's
+        // source rather than the inner error: either may be all we see.
+        let db = e.downcast_ref::<MySqlDatabaseError>().or_else(|| {
+            e.downcast_ref::<Box<dyn sqlx::error::DatabaseError>>()
+                .and_then(|b| b.try_downcast_ref::<MySqlDatabaseError>())
+        });
+        if let Some(db) = db
             && is_duplicate(db.number())
         {
             return Some(db.to_string());

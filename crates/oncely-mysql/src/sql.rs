@@ -134,18 +134,15 @@ pub(crate) struct Statements {
     pub claim_pre: String,
     /// `claim … RETURNING`.
     pub claim_returning: String,
-    /// `claim … RETURNING` with the horizon: `claim`'s parameters, then
-    /// tenant, kind.
+    /// `claim … RETURNING` with the horizon (`claim`'s parameters).
     pub claim_returning_h: String,
-    /// `claim_pre … RETURNING` with the horizon: `claim_pre`'s parameters,
-    /// then tenant, kind.
+    /// `claim_pre … RETURNING` with the horizon (`claim_pre`'s parameters).
     pub claim_pre_returning_h: String,
     /// The row after a claim without `RETURNING`: a locking read, so it is a
     /// current read even inside a caller's REPEATABLE READ snapshot.
     /// Parameter: key.
     pub read_back: String,
-    /// `read_back` with the horizon (a locking read too). Parameters:
-    /// tenant, kind, key.
+    /// `read_back` with the horizon (a locking read too). Parameter: key.
     pub read_back_h: String,
     /// Gives a fresh grant a new expiry and fence from the clock after a
     /// wait. Parameters: lease µs, key, token, fence, guard.
@@ -267,9 +264,13 @@ impl Statements {
         // row exists: a prune that deleted this key before our insert could
         // proceed has committed its watermark by then.
         let returning = format!(" RETURNING {COLUMNS}, {NOW_US} AS now_us, {in_tx} AS in_tx");
+        // Correlated with the row on purpose: the server evaluates an
+        // uncorrelated subquery once, up front, which for `RETURNING` means
+        // before the insert waited (checked on MariaDB 10.11: it returned the
+        // watermark as it was before a prune that committed during the wait).
         let watermark = format!(
-            "(SELECT w.watermark_us FROM `{h}` AS w WHERE w.tenant = ? AND w.kind = ? LOCK IN SHARE MODE) \
-             AS horizon_us"
+            "(SELECT w.watermark_us FROM `{h}` AS w WHERE w.tenant = `{t}`.tenant AND w.kind = `{t}`.kind \
+             LOCK IN SHARE MODE) AS horizon_us"
         );
         let fenced = "WHERE effect_key = ? AND fence = ? AND state = 'in_progress'";
         Statements {

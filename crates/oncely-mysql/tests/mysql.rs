@@ -820,3 +820,350 @@ async fn autocommit_off_pool_is_refused() {
         .unwrap_err();
     assert!(matches!(e, Error::Config(_)), "{e:?}");
 }
+
+/// A unique violation raised by the handler's own write in `Job::step_in`
+/// (a business table with its own unique key) is a bug, not a duplicate:
+/// `Error::ConstraintViolation`, not retryable, counted once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn step_in_unique_violation_is_a_counted_constraint_violation() {
+    oncely::conformance::metrics_snapshotter();
+    let _one_at_a_time = VIOLATION_COUNTS.lock().await;
+    let Some(ledger) = ledger().await else { return };
+    ledger
+        .pool()
+        .execute(
+            "CREATE TABLE IF NOT EXISTS oncely_mysql_test_invoices (
+               number VARCHAR(100) NOT NULL PRIMARY KEY,
+               tenant VARCHAR(64) NOT NULL
+             ) ENGINE = InnoDB",
+        )
+        .await
+        .unwrap();
+    let t = fresh_tenant();
+    let number = format!("{}-inv-1", t.as_str());
+    sqlx::query("INSERT INTO oncely_mysql_test_invoices (number, tenant) VALUES (?, ?)")
+        .bind(&number)
+        .bind(t.as_str())
+        .execute(ledger.pool())
+        .await
+        .unwrap();
+    let effects = oncely::Effects::new(ledger.clone());
+    let job = effects.job(&t, "billing", "order-11");
+    let before = violations();
+    let mut tx = ledger.begin().await.unwrap();
+    let (n, tenant) = (number.clone(), t.as_str().to_owned());
+    let e = job
+        .step_in("invoice", &mut tx, move |conn, _ctx| {
+            Box::pin(async move {
+                sqlx::query("INSERT INTO oncely_mysql_test_invoices (number, tenant) VALUES (?, ?)")
+                    .bind(n)
+                    .bind(tenant)
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(())
+            })
+        })
+        .await
+        .unwrap_err();
+    tx.rollback().await.unwrap();
+    assert!(
+        matches!(&e, Error::ConstraintViolation { message, .. } if message.contains("Duplicate entry")),
+        "{e:?}"
+    );
+    assert!(!e.is_retryable(), "a redelivery would hit it again: {e:?}");
+    assert_eq!(violations(), before + 1, "counted once");
+    // The unique_violation hook itself: the error, wrapped or bare.
+    let dup = sqlx::query("INSERT INTO oncely_mysql_test_invoices (number, tenant) VALUES (?, ?)")
+        .bind(&number)
+        .bind(t.as_str())
+        .execute(ledger.pool())
+        .await
+        .unwrap_err();
+    assert!(ledger.unique_violation(&dup).is_some());
+    let wrapped: oncely::BoxError = Box::new(Wrapped(dup));
+    assert!(
+        ledger.unique_violation(&*wrapped).is_some(),
+        "found in the source chain"
+    );
+    // std::io::Error reports its inner error's source, not the inner error.
+    let Wrapped(dup) = *wrapped.downcast::<Wrapped>().unwrap();
+    let in_io: oncely::BoxError = Box::new(std::io::Error::other(dup));
+    assert!(ledger.unique_violation(&*in_io).is_some());
+    let not_null = sqlx::query("INSERT INTO oncely_mysql_test_invoices (number, tenant) VALUES (?, NULL)")
+        .bind(format!("{}-inv-2", t.as_str()))
+        .execute(ledger.pool())
+        .await
+        .unwrap_err();
+    assert!(
+        ledger.unique_violation(&not_null).is_none(),
+        "SQLSTATE 23000 but not a duplicate: {not_null}"
+    );
+}
+
+/// An application error wrapping a driver error (as `thiserror`'s
+/// `#[source]` or `anyhow` do).
+#[derive(Debug)]
+struct Wrapped(sqlx::Error);
+
+impl std::fmt::Display for Wrapped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "saving the invoice")
+    }
+}
+
+impl std::error::Error for Wrapped {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
+    }
+}
+
+/// A ledger on the caller's pool whose sessions run `READ COMMITTED` (no gap
+/// locks), so the claim's check after its insert is what decides.
+async fn read_committed_ledger(returning: Option<bool>) -> Option<MySqlLedger> {
+    let url = url()?;
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(8)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect(&url)
+        .await;
+    let pool = match pool {
+        Ok(p) => p,
+        Err(e) => return skip_or_fail(&format!("MySQL at {url}: {e}")),
+    };
+    let ledger =
+        MySqlLedger::from_pool_with(pool, MySqlLedgerOptions::default().returning(returning)).unwrap();
+    ledger.migrate().await.unwrap();
+    Some(ledger)
+}
+
+/// A completed record kept for `retention` (then waits a little longer);
+/// returns its creation time in µs.
+async fn completed(ledger: &MySqlLedger, k: &EffectKey, retention: Duration) -> i64 {
+    let o = ClaimOptions::default()
+        .lease(Duration::from_millis(100))
+        .retention(retention);
+    let l = acquired(ledger.claim(k, &o).await.unwrap());
+    ledger
+        .complete(&l, &Outcome::from_json(&"first").unwrap())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let created = ledger.get(k).await.unwrap().unwrap().created_at;
+    i64::try_from(created.duration_since(std::time::UNIX_EPOCH).unwrap().as_micros()).unwrap()
+}
+
+/// A prune that deletes the key while a replay's insert waits on it: the
+/// insert goes ahead once the prune commits, so the claim must read the
+/// watermark after its write (the check before the insert saw none), undo
+/// its row and refuse. At READ COMMITTED nothing else stops it: the check
+/// before the insert takes no gap lock on the absent watermark row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn claim_waiting_on_a_prune_reads_its_watermark() {
+    for returning in [None, Some(false)] {
+        let Some(ledger) = read_committed_ledger(returning).await else {
+            return;
+        };
+        for in_tx in [false, true] {
+            let t = fresh_tenant();
+            let k = key(&t, "capture", "pruned-while-waiting");
+            // Kept for an hour, so no other test's prune takes it first.
+            let created = completed(&ledger, &k, Duration::from_secs(3600)).await;
+            let sent = std::time::SystemTime::now() - Duration::from_secs(3600);
+            // The prune, by hand, held open: the key's row deleted (locked),
+            // then the watermark raised, then commit (what prune's batch
+            // does, minus locking the watermark first, which at READ
+            // COMMITTED cannot stop a claim that found no watermark row).
+            let mut prune = ledger.pool().begin().await.unwrap();
+            let deleted = sqlx::query(sqlx::AssertSqlSafe(format!(
+                "DELETE FROM `{}` WHERE effect_key = ?",
+                ledger.table()
+            )))
+            .bind(k.as_str())
+            .execute(&mut *prune)
+            .await
+            .unwrap();
+            assert_eq!(deleted.rows_affected(), 1);
+            let claim = {
+                let (ledger, k) = (ledger.clone(), k.clone());
+                tokio::spawn(async move {
+                    let o = ClaimOptions::default().sent_at(sent);
+                    if in_tx {
+                        let mut tx = ledger.begin().await.unwrap();
+                        let c = ledger.claim_in(&mut tx, &k, &o).await;
+                        tx.commit().await.unwrap();
+                        c
+                    } else {
+                        ledger.claim(&k, &o).await
+                    }
+                })
+            };
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            assert!(!claim.is_finished(), "the claim waits on the prune's delete");
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO `{}_horizon` (tenant, kind, watermark_us) VALUES (?, 'capture', ?)",
+                ledger.table()
+            )))
+            .bind(t.as_str())
+            .bind(created)
+            .execute(&mut *prune)
+            .await
+            .unwrap();
+            prune.commit().await.unwrap();
+            let e = claim.await.unwrap().unwrap_err();
+            assert!(matches!(e, Error::BeyondHorizon { .. }), "in_tx {in_tx}: {e:?}");
+            assert!(
+                ledger.get(&k).await.unwrap().is_none(),
+                "the refused claim left its row (in_tx {in_tx})"
+            );
+        }
+    }
+}
+
+/// `claim_in` in a REPEATABLE READ transaction whose snapshot was taken
+/// before the prune (it still shows the record and no watermark) refuses a
+/// replay of the pruned key: the horizon is read with locks, never from the
+/// snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn horizon_is_not_read_from_an_old_snapshot() {
+    for opts in both_paths() {
+        let Some(ledger) = ledger_with(opts).await else {
+            return;
+        };
+        let t = fresh_tenant();
+        let k = key(&t, "capture", "snapshot");
+        completed(&ledger, &k, Duration::from_millis(200)).await;
+        let mut tx = ledger.begin().await.unwrap();
+        let seen: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT COUNT(*) FROM `{}` WHERE effect_key = ?",
+            ledger.table()
+        )))
+        .bind(k.as_str())
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+        assert_eq!(seen, 1, "the snapshot has the record");
+        oncely::conformance::prune_until_gone(&ledger, &k).await;
+        assert!(ledger.horizon(&t, "capture").await.unwrap().is_some());
+        let sent = std::time::SystemTime::now() - Duration::from_secs(3600);
+        let e = ledger
+            .claim_in(&mut tx, &k, &ClaimOptions::default().sent_at(sent))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::BeyondHorizon { .. }), "{e:?}");
+        tx.rollback().await.unwrap();
+        // A message produced after the horizon is new work.
+        let mut tx = ledger.begin().await.unwrap();
+        acquired(
+            ledger
+                .claim_in(
+                    &mut tx,
+                    &k,
+                    &ClaimOptions::default().sent_at(std::time::SystemTime::now()),
+                )
+                .await
+                .unwrap(),
+        );
+        tx.rollback().await.unwrap();
+    }
+}
+
+/// `claim_in` that waited on another transaction's claim of the key, which
+/// then rolled back after the lease length: its grant is measured from after
+/// the wait (refreshed), so a claimant right after it finds it live.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn claim_in_after_a_lock_wait_gets_a_live_lease() {
+    for opts in both_paths() {
+        let Some(ledger) = ledger_with(opts).await else {
+            return;
+        };
+        let k = key(&fresh_tenant(), "capture", "waited-in-tx");
+        let lease = Duration::from_secs(2);
+        let o = ClaimOptions::default().lease(lease);
+        let mut a = ledger.begin().await.unwrap();
+        let first = acquired(ledger.claim_in(&mut a, &k, &o).await.unwrap());
+        let b = {
+            let (ledger, k, o) = (ledger.clone(), k.clone(), o.clone());
+            tokio::spawn(async move {
+                let mut tx = ledger.begin().await.unwrap();
+                let l = acquired(ledger.claim_in(&mut tx, &k, &o).await.unwrap());
+                tx.commit().await.unwrap();
+                l
+            })
+        };
+        tokio::time::sleep(lease * 5 / 2).await;
+        assert!(!b.is_finished(), "B waits on A's row");
+        a.rollback().await.unwrap();
+        let b = b.await.unwrap();
+        assert!(!oncely::backend::needs_refresh(&b, lease), "{b:?}");
+        assert!(b.fence > first.fence && !b.taken_over, "{b:?} after {first:?}");
+        let r = ledger.get(&k).await.unwrap().unwrap();
+        assert_eq!((r.fence, r.lease_expires_at), (b.fence, Some(b.expires_at)));
+        match ledger.claim(&k, &ClaimOptions::default()).await.unwrap() {
+            Claim::InProgress { fence, .. } => assert_eq!(fence, b.fence),
+            other => panic!("B's lease had ended when it was granted: {other:?}"),
+        }
+    }
+}
+
+/// The session time zone (the caller's, on `from_pool` and `claim_in`) does
+/// not move the ledger's clock: leases written from a UTC-7 session are
+/// judged the same by a session in UTC+5:30, and `acquired_at` is now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn session_time_zone_does_not_move_the_clock() {
+    let Some(url) = url() else { return };
+    let zoned = |tz: &'static str| {
+        sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(4)
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    conn.execute(sqlx::AssertSqlSafe(format!("SET time_zone = '{tz}'")))
+                        .await?;
+                    Ok(())
+                })
+            })
+            .connect_lazy(&url)
+            .unwrap()
+    };
+    let west = MySqlLedger::from_pool(zoned("-07:00"));
+    let east = MySqlLedger::from_pool(zoned("+05:30"));
+    west.migrate().await.unwrap();
+    let t = fresh_tenant();
+    let k = key(&t, "capture", "zoned");
+    let before = std::time::SystemTime::now();
+    let l = acquired(
+        west.claim(&k, &ClaimOptions::default().lease(Duration::from_secs(60)))
+            .await
+            .unwrap(),
+    );
+    let after = std::time::SystemTime::now();
+    // The server runs on this machine: its clock agrees with ours to well
+    // within a minute, and a 5:30 or 7 hour shift would not.
+    let slack = Duration::from_secs(60);
+    assert!(
+        l.acquired_at > before - slack && l.acquired_at < after + slack,
+        "{l:?}"
+    );
+    match east.claim(&k, &ClaimOptions::default()).await.unwrap() {
+        Claim::InProgress { fence, .. } => assert_eq!(fence, l.fence),
+        other => panic!("another time zone saw the lease as over: {other:?}"),
+    }
+    let mut tx = east.begin().await.unwrap();
+    let k2 = key(&t, "capture", "zoned-tx");
+    let l2 = acquired(
+        east.claim_in(&mut tx, &k2, &ClaimOptions::default())
+            .await
+            .unwrap(),
+    );
+    tx.commit().await.unwrap();
+    assert!(l2.acquired_at > before - slack && l2.acquired_at < std::time::SystemTime::now() + slack);
+    assert!(matches!(
+        west.claim(&k2, &ClaimOptions::default()).await.unwrap(),
+        Claim::InProgress { .. }
+    ));
+}
