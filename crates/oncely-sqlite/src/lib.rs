@@ -58,6 +58,37 @@
 //! # Ok(()) }
 //! ```
 //!
+//! ## Opening the database
+//!
+//! [`SqliteLedger::connect`] creates the file if it is missing, turns on
+//! WAL, migrates and verifies the tables: for the application that owns the
+//! ledger. Operator tools that only read open it with
+//! [`SqliteLedger::connect_read_only`] (SQLite's `mode=ro`: no file is
+//! created, nothing is migrated, a mistyped path is an error naming it).
+//! Deployments that migrate separately (`oncely migrate`) connect with
+//! [`SqliteLedgerOptions::migrate`]`(false)`, which checks the tables and
+//! changes nothing. Tests that want no file at all ask for it:
+//!
+//! ```no_run
+//! use oncely_sqlite::{SqliteLedger, SqliteLedgerOptions};
+//!
+//! # async fn demo() -> oncely::Result<()> {
+//! let reader = SqliteLedger::connect_read_only("sqlite:data/app.db").await?;
+//! let app = SqliteLedger::connect_with(
+//!     "sqlite:data/app.db",
+//!     SqliteLedgerOptions::default().migrate(false),
+//! )
+//! .await?;
+//! // One in-memory database for the whole pool, gone with the ledger;
+//! // `sqlite::memory:` alone is refused.
+//! let scratch = SqliteLedger::connect_with(
+//!     "sqlite::memory:",
+//!     SqliteLedgerOptions::default().ephemeral(true),
+//! )
+//! .await?;
+//! # let _ = (reader, app, scratch); Ok(()) }
+//! ```
+//!
 //! ## Guarantees and limits
 //!
 //! | property | SQLite backend |
@@ -304,7 +335,9 @@ impl SqliteLedger {
     }
 
     /// The same pool with another ledger table. Fails with
-    /// [`Error::Config`] on a name that is not a plain identifier.
+    /// [`Error::Config`] on a name that is not a plain identifier. The new
+    /// table is not checked here: call [`SqliteLedger::migrate`] (or
+    /// [`SqliteLedger::verify`]) before use.
     pub fn with_table(self, table: &str) -> Result<SqliteLedger> {
         Ok(SqliteLedger {
             q: Arc::new(Queries::new(table)?),
