@@ -22,30 +22,34 @@
 //! watermark*; if `sent_at` is at or before the horizon, delete exactly the
 //! revision it created and fail with `BeyondHorizon`.
 //!
-//! Take a record R that prune deleted, and a redelivery of R's message (so
-//! `sent_at <= R.created_at`) whose claim creates a new record. The create is
-//! a revision-checked write that succeeds only on an absent key, so it came
-//! after R's delete in the stream's order; the delete came after the raise;
-//! the claim reads the watermark after its create was acknowledged, from the
-//! stream leader, which has applied every acknowledged write. So the read sees
-//! a watermark `>= R.created_at >= sent_at`, and the claim refuses. The other
-//! order on either side breaks this: a prune that deleted first could let a
-//! claim create, read the old watermark and run before the raise lands; a
-//! claim that read first could read the old watermark, then create after the
+//! Take a record R that prune deleted, and a redelivery of R's message whose
+//! claim creates a new record. The message was produced before R's first
+//! claim, so `sent_at <= R.created_at`. The create is a revision-checked
+//! write that succeeds only on an absent key, so it came after R's delete in
+//! the stream's order; the delete came after the raise; the claim reads the
+//! watermark after its create was acknowledged, from the stream leader,
+//! which has applied every acknowledged write. So the read sees a watermark
+//! `>= R.created_at >= sent_at`, and the claim refuses. The other order on
+//! either side breaks this: a prune that deleted first could let a claim
+//! create, read the old watermark and run before the raise lands; a claim
+//! that read first could read the old watermark, then create after the
 //! prune.
 //!
 //! Until the claim's check has finished, its fresh record carries its
-//! `sent_at` ([`Stored::hz`]); the first write by a lease holder clears it.
-//! If the claimant never finishes the check (it crashed, its future was
-//! dropped, the create's reply was lost, the undo failed), the record stays in
-//! progress with that mark and its lease runs out; whoever then takes it over
-//! first repeats the check with the watermark of that moment, and if the
-//! mark is beyond it, deletes the record and claims the absent key instead.
-//! The watermark can only have grown since, so this never lets a pruned
-//! effect through. Its price: a claimant that passed the check and then died
-//! before its first renewal or completion, while a prune raised the watermark
-//! above its `sent_at`, is judged beyond the horizon on takeover (refused,
-//! not run twice).
+//! `sent_at` ([`Stored::hz`](crate::codec::Stored::hz)); the first write by
+//! a lease holder clears it. If the claimant never finishes the check (it
+//! crashed, its future was dropped, the create's reply was lost, the undo
+//! failed), the record stays in progress with that mark until its lease runs
+//! out; whoever then would take it over first repeats the check with the
+//! watermark of that moment, and if the mark is beyond it, deletes the
+//! record and claims the key as absent (with its own `sent_at`, so a replay
+//! is refused). The watermark can only have grown since, so this never lets
+//! a pruned effect through. An at-most-once record in that state is left
+//! alone: it reads as abandoned, for reconciliation, and never runs again
+//! anyway. The price: a claimant that passed the check and then died before
+//! its first renewal or completion, while a prune raised the watermark above
+//! its `sent_at`, loses its record on takeover (its replays are refused
+//! rather than resumed).
 
 use std::time::{Duration, SystemTime};
 

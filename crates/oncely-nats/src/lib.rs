@@ -39,7 +39,7 @@
 //! | clock | NATS server timestamps of each revision; "now" is a lower bound of the server's clock (see below), never the worker's wall clock. |
 //! | max key | [`oncely::MAX_KEY_BYTES`] (the displayed key is stored in the value; the KV key is `<tenant>.<blake3 hex>`). |
 //! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] (stored base64, far below JetStream's 1 MiB message limit). |
-//! | fences | the server clock's µs (its lower bound, below) when a record is created, `max(previous + 1, clock µs)` on takeover ([`oncely::backend::next_fence`]): they grow for the life of the bucket, across prunes and `max_age` drops, as long as retentions are longer than the clock estimate's lag (milliseconds). |
+//! | fences | the server clock's µs (its lower bound, below) when a record is created, `max(previous + 1, clock µs)` on takeover ([`oncely::backend::next_fence`]): they grow for the life of the bucket, across prunes and `max_age` drops, as long as retentions are longer than the clock estimate's lag (a probe's round trip, below). |
 //! | horizon | per tenant and kind: the later of a watermark that `prune` raises before it deletes, and `now - max_age` (what the bucket drops by itself). See below. |
 //! | round trips | claim of a new key: 1 (2 with `sent_at`: the create, then the watermark). complete / release / renew: 1 when this ledger made the claim (it remembers the revision), else 2 (read, conditional write). |
 //! | prune / abandoned | read the latest revision of every key (the whole bucket / one tenant's keys) through an ordered consumer: cost grows with the keys kept, so prune in batches off the hot path. Prune also writes each pruned tenant and kind's watermark once per call (2 round trips each). |
@@ -614,6 +614,9 @@ impl NatsKvLedger {
         // `sent_at` does too: its horizon check follows the create (see
         // horizon.rs for why that order).
         let mut known: Option<Option<Current>> = Some(None);
+        // The fence of a record this claim removed (below): the new record's
+        // fence goes above it whatever the clock estimates say.
+        let mut floor: Option<u64> = None;
         for _ in 0..MAX_ATTEMPTS {
             let cur = match known.take() {
                 Some(c) => c,
@@ -651,7 +654,7 @@ impl NatsKvLedger {
                     // The clock carries the order across prunes: the key's
                     // pruned record got its last fence at least its
                     // retention ago, on the same clock.
-                    fence: next_fence(None, now_us),
+                    fence: next_fence(floor, now_us),
                     fp: opts.fingerprint.map(|f| f.to_hex()),
                     outcome: None,
                     amo: opts.at_most_once,
@@ -694,6 +697,7 @@ impl NatsKvLedger {
             {
                 tracing::warn!(effect_key = %key, "removing a record whose claim was beyond the horizon");
                 self.undo_create(&kk, revision).await?;
+                floor = floor.max(Some(prev.fence));
                 continue;
             }
             let value = Stored {
