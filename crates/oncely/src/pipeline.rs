@@ -231,7 +231,8 @@ pub(crate) enum Settlement<T> {
 ///   cannot be stored releases the key, except in an at-most-once step;
 /// - a retryable failure releases the key, unless the ledger's driver says it
 ///   is a unique violation of the handler's own: never a duplicate, a bug,
-///   reported as the non-retryable [`Error::ConstraintViolation`];
+///   reported as the non-retryable [`Error::ConstraintViolation`]; an
+///   [`Error`] the handler passed on is returned as it is;
 /// - a terminal failure is stored and replayed when failures are cached,
 ///   released otherwise.
 pub(crate) fn settlement<L: Ledger, T: Serialize>(
@@ -264,7 +265,13 @@ pub(crate) fn settlement<L: Ledger, T: Serialize>(
                     message,
                 })
             }
-            None => Settlement::Release(Error::Handler(e)),
+            // An oncely error the handler passed on with `?` (a lost lease,
+            // an invalid key it built) keeps its own classification instead
+            // of becoming a retryable handler failure.
+            None => match e.downcast::<Error>() {
+                Ok(e) => Settlement::Release(*e),
+                Err(e) => Settlement::Release(Error::Handler(e)),
+            },
         },
         Err(Failure::Terminal(message)) => {
             let stored = opts.cache_failures.then(|| Outcome::failure(&message));

@@ -617,3 +617,23 @@ proptest::proptest! {
         }
     }
 }
+
+/// An oncely error the handler passes on with `?` keeps its kind (here a
+/// non-retryable invalid key) instead of becoming a retryable handler
+/// failure that a consumer would redeliver forever; the key is released.
+#[tokio::test]
+async fn an_oncely_error_from_the_handler_keeps_its_kind() {
+    let fx = effects();
+    let key = oncely::EffectKey::new(&acme(), "capture", "order-err").unwrap();
+    let e = fx
+        .run::<u32, _, _>(&key, &ClaimOptions::default(), |_| async {
+            let derived = oncely::EffectKey::new(&acme(), "cap:ture", "x")?;
+            Ok(derived.as_str().len() as u32)
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidKey { .. }), "{e:?}");
+    assert!(!e.is_retryable());
+    let r = fx.ledger().get(&key).await.unwrap().unwrap();
+    assert_eq!(r.state, RecordState::Released);
+}
