@@ -841,10 +841,11 @@ async fn prune_skips_keys_a_claim_holds() {
         return;
     };
     let k = key(&fresh_tenant(), "held");
-    let brief = ClaimOptions::default()
-        .lease(Duration::from_millis(100))
-        .retention(Duration::from_millis(200));
-    let l = match ledger.claim(&k, &brief).await.unwrap() {
+    // Not prunable yet when the transaction takes the key (other tests prune
+    // this table at any time), past its retention while it holds it.
+    let keep = Duration::from_secs(2);
+    let opts = ClaimOptions::default().lease(keep).retention(keep);
+    let l = match ledger.claim(&k, &opts).await.unwrap() {
         Claim::Acquired(l) => l,
         other => panic!("{other:?}"),
     };
@@ -852,12 +853,13 @@ async fn prune_skips_keys_a_claim_holds() {
         .complete(&l, &Outcome::from_json(&1).unwrap())
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    let prunable = tokio::time::Instant::now() + keep + Duration::from_millis(200);
     let mut tx = ledger.begin().await.unwrap();
     assert!(matches!(
-        ledger.claim_in(&mut *tx, &k, &brief).await.unwrap(),
+        ledger.claim_in(&mut *tx, &k, &opts).await.unwrap(),
         Claim::Completed(_)
     ));
+    tokio::time::sleep_until(prunable).await;
     for _ in 0..3 {
         ledger.prune(u64::MAX).await.unwrap();
         assert!(
@@ -880,12 +882,15 @@ async fn horizon_is_read_after_the_lock_wait() {
     };
     let t = fresh_tenant();
     let sent_at = std::time::SystemTime::now() - Duration::from_secs(3600);
-    let brief = ClaimOptions::default()
-        .lease(Duration::from_millis(100))
-        .retention(Duration::from_millis(200));
-    // A record of the same tenant and kind, ready to be pruned.
+    // A record of the same tenant and kind that nobody (other tests prune
+    // this table too) can prune before the claim below waits.
+    let keep = Duration::from_secs(3);
     let older = key(&t, "older");
-    let l = match ledger.claim(&older, &brief).await.unwrap() {
+    let l = match ledger
+        .claim(&older, &ClaimOptions::default().lease(keep).retention(keep))
+        .await
+        .unwrap()
+    {
         Claim::Acquired(l) => l,
         other => panic!("{other:?}"),
     };
@@ -893,8 +898,7 @@ async fn horizon_is_read_after_the_lock_wait() {
         .complete(&l, &Outcome::from_json(&1).unwrap())
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    assert_eq!(ledger.horizon(&t, "mark-paid").await.unwrap(), None);
+    let prunable = tokio::time::Instant::now() + keep + Duration::from_millis(100);
 
     // A transaction holds the key (claimed, not committed)...
     let k = key(&t, "late");
@@ -913,8 +917,10 @@ async fn horizon_is_read_after_the_lock_wait() {
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!waiting.is_finished(), "the claim did not wait for the key");
+    assert_eq!(ledger.horizon(&t, "mark-paid").await.unwrap(), None);
     // Meanwhile prune raises the horizon past the message; then the key's
     // holder rolls back, leaving it absent.
+    tokio::time::sleep_until(prunable).await;
     prune_until_gone(&ledger, &older).await;
     assert!(ledger.horizon(&t, "mark-paid").await.unwrap().unwrap() > sent_at);
     ledger.rollback(tx).await.unwrap();
