@@ -130,7 +130,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use async_nats::jetstream::{self, kv, stream};
 use futures_util::StreamExt;
-use oncely::backend::{answer_existing, check_outcome, effective_state, from_micros, next_fence, to_micros};
+use oncely::backend::{
+    answer_existing, check_outcome, effective_state, from_micros, is_beyond_horizon, next_fence, to_micros,
+};
 use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, RecordState, Result,
     Tenant,
@@ -643,7 +645,7 @@ impl NatsKvLedger {
             };
             let Some((at, prev)) = prev else {
                 // What the bucket dropped by age needs no round trip to know.
-                if oncely::backend::is_beyond_horizon(opts.sent_at, self.aged_out_before(now)) {
+                if is_beyond_horizon(opts.sent_at, self.aged_out_before(now)) {
                     return Err(Error::BeyondHorizon { key: key.to_string() });
                 }
                 let now_us = server_us(now)?;

@@ -480,7 +480,8 @@ async fn max_age_bounds_the_horizon() {
     let Some(ledger) = shared_ledger().await else {
         return;
     };
-    let max_age = ledger.options().max_age;
+    // The bucket's own max_age (what the server enforces), not the option.
+    let max_age = ledger.store().stream.cached_info().config.max_age;
     let t = fresh_tenant();
     let h = ledger
         .horizon(&t, "capture")
