@@ -668,3 +668,53 @@ async fn prune_never_deletes_a_key_a_claim_is_deciding() {
     ledger.pool().close().await;
     drop_schema(&admin, &schema).await;
 }
+
+/// Prune works in batches (each holds the advisory locks of the keys it
+/// deletes until it commits) yet honours its limit exactly, and raises each
+/// tenant and kind's horizon to the newest record it deleted there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prune_batches_and_honours_its_limit() {
+    let Some(url) = url() else { return };
+    let Some(admin) = admin(&url).await else { return };
+    let schema = fresh_schema(&admin, "batches").await;
+    let ledger = PgLedger::connect_with(&url, options(&schema)).await.unwrap();
+    let (a, b) = (fresh_tenant(), fresh_tenant());
+    // 1203 completed records past retention, over two tenants and two kinds,
+    // created a second apart; and one still kept.
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "INSERT INTO {schema}.oncely_effects (key, tenant, kind, subject, state, fence, outcome, at_most_once, \
+           created_at, updated_at, lease_expires_at, retain_until, retention_us) \
+         SELECT t || '/' || k || ':s' || i, t, k, 's' || i, 'completed', 1, convert_to('1', 'UTF8'), false, \
+           timestamptz '2020-01-01 00:00:00+00' + i * interval '1 second', now(), NULL, now() - interval '1 minute', 1000000 \
+         FROM generate_series(1, 1203) AS i, \
+           LATERAL (SELECT CASE WHEN i % 3 = 0 THEN '{b}' ELSE '{a}' END AS t, \
+                           CASE WHEN i % 2 = 0 THEN 'capture' ELSE 'receipt' END AS k) AS x; \
+         INSERT INTO {schema}.oncely_effects (key, tenant, kind, subject, state, fence, outcome, at_most_once, \
+           created_at, updated_at, lease_expires_at, retain_until, retention_us) \
+         VALUES ('{a}/capture:kept', '{a}', 'capture', 'kept', 'completed', 1, NULL, false, now(), now(), NULL, \
+           now() + interval '1 day', 86400000000);"
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+    assert_eq!(ledger.prune(1001).await.unwrap(), 1001);
+    assert_eq!(ledger.prune(u64::MAX).await.unwrap(), 202);
+    assert_eq!(ledger.prune(u64::MAX).await.unwrap(), 0);
+    let left: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {schema}.oncely_effects"
+    )))
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert_eq!(left, 1);
+    // The newest deleted of each: i = 1202 (a, capture), 1201 (a, receipt),
+    // 1200 (b, capture), 1203 (b, receipt).
+    let at = |i: u64| std::time::UNIX_EPOCH + Duration::from_secs(1_577_836_800 + i);
+    assert_eq!(ledger.horizon(&a, "capture").await.unwrap(), Some(at(1202)));
+    assert_eq!(ledger.horizon(&a, "receipt").await.unwrap(), Some(at(1201)));
+    assert_eq!(ledger.horizon(&b, "capture").await.unwrap(), Some(at(1200)));
+    assert_eq!(ledger.horizon(&b, "receipt").await.unwrap(), Some(at(1203)));
+    assert_eq!(ledger.horizon(&b, "refund").await.unwrap(), None);
+    ledger.pool().close().await;
+    drop_schema(&admin, &schema).await;
+}
