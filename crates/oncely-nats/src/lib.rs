@@ -170,6 +170,12 @@ pub struct NatsKvOptions {
     /// the stream's leader (default 30 s). Settings the ledger refuses fail at
     /// once.
     pub open_timeout: Duration,
+    /// Whether `connect` creates the bucket when it does not exist (default
+    /// `true`). With `false` a missing bucket is [`Error::Config`]: what
+    /// operator commands that must not create anything (`oncely get`,
+    /// `abandoned`, `prune`) ask for. An existing bucket's settings are
+    /// checked either way.
+    pub migrate: bool,
 }
 
 impl Default for NatsKvOptions {
@@ -181,6 +187,7 @@ impl Default for NatsKvOptions {
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(5),
             open_timeout: Duration::from_secs(30),
+            migrate: true,
         }
     }
 }
@@ -219,6 +226,13 @@ impl NatsKvOptions {
     /// Sets how long `connect` waits for the bucket to answer.
     pub fn open_timeout(mut self, t: Duration) -> Self {
         self.open_timeout = t;
+        self
+    }
+
+    /// Sets whether `connect` creates a missing bucket (see
+    /// [`NatsKvOptions::migrate`](#structfield.migrate)).
+    pub fn migrate(mut self, yes: bool) -> Self {
+        self.migrate = yes;
         self
     }
 
@@ -907,6 +921,12 @@ async fn open_bucket(js: &jetstream::Context, opts: &NatsKvOptions, deadline: De
         };
         match existing {
             Some(store) => return Ok(store),
+            None if !opts.migrate => {
+                return Err(Error::Config(format!(
+                    "NATS KV bucket {} does not exist (nothing was created); run `oncely migrate`",
+                    opts.bucket
+                )));
+            }
             None => {
                 // The stream a KV bucket is made of, written out: the client's
                 // create_key_value asks for account info in a newer shape

@@ -677,3 +677,27 @@ async fn unbounded_open_timeout_does_not_panic() {
         .open_timeout(Duration::MAX);
     NatsKvLedger::connect(&url, opts).await.unwrap();
 }
+
+/// `migrate(false)` (what the read-only operator commands ask for) never
+/// creates a bucket: a missing one is a configuration error naming it, and an
+/// existing one opens as usual.
+#[tokio::test]
+async fn without_migrate_a_missing_bucket_is_not_created() {
+    let Some((url, js)) = js().await else { return };
+    let bucket = unique("oncely_nomigrate");
+    let e = NatsKvLedger::connect(&url, NatsKvOptions::default().bucket(&bucket).migrate(false))
+        .await
+        .unwrap_err();
+    assert!(matches!(&e, Error::Config(m) if m.contains(&bucket)), "{e:?}");
+    assert!(
+        js.get_stream(format!("KV_{bucket}")).await.is_err(),
+        "a bucket was created"
+    );
+    NatsKvLedger::connect(&url, NatsKvOptions::default().bucket(&bucket))
+        .await
+        .unwrap();
+    NatsKvLedger::connect(&url, NatsKvOptions::default().bucket(&bucket).migrate(false))
+        .await
+        .unwrap();
+    js.delete_stream(format!("KV_{bucket}")).await.unwrap();
+}
