@@ -1,9 +1,11 @@
 //! Claim + complete of a fresh key: `MySqlLedger` against hand-written sqlx
 //! statements doing the same round trips on an equivalent table (the same
 //! DDL, made by the same migrations under another name) on the same pool:
-//! an insert that returns the fence (`INSERT … ON DUPLICATE KEY UPDATE …
-//! RETURNING` on MariaDB; the insert and a read of the row on MySQL 8), then
-//! a fenced update. The lead computes ratio = baseline time / oncely time.
+//! an insert that returns the fence (the clock's µs; `INSERT … ON DUPLICATE
+//! KEY UPDATE … RETURNING` on MariaDB; the insert and a read of the row on
+//! MySQL 8), then a fenced update. The baseline reads the clock the simple
+//! way (`UTC_TIMESTAMP(6)`, the statement's start); the ledger's clock read
+//! after any lock wait is part of what the ratio measures. The lead computes ratio = baseline time / oncely time.
 //!
 //! `cargo bench -p oncely-mysql --bench claim` (server: `ONCELY_MYSQL_URL`,
 //! default `mysql://root@127.0.0.1:3306/test`).
@@ -23,7 +25,7 @@ fn baseline_claim(returning: bool) -> String {
     format!(
         "INSERT INTO oncely_bench_baseline (effect_key, tenant, kind, subject, state, fence, at_most_once, \
          claim_token, created_us, updated_us, lease_expires_us, retention_us, retain_until_us) \
-         VALUES (?, ?, ?, ?, 'in_progress', 1, 0, ?, {NOW_US}, {NOW_US}, {NOW_US} + ?, ?, {NOW_US} + ?) \
+         VALUES (?, ?, ?, ?, 'in_progress', {NOW_US}, 0, ?, {NOW_US}, {NOW_US}, {NOW_US} + ?, ?, {NOW_US} + ?) \
          ON DUPLICATE KEY UPDATE fence = fence{}",
         if returning { " RETURNING fence" } else { "" }
     )

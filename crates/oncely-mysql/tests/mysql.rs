@@ -1167,3 +1167,83 @@ async fn session_time_zone_does_not_move_the_clock() {
         Claim::InProgress { .. }
     ));
 }
+
+/// Two claimants wait on a transaction that holds the key and then rolls
+/// back after their leases' length: B on the pool, C in its own transaction.
+/// Whichever inserts first writes a grant measured from before the wait and
+/// must refresh it; the other may take that stale grant over first (then the
+/// refresh finds the key taken and B claims again, answering as that claim
+/// does), wait for the refreshed grant, or be InnoDB's deadlock victim (both
+/// held a share lock on the rolled-back row and both insert: C's application
+/// redoes its transaction, B's claim is retried by the ledger). Whatever the
+/// interleaving, exactly one acquires, with a live lease, and the other sees
+/// its fence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn claimants_waiting_on_a_rollback_get_one_live_lease() {
+    for opts in both_paths() {
+        let Some(ledger) = ledger_with(opts).await else {
+            return;
+        };
+        for round in 0..2 {
+            let k = key(&fresh_tenant(), "capture", &format!("stale-grant-{round}"));
+            let lease = Duration::from_secs(1);
+            let o = ClaimOptions::default().lease(lease);
+            let mut a = ledger.begin().await.unwrap();
+            acquired(ledger.claim_in(&mut a, &k, &o).await.unwrap());
+            let b = {
+                let (ledger, k, o) = (ledger.clone(), k.clone(), o.clone());
+                tokio::spawn(async move { ledger.claim(&k, &o).await.unwrap() })
+            };
+            let (claimed_tx, claimed_rx) = tokio::sync::oneshot::channel();
+            let (commit_tx, commit_rx) = tokio::sync::oneshot::channel::<()>();
+            let c = {
+                let (ledger, k, o) = (ledger.clone(), k.clone(), o.clone());
+                tokio::spawn(async move {
+                    let mut deadlocks = 0;
+                    let (tx, claim) = loop {
+                        let mut tx = ledger.begin().await.unwrap();
+                        match ledger.claim_in(&mut tx, &k, &o).await {
+                            Ok(claim) => break (tx, claim),
+                            Err(e) if e.is_retryable() => deadlocks += 1,
+                            Err(e) => panic!("{e:?}"),
+                        }
+                    };
+                    claimed_tx.send(claim.clone()).unwrap();
+                    commit_rx.await.unwrap();
+                    tx.commit().await.unwrap();
+                    (claim, deadlocks)
+                })
+            };
+            tokio::time::sleep(lease * 5 / 2).await;
+            assert!(!b.is_finished(), "B waits on A's row");
+            a.rollback().await.unwrap();
+            // C answers while its transaction is open; B may be waiting on
+            // C's row, so let C commit before waiting for B.
+            let c_claim = claimed_rx.await.unwrap();
+            commit_tx.send(()).unwrap();
+            let (_, c_deadlocks) = c.await.unwrap();
+            let b_claim = b.await.unwrap();
+            let winner = match (&b_claim, &c_claim) {
+                (Claim::Acquired(w), Claim::InProgress { fence, .. })
+                | (Claim::InProgress { fence, .. }, Claim::Acquired(w)) => {
+                    assert_eq!(*fence, w.fence, "the loser saw the winner's grant");
+                    w.clone()
+                }
+                other => panic!("exactly one of B and C acquires: {other:?}"),
+            };
+            eprintln!(
+                "winner: {}, C's deadlock retries: {c_deadlocks}",
+                if matches!(b_claim, Claim::Acquired(_)) {
+                    "B (pool)"
+                } else {
+                    "C (transaction)"
+                }
+            );
+            assert!(!oncely::backend::needs_refresh(&winner, lease), "{winner:?}");
+            match ledger.claim(&k, &ClaimOptions::default()).await.unwrap() {
+                Claim::InProgress { fence, .. } => assert_eq!(fence, winner.fence),
+                other => panic!("the winner's lease had ended: {other:?}"),
+            }
+        }
+    }
+}
