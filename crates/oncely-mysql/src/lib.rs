@@ -36,17 +36,17 @@
 //! | | |
 //! | --- | --- |
 //! | atomic claim | one `INSERT … ON DUPLICATE KEY UPDATE` on the primary key; the takeover of an expired lease or a released record happens in the same statement |
-//! | caller's transaction | yes: [`TransactionalLedger`] on `&mut sqlx::MySqlConnection`; a concurrent duplicate blocks on the row lock until the first commits |
+//! | caller's transaction | yes: [`TransactionalLedger`] on `&mut sqlx::MySqlConnection`; a concurrent duplicate blocks on the row lock until the first commits. When several wait on one that rolls back, InnoDB may make one of them a deadlock victim (each held a share lock on the duplicate): a retryable [`oncely::Error::Backend`]; redo the transaction |
 //! | durability | what the server's InnoDB settings give (`innodb_flush_log_at_trx_commit = 1`: committed claims survive a crash) |
 //! | replication | none before a claim returns (asynchronous replicas may lag; Galera / group replication as configured). Statements read `SYSDATE()`: use row-based or mixed binary logging, not `binlog_format = STATEMENT` |
 //! | clock | the database server's, read when each write takes effect (after any lock wait): `UTC_TIMESTAMP(6)` plus the time elapsed since, measured with `SYSDATE(6)`, independent of the session time zone (see below). A server started with `--sysdate-is-now` is refused |
-//! | fences | the server clock's µs at the grant, or the previous fence + 1, whichever is higher ([`oncely::backend::next_fence`]): never repeated for a key, prunes included |
+//! | fences | the server clock's µs at the grant, or the previous fence + 1, whichever is higher ([`oncely::backend::next_fence`]): never repeated for a key, prunes included (one caveat below) |
 //! | horizon | a watermark per tenant and kind in `<table>_horizon`, raised by `prune` in the transaction that deletes; a claim with `sent_at` at or before it fails with `BeyondHorizon` when its key is absent. A claim without `sent_at` cannot be told from new work |
 //! | schema | checked on connect (every mode) and after `migrate`: columns and types, a primary key or unique index on exactly `effect_key`, binary collations on `effect_key`, `tenant`, `kind`, InnoDB; anything else is [`oncely::Error::Config`] naming the table and the problem |
 //! | read-only | [`MySqlLedgerOptions::read_only`]: no migration, read-only sessions; `get`, `abandoned` and `horizon` work for a user with `SELECT` on the two tables |
 //! | max key | 255 bytes (`VARCHAR(255)` utf8mb4, `utf8mb4_bin`) |
 //! | max outcome | 64 KiB ([`oncely::MAX_OUTCOME_BYTES`]), lower if the server's `max_allowed_packet` is smaller; see [`MySqlLedger::max_outcome_bytes`] |
-//! | round trips per claim | 1 on MariaDB 10.5+ (`RETURNING`), 2 on MySQL 8 (the statement, then a locking read of the row); 2 more for a grant whose statement waited on a lock (a refresh), or a claim refused by the horizon |
+//! | round trips per claim | 1 on MariaDB 10.5+ (`RETURNING`), 2 on MySQL 8 (the statement, then a locking read of the row). Rare paths cost more: 2 more for a fresh grant whose statement waited on a lock (its refresh), up to 3 more for a claim refused by the horizon |
 //! | leaked-transaction guard | MariaDB (`@@in_transaction`); not on MySQL 8 |
 //! | pool size | default 10; the conformance race (64 claimants) uses 70. MariaDB's default `max_connections` is 151 |
 //!
@@ -70,7 +70,11 @@
 //! second, or so long that less than half its lease was left)
 //! is rewritten with a new expiry and fence from that clock before it is
 //! returned; if the key was taken over meanwhile, the claim runs again. A
-//! lease's `acquired_at` is always the clock after the write.
+//! lease's `acquired_at` is always the clock after the write. A fresh grant
+//! whose statement waited less than that keeps the statement's start as its
+//! fence: that is below an earlier fence of the key only if the key was
+//! claimed, completed *and pruned* during the wait, which takes a retention
+//! under a second (and even then no stale holder can match the new fence).
 //!
 //! ## Why `ON DUPLICATE KEY UPDATE` and not `INSERT IGNORE`
 //!
@@ -118,11 +122,16 @@
 //! watermark rows of the tenants and kinds it will delete from, raises each
 //! to the newest `created_at` it deletes there, and deletes. A claim with
 //! `sent_at` checks the watermark with a locking read before inserting (a
-//! refused replay writes nothing), and again after its write, in the same
-//! statement: if a prune deleted the key while the insert waited on it, the
-//! claim deletes its own fresh row and fails with `BeyondHorizon`. Neither
-//! read can be fooled by a snapshot taken before a wait, at any isolation
-//! level. ([`Ledger::horizon`] reads the watermark.)
+//! refused replay writes nothing), and again right after its write (in the
+//! same statement on MariaDB, in the locking read-back on MySQL 8): if a
+//! prune deleted the key while the insert waited on it, the claim deletes
+//! its own fresh row and fails with `BeyondHorizon`. Neither read can be
+//! fooled by a snapshot taken before a wait, at any isolation level.
+//! ([`Ledger::horizon`] reads the watermark.) One window remains: on the
+//! pool that fresh row has committed before it is deleted, so if the process
+//! dies in between, it stays as an in-progress lease that the next claim
+//! takes over once it expires (in `claim_in` the caller's rollback removes
+//! it).
 //!
 //! ## Schema, migrations, read-only
 //!

@@ -165,14 +165,11 @@ async fn verify_one(conn: &mut MySqlConnection, table: &str, spec: Spec, key_col
         ));
     };
     let name = format!("`{db}`.`{table}`");
-    let found = sqlx::query(
-        "SELECT CAST(TABLE_TYPE AS CHAR) AS kind, CAST(ENGINE AS CHAR) AS engine \
-         FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?",
-    )
-    .bind(table)
-    .fetch_optional(&mut *conn)
-    .await
-    .map_err(map)?;
+    let found = sqlx::query(sql::IS_TABLE)
+        .bind(table)
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(map)?;
     let Some(found) = found else {
         return Err(Error::Config(format!(
             "table {name} does not exist (or this user cannot see it); run `oncely migrate` or \
@@ -193,17 +190,11 @@ async fn verify_one(conn: &mut MySqlConnection, table: &str, spec: Spec, key_col
             engine.unwrap_or_default()
         ));
     }
-    let rows = sqlx::query(
-        "SELECT CAST(COLUMN_NAME AS CHAR) AS name, CAST(DATA_TYPE AS CHAR) AS data_type, \
-         CAST(COLUMN_TYPE AS CHAR) AS column_type, CAST(IS_NULLABLE AS CHAR) AS nullable, \
-         CAST(CHARACTER_MAXIMUM_LENGTH AS SIGNED) AS max_len, \
-         CAST(CHARACTER_SET_NAME AS CHAR) AS charset, CAST(COLLATION_NAME AS CHAR) AS collation \
-         FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?",
-    )
-    .bind(table)
-    .fetch_all(&mut *conn)
-    .await
-    .map_err(map)?;
+    let rows = sqlx::query(sql::IS_COLUMNS)
+        .bind(table)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(map)?;
     let mut columns = Vec::with_capacity(rows.len());
     for r in &rows {
         columns.push(Column {
@@ -222,16 +213,11 @@ async fn verify_one(conn: &mut MySqlConnection, table: &str, spec: Spec, key_col
             Some(c) => problems.extend(c.problem(*want, *nullable)),
         }
     }
-    let rows = sqlx::query(
-        "SELECT CAST(INDEX_NAME AS CHAR) AS idx, CAST(NON_UNIQUE AS SIGNED) AS non_unique, \
-         CAST(COLUMN_NAME AS CHAR) AS col, CAST(SUB_PART AS SIGNED) AS sub_part \
-         FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? \
-         ORDER BY INDEX_NAME, SEQ_IN_INDEX",
-    )
-    .bind(table)
-    .fetch_all(&mut *conn)
-    .await
-    .map_err(map)?;
+    let rows = sqlx::query(sql::IS_INDEXES)
+        .bind(table)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(map)?;
     // index name -> (unique, whole columns, any prefix or expression part)
     let mut indexes: Vec<(String, bool, Vec<String>, bool)> = Vec::new();
     for r in &rows {
@@ -305,13 +291,11 @@ pub(crate) async fn migrate(conn: &mut MySqlConnection, table: &str) -> Result<(
 }
 
 async fn apply(conn: &mut MySqlConnection, table: &str) -> Result<()> {
-    let exists: i64 = sqlx::query_scalar(
-        "SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?",
-    )
-    .bind(table)
-    .fetch_one(&mut *conn)
-    .await
-    .map_err(map)?;
+    let exists: i64 = sqlx::query_scalar(sql::IS_TABLE_COUNT)
+        .bind(table)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(map)?;
     if exists > 0 {
         verify_one(conn, table, EFFECTS, &["effect_key"]).await?;
     }

@@ -118,6 +118,26 @@ pub(crate) const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS oncely_sch
   PRIMARY KEY (table_name, version)
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4";
 
+/// `information_schema` reads for `schema::verify`, by table name, in the
+/// connection's database. Every value is cast to a plain type: MySQL 8 and
+/// MariaDB declare these columns differently (binary strings, unsigned or
+/// signed integers).
+pub(crate) const IS_TABLE: &str = "SELECT CAST(TABLE_TYPE AS CHAR) AS kind, CAST(ENGINE AS CHAR) AS engine \
+     FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?";
+pub(crate) const IS_TABLE_COUNT: &str =
+    "SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?";
+pub(crate) const IS_COLUMNS: &str = "SELECT CAST(COLUMN_NAME AS CHAR) AS name, CAST(DATA_TYPE AS CHAR) AS data_type, \
+     CAST(COLUMN_TYPE AS CHAR) AS column_type, CAST(IS_NULLABLE AS CHAR) AS nullable, \
+     CAST(CHARACTER_MAXIMUM_LENGTH AS SIGNED) AS max_len, \
+     CAST(CHARACTER_SET_NAME AS CHAR) AS charset, CAST(COLLATION_NAME AS CHAR) AS collation \
+     FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?";
+/// One row per index column, in index order; `COLUMN_NAME` is NULL for an
+/// expression part (MySQL 8 functional indexes), `SUB_PART` set for a prefix.
+pub(crate) const IS_INDEXES: &str = "SELECT CAST(INDEX_NAME AS CHAR) AS idx, CAST(NON_UNIQUE AS SIGNED) AS non_unique, \
+     CAST(COLUMN_NAME AS CHAR) AS col, CAST(SUB_PART AS SIGNED) AS sub_part \
+     FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? \
+     ORDER BY INDEX_NAME, SEQ_IN_INDEX";
+
 /// The statements of one ledger table.
 ///
 /// The claim comes in variants: with `RETURNING` (MariaDB 10.5+) or without
