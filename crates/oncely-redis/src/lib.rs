@@ -38,7 +38,7 @@
 //! | clock | the Redis server's `TIME`, read inside each script, so at the moment its write takes effect (per master in a cluster; each record lives on one master) |
 //! | fences | the server's clock in µs at the grant, or the previous fence + 1 if higher ([`next_fence`](oncely::backend::next_fence)): never repeated for a key, prunes included, as long as a master's clock never steps back by more than the shortest retention in use (or a failover promotes a replica whose clock is that far behind) |
 //! | expiry | none: records carry no TTL, and only [`prune`](oncely::Ledger::prune) deletes them, so **prune must be scheduled** (see Records) |
-//! | horizon | a watermark per tenant and kind that prune raises before it deletes; one server: read atomically with the claim; a cluster: read after the claim's insert, one more round trip for a claim with `sent_at` that inserts (see Horizon) |
+//! | horizon | a watermark per tenant and kind that prune raises before it deletes; one server: read atomically with the claim; a cluster: read after the claim's insert, one more round trip for a claim with `sent_at` that inserts, and checked again before anyone takes over a record whose claim may not have finished that check (see Horizon) |
 //! | max key | [`oncely::MAX_KEY_BYTES`] bytes of effect key, plus the prefix and a 19-byte hash tag |
 //! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] bytes, stored in the record's hash |
 //! | cluster | yes: each operation on a record touches exactly one key, so one slot |
@@ -57,8 +57,10 @@
 //! The hash's field `v` is the record format, now `2`: a claim writes only
 //! the fields it cannot leave implied (state, fence, creation time, lease
 //! expiry, retention; the fingerprint and the at-most-once mark only when
-//! set), because every field written costs server time on every claim.
-//! `src/lua/prelude.lua` lists them; format 1 records are read as well.
+//! set; on a cluster, a claim's `sent_at` until its horizon check is known
+//! to have passed, see Horizon), because every field written costs server
+//! time on every claim. `src/lua/prelude.lua` lists them; format 1 records
+//! are read as well.
 //!
 //! No record carries a TTL. [`prune`](oncely::Ledger::prune) is the one path
 //! that deletes records, because a deletion must raise the horizon first
@@ -93,17 +95,38 @@
 //! [`ClaimOptions::sent_at`] that finds its key absent fails with
 //! [`Error::BeyondHorizon`] if `sent_at` is at or before the watermark
 //! ([`is_beyond_horizon`]). On one server the claim script reads the
-//! watermark in the same atomic step as its insert. In a cluster the watermark lives in another slot, so a claim
-//! that inserted reads it afterwards and, past the horizon, deletes its own
-//! insert again (only if it is still exactly the record it wrote) before
-//! failing: one more round trip for a claim with `sent_at` that inserts,
-//! two for one that turns out to be beyond the horizon. Such a claim runs
-//! to completion even if the caller drops its future. What a cluster cannot
-//! close: if the claim's reply is lost after the server applied the insert
-//! (a response timeout, a dropped connection), or the delete cannot reach
-//! the server (logged as an error), the claim fails and the record it
-//! wrote stays in progress until its lease ends; a later delivery then takes
-//! it over like any abandoned lease, and a takeover asks no horizon.
+//! watermark in the same atomic step as its insert. In a cluster the
+//! watermark lives in another slot, so a claim that inserted reads it
+//! afterwards and, past the horizon, deletes its own insert again (only if
+//! it is still exactly the record it wrote) before failing: one more round
+//! trip for a claim with `sent_at` that inserts, two for one that turns out
+//! to be beyond the horizon. Such a claim runs to completion even if the
+//! caller drops its future.
+//!
+//! A cluster claim's check can still fail to finish: the worker stops between
+//! the insert and the check, the claim's reply is lost after the server
+//! applied the insert (a response timeout, a dropped connection), or the
+//! delete cannot reach the server (logged as an error). Its record then stays
+//! in progress until its lease ends. So that nobody takes it over unchecked,
+//! the record carries the claim's `sent_at` (field `hz`) until its lease
+//! holder first writes: renew, complete and release clear it in their own
+//! script, at no extra round trip. Whoever would take over an expired record
+//! that still carries it first checks again, with the watermark of that
+//! moment (which has only risen since): if the message is beyond it, the
+//! record is deleted (only if it is still exactly that record) and the key is
+//! claimed as absent, so a replay with `sent_at` is refused and a claim
+//! without it starts afresh, with a fence above the deleted record's;
+//! otherwise the mark is cleared (fenced the same way) and the takeover goes
+//! on. That costs the takeover three more round trips (the watermark, the
+//! delete or clear, the claim script again). An at-most-once record in that
+//! state is never taken over anyway: it reads as abandoned, for
+//! reconciliation. What is left is narrow: a claim that passed its check and
+//! whose holder then stopped before its first renewal or completion, while
+//! prune raised the watermark above its `sent_at` (by deleting a newer record
+//! of the same tenant and kind), loses its record at the takeover: replays of
+//! its message are then refused instead of resuming the effect, which may
+//! have run in part. On one server none of this applies: records carry no
+//! mark.
 //!
 //! A claim without `sent_at` cannot be told from new work: if its record
 //! was pruned, it acquires and runs the effect again. Pass the message's
@@ -159,9 +182,11 @@
 //! future was dropped may still have been applied on the server: the key is
 //! then in progress until the lease expires and is taken over afterwards (or
 //! reported abandoned, for an at-most-once step), as the contract allows.
-//! The one operation of several scripts, a cluster claim with `sent_at`
-//! (insert, horizon check, take-back), runs as a task of its own: a dropped
-//! future does not stop it halfway.
+//! A cluster claim with `sent_at` (insert, horizon check, take-back) runs
+//! as a task of its own: a dropped future does not stop it halfway. A
+//! claim that checks a marked record again (read the watermark, delete the
+//! record or clear its mark, claim again) needs none: each step leaves the
+//! record as it was or settled, and the next claim carries on from there.
 //! Metrics and spans of claims are recorded by oncely's runners, not here.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -202,6 +227,12 @@ const HORIZON_INFIX: &str = "#horizon:";
 /// How often a cluster claim tries to take back an insert that turned out to
 /// be beyond the horizon, on retryable errors, before it gives up and logs.
 const UNDO_ATTEMPTS: u32 = 4;
+/// How many times one claim runs the claim script. It runs again only after
+/// it found an unchecked record ([`RedisLedger::recheck`]) and removed it or
+/// cleared its mark, which a second run no longer finds; more runs than two
+/// take claimants racing on such a record, and this bound keeps a claim
+/// from looping on one that keeps changing.
+const CLAIM_ATTEMPTS: u32 = 4;
 
 macro_rules! lua {
     ($file:literal) => {
@@ -443,17 +474,22 @@ impl RedisLedger {
         }
     }
 
-    async fn fenced(&self, lease: &Lease, op: &str, arg: &[u8]) -> Result<Vec<Value>> {
-        let rkey = self.redis_key(&lease.key);
+    /// Runs fenced.lua: `op` on `key`'s record, only while it is in
+    /// progress at `fence`; `args` are the operation's own (ARGV from 4 on).
+    async fn fenced(&self, key: &EffectKey, fence: u64, op: &str, args: &[&[u8]]) -> Result<Vec<Value>> {
+        let rkey = self.redis_key(key);
         let mut cmd = evalsha(&FENCED, &rkey, None);
-        cmd.arg(lease.key.as_str()).arg(lease.fence).arg(op).arg(arg);
+        cmd.arg(key.as_str()).arg(fence).arg(op);
+        for arg in args {
+            cmd.arg(*arg);
+        }
         let reply = self.run(&FENCED, &cmd).await?;
         let parts = array(reply)?;
         match tag(&parts)? {
             "ok" => Ok(parts),
             "lost" => Err(Error::LeaseLost {
-                key: lease.key.to_string(),
-                fence: lease.fence,
+                key: key.to_string(),
+                fence,
             }),
             "corrupt" => Err(corrupt(&rkey, &parts)),
             other => Err(unexpected(other)),
@@ -498,14 +534,20 @@ impl RedisLedger {
     /// read sees the raised watermark and refuses. Reading before the insert
     /// would leave a gap: prune could raise and delete between the read and
     /// the insert.
-    async fn settle_horizon(&self, lease: Lease, hkey: &str, sent_at: Option<SystemTime>) -> Result<Lease> {
+    ///
+    /// A claim that never gets here (its reply lost, or its task gone) leaves
+    /// its record marked with its `sent_at`, and so does one whose take-back
+    /// fails; [`RedisLedger::recheck`] checks such a record again before
+    /// anyone takes it over. A claim that passes leaves the mark too: its
+    /// lease holder's first write clears it, at no extra round trip.
+    async fn settle_horizon(&self, lease: Lease, hkey: &str, sent_us: i64) -> Result<Lease> {
         let watermark = self.watermark(hkey).await;
         if let Ok(w) = &watermark
-            && !is_beyond_horizon(sent_at, *w)
+            && !is_beyond_horizon(Some(from_micros(sent_us)), *w)
         {
             return Ok(lease);
         }
-        self.undo(&lease).await;
+        self.undo(&lease, sent_us).await;
         match watermark {
             Ok(_) => Err(Error::BeyondHorizon {
                 key: lease.key.to_string(),
@@ -515,7 +557,10 @@ impl RedisLedger {
     }
 
     /// One claim: the script, and on a cluster the horizon check after an
-    /// insert ([`RedisLedger::settle_horizon`]).
+    /// insert ([`RedisLedger::settle_horizon`]). An expired record that the
+    /// script will not take over before its creating claim's check is
+    /// repeated ([`RedisLedger::recheck`]) is checked here, and the script
+    /// sent again.
     async fn claim_once(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
         // validate() refuses a sent_at outside 1970..9999; the conversion is
         // checked all the same, so nothing can wrap into another time.
@@ -524,72 +569,152 @@ impl RedisLedger {
         let hkey = sent_at.map(|_| self.horizon_key(key.tenant(), key.kind()));
         // One server: the script reads the watermark with its insert.
         let in_script = hkey.as_deref().filter(|_| !self.is_cluster());
-        let mut cmd = evalsha(&CLAIM, &rkey, in_script);
-        cmd.arg(key.as_str())
-            .arg(duration_micros(opts.lease))
-            .arg(duration_micros(opts.retention));
-        match opts.fingerprint {
-            Some(f) => cmd.arg(f.to_hex().as_str()),
-            None => cmd.arg(""),
-        };
-        cmd.arg(if opts.at_most_once { "1" } else { "0" });
-        match sent_at {
-            Some(us) => cmd.arg(us),
-            None => cmd.arg(""),
-        };
-        let reply = self.run(&CLAIM, &cmd).await?;
-        let parts = array(reply)?;
-        match tag(&parts)? {
-            "acquired" => {
-                let lease = Lease {
-                    key: key.clone(),
+        // The fence of a record this claim removed: the key's next record
+        // gets a higher one, whatever the clock says.
+        let mut floor: Option<u64> = None;
+        for _ in 0..CLAIM_ATTEMPTS {
+            let mut cmd = evalsha(&CLAIM, &rkey, in_script);
+            cmd.arg(key.as_str())
+                .arg(duration_micros(opts.lease))
+                .arg(duration_micros(opts.retention));
+            match opts.fingerprint {
+                Some(f) => cmd.arg(f.to_hex().as_str()),
+                None => cmd.arg(""),
+            };
+            cmd.arg(if opts.at_most_once { "1" } else { "0" });
+            match sent_at {
+                Some(us) => cmd.arg(us),
+                None => cmd.arg(""),
+            };
+            if let Some(f) = floor {
+                cmd.arg(f);
+            }
+            let reply = self.run(&CLAIM, &cmd).await?;
+            let parts = array(reply)?;
+            return match tag(&parts)? {
+                "acquired" => {
+                    let lease = Lease {
+                        key: key.clone(),
+                        fence: uint(parts.get(1))?,
+                        expires_at: from_micros(int(parts.get(2))?),
+                        first_claimed_at: from_micros(int(parts.get(3))?),
+                        acquired_at: from_micros(int(parts.get(4))?),
+                        taken_over: int(parts.get(5))? == 1,
+                        at_most_once: opts.at_most_once,
+                    };
+                    match (&hkey, sent_at) {
+                        // A takeover found the record: the horizon is not its
+                        // question (the contract checks absent keys only).
+                        (Some(hkey), Some(us)) if in_script.is_none() && !lease.taken_over => {
+                            self.settle_horizon(lease, hkey, us).await.map(Claim::Acquired)
+                        }
+                        _ => Ok(Claim::Acquired(lease)),
+                    }
+                }
+                "unchecked" => {
+                    let fence = uint(parts.get(1))?;
+                    let hz = parts.get(3).and_then(text).unwrap_or_default();
+                    self.recheck(key, fence, int(parts.get(2))?, &hz).await?;
+                    // Needed only if the record is gone when the script runs
+                    // again, harmless otherwise (a takeover's fence is above
+                    // the record's anyway).
+                    floor = floor.max(Some(fence));
+                    continue;
+                }
+                "in_progress" => Ok(Claim::InProgress {
                     fence: uint(parts.get(1))?,
                     expires_at: from_micros(int(parts.get(2))?),
                     first_claimed_at: from_micros(int(parts.get(3))?),
-                    acquired_at: from_micros(int(parts.get(4))?),
-                    taken_over: int(parts.get(5))? == 1,
-                    at_most_once: opts.at_most_once,
-                };
-                match hkey {
-                    // A takeover found the record: the horizon is not its
-                    // question (the contract checks absent keys only).
-                    Some(hkey) if in_script.is_none() && !lease.taken_over => self
-                        .settle_horizon(lease, &hkey, opts.sent_at)
-                        .await
-                        .map(Claim::Acquired),
-                    _ => Ok(Claim::Acquired(lease)),
+                    read_at: from_micros(int(parts.get(4))?),
+                }),
+                "record" => {
+                    // The script decided; the kit's rule says what the record answers.
+                    let r = record(&rkey, Some(key), &parts)?;
+                    match answer_existing(key, opts, r)? {
+                        Some(c @ (Claim::Completed(_) | Claim::Abandoned(_))) => Ok(c),
+                        other => Err(unexpected(&format!("{other:?}"))),
+                    }
                 }
-            }
-            "in_progress" => Ok(Claim::InProgress {
-                fence: uint(parts.get(1))?,
-                expires_at: from_micros(int(parts.get(2))?),
-                first_claimed_at: from_micros(int(parts.get(3))?),
-                read_at: from_micros(int(parts.get(4))?),
-            }),
-            "record" => {
-                // The script decided; the kit's rule says what the record answers.
-                let r = record(&rkey, Some(key), &parts)?;
-                match answer_existing(key, opts, r)? {
-                    Some(c @ (Claim::Completed(_) | Claim::Abandoned(_))) => Ok(c),
-                    other => Err(unexpected(&format!("{other:?}"))),
+                "horizon" => Err(Error::BeyondHorizon { key: key.to_string() }),
+                "mismatch" => Err(Error::FingerprintMismatch { key: key.to_string() }),
+                // The third element names the horizon key when that is what is wrong.
+                "corrupt" => match (&hkey, parts.get(2)) {
+                    (Some(hkey), Some(_)) => Err(corrupt(hkey, &parts)),
+                    _ => Err(corrupt(&rkey, &parts)),
+                },
+                other => Err(unexpected(other)),
+            };
+        }
+        Err(Error::Backend {
+            backend: BACKEND,
+            message: format!(
+                "{key}: claim gave up after {CLAIM_ATTEMPTS} attempts; its record kept changing while its \
+                 horizon was checked again"
+            ),
+            retryable: true,
+        })
+    }
+
+    /// Repeats the horizon check of the cluster claim that inserted `key`'s
+    /// record, before anyone takes that expired record over: the record
+    /// still carries the claim's `sent_at` (`hz`), so nobody knows that the
+    /// check passed (the claim's reply may have been lost after the insert
+    /// was applied, or its take-back may have failed). `fence`, `created`
+    /// and `hz` are what the claim script found.
+    ///
+    /// Beyond the horizon, the record should never have existed: it is
+    /// deleted, and the caller claims the key as absent (with its own
+    /// `sent_at`, if it has one, checked like any insert's; a replay of the
+    /// same message is refused). Otherwise its mark is cleared and the
+    /// caller takes it over. Both writes are fenced on exactly that record
+    /// (fenced.lua: in progress, its fence, creation time and mark), so one
+    /// taken over meanwhile, or renewed by a holder that was only slow, is
+    /// left alone, and the caller's next attempt answers for it.
+    ///
+    /// Why this keeps a pruned effect from running again: this read of the
+    /// watermark follows the insert (the claim script found the record), so
+    /// it sees at least what the inserting claim's own check would have
+    /// seen, and [`RedisLedger::settle_horizon`]'s argument applies as is.
+    /// A watermark that cannot be read fails the claim closed, with the
+    /// record unchanged. An at-most-once record never gets here (it is
+    /// never taken over: it reads as abandoned).
+    async fn recheck(&self, key: &EffectKey, fence: u64, created: i64, hz: &str) -> Result<()> {
+        let sent_us: i64 = hz.parse().map_err(|_| Error::Corrupt {
+            backend: BACKEND,
+            message: format!("{}: horizon mark {hz:?} is not a time", self.redis_key(key)),
+        })?;
+        let watermark = self
+            .watermark(&self.horizon_key(key.tenant(), key.kind()))
+            .await?;
+        let beyond = is_beyond_horizon(Some(from_micros(sent_us)), watermark);
+        let op = if beyond { "undo" } else { "checked" };
+        let created = created.to_string();
+        match self
+            .fenced(key, fence, op, &[created.as_bytes(), hz.as_bytes()])
+            .await
+        {
+            Ok(_) => {
+                if beyond {
+                    tracing::warn!(
+                        effect_key = %key,
+                        fence,
+                        "removed a record whose claim was beyond the horizon and never finished its check"
+                    );
                 }
+                Ok(())
             }
-            "horizon" => Err(Error::BeyondHorizon { key: key.to_string() }),
-            "mismatch" => Err(Error::FingerprintMismatch { key: key.to_string() }),
-            // The third element names the horizon key when that is what is wrong.
-            "corrupt" => match (&hkey, parts.get(2)) {
-                (Some(hkey), Some(_)) => Err(corrupt(hkey, &parts)),
-                _ => Err(corrupt(&rkey, &parts)),
-            },
-            other => Err(unexpected(other)),
+            Err(Error::LeaseLost { .. }) => Ok(()),
+            Err(e) => Err(e),
         }
     }
 
     /// Deletes the record a claim just inserted, if it is still exactly that
-    /// record (fenced by the lease, and its creation time), retrying
-    /// transient errors a few times. Failures are logged: the caller fails
-    /// its claim either way.
-    async fn undo(&self, lease: &Lease) {
+    /// record (fenced by the lease, its creation time and its mark, the
+    /// claim's `sent_at`), retrying transient errors a few times. Failures
+    /// are logged: the caller fails its claim either way, and the record
+    /// left behind keeps its mark, so whoever would take it over checks the
+    /// horizon again first ([`RedisLedger::recheck`]).
+    async fn undo(&self, lease: &Lease, sent_us: i64) {
         let created = match to_micros(lease.first_claimed_at) {
             Ok(us) => us.to_string(),
             Err(e) => {
@@ -597,9 +722,18 @@ impl RedisLedger {
                 return;
             }
         };
+        let hz = sent_us.to_string();
         let mut pause = Duration::from_millis(50);
         for attempt in 1..=UNDO_ATTEMPTS {
-            match self.fenced(lease, "undo", created.as_bytes()).await {
+            match self
+                .fenced(
+                    &lease.key,
+                    lease.fence,
+                    "undo",
+                    &[created.as_bytes(), hz.as_bytes()],
+                )
+                .await
+            {
                 // Lost: no longer the record this claim wrote (taken over
                 // after its lease ended), so nothing of ours to take back.
                 Ok(_) | Err(Error::LeaseLost { .. }) => return,
@@ -613,7 +747,7 @@ impl RedisLedger {
                         fence = lease.fence,
                         error = %e,
                         "cannot take back a claim beyond the horizon; its record stays in progress \
-                         and a later delivery may take it over after the lease ends"
+                         until its lease ends, and whoever would take it over then checks the horizon again"
                     );
                     return;
                 }
@@ -743,11 +877,15 @@ impl Ledger for RedisLedger {
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
         check_outcome(outcome, oncely::MAX_OUTCOME_BYTES)?;
-        self.fenced(lease, "complete", outcome.as_bytes()).await.map(drop)
+        self.fenced(&lease.key, lease.fence, "complete", &[outcome.as_bytes()])
+            .await
+            .map(drop)
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
-        self.fenced(lease, "release", b"").await.map(drop)
+        self.fenced(&lease.key, lease.fence, "release", &[b""])
+            .await
+            .map(drop)
     }
 
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
@@ -757,7 +895,9 @@ impl Ledger for RedisLedger {
             )));
         }
         let by = duration_micros(extend_by).to_string();
-        let parts = self.fenced(lease, "renew", by.as_bytes()).await?;
+        let parts = self
+            .fenced(&lease.key, lease.fence, "renew", &[by.as_bytes()])
+            .await?;
         Ok(Lease {
             expires_at: from_micros(int(parts.get(2))?),
             ..lease.clone()
@@ -926,9 +1066,35 @@ mod tests {
         }
     }
 
-    /// The take-back of a claim beyond the horizon deletes only the record
-    /// that claim wrote: not one with another fence or creation time, not
-    /// one taken over after its lease ended.
+    /// Inserts `key`'s record as a cluster claim with `sent_us` does, before
+    /// its horizon check (on any server: without the watermark in the
+    /// script, the record carries the mark).
+    async fn insert_marked(ledger: &RedisLedger, key: &EffectKey, lease: Duration, sent_us: i64) -> Lease {
+        let mut cmd = evalsha(&CLAIM, &ledger.redis_key(key), None);
+        cmd.arg(key.as_str())
+            .arg(duration_micros(lease))
+            .arg(3_600_000_000i64)
+            .arg("")
+            .arg("0")
+            .arg(sent_us);
+        let parts = array(ledger.run(&CLAIM, &cmd).await.unwrap()).unwrap();
+        assert_eq!(tag(&parts).unwrap(), "acquired");
+        Lease {
+            key: key.clone(),
+            fence: uint(parts.get(1)).unwrap(),
+            expires_at: from_micros(int(parts.get(2)).unwrap()),
+            first_claimed_at: from_micros(int(parts.get(3)).unwrap()),
+            acquired_at: from_micros(int(parts.get(4)).unwrap()),
+            taken_over: false,
+            at_most_once: false,
+        }
+    }
+
+    /// The take-back of a claim beyond the horizon (and the second check's
+    /// removal) deletes only the record that claim wrote: not one with
+    /// another fence, creation time or mark, not one its holder renewed
+    /// since, not one taken over after its lease ended. Clearing the mark
+    /// is fenced the same way.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn undo_takes_back_only_the_record_its_claim_wrote() {
         use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
@@ -944,31 +1110,80 @@ mod tests {
             Claim::Acquired(l) => l,
             other => panic!("expected Acquired, got {other:?}"),
         };
-        let opts = ClaimOptions::default().lease(Duration::from_millis(200));
+        let sent = to_micros(SystemTime::now()).unwrap() - 1_000_000;
+        let short = Duration::from_millis(200);
+        let mark = |ledger: &RedisLedger, k: &EffectKey| {
+            let (ledger, rkey) = (ledger.clone(), ledger.redis_key(k));
+            async move {
+                let mut conn = ledger.conn.clone();
+                redis::cmd("HGET")
+                    .arg(rkey)
+                    .arg("hz")
+                    .query_async::<Option<String>>(&mut conn)
+                    .await
+                    .unwrap()
+            }
+        };
         let k = EffectKey::new(&t, "capture", "undo").unwrap();
-        let l = acquire(ledger.claim(&k, &opts).await.unwrap());
+        let l = insert_marked(&ledger, &k, short, sent).await;
+        assert_eq!(mark(&ledger, &k).await, Some(sent.to_string()));
         ledger
-            .undo(&Lease {
-                fence: l.fence + 1,
-                ..l.clone()
-            })
+            .undo(
+                &Lease {
+                    fence: l.fence + 1,
+                    ..l.clone()
+                },
+                sent,
+            )
             .await;
         ledger
-            .undo(&Lease {
-                first_claimed_at: l.first_claimed_at + Duration::from_micros(1),
-                ..l.clone()
-            })
+            .undo(
+                &Lease {
+                    first_claimed_at: l.first_claimed_at + Duration::from_micros(1),
+                    ..l.clone()
+                },
+                sent,
+            )
             .await;
+        ledger.undo(&l, sent + 1).await;
+        let created = to_micros(l.first_claimed_at).unwrap().to_string();
+        let other = (sent + 1).to_string();
+        let e = ledger
+            .fenced(&k, l.fence, "checked", &[created.as_bytes(), other.as_bytes()])
+            .await
+            .unwrap_err();
+        assert!(e.is_lease_lost(), "{e:?}");
+        assert_eq!(mark(&ledger, &k).await, Some(sent.to_string()));
         assert_eq!(ledger.get(&k).await.unwrap().unwrap().fence, l.fence);
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let l2 = acquire(ledger.claim(&k, &opts).await.unwrap());
+        // The second check found it within the horizon: the mark is cleared,
+        // and the record is then taken over like any other.
+        let hz = sent.to_string();
+        ledger
+            .fenced(&k, l.fence, "checked", &[created.as_bytes(), hz.as_bytes()])
+            .await
+            .unwrap();
+        assert_eq!(mark(&ledger, &k).await, None);
+        let l2 = acquire(
+            ledger
+                .claim(&k, &ClaimOptions::default().lease(short))
+                .await
+                .unwrap(),
+        );
         assert!(l2.taken_over);
-        ledger.undo(&l).await;
+        ledger.undo(&l, sent).await;
         assert_eq!(ledger.get(&k).await.unwrap().unwrap().fence, l2.fence);
 
+        // A holder that renewed wrote since its claim: its claim passed.
+        let renewed = EffectKey::new(&t, "capture", "undo-renewed").unwrap();
+        let l3 = insert_marked(&ledger, &renewed, short, sent).await;
+        ledger.renew(&l3, short).await.unwrap();
+        ledger.undo(&l3, sent).await;
+        assert_eq!(ledger.get(&renewed).await.unwrap().unwrap().fence, l3.fence);
+
         let fresh = EffectKey::new(&t, "capture", "undo-fresh").unwrap();
-        let l3 = acquire(ledger.claim(&fresh, &opts).await.unwrap());
-        ledger.undo(&l3).await;
+        let l4 = insert_marked(&ledger, &fresh, short, sent).await;
+        ledger.undo(&l4, sent).await;
         assert!(ledger.get(&fresh).await.unwrap().is_none());
     }
 

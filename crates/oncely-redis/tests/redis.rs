@@ -825,3 +825,279 @@ async fn cluster_dropped_claim_beyond_the_horizon_leaves_nothing() {
         );
     }
 }
+
+/// The claim script as the ledger sends it, for tests that must leave a
+/// record exactly as a cluster claim whose horizon check never ran (its reply
+/// lost, its take-back unable to reach the server): the insert, without the
+/// check that follows it. The arguments restate `RedisLedger::claim_once`'s.
+static CLAIM_SCRIPT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(concat!(
+        include_str!("../src/lua/prelude.lua"),
+        include_str!("../src/lua/claim.lua")
+    ))
+});
+
+/// What a cluster claim with `sent_at` inserts, before its horizon check:
+/// returns the record's fence and creation time (µs).
+async fn insert_unchecked(
+    ledger: &RedisLedger,
+    conn: &mut redis::cluster_async::ClusterConnection,
+    key: &EffectKey,
+    sent_at: SystemTime,
+    at_most_once: bool,
+) -> (u64, i64) {
+    let reply: Vec<redis::Value> = CLAIM_SCRIPT
+        .key(ledger.redis_key(key))
+        .arg(key.as_str())
+        .arg(i64::try_from(SHORT_LEASE.as_micros()).unwrap())
+        .arg(3_600_000_000i64)
+        .arg("")
+        .arg(if at_most_once { "1" } else { "0" })
+        .arg(to_micros(sent_at).unwrap())
+        .invoke_async(conn)
+        .await
+        .unwrap();
+    let int = |v: &redis::Value| match v {
+        redis::Value::Int(i) => *i,
+        other => panic!("{other:?}"),
+    };
+    assert!(
+        matches!(&reply[0], redis::Value::BulkString(b) if b == b"acquired"),
+        "{reply:?}"
+    );
+    (u64::try_from(int(&reply[1])).unwrap(), int(&reply[3]))
+}
+
+async fn cluster_conn() -> redis::cluster_async::ClusterConnection {
+    redis::cluster::ClusterClient::new(cluster_urls().unwrap())
+        .unwrap()
+        .get_async_connection()
+        .await
+        .unwrap()
+}
+
+/// A cluster claim with `sent_at` whose horizon check never ran leaves its
+/// record marked with that `sent_at` (`hz`). Once its lease has ended, and
+/// the watermark has passed its `sent_at`, whoever would take it over checks
+/// again and finds that it should never have existed: the record is removed
+/// and the key claimed as absent. A replay of the message is refused, a
+/// claim without `sent_at` starts afresh with a fence above the removed
+/// record's, and a newer message acquires. An at-most-once record in that
+/// state stays abandoned, for reconciliation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_unchecked_record_beyond_the_horizon_is_removed_on_takeover() {
+    let t = fresh_tenant();
+    let Some(ledger) = common::cluster_with(own_prefix(&t)).await else {
+        return;
+    };
+    let mut conn = cluster_conn().await;
+    let key = |s: &str| EffectKey::new(&t, "capture", s).unwrap();
+    let hour_ago = SystemTime::now() - Duration::from_secs(3600);
+    let replayed = insert_unchecked(&ledger, &mut conn, &key("replayed"), hour_ago, false).await;
+    let fresh = insert_unchecked(&ledger, &mut conn, &key("fresh"), hour_ago, false).await;
+    let ahead = insert_unchecked(&ledger, &mut conn, &key("ahead"), hour_ago, false).await;
+    // A fence an hour ahead of the clock (written by a master whose clock
+    // ran fast): the key's next record must still get a higher one.
+    let ahead_fence = ahead.0 + 3_600_000_000;
+    let _: () = conn
+        .hset(ledger.redis_key(&key("ahead")), "f", ahead_fence)
+        .await
+        .unwrap();
+    let amo = EffectKey::new(&t, "capture", "mail").unwrap();
+    insert_unchecked(&ledger, &mut conn, &amo, hour_ago, true).await;
+    tokio::time::sleep(SHORT_LEASE_WAIT).await;
+    // As if prune had deleted a record of this tenant and kind created now.
+    let now = SystemTime::now();
+    let _: () = conn
+        .set(ledger.horizon_key(&t, "capture"), to_micros(now).unwrap())
+        .await
+        .unwrap();
+
+    let e = ledger
+        .claim(&key("replayed"), &ClaimOptions::default().sent_at(hour_ago))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::BeyondHorizon { .. }), "{e:?}");
+    assert!(
+        ledger.get(&key("replayed")).await.unwrap().is_none(),
+        "the unchecked record is gone, and the replay left nothing"
+    );
+    let old = oncely::Lease {
+        key: key("replayed"),
+        fence: replayed.0,
+        expires_at: now,
+        first_claimed_at: now,
+        acquired_at: now,
+        taken_over: false,
+        at_most_once: false,
+    };
+    assert!(ledger.release(&old).await.unwrap_err().is_lease_lost());
+    // A message produced after the watermark is new work.
+    let l = acquired(
+        ledger
+            .claim(
+                &key("replayed"),
+                &ClaimOptions::default().sent_at(now + Duration::from_millis(1)),
+            )
+            .await
+            .unwrap(),
+    );
+    assert!(!l.taken_over && l.fence > replayed.0, "{l:?}");
+
+    let l = acquired(
+        ledger
+            .claim(&key("fresh"), &ClaimOptions::default())
+            .await
+            .unwrap(),
+    );
+    assert!(!l.taken_over, "a new record, not a takeover: {l:?}");
+    assert!(l.fence > fresh.0, "{l:?}");
+    assert!(to_micros(l.first_claimed_at).unwrap() > fresh.1, "{l:?}");
+    let r = ledger.get(&key("fresh")).await.unwrap().unwrap();
+    assert_eq!((r.fence, r.created_at), (l.fence, l.first_claimed_at));
+
+    let l = acquired(
+        ledger
+            .claim(&key("ahead"), &ClaimOptions::default())
+            .await
+            .unwrap(),
+    );
+    assert!(!l.taken_over, "{l:?}");
+    assert!(l.fence > ahead_fence, "above the removed record's fence: {l:?}");
+
+    // Never taken over, so never removed: it waits for reconciliation.
+    assert!(matches!(
+        ledger.claim(&amo, &ClaimOptions::default()).await.unwrap(),
+        Claim::Abandoned(_)
+    ));
+    assert_eq!(
+        ledger.get(&amo).await.unwrap().unwrap().state,
+        RecordState::Abandoned
+    );
+}
+
+/// An unchecked record whose `sent_at` is after the watermark (or where
+/// nothing was pruned) passes the repeated check: it is taken over as any
+/// expired lease, and its mark cleared, so a later takeover does not check
+/// again. A watermark that cannot be read fails the claim closed and leaves
+/// the record as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_unchecked_record_within_the_horizon_is_taken_over() {
+    let t = fresh_tenant();
+    let Some(ledger) = common::cluster_with(own_prefix(&t)).await else {
+        return;
+    };
+    let mut conn = cluster_conn().await;
+    let hour_ago = SystemTime::now() - Duration::from_secs(3600);
+    let sent_us = to_micros(hour_ago).unwrap();
+    let capture = EffectKey::new(&t, "capture", "within").unwrap();
+    let refund = EffectKey::new(&t, "refund", "never-pruned").unwrap();
+    let mut old = Vec::new();
+    for k in [&capture, &refund] {
+        old.push(insert_unchecked(&ledger, &mut conn, k, hour_ago, false).await);
+        let hz: Option<String> = conn.hget(ledger.redis_key(k), "hz").await.unwrap();
+        assert_eq!(
+            hz,
+            Some(sent_us.to_string()),
+            "{k}: the record carries its sent_at"
+        );
+    }
+    tokio::time::sleep(SHORT_LEASE_WAIT).await;
+
+    let hkey = ledger.horizon_key(&t, "capture");
+    let _: () = conn.rpush(&hkey, "not a watermark").await.unwrap();
+    let e = ledger
+        .claim(&capture, &ClaimOptions::default())
+        .await
+        .unwrap_err();
+    assert!(is_corrupt(&e) && e.to_string().contains(&hkey), "{e:?}");
+    let hz: Option<String> = conn.hget(ledger.redis_key(&capture), "hz").await.unwrap();
+    assert_eq!(hz, Some(sent_us.to_string()), "left as it was");
+    assert_eq!(ledger.get(&capture).await.unwrap().unwrap().fence, old[0].0);
+    let _: () = conn.del(&hkey).await.unwrap();
+    let _: () = conn.set(&hkey, sent_us - 1_000_000).await.unwrap();
+
+    for (k, (fence, created)) in [&capture, &refund].into_iter().zip(old) {
+        let l = acquired(
+            ledger
+                .claim(k, &ClaimOptions::default().lease(SHORT_LEASE))
+                .await
+                .unwrap(),
+        );
+        assert!(l.taken_over && l.fence > fence, "{k}: {l:?}");
+        assert_eq!(to_micros(l.first_claimed_at).unwrap(), created, "{k}");
+        let hz: Option<String> = conn.hget(ledger.redis_key(k), "hz").await.unwrap();
+        assert_eq!(hz, None, "{k}: checked, the mark is cleared");
+        // Checked once: a later watermark above the old sent_at changes
+        // nothing for the record, which is taken over as usual.
+        tokio::time::sleep(SHORT_LEASE_WAIT).await;
+        let _: () = conn
+            .set(
+                ledger.horizon_key(&t, k.kind()),
+                to_micros(SystemTime::now()).unwrap(),
+            )
+            .await
+            .unwrap();
+        let l2 = acquired(ledger.claim(k, &ClaimOptions::default()).await.unwrap());
+        assert!(l2.taken_over && l2.fence > l.fence, "{k}: {l2:?}");
+        assert_eq!(l2.first_claimed_at, l.first_claimed_at, "{k}");
+    }
+}
+
+/// A cluster claim with `sent_at` that passed its check keeps the mark
+/// until its holder's first write: renew, complete and release each clear
+/// it (in the same script), so the record is theirs for good. A holder that
+/// never writes keeps it, and a takeover after the watermark passed its
+/// `sent_at` removes the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_lease_holder_writes_clear_the_unchecked_mark() {
+    let t = fresh_tenant();
+    let Some(ledger) = common::cluster_with(own_prefix(&t)).await else {
+        return;
+    };
+    let mut conn = cluster_conn().await;
+    let hour_ago = SystemTime::now() - Duration::from_secs(3600);
+    let opts = ClaimOptions::default().lease(SHORT_LEASE).sent_at(hour_ago);
+    let key = |s: &str| EffectKey::new(&t, "capture", s).unwrap();
+    let mut leases = BTreeMap::new();
+    for s in ["renewed", "completed", "released", "untouched"] {
+        let l = acquired(ledger.claim(&key(s), &opts).await.unwrap());
+        let hz: Option<String> = conn.hget(ledger.redis_key(&key(s)), "hz").await.unwrap();
+        assert_eq!(hz, Some(to_micros(hour_ago).unwrap().to_string()), "{s}");
+        leases.insert(s, l);
+    }
+    let renewed = ledger.renew(&leases["renewed"], SHORT_LEASE).await.unwrap();
+    ledger
+        .complete(&leases["completed"], &Outcome::from_json(&1).unwrap())
+        .await
+        .unwrap();
+    ledger.release(&leases["released"]).await.unwrap();
+    for s in ["renewed", "completed", "released"] {
+        let hz: Option<String> = conn.hget(ledger.redis_key(&key(s)), "hz").await.unwrap();
+        assert_eq!(hz, None, "{s}: a lease holder's write clears the mark");
+    }
+    tokio::time::sleep(SHORT_LEASE_WAIT).await;
+    let _: () = conn
+        .set(
+            ledger.horizon_key(&t, "capture"),
+            to_micros(SystemTime::now()).unwrap(),
+        )
+        .await
+        .unwrap();
+    let l = acquired(ledger.claim(&key("renewed"), &opts).await.unwrap());
+    assert!(l.taken_over && l.fence > renewed.fence, "{l:?}");
+    assert!(matches!(
+        ledger.claim(&key("completed"), &opts).await.unwrap(),
+        Claim::Completed(_)
+    ));
+    let l = acquired(ledger.claim(&key("released"), &opts).await.unwrap());
+    assert!(l.taken_over && l.fence > leases["released"].fence, "{l:?}");
+    // Control: the holder that never wrote loses its record.
+    let l = acquired(
+        ledger
+            .claim(&key("untouched"), &ClaimOptions::default())
+            .await
+            .unwrap(),
+    );
+    assert!(!l.taken_over && l.fence > leases["untouched"].fence, "{l:?}");
+}

@@ -19,6 +19,13 @@
 -- with a fingerprint, 'amo' only for an at-most-once step ('1'), 'u' only once
 -- updated (else it is 'c'), 'ru' only once completed, released or taken over (else it is
 -- 'c' + 'r'), 'o' only once completed. 'le' means something only in progress.
+-- 'hz' (the decimal microseconds of the claim's sent_at) only on a record
+-- that a cluster claim with a sent_at inserted and whose lease holder has
+-- not written since: that claim's horizon check runs after the insert and
+-- may never have finished, so whoever would take the record over checks
+-- again first (claim.lua, RedisLedger::recheck). Complete, release and renew
+-- delete it. A missing 'hz' reads as none (every other record, format 1
+-- included), so the format is still 2.
 -- Each field written costs server time on every claim, hence the optional
 -- ones. Format 1 (every field always written) reads the same way. Fences of
 -- records written before fences followed the clock are small integers; the
@@ -68,9 +75,9 @@ local function load(claim)
   end
   local v
   if claim then
-    v = redis.pcall('HMGET', key, 'v', 'k', 's', 'f', 'c', 'r', 'amo', 'le', 'fp')
+    v = redis.pcall('HMGET', key, 'v', 'k', 's', 'f', 'c', 'r', 'hz', 'amo', 'le', 'fp')
   else
-    v = redis.pcall('HMGET', key, 'v', 'k', 's', 'f', 'c', 'r')
+    v = redis.pcall('HMGET', key, 'v', 'k', 's', 'f', 'c', 'r', 'hz')
   end
   if v['err'] then
     return foreign(redis.call('TYPE', key)['ok'])
@@ -95,9 +102,14 @@ local function load(claim)
   if f >= 9007199254740992 then
     return nil, 'record fence is beyond 2^53; nothing was changed'
   end
+  -- 'hz' is kept as stored (its digits are compared, never rounded).
+  local hz = v[7]
+  if hz and not tonumber(hz) then
+    return nil, 'record has a malformed horizon mark; nothing was changed'
+  end
   if not claim then
-    return { s = s, f = f, c = c, r = r, k = v[2] }
+    return { s = s, f = f, c = c, r = r, k = v[2], hz = hz }
   end
   -- 'le' is '' in a format 1 record no longer in progress: tonumber gives nil.
-  return { s = s, f = f, c = c, r = r, amo = (v[7] == '1'), le = tonumber(v[8]), fp = v[9] or '' }
+  return { s = s, f = f, c = c, r = r, hz = hz, amo = (v[8] == '1'), le = tonumber(v[9]), fp = v[10] or '' }
 end
