@@ -3,7 +3,7 @@
 //!
 //! | URL | backend | cargo feature |
 //! | --- | --- | --- |
-//! | `sqlite:path`, `sqlite://path`, `sqlite::memory:` | `oncely-sqlite` | `sqlite` (default) |
+//! | `sqlite:path`, `sqlite://path` (a file; in-memory databases are refused) | `oncely-sqlite` | `sqlite` (default) |
 //! | `postgres://…`, `postgresql://…` | `oncely-postgres` | `postgres` (default) |
 //! | `mysql://…`, `mariadb://…` | `oncely-mysql` | `mysql` (default) |
 //! | `redis://host:port[/db]` | `oncely-redis`, one server | `redis` (default) |
@@ -32,7 +32,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, MemoryLedger, Outcome, Record,
@@ -49,6 +49,21 @@ pub const EXPECTED_SCHEMES: &str =
 /// that the server is down.
 #[cfg(feature = "mysql")]
 const MYSQL_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What a command may do to the ledger's storage when it opens it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Access {
+    /// Create the schema (or bucket) if it is missing and upgrade it: `migrate`
+    /// and `demo`.
+    Migrate,
+    /// Use the schema that exists, after checking it; create and upgrade
+    /// nothing: commands that write records (`prune`).
+    Existing,
+    /// Read only: never create, migrate or write anything, so a mistyped
+    /// SQLite path is an error rather than a new empty file, and a role that
+    /// may only SELECT can run the command: `get`, `abandoned`.
+    ReadOnly,
+}
 
 /// The backend a database URL names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -215,20 +230,35 @@ macro_rules! each {
 }
 
 impl AnyLedger {
-    /// Connects to the backend the URL's scheme names (see the module docs).
+    /// Connects to the backend the URL's scheme names (see the module docs),
+    /// creating or upgrading its schema: [`AnyLedger::open`] with
+    /// [`Access::Migrate`].
+    pub async fn connect(url: &str) -> Result<AnyLedger> {
+        AnyLedger::open(url, Access::Migrate).await
+    }
+
+    /// Opens the backend the URL's scheme names (see the module docs) with
+    /// the given [`Access`].
     ///
     /// The scheme (and, for Redis Cluster and NATS, the node list and the
     /// query parameters) is checked before anything is opened: an unknown
     /// one fails with [`Error::Config`]. An unreachable server fails with the
-    /// backend's [`Error::Unavailable`].
-    pub async fn connect(url: &str) -> Result<AnyLedger> {
+    /// backend's [`Error::Unavailable`]; a schema that is missing or not the
+    /// ledger's (with [`Access::Existing`] or [`Access::ReadOnly`]) with
+    /// [`Error::Config`].
+    pub async fn open(url: &str, access: Access) -> Result<AnyLedger> {
         let url = url.trim();
+        let migrate = access == Access::Migrate;
+        let read_only = access == Access::ReadOnly;
         match Scheme::of_url(url)? {
             #[cfg(feature = "mysql")]
             Scheme::MySql => Ok(AnyLedger::MySql(
                 oncely_mysql::MySqlLedger::connect_with(
                     url,
-                    oncely_mysql::MySqlLedgerOptions::default().acquire_timeout(MYSQL_ACQUIRE_TIMEOUT),
+                    oncely_mysql::MySqlLedgerOptions::default()
+                        .acquire_timeout(MYSQL_ACQUIRE_TIMEOUT)
+                        .migrate(migrate)
+                        .read_only(read_only),
                 )
                 .await?,
             )),
@@ -243,7 +273,7 @@ impl AnyLedger {
             #[cfg(feature = "nats")]
             Scheme::Nats => {
                 let target = nats_target(url)?;
-                let mut opts = oncely_nats::NatsKvOptions::default();
+                let mut opts = oncely_nats::NatsKvOptions::default().migrate(migrate);
                 if let Some(bucket) = target.bucket {
                     opts = opts.bucket(bucket);
                 }
@@ -256,11 +286,23 @@ impl AnyLedger {
             }
             #[cfg(feature = "sqlite")]
             Scheme::Sqlite => Ok(AnyLedger::Sqlite(
-                oncely_sqlite::SqliteLedger::connect(url).await?,
+                oncely_sqlite::SqliteLedger::connect_with(
+                    url,
+                    oncely_sqlite::SqliteLedgerOptions::default()
+                        .migrate(migrate)
+                        .read_only(read_only),
+                )
+                .await?,
             )),
             #[cfg(feature = "postgres")]
             Scheme::Postgres => Ok(AnyLedger::Postgres(
-                oncely_postgres::PgLedger::connect(url).await?,
+                oncely_postgres::PgLedger::connect_with(
+                    url,
+                    oncely_postgres::PgLedgerOptions::default()
+                        .migrate(migrate)
+                        .read_only(read_only),
+                )
+                .await?,
             )),
             Scheme::Memory => Ok(AnyLedger::Memory(Arc::new(MemoryLedger::new()))),
             #[allow(unreachable_patterns)]
@@ -355,6 +397,14 @@ impl Ledger for AnyLedger {
 
     async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
         each!(self, l => l.abandoned(tenant, limit).await)
+    }
+
+    async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
+        each!(self, l => l.horizon(tenant, kind).await)
+    }
+
+    fn unique_violation(&self, error: &(dyn std::error::Error + 'static)) -> Option<String> {
+        each!(self, l => l.unique_violation(error))
     }
 }
 

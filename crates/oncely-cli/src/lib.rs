@@ -65,4 +65,4 @@ pub mod any;
 pub mod demo;
 pub mod ops;
 
-pub use any::{AnyLedger, AnyPool, Scheme};
+pub use any::{Access, AnyLedger, AnyPool, Scheme};

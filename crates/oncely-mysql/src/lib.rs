@@ -402,7 +402,7 @@ impl MySqlLedger {
     /// Refuses a write on a read-only ledger before any round trip.
     fn writable(&self, what: &str) -> Result<()> {
         if self.inner.read_only {
-            return Err(Error::Misuse(format!(
+            return Err(Error::Config(format!(
                 "{what}: the MySQL ledger on `{}` was opened read-only",
                 self.inner.table
             )));

@@ -84,7 +84,7 @@ impl MySqlLedgerOptions {
     /// Opens the ledger for reading only (default `false`): implies
     /// `migrate(false)`; the pool's sessions run `SET SESSION TRANSACTION
     /// READ ONLY`, and the ledger refuses every write (claims, completions,
-    /// prune, `begin`) with [`Error::Misuse`] before any round trip. A user
+    /// prune, `begin`) with [`Error::Config`] before any round trip. A user
     /// with `SELECT` on the ledger's two tables can then `get`, list
     /// `abandoned` steps and read the `horizon` (operator tools, the CLI's
     /// read commands).

@@ -326,7 +326,7 @@ async fn no_migration_creates_nothing() {
         MySqlLedgerOptions::default().table(&t).read_only(true),
     )
     .unwrap();
-    assert!(matches!(ledger.migrate().await, Err(Error::Misuse(_))));
+    assert!(matches!(ledger.migrate().await, Err(Error::Config(_))));
     assert!(!exists(&pool, &t).await);
 }
 
@@ -398,7 +398,7 @@ async fn select_only_user_reads() {
         reader.prune(10).await.unwrap_err(),
         reader.begin().await.unwrap_err(),
     ] {
-        assert!(matches!(e, Error::Misuse(_)), "{e:?}");
+        assert!(matches!(e, Error::Config(_)), "{e:?}");
     }
     // Without read_only, the same user may connect with migrate(false)
     // (nothing to create) and read; the server refuses its writes.

@@ -2,7 +2,6 @@
 //! needs, once per backend.
 
 use std::future::Future;
-use std::ops::DerefMut;
 
 use oncely::{Error, StepFuture, TransactionalLedger};
 use oncely_postgres::PgLedger;
@@ -26,18 +25,9 @@ pub struct Order {
     pub paid_writes: i64,
 }
 
-/// A ledger whose database also holds the orders.
+/// A ledger whose database also holds the orders. Transactions come from
+/// [`TransactionalLedger::begin`] and end with its `commit`.
 pub trait Db: TransactionalLedger + Clone + Send + Sync + 'static {
-    /// An open transaction (`sqlx::Transaction`), which derefs to the
-    /// ledger's connection type.
-    type Tx: DerefMut<Target = <Self as TransactionalLedger>::Connection> + Send;
-
-    /// Begins a write transaction for a transactional step.
-    fn begin_tx(&self) -> impl Future<Output = oncely::Result<Self::Tx>> + Send;
-
-    /// Commits it.
-    fn commit(tx: Self::Tx) -> impl Future<Output = oncely::Result<()>> + Send;
-
     /// Creates `payment_orders` if it is missing.
     fn create_orders(&self) -> impl Future<Output = anyhow::Result<()>> + Send;
 
@@ -89,16 +79,6 @@ const PG_CREATE: &str = "CREATE TABLE IF NOT EXISTS payment_orders (
 )";
 
 impl Db for SqliteLedger {
-    type Tx = sqlx::Transaction<'static, sqlx::Sqlite>;
-
-    async fn begin_tx(&self) -> oncely::Result<sqlx::Transaction<'static, sqlx::Sqlite>> {
-        self.begin().await
-    }
-
-    async fn commit(tx: sqlx::Transaction<'static, sqlx::Sqlite>) -> oncely::Result<()> {
-        tx.commit().await.map_err(oncely_sqlite::map_error)
-    }
-
     async fn create_orders(&self) -> anyhow::Result<()> {
         sqlx::query(SQLITE_CREATE).execute(self.pool()).await?;
         Ok(())
@@ -151,16 +131,6 @@ impl Db for SqliteLedger {
 }
 
 impl Db for PgLedger {
-    type Tx = sqlx::Transaction<'static, sqlx::Postgres>;
-
-    async fn begin_tx(&self) -> oncely::Result<sqlx::Transaction<'static, sqlx::Postgres>> {
-        self.begin().await
-    }
-
-    async fn commit(tx: sqlx::Transaction<'static, sqlx::Postgres>) -> oncely::Result<()> {
-        tx.commit().await.map_err(app_error)
-    }
-
     async fn create_orders(&self) -> anyhow::Result<()> {
         // Concurrent test binaries may race to create it; the advisory lock
         // keeps CREATE TABLE IF NOT EXISTS from failing on the catalog.

@@ -35,7 +35,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, UNIX_EPOCH};
 
 use oncely::{
-    ClaimOptions, EffectKey, Effects, Error, OnInProgress, Record, StepFuture, StepMode, StoredOutcome, Tenant,
+    ClaimOptions, EffectKey, Effects, Error, OnInProgress, Record, StepFuture, StepMode, StoredOutcome,
+    Tenant,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
@@ -316,7 +317,7 @@ impl<D: Db> Pipeline<D> {
         // 2. Mark the order paid, in one transaction with the step's claim
         //    and completion. The write is fenced as well: a later holder of
         //    this step always has a higher fence.
-        let mut tx = self.db.begin_tx().await.map_err(|e| ("mark-paid", e))?;
+        let mut tx = self.db.begin().await.map_err(|e| ("mark-paid", e))?;
         let (id, charge_id, h) = (msg.order_id.clone(), charge.id.clone(), hook.clone());
         job.step_in("mark-paid", &mut *tx, move |conn, ctx| {
             Box::pin(async move {
@@ -328,7 +329,7 @@ impl<D: Db> Pipeline<D> {
         })
         .await
         .map_err(|e| ("mark-paid", e))?;
-        D::commit(tx).await.map_err(|e| ("commit", e))?;
+        self.db.commit(tx).await.map_err(|e| ("commit", e))?;
         hook.at(Boundary::AfterOrderCommit).await;
 
         // 3. The receipt: at most once.

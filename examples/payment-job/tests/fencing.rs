@@ -15,9 +15,9 @@ use payment_job::Db;
 use tokio::sync::oneshot;
 
 async fn fenced_write<D: Db>(db: &D, id: &str, by: &str, fence: u64) -> u64 {
-    let mut tx = db.begin_tx().await.unwrap();
+    let mut tx = db.begin().await.unwrap();
     let rows = D::mark_paid(&mut tx, id, by, fence).await.unwrap();
-    D::commit(tx).await.unwrap();
+    db.commit(tx).await.unwrap();
     rows
 }
 

@@ -57,7 +57,7 @@ async fn transactional_commits_or_vanishes<D: Db>(db: D) {
     let job = effects.job(&t, "payment", &id);
 
     // Rolled back (a crash before the commit): nothing remains.
-    let mut tx = db.begin_tx().await.unwrap();
+    let mut tx = db.begin().await.unwrap();
     let out: String = job
         .step_in("mark-paid", &mut *tx, mark_paid::<D>(&id, &ran))
         .await
@@ -68,12 +68,12 @@ async fn transactional_commits_or_vanishes<D: Db>(db: D) {
     assert_eq!(order(&db, &id).await.status, "pending");
 
     // Committed: the claim, the write and the completion together.
-    let mut tx = db.begin_tx().await.unwrap();
+    let mut tx = db.begin().await.unwrap();
     let out: String = job
         .step_in("mark-paid", &mut *tx, mark_paid::<D>(&id, &ran))
         .await
         .unwrap();
-    D::commit(tx).await.unwrap();
+    db.commit(tx).await.unwrap();
     let r = job.step_record("mark-paid", None).await.unwrap().unwrap();
     assert_eq!(r.state, RecordState::Completed);
     assert_eq!(out, format!("paid at fence {}", r.fence));
@@ -82,13 +82,13 @@ async fn transactional_commits_or_vanishes<D: Db>(db: D) {
     assert_eq!((o.status.as_str(), o.paid_writes), ("paid", 1));
 
     // A redelivery gets the stored outcome; the closure does not run.
-    let mut tx = db.begin_tx().await.unwrap();
+    let mut tx = db.begin().await.unwrap();
     let again: String = effects
         .job(&t, "payment", &id)
         .step_in("mark-paid", &mut *tx, mark_paid::<D>(&id, &ran))
         .await
         .unwrap();
-    D::commit(tx).await.unwrap();
+    db.commit(tx).await.unwrap();
     assert_eq!(again, out);
     assert_eq!(ran.load(Ordering::SeqCst), 2);
     assert_eq!(order(&db, &id).await.paid_writes, 1);
@@ -103,12 +103,12 @@ async fn concurrent_duplicates_run_once<D: Db>(db: D) {
             tokio::spawn(async move {
                 let effects = Effects::new(db.clone());
                 let job = effects.job(&t, "payment", &id);
-                let mut tx = db.begin_tx().await.unwrap();
+                let mut tx = db.begin().await.unwrap();
                 let out: String = job
                     .step_in("mark-paid", &mut *tx, mark_paid::<D>(&id, &ran))
                     .await
                     .unwrap();
-                D::commit(tx).await.unwrap();
+                db.commit(tx).await.unwrap();
                 out
             })
         })
@@ -131,7 +131,7 @@ async fn bad_input_changes_nothing<D: Db>(db: D) {
     // An outcome over the limit: an error, and the transaction it was
     // written on is rolled back: no record, no order change.
     let job = effects.job(&t, "payment", &id);
-    let mut tx = db.begin_tx().await.unwrap();
+    let mut tx = db.begin().await.unwrap();
     let e = job
         .step_in("mark-paid", &mut *tx, |conn, ctx| {
             let id = id.clone();
@@ -168,7 +168,7 @@ async fn bad_input_changes_nothing<D: Db>(db: D) {
     .await
     .unwrap();
     let before = frozen(job.step_record("capture", None).await.unwrap());
-    let mut tx = db.begin_tx().await.unwrap();
+    let mut tx = db.begin().await.unwrap();
     let e = job
         .step_in("capture", &mut *tx, mark_paid::<D>(&id, &ran))
         .await
@@ -189,17 +189,17 @@ async fn bad_input_changes_nothing<D: Db>(db: D) {
     // first step, on either path, and nothing changes.
     let msg = serde_json::json!({"order": id, "amount": 500});
     let job = effects.job(&t, "refund", &id).fingerprint_of(&msg).unwrap();
-    let mut tx = db.begin_tx().await.unwrap();
+    let mut tx = db.begin().await.unwrap();
     job.step_in("refund-row", &mut *tx, |_, _| {
         Box::pin(async { Ok(1) }) as StepFuture<'_, i32>
     })
     .await
     .unwrap();
-    D::commit(tx).await.unwrap();
+    db.commit(tx).await.unwrap();
     let before = frozen(job.step_record("refund-row", None).await.unwrap());
     let altered = serde_json::json!({"order": id, "amount": 50_000});
     let job = effects.job(&t, "refund", &id).fingerprint_of(&altered).unwrap();
-    let mut tx = db.begin_tx().await.unwrap();
+    let mut tx = db.begin().await.unwrap();
     let e = job
         .step_in("refund-row", &mut *tx, |_, _| {
             Box::pin(async { Ok(2) }) as StepFuture<'_, i32>
@@ -213,7 +213,7 @@ async fn bad_input_changes_nothing<D: Db>(db: D) {
     // A terminal failure is stored with the transaction and replayed.
     let job = effects.job(&t, "payment", &id);
     for _ in 0..2 {
-        let mut tx = db.begin_tx().await.unwrap();
+        let mut tx = db.begin().await.unwrap();
         let e = job
             .step_in("void", &mut *tx, |_, _| {
                 Box::pin(async { Err(Failure::terminal("already settled")) }) as StepFuture<'_, ()>
@@ -224,7 +224,7 @@ async fn bad_input_changes_nothing<D: Db>(db: D) {
             matches!(&e, Error::Terminal { message, .. } if message == "already settled"),
             "{e:?}"
         );
-        D::commit(tx).await.unwrap();
+        db.commit(tx).await.unwrap();
     }
 }
 
