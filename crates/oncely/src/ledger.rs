@@ -116,85 +116,52 @@ pub trait Ledger: Send + Sync {
     }
 }
 
-impl<L: Ledger + ?Sized> Ledger for &L {
-    fn backend(&self) -> &'static str {
-        (**self).backend()
-    }
-    fn capabilities(&self) -> Capabilities {
-        (**self).capabilities()
-    }
-    fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> impl Future<Output = Result<Claim>> + Send {
-        (**self).claim(key, opts)
-    }
-    fn complete(&self, lease: &Lease, outcome: &Outcome) -> impl Future<Output = Result<()>> + Send {
-        (**self).complete(lease, outcome)
-    }
-    fn release(&self, lease: &Lease) -> impl Future<Output = Result<()>> + Send {
-        (**self).release(lease)
-    }
-    fn renew(&self, lease: &Lease, extend_by: Duration) -> impl Future<Output = Result<Lease>> + Send {
-        (**self).renew(lease, extend_by)
-    }
-    fn get(&self, key: &EffectKey) -> impl Future<Output = Result<Option<Record>>> + Send {
-        (**self).get(key)
-    }
-    fn prune(&self, limit: u64) -> impl Future<Output = Result<u64>> + Send {
-        (**self).prune(limit)
-    }
-    fn abandoned(&self, tenant: &Tenant, limit: u64) -> impl Future<Output = Result<Vec<Record>>> + Send {
-        (**self).abandoned(tenant, limit)
-    }
-    fn horizon(
-        &self,
-        tenant: &Tenant,
-        kind: &str,
-    ) -> impl Future<Output = Result<Option<SystemTime>>> + Send {
-        (**self).horizon(tenant, kind)
-    }
-    fn unique_violation(&self, error: &(dyn std::error::Error + 'static)) -> Option<String> {
-        (**self).unique_violation(error)
-    }
+/// Forwards every [`Ledger`] method through a pointer type.
+macro_rules! forward_ledger {
+    ($($ptr:ty),*) => {$(
+        impl<L: Ledger + ?Sized> Ledger for $ptr {
+            fn backend(&self) -> &'static str {
+                (**self).backend()
+            }
+            fn capabilities(&self) -> Capabilities {
+                (**self).capabilities()
+            }
+            fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> impl Future<Output = Result<Claim>> + Send {
+                (**self).claim(key, opts)
+            }
+            fn complete(&self, lease: &Lease, outcome: &Outcome) -> impl Future<Output = Result<()>> + Send {
+                (**self).complete(lease, outcome)
+            }
+            fn release(&self, lease: &Lease) -> impl Future<Output = Result<()>> + Send {
+                (**self).release(lease)
+            }
+            fn renew(&self, lease: &Lease, extend_by: Duration) -> impl Future<Output = Result<Lease>> + Send {
+                (**self).renew(lease, extend_by)
+            }
+            fn get(&self, key: &EffectKey) -> impl Future<Output = Result<Option<Record>>> + Send {
+                (**self).get(key)
+            }
+            fn prune(&self, limit: u64) -> impl Future<Output = Result<u64>> + Send {
+                (**self).prune(limit)
+            }
+            fn abandoned(&self, tenant: &Tenant, limit: u64) -> impl Future<Output = Result<Vec<Record>>> + Send {
+                (**self).abandoned(tenant, limit)
+            }
+            fn horizon(
+                &self,
+                tenant: &Tenant,
+                kind: &str,
+            ) -> impl Future<Output = Result<Option<SystemTime>>> + Send {
+                (**self).horizon(tenant, kind)
+            }
+            fn unique_violation(&self, error: &(dyn std::error::Error + 'static)) -> Option<String> {
+                (**self).unique_violation(error)
+            }
+        }
+    )*};
 }
 
-impl<L: Ledger + ?Sized> Ledger for std::sync::Arc<L> {
-    fn backend(&self) -> &'static str {
-        (**self).backend()
-    }
-    fn capabilities(&self) -> Capabilities {
-        (**self).capabilities()
-    }
-    fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> impl Future<Output = Result<Claim>> + Send {
-        (**self).claim(key, opts)
-    }
-    fn complete(&self, lease: &Lease, outcome: &Outcome) -> impl Future<Output = Result<()>> + Send {
-        (**self).complete(lease, outcome)
-    }
-    fn release(&self, lease: &Lease) -> impl Future<Output = Result<()>> + Send {
-        (**self).release(lease)
-    }
-    fn renew(&self, lease: &Lease, extend_by: Duration) -> impl Future<Output = Result<Lease>> + Send {
-        (**self).renew(lease, extend_by)
-    }
-    fn get(&self, key: &EffectKey) -> impl Future<Output = Result<Option<Record>>> + Send {
-        (**self).get(key)
-    }
-    fn prune(&self, limit: u64) -> impl Future<Output = Result<u64>> + Send {
-        (**self).prune(limit)
-    }
-    fn abandoned(&self, tenant: &Tenant, limit: u64) -> impl Future<Output = Result<Vec<Record>>> + Send {
-        (**self).abandoned(tenant, limit)
-    }
-    fn horizon(
-        &self,
-        tenant: &Tenant,
-        kind: &str,
-    ) -> impl Future<Output = Result<Option<SystemTime>>> + Send {
-        (**self).horizon(tenant, kind)
-    }
-    fn unique_violation(&self, error: &(dyn std::error::Error + 'static)) -> Option<String> {
-        (**self).unique_violation(error)
-    }
-}
+forward_ledger!(&L, std::sync::Arc<L>);
 
 /// A ledger on a SQL database whose claims can join the caller's open
 /// transaction, so the claim, the business writes and the completion commit
