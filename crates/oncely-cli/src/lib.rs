@@ -59,7 +59,7 @@
 //! (`--no-default-features --features sqlite`) is a clear usage error when
 //! its URL is given.
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod any;
 pub mod demo;

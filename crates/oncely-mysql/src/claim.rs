@@ -290,7 +290,7 @@ impl MySqlLedger {
         let expires = row
             .lease_expires_us
             .ok_or_else(|| corrupt(format!("{key}: in-progress row without a lease")))?;
-        let lease = Lease {
+        let lease = oncely::backend::Grant {
             key: key.clone(),
             fence: row.fence,
             expires_at: from_micros(expires),
@@ -300,7 +300,8 @@ impl MySqlLedger {
             acquired_at: from_micros(row.now_us),
             taken_over: !fresh,
             at_most_once: row.at_most_once,
-        };
+        }
+        .into_lease();
         if fresh && (waited_us > duration_micros(WAITED) || needs_refresh(&lease, opts.lease)) {
             return self.refresh(conn, a, lease).await;
         }
@@ -321,13 +322,13 @@ impl MySqlLedger {
             in_caller_tx,
             ..
         } = *a;
-        tracing::debug!(effect_key = %stale.key, fence = stale.fence,
+        tracing::debug!(effect_key = %stale.key(), fence = stale.fence(),
             "claim waited on a lock after computing its grant; refreshing it");
         let done = sqlx::query(sqlx::AssertSqlSafe(self.sql().refresh.as_str()))
             .bind(duration_micros(opts.lease))
-            .bind(stale.key.as_str())
+            .bind(stale.key().as_str())
             .bind(&token[..])
-            .bind(stale.fence)
+            .bind(stale.fence())
             .bind(in_caller_tx)
             .execute(&mut *conn)
             .await
@@ -339,25 +340,28 @@ impl MySqlLedger {
             // Someone took the stale grant over before we could refresh it.
             return Err(Retry::Moved(format!(
                 "{}: a stale grant was taken over before its refresh",
-                stale.key
+                stale.key()
             )));
         }
-        let row = self.read_back(conn, &stale.key, in_caller_tx).await?;
+        let row = self.read_back(conn, stale.key(), in_caller_tx).await?;
         let Some(row) = row.filter(|r| r.ours(token) && r.state == RecordState::InProgress) else {
             return Err(Retry::Moved(format!(
                 "{}: a refreshed grant was taken over before its read",
-                stale.key
+                stale.key()
             )));
         };
         let expires = row
             .lease_expires_us
-            .ok_or_else(|| corrupt(format!("{}: in-progress row without a lease", stale.key)))?;
-        Ok(Claim::Acquired(Lease {
-            fence: row.fence,
-            expires_at: from_micros(expires),
-            acquired_at: from_micros(row.updated_us),
-            ..stale
-        }))
+            .ok_or_else(|| corrupt(format!("{}: in-progress row without a lease", stale.key())))?;
+        Ok(Claim::Acquired(
+            oncely::backend::Grant {
+                fence: row.fence,
+                expires_at: from_micros(expires),
+                acquired_at: from_micros(row.updated_us),
+                ..oncely::backend::Grant::from(&stale)
+            }
+            .into_lease(),
+        ))
     }
 
     /// Deletes the claim's own fresh row (a claim that found, after its

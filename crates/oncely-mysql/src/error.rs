@@ -124,7 +124,7 @@ pub(crate) fn map(e: sqlx::Error) -> Error {
 /// A unique violation that is not the effect key: counted and surfaced,
 /// never taken for a duplicate.
 pub(crate) fn unexpected_violation(detail: &str) -> Error {
-    oncely::telemetry::unexpected_constraint_violation(BACKEND, detail);
+    oncely::backend::report_unexpected_violation(BACKEND, detail);
     Error::Corrupt {
         backend: BACKEND,
         message: format!("unexpected unique-constraint violation (not the effect key): {detail}"),

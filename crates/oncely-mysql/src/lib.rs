@@ -184,7 +184,7 @@
 //! guard is off: the ledger's own operations and [`MySqlLedger::begin`] never
 //! leak, but do not share its pool with code that might.
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod claim;
 mod error;
@@ -419,8 +419,8 @@ impl MySqlLedger {
     ) -> Result<(), Retry> {
         let done = sqlx::query(sqlx::AssertSqlSafe(self.sql().complete.as_str()))
             .bind(outcome.as_bytes())
-            .bind(lease.key.as_str())
-            .bind(lease.fence)
+            .bind(lease.key().as_str())
+            .bind(lease.fence())
             .bind(in_caller_tx)
             .execute(&mut *conn)
             .await
@@ -439,14 +439,12 @@ impl Ledger for MySqlLedger {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            caller_transaction: true,
-            durability: "InnoDB redo log, as the server flushes it (innodb_flush_log_at_trx_commit)",
-            replicated: false,
-            clock: "database server clock when each write takes effect (UTC_TIMESTAMP(6) + elapsed SYSDATE(6))",
-            max_key_bytes: oncely::MAX_KEY_BYTES,
-            max_outcome_bytes: self.max_outcome_bytes(),
-        }
+        Capabilities::new(
+            "InnoDB redo log, as the server flushes it (innodb_flush_log_at_trx_commit)",
+            "database server clock when each write takes effect (UTC_TIMESTAMP(6) + elapsed SYSDATE(6))",
+        )
+        .caller_transaction(true)
+        .max_outcome_bytes(self.max_outcome_bytes())
     }
 
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
@@ -478,8 +476,8 @@ impl Ledger for MySqlLedger {
             let lease = lease.clone();
             Box::pin(async move {
                 let done = sqlx::query(sqlx::AssertSqlSafe(this.sql().release.as_str()))
-                    .bind(lease.key.as_str())
-                    .bind(lease.fence)
+                    .bind(lease.key().as_str())
+                    .bind(lease.fence())
                     .bind(false)
                     .execute(&mut *conn)
                     .await
@@ -506,8 +504,8 @@ impl Ledger for MySqlLedger {
             Box::pin(async move {
                 let done = sqlx::query(sqlx::AssertSqlSafe(this.sql().renew.as_str()))
                     .bind(duration_micros(extend_by))
-                    .bind(lease.key.as_str())
-                    .bind(lease.fence)
+                    .bind(lease.key().as_str())
+                    .bind(lease.fence())
                     .bind(false)
                     .execute(&mut *conn)
                     .await
@@ -521,10 +519,7 @@ impl Ledger for MySqlLedger {
                     .ok()
                     .filter(|us| *us > 0)
                     .ok_or_else(|| corrupt("renew: the server did not report the new expiry"))?;
-                Ok(Lease {
-                    expires_at: from_micros(expires_us),
-                    ..lease
-                })
+                Ok(lease.renewed_until(from_micros(expires_us)))
             })
         })
         .await

@@ -90,8 +90,8 @@ pub(crate) fn join_error(e: tokio::task::JoinError) -> Error {
 
 pub(crate) fn lease_lost(lease: &Lease) -> Error {
     Error::LeaseLost {
-        key: lease.key.to_string(),
-        fence: lease.fence,
+        key: lease.key().to_string(),
+        fence: lease.fence(),
     }
 }
 

@@ -14,7 +14,7 @@
 //! - [`NOW_US`]: the clock *when it is evaluated*. An `ON DUPLICATE KEY
 //!   UPDATE` (a takeover), an `UPDATE` and a `RETURNING` clause are evaluated
 //!   after any lock wait, so expiry, takeover and fences are judged on the
-//!   clock at the moment the write takes effect (DESIGN.md §3).
+//!   clock at the moment the write takes effect (`docs/design.md`, "The rules every backend keeps").
 //!
 //! `SYSDATE(6)` is the only call-time clock MySQL and MariaDB have, and it is
 //! in the session's time zone, which the ledger does not own (`claim_in` runs

@@ -97,7 +97,7 @@ async fn claim_in_business_write_and_complete_in_commit_together() {
                 .await
                 .unwrap(),
         );
-        assert!(!lease.taken_over);
+        assert!(!lease.taken_over());
         write_entry(&mut tx, &t, "order-1").await;
         ledger
             .complete_in(&mut tx, &lease, &Outcome::from_json(&"entry-1").unwrap())
@@ -108,7 +108,7 @@ async fn claim_in_business_write_and_complete_in_commit_together() {
         assert_eq!(entries(&ledger, &t).await, 0);
         tx.commit().await.unwrap();
         let r = ledger.get(&k).await.unwrap().unwrap();
-        assert_eq!((r.state, r.fence), (RecordState::Completed, lease.fence));
+        assert_eq!((r.state, r.fence), (RecordState::Completed, lease.fence()));
         assert_eq!(r.outcome.unwrap().to_value::<String>().unwrap(), "entry-1");
         assert_eq!(entries(&ledger, &t).await, 1);
         // A redelivery in its own transaction sees the completed effect.
@@ -164,8 +164,8 @@ async fn rollback_leaves_nothing() {
         // Nothing of the rolled-back claims remains: a fresh claim, whose
         // fence (the clock) is still above theirs.
         let l = acquired(ledger.claim(&k, &ClaimOptions::default()).await.unwrap());
-        assert!(l.fence > lease.fence);
-        assert!(!l.taken_over);
+        assert!(l.fence() > lease.fence());
+        assert!(!l.taken_over());
     }
 }
 
@@ -251,7 +251,7 @@ async fn keys_compare_exactly() {
                 .await
                 .unwrap(),
         );
-        assert!(!l.taken_over, "{s:?} collided with an earlier key");
+        assert!(!l.taken_over(), "{s:?} collided with an earlier key");
         ledger
             .complete(&l, &Outcome::from_json(&i).unwrap())
             .await
@@ -320,7 +320,7 @@ async fn unexpected_constraint_violation_is_an_error() {
         let e = ledger.claim(&c, &ClaimOptions::default()).await.unwrap_err();
         assert!(matches!(e, Error::Corrupt { .. }), "{e:?}");
         let after = ledger.get(&a).await.unwrap().unwrap();
-        assert_eq!((after.state, after.fence), (RecordState::Released, la.fence));
+        assert_eq!((after.state, after.fence), (RecordState::Released, la.fence()));
         assert_eq!(after.updated_at, released.updated_at);
         // In the caller's transaction too.
         let mut tx = ledger.begin().await.unwrap();
@@ -332,7 +332,7 @@ async fn unexpected_constraint_violation_is_an_error() {
         tx.rollback().await.unwrap();
         assert!(violations() >= before_count + 2);
         let after = ledger.get(&a).await.unwrap().unwrap();
-        assert_eq!((after.state, after.fence), (RecordState::Released, la.fence));
+        assert_eq!((after.state, after.fence), (RecordState::Released, la.fence()));
         drop_table(&ledger, &table).await;
     }
 }
@@ -714,14 +714,14 @@ async fn leaked_transaction_on_the_pool_is_healed() {
         let l = acquired(ledger.claim(&k, &ClaimOptions::default()).await.unwrap());
         assert_eq!(
             other.get(&k).await.unwrap().unwrap().fence,
-            l.fence,
+            l.fence(),
             "the claim committed"
         );
         leak_a_transaction(&ledger).await;
         let renewed = ledger.renew(&l, Duration::from_secs(120)).await.unwrap();
         assert_eq!(
             other.get(&k).await.unwrap().unwrap().lease_expires_at,
-            Some(renewed.expires_at),
+            Some(renewed.expires_at()),
             "the renewal committed"
         );
         leak_a_transaction(&ledger).await;
@@ -785,8 +785,8 @@ async fn blocked_duplicate_acquires_after_rollback() {
         tokio::time::sleep(Duration::from_millis(100)).await;
         first.rollback().await.unwrap();
         let lease = acquired(second.await.unwrap());
-        assert!(lease.fence > rolled_back.fence);
-        assert!(!lease.taken_over);
+        assert!(lease.fence() > rolled_back.fence());
+        assert!(!lease.taken_over());
         assert_eq!(
             ledger.get(&k).await.unwrap().unwrap().state,
             RecordState::InProgress
@@ -1101,11 +1101,14 @@ async fn claim_in_after_a_lock_wait_gets_a_live_lease() {
         a.rollback().await.unwrap();
         let b = b.await.unwrap();
         assert!(!oncely::backend::needs_refresh(&b, lease), "{b:?}");
-        assert!(b.fence > first.fence && !b.taken_over, "{b:?} after {first:?}");
+        assert!(
+            b.fence() > first.fence() && !b.taken_over(),
+            "{b:?} after {first:?}"
+        );
         let r = ledger.get(&k).await.unwrap().unwrap();
-        assert_eq!((r.fence, r.lease_expires_at), (b.fence, Some(b.expires_at)));
+        assert_eq!((r.fence, r.lease_expires_at), (b.fence(), Some(b.expires_at())));
         match ledger.claim(&k, &ClaimOptions::default()).await.unwrap() {
-            Claim::InProgress { fence, .. } => assert_eq!(fence, b.fence),
+            Claim::InProgress { fence, .. } => assert_eq!(fence, b.fence()),
             other => panic!("B's lease had ended when it was granted: {other:?}"),
         }
     }
@@ -1146,11 +1149,11 @@ async fn session_time_zone_does_not_move_the_clock() {
     // within a minute, and a 5:30 or 7 hour shift would not.
     let slack = Duration::from_secs(60);
     assert!(
-        l.acquired_at > before - slack && l.acquired_at < after + slack,
+        l.acquired_at() > before - slack && l.acquired_at() < after + slack,
         "{l:?}"
     );
     match east.claim(&k, &ClaimOptions::default()).await.unwrap() {
-        Claim::InProgress { fence, .. } => assert_eq!(fence, l.fence),
+        Claim::InProgress { fence, .. } => assert_eq!(fence, l.fence()),
         other => panic!("another time zone saw the lease as over: {other:?}"),
     }
     let mut tx = east.begin().await.unwrap();
@@ -1161,7 +1164,7 @@ async fn session_time_zone_does_not_move_the_clock() {
             .unwrap(),
     );
     tx.commit().await.unwrap();
-    assert!(l2.acquired_at > before - slack && l2.acquired_at < std::time::SystemTime::now() + slack);
+    assert!(l2.acquired_at() > before - slack && l2.acquired_at() < std::time::SystemTime::now() + slack);
     assert!(matches!(
         west.claim(&k2, &ClaimOptions::default()).await.unwrap(),
         Claim::InProgress { .. }
@@ -1226,7 +1229,7 @@ async fn claimants_waiting_on_a_rollback_get_one_live_lease() {
             let winner = match (&b_claim, &c_claim) {
                 (Claim::Acquired(w), Claim::InProgress { fence, .. })
                 | (Claim::InProgress { fence, .. }, Claim::Acquired(w)) => {
-                    assert_eq!(*fence, w.fence, "the loser saw the winner's grant");
+                    assert_eq!(*fence, w.fence(), "the loser saw the winner's grant");
                     w.clone()
                 }
                 other => panic!("exactly one of B and C acquires: {other:?}"),
@@ -1241,7 +1244,7 @@ async fn claimants_waiting_on_a_rollback_get_one_live_lease() {
             );
             assert!(!oncely::backend::needs_refresh(&winner, lease), "{winner:?}");
             match ledger.claim(&k, &ClaimOptions::default()).await.unwrap() {
-                Claim::InProgress { fence, .. } => assert_eq!(fence, winner.fence),
+                Claim::InProgress { fence, .. } => assert_eq!(fence, winner.fence()),
                 other => panic!("the winner's lease had ended: {other:?}"),
             }
         }

@@ -528,16 +528,17 @@ async fn previous_release_table_migrates() {
         Claim::Acquired(l) => l,
         other => panic!("{other:?}"),
     };
-    assert!(l.taken_over && l.fence > 3, "{l:?}");
+    assert!(l.taken_over() && l.fence() > 3, "{l:?}");
     ledger
         .complete(&l, &Outcome::from_json(&"v2").unwrap())
         .await
         .unwrap();
     // The old holder of fence 3 cannot touch it.
-    let stale = oncely::Lease {
+    let stale = oncely::backend::Grant {
         fence: 3,
-        ..l.clone()
-    };
+        ..oncely::backend::Grant::from(&l)
+    }
+    .into_lease();
     assert!(ledger.release(&stale).await.unwrap_err().is_lease_lost());
     // Migrating again changes nothing.
     ledger.migrate().await.unwrap();

@@ -118,7 +118,7 @@
 //! has either been applied by the server or not, never half, and a write
 //! based on a stale read is refused rather than applied.
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod clock;
 mod codec;
@@ -679,7 +679,7 @@ impl NatsKvLedger {
                     retention_us: length_us(opts.retention),
                     hz: sent_us,
                 };
-                let lease = Lease {
+                let lease = oncely::backend::Grant {
                     key: key.clone(),
                     fence: value.fence,
                     expires_at: later(now, opts.lease)?,
@@ -687,7 +687,8 @@ impl NatsKvLedger {
                     acquired_at: now,
                     taken_over: false,
                     at_most_once: opts.at_most_once,
-                };
+                }
+                .into_lease();
                 match self.write(&kk, &value, revision).await? {
                     Write::Done(rev) => {
                         if let Some(sent_at) = opts.sent_at {
@@ -727,7 +728,7 @@ impl NatsKvLedger {
                 hz: None,
                 ..prev
             };
-            let lease = Lease {
+            let lease = oncely::backend::Grant {
                 key: key.clone(),
                 fence: value.fence,
                 expires_at: later(now, opts.lease)?,
@@ -735,7 +736,8 @@ impl NatsKvLedger {
                 acquired_at: now,
                 taken_over: true,
                 at_most_once: opts.at_most_once,
-            };
+            }
+            .into_lease();
             match self.write(&kk, &value, revision).await? {
                 Write::Done(rev) => {
                     self.remember(&kk, rev, value);
@@ -758,8 +760,8 @@ impl NatsKvLedger {
     /// passed. (A refused write is counted as a fence rejection by the
     /// runner, not here: telemetry is recorded in one place.)
     async fn fenced(&self, lease: &Lease, change: impl Fn(&mut Stored)) -> Result<(u64, Stored)> {
-        let kk = kv_key(&lease.key);
-        if let Some((rev, mut value)) = self.recall(&kk, lease.fence) {
+        let kk = kv_key(lease.key());
+        if let Some((rev, mut value)) = self.recall(&kk, lease.fence()) {
             change(&mut value);
             value.hz = None;
             if let Write::Done(new_rev) = self.write(&kk, &value, rev).await? {
@@ -767,8 +769,8 @@ impl NatsKvLedger {
             }
         }
         let lost = || Error::LeaseLost {
-            key: lease.key.to_string(),
-            fence: lease.fence,
+            key: lease.key().to_string(),
+            fence: lease.fence(),
         };
         for _ in 0..MAX_ATTEMPTS {
             let Some(Current {
@@ -779,8 +781,8 @@ impl NatsKvLedger {
             else {
                 return Err(lost());
             };
-            self.decode_key(&value, Some(&lease.key))?;
-            if value.fence != lease.fence || value.state()? != RecordState::InProgress {
+            self.decode_key(&value, Some(lease.key()))?;
+            if value.fence != lease.fence() || value.state()? != RecordState::InProgress {
                 return Err(lost());
             }
             change(&mut value);
@@ -792,7 +794,7 @@ impl NatsKvLedger {
         }
         Err(backend_err(
             "fenced write",
-            format!("{}: gave up after {MAX_ATTEMPTS} lost races", lease.key),
+            format!("{}: gave up after {MAX_ATTEMPTS} lost races", lease.key()),
         ))
     }
 
@@ -1067,14 +1069,8 @@ impl Ledger for NatsKvLedger {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            caller_transaction: false,
-            durability: "JetStream file storage",
-            replicated: self.inner.opts.replicas > 1,
-            clock: "NATS server timestamps",
-            max_key_bytes: oncely::MAX_KEY_BYTES,
-            max_outcome_bytes: oncely::MAX_OUTCOME_BYTES,
-        }
+        Capabilities::new("JetStream file storage", "NATS server timestamps")
+            .replicated(self.inner.opts.replicas > 1)
     }
 
     // No span and no metrics here: the core's claim pipeline records each
@@ -1112,11 +1108,8 @@ impl Ledger for NatsKvLedger {
         let expires_at = later(now, extend_by)?;
         let us = length_us(extend_by);
         let (rev, value) = self.fenced(lease, |v| v.lease_us = us).await?;
-        self.remember(&kv_key(&lease.key), rev, value);
-        Ok(Lease {
-            expires_at,
-            ..lease.clone()
-        })
+        self.remember(&kv_key(lease.key()), rev, value);
+        Ok(lease.renewed_until(expires_at))
     }
 
     async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {

@@ -317,9 +317,9 @@ async fn concurrent_takeover_has_one_winner() {
     for t in tasks {
         match t.await.unwrap() {
             Claim::Acquired(l) => {
-                assert!(l.fence > first.fence, "{} after {}", l.fence, first.fence);
-                assert!(l.taken_over);
-                winners.push(l.fence);
+                assert!(l.fence() > first.fence(), "{} after {}", l.fence(), first.fence());
+                assert!(l.taken_over());
+                winners.push(l.fence());
             }
             Claim::InProgress { fence, .. } => seen.push(fence),
             other => panic!("{other:?}"),
@@ -440,12 +440,12 @@ async fn reported_leases_end_no_later_than_the_server_enforces() {
     let o = ClaimOptions::default().lease(len);
     let check = |l: &oncely::Lease, stamp: SystemTime, len: Duration, what: &str| {
         assert!(
-            l.acquired_at <= stamp,
+            l.acquired_at() <= stamp,
             "{what}: acquired_at {:?} is after the write's stamp {stamp:?}",
-            l.acquired_at
+            l.acquired_at()
         );
         assert!(
-            l.expires_at <= stamp + len,
+            l.expires_at() <= stamp + len,
             "{what}: {l:?} outlasts {stamp:?} + {len:?}"
         );
     };
@@ -453,21 +453,21 @@ async fn reported_leases_end_no_later_than_the_server_enforces() {
     let t = fresh_tenant();
     let k = EffectKey::new(&t, "capture", "o-1").unwrap();
     let l = acquired(ledger.claim(&k, &o).await.unwrap());
-    assert_eq!(l.expires_at.duration_since(l.acquired_at).unwrap(), len);
+    assert_eq!(l.expires_at().duration_since(l.acquired_at()).unwrap(), len);
     check(&l, stamp(&ledger, &t).await, len, "create");
     // A renewal.
     let longer = Duration::from_secs(5);
     let r = ledger.renew(&l, longer).await.unwrap();
     check(&r, stamp(&ledger, &t).await, longer, "renew");
-    assert!(r.expires_at >= l.expires_at);
+    assert!(r.expires_at() >= l.expires_at());
     // A takeover.
     let t = fresh_tenant();
     let k = EffectKey::new(&t, "capture", "o-2").unwrap();
     let first = acquired(ledger.claim(&k, &o).await.unwrap());
     tokio::time::sleep(oncely::conformance::SHORT_LEASE_WAIT).await;
     let l = acquired(ledger.claim(&k, &o).await.unwrap());
-    assert!(l.taken_over && l.fence > first.fence, "{l:?}");
-    assert_eq!(l.expires_at.duration_since(l.acquired_at).unwrap(), len);
+    assert!(l.taken_over() && l.fence() > first.fence(), "{l:?}");
+    assert_eq!(l.expires_at().duration_since(l.acquired_at()).unwrap(), len);
     check(&l, stamp(&ledger, &t).await, len, "takeover");
     drop_bucket(&js, &bucket).await;
 }
@@ -574,7 +574,7 @@ async fn unchecked_records_are_checked_again_on_takeover() {
     assert!(ledger.release(&replayed).await.unwrap_err().is_lease_lost());
     // A claim without `sent_at` finds the key absent: a new record.
     let l = acquired(ledger.claim(&key("fresh"), &short).await.unwrap());
-    assert!(!l.taken_over && l.fence > fresh.fence, "{l:?}");
+    assert!(!l.taken_over() && l.fence() > fresh.fence(), "{l:?}");
     // The renewed record is taken over as any expired lease.
     let l = acquired(
         ledger
@@ -582,7 +582,7 @@ async fn unchecked_records_are_checked_again_on_takeover() {
             .await
             .unwrap(),
     );
-    assert!(l.taken_over && l.fence > renewed.fence, "{l:?}");
+    assert!(l.taken_over() && l.fence() > renewed.fence(), "{l:?}");
 }
 
 /// The order that keeps a pruned effect from running again (prune: raise

@@ -124,7 +124,10 @@ async fn node_loss_keeps_claims_exact_and_completions_durable() {
                     let claim = retry(|| ledger.claim(k, &claim_opts)).await.unwrap();
                     match claim {
                         Claim::Acquired(lease) => {
-                            grants.lock().unwrap().push((i, lease.fence, lease.taken_over));
+                            grants
+                                .lock()
+                                .unwrap()
+                                .push((i, lease.fence(), lease.taken_over()));
                             let outcome = Outcome::from_json(&w).unwrap();
                             match retry(|| ledger.complete(&lease, &outcome)).await {
                                 Ok(()) => {
@@ -142,7 +145,7 @@ async fn node_loss_keeps_claims_exact_and_completions_durable() {
                         }
                         Claim::Completed(_) => break,
                         Claim::InProgress { .. } => tokio::time::sleep(Duration::from_millis(10)).await,
-                        Claim::Abandoned(r) => panic!("not at-most-once: {r:?}"),
+                        other => panic!("not at-most-once, so never {other:?}"),
                     }
                 }
             }

@@ -52,7 +52,7 @@ pub(crate) fn map(e: sqlx::Error) -> Error {
                         }
                     } else {
                         let detail = format!("{constraint}: {message}");
-                        oncely::telemetry::unexpected_constraint_violation(BACKEND, &detail);
+                        oncely::backend::report_unexpected_violation(BACKEND, &detail);
                         Error::Corrupt {
                             backend: BACKEND,
                             message: detail,

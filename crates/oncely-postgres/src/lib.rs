@@ -168,7 +168,7 @@
 //! A table created by someone else is checked before anything is added to
 //! it.
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod error;
 mod schema;
@@ -181,8 +181,8 @@ use oncely::backend::{
     answer_existing, check_outcome, duration_micros, effective_state, from_micros, to_micros,
 };
 use oncely::{
-    Capabilities, Claim, ClaimOptions, EffectKey, Error, Fingerprint, Lease, Ledger, MAX_KEY_BYTES,
-    MAX_OUTCOME_BYTES, Outcome, Record, RecordState, Result, Tenant, TransactionalLedger,
+    Capabilities, Claim, ClaimOptions, EffectKey, Error, Fingerprint, Lease, Ledger, MAX_OUTCOME_BYTES,
+    Outcome, Record, RecordState, Result, Tenant, TransactionalLedger,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Postgres, Row};
@@ -550,26 +550,26 @@ impl PgLedger {
     ) -> Result<i64> {
         self.writable()?;
         let lost = || Error::LeaseLost {
-            key: lease.key.to_string(),
-            fence: lease.fence,
+            key: lease.key().to_string(),
+            fence: lease.fence(),
         };
-        let Ok(fence) = i64::try_from(lease.fence) else {
+        let Ok(fence) = i64::try_from(lease.fence()) else {
             return Err(lost());
         };
         for _ in 0..ATTEMPTS {
             let q = &self.inner.q;
             let query = match write {
                 Write::Complete(outcome) => sqlx::query(AssertSqlSafe(q.complete.clone()))
-                    .bind(lease.key.as_str())
+                    .bind(lease.key().as_str())
                     .bind(fence)
                     .bind(outcome.as_bytes())
                     .bind(guard),
                 Write::Release => sqlx::query(AssertSqlSafe(q.release.clone()))
-                    .bind(lease.key.as_str())
+                    .bind(lease.key().as_str())
                     .bind(fence)
                     .bind(guard),
                 Write::Renew(us) => sqlx::query(AssertSqlSafe(q.renew.clone()))
-                    .bind(lease.key.as_str())
+                    .bind(lease.key().as_str())
                     .bind(fence)
                     .bind(us)
                     .bind(guard),
@@ -595,7 +595,7 @@ impl PgLedger {
             backend: BACKEND,
             message: format!(
                 "{}: the write did not settle after {ATTEMPTS} attempts",
-                lease.key
+                lease.key()
             ),
             retryable: true,
         })
@@ -672,7 +672,7 @@ fn acquired(key: &EffectKey, row: &PgRow) -> Result<Lease> {
     let fence: i64 = row.try_get(2).map_err(map)?;
     let expires_us =
         micros_opt(row, 8)?.ok_or_else(|| corrupt(format!("{key}: acquired without a lease")))?;
-    Ok(Lease {
+    Ok(oncely::backend::Grant {
         key: key.clone(),
         fence: u64::try_from(fence).map_err(|_| corrupt(format!("{key}: fence {fence}")))?,
         expires_at: from_micros(expires_us),
@@ -681,7 +681,8 @@ fn acquired(key: &EffectKey, row: &PgRow) -> Result<Lease> {
         acquired_at: from_micros(micros(row, 7)?),
         taken_over: row.try_get(11).map_err(map)?,
         at_most_once: row.try_get(5).map_err(map)?,
-    })
+    }
+    .into_lease())
 }
 
 #[derive(Clone, Copy)]
@@ -806,14 +807,11 @@ impl Ledger for PgLedger {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            caller_transaction: true,
-            durability: "PostgreSQL commit (WAL, as synchronous_commit is configured)",
-            replicated: false,
-            clock: "PostgreSQL clock_timestamp() when each write takes effect (database server clock)",
-            max_key_bytes: MAX_KEY_BYTES,
-            max_outcome_bytes: MAX_OUTCOME_BYTES,
-        }
+        Capabilities::new(
+            "PostgreSQL commit (WAL, as synchronous_commit is configured)",
+            "PostgreSQL clock_timestamp() when each write takes effect (database server clock)",
+        )
+        .caller_transaction(true)
     }
 
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
@@ -852,10 +850,7 @@ impl Ledger for PgLedger {
         let expires_us = self
             .fenced_on(&mut conn, lease, Write::Renew(duration_micros(extend_by)), true)
             .await?;
-        Ok(Lease {
-            expires_at: from_micros(expires_us),
-            ..lease.clone()
-        })
+        Ok(lease.renewed_until(from_micros(expires_us)))
     }
 
     async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {

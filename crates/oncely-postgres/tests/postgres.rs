@@ -119,7 +119,7 @@ async fn claim_in_commits_with_the_business_write() {
         Claim::Acquired(l) => l,
         other => panic!("{other:?}"),
     };
-    mark_paid(&mut tx, &id, lease.fence).await.unwrap();
+    mark_paid(&mut tx, &id, lease.fence()).await.unwrap();
     ledger
         .complete_in(&mut *tx, &lease, &Outcome::from_json(&"paid").unwrap())
         .await
@@ -154,7 +154,7 @@ async fn rollback_leaves_nothing() {
             Claim::Acquired(l) => l,
             other => panic!("{other:?}"),
         };
-        mark_paid(&mut tx, &id, lease.fence).await.unwrap();
+        mark_paid(&mut tx, &id, lease.fence()).await.unwrap();
         ledger
             .complete_in(&mut *tx, &lease, &Outcome::from_json(&1).unwrap())
             .await
@@ -180,8 +180,8 @@ async fn rollback_leaves_nothing() {
     // rolled-back one's (fences follow the clock, they do not restart).
     match ledger.claim(&k, &ClaimOptions::default()).await.unwrap() {
         Claim::Acquired(l) => {
-            assert!(!l.taken_over);
-            assert!(l.fence > first.fence, "{} after {}", l.fence, first.fence);
+            assert!(!l.taken_over());
+            assert!(l.fence() > first.fence(), "{} after {}", l.fence(), first.fence());
         }
         other => panic!("{other:?}"),
     }
@@ -209,7 +209,7 @@ async fn concurrent_claim_in_writes_once() {
                 .await
                 .unwrap();
             if let Claim::Acquired(lease) = &claim {
-                mark_paid(&mut tx, &id, lease.fence).await.unwrap();
+                mark_paid(&mut tx, &id, lease.fence()).await.unwrap();
                 // Hold the transaction open so that the others pile up on
                 // the unique index.
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -226,7 +226,7 @@ async fn concurrent_claim_in_writes_once() {
     for t in tasks {
         match t.await.unwrap() {
             Claim::Acquired(l) => {
-                assert!(!l.taken_over, "{l:?}");
+                assert!(!l.taken_over(), "{l:?}");
                 acquired += 1;
             }
             Claim::Completed(r) => {
@@ -553,7 +553,7 @@ async fn aborted_operations_never_lose_or_split_writes() {
                     .await
                     .unwrap()
                 {
-                    mark_paid(&mut tx, k.as_str(), l.fence).await.unwrap();
+                    mark_paid(&mut tx, k.as_str(), l.fence()).await.unwrap();
                     ledger
                         .complete_in(&mut *tx, &l, &Outcome::from_json(&i).unwrap())
                         .await
@@ -803,8 +803,8 @@ async fn old_message_takes_over_but_never_inserts() {
     assert!(horizon > old);
     match ledger.claim(&k, &day.clone().sent_at(old)).await.unwrap() {
         Claim::Acquired(l2) => {
-            assert!(l2.fence > l.fence);
-            assert!(l2.taken_over);
+            assert!(l2.fence() > l.fence());
+            assert!(l2.taken_over());
         }
         other => panic!("{other:?}"),
     }

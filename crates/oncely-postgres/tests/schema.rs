@@ -560,8 +560,8 @@ async fn a_version_1_ledger_migrates() {
     assert_eq!(versions, vec![1, 2]);
     match ledger.claim(&released, &ClaimOptions::default()).await.unwrap() {
         Claim::Acquired(l) => {
-            assert!(l.taken_over);
-            assert!(l.fence > 3, "fence {} after 3", l.fence);
+            assert!(l.taken_over());
+            assert!(l.fence() > 3, "fence {} after 3", l.fence());
         }
         other => panic!("{other:?}"),
     }

@@ -189,7 +189,7 @@
 //! record as it was or settled, and the next claim carries on from there.
 //! Metrics and spans of claims are recorded by oncely's runners, not here.
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod conn;
 mod error;
@@ -550,7 +550,7 @@ impl RedisLedger {
         self.undo(&lease, sent_us).await;
         match watermark {
             Ok(_) => Err(Error::BeyondHorizon {
-                key: lease.key.to_string(),
+                key: lease.key().to_string(),
             }),
             Err(e) => Err(e),
         }
@@ -593,7 +593,7 @@ impl RedisLedger {
             let parts = array(reply)?;
             return match tag(&parts)? {
                 "acquired" => {
-                    let lease = Lease {
+                    let lease = oncely::backend::Grant {
                         key: key.clone(),
                         fence: uint(parts.get(1))?,
                         expires_at: from_micros(int(parts.get(2))?),
@@ -601,11 +601,12 @@ impl RedisLedger {
                         acquired_at: from_micros(int(parts.get(4))?),
                         taken_over: int(parts.get(5))? == 1,
                         at_most_once: opts.at_most_once,
-                    };
+                    }
+                    .into_lease();
                     match (&hkey, sent_at) {
                         // A takeover found the record: the horizon is not its
                         // question (the contract checks absent keys only).
-                        (Some(hkey), Some(us)) if in_script.is_none() && !lease.taken_over => {
+                        (Some(hkey), Some(us)) if in_script.is_none() && !lease.taken_over() => {
                             self.settle_horizon(lease, hkey, us).await.map(Claim::Acquired)
                         }
                         _ => Ok(Claim::Acquired(lease)),
@@ -715,10 +716,10 @@ impl RedisLedger {
     /// left behind keeps its mark, so whoever would take it over checks the
     /// horizon again first ([`RedisLedger::recheck`]).
     async fn undo(&self, lease: &Lease, sent_us: i64) {
-        let created = match to_micros(lease.first_claimed_at) {
+        let created = match to_micros(lease.first_claimed_at()) {
             Ok(us) => us.to_string(),
             Err(e) => {
-                tracing::error!(key = %lease.key, error = %e, "cannot take back a claim beyond the horizon");
+                tracing::error!(key = %lease.key(), error = %e, "cannot take back a claim beyond the horizon");
                 return;
             }
         };
@@ -727,8 +728,8 @@ impl RedisLedger {
         for attempt in 1..=UNDO_ATTEMPTS {
             match self
                 .fenced(
-                    &lease.key,
-                    lease.fence,
+                    lease.key(),
+                    lease.fence(),
                     "undo",
                     &[created.as_bytes(), hz.as_bytes()],
                 )
@@ -743,8 +744,8 @@ impl RedisLedger {
                 }
                 Err(e) => {
                     tracing::error!(
-                        key = %lease.key,
-                        fence = lease.fence,
+                        key = %lease.key(),
+                        fence = lease.fence(),
                         error = %e,
                         "cannot take back a claim beyond the horizon; its record stays in progress \
                          until its lease ends, and whoever would take it over then checks the horizon again"
@@ -844,14 +845,10 @@ impl Ledger for RedisLedger {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            caller_transaction: false,
-            durability: "as the Redis server is configured: AOF with appendfsync always/everysec, or none",
-            replicated: false,
-            clock: "Redis server TIME",
-            max_key_bytes: oncely::MAX_KEY_BYTES,
-            max_outcome_bytes: oncely::MAX_OUTCOME_BYTES,
-        }
+        Capabilities::new(
+            "as the Redis server is configured: AOF with appendfsync always/everysec, or none",
+            "Redis server TIME",
+        )
     }
 
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
@@ -877,13 +874,13 @@ impl Ledger for RedisLedger {
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
         check_outcome(outcome, oncely::MAX_OUTCOME_BYTES)?;
-        self.fenced(&lease.key, lease.fence, "complete", &[outcome.as_bytes()])
+        self.fenced(lease.key(), lease.fence(), "complete", &[outcome.as_bytes()])
             .await
             .map(drop)
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
-        self.fenced(&lease.key, lease.fence, "release", &[b""])
+        self.fenced(lease.key(), lease.fence(), "release", &[b""])
             .await
             .map(drop)
     }
@@ -896,12 +893,9 @@ impl Ledger for RedisLedger {
         }
         let by = duration_micros(extend_by).to_string();
         let parts = self
-            .fenced(&lease.key, lease.fence, "renew", &[by.as_bytes()])
+            .fenced(lease.key(), lease.fence(), "renew", &[by.as_bytes()])
             .await?;
-        Ok(Lease {
-            expires_at: from_micros(int(parts.get(2))?),
-            ..lease.clone()
-        })
+        Ok(lease.renewed_until(from_micros(int(parts.get(2))?)))
     }
 
     async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
@@ -1026,6 +1020,7 @@ fn horizon_key(prefix: &str, tenant: &Tenant, kind: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use oncely::backend::Grant;
 
     #[test]
     fn record_keys_carry_a_tag_of_the_whole_key() {
@@ -1079,7 +1074,7 @@ mod tests {
             .arg(sent_us);
         let parts = array(ledger.run(&CLAIM, &cmd).await.unwrap()).unwrap();
         assert_eq!(tag(&parts).unwrap(), "acquired");
-        Lease {
+        oncely::backend::Grant {
             key: key.clone(),
             fence: uint(parts.get(1)).unwrap(),
             expires_at: from_micros(int(parts.get(2)).unwrap()),
@@ -1088,6 +1083,7 @@ mod tests {
             taken_over: false,
             at_most_once: false,
         }
+        .into_lease()
     }
 
     /// The take-back of a claim beyond the horizon (and the second check's
@@ -1129,38 +1125,40 @@ mod tests {
         assert_eq!(mark(&ledger, &k).await, Some(sent.to_string()));
         ledger
             .undo(
-                &Lease {
-                    fence: l.fence + 1,
-                    ..l.clone()
-                },
+                &Grant {
+                    fence: l.fence() + 1,
+                    ..Grant::from(&l)
+                }
+                .into_lease(),
                 sent,
             )
             .await;
         ledger
             .undo(
-                &Lease {
-                    first_claimed_at: l.first_claimed_at + Duration::from_micros(1),
-                    ..l.clone()
-                },
+                &Grant {
+                    first_claimed_at: l.first_claimed_at() + Duration::from_micros(1),
+                    ..Grant::from(&l)
+                }
+                .into_lease(),
                 sent,
             )
             .await;
         ledger.undo(&l, sent + 1).await;
-        let created = to_micros(l.first_claimed_at).unwrap().to_string();
+        let created = to_micros(l.first_claimed_at()).unwrap().to_string();
         let other = (sent + 1).to_string();
         let e = ledger
-            .fenced(&k, l.fence, "checked", &[created.as_bytes(), other.as_bytes()])
+            .fenced(&k, l.fence(), "checked", &[created.as_bytes(), other.as_bytes()])
             .await
             .unwrap_err();
         assert!(e.is_lease_lost(), "{e:?}");
         assert_eq!(mark(&ledger, &k).await, Some(sent.to_string()));
-        assert_eq!(ledger.get(&k).await.unwrap().unwrap().fence, l.fence);
+        assert_eq!(ledger.get(&k).await.unwrap().unwrap().fence, l.fence());
         tokio::time::sleep(Duration::from_millis(500)).await;
         // The second check found it within the horizon: the mark is cleared,
         // and the record is then taken over like any other.
         let hz = sent.to_string();
         ledger
-            .fenced(&k, l.fence, "checked", &[created.as_bytes(), hz.as_bytes()])
+            .fenced(&k, l.fence(), "checked", &[created.as_bytes(), hz.as_bytes()])
             .await
             .unwrap();
         assert_eq!(mark(&ledger, &k).await, None);
@@ -1170,16 +1168,16 @@ mod tests {
                 .await
                 .unwrap(),
         );
-        assert!(l2.taken_over);
+        assert!(l2.taken_over());
         ledger.undo(&l, sent).await;
-        assert_eq!(ledger.get(&k).await.unwrap().unwrap().fence, l2.fence);
+        assert_eq!(ledger.get(&k).await.unwrap().unwrap().fence, l2.fence());
 
         // A holder that renewed wrote since its claim: its claim passed.
         let renewed = EffectKey::new(&t, "capture", "undo-renewed").unwrap();
         let l3 = insert_marked(&ledger, &renewed, short, sent).await;
         ledger.renew(&l3, short).await.unwrap();
         ledger.undo(&l3, sent).await;
-        assert_eq!(ledger.get(&renewed).await.unwrap().unwrap().fence, l3.fence);
+        assert_eq!(ledger.get(&renewed).await.unwrap().unwrap().fence, l3.fence());
 
         let fresh = EffectKey::new(&t, "capture", "undo-fresh").unwrap();
         let l4 = insert_marked(&ledger, &fresh, short, sent).await;

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime};
 
 use common::{TempRedis, cluster, cluster_urls, raw, single, single_with};
-use oncely::backend::to_micros;
+use oncely::backend::{Grant, to_micros};
 use oncely::conformance::{SHORT_LEASE, SHORT_LEASE_WAIT, fresh_tenant, prune_until_gone};
 use oncely::{Claim, ClaimOptions, EffectKey, Effects, Error, Ledger, Outcome, RecordState};
 use oncely_redis::{RedisLedger, RedisLedgerOptions};
@@ -55,7 +55,11 @@ async fn foreign_values_are_corrupt_and_untouched() {
             .await
             .unwrap(),
     );
-    let forged = oncely::Lease { key: k.clone(), ..l };
+    let forged = Grant {
+        key: k.clone(),
+        ..Grant::from(&l)
+    }
+    .into_lease();
     let o = Outcome::from_json(&1).unwrap();
     assert!(is_corrupt(&ledger.complete(&forged, &o).await.unwrap_err()));
     assert!(is_corrupt(&ledger.release(&forged).await.unwrap_err()));
@@ -129,7 +133,7 @@ async fn flushed_scripts_are_loaded_again() {
     flush_scripts(&mut conn).await;
     let r = ledger.get(&k).await.unwrap().unwrap();
     assert_eq!(r.state, RecordState::Completed);
-    assert_eq!(r.fence, l.fence);
+    assert_eq!(r.fence, l.fence());
     flush_scripts(&mut conn).await;
     assert!(matches!(
         ledger.claim(&k, &opts).await.unwrap(),
@@ -152,9 +156,9 @@ async fn stored_times_match_returned_times() {
     for i in 0..40 {
         let k = EffectKey::new(&t, "capture", format!("times-{i}")).unwrap();
         let l = acquired(ledger.claim(&k, &opts).await.unwrap());
-        let acquired_us = to_micros(l.acquired_at).unwrap();
+        let acquired_us = to_micros(l.acquired_at()).unwrap();
         // A new key's fence is the server's clock at the grant, in µs.
-        assert_eq!(l.fence, u64::try_from(acquired_us).unwrap(), "{k}");
+        assert_eq!(l.fence(), u64::try_from(acquired_us).unwrap(), "{k}");
         let micros = acquired_us.rem_euclid(1_000_000);
         if micros < 100_000 {
             short_micros += 1;
@@ -166,10 +170,10 @@ async fn stored_times_match_returned_times() {
         }
         let r = ledger.get(&k).await.unwrap().unwrap();
         assert_eq!(r.state, RecordState::InProgress);
-        assert_eq!(r.created_at, l.acquired_at, "{k}");
-        assert_eq!(r.created_at, l.first_claimed_at, "{k}");
-        assert_eq!(r.updated_at, l.acquired_at, "{k}");
-        assert_eq!(r.lease_expires_at, Some(l.expires_at), "{k}");
+        assert_eq!(r.created_at, l.acquired_at(), "{k}");
+        assert_eq!(r.created_at, l.first_claimed_at(), "{k}");
+        assert_eq!(r.updated_at, l.acquired_at(), "{k}");
+        assert_eq!(r.lease_expires_at, Some(l.expires_at()), "{k}");
         assert_eq!(r.retain_until, r.created_at + retention, "{k}");
         let stored: String = conn.hget(ledger.redis_key(&k), "v").await.unwrap();
         assert_eq!(stored, "2", "record format");
@@ -181,12 +185,12 @@ async fn stored_times_match_returned_times() {
             let r = ledger.get(&k).await.unwrap().unwrap();
             assert_eq!(r.state, RecordState::Completed);
             assert_eq!(r.lease_expires_at, None, "a completed record has no lease");
-            assert!(r.updated_at >= l.acquired_at);
+            assert!(r.updated_at >= l.acquired_at());
             assert_eq!(r.retain_until, r.updated_at + retention, "{k}");
         } else {
             let renewed = ledger.renew(&l, Duration::from_secs(90)).await.unwrap();
             let r = ledger.get(&k).await.unwrap().unwrap();
-            assert_eq!(r.lease_expires_at, Some(renewed.expires_at), "{k}");
+            assert_eq!(r.lease_expires_at, Some(renewed.expires_at()), "{k}");
             ledger.release(&l).await.unwrap();
         }
     }
@@ -233,7 +237,7 @@ async fn records_carry_no_ttl() {
     // it over removes it (a lease must never vanish).
     let _: () = conn.pexpire(rkey("released"), 600_000).await.unwrap();
     let l2 = acquired(ledger.claim(&released, &brief).await.unwrap());
-    assert!(l2.taken_over && l2.fence > l.fence);
+    assert!(l2.taken_over() && l2.fence() > l.fence());
     let ttl: i64 = conn.pttl(rkey("released")).await.unwrap();
     assert_eq!(ttl, -1, "a lease taken over from a released record has no TTL");
 
@@ -322,8 +326,8 @@ async fn prune_raises_the_horizon_before_it_deletes() {
         .complete(&ln, &Outcome::from_json(&2).unwrap())
         .await
         .unwrap();
-    let created_older = lo.first_claimed_at;
-    let created_newer = ln.first_claimed_at;
+    let created_older = lo.first_claimed_at();
+    let created_newer = ln.first_claimed_at();
     assert!(created_newer > created_older);
     tokio::time::sleep(SHORT_LEASE_WAIT).await;
 
@@ -386,7 +390,10 @@ async fn prune_raises_the_horizon_before_it_deletes() {
             .await
             .unwrap(),
     );
-    assert!(l.fence > ln.fence, "a fence after prune is above the pruned one");
+    assert!(
+        l.fence() > ln.fence(),
+        "a fence after prune is above the pruned one"
+    );
 }
 
 /// Fences follow the server's clock: a takeover gets the previous fence + 1
@@ -401,18 +408,18 @@ async fn fences_follow_the_server_clock() {
     let l = acquired(ledger.claim(&k, &ClaimOptions::default()).await.unwrap());
     ledger.release(&l).await.unwrap();
     let l2 = acquired(ledger.claim(&k, &ClaimOptions::default()).await.unwrap());
-    assert!(l2.fence > l.fence);
+    assert!(l2.fence() > l.fence());
     assert_eq!(
-        l2.fence,
-        u64::try_from(to_micros(l2.acquired_at).unwrap()).unwrap()
+        l2.fence(),
+        u64::try_from(to_micros(l2.acquired_at()).unwrap()).unwrap()
     );
     ledger.release(&l2).await.unwrap();
     // A fence an hour ahead of the clock (a record from a master whose clock
     // ran fast): the next grant is one above it.
-    let ahead = l2.fence + 3_600_000_000;
+    let ahead = l2.fence() + 3_600_000_000;
     let _: () = conn.hset(&rkey, "f", ahead).await.unwrap();
     let l3 = acquired(ledger.claim(&k, &ClaimOptions::default()).await.unwrap());
-    assert_eq!((l3.fence, l3.taken_over), (ahead + 1, true));
+    assert_eq!((l3.fence(), l3.taken_over()), (ahead + 1, true));
     ledger.release(&l3).await.unwrap();
 
     let _: () = conn.hset(&rkey, "f", 1u64 << 53).await.unwrap();
@@ -420,10 +427,11 @@ async fn fences_follow_the_server_clock() {
         &ledger.claim(&k, &ClaimOptions::default()).await.unwrap_err()
     ));
     assert!(is_corrupt(&ledger.get(&k).await.unwrap_err()));
-    let forged = oncely::Lease {
+    let forged = Grant {
         fence: (1 << 53) + 1,
-        ..l3
-    };
+        ..Grant::from(&l3)
+    }
+    .into_lease();
     assert!(is_corrupt(&ledger.release(&forged).await.unwrap_err()));
     let f: u64 = conn.hget(&rkey, "f").await.unwrap();
     assert_eq!(f, 1 << 53, "nothing was changed");
@@ -535,7 +543,7 @@ async fn slow_server_is_a_retryable_timeout() {
     // The timed-out claim may or may not have been applied (as after any
     // dropped request); either way the key has exactly one holder.
     let fence = match answer.expect("ledger recovers after the pause") {
-        Claim::Acquired(l) => l.fence,
+        Claim::Acquired(l) => l.fence(),
         Claim::InProgress { fence, .. } => fence,
         other => panic!("{other:?}"),
     };
@@ -770,13 +778,13 @@ async fn cluster_claim_checks_the_horizon_after_its_insert() {
     ledger.release(&l).await.unwrap();
     // A takeover found the record: the horizon is not its question either.
     let l2 = acquired(ledger.claim(&k, &sent).await.unwrap());
-    assert!(l2.taken_over);
+    assert!(l2.taken_over());
 
     let _: () = conn.del(&hkey).await.unwrap();
     let fresh = EffectKey::new(&t, "capture", "fresh").unwrap();
     let l = acquired(ledger.claim(&fresh, &sent).await.unwrap());
-    assert!(!l.taken_over);
-    assert_eq!(ledger.get(&fresh).await.unwrap().unwrap().fence, l.fence);
+    assert!(!l.taken_over());
+    assert_eq!(ledger.get(&fresh).await.unwrap().unwrap().fence, l.fence());
 }
 
 /// A cluster claim beyond the horizon whose caller drops it at any moment
@@ -922,7 +930,7 @@ async fn cluster_unchecked_record_beyond_the_horizon_is_removed_on_takeover() {
         ledger.get(&key("replayed")).await.unwrap().is_none(),
         "the unchecked record is gone, and the replay left nothing"
     );
-    let old = oncely::Lease {
+    let old = oncely::backend::Grant {
         key: key("replayed"),
         fence: replayed.0,
         expires_at: now,
@@ -930,7 +938,8 @@ async fn cluster_unchecked_record_beyond_the_horizon_is_removed_on_takeover() {
         acquired_at: now,
         taken_over: false,
         at_most_once: false,
-    };
+    }
+    .into_lease();
     assert!(ledger.release(&old).await.unwrap_err().is_lease_lost());
     // A message produced after the watermark is new work.
     let l = acquired(
@@ -942,7 +951,7 @@ async fn cluster_unchecked_record_beyond_the_horizon_is_removed_on_takeover() {
             .await
             .unwrap(),
     );
-    assert!(!l.taken_over && l.fence > replayed.0, "{l:?}");
+    assert!(!l.taken_over() && l.fence() > replayed.0, "{l:?}");
 
     let l = acquired(
         ledger
@@ -950,11 +959,11 @@ async fn cluster_unchecked_record_beyond_the_horizon_is_removed_on_takeover() {
             .await
             .unwrap(),
     );
-    assert!(!l.taken_over, "a new record, not a takeover: {l:?}");
-    assert!(l.fence > fresh.0, "{l:?}");
-    assert!(to_micros(l.first_claimed_at).unwrap() > fresh.1, "{l:?}");
+    assert!(!l.taken_over(), "a new record, not a takeover: {l:?}");
+    assert!(l.fence() > fresh.0, "{l:?}");
+    assert!(to_micros(l.first_claimed_at()).unwrap() > fresh.1, "{l:?}");
     let r = ledger.get(&key("fresh")).await.unwrap().unwrap();
-    assert_eq!((r.fence, r.created_at), (l.fence, l.first_claimed_at));
+    assert_eq!((r.fence, r.created_at), (l.fence(), l.first_claimed_at()));
 
     let l = acquired(
         ledger
@@ -962,8 +971,8 @@ async fn cluster_unchecked_record_beyond_the_horizon_is_removed_on_takeover() {
             .await
             .unwrap(),
     );
-    assert!(!l.taken_over, "{l:?}");
-    assert!(l.fence > ahead_fence, "above the removed record's fence: {l:?}");
+    assert!(!l.taken_over(), "{l:?}");
+    assert!(l.fence() > ahead_fence, "above the removed record's fence: {l:?}");
 
     // Never taken over, so never removed: it waits for reconciliation.
     assert!(matches!(
@@ -1024,8 +1033,8 @@ async fn cluster_unchecked_record_within_the_horizon_is_taken_over() {
                 .await
                 .unwrap(),
         );
-        assert!(l.taken_over && l.fence > fence, "{k}: {l:?}");
-        assert_eq!(to_micros(l.first_claimed_at).unwrap(), created, "{k}");
+        assert!(l.taken_over() && l.fence() > fence, "{k}: {l:?}");
+        assert_eq!(to_micros(l.first_claimed_at()).unwrap(), created, "{k}");
         let hz: Option<String> = conn.hget(ledger.redis_key(k), "hz").await.unwrap();
         assert_eq!(hz, None, "{k}: checked, the mark is cleared");
         // Checked once: a later watermark above the old sent_at changes
@@ -1039,8 +1048,8 @@ async fn cluster_unchecked_record_within_the_horizon_is_taken_over() {
             .await
             .unwrap();
         let l2 = acquired(ledger.claim(k, &ClaimOptions::default()).await.unwrap());
-        assert!(l2.taken_over && l2.fence > l.fence, "{k}: {l2:?}");
-        assert_eq!(l2.first_claimed_at, l.first_claimed_at, "{k}");
+        assert!(l2.taken_over() && l2.fence() > l.fence(), "{k}: {l2:?}");
+        assert_eq!(l2.first_claimed_at(), l.first_claimed_at(), "{k}");
     }
 }
 
@@ -1085,13 +1094,13 @@ async fn cluster_lease_holder_writes_clear_the_unchecked_mark() {
         .await
         .unwrap();
     let l = acquired(ledger.claim(&key("renewed"), &opts).await.unwrap());
-    assert!(l.taken_over && l.fence > renewed.fence, "{l:?}");
+    assert!(l.taken_over() && l.fence() > renewed.fence(), "{l:?}");
     assert!(matches!(
         ledger.claim(&key("completed"), &opts).await.unwrap(),
         Claim::Completed(_)
     ));
     let l = acquired(ledger.claim(&key("released"), &opts).await.unwrap());
-    assert!(l.taken_over && l.fence > leases["released"].fence, "{l:?}");
+    assert!(l.taken_over() && l.fence() > leases["released"].fence(), "{l:?}");
     // Control: the holder that never wrote loses its record.
     let l = acquired(
         ledger
@@ -1099,5 +1108,8 @@ async fn cluster_lease_holder_writes_clear_the_unchecked_mark() {
             .await
             .unwrap(),
     );
-    assert!(!l.taken_over && l.fence > leases["untouched"].fence, "{l:?}");
+    assert!(
+        !l.taken_over() && l.fence() > leases["untouched"].fence(),
+        "{l:?}"
+    );
 }

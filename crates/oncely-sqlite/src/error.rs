@@ -68,7 +68,7 @@ pub(crate) fn map(e: sqlx::Error) -> Error {
     if let sqlx::Error::Database(db) = &e
         && let Some(message) = unique_message(db.as_ref())
     {
-        oncely::telemetry::unexpected_constraint_violation(BACKEND, &message);
+        oncely::backend::report_unexpected_violation(BACKEND, &message);
     }
     map_uncounted(e)
 }

@@ -121,7 +121,7 @@
 //! the sqlx error (`?`), or [`map_error`]'s mapping of it; both are
 //! recognised.
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod error;
 mod options;
@@ -486,8 +486,8 @@ impl SqliteLedger {
         check_outcome(outcome, oncely::MAX_OUTCOME_BYTES)?;
         self.writable("complete")?;
         let done = sqlx::query(AssertSqlSafe(self.q.complete.clone()))
-            .bind(lease.key.as_str())
-            .bind(fence_param(lease.fence))
+            .bind(lease.key().as_str())
+            .bind(fence_param(lease.fence()))
             .bind(outcome.as_bytes())
             .execute(&mut *conn)
             .await
@@ -508,8 +508,8 @@ fn fenced(lease: &Lease, rows: u64) -> Result<()> {
         Ok(())
     } else {
         Err(Error::LeaseLost {
-            key: lease.key.to_string(),
-            fence: lease.fence,
+            key: lease.key().to_string(),
+            fence: lease.fence(),
         })
     }
 }
@@ -523,7 +523,7 @@ fn lease_from_row(key: &EffectKey, opts: &ClaimOptions, row: &SqliteRow) -> Resu
     let created: i64 = row.try_get("created_at").map_err(map)?;
     let updated: i64 = row.try_get("updated_at").map_err(map)?;
     let expires: i64 = row.try_get("lease_expires_at").map_err(map)?;
-    Ok(Lease {
+    Ok(oncely::backend::Grant {
         key: key.clone(),
         fence,
         expires_at: from_micros(expires),
@@ -533,7 +533,8 @@ fn lease_from_row(key: &EffectKey, opts: &ClaimOptions, row: &SqliteRow) -> Resu
         acquired_at: from_micros(updated),
         taken_over: row.try_get("taken_over").map_err(map)?,
         at_most_once: opts.at_most_once,
-    })
+    }
+    .into_lease())
 }
 
 /// Decodes the columns of `queries::RECORD_COLUMNS` plus `now`, by name. An
@@ -595,14 +596,11 @@ impl Ledger for SqliteLedger {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            caller_transaction: true,
-            durability: self.durability.get().copied().unwrap_or(DURABLE_UNCHECKED),
-            replicated: false,
-            clock: "SQLite unixepoch('subsec') on the host that opens the file, read after the write lock is taken",
-            max_key_bytes: oncely::MAX_KEY_BYTES,
-            max_outcome_bytes: oncely::MAX_OUTCOME_BYTES,
-        }
+        Capabilities::new(
+            self.durability.get().copied().unwrap_or(DURABLE_UNCHECKED),
+            "SQLite unixepoch('subsec') on the host that opens the file, read after the write lock is taken",
+        )
+        .caller_transaction(true)
     }
 
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
@@ -622,8 +620,8 @@ impl Ledger for SqliteLedger {
     async fn release(&self, lease: &Lease) -> Result<()> {
         self.writable("release")?;
         let done = sqlx::query(AssertSqlSafe(self.q.release.clone()))
-            .bind(lease.key.as_str())
-            .bind(fence_param(lease.fence))
+            .bind(lease.key().as_str())
+            .bind(fence_param(lease.fence()))
             .execute(&self.pool)
             .await
             .map_err(map)?;
@@ -633,22 +631,19 @@ impl Ledger for SqliteLedger {
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
         self.writable("renew")?;
         let row = sqlx::query(AssertSqlSafe(self.q.renew.clone()))
-            .bind(lease.key.as_str())
-            .bind(fence_param(lease.fence))
+            .bind(lease.key().as_str())
+            .bind(fence_param(lease.fence()))
             .bind(duration_micros(extend_by))
             .fetch_optional(&self.pool)
             .await
             .map_err(map)?;
         let Some(row) = row else {
             return Err(Error::LeaseLost {
-                key: lease.key.to_string(),
-                fence: lease.fence,
+                key: lease.key().to_string(),
+                fence: lease.fence(),
             });
         };
-        Ok(Lease {
-            expires_at: from_micros(row.try_get("lease_expires_at").map_err(map)?),
-            ..lease.clone()
-        })
+        Ok(lease.renewed_until(from_micros(row.try_get("lease_expires_at").map_err(map)?)))
     }
 
     async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {

@@ -373,8 +373,8 @@ async fn a_file_from_the_previous_release_migrates() {
     let Claim::Acquired(l) = ledger.claim(&released, &ClaimOptions::default()).await.unwrap() else {
         panic!("a released record is taken over")
     };
-    assert!(l.taken_over);
-    assert!(l.fence > 2, "fence {} after the old fence 2", l.fence);
+    assert!(l.taken_over());
+    assert!(l.fence() > 2, "fence {} after the old fence 2", l.fence());
     assert!(ledger.horizon(&t, "capture").await.unwrap().is_none());
     prune_until_gone(&ledger, &done).await;
     let h = ledger.horizon(&t, "capture").await.unwrap().unwrap();

@@ -67,7 +67,7 @@ async fn deliver(ledger: &SqliteLedger, k: &EffectKey, order: &str) -> (bool, Ou
         {
             Claim::Acquired(lease) => {
                 insert_order(&mut tx, order).await;
-                let outcome = Outcome::from_json(&format!("shipped-{}", lease.fence)).unwrap();
+                let outcome = Outcome::from_json(&format!("shipped-{}", lease.fence())).unwrap();
                 ledger.complete_in(&mut tx, &lease, &outcome).await.unwrap();
                 tx.commit().await.unwrap();
                 return (true, outcome);
@@ -221,7 +221,7 @@ async fn duplicate_waits_for_the_first_transaction() {
         } else {
             tx.rollback().await.unwrap();
             match dup.await.unwrap() {
-                Claim::Acquired(l) => assert!(!l.taken_over, "the rolled-back claim never existed: {l:?}"),
+                Claim::Acquired(l) => assert!(!l.taken_over(), "the rolled-back claim never existed: {l:?}"),
                 other => panic!("expected Acquired after the first rolled back, got {other:?}"),
             }
         }
@@ -364,7 +364,7 @@ async fn migrations_run_twice_are_a_no_op() {
             .unwrap();
     assert_eq!(version, 2);
     let r = again.get(&k).await.unwrap().unwrap();
-    assert_eq!((r.state, r.fence), (RecordState::InProgress, lease.fence));
+    assert_eq!((r.state, r.fence), (RecordState::InProgress, lease.fence()));
     again
         .complete(&lease, &Outcome::from_json(&1).unwrap())
         .await
@@ -396,7 +396,7 @@ async fn completed_record_survives_reopening() {
         };
         ledger.complete(&lease, &outcome).await.unwrap();
         ledger.pool().close().await;
-        lease.fence
+        lease.fence()
     };
     let reopened = open(&dir, "durable.db").await;
     match reopened.claim(&k, &ClaimOptions::default()).await.unwrap() {
@@ -516,7 +516,7 @@ async fn foreign_unique_violation_is_not_a_duplicate() {
     );
     assert!(ledger.get(&other).await.unwrap().is_none());
     let r = ledger.get(&first).await.unwrap().unwrap();
-    assert_eq!((r.state, r.fence), (RecordState::InProgress, lease.fence));
+    assert_eq!((r.state, r.fence), (RecordState::InProgress, lease.fence()));
 }
 
 /// A writer that cannot get SQLite's write lock within the busy timeout gets
@@ -612,21 +612,21 @@ async fn acquired_at_is_the_clock_of_the_write() {
     let Claim::Acquired(second) = waiter.await.unwrap().unwrap() else {
         panic!("fresh key not acquired")
     };
-    let waited = second.acquired_at.duration_since(first.acquired_at).unwrap();
+    let waited = second.acquired_at().duration_since(first.acquired_at()).unwrap();
     assert!(
         waited >= Duration::from_millis(1900),
         "stamped before the wait: {waited:?}"
     );
     assert_eq!(
-        second.expires_at.duration_since(second.acquired_at).unwrap(),
+        second.expires_at().duration_since(second.acquired_at()).unwrap(),
         lease
     );
     let r = ledger.get(&key(&t, "waiter")).await.unwrap().unwrap();
     assert_eq!(
         (r.created_at, r.updated_at),
-        (second.acquired_at, second.acquired_at)
+        (second.acquired_at(), second.acquired_at())
     );
-    assert_eq!(r.lease_expires_at, Some(second.expires_at));
+    assert_eq!(r.lease_expires_at, Some(second.expires_at()));
 }
 
 /// Fences only grow, also when grants come faster than the clock's
@@ -641,11 +641,11 @@ async fn fences_grow_faster_than_the_clock() {
         let Claim::Acquired(l) = ledger.claim(&k, &ClaimOptions::default()).await.unwrap() else {
             panic!("a released key is acquired")
         };
-        assert_eq!(l.taken_over, i > 0, "{l:?}");
+        assert_eq!(l.taken_over(), i > 0, "{l:?}");
         if let Some(last) = last {
-            assert!(l.fence > last, "fence {} after {last}", l.fence);
+            assert!(l.fence() > last, "fence {} after {last}", l.fence());
         }
-        last = Some(l.fence);
+        last = Some(l.fence());
         ledger.release(&l).await.unwrap();
     }
 }

@@ -287,7 +287,7 @@ async fn read_only_reads_and_refuses_writes() {
         assert_eq!(r.state, RecordState::Completed);
         assert!(ledger.abandoned(k.tenant(), 10).await.unwrap().is_empty());
         assert!(ledger.horizon(k.tenant(), "capture").await.unwrap().is_none());
-        let lease = oncely::Lease {
+        let lease = oncely::backend::Grant {
             key: k.clone(),
             fence: r.fence,
             expires_at: r.read_at,
@@ -295,7 +295,8 @@ async fn read_only_reads_and_refuses_writes() {
             acquired_at: r.read_at,
             taken_over: false,
             at_most_once: false,
-        };
+        }
+        .into_lease();
         let fresh = key("order-ro-new");
         config(
             ledger.claim(&fresh, &ClaimOptions::default()).await.unwrap_err(),

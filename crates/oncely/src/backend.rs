@@ -5,6 +5,7 @@
 //! revision-checked update) and maps its rows; what a record *means* is
 //! decided here, so that the backends cannot drift apart:
 //!
+//! - [`Grant`]: how a backend builds the [`Lease`] a claim returns;
 //! - [`answer_existing`]: what a claim answers when it finds a record it may
 //!   not take over (and whether it may take it over at all);
 //! - [`effective_state`]: an expired at-most-once lease reads as abandoned;
@@ -15,6 +16,8 @@
 //! - [`needs_refresh`]: when a grant written with a clock read before a lock
 //!   wait must be refreshed before it is returned;
 //! - [`check_outcome`]: the outcome size limit;
+//! - [`report_unexpected_violation`]: the one telemetry call a backend makes;
+//! - [`Backoff`]: the delays of every retry loop;
 //! - [`to_micros`], [`from_micros`], [`duration_micros`]: the one time unit
 //!   backends store (microseconds since the Unix epoch), with checked
 //!   arithmetic.
@@ -27,6 +30,58 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use crate::error::{Error, Result};
 use crate::key::EffectKey;
 use crate::record::{Claim, ClaimOptions, Lease, MAX_OUTCOME_BYTES, Outcome, Record, RecordState};
+
+/// The parts of a lease a backend has just granted. [`Grant::into_lease`]
+/// makes the [`Lease`] its claim returns: only ledgers grant leases, and this
+/// is how they build them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    /// The effect key.
+    pub key: EffectKey,
+    /// The fence ([`next_fence`]).
+    pub fence: u64,
+    /// When the lease ends, on the backend's clock.
+    pub expires_at: SystemTime,
+    /// When the key was first claimed, on the backend's clock.
+    pub first_claimed_at: SystemTime,
+    /// The backend's clock when the grant was written (after any lock wait).
+    pub acquired_at: SystemTime,
+    /// Whether the grant took over an expired lease or a released record.
+    pub taken_over: bool,
+    /// Whether the step is at-most-once.
+    pub at_most_once: bool,
+}
+
+impl From<&Lease> for Grant {
+    /// The parts of an existing lease, to grant a changed one (a refreshed
+    /// expiry and fence, in a backend that re-grants after a lock wait).
+    fn from(l: &Lease) -> Self {
+        Grant {
+            key: l.key.clone(),
+            fence: l.fence,
+            expires_at: l.expires_at,
+            first_claimed_at: l.first_claimed_at,
+            acquired_at: l.acquired_at,
+            taken_over: l.taken_over,
+            at_most_once: l.at_most_once,
+        }
+    }
+}
+
+impl Grant {
+    /// The lease.
+    pub fn into_lease(self) -> Lease {
+        Lease {
+            key: self.key,
+            fence: self.fence,
+            expires_at: self.expires_at,
+            first_claimed_at: self.first_claimed_at,
+            acquired_at: self.acquired_at,
+            taken_over: self.taken_over,
+            at_most_once: self.at_most_once,
+        }
+    }
+}
 
 /// The latest instant a backend stores: 9999-12-31T23:59:59.999999Z, in
 /// microseconds since the Unix epoch. Every timestamp (and every sum of a
@@ -172,6 +227,47 @@ pub fn needs_refresh(lease: &Lease, requested: Duration) -> bool {
         .duration_since(lease.acquired_at)
         .unwrap_or_default();
     left < requested / 2
+}
+
+/// Exponential backoff for retry loops (backends re-running a statement,
+/// runners waiting for a holder): `first`, then doubling up to `max`.
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    next: Duration,
+    max: Duration,
+}
+
+impl Backoff {
+    /// Starts at `first` and never exceeds `max`.
+    pub fn new(first: Duration, max: Duration) -> Self {
+        Backoff {
+            next: first.min(max),
+            max,
+        }
+    }
+
+    /// The delay to wait now; the next one is twice as long (up to `max`).
+    pub fn next_delay(&mut self) -> Duration {
+        let delay = self.next;
+        self.next = self.next.saturating_mul(2).min(self.max);
+        delay
+    }
+
+    /// Waits [`Backoff::next_delay`], but never past `limit` from now.
+    pub async fn wait(&mut self, limit: Duration) {
+        tokio::time::sleep(self.next_delay().min(limit)).await;
+    }
+}
+
+/// Reports a unique-constraint violation that a ledger's own statement hit on
+/// something other than the effect key (an index someone added to the
+/// ledger's table): logged and counted in
+/// `oncely_unexpected_constraint_violations_total`. The backend then returns
+/// [`Error::Corrupt`]; it is never taken for a duplicate. (A violation in a
+/// handler's own write is reported by the runner, through
+/// [`Ledger::unique_violation`](crate::Ledger::unique_violation).)
+pub fn report_unexpected_violation(backend: &'static str, detail: &str) {
+    crate::telemetry::unexpected_constraint_violation(backend, detail);
 }
 
 /// Refuses an outcome over `max` (the backend's limit, at most

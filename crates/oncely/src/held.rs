@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
+use crate::backend::Backoff;
 use crate::error::Error;
 use crate::ledger::Ledger;
 use crate::record::Lease;
@@ -149,7 +150,7 @@ pub(crate) async fn with_renewal<L: Ledger, F: Future>(
         let mut lease = held.lease.clone();
         loop {
             tokio::time::sleep(period).await;
-            let mut backoff = Duration::from_millis(10);
+            let mut backoff = Backoff::new(Duration::from_millis(10), period);
             loop {
                 let sent = Instant::now();
                 let deadline = held.deadline();
@@ -171,9 +172,9 @@ pub(crate) async fn with_renewal<L: Ledger, F: Future>(
                     }
                     Ok(Err(e)) => {
                         tracing::warn!(effect_key = %lease.key, error = %e, "lease renewal failed; retrying");
-                        let left = held.deadline().saturating_duration_since(Instant::now());
-                        tokio::time::sleep(backoff.min(left)).await;
-                        backoff = (backoff * 2).min(period);
+                        backoff
+                            .wait(held.deadline().saturating_duration_since(Instant::now()))
+                            .await;
                     }
                     // The deadline passed while the renewal was in flight.
                     Err(_) => {}

@@ -18,14 +18,12 @@ use crate::pipeline::{self, Failure, Resolved};
 use crate::record::{ClaimOptions, Fingerprint, Lease, OnInProgress, Record};
 use crate::telemetry;
 
-/// How a step is made safe to run twice (see [`Job`] for the window each
-/// leaves open).
+/// How a [`Job::step`] is made safe to run twice (see [`Job`] for the
+/// window each leaves open). The third mode, transactional, is
+/// [`Job::step_in`]: it needs the caller's transaction, so it is a method of
+/// its own rather than a value `step` could be handed by mistake.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum StepMode {
-    /// The claim, the step's writes and the completion commit together on the
-    /// caller's transaction ([`Job::step_in`]). Exactly once for writes to
-    /// the ledger's own database.
-    Transactional,
     /// A lease, renewed while the closure runs; the closure passes
     /// [`StepContext::provider_key`] to an API that deduplicates on it. A
     /// crash re-runs the step after the lease expires, with the same key.
@@ -37,17 +35,36 @@ pub enum StepMode {
 }
 
 impl StepMode {
-    /// `transactional`, `provider_keyed` or `at_most_once`.
+    /// `provider_keyed` or `at_most_once`.
     pub fn as_str(self) -> &'static str {
-        match self {
-            StepMode::Transactional => "transactional",
-            StepMode::ProviderKeyed => "provider_keyed",
-            StepMode::AtMostOnce => "at_most_once",
-        }
+        Mode::Leased(self).as_str()
     }
 }
 
 impl fmt::Display for StepMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A step's mode as a job records it: one kind, one mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Mode {
+    Transactional,
+    Leased(StepMode),
+}
+
+impl Mode {
+    fn as_str(self) -> &'static str {
+        match self {
+            Mode::Transactional => "transactional",
+            Mode::Leased(StepMode::ProviderKeyed) => "provider_keyed",
+            Mode::Leased(StepMode::AtMostOnce) => "at_most_once",
+        }
+    }
+}
+
+impl fmt::Display for Mode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
     }
@@ -58,7 +75,7 @@ impl fmt::Display for StepMode {
 #[derive(Debug, Clone)]
 pub struct StepContext {
     lease: HeldLease,
-    mode: StepMode,
+    mode: Option<StepMode>,
 }
 
 impl StepContext {
@@ -94,8 +111,9 @@ impl StepContext {
         &self.lease
     }
 
-    /// The step's mode.
-    pub fn mode(&self) -> StepMode {
+    /// The mode of a [`Job::step`]; `None` in a transactional step
+    /// ([`Job::step_in`]).
+    pub fn mode(&self) -> Option<StepMode> {
         self.mode
     }
 }
@@ -119,7 +137,7 @@ pub type StepFuture<'c, T> = Pin<Box<dyn Future<Output = Result<T, Failure>> + S
 ///
 /// | mode | use it for | what a crash can leave behind |
 /// | --- | --- | --- |
-/// | [`StepMode::Transactional`] ([`Job::step_in`]) | writes to the same SQL database as the ledger | nothing: the claim, the step's writes and the completion commit in the caller's transaction, or none of them do |
+/// | transactional ([`Job::step_in`]) | writes to the same SQL database as the ledger | nothing: the claim, the step's writes and the completion commit in the caller's transaction, or none of them do |
 /// | [`StepMode::ProviderKeyed`] ([`Job::step`]) | an external API that honours an idempotency key (payments) | a crash after the call and before the completion re-runs the step once the lease expires, with the **same** [`StepContext::provider_key`]; the provider answers the repeat with its first result. Without key support at the provider, that one window is a second effect |
 /// | [`StepMode::AtMostOnce`] ([`Job::step`]) | an external effect nobody deduplicates (email, push, SMS) | the attempt is recorded before the closure runs; a crash between that mark and the completion leaves the step [`Abandoned`](crate::RecordState::Abandoned): never run again automatically, listed by [`Ledger::abandoned`] for reconciliation. The effect happened zero times or once, and the ledger cannot tell which |
 ///
@@ -214,7 +232,7 @@ pub struct Job<'a, L> {
     job_type: String,
     subject: String,
     opts: ClaimOptions,
-    modes: Mutex<HashMap<String, StepMode>>,
+    modes: Mutex<HashMap<String, Mode>>,
 }
 
 impl<L> fmt::Debug for Job<'_, L> {
@@ -321,8 +339,16 @@ impl<'a, L: Ledger> Job<'a, L> {
     /// While `f` runs, its lease is renewed every third of its length. A
     /// duplicate that finds the step in flight waits or fails according to
     /// the job's [`OnInProgress`] policy; an abandoned at-most-once step gives
-    /// [`Error::Abandoned`]. [`StepMode::Transactional`] steps go through
-    /// [`Job::step_in`]; passing it here is [`Error::Misuse`].
+    /// [`Error::Abandoned`]. Transactional steps go through
+    /// [`Job::step_in`]: `step` has no such mode to be handed.
+    ///
+    /// ```compile_fail
+    /// # use oncely::{Effects, MemoryLedger, StepMode, Tenant};
+    /// # async fn f(effects: Effects<MemoryLedger>) {
+    /// let job = effects.job(&Tenant::global(), "payment", "order-1");
+    /// let _ = job.step("mark-paid", StepMode::Transactional, |_| async { Ok(()) }).await;
+    /// # }
+    /// ```
     pub async fn step<T, F, Fut>(&self, kind: &str, mode: StepMode, f: F) -> Result<T>
     where
         T: Serialize + DeserializeOwned,
@@ -361,13 +387,7 @@ impl<'a, L: Ledger> Job<'a, L> {
         F: FnOnce(StepContext) -> Fut,
         Fut: Future<Output = Result<T, Failure>>,
     {
-        if mode == StepMode::Transactional {
-            return Err(Error::Misuse(format!(
-                "step {kind:?} of job {:?}: transactional steps run on the caller's transaction; use Job::step_in",
-                self.job_type
-            )));
-        }
-        let (key, opts) = self.prepare(kind, discriminator, mode)?;
+        let (key, opts) = self.prepare(kind, discriminator, Mode::Leased(mode))?;
         let ledger = self.ledger;
         let span = telemetry::claim_span(&key);
         async move {
@@ -376,7 +396,10 @@ impl<'a, L: Ledger> Job<'a, L> {
                 Resolved::Stored(outcome) => return pipeline::decode(&key, &outcome),
             };
             let result = pipeline::run_held(ledger, &lease, deadline, &opts, |held| {
-                f(StepContext { lease: held, mode })
+                f(StepContext {
+                    lease: held,
+                    mode: Some(mode),
+                })
             })
             .await;
             let settlement = pipeline::settlement(ledger, &lease, &opts, result);
@@ -392,12 +415,12 @@ impl<'a, L: Ledger> Job<'a, L> {
         &self,
         kind: &str,
         discriminator: Option<&str>,
-        mode: StepMode,
+        mode: Mode,
     ) -> Result<(EffectKey, ClaimOptions)> {
         let key = self.step_key(kind, discriminator)?;
         let mut opts = self.opts.clone();
-        opts.at_most_once = mode == StepMode::AtMostOnce;
-        if mode == StepMode::Transactional {
+        opts.at_most_once = mode == Mode::Leased(StepMode::AtMostOnce);
+        if mode == Mode::Transactional {
             // Waiting inside a transaction would hold its locks; a live lease
             // elsewhere is rare here (a claim committed without completion)
             // and the broker's redelivery is the better wait.
@@ -422,7 +445,7 @@ impl<'a, L: Ledger> Job<'a, L> {
 }
 
 impl<L: TransactionalLedger> Job<'_, L> {
-    /// Runs a [`Transactional`](StepMode::Transactional) step on the caller's
+    /// Runs a transactional step on the caller's
     /// open transaction: the claim, `f`'s writes (made on the connection it
     /// receives) and the completion all go through `conn`, so they commit or
     /// roll back together.
@@ -500,7 +523,7 @@ impl<L: TransactionalLedger> Job<'_, L> {
         T: Serialize + DeserializeOwned,
         F: for<'c> FnOnce(&'c mut L::Connection, StepContext) -> StepFuture<'c, T>,
     {
-        let (key, opts) = self.prepare(kind, discriminator, StepMode::Transactional)?;
+        let (key, opts) = self.prepare(kind, discriminator, Mode::Transactional)?;
         let ledger = self.ledger;
         let span = telemetry::claim_span(&key);
         async move {
@@ -512,7 +535,7 @@ impl<L: TransactionalLedger> Job<'_, L> {
             let (held, _run) = HeldLease::new(lease.clone(), deadline);
             let ctx = StepContext {
                 lease: held,
-                mode: StepMode::Transactional,
+                mode: None,
             };
             let result = f(&mut *conn, ctx).await;
             let settlement = pipeline::settlement(ledger, &lease, &opts, result);

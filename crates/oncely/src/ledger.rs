@@ -8,8 +8,10 @@ use crate::key::{EffectKey, Tenant};
 use crate::record::{Claim, ClaimOptions, Lease, Outcome, Record};
 
 /// What a backend offers, declared so that callers and the conformance suite
-/// can tell a missing capability from a bug.
+/// can tell a missing capability from a bug. Backends build it with
+/// [`Capabilities::new`] and the setters; callers read the fields.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Capabilities {
     /// Claims can join the caller's own database transaction
     /// (`claim_in` / `complete_in`), so a local write commits with its claim.
@@ -24,6 +26,48 @@ pub struct Capabilities {
     pub max_key_bytes: usize,
     /// Largest outcome the backend stores, in bytes.
     pub max_outcome_bytes: usize,
+}
+
+impl Capabilities {
+    /// A backend whose records survive `durability` and whose `clock`
+    /// decides expiry; no caller transaction, not replicated, and the core's
+    /// key and outcome limits until the setters say otherwise.
+    pub fn new(durability: &'static str, clock: &'static str) -> Self {
+        Capabilities {
+            caller_transaction: false,
+            durability,
+            replicated: false,
+            clock,
+            max_key_bytes: crate::MAX_KEY_BYTES,
+            max_outcome_bytes: crate::MAX_OUTCOME_BYTES,
+        }
+    }
+
+    /// Sets [`Capabilities::caller_transaction`](#structfield.caller_transaction).
+    pub fn caller_transaction(mut self, yes: bool) -> Self {
+        self.caller_transaction = yes;
+        self
+    }
+
+    /// Sets [`Capabilities::replicated`](#structfield.replicated).
+    pub fn replicated(mut self, yes: bool) -> Self {
+        self.replicated = yes;
+        self
+    }
+
+    /// Sets [`Capabilities::max_key_bytes`](#structfield.max_key_bytes) (at
+    /// most the core's [`MAX_KEY_BYTES`](crate::MAX_KEY_BYTES)).
+    pub fn max_key_bytes(mut self, n: usize) -> Self {
+        self.max_key_bytes = n.min(crate::MAX_KEY_BYTES);
+        self
+    }
+
+    /// Sets [`Capabilities::max_outcome_bytes`](#structfield.max_outcome_bytes)
+    /// (at most the core's [`MAX_OUTCOME_BYTES`](crate::MAX_OUTCOME_BYTES)).
+    pub fn max_outcome_bytes(mut self, n: usize) -> Self {
+        self.max_outcome_bytes = n.min(crate::MAX_OUTCOME_BYTES);
+        self
+    }
 }
 
 /// An effect ledger: one implementation per backend crate.

@@ -40,7 +40,7 @@
 //! embedded default) and `oncely-postgres` in their own crates. Every backend
 //! passes the same [`conformance`] suite.
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod backend;
 mod effects;

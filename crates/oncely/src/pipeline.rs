@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::backend::check_outcome;
+use crate::backend::{Backoff, check_outcome};
 use crate::error::{BoxError, Error, Result};
 use crate::held::{HeldLease, with_renewal};
 use crate::key::EffectKey;
@@ -109,7 +109,7 @@ fn stored(ledger: &impl Ledger, key: &EffectKey, claim: Claim) -> Result<Outcome
 /// than [`ClaimOptions::margin`] left is released (fenced) and claimed again.
 pub(crate) async fn claim<L: Ledger>(ledger: &L, key: &EffectKey, opts: &ClaimOptions) -> Result<Resolved> {
     let started = Instant::now();
-    let mut backoff = Duration::from_millis(5);
+    let mut backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(250));
     let mut stale = 0;
     loop {
         let sent = Instant::now();
@@ -163,8 +163,7 @@ pub(crate) async fn claim<L: Ledger>(ledger: &L, key: &EffectKey, opts: &ClaimOp
                     .duration_since(read_at)
                     .unwrap_or_default()
                     .saturating_add(Duration::from_millis(1));
-                tokio::time::sleep(backoff.min(until_expiry).min(max - waited)).await;
-                backoff = (backoff * 2).min(Duration::from_millis(250));
+                backoff.wait(until_expiry.min(max - waited)).await;
             }
             other => return stored(ledger, key, other).map(Resolved::Stored),
         }

@@ -190,8 +190,9 @@ impl fmt::Debug for Outcome {
     }
 }
 
-/// Where a record is in its life (DESIGN.md §3).
+/// Where a record is in its life (see `docs/design.md`, "Record states").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum RecordState {
     /// A lease is (or was, if expired) held on the key.
     InProgress,
@@ -282,50 +283,86 @@ impl Record {
     }
 }
 
-/// The right to perform an effect until `expires_at`, fenced by `fence`.
+/// The right to perform an effect until [`Lease::expires_at`], fenced by
+/// [`Lease::fence`].
 ///
 /// Every write made with a lease (complete, renew, release, and the caller's
 /// own fenced business writes) is refused once a later claimant holds a
-/// higher fence.
+/// higher fence. Only a ledger grants leases (backends build them with
+/// [`backend::Grant`](crate::backend::Grant)); the fields are read through
+/// accessors, so a lease cannot be put together from its parts by accident.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
-    /// The effect key.
-    pub key: EffectKey,
-    /// The fence token of this lease: strictly above every fence the key
-    /// had before, for the life of the ledger (prunes included), so a stale
-    /// holder can never match a later lease. Backends derive it from their
-    /// clock (microseconds) or the previous fence + 1, whichever is higher
-    /// ([`backend::next_fence`](crate::backend::next_fence)).
-    pub fence: u64,
-    /// When the lease ends, on the backend's clock.
-    pub expires_at: SystemTime,
-    /// When the key was first claimed (by anyone), on the backend's clock.
-    pub first_claimed_at: SystemTime,
-    /// When this lease was granted: the backend's clock at the moment the
-    /// grant was written (after any wait on a lock), so
-    /// `expires_at - acquired_at` is what was left of the lease then.
-    pub acquired_at: SystemTime,
-    /// Whether this lease took over an expired lease or a released record.
-    pub taken_over: bool,
-    /// Whether the step is at-most-once.
-    pub at_most_once: bool,
+    pub(crate) key: EffectKey,
+    pub(crate) fence: u64,
+    pub(crate) expires_at: SystemTime,
+    pub(crate) first_claimed_at: SystemTime,
+    pub(crate) acquired_at: SystemTime,
+    pub(crate) taken_over: bool,
+    pub(crate) at_most_once: bool,
 }
 
 impl Lease {
-    /// The fence token, to pass into fenced business writes
-    /// (`UPDATE … WHERE id = $1 AND fence < $2`).
+    /// The effect key.
+    pub fn key(&self) -> &EffectKey {
+        &self.key
+    }
+
+    /// The fence token of this lease, to pass into fenced business writes
+    /// (`UPDATE … WHERE id = $1 AND fence < $2`): strictly above every fence
+    /// the key had before, for the life of the ledger (prunes included), so a
+    /// stale holder can never match a later lease. Backends derive it from
+    /// their clock (microseconds) or the previous fence + 1, whichever is
+    /// higher ([`backend::next_fence`](crate::backend::next_fence)).
     pub fn fence(&self) -> u64 {
         self.fence
+    }
+
+    /// When the lease ends, on the backend's clock.
+    pub fn expires_at(&self) -> SystemTime {
+        self.expires_at
+    }
+
+    /// When the key was first claimed (by anyone), on the backend's clock.
+    pub fn first_claimed_at(&self) -> SystemTime {
+        self.first_claimed_at
+    }
+
+    /// When this lease was granted: the backend's clock at the moment the
+    /// grant was written (after any wait on a lock), so
+    /// `expires_at - acquired_at` is what was left of the lease then.
+    pub fn acquired_at(&self) -> SystemTime {
+        self.acquired_at
+    }
+
+    /// Whether this lease took over an expired lease or a released record.
+    pub fn taken_over(&self) -> bool {
+        self.taken_over
+    }
+
+    /// Whether the step is at-most-once.
+    pub fn at_most_once(&self) -> bool {
+        self.at_most_once
     }
 
     /// The provider idempotency key for this effect.
     pub fn provider_key(&self) -> String {
         self.key.provider_key()
     }
+
+    /// The same lease with the end a renewal gave it (what
+    /// [`Ledger::renew`](crate::Ledger::renew) returns).
+    pub fn renewed_until(&self, expires_at: SystemTime) -> Lease {
+        Lease {
+            expires_at,
+            ..self.clone()
+        }
+    }
 }
 
 /// The answer to a claim.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub enum Claim {
     /// This caller holds the effect: perform it, then complete (or release).
     Acquired(Lease),

@@ -1,5 +1,6 @@
 //! Metric and span names (part of the public API) and the helpers that
-//! record them. Architecture invariant: no other module names a metric.
+//! record them (crate-private: the claim pipeline records, backends do not).
+//! Architecture invariant: no other module names a metric.
 
 use std::time::{Duration, SystemTime};
 
@@ -22,7 +23,7 @@ pub const REDELIVERY_GAP_SECONDS: &str = "oncely_redelivery_gap_seconds";
 /// The span every claim runs in.
 pub const CLAIM_SPAN: &str = "oncely.claim";
 
-/// The span every claim runs in, with the fields of DESIGN.md §8 (`fence`
+/// The span every claim runs in, with the fields of `docs/design.md` ("Observability") (`fence`
 /// and `result` are recorded once known).
 pub(crate) fn claim_span(key: &EffectKey) -> tracing::Span {
     tracing::info_span!(
@@ -36,7 +37,7 @@ pub(crate) fn claim_span(key: &EffectKey) -> tracing::Span {
 }
 
 /// Records one claim's result and latency.
-pub fn claim_recorded(backend: &'static str, key: &EffectKey, result: &'static str, took: Duration) {
+pub(crate) fn claim_recorded(backend: &'static str, key: &EffectKey, result: &'static str, took: Duration) {
     metrics::counter!(CLAIMS_TOTAL, "backend" => backend, "kind" => key.kind().to_owned(), "result" => result)
         .increment(1);
     metrics::histogram!(CLAIM_SECONDS, "backend" => backend).record(took.as_secs_f64());
@@ -47,7 +48,12 @@ pub fn claim_recorded(backend: &'static str, key: &EffectKey, result: &'static s
 
 /// Records a duplicate that found the effect done or in flight, with the gap
 /// since the first claim measured on the backend's clock.
-pub fn duplicate_seen(key: &EffectKey, suppressed: bool, first_claimed_at: SystemTime, read_at: SystemTime) {
+pub(crate) fn duplicate_seen(
+    key: &EffectKey,
+    suppressed: bool,
+    first_claimed_at: SystemTime,
+    read_at: SystemTime,
+) {
     if suppressed {
         metrics::counter!(DUPLICATES_SUPPRESSED_TOTAL, "kind" => key.kind().to_owned()).increment(1);
     }
@@ -56,20 +62,20 @@ pub fn duplicate_seen(key: &EffectKey, suppressed: bool, first_claimed_at: Syste
 }
 
 /// Records a write refused for a stale fence.
-pub fn fence_rejected(key: &EffectKey) {
+pub(crate) fn fence_rejected(key: &EffectKey) {
     metrics::counter!(FENCE_REJECTIONS_TOTAL, "kind" => key.kind().to_owned()).increment(1);
     tracing::warn!(effect_key = %key, "fenced write refused: the lease was taken over");
 }
 
 /// Records a grant the runner gave back because too little of its lease was
 /// left when it arrived (a claim that waited on a lock, a slow round trip).
-pub fn stale_grant(key: &EffectKey, left: Duration) {
+pub(crate) fn stale_grant(key: &EffectKey, left: Duration) {
     tracing::warn!(effect_key = %key, left_ms = left.as_millis() as u64,
         "lease arrived with less than the safety margin left; released and claiming again");
 }
 
 /// Records a unique violation on something other than the effect key.
-pub fn unexpected_constraint_violation(backend: &'static str, detail: &str) {
+pub(crate) fn unexpected_constraint_violation(backend: &'static str, detail: &str) {
     metrics::counter!(UNEXPECTED_CONSTRAINT_VIOLATIONS_TOTAL).increment(1);
     tracing::error!(
         backend,

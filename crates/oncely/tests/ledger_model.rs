@@ -4,9 +4,8 @@
 //! `examples/payment-job/tests/ledger_model.rs` runs the same model on SQLite
 //! and PostgreSQL.
 
-mod model;
-
 use oncely::MemoryLedger;
+use oncely::conformance::model;
 use proptest::prelude::*;
 
 proptest! {

@@ -1,4 +1,4 @@
-//! The metrics named in DESIGN.md §8 are emitted with the documented labels.
+//! The metrics named in `docs/design.md` ("Observability") are emitted with the documented labels.
 
 use std::sync::Arc;
 use std::time::Duration;

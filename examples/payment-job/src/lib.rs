@@ -1,6 +1,6 @@
 //! # payment-job: the reference multi-step job
 //!
-//! The pipeline of DESIGN.md §4, for one order message:
+//! The payment job of `docs/design.md` ("Step modes"), for one order message:
 //!
 //! 1. claim `capture:{order}` and capture the payment with the step's provider
 //!    key ([`StepMode::ProviderKeyed`]): a crash after the call re-runs it
@@ -27,7 +27,7 @@
 //! workers with seeded random crashes and redelivers until every message is
 //! acked.
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -298,7 +298,7 @@ impl<D: Db> Pipeline<D> {
             .step("capture", StepMode::ProviderKeyed, |ctx| {
                 let hook = &hook;
                 async move {
-                    if ctx.lease().taken_over {
+                    if ctx.lease().taken_over() {
                         self.capture_takeovers.fetch_add(1, Ordering::SeqCst);
                     }
                     hook.at(Boundary::AfterCaptureClaim).await;

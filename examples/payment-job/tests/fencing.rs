@@ -41,7 +41,7 @@ async fn zombie_with_the_ledger<D: Db>(db: D) {
         }
     };
     assert!(holder.fence() > zombie.fence());
-    assert!(holder.taken_over);
+    assert!(holder.taken_over());
     assert_eq!(fenced_write(&db, &id, "holder", holder.fence()).await, 1);
     db.complete(&holder, &oncely::Outcome::from_json(&"shipped").unwrap())
         .await

@@ -1,11 +1,9 @@
 //! The model-based test of the ledger contract (shared with the core's
 //! memory-ledger run) on SQLite and PostgreSQL.
 
-#[path = "../../../crates/oncely/tests/model/mod.rs"]
-mod model;
-
 mod common;
 
+use oncely::conformance::model;
 use proptest::prelude::*;
 
 fn config(cases: u32) -> ProptestConfig {

@@ -2,8 +2,9 @@
 //! runner that applies a random sequence of operations by several claimants
 //! to a real ledger and to the model, comparing every answer.
 //!
-//! Shared by `crates/oncely/tests/ledger_model.rs` (memory ledger) and
-//! `examples/payment-job/tests/ledger_model.rs` (SQLite, PostgreSQL).
+//! Run by `crates/oncely/tests/ledger_model.rs` (memory ledger) and
+//! `examples/payment-job/tests/ledger_model.rs` (SQLite, PostgreSQL); any
+//! backend can run it on itself with [`check`] and a proptest of [`ops`].
 //!
 //! Time is made deterministic without faking any clock: every claim takes a
 //! long lease (60 s) that never runs out by itself; `Expire` shortens the
@@ -12,25 +13,28 @@
 //! it. So whether a lease has expired or a record may be pruned is known
 //! exactly, on whatever clock the backend uses.
 
-#![allow(dead_code)]
-
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
-use oncely::{
-    Claim, ClaimOptions, EffectKey, Error, Fingerprint, Lease, Ledger, Outcome, RecordState, Tenant,
-};
 use proptest::prelude::*;
 
+use crate::{
+    Claim, ClaimOptions, EffectKey, Error, Fingerprint, Lease, Ledger, Outcome, RecordState, Tenant,
+};
+
+/// How many claimants a scenario has.
 pub const CLAIMANTS: u8 = 3;
+/// How many keys a scenario touches.
 pub const KEYS: u8 = 3;
 const LONG: Duration = Duration::from_secs(60);
 const RETAIN: Duration = Duration::from_secs(3600);
 const SHORT: Duration = Duration::from_millis(20);
 
-/// One step of a scenario.
+/// One step of a scenario. `who` is a claimant (below [`CLAIMANTS`]), `key`
+/// a key of the scenario (below [`KEYS`]).
 #[derive(Debug, Clone)]
+#[allow(missing_docs)] // the fields are named by each variant's doc
 pub enum Op {
     /// `who` claims `key`, at-most-once or not, with the key's usual payload
     /// fingerprint or an altered one.
@@ -59,6 +63,7 @@ pub enum Op {
     ShortLived { key: u8 },
 }
 
+/// One random step.
 pub fn op() -> impl Strategy<Value = Op> {
     let who = 0..CLAIMANTS;
     let key = || 0..KEYS;
@@ -76,6 +81,7 @@ pub fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// A scenario of 1 to `max - 1` random steps.
 pub fn ops(max: usize) -> impl Strategy<Value = Vec<Op>> {
     prop::collection::vec(op(), 1..max)
 }
@@ -171,7 +177,7 @@ pub async fn check<L: Ledger>(ledger: &L, ops: &[Op], exact_prune: bool) {
                     continue;
                 };
                 let rec = recs[key as usize].as_mut().expect("a lease implies a record");
-                let holds = rec.holds(lease.fence);
+                let holds = rec.holds(lease.fence());
                 let res = match op {
                     Op::Complete { .. } => {
                         let outcome = Outcome::from_json(&i).unwrap();
@@ -191,7 +197,7 @@ pub async fn check<L: Ledger>(ledger: &L, ops: &[Op], exact_prune: bool) {
                     }
                     _ => match ledger.renew(&lease, LONG).await {
                         Ok(l) => {
-                            assert_eq!(l.fence, lease.fence, "{at}: renew keeps the fence");
+                            assert_eq!(l.fence(), lease.fence(), "{at}: renew keeps the fence");
                             rec.st = St::InProgress { expired: false };
                             leases.insert((who, key), l);
                             Ok(())
@@ -203,7 +209,7 @@ pub async fn check<L: Ledger>(ledger: &L, ops: &[Op], exact_prune: bool) {
                     Ok(()) => assert!(holds, "{at}: a write with a stale fence succeeded ({rec:?})"),
                     Err(Error::LeaseLost { fence, .. }) => {
                         assert!(!holds, "{at}: the holder's write was refused ({rec:?})");
-                        assert_eq!(fence, lease.fence);
+                        assert_eq!(fence, lease.fence());
                     }
                     Err(e) => panic!("{at}: unexpected error {e:?}"),
                 }
@@ -303,7 +309,7 @@ pub async fn check<L: Ledger>(ledger: &L, ops: &[Op], exact_prune: bool) {
 fn apply_claim(
     rec: &mut Option<Rec>,
     ever: &mut u64,
-    got: oncely::Result<Claim>,
+    got: crate::Result<Claim>,
     amo: bool,
     altered: bool,
     at: &str,
@@ -313,16 +319,16 @@ fn apply_claim(
             Ok(Claim::Acquired(l)) => l,
             other => panic!("{at}: absent key, expected Acquired, got {other:?}"),
         };
-        assert_eq!((lease.taken_over, lease.at_most_once), (false, amo), "{at}");
+        assert_eq!((lease.taken_over(), lease.at_most_once()), (false, amo), "{at}");
         assert!(
-            lease.fence > *ever,
+            lease.fence() > *ever,
             "{at}: fence {} repeats one up to {ever}",
-            lease.fence
+            lease.fence()
         );
-        *ever = lease.fence;
+        *ever = lease.fence();
         *rec = Some(Rec {
             st: St::InProgress { expired: false },
-            fence: lease.fence,
+            fence: lease.fence(),
             amo,
             altered_fp: altered,
             outcome: None,
@@ -355,11 +361,11 @@ fn apply_claim(
         (St::InProgress { expired: true } | St::Released, Claim::Acquired(lease))
             if !(r.amo && r.st == St::InProgress { expired: true }) =>
         {
-            assert!(lease.fence > *ever, "{at}: takeover raises the fence");
-            assert!(lease.taken_over, "{at}");
-            assert_eq!(lease.at_most_once, amo, "{at}");
-            *ever = lease.fence;
-            r.fence = lease.fence;
+            assert!(lease.fence() > *ever, "{at}: takeover raises the fence");
+            assert!(lease.taken_over(), "{at}");
+            assert_eq!(lease.at_most_once(), amo, "{at}");
+            *ever = lease.fence();
+            r.fence = lease.fence();
             r.st = St::InProgress { expired: false };
             r.amo = amo;
             r.prunable = false;
@@ -370,7 +376,7 @@ fn apply_claim(
     }
 }
 
-fn compare(rec: &Option<Rec>, got: Option<&oncely::Record>, key: u8, at: &str) {
+fn compare(rec: &Option<Rec>, got: Option<&crate::Record>, key: u8, at: &str) {
     match (rec, got) {
         (None, None) => {}
         (Some(r), Some(g)) => {

@@ -1,0 +1,109 @@
+//! A ledger wrapper that injects faults, for the runner cases.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use crate::{
+    Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, Result, Tenant,
+};
+
+/// A ledger that misbehaves on purpose around a real one, so the runner's
+/// rules can be checked on every backend: it answers claims late (a slow
+/// round trip) and fails renewals (a backend that blips).
+#[derive(Debug, Clone)]
+pub struct Faulty<L> {
+    inner: L,
+    claim_delay: Duration,
+    renew_failures: Arc<AtomicU64>,
+    renewals_failed: Arc<AtomicU64>,
+}
+
+impl<L: Ledger> Faulty<L> {
+    /// Passes everything through to `inner`.
+    pub fn new(inner: L) -> Self {
+        Faulty {
+            inner,
+            claim_delay: Duration::ZERO,
+            renew_failures: Arc::new(AtomicU64::new(0)),
+            renewals_failed: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// Delivers every claim's answer `delay` after the backend gave it.
+    pub fn claim_delay(mut self, delay: Duration) -> Self {
+        self.claim_delay = delay;
+        self
+    }
+
+    /// Fails the next `n` renewals with `Error::Unavailable` (`u64::MAX`:
+    /// all of them).
+    pub fn fail_renewals(self, n: u64) -> Self {
+        self.renew_failures.store(n, Ordering::SeqCst);
+        self
+    }
+
+    /// How many renewals were failed on purpose.
+    pub fn renewals_failed(&self) -> u64 {
+        self.renewals_failed.load(Ordering::SeqCst)
+    }
+}
+
+impl<L: Ledger> Ledger for Faulty<L> {
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+
+    async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
+        let claim = self.inner.claim(key, opts).await;
+        tokio::time::sleep(self.claim_delay).await;
+        claim
+    }
+
+    async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
+        self.inner.complete(lease, outcome).await
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<()> {
+        self.inner.release(lease).await
+    }
+
+    async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
+        let fail = self
+            .renew_failures
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| match n {
+                0 => None,
+                u64::MAX => Some(u64::MAX),
+                n => Some(n - 1),
+            })
+            .is_ok();
+        if fail {
+            self.renewals_failed.fetch_add(1, Ordering::SeqCst);
+            return Err(Error::Unavailable {
+                backend: self.inner.backend(),
+                message: "renewal failed on purpose (conformance::Faulty)".into(),
+            });
+        }
+        self.inner.renew(lease, extend_by).await
+    }
+
+    async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
+        self.inner.get(key).await
+    }
+
+    async fn prune(&self, limit: u64) -> Result<u64> {
+        self.inner.prune(limit).await
+    }
+
+    async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
+        self.inner.abandoned(tenant, limit).await
+    }
+
+    async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
+        self.inner.horizon(tenant, kind).await
+    }
+}

@@ -1,0 +1,238 @@
+//! The conformance suite every backend runs, unchanged (feature `conformance`).
+//!
+//! Plain async functions, one behaviour each, in the manner of object_store's
+//! `integration.rs`. A backend crate runs them all from `tests/conformance.rs`:
+//!
+//! ```text
+//! async fn ledger() -> Option<MyLedger> { /* None when the server is absent */ }
+//! oncely::conformance_tests!(ledger);
+//! oncely::transactional_conformance_tests!(ledger); // a TransactionalLedger
+//! ```
+//!
+//! Every function isolates itself with a fresh tenant, so the suite can run in
+//! parallel against one database. Lease expiry is exercised with real, short
+//! leases on the backend's own clock: no function fakes time.
+//!
+//! The cases, by file (all re-exported here):
+//! - `ledger.rs`: the `Ledger` contract, called directly (claims, races,
+//!   takeovers, fences, fingerprints, prune and the horizon, cancellation);
+//! - `runner.rs`: `Effects::run` over the backend (duplicates, the in-progress
+//!   policy, failures, the safety margin, renewal under [`Faulty`] faults,
+//!   telemetry counted once);
+//! - `transactional.rs`: claims on the caller's transaction
+//!   ([`transactional_conformance_tests!`]);
+//! - [`model`]: a model of the contract, checked against a ledger under
+//!   random operation sequences (proptest);
+//! - `faulty.rs`, `metrics.rs` and this file: the harness.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use crate::{Claim, ClaimOptions, EffectKey, Ledger, Tenant};
+
+mod faulty;
+mod ledger;
+mod metrics;
+pub mod model;
+mod runner;
+mod transactional;
+
+pub use faulty::Faulty;
+pub use ledger::*;
+pub use metrics::{counter, metrics_snapshotter};
+pub use runner::*;
+pub use transactional::*;
+
+/// A lease short enough to expire inside a test.
+pub const SHORT_LEASE: Duration = Duration::from_millis(300);
+
+/// How long to wait for [`SHORT_LEASE`] to expire on the backend's clock.
+pub const SHORT_LEASE_WAIT: Duration = Duration::from_millis(800);
+
+/// How many claimants race for one key.
+pub const RACERS: usize = 64;
+
+/// Reads a service URL from `var`. When it is absent: fails if
+/// `ONCELY_REQUIRE_SERVICES=1` (CI), else says so on stderr and returns `None`.
+pub fn service_url(var: &str, default: Option<&str>) -> Option<String> {
+    if let Ok(url) = std::env::var(var) {
+        return Some(url);
+    }
+    if let Some(d) = default {
+        return Some(d.to_owned());
+    }
+    skip_or_fail(&format!("{var} is not set"))
+}
+
+/// Skips (stderr, `None`) or, under `ONCELY_REQUIRE_SERVICES=1`, panics.
+pub fn skip_or_fail<T>(why: &str) -> Option<T> {
+    if std::env::var("ONCELY_REQUIRE_SERVICES").as_deref() == Ok("1") {
+        panic!("required service missing: {why}");
+    }
+    eprintln!("skipping: {why} (set ONCELY_REQUIRE_SERVICES=1 to fail instead)");
+    None
+}
+
+static SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// A tenant no other test uses (process id, time and a counter).
+pub fn fresh_tenant() -> Tenant {
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    Tenant::new(format!(
+        "t{}-{:x}-{}",
+        std::process::id(),
+        nanos & 0xffff_ffff_ffff,
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    ))
+    .expect("generated tenant is valid")
+}
+
+pub(crate) fn key(t: &Tenant, kind: &str, subject: &str) -> EffectKey {
+    EffectKey::new(t, kind, subject).expect("test key is valid")
+}
+
+pub(crate) fn acquired(c: Claim) -> crate::Lease {
+    match c {
+        Claim::Acquired(l) => l,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+pub(crate) fn opts() -> ClaimOptions {
+    ClaimOptions::default()
+}
+
+/// A seeded random number generator ([`fastrand`]) whose seed is printed,
+/// so a failing run can be replayed with `ONCELY_SEED`.
+pub struct Rng(fastrand::Rng);
+
+impl Rng {
+    /// Seeded from `ONCELY_SEED` or the clock; prints the seed.
+    pub fn from_env(label: &str) -> Self {
+        let seed = std::env::var("ONCELY_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| fastrand::u64(..));
+        eprintln!("{label}: ONCELY_SEED={seed}");
+        Rng(fastrand::Rng::with_seed(seed))
+    }
+
+    /// The next number.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0.u64(..)
+    }
+
+    /// A number below `n` (0 when `n` is 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        if n == 0 { 0 } else { self.0.u64(..n) }
+    }
+}
+
+/// Calls `prune` until `key` is gone (other tests prune the same table
+/// concurrently, and a backend may prune in batches).
+pub async fn prune_until_gone<L: Ledger>(ledger: &L, key: &EffectKey) {
+    for _ in 0..100 {
+        ledger.prune(u64::MAX).await.unwrap();
+        if ledger.get(key).await.unwrap().is_none() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{key} was never pruned");
+}
+
+/// Runs `iters` calls of `op` spread over `tasks` tokio tasks and returns the
+/// wall time: the shared driver of every backend's `benches/claim.rs`, so the
+/// library and its hand-written baseline are timed the same way.
+pub async fn spread<F, Fut>(iters: u64, tasks: u64, op: F) -> Duration
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let tasks = tasks.max(1);
+    let op = Arc::new(op);
+    let start = std::time::Instant::now();
+    let handles: Vec<_> = (0..tasks)
+        .map(|i| {
+            let op = op.clone();
+            let n = iters / tasks + u64::from(i < iters % tasks);
+            tokio::spawn(async move {
+                for _ in 0..n {
+                    op().await;
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.await.expect("benchmark task panicked");
+    }
+    start.elapsed()
+}
+
+/// Generates one `#[tokio::test]` per conformance function, each calling
+/// `$make().await` (an `async fn() -> Option<L>`; `None` skips).
+#[macro_export]
+macro_rules! conformance_tests {
+    ($make:path) => {
+        $crate::conformance_tests!(@each $make;
+            first_claim_acquires,
+            sequential_duplicate_returns_outcome,
+            concurrent_claims_one_winner,
+            release_then_claim_acquires,
+            expired_lease_is_taken_over,
+            stale_fence_is_rejected,
+            renew_extends_the_lease,
+            fingerprint_mismatch_changes_nothing,
+            tenants_and_kinds_are_independent,
+            awkward_keys_round_trip,
+            invalid_input_is_rejected,
+            outcome_size_limit,
+            prune_keeps_what_it_must,
+            beyond_horizon_is_detected,
+            out_of_range_times_are_refused,
+            fences_never_repeat_after_prune,
+            at_most_once_is_abandoned_not_rerun,
+            cancellation_is_safe,
+            run_sequential_duplicate_runs_once,
+            run_concurrent_deliveries_run_once,
+            run_in_progress_is_rejected_not_skipped,
+            run_failures_follow_policy,
+            run_never_starts_on_an_expired_lease,
+            renewal_survives_a_transient_failure,
+            handler_learns_its_lease_is_lost,
+            run_at_most_once_unstorable_outcome_is_not_repeated,
+            telemetry_counts_each_claim_once,
+            naive_guard_double_applies,
+        );
+    };
+    (@each $make:path; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() {
+                if let Some(ledger) = $make().await {
+                    $crate::conformance::$name(ledger).await;
+                }
+            }
+        )*
+    };
+}
+
+/// Generates the transactional suite for a [`TransactionalLedger`]: one
+/// `#[tokio::test]` per function, each calling `$make().await` (an
+/// `async fn() -> Option<L>`; `None` skips). Run it next to
+/// [`conformance_tests!`].
+#[macro_export]
+macro_rules! transactional_conformance_tests {
+    ($make:path) => {
+        $crate::conformance_tests!(@each $make;
+            claim_after_a_lock_wait_gets_a_live_lease,
+            claim_in_late_in_a_transaction_gets_a_live_lease,
+            claim_in_commits_and_rolls_back_with_the_transaction,
+            duplicate_waits_for_the_transaction_and_sees_its_outcome,
+        );
+    };
+}
