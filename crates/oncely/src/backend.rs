@@ -5,6 +5,8 @@
 //! revision-checked update) and maps its rows; what a record *means* is
 //! decided here, so that the backends cannot drift apart:
 //!
+//! - [`FromUrl`], [`OpenOptions`], [`Access`]: the one way every backend opens
+//!   from a URL;
 //! - [`Grant`]: how a backend builds the [`Lease`] a claim returns;
 //! - [`answer_existing`]: what a claim answers when it finds a record it may
 //!   not take over (and whether it may take it over at all);
@@ -25,11 +27,69 @@
 //! Backends written in another language (the Redis Lua scripts) restate
 //! these rules; their comments point here.
 
+use std::future::Future;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::error::{Error, Result};
 use crate::key::EffectKey;
+use crate::ledger::Ledger;
 use crate::record::{Claim, ClaimOptions, Lease, MAX_OUTCOME_BYTES, Outcome, Record, RecordState};
+
+/// What an opener may do to the ledger's storage (tables, a bucket).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Access {
+    /// Create what is missing and upgrade it (the default of a backend's
+    /// `connect`): `oncely migrate`, the demo, an application at startup.
+    Migrate,
+    /// Use what exists after checking it; create and upgrade nothing: writers
+    /// that must not create a ledger by accident (`oncely prune`).
+    Existing,
+    /// Read only: create, migrate and write nothing, so a mistyped path is an
+    /// error rather than a new empty ledger, and a role that may only read
+    /// can use it (`oncely get`).
+    ReadOnly,
+}
+
+/// How [`FromUrl::from_url`] opens a ledger.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OpenOptions {
+    /// What the opener may do to the storage.
+    pub access: Access,
+    /// How long to wait to connect (or for a pooled connection), when the
+    /// caller wants a quicker answer than the backend's default (an operator
+    /// at a terminal).
+    pub connect_timeout: Option<Duration>,
+}
+
+impl OpenOptions {
+    /// `access`, with the backend's own timeouts.
+    pub fn new(access: Access) -> Self {
+        OpenOptions {
+            access,
+            connect_timeout: None,
+        }
+    }
+
+    /// Sets [`OpenOptions::connect_timeout`](#structfield.connect_timeout).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = Some(timeout);
+        self
+    }
+}
+
+/// A ledger that opens from a URL: the one shape every backend crate
+/// offers, so that a tool (the `oncely` command) can pick the backend from a
+/// URL with one line per backend. Each crate parses its own URLs.
+pub trait FromUrl: Ledger + Sized {
+    /// The URL schemes it opens, lowercase (`postgres`, `postgresql`).
+    const SCHEMES: &'static [&'static str];
+
+    /// Opens the ledger a URL names (one of [`FromUrl::SCHEMES`]). A
+    /// malformed URL fails with [`Error::Config`] before anything connects,
+    /// and its message never quotes the URL (it may carry a password).
+    fn from_url(url: &str, options: OpenOptions) -> impl Future<Output = Result<Self>> + Send;
+}
 
 /// The parts of a lease a backend has just granted. [`Grant::into_lease`]
 /// makes the [`Lease`] its claim returns: only ledgers grant leases, and this

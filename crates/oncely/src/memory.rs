@@ -94,6 +94,20 @@ fn clock_us(now: SystemTime) -> i64 {
     backend::to_micros(now).unwrap_or(backend::MAX_MICROS)
 }
 
+impl crate::backend::FromUrl for MemoryLedger {
+    const SCHEMES: &'static [&'static str] = &["memory"];
+
+    /// `memory:` (nothing after the colon): a fresh, empty ledger.
+    async fn from_url(url: &str, _options: crate::backend::OpenOptions) -> Result<Self> {
+        match url.trim().split_once(':') {
+            Some((scheme, "")) if scheme.eq_ignore_ascii_case("memory") => Ok(MemoryLedger::new()),
+            _ => Err(Error::Config(
+                "a memory ledger's URL is `memory:`, with nothing after the colon".into(),
+            )),
+        }
+    }
+}
+
 impl Ledger for MemoryLedger {
     fn backend(&self) -> &'static str {
         "memory"

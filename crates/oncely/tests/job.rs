@@ -633,3 +633,19 @@ async fn an_oncely_error_from_the_handler_keeps_its_kind() {
     let r = fx.ledger().get(&key).await.unwrap().unwrap();
     assert_eq!(r.state, RecordState::Released);
 }
+
+/// `memory:` opens a fresh ledger; anything else after the colon is refused.
+#[tokio::test]
+async fn memory_ledger_opens_from_its_url() {
+    use oncely::backend::{Access, FromUrl, OpenOptions};
+    let opts = OpenOptions::new(Access::ReadOnly);
+    assert_eq!(MemoryLedger::SCHEMES, &["memory"]);
+    MemoryLedger::from_url("memory:", opts).await.unwrap();
+    MemoryLedger::from_url(" MEMORY: ", opts).await.unwrap();
+    for bad in ["memory:x", "memory", "sqlite:x"] {
+        assert!(matches!(
+            MemoryLedger::from_url(bad, opts).await,
+            Err(Error::Config(_))
+        ));
+    }
+}
