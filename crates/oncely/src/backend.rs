@@ -91,6 +91,14 @@ pub trait FromUrl: Ledger + Sized {
     fn from_url(url: &str, options: OpenOptions) -> impl Future<Output = Result<Self>> + Send;
 }
 
+impl<L: FromUrl> FromUrl for std::sync::Arc<L> {
+    const SCHEMES: &'static [&'static str] = L::SCHEMES;
+
+    async fn from_url(url: &str, options: OpenOptions) -> Result<Self> {
+        L::from_url(url, options).await.map(std::sync::Arc::new)
+    }
+}
+
 /// The parts of a lease a backend has just granted. [`Grant::into_lease`]
 /// makes the [`Lease`] its claim returns: only ledgers grant leases, and this
 /// is how they build them.
