@@ -47,7 +47,9 @@ pub enum Access {
     Existing,
     /// Read only: create, migrate and write nothing, so a mistyped path is an
     /// error rather than a new empty ledger, and a role that may only read
-    /// can use it (`oncely get`).
+    /// can use it (`oncely get`). The ledger refuses its own writes before
+    /// any round trip. (One exception, documented by its crate: NATS learns
+    /// the server's clock only by writing its clock probe key.)
     ReadOnly,
 }
 
