@@ -41,7 +41,10 @@
 //! a refused insert of case 2 and its undo, the row stays as an in-progress
 //! lease that the next claim takes over once it expires.
 
-use std::time::{Duration, Instant};
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime};
 
 use oncely::backend::{
     answer_existing, duration_micros, from_micros, is_beyond_horizon, needs_refresh, to_micros,
@@ -51,8 +54,8 @@ use sqlx::MySqlConnection;
 
 use crate::MySqlLedger;
 use crate::error::{self, corrupt, unexpected_violation};
+use crate::guard::{Retry, retry_on_lock};
 use crate::row::{Stored, stored};
-use crate::session::{Retry, claim_token, retry_on_lock};
 
 /// A fresh grant whose statement took longer than this from its start to
 /// its write waited on a lock, and is refreshed (new expiry, new fence), even
@@ -65,6 +68,27 @@ use crate::session::{Retry, claim_token, retry_on_lock};
 /// retention under a second; and even then the fences differ (a stale holder
 /// cannot match the new lease).
 pub(crate) const WAITED: Duration = Duration::from_secs(1);
+
+static TOKEN_SEQ: AtomicU64 = AtomicU64::new(0);
+static TOKEN_SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+
+/// A claim token unique to this attempt: a per-process random seed (from the
+/// OS-seeded `RandomState`) and a per-process counter.
+fn claim_token() -> [u8; 16] {
+    let seed = *TOKEN_SEED.get_or_init(|| {
+        let mut h = RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
+        h.write_u128(now.as_nanos());
+        h.finish()
+    });
+    let mut t = [0u8; 16];
+    t[..8].copy_from_slice(&seed.to_le_bytes());
+    t[8..].copy_from_slice(&TOKEN_SEQ.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+    t
+}
 
 /// One claim attempt: what it claims, and the token it writes.
 struct Attempt<'a> {
@@ -145,7 +169,7 @@ impl MySqlLedger {
             ref token,
             in_caller_tx,
         } = *a;
-        let returning = self.inner.returning.load(std::sync::atomic::Ordering::Relaxed);
+        let returning = self.inner.returning.load(Ordering::Relaxed);
         let s = self.sql();
         let horizon = !matches!(form, Form::Plain);
         let text = match (returning, form) {
@@ -190,9 +214,7 @@ impl MySqlLedger {
                 Err(e) if error::number(&e) == Some(1064) && self.inner.returning_pref.is_none() => {
                     // This server parses no ODKU … RETURNING: use the
                     // two-statement path from now on.
-                    self.inner
-                        .returning
-                        .store(false, std::sync::atomic::Ordering::Relaxed);
+                    self.inner.returning.store(false, Ordering::Relaxed);
                     Err(Retry::Moved("RETURNING unsupported".into()))
                 }
                 Err(e) => Err(retry_on_lock(e)),
@@ -388,5 +410,18 @@ impl MySqlLedger {
         // 0 rows otherwise: the row was taken over meanwhile (its lease
         // expired); it is no longer ours to delete.
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_unique() {
+        let a = claim_token();
+        let b = claim_token();
+        assert_ne!(a, b);
+        assert_eq!(a[..8], b[..8]);
     }
 }

@@ -1,6 +1,7 @@
-//! Driver errors to `oncely::Error`: no sqlx type crosses the public API.
+//! Driver errors to `oncely::Error`: no sqlx type crosses the public API;
+//! and the errors this backend raises itself.
 
-use oncely::Error;
+use oncely::{Error, Lease};
 use sqlx::mysql::MySqlDatabaseError;
 
 pub(crate) const BACKEND: &str = "mysql";
@@ -135,5 +136,33 @@ pub(crate) fn corrupt(message: impl Into<String>) -> Error {
     Error::Corrupt {
         backend: BACKEND,
         message: message.into(),
+    }
+}
+
+/// A pool whose sessions run with `autocommit = 0` (found at the first
+/// operation, or by the leaked-transaction guard).
+pub(crate) fn autocommit_off() -> Error {
+    Error::Config(
+        "the ledger's pool runs with autocommit = 0: its writes would never commit; \
+         use a pool in autocommit mode (claim_in / complete_in join your transactions)"
+            .to_owned(),
+    )
+}
+
+/// The spawned task an operation runs in failed (a panic is a bug and not
+/// retryable; a cancelled runtime is).
+pub(crate) fn join_error(e: tokio::task::JoinError) -> Error {
+    Error::Backend {
+        backend: BACKEND,
+        message: format!("ledger task failed: {e}"),
+        retryable: !e.is_panic(),
+    }
+}
+
+/// A fenced write matched no row: the lease is no longer this holder's.
+pub(crate) fn lease_lost(lease: &Lease) -> Error {
+    Error::LeaseLost {
+        key: lease.key().to_string(),
+        fence: lease.fence(),
     }
 }

@@ -1,8 +1,11 @@
-//! [`MySqlLedgerOptions`]: pool, table and schema settings.
+//! [`MySqlLedgerOptions`]: pool, table and schema settings, and this
+//! backend's URLs (`mysql://`, `mariadb://`).
 
 use std::time::Duration;
 
+use oncely::backend::{Access, OpenOptions};
 use oncely::{Error, Result};
+use sqlx::mysql::MySqlConnectOptions;
 
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "oncely_effects";
@@ -97,6 +100,55 @@ impl MySqlLedgerOptions {
     pub(crate) fn migrates(&self) -> bool {
         self.migrate && !self.read_only
     }
+
+    /// The options [`FromUrl::from_url`](oncely::backend::FromUrl::from_url)
+    /// opens with: `access` as [`MySqlLedgerOptions::migrate`] /
+    /// [`MySqlLedgerOptions::read_only`], and the caller's connect timeout as
+    /// the pool's acquire timeout (which is also how long connecting may
+    /// take: sqlx bounds the pool's first connection by it).
+    pub(crate) fn for_open(open: OpenOptions) -> Self {
+        let options = match open.access {
+            Access::Migrate => MySqlLedgerOptions::default(),
+            Access::Existing => MySqlLedgerOptions::default().migrate(false),
+            Access::ReadOnly => MySqlLedgerOptions::default().read_only(true),
+        };
+        match open.connect_timeout {
+            Some(timeout) => options.acquire_timeout(timeout),
+            None => options,
+        }
+    }
+}
+
+/// The URL schemes this backend opens (`FromUrl::SCHEMES`): MariaDB speaks
+/// MySQL's protocol, and `mariadb://` lets a URL say which server it names.
+pub(crate) const SCHEMES: &[&str] = &["mysql", "mariadb"];
+
+/// Parses a MySQL URL (`mysql://user:password@host:port/database?ssl-mode=…`,
+/// sqlx's forms) before anything connects. The message never quotes the URL:
+/// it may carry a password.
+pub(crate) fn connect_options(url: &str) -> Result<MySqlConnectOptions> {
+    url.parse()
+        .map_err(|e: sqlx::Error| Error::Config(format!("bad MySQL URL: {e}")))
+}
+
+/// Refuses a URL whose scheme is not one of [`SCHEMES`] (sqlx would read any
+/// scheme as MySQL's), quoting the scheme only.
+pub(crate) fn check_scheme(url: &str) -> Result<()> {
+    let scheme = url.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+    match scheme {
+        Some(s) if SCHEMES.contains(&s.as_str()) => Ok(()),
+        Some(s)
+            if s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"+-.".contains(&b)) =>
+        {
+            Err(Error::Config(format!(
+                "a MySQL ledger's URL starts with mysql:// or mariadb://, not {s}://"
+            )))
+        }
+        _ => Err(Error::Config(
+            "a MySQL ledger's URL starts with mysql:// or mariadb://".to_owned(),
+        )),
+    }
 }
 
 /// Refuses a table name that is not a plain identifier, before any round
@@ -138,6 +190,51 @@ mod tests {
         ] {
             assert!(matches!(check_table(bad), Err(Error::Config(_))), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn urls_are_checked_before_connecting() {
+        for ok in [
+            "mysql://root@127.0.0.1:3306/test",
+            "MariaDB://h/db",
+            "mysql://u:p@h/db?ssl-mode=disabled",
+        ] {
+            check_scheme(ok).unwrap();
+            connect_options(ok).unwrap();
+        }
+        for bad in [
+            "postgres://h/db",
+            "mysql:/h/db",
+            "h:3306/db",
+            "",
+            "mysql+x:y//h/db",
+        ] {
+            assert!(matches!(check_scheme(bad), Err(Error::Config(_))), "{bad:?}");
+        }
+        for bad in [
+            "mysql://root:s3cret@h:99999/db",
+            "mysql://root:s3cret@h:port/db",
+            "mysql://root:s3cret@[::1/db",
+            "mysql://root:s3cret@h/db?ssl-mode=sometimes",
+        ] {
+            let e = connect_options(bad).unwrap_err();
+            assert!(matches!(e, Error::Config(_)), "{bad:?}: {e:?}");
+            assert!(!e.to_string().contains("s3cret"), "{e}");
+        }
+    }
+
+    #[test]
+    fn open_options_map_to_ledger_options() {
+        let o = MySqlLedgerOptions::for_open(OpenOptions::new(Access::Migrate));
+        assert!(o.migrates() && !o.read_only);
+        assert_eq!(o.acquire_timeout, MySqlLedgerOptions::default().acquire_timeout);
+        let o = MySqlLedgerOptions::for_open(OpenOptions::new(Access::Existing));
+        assert!(!o.migrates() && !o.read_only);
+        let o = MySqlLedgerOptions::for_open(
+            OpenOptions::new(Access::ReadOnly).connect_timeout(Duration::from_secs(5)),
+        );
+        assert!(!o.migrates() && o.read_only);
+        assert_eq!(o.acquire_timeout, Duration::from_secs(5));
     }
 
     #[test]

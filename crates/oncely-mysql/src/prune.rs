@@ -21,21 +21,21 @@
 //! `claim.rs`).
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use oncely::Result;
 use sqlx::{Connection, MySqlConnection, Row};
 
 use crate::MySqlLedger;
-use crate::error::map;
-use crate::session::{LOCK_RETRIES, Retry, join_error, retry_on_lock};
+use crate::error::{join_error, map};
+use crate::guard::{Retry, retry_on_lock};
 
 /// Records per transaction: bounds how many row locks one prune holds.
 const BATCH: u64 = 500;
 
 impl MySqlLedger {
     /// Deletes up to `limit` records in batches, in a spawned task (so a
-    /// dropped future never leaves a batch half done).
+    /// dropped future never leaves a batch half done); a batch that a lock
+    /// conflict rolled back runs again ([`MySqlLedger::retrying`]).
     pub(crate) async fn prune_records(&self, limit: u64) -> Result<u64> {
         let this = self.clone();
         tokio::spawn(async move {
@@ -43,17 +43,9 @@ impl MySqlLedger {
             let mut total = 0u64;
             while total < limit {
                 let n = (limit - total).min(BATCH);
-                let mut attempt = 0;
-                let (seen, deleted) = loop {
-                    attempt += 1;
-                    let mut conn = this.inner.pool.acquire().await.map_err(map)?;
-                    match this.prune_batch(&mut conn, n).await {
-                        Ok(done) => break done,
-                        Err(Retry::Fail(e)) => return Err(e),
-                        Err(Retry::Lock(e)) if attempt >= LOCK_RETRIES => return Err(map(e)),
-                        Err(_) => tokio::time::sleep(Duration::from_millis(2 << attempt.min(6))).await,
-                    }
-                };
+                let (seen, deleted) = this
+                    .retrying(move |this, conn| Box::pin(this.prune_batch(conn, n)))
+                    .await?;
                 total += deleted;
                 if seen < n {
                     break;

@@ -155,7 +155,7 @@ pub(crate) async fn verify(conn: &mut MySqlConnection, table: &str) -> Result<()
 /// `spec`, and a primary key or unique index on exactly `key_cols` (sorted)
 /// whole columns.
 async fn verify_one(conn: &mut MySqlConnection, table: &str, spec: Spec, key_cols: &[&str]) -> Result<()> {
-    let db: Option<String> = sqlx::query_scalar("SELECT CAST(DATABASE() AS CHAR)")
+    let db: Option<String> = sqlx::query_scalar(sql::DATABASE)
         .fetch_one(&mut *conn)
         .await
         .map_err(map)?;
@@ -266,7 +266,7 @@ async fn verify_one(conn: &mut MySqlConnection, table: &str, spec: Spec, key_col
 /// table the ledger cannot use gets no DDL at all.
 pub(crate) async fn migrate(conn: &mut MySqlConnection, table: &str) -> Result<()> {
     let lock = format!("oncely.migrate.{table}");
-    let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 60)")
+    let got: Option<i64> = sqlx::query_scalar(sql::MIGRATION_LOCK)
         .bind(&lock)
         .fetch_one(&mut *conn)
         .await
@@ -281,7 +281,7 @@ pub(crate) async fn migrate(conn: &mut MySqlConnection, table: &str) -> Result<(
     let result = apply(conn, table).await;
     // A session lock outlives the statement: release it before the
     // connection goes back to the pool, whatever happened.
-    let released = sqlx::query("SELECT RELEASE_LOCK(?)")
+    let released = sqlx::query(sql::MIGRATION_UNLOCK)
         .bind(&lock)
         .execute(&mut *conn)
         .await;
@@ -300,12 +300,11 @@ async fn apply(conn: &mut MySqlConnection, table: &str) -> Result<()> {
         verify_one(conn, table, EFFECTS, &["effect_key"]).await?;
     }
     conn.execute(sql::MIGRATIONS_TABLE).await.map_err(map)?;
-    let applied: Vec<u32> =
-        sqlx::query_scalar("SELECT version FROM oncely_schema_migrations WHERE table_name = ?")
-            .bind(table)
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(map)?;
+    let applied: Vec<u32> = sqlx::query_scalar(sql::APPLIED_VERSIONS)
+        .bind(table)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(map)?;
     for (version, statements) in sql::migrations(table) {
         if applied.contains(&version) {
             continue;
@@ -313,15 +312,12 @@ async fn apply(conn: &mut MySqlConnection, table: &str) -> Result<()> {
         for s in statements {
             conn.execute(sqlx::AssertSqlSafe(s)).await.map_err(map)?;
         }
-        sqlx::query(
-            "INSERT INTO oncely_schema_migrations (table_name, version, applied_at) \
-             VALUES (?, ?, UTC_TIMESTAMP(6)) ON DUPLICATE KEY UPDATE version = version",
-        )
-        .bind(table)
-        .bind(version)
-        .execute(&mut *conn)
-        .await
-        .map_err(map)?;
+        sqlx::query(sql::RECORD_VERSION)
+            .bind(table)
+            .bind(version)
+            .execute(&mut *conn)
+            .await
+            .map_err(map)?;
     }
     Ok(())
 }

@@ -50,7 +50,52 @@ pub(crate) const NOW_US: &str = "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:0
 pub(crate) const SYSDATE_PROBE: &str =
     "SELECT TIMESTAMPDIFF(MICROSECOND, NOW(6), IF(SLEEP(0.002) = 0, SYSDATE(6), NULL)) AS d";
 
-/// The columns every read returns, in the order `row::stored` expects.
+/// Run on every connection `MySqlLedger::connect` opens: strict mode, so an
+/// over-long or invalid value is an error, never a silent clip or a default.
+pub(crate) const STRICT_SESSION: &str =
+    "SET SESSION sql_mode = CONCAT(@@SESSION.sql_mode, ',STRICT_ALL_TABLES')";
+
+/// Run on every connection of a read-only ledger: the server refuses writes
+/// too, not only the ledger.
+pub(crate) const READ_ONLY_SESSION: &str = "SET SESSION TRANSACTION READ ONLY";
+
+/// What the server is, asked once (`server::probe`).
+pub(crate) const SERVER: &str = "SELECT VERSION() AS v, @@max_allowed_packet AS p";
+
+/// Whether the session commits each statement (`server::probe`).
+pub(crate) const AUTOCOMMIT: &str = "SELECT @@autocommit";
+
+/// MariaDB's `@@in_transaction`; MySQL 8 has no such variable and answers
+/// with error 1193 (`server::probe`).
+pub(crate) const IN_TRANSACTION: &str = "SELECT @@in_transaction";
+
+/// The leaked-transaction guard's check of a pooled connection
+/// (`guard::heal_if_leaked`).
+pub(crate) const LEAK_CHECK: &str = "SELECT @@in_transaction AS open, @@autocommit AS autocommit";
+
+/// Ends a transaction someone else left open on a pooled connection.
+pub(crate) const ROLLBACK: &str = "ROLLBACK";
+
+/// The connection's database (`schema::verify` reads tables in it).
+pub(crate) const DATABASE: &str = "SELECT CAST(DATABASE() AS CHAR)";
+
+/// Serialises migrations of one table across processes: a session lock,
+/// waited for up to 60 s. Parameter: the lock's name.
+pub(crate) const MIGRATION_LOCK: &str = "SELECT GET_LOCK(?, 60)";
+
+/// Releases [`MIGRATION_LOCK`]. Parameter: the lock's name.
+pub(crate) const MIGRATION_UNLOCK: &str = "SELECT RELEASE_LOCK(?)";
+
+/// The schema versions applied to a table. Parameter: the table's name.
+pub(crate) const APPLIED_VERSIONS: &str = "SELECT version FROM oncely_schema_migrations WHERE table_name = ?";
+
+/// Records a version as applied (idempotent: another migrator may have
+/// recorded it). Parameters: the table's name, the version.
+pub(crate) const RECORD_VERSION: &str = "INSERT INTO oncely_schema_migrations (table_name, version, applied_at) \
+     VALUES (?, ?, UTC_TIMESTAMP(6)) ON DUPLICATE KEY UPDATE version = version";
+
+/// The columns every read of a record returns (`row::stored` reads them by
+/// name).
 const COLUMNS: &str = "effect_key, state, fence, fingerprint, outcome, at_most_once, claim_token, \
                        created_us, updated_us, lease_expires_us, retain_until_us";
 

@@ -53,7 +53,7 @@ fn bench(c: &mut Criterion) {
             .expect("NATS server for the bench");
         let js = async_nats::jetstream::new(client);
         let _ = js.delete_stream(format!("KV_{BUCKET}")).await;
-        let ledger = NatsKvLedger::connect(&url(), NatsKvOptions::default().bucket(BUCKET))
+        let ledger = NatsKvLedger::connect_with(&url(), NatsKvOptions::default().bucket(BUCKET))
             .await
             .unwrap();
         let store = ledger.store().clone();

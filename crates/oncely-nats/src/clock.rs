@@ -5,7 +5,7 @@
 //! Lease expiry needs "now" on the server's clock, so each ledger keeps a
 //! lower bound of it:
 //!
-//! - A probe writes to [`CLOCK_KEY`](crate::codec::CLOCK_KEY) and reads the
+//! - A probe writes to [`CLOCK_KEY`] and reads the
 //!   revision back. Its stamp `ts` was taken by the server before the read's
 //!   reply arrived at local monotonic instant `m1`, so at any later local
 //!   instant `m`, `server_now >= ts + (m - m1)`.
@@ -28,6 +28,13 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime};
 
+use oncely::Result;
+use oncely::backend::{from_micros, to_micros};
+
+use crate::NatsKvLedger;
+use crate::codec::CLOCK_KEY;
+use crate::error::{backend_err, clock_out_of_range};
+
 /// How old a probe sample may get before the next operation refreshes it.
 pub(crate) const REFRESH: Duration = Duration::from_secs(2);
 
@@ -43,7 +50,7 @@ struct Sample {
 pub(crate) struct ServerClock {
     sample: Mutex<Option<Sample>>,
     /// Single flight: concurrent operations wait for one probe.
-    pub(crate) probing: tokio::sync::Mutex<()>,
+    probing: tokio::sync::Mutex<()>,
 }
 
 impl ServerClock {
@@ -96,6 +103,59 @@ impl ServerClock {
             s.local = Instant::now();
         }
     }
+}
+
+impl NatsKvLedger {
+    /// A lower bound of the server's current time (see the crate docs), in
+    /// whole microseconds (the unit records store, so a lease's
+    /// `first_claimed_at` equals the stored one exactly) and within what
+    /// records can hold (1970..9999; a server clock outside is an error).
+    pub(crate) async fn now(&self) -> Result<SystemTime> {
+        let t = self.now_exact().await?;
+        server_us(t).map(from_micros)
+    }
+
+    /// The estimate, probing first when the last probe is older than
+    /// [`REFRESH`] (one probe at a time; concurrent callers wait for it).
+    async fn now_exact(&self) -> Result<SystemTime> {
+        if let Some(now) = self.inner.clock.fresh_now() {
+            return Ok(now);
+        }
+        let _single = self.inner.clock.probing.lock().await;
+        if let Some(now) = self.inner.clock.fresh_now() {
+            return Ok(now);
+        }
+        self.inner
+            .store
+            .put(CLOCK_KEY, bytes::Bytes::new())
+            .await
+            .map_err(|e| backend_err("clock probe", e))?;
+        let msg = self
+            .inner
+            .store
+            .stream
+            .get_last_raw_message_by_subject(&self.subject(CLOCK_KEY))
+            .await
+            .map_err(|e| backend_err("clock probe", e))?;
+        self.inner
+            .clock
+            .probed(SystemTime::from(msg.time), Instant::now());
+        self.inner
+            .clock
+            .fresh_now()
+            .ok_or_else(|| backend_err("clock probe", "no sample"))
+    }
+}
+
+/// `t` in µs, for a time that came from the server's clock.
+pub(crate) fn server_us(t: SystemTime) -> Result<i64> {
+    to_micros(t).map_err(|_| clock_out_of_range(t))
+}
+
+/// `at + d` for a server time and a validated length (a lease, at most a
+/// day): checked, so a broken server clock is an error, never a panic.
+pub(crate) fn later(at: SystemTime, d: Duration) -> Result<SystemTime> {
+    at.checked_add(d).ok_or_else(|| clock_out_of_range(at))
 }
 
 #[cfg(test)]

@@ -1,4 +1,6 @@
-//! How effect keys and records are laid out in the bucket.
+//! How effect keys and records are laid out in the bucket, and how a stored
+//! value decodes into an [`oncely::Record`] (the role `row.rs` plays in the
+//! SQL backends).
 //!
 //! KV keys may hold only `[-/_=.a-zA-Z0-9]`, and `.` separates tokens, so a
 //! displayed effect key cannot be used as it is. The KV key is
@@ -11,10 +13,15 @@
 //! record key has two, so no record key can be a watermark key, and a
 //! tenant's `<escaped tenant>.*` (its records) never lists its watermarks.
 
+use std::time::{Duration, SystemTime};
+
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as B64;
-use oncely::{EffectKey, Error, Fingerprint, Outcome, RecordState, Result, Tenant};
+use oncely::backend::{effective_state, from_micros};
+use oncely::{EffectKey, Error, Fingerprint, Outcome, Record, RecordState, Result, Tenant};
 use serde::{Deserialize, Serialize};
+
+use crate::error::corrupt;
 
 /// The key the server clock probe writes to. Escaped tenants never start with
 /// `_oncely` (tenants starting with `_` are reserved and the only one is
@@ -145,6 +152,58 @@ impl Stored {
         }
         Ok(s)
     }
+
+    /// The effect key this value stores. With `expected` (the key whose KV
+    /// key was read), another key is corrupt: a hash collision or a value
+    /// copied by hand, never merged.
+    pub(crate) fn effect_key(&self, expected: Option<&EffectKey>) -> Result<EffectKey> {
+        let key =
+            EffectKey::parse(&self.key).map_err(|e| corrupt(format!("stored key {:?}: {e}", self.key)))?;
+        if let Some(exp) = expected
+            && &key != exp
+        {
+            return Err(corrupt(format!("KV key of {exp} holds {key}")));
+        }
+        Ok(key)
+    }
+
+    /// The record this value describes: `at` is the server's stamp of its
+    /// revision (leases and retentions are measured from it), `now` the
+    /// server clock's estimate at the read.
+    pub(crate) fn record(&self, key: EffectKey, at: SystemTime, now: SystemTime) -> Result<Record> {
+        let stored = self.state()?;
+        let lease_end = stored_end(at, self.lease_us, "lease")?;
+        let state = effective_state(stored, self.amo, Some(lease_end), now);
+        Ok(Record {
+            key,
+            state,
+            fence: self.fence,
+            fingerprint: self.fingerprint()?,
+            outcome: self.outcome()?,
+            at_most_once: self.amo,
+            created_at: from_micros(self.first_us),
+            updated_at: at,
+            lease_expires_at: matches!(state, RecordState::InProgress | RecordState::Abandoned)
+                .then_some(lease_end),
+            retain_until: stored_end(at, self.retention_us, "retention")?,
+            read_at: now.max(at),
+        })
+    }
+}
+
+/// Whole µs of a validated lease or retention (at most ten years).
+pub(crate) fn length_us(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// `at + us` for a length read from a stored record: checked, so a value
+/// no oncely ledger wrote is reported as corrupt, never a panic.
+fn stored_end(at: SystemTime, us: u64, what: &str) -> Result<SystemTime> {
+    at.checked_add(Duration::from_micros(us)).ok_or_else(|| {
+        corrupt(format!(
+            "{what} of {us} µs from {at:?} ends past the representable time"
+        ))
+    })
 }
 
 /// The value at a watermark key: the newest `created_at` (µs) that prune

@@ -51,13 +51,15 @@
 //! its `sent_at`, loses its record on takeover (its replays are refused
 //! rather than resumed).
 
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use oncely::backend::{from_micros, is_beyond_horizon};
 use oncely::{EffectKey, Error, Result, Tenant};
 
+use crate::NatsKvLedger;
 use crate::codec::{Watermark, watermark_key};
-use crate::{BACKEND, MAX_ATTEMPTS, NatsKvLedger, Write, backend_err};
+use crate::error::{corrupt, gave_up};
+use crate::kv::{MAX_ATTEMPTS, Write, refusal_backoff};
 
 impl NatsKvLedger {
     /// The instant before which the bucket itself may have dropped records
@@ -77,10 +79,8 @@ impl NatsKvLedger {
             // Deleted by hand: the watermark is gone, `max_age` still bounds.
             return Ok((raw.revision, None));
         };
-        let w = Watermark::decode(&payload, tenant, kind).map_err(|e| Error::Corrupt {
-            backend: BACKEND,
-            message: format!("value at {wk} is not an oncely horizon watermark: {e}"),
-        })?;
+        let w = Watermark::decode(&payload, tenant, kind)
+            .map_err(|e| corrupt(format!("value at {wk} is not an oncely horizon watermark: {e}")))?;
         Ok((raw.revision, Some(w.w_us)))
     }
 
@@ -118,10 +118,7 @@ impl NatsKvLedger {
                 Write::Conflict => continue,
             }
         }
-        Err(backend_err(
-            "raise horizon",
-            format!("{wk}: gave up after {MAX_ATTEMPTS} lost races"),
-        ))
+        Err(gave_up("raise horizon", wk, "lost races"))
     }
 
     /// The horizon check of a claim that has just created `key`'s record at
@@ -173,31 +170,20 @@ impl NatsKvLedger {
     /// (the one this ledger just wrote). A record changed since is no longer
     /// this claim's to remove.
     pub(crate) async fn undo_create(&self, kv_key: &str, revision: u64) -> Result<()> {
-        use async_nats::jetstream::kv::UpdateErrorKind;
+        let mut backoff = refusal_backoff();
         for _ in 0..MAX_ATTEMPTS {
-            match self
-                .inner
-                .store
-                .delete_expect_revision(kv_key, Some(revision))
-                .await
-            {
-                Ok(()) => return Ok(()),
-                // NATS 2.9 clusters can refuse a matching revision under
-                // concurrent writes to other keys: look before giving up.
-                Err(e) if e.kind() == UpdateErrorKind::WrongLastRevision => {
-                    match self.read_raw(kv_key).await? {
-                        Some(raw) if raw.revision == revision => {
-                            tokio::time::sleep(Duration::from_millis(5)).await;
-                        }
-                        _ => return Ok(()),
-                    }
+            if self.delete(kv_key, revision, "undo claim").await? {
+                return Ok(());
+            }
+            // NATS 2.9 clusters can refuse a matching revision under
+            // concurrent writes to other keys: look before giving up.
+            match self.read_raw(kv_key).await? {
+                Some(raw) if raw.revision == revision => {
+                    tokio::time::sleep(backoff.next_delay()).await;
                 }
-                Err(e) => return Err(backend_err("undo claim", e)),
+                _ => return Ok(()),
             }
         }
-        Err(backend_err(
-            "undo claim",
-            format!("{kv_key}: gave up after {MAX_ATTEMPTS} refused deletes"),
-        ))
+        Err(gave_up("undo claim", kv_key, "refused deletes"))
     }
 }

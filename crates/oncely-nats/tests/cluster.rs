@@ -10,7 +10,7 @@ async fn ledger() -> Option<NatsKvLedger> {
     let opts = NatsKvOptions::default()
         .bucket("oncely_conformance_r3")
         .replicas(3);
-    match NatsKvLedger::connect(&urls, opts).await {
+    match NatsKvLedger::connect_with(&urls, opts).await {
         Ok(l) => Some(l),
         Err(e) => panic!("NATS cluster at {urls}: {e}"),
     }

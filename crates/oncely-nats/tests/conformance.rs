@@ -5,7 +5,7 @@ use oncely_nats::{NatsKvLedger, NatsKvOptions};
 
 async fn ledger() -> Option<NatsKvLedger> {
     let url = service_url("ONCELY_NATS_URL", Some("nats://127.0.0.1:4222"))?;
-    match NatsKvLedger::connect(&url, NatsKvOptions::default().bucket("oncely_conformance")).await {
+    match NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket("oncely_conformance")).await {
         Ok(l) => Some(l),
         Err(e @ oncely::Error::Unavailable { .. }) => skip_or_fail(&format!("NATS at {url}: {e}")),
         Err(e) => panic!("NATS at {url}: {e}"),

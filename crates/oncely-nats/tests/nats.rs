@@ -106,7 +106,7 @@ async fn incompatible_buckets_are_refused_and_left_unchanged() {
         tweak(&mut cfg);
         let mut created = js.create_stream(cfg).await.unwrap();
         let before = created.info().await.unwrap().config.clone();
-        let e = NatsKvLedger::connect(&url, opts.bucket(&bucket))
+        let e = NatsKvLedger::connect_with(&url, opts.bucket(&bucket))
             .await
             .unwrap_err();
         assert!(
@@ -130,7 +130,7 @@ async fn compatible_bucket_is_used_and_retention_is_capped() {
     let mut cfg = kv_stream(&bucket);
     cfg.max_age = Duration::from_secs(60 * 86_400);
     js.create_stream(cfg).await.unwrap();
-    let ledger = NatsKvLedger::connect(&url, NatsKvOptions::default().bucket(&bucket))
+    let ledger = NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket(&bucket))
         .await
         .unwrap();
     let k = EffectKey::new(&fresh_tenant(), "capture", "o-1").unwrap();
@@ -162,18 +162,18 @@ async fn bad_options_are_config_errors() {
         NatsKvOptions::default().bucket(""),
         NatsKvOptions::default().max_age(Duration::from_secs(3600)),
     ] {
-        let e = NatsKvLedger::connect("nats://127.0.0.1:1", opts.clone())
+        let e = NatsKvLedger::connect_with("nats://127.0.0.1:1", opts.clone())
             .await
             .unwrap_err();
         assert!(matches!(e, Error::Config(_)), "{opts:?}: {e:?}");
     }
-    let e = NatsKvLedger::connect("not a url at all ::", NatsKvOptions::default())
+    let e = NatsKvLedger::connect_with("not a url at all ::", NatsKvOptions::default())
         .await
         .unwrap_err();
     assert!(matches!(e, Error::Config(_)), "{e:?}");
     // A bad address in a list is named by position, never quoted: it may
     // carry a password.
-    let e = NatsKvLedger::connect(
+    let e = NatsKvLedger::connect_with(
         "nats://127.0.0.1:1,nats://u:hunter2@[bad:4222",
         NatsKvOptions::default(),
     )
@@ -188,7 +188,7 @@ async fn bad_options_are_config_errors() {
 #[tokio::test]
 async fn unreachable_server_is_unavailable() {
     let opts = NatsKvOptions::default().connect_timeout(Duration::from_millis(500));
-    let e = NatsKvLedger::connect("nats://127.0.0.1:1", opts)
+    let e = NatsKvLedger::connect_with("nats://127.0.0.1:1", opts)
         .await
         .unwrap_err();
     assert!(matches!(e, Error::Unavailable { backend: "nats", .. }), "{e:?}");
@@ -229,7 +229,7 @@ async fn server_without_jetstream_is_a_config_error_at_once() {
     // The server takes a moment to listen; only a refused connection is retried.
     let mut attempts = 0;
     let e = loop {
-        match NatsKvLedger::connect(url, opts()).await {
+        match NatsKvLedger::connect_with(url, opts()).await {
             Err(Error::Unavailable { .. }) if attempts < 50 => {
                 attempts += 1;
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -248,7 +248,7 @@ async fn server_without_jetstream_is_a_config_error_at_once() {
 async fn foreign_values_are_not_overwritten() {
     let Some((url, js)) = js().await else { return };
     let bucket = unique("oncely_foreign");
-    let ledger = NatsKvLedger::connect(&url, NatsKvOptions::default().bucket(&bucket))
+    let ledger = NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket(&bucket))
         .await
         .unwrap();
     let t = fresh_tenant();
@@ -283,7 +283,7 @@ async fn foreign_values_are_not_overwritten() {
 async fn shared_ledger() -> Option<NatsKvLedger> {
     let (url, _) = js().await?;
     Some(
-        NatsKvLedger::connect(&url, NatsKvOptions::default().bucket("oncely_conformance"))
+        NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket("oncely_conformance"))
             .await
             .unwrap(),
     )
@@ -390,7 +390,7 @@ async fn from_store_checks_the_bucket() {
 async fn own_ledger(prefix: &str) -> Option<(NatsKvLedger, jetstream::Context, String)> {
     let (url, js) = js().await?;
     let bucket = unique(prefix);
-    let ledger = NatsKvLedger::connect(&url, NatsKvOptions::default().bucket(&bucket))
+    let ledger = NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket(&bucket))
         .await
         .unwrap();
     Some((ledger, js, bucket))
@@ -675,7 +675,7 @@ async fn unbounded_open_timeout_does_not_panic() {
     let opts = NatsKvOptions::default()
         .bucket("oncely_conformance")
         .open_timeout(Duration::MAX);
-    NatsKvLedger::connect(&url, opts).await.unwrap();
+    NatsKvLedger::connect_with(&url, opts).await.unwrap();
 }
 
 /// `migrate(false)` (what the read-only operator commands ask for) never
@@ -685,7 +685,7 @@ async fn unbounded_open_timeout_does_not_panic() {
 async fn without_migrate_a_missing_bucket_is_not_created() {
     let Some((url, js)) = js().await else { return };
     let bucket = unique("oncely_nomigrate");
-    let e = NatsKvLedger::connect(&url, NatsKvOptions::default().bucket(&bucket).migrate(false))
+    let e = NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket(&bucket).migrate(false))
         .await
         .unwrap_err();
     assert!(matches!(&e, Error::Config(m) if m.contains(&bucket)), "{e:?}");
@@ -693,11 +693,157 @@ async fn without_migrate_a_missing_bucket_is_not_created() {
         js.get_stream(format!("KV_{bucket}")).await.is_err(),
         "a bucket was created"
     );
-    NatsKvLedger::connect(&url, NatsKvOptions::default().bucket(&bucket))
+    NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket(&bucket))
         .await
         .unwrap();
-    NatsKvLedger::connect(&url, NatsKvOptions::default().bucket(&bucket).migrate(false))
+    NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket(&bucket).migrate(false))
         .await
         .unwrap();
     js.delete_stream(format!("KV_{bucket}")).await.unwrap();
+}
+
+/// The URL's query names the bucket (and replicas), over the options'.
+#[tokio::test]
+async fn the_url_names_the_bucket() {
+    let Some((url, js)) = js().await else { return };
+    let bucket = unique("oncely_url_bucket");
+    let ledger = NatsKvLedger::connect(&format!("{url}?bucket={bucket}&replicas=1"))
+        .await
+        .unwrap();
+    assert_eq!(ledger.options().bucket, bucket);
+    assert!(js.get_stream(format!("KV_{bucket}")).await.is_ok());
+    let ledger = NatsKvLedger::connect_with(
+        &format!("{url}?bucket={bucket}"),
+        NatsKvOptions::default()
+            .bucket("oncely_not_this_one")
+            .migrate(false),
+    )
+    .await
+    .unwrap();
+    assert_eq!(ledger.options().bucket, bucket);
+    drop_bucket(&js, &bucket).await;
+}
+
+/// Values the URL parser accepts but the options refuse still fail with a
+/// typed error before any connection (port 1: a connection attempt would be
+/// `Unavailable` instead), through `connect` and `from_url` alike.
+#[tokio::test]
+async fn options_from_the_url_are_validated_before_connecting() {
+    use oncely::backend::{Access, FromUrl, OpenOptions};
+    for url in [
+        "nats://127.0.0.1:1?replicas=2",
+        "nats://127.0.0.1:1?bucket=no.dots",
+        "nats://127.0.0.1:1?max_age=9",
+        "redis://127.0.0.1:1",
+    ] {
+        let e = NatsKvLedger::connect(url).await.unwrap_err();
+        assert!(matches!(e, Error::Config(_)), "{url}: {e:?}");
+        let e = NatsKvLedger::from_url(url, OpenOptions::new(Access::Migrate))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::Config(_)), "{url}: {e:?}");
+    }
+    assert_eq!(NatsKvLedger::SCHEMES, &["nats"]);
+}
+
+/// `from_url` honours the access it is given: `Migrate` creates the bucket,
+/// `Existing` and `ReadOnly` never do (a missing bucket is `Config`, and
+/// nothing is created), and `connect_timeout` bounds the connection and the
+/// wait for the bucket.
+#[tokio::test]
+async fn from_url_honours_access_and_timeout() {
+    use oncely::backend::{Access, FromUrl, OpenOptions};
+    let Some((url, js)) = js().await else { return };
+    let bucket = unique("oncely_from_url");
+    let at = format!("{url}?bucket={bucket}");
+    for access in [Access::Existing, Access::ReadOnly] {
+        let e = NatsKvLedger::from_url(&at, OpenOptions::new(access))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::Config(m) if m.contains(&bucket)),
+            "{access:?}: {e:?}"
+        );
+        assert!(
+            js.get_stream(format!("KV_{bucket}")).await.is_err(),
+            "{access:?} created a bucket"
+        );
+    }
+    let created = NatsKvLedger::from_url(&at, OpenOptions::new(Access::Migrate))
+        .await
+        .unwrap();
+    assert!(created.options().migrate && !created.options().read_only);
+    assert!(js.get_stream(format!("KV_{bucket}")).await.is_ok());
+    let quick = Duration::from_secs(3);
+    let existing = NatsKvLedger::from_url(&at, OpenOptions::new(Access::Existing).connect_timeout(quick))
+        .await
+        .unwrap();
+    let o = existing.options();
+    assert!(!o.migrate && !o.read_only, "{o:?}");
+    assert_eq!((o.connect_timeout, o.open_timeout), (quick, quick));
+    let k = EffectKey::new(&fresh_tenant(), "capture", "o-1").unwrap();
+    acquired(existing.claim(&k, &ClaimOptions::default()).await.unwrap());
+    let reader = NatsKvLedger::from_url(&at, OpenOptions::new(Access::ReadOnly))
+        .await
+        .unwrap();
+    assert!(reader.options().read_only);
+    assert_eq!(
+        reader.get(&k).await.unwrap().unwrap().state,
+        RecordState::InProgress
+    );
+    drop_bucket(&js, &bucket).await;
+}
+
+/// A read-only ledger reads (`get`, `abandoned`, `horizon`) and refuses every
+/// write of its own with `Config`, before any round trip: still `Config` once
+/// the bucket is gone, where a round trip would fail otherwise. What it
+/// refused is left as it was.
+#[tokio::test]
+async fn read_only_refuses_writes_before_any_round_trip() {
+    let Some((ledger, js, bucket)) = own_ledger("oncely_read_only").await else {
+        return;
+    };
+    let url = service_url("ONCELY_NATS_URL", Some("nats://127.0.0.1:4222")).unwrap();
+    let t = fresh_tenant();
+    let k = EffectKey::new(&t, "capture", "held").unwrap();
+    let lease = acquired(ledger.claim(&k, &ClaimOptions::default()).await.unwrap());
+    let reader = NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket(&bucket).read_only(true))
+        .await
+        .unwrap();
+    let seen = reader.get(&k).await.unwrap().unwrap();
+    assert_eq!((seen.state, seen.fence), (RecordState::InProgress, lease.fence()));
+    assert!(reader.abandoned(&t, 10).await.unwrap().is_empty());
+    reader.horizon(&t, "capture").await.unwrap();
+    let other = EffectKey::new(&t, "capture", "new").unwrap();
+    let outcome = Outcome::from_json(&1).unwrap();
+    let refusals = |stage: &'static str| {
+        let (reader, k, other, lease, outcome) = (&reader, &k, &other, &lease, &outcome);
+        async move {
+            let results = [
+                ("claim", reader.claim(other, &ClaimOptions::default()).await.err()),
+                ("takeover", reader.claim(k, &ClaimOptions::default()).await.err()),
+                ("complete", reader.complete(lease, outcome).await.err()),
+                ("release", reader.release(lease).await.err()),
+                ("renew", reader.renew(lease, Duration::from_secs(60)).await.err()),
+                ("prune", reader.prune(100).await.err()),
+            ];
+            for (what, e) in results {
+                assert!(
+                    matches!(&e, Some(Error::Config(m)) if m.contains("read-only")),
+                    "{stage}: {what}: {e:?}"
+                );
+            }
+        }
+    };
+    refusals("with the bucket").await;
+    assert!(ledger.get(&other).await.unwrap().is_none());
+    let after = ledger.get(&k).await.unwrap().unwrap();
+    assert_eq!(
+        (after.state, after.fence),
+        (RecordState::InProgress, lease.fence())
+    );
+    drop_bucket(&js, &bucket).await;
+    // Without the bucket every round trip fails; the refusals do not change.
+    assert!(reader.get(&k).await.is_err());
+    refusals("without the bucket").await;
 }

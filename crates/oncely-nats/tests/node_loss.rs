@@ -76,7 +76,7 @@ async fn node_loss_keeps_claims_exact_and_completions_durable() {
     let Some(urls) = common::cluster_urls() else {
         return;
     };
-    let setup = retry(|| NatsKvLedger::connect(&urls, opts())).await.unwrap();
+    let setup = retry(|| NatsKvLedger::connect_with(&urls, opts())).await.unwrap();
     let mut stream = setup.store().stream.clone();
     let info = stream.info().await.unwrap();
     let leader = info.cluster.as_ref().and_then(|c| c.leader.clone());
@@ -108,7 +108,7 @@ async fn node_loss_keeps_claims_exact_and_completions_durable() {
             while_down.clone(),
         );
         workers.push(tokio::spawn(async move {
-            let ledger = retry(|| NatsKvLedger::connect(&urls, opts())).await.unwrap();
+            let ledger = retry(|| NatsKvLedger::connect_with(&urls, opts())).await.unwrap();
             let claim_opts = ClaimOptions::default();
             // Every worker walks the same keys from a nearby offset, so most
             // keys are claimed by several workers at about the same time.
@@ -190,7 +190,7 @@ async fn node_loss_keeps_claims_exact_and_completions_durable() {
     // Read back through the restarted node alone: every key is completed,
     // and every acknowledged completion is there with its worker's outcome.
     let only_victim = format!("nats://127.0.0.1:430{victim}");
-    let reader = retry(|| NatsKvLedger::connect(&only_victim, opts()))
+    let reader = retry(|| NatsKvLedger::connect_with(&only_victim, opts()))
         .await
         .unwrap();
     for (i, k) in keys.iter().enumerate() {
@@ -216,7 +216,7 @@ async fn lost_quorum_is_retryable_and_recovers() {
     let Some(urls) = common::cluster_urls() else {
         return;
     };
-    let ledger = retry(|| NatsKvLedger::connect(&urls, opts())).await.unwrap();
+    let ledger = retry(|| NatsKvLedger::connect_with(&urls, opts())).await.unwrap();
     let k = EffectKey::new(&fresh_tenant(), "capture", "no-quorum").unwrap();
     let _restart = Restart(vec![2, 3]);
     script(&["stop-node", "2"]).await;
@@ -254,7 +254,7 @@ async fn whole_cluster_restart_keeps_records_and_connect_waits_for_the_stream() 
     // Replies are awaited for half a second, shorter than an election takes:
     // the wait for the restarted stream is connect's own.
     let opts = || opts().request_timeout(Duration::from_millis(500));
-    let ledger = retry(|| NatsKvLedger::connect(&urls, opts())).await.unwrap();
+    let ledger = retry(|| NatsKvLedger::connect_with(&urls, opts())).await.unwrap();
     let k = EffectKey::new(&fresh_tenant(), "capture", "restart").unwrap();
     let Claim::Acquired(lease) = ledger.claim(&k, &ClaimOptions::default()).await.unwrap() else {
         panic!("a fresh key is acquired");
@@ -271,7 +271,7 @@ async fn whole_cluster_restart_keeps_records_and_connect_waits_for_the_stream() 
     script(&["boot"]).await;
 
     let waited = Instant::now();
-    let after = NatsKvLedger::connect(&urls, opts())
+    let after = NatsKvLedger::connect_with(&urls, opts())
         .await
         .expect("connect waits for the restarted stream's leader");
     eprintln!("connect after the restart took {:?}", waited.elapsed());

@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use oncely::{Claim, ClaimOptions, EffectKey, Ledger, Outcome, Tenant};
-use oncely_postgres::{PgLedger, PgLedgerOptions, PgPool};
+use oncely_postgres::{PgLedger, PgLedgerOptions};
+use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
 const BASELINE_TABLE: &str = "oncely_bench_baseline";
@@ -59,12 +60,12 @@ async fn setup() -> Setup {
         .await
         .expect("PostgreSQL for the bench");
     let ledger =
-        PgLedger::with_options(pool.clone(), PgLedgerOptions::default().table("oncely_bench")).unwrap();
+        PgLedger::from_pool_with(pool.clone(), PgLedgerOptions::default().table("oncely_bench")).unwrap();
     ledger.migrate().await.unwrap();
     // The baseline's table is created by the same migration, so the two
     // tables are identical (columns, constraints, indexes).
     let twin =
-        PgLedger::with_options(pool.clone(), PgLedgerOptions::default().table(BASELINE_TABLE)).unwrap();
+        PgLedger::from_pool_with(pool.clone(), PgLedgerOptions::default().table(BASELINE_TABLE)).unwrap();
     twin.migrate().await.unwrap();
     sqlx::raw_sql("TRUNCATE oncely_bench, oncely_bench_baseline")
         .execute(&pool)

@@ -6,8 +6,8 @@
 use oncely::{Error, Result};
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 
-use crate::PgLedger;
 use crate::error::map;
+use crate::ledger::PgLedger;
 use crate::sql::{self, SCHEMA_VERSION};
 
 /// What a column must be: its name, the types the ledger can use, and
@@ -229,7 +229,7 @@ async fn check_table(
         return Ok(None);
     };
     let mut problems = Vec::new();
-    let relkind: String = first.try_get(0).map_err(map)?;
+    let relkind: String = first.try_get("relkind").map_err(map)?;
     if relkind != "r" && relkind != "p" {
         problems.push(format!("it is not a table (relkind {relkind:?})"));
         return Ok(Some(problems));
@@ -244,16 +244,17 @@ async fn check_table(
     }
     let mut found = Vec::new();
     for row in &rows {
-        let Some(name) = row.try_get::<Option<String>, _>(1).map_err(map)? else {
+        // A table without columns still has its row (LEFT JOIN), unnamed.
+        let Some(name) = row.try_get::<Option<String>, _>("name").map_err(map)? else {
             continue;
         };
         found.push(Found {
             name,
-            ty: row.try_get(2).map_err(map)?,
-            deterministic: row.try_get(3).map_err(map)?,
-            collation: row.try_get(4).map_err(map)?,
-            not_null: row.try_get(5).map_err(map)?,
-            has_default: row.try_get(6).map_err(map)?,
+            ty: row.try_get("data_type").map_err(map)?,
+            deterministic: row.try_get("deterministic").map_err(map)?,
+            collation: row.try_get("collation").map_err(map)?,
+            not_null: row.try_get("not_null").map_err(map)?,
+            has_default: row.try_get("has_default").map_err(map)?,
         });
     }
     for c in columns {
@@ -290,9 +291,9 @@ async fn check_table(
         .map_err(map)?;
     let mut exact = Vec::new();
     for row in &keys {
-        let name: String = row.try_get(0).map_err(map)?;
-        let cols: Vec<String> = row.try_get(1).map_err(map)?;
-        let deterministic: bool = row.try_get(2).map_err(map)?;
+        let name: String = row.try_get("name").map_err(map)?;
+        let cols: Vec<String> = row.try_get("columns").map_err(map)?;
+        let deterministic: bool = row.try_get("deterministic").map_err(map)?;
         if cols.iter().map(String::as_str).eq(unique_key.iter().copied()) {
             exact.push((name, deterministic));
         }

@@ -47,13 +47,14 @@ fn guard(param: &str) -> String {
     )
 }
 
-/// The record columns every read returns, in [`crate::RecordRow`] order,
-/// ending with the clock the record was read at. Timestamps travel as
-/// binary `timestamptz` (see `crate::Micros`).
+/// The record columns every read returns, named as `row::RecordRow` reads
+/// them, ending with the clock the record was read at (`now`). Timestamps
+/// travel as binary `timestamptz` (see `row::Micros`).
 fn cols(a: &str) -> String {
     format!(
-        "{a}.state, {a}.fence, {a}.fingerprint, {a}.outcome, {a}.at_most_once, {a}.created_at, \
-         {a}.updated_at, {a}.lease_expires_at, {a}.retain_until, clock_timestamp()"
+        "{a}.state AS state, {a}.fence AS fence, {a}.fingerprint AS fingerprint, {a}.outcome AS outcome, \
+         {a}.at_most_once AS at_most_once, {a}.created_at AS created_at, {a}.updated_at AS updated_at, \
+         {a}.lease_expires_at AS lease_expires_at, {a}.retain_until AS retain_until, clock_timestamp() AS now"
     )
 }
 
@@ -181,10 +182,12 @@ impl Queries {
         //   this statement's snapshot, e.g. while it waited on the lock; the
         //   caller runs the statement again and the next snapshot shows it).
         //
-        // The acquired row reports `acquired_at` as the clock its lease was
+        // The acquired row reports, as `now`, the clock its lease was
         // measured from (`lease_expires_at - lease`), and whether it took a
         // record over (an insert's `created_at` is this statement's clock;
-        // a record taken over was created by an earlier statement).
+        // a record taken over was created by an earlier statement). The
+        // first branch of the UNION names the columns: those of `cols`, then
+        // `taken_over` (`row::ClaimRow` reads them by name).
         let claim = |horizon: bool| {
             let (beyond, not_beyond, beyond_status) = if horizon {
                 (
@@ -210,9 +213,11 @@ impl Queries {
                    RETURNING e.fence, e.at_most_once, e.created_at, e.lease_expires_at, \
                      e.lease_expires_at - {lease} AS acquired_at, \
                      e.created_at <> (SELECT g.now FROM g) AS taken_over) \
-                 SELECT 'acquired'::text AS src, NULL::text, i.fence, NULL::bytea, NULL::bytea, \
-                   i.at_most_once, i.created_at, i.acquired_at, i.lease_expires_at, NULL::timestamptz, \
-                   i.acquired_at, i.taken_over \
+                 SELECT 'acquired'::text AS src, NULL::text AS state, i.fence AS fence, \
+                   NULL::bytea AS fingerprint, NULL::bytea AS outcome, i.at_most_once AS at_most_once, \
+                   i.created_at AS created_at, i.acquired_at AS updated_at, \
+                   i.lease_expires_at AS lease_expires_at, NULL::timestamptz AS retain_until, \
+                   i.acquired_at AS now, i.taken_over AS taken_over \
                  FROM ins i \
                  UNION ALL SELECT CASE WHEN NOT g.ok THEN 'leaked'{beyond_status} \
                    WHEN e.key IS NOT NULL THEN 'existing' ELSE 'missing' END, {ce}, NULL::boolean \
@@ -229,13 +234,14 @@ impl Queries {
 
         // Fenced writes: $1 key, $2 fence, then the operation's own values,
         // and the guard flag last. A row comes back only when the write
-        // happened; when none does, `probe` tells a stale fence (LeaseLost)
-        // from a tripped guard, on the failure path only.
+        // happened, with its `value` (renew: the new expiry's µs); when none
+        // does, `probe` tells a stale fence (LeaseLost) from a tripped
+        // guard, on the failure path only.
         let fenced = |set: &str, guard_param: &str, returning: &str| {
             format!(
                 "UPDATE {t} AS e SET {set} \
                  WHERE e.key = $1 AND e.fence = $2 AND e.state = 'in_progress' AND {guard} \
-                 RETURNING {returning}",
+                 RETURNING {returning} AS value",
                 guard = guard(guard_param),
             )
         };
@@ -264,7 +270,7 @@ impl Queries {
         );
         // Bound to a parameter so that it, too, runs through Bind/Execute:
         // the guard relies on the protocol portal of the extended protocol.
-        let probe = format!("SELECT {}", guard("$1"));
+        let probe = format!("SELECT {} AS ok", guard("$1"));
 
         let get = format!(
             "SELECT g.ok, {ce} FROM (SELECT {guard} AS ok) g LEFT JOIN {t} e ON e.key = $1",
@@ -287,8 +293,8 @@ impl Queries {
         // - `w` raises the horizon of each tenant and kind to the newest
         //   `created_at` deleted, in the same transaction as the delete
         //   (in a fixed order, so two prunes lock watermark rows alike).
-        // Returns the guard, how many candidates there were and how many
-        // were deleted.
+        // Returns the guard (`ok`), how many candidates there were
+        // (`candidates`) and how many were deleted (`deleted`).
         let prune = format!(
             "WITH g AS (SELECT {guard} AS ok), \
              c AS (SELECT x.key FROM {t} x \
@@ -304,14 +310,15 @@ impl Queries {
                ORDER BY d.tenant, d.kind \
                ON CONFLICT (tenant, kind) DO UPDATE SET watermark = greatest(w.watermark, excluded.watermark) \
                RETURNING 1) \
-             SELECT g.ok, (SELECT count(*) FROM c), (SELECT count(*) FROM d), (SELECT count(*) FROM w) \
+             SELECT g.ok, (SELECT count(*) FROM c) AS candidates, (SELECT count(*) FROM d) AS deleted, \
+               (SELECT count(*) FROM w) AS raised \
              FROM g",
             guard = guard("true"),
             try_lock = key_lock("pg_try_advisory_xact_lock", "c.key"),
         );
 
         let abandoned = format!(
-            "SELECT e.key, {ce} FROM {t} e \
+            "SELECT e.key AS key, {ce} FROM {t} e \
              WHERE e.tenant = $1 AND e.state = 'in_progress' AND e.at_most_once \
                AND e.lease_expires_at <= clock_timestamp() \
              ORDER BY e.created_at, e.key LIMIT $2",
@@ -423,15 +430,18 @@ pub(crate) const MIGRATION_LOCK: &str = "SELECT pg_advisory_xact_lock(hashtextex
 /// Ends a transaction that someone else left open on a pooled connection.
 pub(crate) const ROLLBACK: &str = "ROLLBACK";
 
-/// The columns of a table (`$1` schema, `$2` table): name, type as
-/// PostgreSQL spells it, whether its collation (if any) is deterministic,
-/// its collation's name, whether it is NOT NULL, whether it has a default
-/// (or is generated or an identity). No row: the table does not exist.
-/// Reads only the catalog, which every role may read.
+/// The columns of a table (`$1` schema, `$2` table): the relation's kind,
+/// then per column its name, its type as PostgreSQL spells it, whether its
+/// collation (if any) is deterministic, its collation's name, whether it is
+/// NOT NULL, whether it has a default (or is generated or an identity). No
+/// row: the table does not exist. Reads only the catalog, which every role
+/// may read.
 pub(crate) const TABLE_COLUMNS: &str = "\
-    SELECT r.relkind::text, a.attname::text, format_type(a.atttypid, a.atttypmod), \
-      coalesce(co.collisdeterministic, true), coalesce(co.collname::text, ''), a.attnotnull, \
-      (a.atthasdef OR a.attidentity <> '' OR a.attgenerated <> '') \
+    SELECT r.relkind::text AS relkind, a.attname::text AS name, \
+      format_type(a.atttypid, a.atttypmod) AS data_type, \
+      coalesce(co.collisdeterministic, true) AS deterministic, \
+      coalesce(co.collname::text, '') AS collation, a.attnotnull AS not_null, \
+      (a.atthasdef OR a.attidentity <> '' OR a.attgenerated <> '') AS has_default \
     FROM pg_catalog.pg_class r \
     JOIN pg_catalog.pg_namespace n ON n.oid = r.relnamespace \
     LEFT JOIN pg_catalog.pg_attribute a ON a.attrelid = r.oid AND a.attnum > 0 AND NOT a.attisdropped \
@@ -445,13 +455,14 @@ pub(crate) const TABLE_COLUMNS: &str = "\
 /// columns in order, and whether every key column's collation in the
 /// index is deterministic.
 pub(crate) const UNIQUE_KEYS: &str = "\
-    SELECT ic.relname::text, \
+    SELECT ic.relname::text AS name, \
       array(SELECT a.attname::text FROM unnest(i.indkey[0:i.indnkeyatts - 1]) WITH ORDINALITY k(attnum, o) \
             JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
-            ORDER BY k.o), \
+            ORDER BY k.o) AS columns, \
       coalesce((SELECT bool_and(coalesce(co.collisdeterministic, true)) \
                 FROM unnest(i.indcollation) AS ic2(coll) \
                 LEFT JOIN pg_catalog.pg_collation co ON co.oid = ic2.coll AND ic2.coll <> 0), true) \
+        AS deterministic \
     FROM pg_catalog.pg_index i \
     JOIN pg_catalog.pg_class r ON r.oid = i.indrelid \
     JOIN pg_catalog.pg_namespace n ON n.oid = r.relnamespace \

@@ -24,7 +24,7 @@ async fn ledger() -> Option<PgLedger> {
         Ok(pool) => pool,
         Err(e) => return skip_or_fail(&format!("PostgreSQL at {url}: {e}")),
     };
-    let ledger = PgLedger::with_options(pool, PgLedgerOptions::default().table("oncely_conformance"))
+    let ledger = PgLedger::from_pool_with(pool, PgLedgerOptions::default().table("oncely_conformance"))
         .expect("valid options");
     let mut migrated = MIGRATED.lock().await;
     if !*migrated {

@@ -32,7 +32,7 @@ async fn step_in_unique_violation_is_a_constraint_violation() {
         Ok(p) => p,
         Err(e) => return skip_or_fail(&format!("PostgreSQL at {url}: {e}")).unwrap_or(()),
     };
-    let ledger = PgLedger::with_options(
+    let ledger = PgLedger::from_pool_with(
         pool.clone(),
         PgLedgerOptions::default().table("oncely_pg_constraint"),
     )

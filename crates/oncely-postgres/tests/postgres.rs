@@ -10,8 +10,9 @@ use oncely::conformance::{Rng, fresh_tenant, prune_until_gone, service_url, skip
 use oncely::{
     Claim, ClaimOptions, EffectKey, Effects, Error, Ledger, Outcome, RecordState, Tenant, TransactionalLedger,
 };
-use oncely_postgres::{PgConnection, PgLedger, PgLedgerOptions, PgPool};
+use oncely_postgres::{PgConnection, PgLedger, PgLedgerOptions};
 use sqlx::AssertSqlSafe;
+use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
 const TABLE: &str = "oncely_pg_tests";
@@ -42,7 +43,7 @@ async fn pool(url: &str, max: u32) -> Option<PgPool> {
 async fn setup(max: u32) -> Option<(PgLedger, PgPool)> {
     let url = url()?;
     let p = pool(&url, max).await?;
-    let ledger = PgLedger::with_options(p, PgLedgerOptions::default().table(TABLE)).unwrap();
+    let ledger = PgLedger::from_pool_with(p, PgLedgerOptions::default().table(TABLE)).unwrap();
     let observer = pool(&url, 4).await?;
     let mut done = SETUP.lock().await;
     if !*done {
@@ -102,41 +103,12 @@ async fn all_completed(observer: &PgPool, t: &Tenant, prefix: &str, n: usize) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn claim_in_commits_with_the_business_write() {
-    let Some((ledger, observer)) = setup(8).await else {
-        return;
-    };
-    let t = fresh_tenant();
-    let k = key(&t, "order-1");
-    let id = k.as_str().to_owned();
-    let mut tx = ledger.begin().await.unwrap();
-    let lease = match ledger
-        .claim_in(&mut *tx, &k, &ClaimOptions::default())
-        .await
-        .unwrap()
-    {
-        Claim::Acquired(l) => l,
-        other => panic!("{other:?}"),
-    };
-    mark_paid(&mut tx, &id, lease.fence()).await.unwrap();
-    ledger
-        .complete_in(&mut *tx, &lease, &Outcome::from_json(&"paid").unwrap())
-        .await
-        .unwrap();
-    // Nothing is visible before the commit...
-    assert_eq!(committed(&observer, &k).await, None);
-    assert_eq!(orders(&observer, &id).await, 0);
-    tx.commit().await.unwrap();
-    // ...and both are after it.
-    assert_eq!(committed(&observer, &k).await.as_deref(), Some("completed"));
-    assert_eq!(orders(&observer, &id).await, 1);
-    match ledger.claim(&k, &ClaimOptions::default()).await.unwrap() {
-        Claim::Completed(r) => assert_eq!(r.outcome.unwrap().to_value::<String>().unwrap(), "paid"),
-        other => panic!("{other:?}"),
-    }
-}
-
+/// What the transactional suite's
+/// `claim_in_commits_and_rolls_back_with_the_transaction` does not show: a
+/// transaction dropped without `rollback` takes its claim and business write
+/// with it too, and a later claim of the key is a new record whose fence is
+/// above the rolled-back one's (fences follow the clock, they do not
+/// restart).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn rollback_leaves_nothing() {
     let Some((ledger, observer)) = setup(8).await else {
@@ -145,6 +117,7 @@ async fn rollback_leaves_nothing() {
     let k = key(&fresh_tenant(), "order-2");
     let id = k.as_str().to_owned();
     let first = {
+        // A dropped transaction rolls back.
         let mut tx = ledger.begin().await.unwrap();
         let lease = match ledger
             .claim_in(&mut *tx, &k, &ClaimOptions::default())
@@ -159,25 +132,13 @@ async fn rollback_leaves_nothing() {
             .complete_in(&mut *tx, &lease, &Outcome::from_json(&1).unwrap())
             .await
             .unwrap();
-        tx.rollback().await.unwrap();
         lease
     };
-    {
-        // A dropped transaction rolls back too.
-        let mut tx = ledger.begin().await.unwrap();
-        assert!(matches!(
-            ledger
-                .claim_in(&mut *tx, &k, &ClaimOptions::default())
-                .await
-                .unwrap(),
-            Claim::Acquired(_)
-        ));
-    }
     assert_eq!(committed(&observer, &k).await, None);
     assert_eq!(orders(&observer, &id).await, 0);
     assert!(ledger.get(&k).await.unwrap().is_none());
     // The key is free: a later claim inserts it anew, with a fence above the
-    // rolled-back one's (fences follow the clock, they do not restart).
+    // rolled-back one's.
     match ledger.claim(&k, &ClaimOptions::default()).await.unwrap() {
         Claim::Acquired(l) => {
             assert!(!l.taken_over());
@@ -189,7 +150,10 @@ async fn rollback_leaves_nothing() {
 
 /// 32 transactions claim one key at once. The first to insert holds the
 /// unique index; the others block on it, and once it commits they see
-/// `Completed`: one business write, nobody sees "in progress".
+/// `Completed`: one business write, nobody sees "in progress". (The
+/// transactional suite's `duplicate_waits_for_the_transaction_and_sees_its_outcome`
+/// has one autocommit duplicate; here every duplicate claims inside a
+/// transaction of its own, all at once.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_claim_in_writes_once() {
     let Some((ledger, observer)) = setup(40).await else {
@@ -265,7 +229,7 @@ async fn schema_and_table_are_configurable() {
     }
     let Some(p) = pool(&url, 4).await else { return };
     assert!(matches!(
-        PgLedger::with_options(p.clone(), PgLedgerOptions::default().schema("no such")),
+        PgLedger::from_pool_with(p.clone(), PgLedgerOptions::default().schema("no such")),
         Err(Error::Config(_))
     ));
 
@@ -293,7 +257,7 @@ async fn schema_and_table_are_configurable() {
         .unwrap_or(0);
     assert_eq!(elsewhere, 0);
     // A table that was never migrated is a configuration error, not a crash.
-    let unmigrated = PgLedger::with_options(
+    let unmigrated = PgLedger::from_pool_with(
         p,
         PgLedgerOptions::default()
             .schema("oncely_test_custom")
@@ -465,7 +429,7 @@ async fn ledger_writes_survive_leaked_transactions() {
     };
     let Some(url) = url() else { return };
     let Some(one) = pool(&url, 1).await else { return };
-    let ledger = PgLedger::with_options(one.clone(), PgLedgerOptions::default().table(TABLE)).unwrap();
+    let ledger = PgLedger::from_pool_with(one.clone(), PgLedgerOptions::default().table(TABLE)).unwrap();
     let mut rng = Rng::from_env("ledger_writes_survive_leaked_transactions");
     let t = fresh_tenant();
     let mut leaks = 0;
@@ -528,7 +492,7 @@ async fn aborted_operations_never_lose_or_split_writes() {
     };
     let Some(url) = url() else { return };
     let Some(small) = pool(&url, 2).await else { return };
-    let ledger = PgLedger::with_options(small.clone(), PgLedgerOptions::default().table(TABLE)).unwrap();
+    let ledger = PgLedger::from_pool_with(small.clone(), PgLedgerOptions::default().table(TABLE)).unwrap();
     let mut rng = Rng::from_env("aborted_operations_never_lose_or_split_writes");
     let t = fresh_tenant();
     let confirmed = Arc::new(Mutex::new(Vec::new()));
@@ -635,7 +599,7 @@ async fn ledger_begin_is_cancel_safe() {
     };
     let Some(url) = url() else { return };
     let Some(one) = pool(&url, 1).await else { return };
-    let ledger = PgLedger::with_options(one.clone(), PgLedgerOptions::default().table(TABLE)).unwrap();
+    let ledger = PgLedger::from_pool_with(one.clone(), PgLedgerOptions::default().table(TABLE)).unwrap();
     let mut rng = Rng::from_env("ledger_begin_is_cancel_safe");
     let t = fresh_tenant();
     for i in 0..200 {
@@ -716,7 +680,7 @@ async fn pool_timeout_is_unavailable() {
         .connect(&url)
         .await
         .unwrap();
-    let ledger = PgLedger::with_options(one.clone(), PgLedgerOptions::default().table(TABLE)).unwrap();
+    let ledger = PgLedger::from_pool_with(one.clone(), PgLedgerOptions::default().table(TABLE)).unwrap();
     let held = one.acquire().await.unwrap();
     let ran = AtomicUsize::new(0);
     let e = Effects::new(ledger.clone())

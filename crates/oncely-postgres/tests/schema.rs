@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use oncely::conformance::{fresh_tenant, prune_until_gone, service_url, skip_or_fail};
 use oncely::{Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, RecordState};
-use oncely_postgres::{PgLedger, PgLedgerOptions, PgPool};
+use oncely_postgres::{PgLedger, PgLedgerOptions};
 use sqlx::AssertSqlSafe;
+use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
 fn url() -> Option<String> {
@@ -190,8 +191,8 @@ async fn a_case_insensitive_key_is_refused() {
     .await
     .unwrap();
 
-    // What accepting it would do (with_options runs no check).
-    let unchecked = PgLedger::with_options(admin.clone(), options(&schema)).unwrap();
+    // What accepting it would do (from_pool_with runs no check).
+    let unchecked = PgLedger::from_pool_with(admin.clone(), options(&schema)).unwrap();
     let t = fresh_tenant();
     let upper = EffectKey::new(&t, "capture", "Order-Acme").unwrap();
     let lower = EffectKey::new(&t, "capture", "order-acme").unwrap();

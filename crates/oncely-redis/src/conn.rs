@@ -1,10 +1,22 @@
 //! One connection type over a single node and a cluster, so every ledger
-//! operation is written once.
+//! operation is written once: opening it (with the eviction-policy check),
+//! routing a command to one master, and walking every master's keyspace.
 
-use redis::aio::{ConnectionLike, ConnectionManager};
+use std::time::Duration;
+
+use oncely::{Error, Result};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{Cmd, RedisFuture, RedisResult, Value};
+
+use crate::error::map_err;
+use crate::options::{RedisLedgerOptions, Target};
+use crate::reply::{policy_of, scan_page};
+
+/// How many keys one `SCAN` call asks a master for.
+const SCAN_COUNT: usize = 500;
 
 #[derive(Clone)]
 pub(crate) enum Conn {
@@ -50,6 +62,80 @@ pub(crate) enum Node {
 }
 
 impl Conn {
+    /// Connects to what `target` names, with `opts`' timeouts. A URL the
+    /// client refuses is [`Error::Config`]; a server that does not answer,
+    /// the mapped driver error ([`Error::Unavailable`] when refused).
+    pub(crate) async fn open(target: Target, opts: &RedisLedgerOptions) -> Result<Conn> {
+        match target {
+            Target::Single(url) => {
+                let client =
+                    redis::Client::open(url).map_err(|e| Error::Config(format!("redis url: {e}")))?;
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(opts.connection_timeout))
+                    .set_response_timeout(Some(opts.response_timeout))
+                    .set_number_of_retries(2)
+                    .set_max_delay(Duration::from_secs(1));
+                let manager = ConnectionManager::new_with_config(client, config)
+                    .await
+                    .map_err(map_err)?;
+                Ok(Conn::Single(manager))
+            }
+            Target::Cluster(nodes) => {
+                let client = ClusterClientBuilder::new(nodes)
+                    .connection_timeout(opts.connection_timeout)
+                    .response_timeout(opts.response_timeout)
+                    .retries(3)
+                    .build()
+                    .map_err(|e| Error::Config(format!("redis cluster urls: {e}")))?;
+                let conn = client.get_async_connection().await.map_err(map_err)?;
+                Ok(Conn::Cluster(conn))
+            }
+        }
+    }
+
+    /// Reads `maxmemory-policy` on every master: anything but `noeviction`
+    /// fails with [`Error::Config`] when `required` (eviction can drop live
+    /// leases or completed records), and is logged otherwise; a server that
+    /// does not allow `CONFIG` (managed services) is logged and accepted.
+    pub(crate) async fn check_eviction(&mut self, required: bool) -> Result<()> {
+        for node in self.masters().await.map_err(map_err)? {
+            let reply = self
+                .on(
+                    &node,
+                    redis::cmd("CONFIG").arg("GET").arg("maxmemory-policy").clone(),
+                )
+                .await;
+            match reply.as_ref().map(policy_of) {
+                Ok(Some(p)) if p == "noeviction" => {}
+                Ok(Some(p)) if required => {
+                    return Err(Error::Config(format!(
+                        "redis maxmemory-policy is {p} on {node:?}: eviction can drop live leases or \
+                         completed records; set noeviction (or RedisLedgerOptions::require_noeviction(false))"
+                    )));
+                }
+                Ok(Some(p)) => tracing::warn!(policy = %p, "redis maxmemory-policy is not noeviction"),
+                Ok(None) | Err(_) => {
+                    tracing::warn!("cannot read redis maxmemory-policy; make sure it is noeviction")
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Walks the keys matching `pattern` on every master, one `SCAN` page at
+    /// a time. The list of masters is read once, here.
+    pub(crate) async fn scan(&self, pattern: String) -> Result<Scan> {
+        let mut conn = self.clone();
+        let nodes = conn.masters().await.map_err(map_err)?;
+        Ok(Scan {
+            conn,
+            nodes,
+            node: 0,
+            cursor: None,
+            pattern,
+        })
+    }
+
     /// Every master: SCAN walks one node's keyspace, so a cluster-wide listing
     /// visits each of them.
     pub(crate) async fn masters(&mut self) -> RedisResult<Vec<Node>> {
@@ -103,5 +189,49 @@ impl Conn {
             }
             (conn, _) => cmd.query_async(conn).await,
         }
+    }
+}
+
+/// A walk over every master's keyspace ([`Conn::scan`]).
+pub(crate) struct Scan {
+    conn: Conn,
+    nodes: Vec<Node>,
+    /// The master being walked.
+    node: usize,
+    /// Where that master's walk goes on (`None`: from its start).
+    cursor: Option<String>,
+    pattern: String,
+}
+
+impl Scan {
+    /// The next page of keys (possibly empty: `SCAN` may return none and go
+    /// on), or `None` once every master has been walked. A key may appear in
+    /// two pages, as `SCAN` allows.
+    pub(crate) async fn next_page(&mut self) -> Result<Option<Vec<String>>> {
+        let Some(node) = self.nodes.get(self.node) else {
+            return Ok(None);
+        };
+        let cursor = self.cursor.take().unwrap_or_else(|| "0".to_owned());
+        let reply = self
+            .conn
+            .on(
+                node,
+                redis::cmd("SCAN")
+                    .arg(&cursor)
+                    .arg("MATCH")
+                    .arg(&self.pattern)
+                    .arg("COUNT")
+                    .arg(SCAN_COUNT)
+                    .clone(),
+            )
+            .await
+            .map_err(map_err)?;
+        let (next, keys) = scan_page(reply)?;
+        if next == "0" {
+            self.node += 1;
+        } else {
+            self.cursor = Some(next);
+        }
+        Ok(Some(keys))
     }
 }

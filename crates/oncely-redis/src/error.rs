@@ -4,8 +4,10 @@
 use oncely::Error;
 use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
 
-use crate::BACKEND;
 use crate::reply::text;
+
+/// The backend's name in errors and [`Ledger::backend`](oncely::Ledger::backend).
+pub(crate) const BACKEND: &str = "redis";
 
 /// Maps a driver error to the core's.
 pub(crate) fn map_err(e: RedisError) -> Error {
@@ -46,6 +48,19 @@ pub(crate) fn map_err(e: RedisError) -> Error {
     }
 }
 
+/// A task of ours (a cluster claim, a prune check) that panicked or was
+/// cancelled with its runtime: the operation may or may not have been
+/// applied, like a dropped request, so the caller may retry.
+pub(crate) fn task_failed(what: &str, e: tokio::task::JoinError) -> Error {
+    Error::Backend {
+        backend: BACKEND,
+        message: format!("{what} did not finish: {e}"),
+        retryable: true,
+    }
+}
+
+/// A script reply this crate does not know: a bug, or scripts and code of
+/// different versions.
 pub(crate) fn unexpected(what: &str) -> Error {
     Error::Backend {
         backend: BACKEND,

@@ -1,13 +1,14 @@
-//! Reading the scripts' replies: tags, numbers, and records from `HGETALL`.
+//! Reading the server's replies (this backend's row decoding): the scripts'
+//! tags and numbers, a grant, a live lease, records from `HGETALL` (fields
+//! read by name), `SCAN` pages and `CONFIG GET`.
 
 use std::collections::HashMap;
 
-use oncely::backend::{effective_state, from_micros};
-use oncely::{EffectKey, Error, Fingerprint, Outcome, Record, RecordState, Result};
+use oncely::backend::{Grant, effective_state, from_micros};
+use oncely::{Claim, EffectKey, Error, Fingerprint, Lease, Outcome, Record, RecordState, Result};
 use redis::Value;
 
-use crate::BACKEND;
-use crate::error::unexpected;
+use crate::error::{BACKEND, unexpected};
 
 pub(crate) fn array(v: Value) -> Result<Vec<Value>> {
     match v {
@@ -50,6 +51,32 @@ pub(crate) fn uint(v: Option<&Value>) -> Result<u64> {
     u64::try_from(int(v)?).map_err(|_| unexpected("negative fence"))
 }
 
+/// The lease of claim.lua's `{'acquired', fence, lease end, creation time,
+/// now, taken over}` reply.
+pub(crate) fn grant(key: &EffectKey, at_most_once: bool, parts: &[Value]) -> Result<Lease> {
+    Ok(Grant {
+        key: key.clone(),
+        fence: uint(parts.get(1))?,
+        expires_at: from_micros(int(parts.get(2))?),
+        first_claimed_at: from_micros(int(parts.get(3))?),
+        acquired_at: from_micros(int(parts.get(4))?),
+        taken_over: int(parts.get(5))? == 1,
+        at_most_once,
+    }
+    .into_lease())
+}
+
+/// claim.lua's `{'in_progress', fence, lease end, creation time, now}`.
+pub(crate) fn in_progress(parts: &[Value]) -> Result<Claim> {
+    Ok(Claim::InProgress {
+        fence: uint(parts.get(1))?,
+        expires_at: from_micros(int(parts.get(2))?),
+        first_claimed_at: from_micros(int(parts.get(3))?),
+        read_at: from_micros(int(parts.get(4))?),
+    })
+}
+
+/// The value of `CONFIG GET <one parameter>`, RESP2 or RESP3.
 pub(crate) fn policy_of(v: &Value) -> Option<String> {
     match v {
         Value::Array(a) => a.get(1).and_then(text),
@@ -58,6 +85,7 @@ pub(crate) fn policy_of(v: &Value) -> Option<String> {
     }
 }
 
+/// A `SCAN` reply: the next cursor and the page's keys.
 pub(crate) fn scan_page(v: Value) -> Result<(String, Vec<String>)> {
     let mut parts = array(v)?.into_iter();
     let cursor = parts.next().as_ref().and_then(text);

@@ -1,6 +1,7 @@
 //! Redis-specific behaviour: foreign values, a server that goes away, records
 //! without TTLs, prune and the horizon watermark, clock fences, the
-//! eviction-policy check, timeouts, and how records spread over a cluster.
+//! eviction-policy check, timeouts, how records spread over a cluster, and
+//! opening from a URL (`FromUrl`, read-only ledgers).
 
 mod common;
 
@@ -9,8 +10,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime};
 
-use common::{TempRedis, cluster, cluster_urls, raw, single, single_with};
-use oncely::backend::{Grant, to_micros};
+use common::{TempRedis, cluster, cluster_url, cluster_urls, raw, single, single_with};
+use oncely::backend::{Access, FromUrl, Grant, OpenOptions, to_micros};
 use oncely::conformance::{SHORT_LEASE, SHORT_LEASE_WAIT, fresh_tenant, prune_until_gone};
 use oncely::{Claim, ClaimOptions, EffectKey, Effects, Error, Ledger, Outcome, RecordState};
 use oncely_redis::{RedisLedger, RedisLedgerOptions};
@@ -450,7 +451,7 @@ async fn connection_refused_is_unavailable() {
         .unwrap_err();
     assert!(matches!(e, Error::Unavailable { backend: "redis", .. }), "{e:?}");
     assert!(e.is_retryable());
-    let e = RedisLedger::connect_cluster(&[&format!("redis://127.0.0.1:{port}")])
+    let e = RedisLedger::connect(&format!("redis+cluster://127.0.0.1:{port}"))
         .await
         .unwrap_err();
     assert!(matches!(e, Error::Unavailable { backend: "redis", .. }), "{e:?}");
@@ -1112,4 +1113,169 @@ async fn cluster_lease_holder_writes_clear_the_unchecked_mark() {
         !l.taken_over() && l.fence() > leases["untouched"].fence(),
         "{l:?}"
     );
+}
+
+/// `from_url` opens both URL forms with every access: one server, and the
+/// real cluster through a `redis+cluster://` URL listing its nodes. The
+/// connect timeout becomes the connection timeout; nothing else changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_url_opens_a_server_or_a_cluster() {
+    assert_eq!(RedisLedger::SCHEMES, ["redis", "redis+cluster"]);
+    if single().await.is_none() {
+        return;
+    }
+    let t = fresh_tenant();
+    let o = Outcome::from_json(&1).unwrap();
+    for access in [Access::Migrate, Access::Existing] {
+        let ledger = RedisLedger::from_url(&single_url(), OpenOptions::new(access))
+            .await
+            .unwrap();
+        assert!(!ledger.is_cluster() && !ledger.is_read_only(), "{access:?}");
+        assert_eq!(ledger.options(), &RedisLedgerOptions::default(), "{access:?}");
+        let k = EffectKey::new(&t, "capture", format!("single-{access:?}")).unwrap();
+        let l = acquired(ledger.claim(&k, &ClaimOptions::default()).await.unwrap());
+        ledger.complete(&l, &o).await.unwrap();
+    }
+    let timeout = Duration::from_millis(1500);
+    let ledger = RedisLedger::from_url(
+        &single_url(),
+        OpenOptions::new(Access::ReadOnly).connect_timeout(timeout),
+    )
+    .await
+    .unwrap();
+    assert!(ledger.is_read_only());
+    assert_eq!(
+        ledger.options(),
+        &RedisLedgerOptions::default()
+            .connection_timeout(timeout)
+            .read_only(true)
+    );
+
+    let Some(url) = cluster_url() else { return };
+    assert!(url.starts_with("redis+cluster://") && url.contains(','), "{url}");
+    for access in [Access::Migrate, Access::Existing] {
+        let ledger = RedisLedger::from_url(&url, OpenOptions::new(access))
+            .await
+            .unwrap();
+        assert!(ledger.is_cluster() && !ledger.is_read_only(), "{access:?}");
+        // Keys of many slots: the ledger reaches every master through the
+        // nodes the URL lists.
+        for i in 0..12 {
+            let k = EffectKey::new(&t, "capture", format!("cluster-{access:?}-{i}")).unwrap();
+            let l = acquired(ledger.claim(&k, &ClaimOptions::default()).await.unwrap());
+            ledger.complete(&l, &o).await.unwrap();
+            assert_eq!(
+                ledger.get(&k).await.unwrap().unwrap().state,
+                RecordState::Completed
+            );
+        }
+    }
+    let reader = RedisLedger::from_url(&url, OpenOptions::new(Access::ReadOnly))
+        .await
+        .unwrap();
+    assert!(reader.is_cluster() && reader.is_read_only());
+    let k = EffectKey::new(&t, "capture", "cluster-Migrate-0").unwrap();
+    assert_eq!(
+        reader.get(&k).await.unwrap().unwrap().state,
+        RecordState::Completed
+    );
+    let e = reader
+        .claim(
+            &EffectKey::new(&t, "capture", "cluster-read-only").unwrap(),
+            &ClaimOptions::default(),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Config(_)), "{e:?}");
+}
+
+/// URLs that are not this backend's, or malformed, fail with
+/// `Error::Config` before anything connects, without quoting a password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_url_refuses_other_and_malformed_urls() {
+    for url in [
+        "nats://:hunter2@127.0.0.1:4222",
+        "unix:///tmp/hunter2.sock",
+        "rediss://:hunter2@127.0.0.1:6379",
+        "redis://:hunter2@127.0.0.1:6379,127.0.0.1:6380",
+        "redis+cluster://:hunter2@",
+        "redis+cluster://127.0.0.1:7000,postgres://:hunter2@127.0.0.1:5432",
+        "redis:hunter2",
+    ] {
+        for access in [Access::Migrate, Access::ReadOnly] {
+            match RedisLedger::from_url(url, OpenOptions::new(access)).await {
+                Err(Error::Config(m)) => assert!(!m.contains("hunter2"), "{url}: {m}"),
+                other => panic!("{url}: expected Error::Config, got {other:?}"),
+            }
+        }
+    }
+}
+
+/// A read-only ledger reads like any other and refuses every write with
+/// `Error::Config` before any round trip: with its server gone, its writes
+/// still say Config (a round trip would have said Unavailable), and a
+/// refused claim left no record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_only_ledger_refuses_writes_before_any_round_trip() {
+    let Some(mut server) = TempRedis::start(&[]).await else {
+        return;
+    };
+    let writer = RedisLedger::connect(&server.url()).await.unwrap();
+    let reader = RedisLedger::from_url(&server.url(), OpenOptions::new(Access::ReadOnly))
+        .await
+        .unwrap();
+    assert!(reader.is_read_only() && !writer.is_read_only());
+    let t = fresh_tenant();
+    let o = Outcome::from_json(&1).unwrap();
+    let done = EffectKey::new(&t, "capture", "done").unwrap();
+    let l = acquired(writer.claim(&done, &ClaimOptions::default()).await.unwrap());
+    writer.complete(&l, &o).await.unwrap();
+    let held = EffectKey::new(&t, "capture", "held").unwrap();
+    let lease = acquired(writer.claim(&held, &ClaimOptions::default()).await.unwrap());
+
+    // Reads work.
+    assert_eq!(
+        reader.get(&done).await.unwrap().unwrap().state,
+        RecordState::Completed
+    );
+    assert!(reader.abandoned(&t, 10).await.unwrap().is_empty());
+    assert_eq!(reader.horizon(&t, "capture").await.unwrap(), None);
+
+    let refused = |what: &str, r: oncely::Result<()>| match r {
+        Err(Error::Config(m)) => assert!(m.contains("read-only"), "{what}: {m}"),
+        other => panic!("{what}: expected Error::Config, got {other:?}"),
+    };
+    let check_writes = |label: &'static str| {
+        let (reader, t, lease, o) = (reader.clone(), t.clone(), lease.clone(), o.clone());
+        async move {
+            let fresh = EffectKey::new(&t, "capture", format!("fresh-{label}")).unwrap();
+            refused(
+                label,
+                reader.claim(&fresh, &ClaimOptions::default()).await.map(drop),
+            );
+            refused(label, reader.complete(&lease, &o).await);
+            refused(label, reader.release(&lease).await);
+            refused(
+                label,
+                reader.renew(&lease, Duration::from_secs(5)).await.map(drop),
+            );
+            refused(label, reader.prune(10).await.map(drop));
+            fresh
+        }
+    };
+    let fresh = check_writes("up").await;
+    assert!(
+        writer.get(&fresh).await.unwrap().is_none(),
+        "a refused claim wrote nothing"
+    );
+    let rec = writer.get(&held).await.unwrap().unwrap();
+    assert_eq!((rec.state, rec.fence), (RecordState::InProgress, lease.fence()));
+
+    server.kill();
+    let e = reader.get(&done).await.unwrap_err();
+    assert!(
+        matches!(e, Error::Unavailable { .. }),
+        "reads go to the server: {e:?}"
+    );
+    check_writes("down").await;
 }

@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use oncely::{Claim, ClaimOptions, EffectKey, Ledger, Outcome, Tenant};
-use oncely_sqlite::{SqliteLedger, SqliteLedgerOptions, SqlitePool, SqliteSynchronous};
+use oncely_sqlite::{SqliteLedger, SqliteLedgerOptions, SqliteSynchronous};
+use sqlx::SqlitePool;
 
 const BASELINE_TABLE: &str = "CREATE TABLE IF NOT EXISTS baseline_effects (
     key TEXT PRIMARY KEY NOT NULL, tenant TEXT NOT NULL, kind TEXT NOT NULL, subject TEXT NOT NULL,

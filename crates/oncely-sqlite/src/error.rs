@@ -1,4 +1,5 @@
-//! Maps sqlx errors onto `oncely::Error`; no driver type leaves the crate.
+//! Maps sqlx errors onto `oncely::Error`, and recognises unique violations
+//! (the driver's, or this crate's mapping of one) for the runner.
 
 use oncely::Error;
 use sqlx::error::ErrorKind;
@@ -70,13 +71,20 @@ pub(crate) fn map(e: sqlx::Error) -> Error {
     {
         oncely::backend::report_unexpected_violation(BACKEND, &message);
     }
-    map_uncounted(e)
+    map_error(e)
 }
 
-/// [`map`] without counting a unique violation: for the caller's own
-/// statements (`map_error`), where the runner counts it if the handler
-/// returns it.
-pub(crate) fn map_uncounted(e: sqlx::Error) -> Error {
+/// Maps a sqlx error (from your own statements in a transaction from
+/// [`SqliteLedger::begin`](crate::SqliteLedger::begin), or its commit) the
+/// way the ledger maps its own: busy and locked are retryable, an unopenable
+/// file is `Unavailable`, a unique violation is [`Error::Corrupt`] (returned
+/// from a [`Job::step_in`](oncely::Job::step_in) closure, the runner still
+/// recognises it as one; see
+/// [`Ledger::unique_violation`](oncely::Ledger::unique_violation)).
+///
+/// Unlike the ledger's own mapping it counts nothing: the runner counts a
+/// unique violation if the handler returns it.
+pub fn map_error(e: sqlx::Error) -> Error {
     match e {
         sqlx::Error::Database(db) => {
             let message = db.message().to_owned();
@@ -154,6 +162,8 @@ pub(crate) fn map_connect(e: sqlx::Error) -> Error {
     }
 }
 
+/// [`Error::Corrupt`] from this backend: a row or a table the ledger cannot
+/// trust.
 pub(crate) fn corrupt(message: impl Into<String>) -> Error {
     Error::Corrupt {
         backend: BACKEND,

@@ -1,6 +1,6 @@
-//! How a ledger opens its database: the options, what a URL names (a file,
-//! or storage that does not survive), and what the opened database really
-//! is (journal mode, `synchronous`), reported as its durability.
+//! How a ledger opens its database: the options, the URL forms and what a
+//! URL names (a file, or storage that does not survive), and from both, the
+//! connect options of the pool ([`open`]). Nothing here touches a database.
 
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -8,10 +8,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use oncely::{Error, Result};
-use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection, SqliteSynchronous};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
 
-use crate::error::map;
-use crate::queries;
+use crate::sql;
 
 /// How [`SqliteLedger::connect_with`](crate::SqliteLedger::connect_with)
 /// opens the database.
@@ -59,10 +58,10 @@ impl Default for SqliteLedgerOptions {
     fn default() -> Self {
         SqliteLedgerOptions {
             max_connections: 16,
-            table: queries::DEFAULT_TABLE.to_owned(),
+            table: sql::DEFAULT_TABLE.to_owned(),
             busy_timeout: Duration::from_secs(5),
             acquire_timeout: Duration::from_secs(30),
-            synchronous: SqliteSynchronous::Full,
+            synchronous: SqliteSynchronous::default(),
             migrate: true,
             read_only: false,
             ephemeral: false,
@@ -123,9 +122,45 @@ impl SqliteLedgerOptions {
     }
 }
 
+/// `PRAGMA synchronous`: when SQLite waits for the disk, and so what a
+/// completed record survives (see the crate docs' table, and
+/// [`Capabilities::durability`](oncely::Capabilities::durability), which
+/// reports the setting in effect).
+///
+/// This crate's own type rather than sqlx's, so that the option does not tie
+/// a caller to the driver's version; the values are SQLite's, which are
+/// fixed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum SqliteSynchronous {
+    /// No waiting for the disk: an OS crash or power loss may lose or corrupt
+    /// records, and effects may run again.
+    Off,
+    /// Survives process crashes; with WAL, a power loss may roll back the
+    /// last commits (an effect could run again).
+    Normal,
+    /// Survives process crashes and power loss once `complete` returns (the
+    /// default).
+    #[default]
+    Full,
+    /// `Full`, plus a sync of the directory after a rollback journal is
+    /// deleted.
+    Extra,
+}
+
+impl SqliteSynchronous {
+    fn to_sqlx(self) -> sqlx::sqlite::SqliteSynchronous {
+        match self {
+            SqliteSynchronous::Off => sqlx::sqlite::SqliteSynchronous::Off,
+            SqliteSynchronous::Normal => sqlx::sqlite::SqliteSynchronous::Normal,
+            SqliteSynchronous::Full => sqlx::sqlite::SqliteSynchronous::Full,
+            SqliteSynchronous::Extra => sqlx::sqlite::SqliteSynchronous::Extra,
+        }
+    }
+}
+
 /// Where the database a URL names lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Storage {
+enum Storage {
     /// A file on disk.
     File(PathBuf),
     /// Memory: gone with the last connection (or private to each one).
@@ -136,16 +171,16 @@ pub(crate) enum Storage {
 }
 
 /// A parsed URL.
-pub(crate) struct Target {
-    pub(crate) connect: SqliteConnectOptions,
-    pub(crate) storage: Storage,
+struct Target {
+    connect: SqliteConnectOptions,
+    storage: Storage,
     /// The URL itself says `mode=ro`.
-    pub(crate) read_only: bool,
+    read_only: bool,
 }
 
 /// Parses `sqlite:path`, `sqlite://path` (with optional `?…` parameters) or
 /// a bare path, and tells what it names. Nothing is opened.
-pub(crate) fn parse(url: &str) -> Result<Target> {
+fn parse(url: &str) -> Result<Target> {
     let config = |e: sqlx::Error| Error::Config(format!("{url}: {e}"));
     let lower = url.to_ascii_lowercase();
     let (connect, database, params) = if lower.starts_with("sqlite:") {
@@ -192,7 +227,7 @@ pub(crate) fn parse(url: &str) -> Result<Target> {
 }
 
 /// Why a URL's storage is refused without `ephemeral(true)`.
-pub(crate) fn not_durable(url: &str, storage: &Storage) -> Error {
+fn not_durable(url: &str, storage: &Storage) -> Error {
     let why = match storage {
         Storage::Temporary => {
             "an empty path opens a private temporary database for every pooled connection: \
@@ -215,7 +250,7 @@ static EPHEMERAL_SEQ: AtomicU64 = AtomicU64::new(0);
 /// `/`, and locks it like a file (so `BEGIN IMMEDIATE` and the busy timeout
 /// behave as on disk, unlike a shared-cache `:memory:` database). The name
 /// is unique per ledger.
-pub(crate) fn ephemeral_options() -> SqliteConnectOptions {
+fn ephemeral_options() -> SqliteConnectOptions {
     let n = EPHEMERAL_SEQ.fetch_add(1, Ordering::Relaxed);
     SqliteConnectOptions::new()
         .filename(format!("/oncely-ephemeral-{}-{n}", std::process::id()))
@@ -223,83 +258,71 @@ pub(crate) fn ephemeral_options() -> SqliteConnectOptions {
         .create_if_missing(true)
 }
 
-const DURABLE_WAL_FULL: &str = "local file, WAL, synchronous=FULL: survives process crashes and power loss";
-const DURABLE_WAL_EXTRA: &str = "local file, WAL, synchronous=EXTRA: survives process crashes and power loss";
-const DURABLE_WAL_NORMAL: &str =
-    "local file, WAL, synchronous=NORMAL: survives process crashes; a power loss may undo the last commits";
-const DURABLE_ROLLBACK_FULL: &str =
-    "local file, rollback journal, synchronous=FULL: survives process crashes and power loss";
-const DURABLE_ROLLBACK_EXTRA: &str =
-    "local file, rollback journal, synchronous=EXTRA: survives process crashes and power loss";
-const DURABLE_ROLLBACK_NORMAL: &str = "local file, rollback journal, synchronous=NORMAL: survives process crashes; \
-     a power loss at the wrong moment may corrupt the database";
-const DURABLE_OFF: &str =
-    "local file, synchronous=OFF: an OS crash or power loss may lose or corrupt records";
-const DURABLE_READ_ONLY: &str = "local file opened read-only: this handle writes nothing; records are as durable \
-     as the settings of the ledger that wrote them";
-pub(crate) const DURABLE_EPHEMERAL: &str =
-    "none: an in-memory database (ephemeral), lost when the last clone of the ledger is dropped";
-pub(crate) const DURABLE_NONE: &str = "none: an in-memory or temporary database";
-pub(crate) const DURABLE_UNCHECKED: &str =
-    "unchecked: a caller's pool; call migrate() or verify() to read its journal mode and synchronous setting";
-
-/// What one of the pool's connections says the database is.
-#[derive(Debug)]
-pub(crate) struct Probe {
-    /// The main database's file (empty: memory or temporary).
-    pub(crate) file: String,
-    pub(crate) journal_mode: String,
-    /// `PRAGMA synchronous`: 0 OFF, 1 NORMAL, 2 FULL, 3 EXTRA.
-    pub(crate) synchronous: i64,
+/// What [`SqliteLedger::connect_with`](crate::SqliteLedger::connect_with)
+/// opens, decided from the URL and the options.
+pub(crate) struct Opening {
+    /// The pool's connect options, with the ledger's settings applied.
+    pub(crate) connect: SqliteConnectOptions,
+    /// Asked for by the options or by the URL (`mode=ro`).
+    pub(crate) read_only: bool,
+    /// Create the file and migrate (never when read-only).
+    pub(crate) migrate: bool,
 }
 
-impl Probe {
-    pub(crate) async fn read(conn: &mut SqliteConnection) -> Result<Probe> {
-        let file: String = sqlx::query_scalar("SELECT file FROM pragma_database_list WHERE name = 'main'")
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(map)?;
-        let journal_mode: String = sqlx::query_scalar("PRAGMA journal_mode")
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(map)?;
-        let synchronous: i64 = sqlx::query_scalar("PRAGMA synchronous")
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(map)?;
-        Ok(Probe {
-            file,
-            journal_mode: journal_mode.to_ascii_lowercase(),
-            synchronous,
-        })
+/// Decides what to open and how. Options that contradict each other or the
+/// URL, and storage that would not survive (unless `ephemeral`), are refused
+/// with [`Error::Config`] here, before anything opens.
+pub(crate) fn open(url: &str, options: &SqliteLedgerOptions) -> Result<Opening> {
+    if options.max_connections == 0 {
+        return Err(Error::Config("max_connections must be at least 1".to_owned()));
     }
-
-    /// Whether the records are kept in a file (not memory, not a
-    /// per-connection temporary database). An in-memory VFS such as `memdb`
-    /// names a file but cannot journal to disk: its journal mode says so.
-    pub(crate) fn is_file(&self) -> bool {
-        !self.file.is_empty() && !matches!(self.journal_mode.as_str(), "memory" | "off")
+    let target = parse(url)?;
+    let read_only = options.read_only || target.read_only;
+    let migrate = options.migrate && !read_only;
+    let connect = match (&target.storage, options.ephemeral) {
+        (Storage::File(path), false) => {
+            // Only a migrating ledger creates the file: a mistyped path
+            // in a read command must not become an empty new database.
+            // (A `file:` URI filename is SQLite's to resolve; opening it
+            // without create fails the same way, as Unavailable.)
+            let uri = path.to_string_lossy().starts_with("file:");
+            if !migrate && !uri && !path.exists() {
+                let why = if read_only { "read-only" } else { "migrate(false)" };
+                return Err(Error::Config(format!(
+                    "no SQLite database at {} ({why} creates none): check the path, or run \
+                     `oncely migrate` to create it",
+                    path.display()
+                )));
+            }
+            let mut connect = target.connect.create_if_missing(migrate).read_only(read_only);
+            if !read_only {
+                connect = connect.journal_mode(SqliteJournalMode::Wal);
+            }
+            connect
+        }
+        (Storage::File(path), true) => {
+            return Err(Error::Config(format!(
+                "{url}: ephemeral(true) asks for an in-memory database, but this names the file {}; \
+                 drop ephemeral(true) to keep records in it, or use sqlite::memory:",
+                path.display()
+            )));
+        }
+        (storage, false) => return Err(not_durable(url, storage)),
+        (_, true) if read_only => {
+            return Err(Error::Config(format!(
+                "{url}: an ephemeral database starts empty; opening it read-only leaves nothing to read"
+            )));
+        }
+        (_, true) => ephemeral_options(),
     }
-
-    /// What a completed record survives, from the settings in effect.
-    pub(crate) fn durability(&self, read_only: bool) -> &'static str {
-        if !self.is_file() {
-            return DURABLE_NONE;
-        }
-        if read_only {
-            return DURABLE_READ_ONLY;
-        }
-        let wal = self.journal_mode == "wal";
-        match (self.synchronous, wal) {
-            (0, _) => DURABLE_OFF,
-            (1, true) => DURABLE_WAL_NORMAL,
-            (1, false) => DURABLE_ROLLBACK_NORMAL,
-            (3, true) => DURABLE_WAL_EXTRA,
-            (3, false) => DURABLE_ROLLBACK_EXTRA,
-            (_, true) => DURABLE_WAL_FULL,
-            (_, false) => DURABLE_ROLLBACK_FULL,
-        }
-    }
+    .synchronous(options.synchronous.to_sqlx())
+    .busy_timeout(options.busy_timeout)
+    .foreign_keys(true);
+    Ok(Opening {
+        connect,
+        read_only,
+        migrate,
+    })
 }
 
 #[cfg(test)]

@@ -8,10 +8,10 @@
 //! would share a record; a missing column fails every claim.
 
 use oncely::{Error, Result};
-use sqlx::{AssertSqlSafe, Connection, SqliteConnection};
+use sqlx::{AssertSqlSafe, Connection, Row, SqliteConnection};
 
 use crate::error::{corrupt, map};
-use crate::queries::{Queries, SCHEMA_VERSION};
+use crate::sql::{self, Queries, SCHEMA_VERSION};
 
 /// A column's type affinity, which decides how SQLite converts the values
 /// the ledger writes (a TEXT key `123` stored in a NUMERIC column comes back
@@ -167,27 +167,23 @@ fn newer(q: &Queries, version: i64) -> Error {
 }
 
 async fn exists(conn: &mut SqliteConnection, table: &str) -> Result<bool> {
-    let n: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pragma_table_list WHERE schema = 'main' AND name = ?1 COLLATE NOCASE",
-    )
-    .bind(table)
-    .fetch_one(conn)
-    .await
-    .map_err(map)?;
-    Ok(n > 0)
+    Ok(object_type(conn, table).await?.is_some())
+}
+
+/// What `name` is in the main schema (`table`, `view`, …), if anything.
+async fn object_type(conn: &mut SqliteConnection, name: &str) -> Result<Option<String>> {
+    let row = sqlx::query(sql::OBJECT_TYPE)
+        .bind(name)
+        .fetch_optional(conn)
+        .await
+        .map_err(map)?;
+    row.map(|r| r.try_get("type")).transpose().map_err(map)
 }
 
 /// Checks one table against its shape; every problem is listed in one
 /// [`Error::Config`] that names the table.
 async fn verify_table(conn: &mut SqliteConnection, table: &str, shape: &Shape) -> Result<()> {
-    let kind: Option<String> = sqlx::query_scalar(
-        "SELECT type FROM pragma_table_list WHERE schema = 'main' AND name = ?1 COLLATE NOCASE",
-    )
-    .bind(table)
-    .fetch_optional(&mut *conn)
-    .await
-    .map_err(map)?;
-    match kind.as_deref() {
+    match object_type(conn, table).await?.as_deref() {
         None => {
             return Err(Error::Config(format!(
                 "table {table} does not exist: run `oncely migrate` (or connect with \
@@ -202,10 +198,14 @@ async fn verify_table(conn: &mut SqliteConnection, table: &str, shape: &Shape) -
         }
     }
     let mut problems = Vec::new();
-    let columns: Vec<(String, String)> = sqlx::query_as("SELECT name, type FROM pragma_table_info(?1)")
+    let columns = sqlx::query(sql::TABLE_COLUMNS)
         .bind(table)
         .fetch_all(&mut *conn)
         .await
+        .map_err(map)?
+        .iter()
+        .map(|r| Ok::<(String, String), _>((r.try_get("name")?, r.try_get("type")?)))
+        .collect::<Result<Vec<_>, _>>()
         .map_err(map)?;
     for (name, wanted) in shape.columns {
         match columns.iter().find(|(c, _)| c.eq_ignore_ascii_case(name)) {
@@ -246,24 +246,32 @@ async fn check_keys(
     problems: &mut Vec<String>,
 ) -> Result<()> {
     let wanted = shape.unique.join(", ");
-    let indexes: Vec<(String, bool, bool)> =
-        sqlx::query_as("SELECT name, \"unique\", partial FROM pragma_index_list(?1)")
-            .bind(table)
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(map)?;
+    let indexes = sqlx::query(sql::TABLE_INDEXES)
+        .bind(table)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(map)?
+        .iter()
+        .map(|r| {
+            Ok::<(String, bool, bool), _>((r.try_get("name")?, r.try_get("unique")?, r.try_get("partial")?))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(map)?;
     let mut unique_binary = false;
     for (name, unique, partial) in &indexes {
         if !unique || *partial {
             continue;
         }
         // Expression parts have no name; they never match a column.
-        let parts: Vec<(Option<String>, Option<String>)> =
-            sqlx::query_as("SELECT name, coll FROM pragma_index_xinfo(?1) WHERE key = 1")
-                .bind(name)
-                .fetch_all(&mut *conn)
-                .await
-                .map_err(map)?;
+        let parts = sqlx::query(sql::INDEX_KEY_PARTS)
+            .bind(name)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(map)?
+            .iter()
+            .map(|r| Ok::<(Option<String>, Option<String>), _>((r.try_get("name")?, r.try_get("coll")?)))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(map)?;
         let exact = parts.len() == shape.unique.len()
             && shape.unique.iter().all(|col| {
                 parts
@@ -289,18 +297,14 @@ async fn check_keys(
         ));
     }
     for col in shape.unique {
-        // The column's declared collation is not in any PRAGMA; a compound
-        // SELECT deduplicates with the collation of its leftmost column that
-        // has one, so three values distinct under BINARY (and only BINARY
-        // among SQLite's collations: NOCASE folds case, RTRIM trailing
-        // spaces) tell it apart. No row of the table is read.
-        let distinct: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT count(*) FROM (SELECT \"{col}\" FROM \"{table}\" WHERE 0
-                UNION SELECT 'a' UNION SELECT 'A' UNION SELECT 'a ')"
-        )))
-        .fetch_one(&mut *conn)
-        .await
-        .map_err(map)?;
+        // The column's declared collation is not in any PRAGMA: see
+        // `sql::distinct_under_collation`.
+        let distinct: i64 = sqlx::query(AssertSqlSafe(sql::distinct_under_collation(table, col)))
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(map)?
+            .try_get("distinct_values")
+            .map_err(map)?;
         if distinct != 3 {
             problems.push(format!(
                 "column `{col}` compares with a collation other than BINARY (COLLATE NOCASE or RTRIM): \

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use oncely::conformance::{fresh_tenant, prune_until_gone};
 use oncely::{Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, RecordState};
-use oncely_sqlite::{SqliteLedger, SqliteLedgerOptions, SqlitePool};
-use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+use oncely_sqlite::{SqliteLedger, SqliteLedgerOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 
 /// The ledger table as release 0.1 (schema version 1) created it.
 const V1_TABLE: &str = "CREATE TABLE IF NOT EXISTS \"oncely_effects\" (

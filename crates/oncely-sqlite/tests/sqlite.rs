@@ -9,8 +9,8 @@ use oncely::conformance::fresh_tenant;
 use oncely::{
     Claim, ClaimOptions, EffectKey, Effects, Error, Ledger, Outcome, RecordState, Tenant, TransactionalLedger,
 };
-use oncely_sqlite::{SqliteConnection, SqliteLedger, SqliteLedgerOptions, SqlitePool};
-use sqlx::sqlite::SqliteConnectOptions;
+use oncely_sqlite::{SqliteConnection, SqliteLedger, SqliteLedgerOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePool};
 
 async fn open(dir: &tempfile::TempDir, name: &str) -> SqliteLedger {
     let url = format!("sqlite:{}", dir.path().join(name).display());
@@ -78,56 +78,16 @@ async fn deliver(ledger: &SqliteLedger, k: &EffectKey, order: &str) -> (bool, Ou
     }
 }
 
+/// Dropping a transaction (a cancelled handler) rolls it back, and the
+/// connection it used comes back clean: nothing of the claim or the order
+/// remains, and the next delivery commits. (An explicit rollback, and the
+/// commit of a claim with its completion, are in the transactional
+/// conformance suite.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn claim_business_write_and_completion_commit_together() {
-    let dir = tempfile::tempdir().unwrap();
-    let ledger = open(&dir, "commit.db").await;
-    let k = key(&fresh_tenant(), "order-1");
-    let (performed, outcome) = deliver(&ledger, &k, "order-1").await;
-    assert!(performed);
-    let r = ledger.get(&k).await.unwrap().unwrap();
-    assert_eq!(r.state, RecordState::Completed);
-    assert_eq!(r.outcome.as_ref(), Some(&outcome));
-    assert_eq!(orders(ledger.pool(), "order-1").await, 1);
-    // A redelivery in its own transaction replays and writes nothing.
-    let (again, replayed) = deliver(&ledger, &k, "order-1").await;
-    assert!(!again);
-    assert_eq!(replayed, outcome);
-    assert_eq!(orders(ledger.pool(), "order-1").await, 1);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn rollback_leaves_nothing() {
+async fn dropped_transaction_rolls_back() {
     let dir = tempfile::tempdir().unwrap();
     let ledger = open(&dir, "rollback.db").await;
     let k = key(&fresh_tenant(), "order-2");
-    let mut tx = ledger.begin().await.unwrap();
-    let lease = match ledger
-        .claim_in(&mut tx, &k, &ClaimOptions::default())
-        .await
-        .unwrap()
-    {
-        Claim::Acquired(l) => l,
-        other => panic!("{other:?}"),
-    };
-    insert_order(&mut tx, "order-2").await;
-    ledger
-        .complete_in(&mut tx, &lease, &Outcome::from_json(&"shipped").unwrap())
-        .await
-        .unwrap();
-    tx.rollback().await.unwrap();
-    assert!(
-        ledger.get(&k).await.unwrap().is_none(),
-        "no claim row after rollback"
-    );
-    assert_eq!(
-        orders(ledger.pool(), "order-2").await,
-        0,
-        "no order row after rollback"
-    );
-
-    // Dropping the transaction (a cancelled handler) is a rollback too, and
-    // the connection it used comes back clean: the next claim commits.
     {
         let mut tx = ledger.begin().await.unwrap();
         assert!(matches!(
@@ -150,83 +110,6 @@ async fn rollback_leaves_nothing() {
         "the record is the committed delivery's"
     );
     assert_eq!(orders(ledger.pool(), "order-2").await, 1);
-}
-
-/// A duplicate on another connection waits at `begin` while the first holds
-/// its transaction, then sees `Completed` (first committed) or acquires
-/// (first rolled back).
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn duplicate_waits_for_the_first_transaction() {
-    let dir = tempfile::tempdir().unwrap();
-    let ledger = open(&dir, "wait.db").await;
-    let t = fresh_tenant();
-    for commit in [true, false] {
-        let order = format!("order-wait-{commit}");
-        let k = key(&t, &order);
-        let mut tx = ledger.begin().await.unwrap();
-        let lease = match ledger
-            .claim_in(&mut tx, &k, &ClaimOptions::default())
-            .await
-            .unwrap()
-        {
-            Claim::Acquired(l) => l,
-            other => panic!("{other:?}"),
-        };
-        insert_order(&mut tx, &order).await;
-        let (second_started, second_claimed) = (
-            Arc::new(tokio::sync::Notify::new()),
-            Arc::new(AtomicUsize::new(0)),
-        );
-        let dup = {
-            let (ledger, k, order) = (ledger.clone(), k.clone(), order.clone());
-            let (started, claimed) = (second_started.clone(), second_claimed.clone());
-            tokio::spawn(async move {
-                started.notify_one();
-                let mut tx = ledger.begin().await.unwrap();
-                let claim = ledger
-                    .claim_in(&mut tx, &k, &ClaimOptions::default())
-                    .await
-                    .unwrap();
-                claimed.store(1, Ordering::SeqCst);
-                if let Claim::Acquired(l) = &claim {
-                    insert_order(&mut tx, &order).await;
-                    ledger
-                        .complete_in(&mut tx, l, &Outcome::from_json(&"second").unwrap())
-                        .await
-                        .unwrap();
-                    tx.commit().await.unwrap();
-                }
-                claim
-            })
-        };
-        second_started.notified().await;
-        // The first still holds the write lock: whatever the scheduling, the
-        // duplicate cannot have claimed yet.
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(
-            second_claimed.load(Ordering::SeqCst),
-            0,
-            "the duplicate did not wait"
-        );
-        if commit {
-            ledger
-                .complete_in(&mut tx, &lease, &Outcome::from_json(&"first").unwrap())
-                .await
-                .unwrap();
-            tx.commit().await.unwrap();
-            match dup.await.unwrap() {
-                Claim::Completed(r) => assert_eq!(r.outcome.unwrap().to_value::<String>().unwrap(), "first"),
-                other => panic!("expected Completed after the first commit, got {other:?}"),
-            }
-        } else {
-            tx.rollback().await.unwrap();
-            match dup.await.unwrap() {
-                Claim::Acquired(l) => assert!(!l.taken_over(), "the rolled-back claim never existed: {l:?}"),
-                other => panic!("expected Acquired after the first rolled back, got {other:?}"),
-            }
-        }
-        assert_eq!(orders(ledger.pool(), &order).await, 1);
-    }
 }
 
 /// Many concurrent deliveries, each in its own transaction on its own

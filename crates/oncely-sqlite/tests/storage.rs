@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use oncely::backend::{Access, FromUrl, OpenOptions};
 use oncely::conformance::fresh_tenant;
 use oncely::{Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, RecordState, TransactionalLedger};
 use oncely_sqlite::{SqliteLedger, SqliteLedgerOptions, SqliteSynchronous};
@@ -194,7 +195,7 @@ async fn durability_is_what_the_database_runs_with() {
                 .filename(dir.path().join("rollback.db"))
                 .create_if_missing(true)
                 .journal_mode(SqliteJournalMode::Delete)
-                .synchronous(SqliteSynchronous::Normal),
+                .synchronous(sqlx::sqlite::SqliteSynchronous::Normal),
         )
         .await
         .unwrap();
@@ -263,9 +264,12 @@ async fn read_only_never_creates_a_file() {
         config(e, &missing.display().to_string());
         assert!(!missing.exists(), "{url} created a file");
     }
-    let e = SqliteLedger::connect_read_only(&format!("sqlite:{}", missing.display()))
-        .await
-        .unwrap_err();
+    let e = SqliteLedger::from_url(
+        &format!("sqlite:{}", missing.display()),
+        OpenOptions::new(Access::ReadOnly),
+    )
+    .await
+    .unwrap_err();
     config(e, "no SQLite database at");
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
@@ -277,7 +281,9 @@ async fn read_only_reads_and_refuses_writes() {
     let dir = tempfile::tempdir().unwrap();
     let (url, k) = file_with_a_record(&dir).await;
     for ledger in [
-        SqliteLedger::connect_read_only(&url).await.unwrap(),
+        SqliteLedger::connect_with(&url, SqliteLedgerOptions::default().read_only(true))
+            .await
+            .unwrap(),
         // `mode=ro` in the URL means the same.
         SqliteLedger::connect(&format!("{url}?mode=ro")).await.unwrap(),
     ] {
@@ -373,4 +379,76 @@ async fn migrate_false_creates_nothing() {
             .unwrap(),
         Claim::Acquired(_)
     ));
+}
+
+/// `FromUrl` opens `sqlite:` URLs as the access asks: only `Migrate`
+/// creates the file; `Existing` opens it to write (as `migrate(false)`);
+/// `ReadOnly` reads and refuses writes; `connect_timeout` is the busy
+/// timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_url_opens_with_the_access_asked_for() {
+    assert_eq!(SqliteLedger::SCHEMES, ["sqlite"]);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("from-url.db");
+    let url = format!("sqlite:{}", path.display());
+    let open = |access| SqliteLedger::from_url(&url, OpenOptions::new(access));
+    for access in [Access::Existing, Access::ReadOnly] {
+        config(open(access).await.unwrap_err(), "no SQLite database at");
+        assert!(!path.exists(), "{access:?} created the file");
+    }
+    let migrated = open(Access::Migrate).await.unwrap();
+    assert!(path.exists());
+    assert!(!migrated.is_read_only());
+    let k = key("order-from-url");
+    let Claim::Acquired(l) = migrated.claim(&k, &ClaimOptions::default()).await.unwrap() else {
+        panic!("fresh key not acquired")
+    };
+    migrated
+        .complete(&l, &Outcome::from_json(&"done").unwrap())
+        .await
+        .unwrap();
+    let existing = open(Access::Existing).await.unwrap();
+    assert!(!existing.is_read_only());
+    assert!(matches!(
+        existing
+            .claim(&key("order-existing"), &ClaimOptions::default())
+            .await
+            .unwrap(),
+        Claim::Acquired(_)
+    ));
+    let reader = open(Access::ReadOnly).await.unwrap();
+    assert!(reader.is_read_only());
+    assert_eq!(
+        reader.get(&k).await.unwrap().map(|r| r.state),
+        Some(RecordState::Completed)
+    );
+    config(
+        reader
+            .claim(&key("order-read-only"), &ClaimOptions::default())
+            .await
+            .unwrap_err(),
+        "read-only",
+    );
+
+    // The write lock is held for 2 s: a claim through a 50 ms connect
+    // timeout gives up with a retryable error, where the default 5 s busy
+    // timeout would wait and acquire.
+    let quick = SqliteLedger::from_url(
+        &url,
+        OpenOptions::new(Access::Existing).connect_timeout(Duration::from_millis(50)),
+    )
+    .await
+    .unwrap();
+    let holder = migrated.begin().await.unwrap();
+    let released = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        holder.rollback().await.unwrap();
+    });
+    let e = quick
+        .claim(&key("order-quick"), &ClaimOptions::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Backend { retryable: true, .. }), "{e:?}");
+    released.await.unwrap();
+    assert!(quick.get(&key("order-quick")).await.unwrap().is_none());
 }

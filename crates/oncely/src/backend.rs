@@ -17,7 +17,8 @@
 //!   because the ledger has pruned records at least that old;
 //! - [`needs_refresh`]: when a grant written with a clock read before a lock
 //!   wait must be refreshed before it is returned;
-//! - [`check_outcome`]: the outcome size limit;
+//! - [`check_outcome`], [`check_extension`]: the outcome size limit and the
+//!   bounds of a renewal;
 //! - [`report_unexpected_violation`]: the one telemetry call a backend makes;
 //! - [`Backoff`]: the delays of every retry loop;
 //! - [`to_micros`], [`from_micros`], [`duration_micros`]: the one time unit
@@ -46,7 +47,9 @@ pub enum Access {
     Existing,
     /// Read only: create, migrate and write nothing, so a mistyped path is an
     /// error rather than a new empty ledger, and a role that may only read
-    /// can use it (`oncely get`).
+    /// can use it (`oncely get`). The ledger refuses its own writes before
+    /// any round trip. (One exception, documented by its crate: NATS learns
+    /// the server's clock only by writing its clock probe key.)
     ReadOnly,
 }
 
@@ -89,6 +92,14 @@ pub trait FromUrl: Ledger + Sized {
     /// malformed URL fails with [`Error::Config`] before anything connects,
     /// and its message never quotes the URL (it may carry a password).
     fn from_url(url: &str, options: OpenOptions) -> impl Future<Output = Result<Self>> + Send;
+}
+
+impl<L: FromUrl> FromUrl for std::sync::Arc<L> {
+    const SCHEMES: &'static [&'static str] = L::SCHEMES;
+
+    async fn from_url(url: &str, options: OpenOptions) -> Result<Self> {
+        L::from_url(url, options).await.map(std::sync::Arc::new)
+    }
 }
 
 /// The parts of a lease a backend has just granted. [`Grant::into_lease`]
@@ -328,6 +339,20 @@ impl Backoff {
 /// [`Ledger::unique_violation`](crate::Ledger::unique_violation).)
 pub fn report_unexpected_violation(backend: &'static str, detail: &str) {
     crate::telemetry::unexpected_constraint_violation(backend, detail);
+}
+
+/// The longest a renewal may extend a lease (a day, like a claim's lease).
+pub const MAX_EXTENSION: Duration = Duration::from_secs(86_400);
+
+/// Refuses a renewal's `extend_by` outside 1 ms to [`MAX_EXTENSION`] with
+/// [`Error::InvalidInput`], before any round trip.
+pub fn check_extension(extend_by: Duration) -> Result<()> {
+    if extend_by < Duration::from_millis(1) || extend_by > MAX_EXTENSION {
+        return Err(Error::InvalidInput(format!(
+            "a lease is extended by 1 ms to 1 day, got {extend_by:?}"
+        )));
+    }
+    Ok(())
 }
 
 /// Refuses an outcome over `max` (the backend's limit, at most

@@ -213,6 +213,7 @@ impl Ledger for MemoryLedger {
     }
 
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
+        crate::backend::check_extension(extend_by)?;
         self.fenced(lease, |row, now| {
             row.record.lease_expires_at = Some(now + extend_by);
             Lease {

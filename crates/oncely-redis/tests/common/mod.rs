@@ -61,12 +61,16 @@ pub async fn cluster() -> Option<RedisLedger> {
     cluster_with(RedisLedgerOptions::default()).await
 }
 
+/// The cluster as one `redis+cluster://` URL, the way the ledger opens it.
+pub fn cluster_url() -> Option<String> {
+    Some(format!("redis+cluster://{}", cluster_urls()?.join(",")))
+}
+
 pub async fn cluster_with(opts: RedisLedgerOptions) -> Option<RedisLedger> {
-    let urls = cluster_urls()?;
-    let refs: Vec<&str> = urls.iter().map(String::as_str).collect();
-    match RedisLedger::connect_cluster_with(&refs, opts).await {
+    let url = cluster_url()?;
+    match RedisLedger::connect_with(&url, opts).await {
         Ok(l) => Some(l),
-        Err(e) => skip_or_fail(&format!("redis cluster at {urls:?}: {e}")),
+        Err(e) => skip_or_fail(&format!("redis cluster at {url}: {e}")),
     }
 }
 

@@ -1,4 +1,6 @@
-//! Every SQL statement of the backend, built once per ledger for its table.
+//! Every SQL statement of the backend: the ledger's, built once per ledger
+//! for its table ([`Queries`]), and the fixed ones that read what a database
+//! is (its tables, indexes and settings).
 //!
 //! Timestamps are INTEGER microseconds since the Unix epoch taken from
 //! SQLite's clock (`unixepoch('subsec')`, millisecond resolution, SQLite
@@ -22,7 +24,7 @@ pub(crate) const DEFAULT_TABLE: &str = "oncely_effects";
 pub(crate) const SCHEMA_VERSION: i64 = 2;
 
 /// The columns every record-reading statement returns, followed by the
-/// database clock (`now`). `decode_record` reads them by name.
+/// database clock (`now`). `row::record` reads them by name.
 const RECORD_COLUMNS: &str = "e.key, e.tenant, e.kind, e.subject, e.state, e.fence, e.fingerprint, e.outcome, \
      e.at_most_once, e.created_at, e.updated_at, e.lease_expires_at, e.retain_until";
 
@@ -279,6 +281,43 @@ impl Queries {
             )),
         })
     }
+}
+
+// What a database is: read on connect, by `durability::Probe` and the
+// schema check. Every column is read by name.
+
+/// The main database's file (empty: memory or temporary), as `file`.
+pub(crate) const DATABASE_FILE: &str = "SELECT file FROM pragma_database_list WHERE name = 'main'";
+/// The journal mode, as `journal_mode`.
+pub(crate) const JOURNAL_MODE: &str = "PRAGMA journal_mode";
+/// `PRAGMA synchronous` (0 OFF, 1 NORMAL, 2 FULL, 3 EXTRA), as `synchronous`.
+pub(crate) const SYNCHRONOUS: &str = "PRAGMA synchronous";
+
+/// Whether an object named `?1` (any case: SQLite's names are
+/// case-insensitive) exists in the main schema, and what it is (`type`:
+/// `table`, `view`, …).
+pub(crate) const OBJECT_TYPE: &str =
+    "SELECT type FROM pragma_table_list WHERE schema = 'main' AND name = ?1 COLLATE NOCASE";
+/// The columns of table `?1` with their declared types (`name`, `type`).
+pub(crate) const TABLE_COLUMNS: &str = "SELECT name, type FROM pragma_table_info(?1)";
+/// The indexes of table `?1` (`name`, `unique`, `partial`).
+pub(crate) const TABLE_INDEXES: &str = "SELECT name, \"unique\", partial FROM pragma_index_list(?1)";
+/// The key parts of index `?1` (`name`, null for an expression; `coll`).
+pub(crate) const INDEX_KEY_PARTS: &str = "SELECT name, coll FROM pragma_index_xinfo(?1) WHERE key = 1";
+
+/// How many of `'a'`, `'A'` and `'a '` the collation of `table.col` tells
+/// apart, as `distinct_values` (3 for BINARY only).
+///
+/// The column's declared collation is not in any PRAGMA; a compound SELECT
+/// deduplicates with the collation of its leftmost column that has one, so
+/// three values distinct under BINARY (and only BINARY among SQLite's
+/// collations: NOCASE folds case, RTRIM trailing spaces) tell it apart. No
+/// row of the table is read. (`table` and `col` are checked identifiers.)
+pub(crate) fn distinct_under_collation(table: &str, col: &str) -> String {
+    format!(
+        "SELECT count(*) AS distinct_values FROM (SELECT \"{col}\" FROM \"{table}\" WHERE 0
+            UNION SELECT 'a' UNION SELECT 'A' UNION SELECT 'a ')"
+    )
 }
 
 #[cfg(test)]

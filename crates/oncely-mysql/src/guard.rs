@@ -1,0 +1,184 @@
+//! Running an operation on the pool: to completion (in a spawned task, so a
+//! dropped future never leaves a statement half-sent or a connection inside
+//! a transaction), retried on a lock conflict with one backoff, and healed
+//! when a pooled connection sits inside a transaction someone else left
+//! open (the leaked-transaction guard, MariaDB only: see the crate docs,
+//! "Cancel safety").
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use oncely::backend::Backoff;
+use oncely::{Error, Lease, Result};
+use sqlx::{Executor, MySqlConnection, Row};
+
+use crate::error::{
+    self, BACKEND, autocommit_off, corrupt, join_error, lease_lost, map, unexpected_violation,
+};
+use crate::{MySqlLedger, sql};
+
+/// How many times a ledger operation on the pool runs before a deadlock or
+/// lock wait timeout is returned (each attempt is one autocommit statement,
+/// or a prune batch that rolled back whole, so running it again is safe).
+const ATTEMPTS: u32 = 8;
+
+/// The pause after the first failed attempt; it doubles each time, up to
+/// [`MAX_PAUSE`]. Lock conflicts between claims of one key clear within
+/// milliseconds; eight attempts span about a third of a second.
+const FIRST_PAUSE: Duration = Duration::from_millis(4);
+
+/// The longest pause between two attempts.
+const MAX_PAUSE: Duration = Duration::from_millis(128);
+
+/// Why an attempt on the pool did not finish.
+pub(crate) enum Retry {
+    /// Deadlock or lock wait timeout: run it again.
+    Lock(sqlx::Error),
+    /// The row moved under a multi-statement claim (or a refreshed grant was
+    /// taken over): run the claim again, and report this if it keeps
+    /// happening.
+    Moved(String),
+    /// The pooled connection was inside a transaction someone else left
+    /// open; it has been rolled back and nothing was written: run it again.
+    Leaked,
+    /// Final.
+    Fail(Error),
+}
+
+impl From<Error> for Retry {
+    fn from(e: Error) -> Self {
+        Retry::Fail(e)
+    }
+}
+
+/// A driver error as a [`Retry`]: lock conflicts are retried, the rest are
+/// final.
+pub(crate) fn retry_on_lock(e: sqlx::Error) -> Retry {
+    if error::is_retryable(&e) {
+        Retry::Lock(e)
+    } else {
+        Retry::Fail(map(e))
+    }
+}
+
+/// A boxed, sendable future.
+pub(crate) type BoxedFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+impl MySqlLedger {
+    /// Runs `attempt` on a pooled connection in a spawned task (so it
+    /// finishes even if the caller's future is dropped), after the server
+    /// has been probed, with [`MySqlLedger::retrying`].
+    pub(crate) async fn on_pool<T, F>(&self, attempt: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: for<'c> Fn(&'c MySqlLedger, &'c mut MySqlConnection) -> BoxedFuture<'c, Result<T, Retry>>
+            + Send
+            + Sync
+            + 'static,
+    {
+        let this = self.clone();
+        tokio::spawn(async move {
+            this.probe(None).await?;
+            this.retrying(attempt).await
+        })
+        .await
+        .map_err(join_error)?
+    }
+
+    /// The one retry loop of the backend: runs `attempt` on a fresh pooled
+    /// connection until it finishes or fails for good, at most [`ATTEMPTS`]
+    /// times, pausing with [`Backoff`] between attempts.
+    pub(crate) async fn retrying<T, F>(&self, attempt: F) -> Result<T>
+    where
+        F: for<'c> Fn(&'c MySqlLedger, &'c mut MySqlConnection) -> BoxedFuture<'c, Result<T, Retry>>,
+    {
+        let mut backoff = Backoff::new(FIRST_PAUSE, MAX_PAUSE);
+        let mut last = None;
+        for n in 0..ATTEMPTS {
+            if n > 0 {
+                tokio::time::sleep(backoff.next_delay()).await;
+            }
+            let mut conn = self.inner.pool.acquire().await.map_err(map)?;
+            match attempt(self, &mut conn).await {
+                Ok(v) => return Ok(v),
+                Err(Retry::Fail(e)) => return Err(e),
+                Err(other) => last = Some(other),
+            }
+        }
+        Err(match last {
+            Some(Retry::Lock(e)) => map(e),
+            // The statement keeps missing the key's row: only a conflict
+            // on another unique index does that.
+            Some(Retry::Moved(why)) => unexpected_violation(&why),
+            Some(Retry::Fail(e)) => e,
+            Some(Retry::Leaked) | None => corrupt("retries exhausted"),
+        })
+    }
+
+    /// A fenced write matched no row: the lease is lost, unless the pooled
+    /// connection sat inside a transaction someone else left open (checked
+    /// when `may_leak`), which is healed so the write runs again.
+    pub(crate) async fn fence_miss(
+        &self,
+        conn: &mut MySqlConnection,
+        lease: &Lease,
+        may_leak: bool,
+    ) -> Retry {
+        if may_leak {
+            match self.heal_if_leaked(conn).await {
+                Ok(true) => return Retry::Leaked,
+                Ok(false) => {}
+                Err(e) => return e,
+            }
+        }
+        lease_lost(lease).into()
+    }
+
+    /// Whether a pooled connection sat inside a transaction that someone else
+    /// left open (their `pool.begin()` dropped mid-way, an aborted `BEGIN`).
+    /// If so, that transaction is rolled back, so the connection is clean for
+    /// the retry and no lock of ours outlives it. Always `false` without
+    /// `@@in_transaction` (MySQL 8).
+    pub(crate) async fn heal_if_leaked(&self, conn: &mut MySqlConnection) -> Result<bool, Retry> {
+        if !self.inner.guarded.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        let row = sqlx::query(sql::LEAK_CHECK)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(retry_on_lock)?;
+        let open: u64 = row.try_get("open").map_err(map)?;
+        let autocommit: i64 = row.try_get("autocommit").map_err(map)?;
+        if open == 0 {
+            return Ok(false);
+        }
+        if autocommit == 0 {
+            // Every statement opens a transaction that nobody commits: the
+            // guard would trip forever. Say so instead.
+            conn.execute(sql::ROLLBACK).await.map_err(retry_on_lock)?;
+            return Err(autocommit_off().into());
+        }
+        tracing::warn!(
+            backend = BACKEND,
+            "a pooled connection was inside a transaction left open by other code; rolling it back"
+        );
+        conn.execute(sql::ROLLBACK).await.map_err(retry_on_lock)?;
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The pauses the loop used before it took them from `Backoff`
+    /// (`2 << attempt` ms, attempt 1.., capped at attempt 6).
+    #[test]
+    fn pauses_are_unchanged() {
+        let mut b = Backoff::new(FIRST_PAUSE, MAX_PAUSE);
+        let pauses: Vec<u64> = (1..ATTEMPTS).map(|_| b.next_delay().as_millis() as u64).collect();
+        assert_eq!(pauses, [4, 8, 16, 32, 64, 128, 128]);
+    }
+}

@@ -1,0 +1,458 @@
+//! [`MySqlLedger`]: its constructors, and each operation of the
+//! [`Ledger`], [`TransactionalLedger`] and [`FromUrl`] contracts as one
+//! atomic operation on the server. The claim's statements and what their row
+//! means are in `claim.rs`, prune's batches in `prune.rs`, running on the
+//! pool (retries, the leaked-transaction guard) in `guard.rs`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, SystemTime};
+
+use oncely::backend::{FromUrl, OpenOptions, check_outcome, duration_micros, from_micros};
+use oncely::{
+    Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, Result, Tenant,
+    TransactionalLedger,
+};
+use sqlx::mysql::MySqlPoolOptions;
+use sqlx::{Executor, MySql, MySqlConnection, MySqlPool, Transaction};
+
+use crate::error::{self, BACKEND, corrupt, join_error, map};
+use crate::guard::{Retry, retry_on_lock};
+use crate::options::{self, MySqlLedgerOptions, check_table};
+use crate::row::stored;
+use crate::schema;
+use crate::sql::{self, Statements};
+
+/// The MySQL / MariaDB effect ledger. Cheap to clone (an `Arc`).
+#[derive(Clone)]
+pub struct MySqlLedger {
+    pub(crate) inner: Arc<Inner>,
+}
+
+/// What clones of one ledger share.
+pub(crate) struct Inner {
+    pub(crate) pool: MySqlPool,
+    pub(crate) table: String,
+    /// Index 0: for servers without `@@in_transaction`; 1: guarded.
+    sql: [Statements; 2],
+    /// Whether the server has `@@in_transaction` (the leaked-transaction
+    /// guard is on).
+    pub(crate) guarded: AtomicBool,
+    /// Current outcome limit: the configured one, lowered once the server's
+    /// `max_allowed_packet` is known.
+    pub(crate) max_outcome: AtomicUsize,
+    /// Whether claims use `RETURNING` (detected, or as configured).
+    pub(crate) returning: AtomicBool,
+    /// `MySqlLedgerOptions::returning`: `None` detects it.
+    pub(crate) returning_pref: Option<bool>,
+    read_only: bool,
+    /// Set once the server has been asked what it supports and the tables
+    /// were checked (`server.rs`).
+    pub(crate) probed: tokio::sync::OnceCell<()>,
+}
+
+impl std::fmt::Debug for MySqlLedger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MySqlLedger")
+            .field("table", &self.inner.table)
+            .field("returning", &self.inner.returning.load(Ordering::Relaxed))
+            .field("read_only", &self.inner.read_only)
+            .field("max_outcome_bytes", &self.max_outcome_bytes())
+            .finish()
+    }
+}
+
+impl MySqlLedger {
+    /// Connects with default options ([`MySqlLedgerOptions::default`]),
+    /// creates or upgrades the tables and checks them. A server that cannot
+    /// be reached is [`Error::Unavailable`]; a table the ledger cannot use is
+    /// [`Error::Config`].
+    pub async fn connect(url: &str) -> Result<Self> {
+        Self::connect_with(url, MySqlLedgerOptions::default()).await
+    }
+
+    /// Connects with `options`: migrates unless told not to
+    /// ([`MySqlLedgerOptions::migrate`], [`MySqlLedgerOptions::read_only`]),
+    /// then checks the server and the tables.
+    pub async fn connect_with(url: &str, options: MySqlLedgerOptions) -> Result<Self> {
+        check_table(&options.table)?;
+        let connect = options::connect_options(url)?;
+        let read_only = options.read_only;
+        let pool = MySqlPoolOptions::new()
+            .max_connections(options.max_connections)
+            .acquire_timeout(options.acquire_timeout)
+            // sqlx pings on release already; a second ping on acquire would
+            // add a round trip to every claim.
+            .test_before_acquire(false)
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    conn.execute(sql::STRICT_SESSION).await?;
+                    if read_only {
+                        conn.execute(sql::READ_ONLY_SESSION).await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect_with(connect)
+            .await
+            .map_err(|e| Error::Unavailable {
+                backend: BACKEND,
+                message: e.to_string(),
+            })?;
+        let migrates = options.migrates();
+        let ledger = Self::build(pool, options);
+        if migrates {
+            ledger.migrate().await?;
+        }
+        ledger.probe(None).await?;
+        Ok(ledger)
+    }
+
+    /// Wraps an existing pool (default options; no migration: call
+    /// [`MySqlLedger::migrate`]). The server and the tables are checked at
+    /// the first operation. The pool's `sql_mode` is the caller's: add
+    /// `STRICT_ALL_TABLES` in its `after_connect` for strict mode.
+    pub fn from_pool(pool: MySqlPool) -> Self {
+        Self::build(pool, MySqlLedgerOptions::default())
+    }
+
+    /// Wraps an existing pool with options (table name, outcome limit,
+    /// `RETURNING`, read-only); pool options and `migrate` are ignored (this
+    /// never migrates). With `read_only(true)` the ledger refuses writes
+    /// itself, but the pool's sessions are yours: make them read-only in its
+    /// `after_connect` if the server should refuse them too.
+    pub fn from_pool_with(pool: MySqlPool, options: MySqlLedgerOptions) -> Result<Self> {
+        check_table(&options.table)?;
+        Ok(Self::build(pool, options))
+    }
+
+    fn build(pool: MySqlPool, options: MySqlLedgerOptions) -> Self {
+        MySqlLedger {
+            inner: Arc::new(Inner {
+                sql: [
+                    Statements::new(&options.table, false),
+                    Statements::new(&options.table, true),
+                ],
+                guarded: AtomicBool::new(false),
+                table: options.table,
+                pool,
+                max_outcome: AtomicUsize::new(options.max_outcome_bytes),
+                returning: AtomicBool::new(options.returning.unwrap_or(false)),
+                returning_pref: options.returning,
+                read_only: options.read_only,
+                probed: tokio::sync::OnceCell::new(),
+            }),
+        }
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &MySqlPool {
+        &self.inner.pool
+    }
+
+    /// The ledger table's name (its horizon table is `<table>_horizon`).
+    pub fn table(&self) -> &str {
+        &self.inner.table
+    }
+
+    /// Whether the ledger was opened read-only.
+    pub fn is_read_only(&self) -> bool {
+        self.inner.read_only
+    }
+
+    /// The largest outcome this ledger stores: [`oncely::MAX_OUTCOME_BYTES`]
+    /// (or the configured lower limit), lowered to fit the server's
+    /// `max_allowed_packet` once the server has been asked (at `connect`, or
+    /// the first operation of a ledger made with `from_pool`).
+    pub fn max_outcome_bytes(&self) -> usize {
+        self.inner.max_outcome.load(Ordering::Relaxed)
+    }
+
+    /// Starts a transaction on a pooled connection, for `claim_in` /
+    /// `complete_in` and the caller's own writes. `BEGIN` runs to completion
+    /// in a spawned task, so dropping this future never returns a connection
+    /// to the pool inside an open transaction.
+    pub async fn begin(&self) -> Result<Transaction<'static, MySql>> {
+        self.writable("begin")?;
+        let pool = self.inner.pool.clone();
+        tokio::spawn(async move { pool.begin().await })
+            .await
+            .map_err(join_error)?
+            .map_err(map)
+    }
+
+    /// Creates or upgrades the tables, then checks them. Idempotent, and
+    /// safe to run from many processes at once (serialised by `GET_LOCK`).
+    /// A table that exists but cannot be used is refused with
+    /// [`Error::Config`] before any DDL.
+    pub async fn migrate(&self) -> Result<()> {
+        self.writable("migrate")?;
+        let this = self.clone();
+        tokio::spawn(async move {
+            let mut conn = this.inner.pool.acquire().await.map_err(map)?;
+            let result = schema::migrate(&mut conn, &this.inner.table).await;
+            if result.is_err() {
+                // Its session lock may still be held: never reuse it.
+                conn.close_on_drop();
+            }
+            result
+        })
+        .await
+        .map_err(join_error)??;
+        self.probe(None).await
+    }
+
+    /// The current statement set (guarded where the server allows).
+    pub(crate) fn sql(&self) -> &Statements {
+        &self.inner.sql[usize::from(self.inner.guarded.load(Ordering::Relaxed))]
+    }
+
+    /// Refuses a write on a read-only ledger before any round trip.
+    pub(crate) fn writable(&self, what: &str) -> Result<()> {
+        if self.inner.read_only {
+            return Err(Error::Config(format!(
+                "{what}: the MySQL ledger on `{}` was opened read-only",
+                self.inner.table
+            )));
+        }
+        Ok(())
+    }
+
+    async fn complete_on(
+        &self,
+        conn: &mut MySqlConnection,
+        lease: &Lease,
+        outcome: &Outcome,
+        in_caller_tx: bool,
+    ) -> Result<(), Retry> {
+        let done = sqlx::query(sqlx::AssertSqlSafe(self.sql().complete.as_str()))
+            .bind(outcome.as_bytes())
+            .bind(lease.key().as_str())
+            .bind(lease.fence())
+            .bind(in_caller_tx)
+            .execute(&mut *conn)
+            .await
+            .map_err(retry_on_lock)?;
+        // sqlx sets CLIENT_FOUND_ROWS: this is the number of rows matched.
+        if done.rows_affected() == 0 {
+            return Err(self.fence_miss(conn, lease, !in_caller_tx).await);
+        }
+        Ok(())
+    }
+}
+
+impl Ledger for MySqlLedger {
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new(
+            "InnoDB redo log, as the server flushes it (innodb_flush_log_at_trx_commit)",
+            "database server clock when each write takes effect (UTC_TIMESTAMP(6) + elapsed SYSDATE(6))",
+        )
+        .caller_transaction(true)
+        .max_outcome_bytes(self.max_outcome_bytes())
+    }
+
+    async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
+        opts.validate()?;
+        self.writable("claim")?;
+        let (key, opts) = (key.clone(), opts.clone());
+        self.on_pool(move |this, conn| {
+            let (key, opts) = (key.clone(), opts.clone());
+            Box::pin(async move { this.claim_on(conn, &key, &opts, false).await })
+        })
+        .await
+    }
+
+    async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
+        check_outcome(outcome, self.max_outcome_bytes())?;
+        self.writable("complete")?;
+        let (lease, outcome) = (lease.clone(), outcome.clone());
+        self.on_pool(move |this, conn| {
+            let (lease, outcome) = (lease.clone(), outcome.clone());
+            Box::pin(async move { this.complete_on(conn, &lease, &outcome, false).await })
+        })
+        .await
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<()> {
+        self.writable("release")?;
+        let lease = lease.clone();
+        self.on_pool(move |this, conn| {
+            let lease = lease.clone();
+            Box::pin(async move {
+                let done = sqlx::query(sqlx::AssertSqlSafe(this.sql().release.as_str()))
+                    .bind(lease.key().as_str())
+                    .bind(lease.fence())
+                    .bind(false)
+                    .execute(&mut *conn)
+                    .await
+                    .map_err(retry_on_lock)?;
+                if done.rows_affected() == 0 {
+                    return Err(this.fence_miss(conn, &lease, true).await);
+                }
+                Ok(())
+            })
+        })
+        .await
+    }
+
+    async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
+        if extend_by < Duration::from_millis(1) || extend_by > Duration::from_secs(86_400) {
+            return Err(Error::InvalidInput(format!(
+                "a lease must be extended by between 1 ms and 1 day, got {extend_by:?}"
+            )));
+        }
+        self.writable("renew")?;
+        let lease = lease.clone();
+        self.on_pool(move |this, conn| {
+            let lease = lease.clone();
+            Box::pin(async move {
+                let done = sqlx::query(sqlx::AssertSqlSafe(this.sql().renew.as_str()))
+                    .bind(duration_micros(extend_by))
+                    .bind(lease.key().as_str())
+                    .bind(lease.fence())
+                    .bind(false)
+                    .execute(&mut *conn)
+                    .await
+                    .map_err(retry_on_lock)?;
+                if done.rows_affected() == 0 {
+                    return Err(this.fence_miss(conn, &lease, true).await);
+                }
+                // LAST_INSERT_ID(expr) in the statement puts the new expiry
+                // in the OK packet.
+                let expires_us = i64::try_from(done.last_insert_id())
+                    .ok()
+                    .filter(|us| *us > 0)
+                    .ok_or_else(|| corrupt("renew: the server did not report the new expiry"))?;
+                Ok(lease.renewed_until(from_micros(expires_us)))
+            })
+        })
+        .await
+    }
+
+    async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
+        self.probe(None).await?;
+        let row = sqlx::query(sqlx::AssertSqlSafe(self.sql().get.as_str()))
+            .bind(key.as_str())
+            .fetch_optional(&self.inner.pool)
+            .await
+            .map_err(map)?;
+        row.map(|r| stored(&r, false, false)?.record(Some(key)))
+            .transpose()
+    }
+
+    async fn prune(&self, limit: u64) -> Result<u64> {
+        self.writable("prune")?;
+        self.prune_records(limit).await
+    }
+
+    async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
+        self.probe(None).await?;
+        let rows = sqlx::query(sqlx::AssertSqlSafe(self.sql().abandoned.as_str()))
+            .bind(tenant.as_str())
+            .bind(limit)
+            .fetch_all(&self.inner.pool)
+            .await
+            .map_err(map)?;
+        rows.iter()
+            .map(|r| stored(r, false, false)?.record(None))
+            .collect()
+    }
+
+    async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
+        self.probe(None).await?;
+        let watermark: Option<Option<i64>> =
+            sqlx::query_scalar(sqlx::AssertSqlSafe(self.sql().horizon.as_str()))
+                .bind(tenant.as_str())
+                .bind(kind)
+                .fetch_optional(&self.inner.pool)
+                .await
+                .map_err(map)?;
+        Ok(watermark.flatten().map(from_micros))
+    }
+
+    fn unique_violation(&self, error: &(dyn std::error::Error + 'static)) -> Option<String> {
+        error::unique_violation(error)
+    }
+}
+
+impl TransactionalLedger for MySqlLedger {
+    type Connection = MySqlConnection;
+    type Transaction = Transaction<'static, MySql>;
+
+    async fn begin(&self) -> Result<Self::Transaction> {
+        MySqlLedger::begin(self).await
+    }
+
+    async fn commit(&self, tx: Self::Transaction) -> Result<()> {
+        tx.commit().await.map_err(map)
+    }
+
+    async fn rollback(&self, tx: Self::Transaction) -> Result<()> {
+        tx.rollback().await.map_err(map)
+    }
+
+    async fn claim_in(
+        &self,
+        conn: &mut MySqlConnection,
+        key: &EffectKey,
+        opts: &ClaimOptions,
+    ) -> Result<Claim> {
+        opts.validate()?;
+        self.writable("claim_in")?;
+        self.probe(Some(&mut *conn)).await?;
+        // Inside the caller's transaction nothing is retried: a deadlock has
+        // rolled the whole transaction back, which only the caller can redo.
+        let mut moved = 0;
+        loop {
+            match self.claim_on(conn, key, opts, true).await {
+                Ok(c) => return Ok(c),
+                Err(Retry::Fail(e)) => return Err(e),
+                Err(Retry::Lock(e)) => return Err(map(e)),
+                Err(Retry::Leaked) => {
+                    return Err(corrupt(
+                        "leaked-transaction guard tripped in a caller's transaction",
+                    ));
+                }
+                Err(Retry::Moved(why)) => {
+                    // The claim's locking reads hold the row from then on,
+                    // so a row can move at most once here.
+                    moved += 1;
+                    if moved >= 3 {
+                        return Err(error::unexpected_violation(&why));
+                    }
+                }
+            }
+        }
+    }
+
+    async fn complete_in(&self, conn: &mut MySqlConnection, lease: &Lease, outcome: &Outcome) -> Result<()> {
+        check_outcome(outcome, self.max_outcome_bytes())?;
+        self.writable("complete_in")?;
+        match self.complete_on(conn, lease, outcome, true).await {
+            Ok(()) => Ok(()),
+            Err(Retry::Fail(e)) => Err(e),
+            Err(Retry::Lock(e)) => Err(map(e)),
+            Err(Retry::Leaked | Retry::Moved(_)) => Err(corrupt("complete_in: unexpected retry")),
+        }
+    }
+}
+
+impl FromUrl for MySqlLedger {
+    const SCHEMES: &'static [&'static str] = options::SCHEMES;
+
+    /// `mysql://` or `mariadb://` (`user:password@host:port/database`, and
+    /// sqlx's query parameters such as `ssl-mode`), opened with
+    /// [`MySqlLedger::connect_with`]: [`Access`](oncely::backend::Access)
+    /// `Migrate` creates and upgrades the tables, `Existing` checks them and
+    /// creates nothing, `ReadOnly` also opens read-only sessions and refuses
+    /// writes; `connect_timeout` is the pool's acquire timeout.
+    async fn from_url(url: &str, options: OpenOptions) -> Result<Self> {
+        let url = url.trim();
+        options::check_scheme(url)?;
+        MySqlLedger::connect_with(url, MySqlLedgerOptions::for_open(options)).await
+    }
+}

@@ -1,0 +1,374 @@
+//! [`NatsKvLedger`]: its constructors, [`Ledger`] and [`FromUrl`].
+//!
+//! Each operation is a revision-checked write of one key, decided on a read
+//! of that key (a lost race reads again and decides again). The claim's
+//! decision is in `claim.rs`, prune in `prune.rs`, the horizon in
+//! `horizon.rs`, the round trips themselves in `kv.rs`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use async_nats::jetstream::{self, kv};
+use oncely::backend::{Access, FromUrl, OpenOptions, check_outcome};
+use oncely::{
+    Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, RecordState, Result,
+    Tenant,
+};
+
+use crate::bucket::{self, Deadline, opening_backoff};
+use crate::clock::{ServerClock, later};
+use crate::codec::{Stored, kv_key, length_us, tenant_token};
+use crate::error::{BACKEND, gave_up, read_only, unavailable};
+use crate::kv::{Current, MAX_ATTEMPTS, Write};
+use crate::options::{MAX_LEASE, NatsKvOptions, NatsUrl};
+
+/// How many leases' revisions a ledger remembers for one-round-trip completes.
+const REVISION_CACHE: usize = 4096;
+
+/// The revision a ledger last wrote for a lease it holds, so complete /
+/// release / renew can write without reading first. A revision-checked write
+/// with it succeeds only if nothing changed since, which is exactly the state
+/// remembered here.
+type RevisionCache = HashMap<String, (u64, Stored)>;
+
+/// What the clones of one ledger share.
+pub(crate) struct Inner {
+    /// The bucket.
+    pub(crate) store: kv::Store,
+    /// The options in force (the bucket name is the store's).
+    pub(crate) opts: NatsKvOptions,
+    /// The bucket's own `max_age` (at least `opts.max_age`), `None` when
+    /// unbounded: records untouched this long vanish, which bounds the horizon.
+    pub(crate) bucket_max_age: Option<Duration>,
+    /// The server clock's estimate.
+    pub(crate) clock: ServerClock,
+    revisions: Mutex<RevisionCache>,
+}
+
+/// An effect ledger on a NATS JetStream KV bucket. Cheap to clone (shares the
+/// connection).
+#[derive(Clone)]
+pub struct NatsKvLedger {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for NatsKvLedger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsKvLedger")
+            .field("bucket", &self.inner.opts.bucket)
+            .field("replicas", &self.inner.opts.replicas)
+            .field("read_only", &self.inner.opts.read_only)
+            .finish()
+    }
+}
+
+impl NatsKvLedger {
+    /// Connects to the servers a `nats://` URL names
+    /// (`nats://h1:p1[,h2:p2…][?bucket=B&replicas=R]`, see the crate docs),
+    /// opens the bucket and creates it if absent: [`NatsKvLedger::connect_with`]
+    /// with the default options.
+    pub async fn connect(url: &str) -> Result<Self> {
+        Self::connect_with(url, NatsKvOptions::default()).await
+    }
+
+    /// Connects to the servers a `nats://` URL names, opens the bucket and
+    /// creates it if absent (unless `options` say
+    /// [`migrate(false)`](NatsKvOptions::migrate) or
+    /// [`read_only`](NatsKvOptions::read_only)). The URL's `bucket` and
+    /// `replicas` parameters override `options`' (the URL is what a
+    /// deployment configures; the options are the code's defaults).
+    ///
+    /// A malformed URL or bad options fail with [`Error::Config`] before
+    /// anything connects; a server that cannot be reached with
+    /// [`Error::Unavailable`]. A bucket that exists with settings this ledger
+    /// cannot rely on fails with [`Error::Config`] and is left unchanged.
+    pub async fn connect_with(url: &str, options: NatsKvOptions) -> Result<Self> {
+        let target = NatsUrl::parse(url)?;
+        let opts = target.apply(options);
+        opts.validate()?;
+        let addrs = target.addrs()?;
+        let client = async_nats::ConnectOptions::new()
+            .connection_timeout(opts.connect_timeout)
+            .request_timeout(Some(opts.request_timeout))
+            .name("oncely")
+            .connect(addrs)
+            .await
+            .map_err(unavailable)?;
+        let js = jetstream::ContextBuilder::new()
+            .timeout(opts.request_timeout)
+            .build(client);
+        // One deadline for opening the bucket and the first clock probe.
+        let deadline = Deadline::after(opts.open_timeout);
+        let store = bucket::open(&js, &opts, deadline).await?;
+        Self::with_store(store, opts, deadline).await
+    }
+
+    /// Uses a bucket the caller opened. Its settings are checked as by
+    /// [`NatsKvLedger::connect_with`] against `opts` (the bucket name is
+    /// taken from the store).
+    pub async fn from_store(store: kv::Store, opts: NatsKvOptions) -> Result<Self> {
+        let opts = NatsKvOptions {
+            bucket: store.name.clone(),
+            ..opts
+        };
+        opts.validate()?;
+        bucket::check(&store.stream.cached_info().config, &opts)?;
+        let deadline = Deadline::after(opts.open_timeout);
+        Self::with_store(store, opts, deadline).await
+    }
+
+    async fn with_store(store: kv::Store, opts: NatsKvOptions, deadline: Deadline) -> Result<Self> {
+        let bucket_max_age = Some(store.stream.cached_info().config.max_age).filter(|a| !a.is_zero());
+        let ledger = NatsKvLedger {
+            inner: Arc::new(Inner {
+                store,
+                opts,
+                bucket_max_age,
+                clock: ServerClock::default(),
+                revisions: Mutex::new(HashMap::new()),
+            }),
+        };
+        // A replicated bucket just created answers only once its stream has
+        // elected a leader; the first clock probe doubles as that wait.
+        let mut backoff = opening_backoff();
+        loop {
+            match ledger.now().await {
+                Ok(_) => return Ok(ledger),
+                Err(e) if !deadline.passed() => {
+                    tracing::debug!(error = %e, "bucket not ready yet");
+                    backoff.wait(deadline.remaining()).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// The underlying bucket.
+    pub fn store(&self) -> &kv::Store {
+        &self.inner.store
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &NatsKvOptions {
+        &self.inner.opts
+    }
+
+    /// Refuses a write on a read-only ledger, before any round trip.
+    fn writable(&self, what: &str) -> Result<()> {
+        if self.inner.opts.read_only {
+            return Err(read_only(what, &self.inner.opts.bucket));
+        }
+        Ok(())
+    }
+
+    /// Remembers the revision this ledger just wrote for a lease it holds.
+    pub(crate) fn remember(&self, kv_key: &str, revision: u64, value: Stored) {
+        let mut c = self.inner.revisions.lock().unwrap_or_else(|p| p.into_inner());
+        if c.len() >= REVISION_CACHE {
+            // Leases that were never completed (crashed handlers, dropped
+            // futures) would otherwise pile up; forgetting only costs a read.
+            c.clear();
+        }
+        c.insert(kv_key.to_owned(), (revision, value));
+    }
+
+    /// The remembered revision and value of the lease at `fence`, if any
+    /// (taken: a write with it either succeeds and is remembered again, or
+    /// shows it stale).
+    fn recall(&self, kv_key: &str, fence: u64) -> Option<(u64, Stored)> {
+        let mut c = self.inner.revisions.lock().unwrap_or_else(|p| p.into_inner());
+        match c.get(kv_key) {
+            Some((_, v)) if v.fence == fence => c.remove(kv_key),
+            _ => None,
+        }
+    }
+
+    fn check_retention(&self, retention: Duration) -> Result<()> {
+        // A completed record must outlive its retention; the bucket would
+        // drop it at max_age, so a longer retention is a promise we cannot
+        // keep: refused up front, before any round trip.
+        if retention > self.inner.opts.max_age {
+            return Err(Error::InvalidInput(format!(
+                "retention {retention:?} exceeds the bucket's max_age {:?}",
+                self.inner.opts.max_age
+            )));
+        }
+        Ok(())
+    }
+
+    /// A write made with a lease: succeeds only while the record is in
+    /// progress at the lease's fence. Returns the new value's revision.
+    ///
+    /// Every such write also clears the record's `hz` mark: a lease holder
+    /// writes only after its claim returned, so that claim's horizon check
+    /// passed. (A refused write is counted as a fence rejection by the
+    /// runner, not here: telemetry is recorded in one place.)
+    async fn fenced(&self, lease: &Lease, change: impl Fn(&mut Stored)) -> Result<(u64, Stored)> {
+        let kk = kv_key(lease.key());
+        if let Some((rev, mut value)) = self.recall(&kk, lease.fence()) {
+            change(&mut value);
+            value.hz = None;
+            if let Write::Done(new_rev) = self.write(&kk, &value, rev).await? {
+                return Ok((new_rev, value));
+            }
+        }
+        let lost = || Error::LeaseLost {
+            key: lease.key().to_string(),
+            fence: lease.fence(),
+        };
+        for _ in 0..MAX_ATTEMPTS {
+            let Some(Current {
+                revision,
+                value: Some(mut value),
+                ..
+            }) = self.read(&kk).await?
+            else {
+                return Err(lost());
+            };
+            value.effect_key(Some(lease.key()))?;
+            if value.fence != lease.fence() || value.state()? != RecordState::InProgress {
+                return Err(lost());
+            }
+            change(&mut value);
+            value.hz = None;
+            match self.write(&kk, &value, revision).await? {
+                Write::Done(new_rev) => return Ok((new_rev, value)),
+                Write::Conflict => continue,
+            }
+        }
+        Err(gave_up("fenced write", lease.key(), "lost races"))
+    }
+}
+
+impl FromUrl for NatsKvLedger {
+    const SCHEMES: &'static [&'static str] = &["nats"];
+
+    /// `nats://h1:p1[,h2:p2…][?bucket=B&replicas=R]` with the default
+    /// options otherwise. [`Access::Migrate`] creates a missing bucket;
+    /// [`Access::Existing`] never does ([`NatsKvOptions::migrate`]`(false)`);
+    /// [`Access::ReadOnly`] never does either and refuses the ledger's
+    /// writes ([`NatsKvOptions::read_only`]). A `connect_timeout` bounds both
+    /// the connection and the wait for the bucket to answer
+    /// ([`NatsKvOptions::open_timeout`](NatsKvOptions#structfield.open_timeout)):
+    /// a caller that wants a quick answer wants it for the whole open.
+    async fn from_url(url: &str, options: OpenOptions) -> Result<Self> {
+        let mut opts = NatsKvOptions::default();
+        match options.access {
+            Access::Migrate => {}
+            Access::Existing => opts = opts.migrate(false),
+            Access::ReadOnly => opts = opts.migrate(false).read_only(true),
+        }
+        if let Some(t) = options.connect_timeout {
+            opts = opts.connect_timeout(t).open_timeout(t);
+        }
+        Self::connect_with(url, opts).await
+    }
+}
+
+impl Ledger for NatsKvLedger {
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new("JetStream file storage", "NATS server timestamps")
+            .replicated(self.inner.opts.replicas > 1)
+    }
+
+    // No span and no metrics here: the core's claim pipeline records each
+    // claim once (a backend that did too would count every claim twice).
+    async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
+        opts.validate()?;
+        self.check_retention(opts.retention)?;
+        self.writable("claim")?;
+        self.claim_key(key, opts).await
+    }
+
+    async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
+        check_outcome(outcome, oncely::MAX_OUTCOME_BYTES)?;
+        self.writable("complete")?;
+        self.fenced(lease, |v| {
+            v.set_state(RecordState::Completed);
+            v.set_outcome(Some(outcome));
+        })
+        .await?;
+        Ok(())
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<()> {
+        self.writable("release")?;
+        self.fenced(lease, |v| v.set_state(RecordState::Released)).await?;
+        Ok(())
+    }
+
+    async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
+        if extend_by < Duration::from_millis(1) || extend_by > MAX_LEASE {
+            return Err(Error::InvalidInput(format!(
+                "a lease must be extended by 1 ms to 1 day, got {extend_by:?}"
+            )));
+        }
+        self.writable("renew")?;
+        // Read before the write, as in a claim: the reported end is no later
+        // than the one the server measures from the new revision's stamp.
+        let now = self.now().await?;
+        let expires_at = later(now, extend_by)?;
+        let us = length_us(extend_by);
+        let (rev, value) = self.fenced(lease, |v| v.lease_us = us).await?;
+        self.remember(&kv_key(lease.key()), rev, value);
+        Ok(lease.renewed_until(expires_at))
+    }
+
+    async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
+        let Some(Current {
+            at, value: Some(v), ..
+        }) = self.read(&kv_key(key)).await?
+        else {
+            return Ok(None);
+        };
+        let now = self.now().await?;
+        let k = v.effect_key(Some(key))?;
+        v.record(k, at, now).map(Some)
+    }
+
+    async fn prune(&self, limit: u64) -> Result<u64> {
+        self.writable("prune")?;
+        self.prune_records(limit).await
+    }
+
+    async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
+        let now = self.now().await?;
+        self.horizon_at(tenant, kind, now).await
+    }
+
+    async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
+        let entries = self
+            .scan(format!("{}{}.*", self.inner.store.prefix, tenant_token(tenant)))
+            .await?;
+        let now = self.now().await?;
+        let mut out = Vec::new();
+        for (kk, cur) in entries {
+            let Some(v) = cur.value else { continue };
+            let Ok(key) = v.effect_key(None) else {
+                continue;
+            };
+            if key.tenant() != tenant {
+                continue;
+            }
+            // One unreadable record must not hide every abandoned step.
+            let r = match v.record(key, cur.at, now) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(kv_key = %kk, error = %e, "skipping an unreadable record");
+                    continue;
+                }
+            };
+            if r.state == RecordState::Abandoned {
+                out.push(r);
+            }
+        }
+        out.sort_by_key(|r| r.created_at);
+        out.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
+        Ok(out)
+    }
+}

@@ -1,0 +1,348 @@
+//! [`NatsKvOptions`], and the `nats://` URL a ledger is opened from.
+//!
+//! `nats://h1:p1[,h2:p2…][?bucket=B&replicas=R]`: one server or a
+//! comma-separated list (each entry `host:port` or a full `nats://` URL, as
+//! `async-nats` takes them). The query string, for the whole list, sets the
+//! KV bucket and its replica count; any other parameter is refused. Every
+//! message about a URL names its parts by position or by name and never
+//! quotes it: it may carry a password or a token.
+
+use std::time::Duration;
+
+use async_nats::ServerAddr;
+use oncely::{Error, Result};
+
+/// The longest lease [`oncely::ClaimOptions::validate`] allows.
+pub(crate) const MAX_LEASE: Duration = Duration::from_secs(86_400);
+
+/// The URL forms, for messages.
+const FORMS: &str = "nats://host:port[,host:port…][?bucket=NAME&replicas=1|3]";
+
+/// Options of [`NatsKvLedger::connect_with`](crate::NatsKvLedger::connect_with)
+/// and [`NatsKvLedger::from_store`](crate::NatsKvLedger::from_store).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NatsKvOptions {
+    /// The KV bucket (default `oncely_effects`).
+    pub bucket: String,
+    /// Replicas of the bucket's stream: 1, or 3 on a cluster (default 1).
+    pub replicas: usize,
+    /// The bucket's `max_age`: the longest retention a claim may ask for, and
+    /// the age at which the server drops a key nobody wrote to (default 30
+    /// days, at least 2 days).
+    pub max_age: Duration,
+    /// How long to wait for the initial connection (default 5 s).
+    pub connect_timeout: Duration,
+    /// How long to wait for a JetStream reply (default 5 s).
+    pub request_timeout: Duration,
+    /// How long [`NatsKvLedger::connect`](crate::NatsKvLedger::connect) keeps
+    /// asking while the bucket does not answer yet, as when a cluster that
+    /// just restarted is still electing the stream's leader (default 30 s).
+    /// Settings the ledger refuses fail at once.
+    pub open_timeout: Duration,
+    /// Whether `connect` creates the bucket when it does not exist (default
+    /// `true`). With `false` a missing bucket is [`Error::Config`]: what
+    /// operator commands that must not create anything (`oncely get`,
+    /// `abandoned`, `prune`) ask for. An existing bucket's settings are
+    /// checked either way.
+    pub migrate: bool,
+    /// Whether the ledger only reads (default `false`); see
+    /// [`NatsKvOptions::read_only`](#method.read_only).
+    pub read_only: bool,
+}
+
+impl Default for NatsKvOptions {
+    fn default() -> Self {
+        NatsKvOptions {
+            bucket: "oncely_effects".to_owned(),
+            replicas: 1,
+            max_age: Duration::from_secs(30 * 86_400),
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(5),
+            open_timeout: Duration::from_secs(30),
+            migrate: true,
+            read_only: false,
+        }
+    }
+}
+
+impl NatsKvOptions {
+    /// Sets the bucket name.
+    pub fn bucket(mut self, bucket: impl Into<String>) -> Self {
+        self.bucket = bucket.into();
+        self
+    }
+
+    /// Sets the replica count (1 or 3).
+    pub fn replicas(mut self, replicas: usize) -> Self {
+        self.replicas = replicas;
+        self
+    }
+
+    /// Sets the bucket's `max_age` (the retention ceiling).
+    pub fn max_age(mut self, max_age: Duration) -> Self {
+        self.max_age = max_age;
+        self
+    }
+
+    /// Sets the connect timeout.
+    pub fn connect_timeout(mut self, t: Duration) -> Self {
+        self.connect_timeout = t;
+        self
+    }
+
+    /// Sets the JetStream request timeout.
+    pub fn request_timeout(mut self, t: Duration) -> Self {
+        self.request_timeout = t;
+        self
+    }
+
+    /// Sets how long `connect` waits for the bucket to answer.
+    pub fn open_timeout(mut self, t: Duration) -> Self {
+        self.open_timeout = t;
+        self
+    }
+
+    /// Sets whether `connect` creates a missing bucket (see
+    /// [`NatsKvOptions::migrate`](#structfield.migrate)).
+    pub fn migrate(mut self, yes: bool) -> Self {
+        self.migrate = yes;
+        self
+    }
+
+    /// A ledger that only reads (default false), for operators and auditors:
+    /// implies `migrate(false)` (a missing bucket is [`Error::Config`],
+    /// nothing is created), and the ledger refuses its own writes (claims,
+    /// completions, releases, renewals, prune) with [`Error::Config`] before
+    /// any round trip. [`oncely::Ledger::get`], [`oncely::Ledger::abandoned`]
+    /// and [`oncely::Ledger::horizon`] work.
+    ///
+    /// One message is still written: the clock probe on the bucket's
+    /// reserved key `_oncely_clock` (crate docs, "Clocks"). NATS tells a
+    /// client the server's time only by stamping a message, and judging
+    /// leases needs it; a NATS user that may publish on
+    /// `$KV.<bucket>._oncely_clock` and read the bucket is enough.
+    pub fn read_only(mut self, yes: bool) -> Self {
+        self.read_only = yes;
+        self
+    }
+
+    /// Whether opening may create a missing bucket.
+    pub(crate) fn creates(&self) -> bool {
+        self.migrate && !self.read_only
+    }
+
+    /// Checks the options; [`Error::Config`] before any round trip.
+    pub(crate) fn validate(&self) -> Result<()> {
+        if self.bucket.is_empty()
+            || !self
+                .bucket
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        {
+            return Err(Error::Config(format!(
+                "bucket name {:?} must be non-empty ASCII letters, digits, '_' or '-'",
+                self.bucket
+            )));
+        }
+        if !matches!(self.replicas, 1 | 3) {
+            return Err(Error::Config(format!(
+                "replicas must be 1 or 3, got {}",
+                self.replicas
+            )));
+        }
+        if self.max_age < 2 * MAX_LEASE {
+            return Err(Error::Config(format!(
+                "max_age must be at least 2 days (longer than the longest lease), got {:?}",
+                self.max_age
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What a `nats://` URL names: the server list (as written, without the
+/// query) and the ledger options given as query parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct NatsUrl {
+    /// The servers, comma-separated, as `async-nats` takes them.
+    pub servers: String,
+    /// `?bucket=`.
+    pub bucket: Option<String>,
+    /// `?replicas=`.
+    pub replicas: Option<usize>,
+}
+
+impl NatsUrl {
+    /// Splits a NATS URL into servers and options; [`Error::Config`] for
+    /// anything else, without quoting the URL.
+    pub(crate) fn parse(url: &str) -> Result<NatsUrl> {
+        let url = url.trim();
+        match url.split_once("://") {
+            Some((scheme, _)) if scheme.eq_ignore_ascii_case("nats") => {}
+            _ => return Err(Error::Config(format!("a NATS URL is {FORMS}"))),
+        }
+        let (servers, query) = url.split_once('?').unwrap_or((url, ""));
+        let mut target = NatsUrl {
+            servers: servers.to_owned(),
+            bucket: None,
+            replicas: None,
+        };
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let duplicate = match name {
+                "bucket" => target.bucket.replace(value.to_owned()).is_some(),
+                "replicas" => {
+                    let n = value.parse().map_err(|_| {
+                        Error::Config("NATS URL parameter replicas must be 1 or 3".to_owned())
+                    })?;
+                    target.replicas.replace(n).is_some()
+                }
+                _ => {
+                    // Quote the name only if it is plainly a name: the pair
+                    // may be a mistyped credential.
+                    let shown = if name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+                        format!(" '{name}'")
+                    } else {
+                        String::new()
+                    };
+                    return Err(Error::Config(format!(
+                        "unknown NATS URL parameter{shown} (expected bucket, replicas)"
+                    )));
+                }
+            };
+            if duplicate {
+                return Err(Error::Config(format!("NATS URL parameter {name} is given twice")));
+            }
+        }
+        Ok(target)
+    }
+
+    /// `options` with what the URL sets. The URL's parameters win over the
+    /// options': the URL is what a deployment configures (an environment
+    /// variable, the `oncely` command's argument), the options are the
+    /// code's defaults.
+    pub(crate) fn apply(&self, mut options: NatsKvOptions) -> NatsKvOptions {
+        if let Some(bucket) = &self.bucket {
+            options.bucket = bucket.clone();
+        }
+        if let Some(replicas) = self.replicas {
+            options.replicas = replicas;
+        }
+        options
+    }
+
+    /// The server addresses; a bad one is named by its position in the
+    /// list, never quoted.
+    pub(crate) fn addrs(&self) -> Result<Vec<ServerAddr>> {
+        let addrs: Vec<ServerAddr> = self
+            .servers
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .enumerate()
+            .map(|(i, s)| {
+                s.parse()
+                    .map_err(|e| Error::Config(format!("NATS url #{} of the list: {e}", i + 1)))
+            })
+            .collect::<Result<_>>()?;
+        if addrs.is_empty() {
+            return Err(Error::Config("no NATS url given".into()));
+        }
+        Ok(addrs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nats_urls_carry_servers_and_options() {
+        let t = NatsUrl::parse("nats://127.0.0.1:4222").unwrap();
+        assert_eq!(
+            t,
+            NatsUrl {
+                servers: "nats://127.0.0.1:4222".to_owned(),
+                bucket: None,
+                replicas: None
+            }
+        );
+        let t =
+            NatsUrl::parse("nats://u:pw@n1:4222,n2:4222,nats://n3:4222?bucket=payments&replicas=3").unwrap();
+        assert_eq!(
+            t,
+            NatsUrl {
+                servers: "nats://u:pw@n1:4222,n2:4222,nats://n3:4222".to_owned(),
+                bucket: Some("payments".to_owned()),
+                replicas: Some(3)
+            }
+        );
+        assert_eq!(t.addrs().unwrap().len(), 3);
+        let t = NatsUrl::parse("nats://n1?&replicas=1&").unwrap();
+        assert_eq!((t.bucket, t.replicas), (None, Some(1)));
+        // The scheme in any case, surrounding blanks, empty list entries.
+        let t = NatsUrl::parse("  NATS://n1:4222, ,n2:4222,  ").unwrap();
+        assert_eq!(t.addrs().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn bad_nats_parameters_are_config_errors() {
+        for (url, says) in [
+            ("nats://n1?replicas=three", "replicas must be 1 or 3"),
+            ("nats://n1?replicas=", "replicas must be 1 or 3"),
+            ("nats://n1?bucket=a&bucket=b", "bucket is given twice"),
+            (
+                "nats://n1?max_age=9",
+                "unknown NATS URL parameter 'max_age' (expected bucket, replicas)",
+            ),
+            ("nats://n1?token:hunter2", "unknown NATS URL parameter (expected"),
+            ("nats:n1", "nats://host:port"),
+            // Another scheme is not a NATS URL, even with a NATS list after it.
+            ("redis://:hunter2@n1:4222,nats://n2:4222", "nats://host:port"),
+            ("not a url at all ::", "nats://host:port"),
+        ] {
+            let m = match NatsUrl::parse(url) {
+                Err(Error::Config(m)) => m,
+                other => panic!("{url}: expected Error::Config, got {other:?}"),
+            };
+            assert!(m.contains(says), "{url}: {m}");
+            assert!(!m.contains("hunter2"), "{url}: {m}");
+        }
+    }
+
+    /// A bad address in a list is named by position, never quoted.
+    #[test]
+    fn bad_addresses_are_named_by_position() {
+        let t = NatsUrl::parse("nats://127.0.0.1:1,nats://u:hunter2@[bad:4222").unwrap();
+        let m = match t.addrs() {
+            Err(Error::Config(m)) => m,
+            other => panic!("expected Error::Config, got {other:?}"),
+        };
+        assert!(m.contains("#2") && !m.contains("hunter2"), "{m}");
+    }
+
+    /// The URL's bucket and replicas override the options'; what it does not
+    /// name is left as the options have it.
+    #[test]
+    fn url_parameters_override_the_options() {
+        let opts = NatsKvOptions::default()
+            .bucket("from_code")
+            .replicas(3)
+            .migrate(false);
+        let t = NatsUrl::parse("nats://n1?bucket=from_url").unwrap();
+        let applied = t.apply(opts.clone());
+        assert_eq!((applied.bucket.as_str(), applied.replicas), ("from_url", 3));
+        assert!(!applied.migrate);
+        let t = NatsUrl::parse("nats://n1?replicas=1").unwrap();
+        let applied = t.apply(opts.clone());
+        assert_eq!((applied.bucket.as_str(), applied.replicas), ("from_code", 1));
+        assert_eq!(NatsUrl::parse("nats://n1").unwrap().apply(opts.clone()), opts);
+    }
+
+    #[test]
+    fn read_only_never_creates() {
+        assert!(NatsKvOptions::default().creates());
+        assert!(!NatsKvOptions::default().migrate(false).creates());
+        assert!(!NatsKvOptions::default().read_only(true).creates());
+    }
+}

@@ -1,0 +1,469 @@
+//! [`PgLedger`]: its constructors, and each ledger operation as one
+//! statement (`sql`) run through the leaked-transaction guard (`guard`).
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use oncely::backend::{
+    FromUrl, OpenOptions, answer_existing, check_outcome, duration_micros, from_micros, to_micros,
+};
+use oncely::{
+    Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, MAX_OUTCOME_BYTES, Outcome, Record,
+    Result, Tenant, TransactionalLedger,
+};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres};
+
+use crate::error::{self, BACKEND, map};
+use crate::guard::{self, Failed, Retry, Run};
+use crate::options::{PgLedgerOptions, SCHEMES};
+use crate::row::{self, ClaimRow, RecordRow};
+use crate::sql::Queries;
+
+/// Most records one prune transaction deletes. Each deleted key's advisory
+/// lock is held until its transaction ends, and the server's lock table is
+/// shared by every session (`max_locks_per_transaction` × connections, 6400
+/// by default), so a prune of a million records runs as many small batches.
+const PRUNE_BATCH: u64 = 500;
+
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pub(crate) q: Queries,
+    pub(crate) schema: String,
+    pub(crate) table: String,
+    read_only: bool,
+}
+
+/// An effect ledger in a PostgreSQL table. Cloning is cheap (a pool handle
+/// and an `Arc`).
+#[derive(Debug, Clone)]
+pub struct PgLedger {
+    pool: PgPool,
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl PgLedger {
+    /// Connects with default [`PgLedgerOptions`], runs the migrations and
+    /// checks the table.
+    ///
+    /// Fails with [`Error::Unavailable`] when the database cannot be reached
+    /// and [`Error::Config`] on a malformed URL (or one that is not
+    /// `postgres://` or `postgresql://`) or a table the ledger cannot use.
+    pub async fn connect(url: &str) -> Result<PgLedger> {
+        PgLedger::connect_with(url, PgLedgerOptions::default()).await
+    }
+
+    /// Connects a pool built from `options`, runs the migrations (unless
+    /// [`PgLedgerOptions::migrate`] is off or the ledger is
+    /// [read-only](PgLedgerOptions::read_only)) and checks the schema
+    /// ([`PgLedger::verify`]). The options and the URL are validated before
+    /// any round trip.
+    pub async fn connect_with(url: &str, options: PgLedgerOptions) -> Result<PgLedger> {
+        options.validate()?;
+        let connect = options.connect_options(url)?;
+        let pool = options.pool_options().connect_with(connect).await.map_err(map)?;
+        let migrate = options.migrates();
+        let ledger = PgLedger::from_pool_with(pool, options)?;
+        let ready = if migrate {
+            ledger.migrate().await
+        } else {
+            ledger.verify().await
+        };
+        if let Err(e) = ready {
+            ledger.pool.close().await;
+            return Err(e);
+        }
+        Ok(ledger)
+    }
+
+    /// A ledger on an existing pool and the default table. Runs no
+    /// migrations and no check: call [`PgLedger::migrate`] (or
+    /// [`PgLedger::verify`]) once at startup.
+    pub fn from_pool(pool: PgPool) -> PgLedger {
+        PgLedger::from_pool_with(pool, PgLedgerOptions::default()).expect("the default options are valid")
+    }
+
+    /// A ledger on an existing pool with the schema, table and read-only
+    /// setting of `options` (its pool settings are not used). Runs no
+    /// migrations and no check.
+    pub fn from_pool_with(pool: PgPool, options: PgLedgerOptions) -> Result<PgLedger> {
+        options.validate()?;
+        Ok(PgLedger {
+            pool,
+            inner: Arc::new(Inner {
+                q: Queries::new(&options.schema, &options.table),
+                schema: options.schema,
+                table: options.table,
+                read_only: options.read_only,
+            }),
+        })
+    }
+
+    /// The pool underneath (shared with the application's own queries).
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The schema and table this ledger uses.
+    pub fn table(&self) -> (&str, &str) {
+        (&self.inner.schema, &self.inner.table)
+    }
+
+    /// Begins a transaction on the pool, cancel-safely.
+    ///
+    /// `pool.begin()` runs in a spawned task, so dropping this future (a
+    /// timeout, `select!`, an aborted task) cannot leave a pooled connection
+    /// inside a transaction nothing will end (sqlx 0.9.0, transact-rs/sqlx#4393).
+    /// Dropping the returned transaction rolls it back, as usual. Must be
+    /// called inside a Tokio runtime.
+    pub async fn begin(&self) -> Result<sqlx::Transaction<'static, Postgres>> {
+        let pool = self.pool.clone();
+        match tokio::spawn(async move { pool.begin().await }).await {
+            Ok(tx) => tx.map_err(map),
+            Err(e) => Err(Error::Backend {
+                backend: BACKEND,
+                message: format!("the task beginning a transaction failed: {e}"),
+                retryable: true,
+            }),
+        }
+    }
+
+    /// Refuses a write on a read-only ledger, before any round trip.
+    pub(crate) fn writable(&self) -> Result<()> {
+        if self.inner.read_only {
+            return Err(Error::Config(format!(
+                "the ledger on {}.{} was opened read-only (PgLedgerOptions::read_only): it does not write",
+                self.inner.schema, self.inner.table
+            )));
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn acquire(&self) -> Result<sqlx::pool::PoolConnection<Postgres>> {
+        self.pool.acquire().await.map_err(map)
+    }
+
+    /// The claim statement on `conn` (options already validated); `guarded`
+    /// is off inside a caller's transaction.
+    async fn claim_on(
+        &self,
+        conn: &mut PgConnection,
+        key: &EffectKey,
+        opts: &ClaimOptions,
+        guarded: bool,
+    ) -> Result<Claim> {
+        let sent_at = opts.sent_at.map(to_micros).transpose()?;
+        let sql = match sent_at {
+            None => &self.inner.q.claim,
+            Some(_) => &self.inner.q.claim_horizon,
+        };
+        let mut retry = Retry::new(guarded, || format!("{key}: the claim"));
+        loop {
+            let run = async {
+                let mut query = sqlx::query(AssertSqlSafe(sql.clone()))
+                    .bind(key.as_str())
+                    .bind(key.tenant().as_str())
+                    .bind(key.kind())
+                    .bind(key.subject())
+                    .bind(opts.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
+                    .bind(opts.at_most_once)
+                    .bind(duration_micros(opts.lease))
+                    .bind(duration_micros(opts.retention))
+                    .bind(guarded);
+                if let Some(sent_at) = sent_at {
+                    query = query.bind(sent_at);
+                }
+                let row = query.fetch_one(&mut *conn).await?;
+                Ok(match ClaimRow::decode(key, &row)? {
+                    ClaimRow::Leaked => Run::Leaked,
+                    ClaimRow::Beyond => return Err(Error::BeyondHorizon { key: key.to_string() }.into()),
+                    ClaimRow::Missing => Run::Again,
+                    ClaimRow::Acquired(lease) => Run::Done(Claim::Acquired(lease)),
+                    // `None`: the record could be taken over now (its lease
+                    // ended after the statement's ON CONFLICT looked at it); run
+                    // the statement again to do so.
+                    ClaimRow::Existing(record) => match answer_existing(key, opts, record)? {
+                        Some(claim) => Run::Done(claim),
+                        None => Run::Again,
+                    },
+                })
+            }
+            .await;
+            if let Some(claim) = retry.settle(conn, run).await? {
+                return Ok(claim);
+            }
+        }
+    }
+
+    /// A fenced write (complete, release, renew) on `conn`; returns the
+    /// statement's value column (the new expiry for renew).
+    async fn fenced_on(
+        &self,
+        conn: &mut PgConnection,
+        lease: &Lease,
+        write: Write<'_>,
+        guarded: bool,
+    ) -> Result<i64> {
+        self.writable()?;
+        let lost = || Error::LeaseLost {
+            key: lease.key().to_string(),
+            fence: lease.fence(),
+        };
+        let Ok(fence) = i64::try_from(lease.fence()) else {
+            return Err(lost());
+        };
+        let q = &self.inner.q;
+        let mut retry = Retry::new(guarded, || format!("{}: the write", lease.key()));
+        loop {
+            let run = async {
+                let query = match write {
+                    Write::Complete(outcome) => sqlx::query(AssertSqlSafe(q.complete.clone()))
+                        .bind(lease.key().as_str())
+                        .bind(fence)
+                        .bind(outcome.as_bytes())
+                        .bind(guarded),
+                    Write::Release => sqlx::query(AssertSqlSafe(q.release.clone()))
+                        .bind(lease.key().as_str())
+                        .bind(fence)
+                        .bind(guarded),
+                    Write::Renew(us) => sqlx::query(AssertSqlSafe(q.renew.clone()))
+                        .bind(lease.key().as_str())
+                        .bind(fence)
+                        .bind(us)
+                        .bind(guarded),
+                };
+                match query.fetch_optional(&mut *conn).await? {
+                    Some(row) => Ok(Run::Done(row::written(&row)?)),
+                    None if guarded && !guard::autocommit(conn, &q.probe).await? => Ok(Run::Leaked),
+                    None => Err(Failed::from(lost())),
+                }
+            }
+            .await;
+            if let Some(value) = retry.settle(conn, run).await? {
+                return Ok(value);
+            }
+        }
+    }
+
+    /// One prune batch of at most `batch` records: how many were
+    /// candidates (past retention, not locked) and how many were deleted.
+    async fn prune_batch(&self, conn: &mut PgConnection, batch: u64) -> Result<(u64, u64)> {
+        let batch = i64::try_from(batch).unwrap_or(i64::MAX);
+        let mut retry = Retry::new(true, || "prune".to_owned());
+        loop {
+            let run = async {
+                let row = sqlx::query(AssertSqlSafe(self.inner.q.prune.clone()))
+                    .bind(batch)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                guard::checked(row)
+            }
+            .await;
+            if let Some(row) = retry.settle(conn, run).await? {
+                return row::prune_counts(&row);
+            }
+        }
+    }
+}
+
+/// The fenced writes.
+#[derive(Clone, Copy)]
+enum Write<'a> {
+    Complete(&'a Outcome),
+    Release,
+    Renew(i64),
+}
+
+impl Ledger for PgLedger {
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new(
+            "PostgreSQL commit (WAL, as synchronous_commit is configured)",
+            "PostgreSQL clock_timestamp() when each write takes effect (database server clock)",
+        )
+        .caller_transaction(true)
+    }
+
+    async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
+        opts.validate()?;
+        self.writable()?;
+        let mut conn = self.acquire().await?;
+        self.claim_on(&mut conn, key, opts, true).await
+    }
+
+    async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
+        check_outcome(outcome, MAX_OUTCOME_BYTES)?;
+        self.writable()?;
+        let mut conn = self.acquire().await?;
+        self.fenced_on(&mut conn, lease, Write::Complete(outcome), true)
+            .await
+            .map(|_| ())
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<()> {
+        self.writable()?;
+        let mut conn = self.acquire().await?;
+        self.fenced_on(&mut conn, lease, Write::Release, true)
+            .await
+            .map(|_| ())
+    }
+
+    async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
+        // The same bounds as a claim's lease (ClaimOptions::validate).
+        if extend_by < Duration::from_millis(1) || extend_by > Duration::from_secs(86_400) {
+            return Err(Error::InvalidInput(format!(
+                "a lease is extended by 1 ms to 1 day, got {extend_by:?}"
+            )));
+        }
+        self.writable()?;
+        let mut conn = self.acquire().await?;
+        let expires_us = self
+            .fenced_on(&mut conn, lease, Write::Renew(duration_micros(extend_by)), true)
+            .await?;
+        Ok(lease.renewed_until(from_micros(expires_us)))
+    }
+
+    async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
+        let mut conn = self.acquire().await?;
+        let mut retry = Retry::new(true, || format!("{key}: the read"));
+        let row = loop {
+            let run = async {
+                let row = sqlx::query(AssertSqlSafe(self.inner.q.get.clone()))
+                    .bind(key.as_str())
+                    .fetch_one(&mut *conn)
+                    .await?;
+                guard::checked(row)
+            }
+            .await;
+            if let Some(row) = retry.settle(&mut conn, run).await? {
+                break row;
+            }
+        };
+        if !row::has_record(&row)? {
+            return Ok(None);
+        }
+        RecordRow::decode(&row)?.record(key.clone()).map(Some)
+    }
+
+    async fn prune(&self, limit: u64) -> Result<u64> {
+        if limit == 0 {
+            return Ok(0);
+        }
+        self.writable()?;
+        let mut conn = self.acquire().await?;
+        let mut deleted = 0;
+        while deleted < limit {
+            let batch = (limit - deleted).min(PRUNE_BATCH);
+            let (candidates, n) = self.prune_batch(&mut conn, batch).await?;
+            deleted += n;
+            // Fewer candidates than asked: nothing more is due. None deleted:
+            // every candidate's key is held by a claim; the next prune gets it.
+            if candidates < batch || n == 0 {
+                break;
+            }
+        }
+        Ok(deleted)
+    }
+
+    async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let mut conn = self.acquire().await?;
+        // A read: inside a stray transaction it would still read correctly,
+        // so it carries no guard; only a failed stray transaction is healed.
+        let mut retry = Retry::new(true, || "abandoned listing".to_owned());
+        let rows = loop {
+            let run = sqlx::query(AssertSqlSafe(self.inner.q.abandoned.clone()))
+                .bind(tenant.as_str())
+                .bind(limit)
+                .fetch_all(&mut *conn)
+                .await
+                .map(Run::Done)
+                .map_err(Failed::from);
+            if let Some(rows) = retry.settle(&mut conn, run).await? {
+                break rows;
+            }
+        };
+        rows.iter()
+            .map(|row| {
+                let key = row::key(row)?;
+                RecordRow::decode(row)?.record(key)
+            })
+            .collect()
+    }
+
+    async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
+        let mut conn = self.acquire().await?;
+        let mut retry = Retry::new(true, || "the horizon read".to_owned());
+        let row = loop {
+            let run = async {
+                let row = sqlx::query(AssertSqlSafe(self.inner.q.horizon.clone()))
+                    .bind(tenant.as_str())
+                    .bind(kind)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                guard::checked(row)
+            }
+            .await;
+            if let Some(row) = retry.settle(&mut conn, run).await? {
+                break row;
+            }
+        };
+        Ok(row::watermark(&row)?.map(from_micros))
+    }
+
+    fn unique_violation(&self, error: &(dyn std::error::Error + 'static)) -> Option<String> {
+        error::unique_violation(error)
+    }
+}
+
+impl TransactionalLedger for PgLedger {
+    type Connection = PgConnection;
+    type Transaction = sqlx::Transaction<'static, Postgres>;
+
+    /// [`PgLedger::begin`]: cancel-safe.
+    async fn begin(&self) -> Result<Self::Transaction> {
+        PgLedger::begin(self).await
+    }
+
+    async fn commit(&self, tx: Self::Transaction) -> Result<()> {
+        tx.commit().await.map_err(map)
+    }
+
+    async fn rollback(&self, tx: Self::Transaction) -> Result<()> {
+        tx.rollback().await.map_err(map)
+    }
+
+    async fn claim_in(&self, conn: &mut PgConnection, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
+        opts.validate()?;
+        self.writable()?;
+        self.claim_on(conn, key, opts, false).await
+    }
+
+    async fn complete_in(&self, conn: &mut PgConnection, lease: &Lease, outcome: &Outcome) -> Result<()> {
+        check_outcome(outcome, MAX_OUTCOME_BYTES)?;
+        self.fenced_on(conn, lease, Write::Complete(outcome), false)
+            .await
+            .map(|_| ())
+    }
+}
+
+impl FromUrl for PgLedger {
+    const SCHEMES: &'static [&'static str] = SCHEMES;
+
+    /// [`PgLedger::connect_with`] with the default options, except:
+    /// [`Access::Existing`](oncely::backend::Access::Existing) is
+    /// [`PgLedgerOptions::migrate`]`(false)`,
+    /// [`Access::ReadOnly`](oncely::backend::Access::ReadOnly) is
+    /// [`PgLedgerOptions::read_only`]`(true)`, and a
+    /// [`connect_timeout`](field@OpenOptions::connect_timeout) is the
+    /// [`acquire_timeout`](PgLedgerOptions::acquire_timeout) (which bounds
+    /// connecting too).
+    async fn from_url(url: &str, options: OpenOptions) -> Result<Self> {
+        PgLedger::connect_with(url, PgLedgerOptions::for_open(options)).await
+    }
+}

@@ -1,0 +1,245 @@
+//! [`PgLedgerOptions`], the builder of a ledger, and the PostgreSQL URL
+//! forms it opens (`postgres://…` and `postgresql://…`, parsed by sqlx).
+
+use std::time::Duration;
+
+use oncely::backend::{Access, OpenOptions};
+use oncely::{Error, Result};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+use crate::error::map;
+
+/// The URL schemes a PostgreSQL ledger opens
+/// ([`FromUrl::SCHEMES`](oncely::backend::FromUrl::SCHEMES)).
+pub(crate) const SCHEMES: &[&str] = &["postgres", "postgresql"];
+
+/// Longest schema or table name accepted (PostgreSQL's limit is 63 bytes; the
+/// index, horizon, function and migration table names add a suffix to the
+/// table name).
+const MAX_SCHEMA_BYTES: usize = 63;
+const MAX_TABLE_BYTES: usize = 48;
+
+/// Options of [`PgLedger::connect_with`](crate::PgLedger::connect_with) and
+/// [`PgLedger::from_pool_with`](crate::PgLedger::from_pool_with).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PgLedgerOptions {
+    pub(crate) max_connections: u32,
+    pub(crate) acquire_timeout: Duration,
+    pub(crate) test_before_acquire: bool,
+    pub(crate) schema: String,
+    pub(crate) table: String,
+    pub(crate) migrate: bool,
+    pub(crate) read_only: bool,
+}
+
+impl Default for PgLedgerOptions {
+    /// 16 connections, a 5 s acquire timeout, no ping before acquire, table
+    /// `public.oncely_effects`, migrations on connect, read-write.
+    fn default() -> Self {
+        PgLedgerOptions {
+            max_connections: 16,
+            acquire_timeout: Duration::from_secs(5),
+            test_before_acquire: false,
+            schema: "public".to_owned(),
+            table: "oncely_effects".to_owned(),
+            migrate: true,
+            read_only: false,
+        }
+    }
+}
+
+impl PgLedgerOptions {
+    /// Pool size (connections). Only used by
+    /// [`PgLedger::connect_with`](crate::PgLedger::connect_with).
+    pub fn max_connections(mut self, n: u32) -> Self {
+        self.max_connections = n;
+        self
+    }
+
+    /// How long an operation waits for a pooled connection before failing
+    /// with [`Error::Unavailable`]. It bounds opening a connection too (sqlx
+    /// opens one inside the wait for it), so it is also the connect timeout.
+    /// Only used by [`PgLedger::connect_with`](crate::PgLedger::connect_with).
+    pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
+        self.acquire_timeout = timeout;
+        self
+    }
+
+    /// Whether the pool pings a connection before handing it out (sqlx's
+    /// default). Off by default: the ping is a full round trip before every
+    /// claim, and a dead connection already surfaces as
+    /// [`Error::Unavailable`] on the one operation that hits it (nothing
+    /// runs). Only used by
+    /// [`PgLedger::connect_with`](crate::PgLedger::connect_with).
+    pub fn test_before_acquire(mut self, yes: bool) -> Self {
+        self.test_before_acquire = yes;
+        self
+    }
+
+    /// The schema of the ledger table (default `public`; created by
+    /// [`PgLedger::migrate`](crate::PgLedger::migrate) if absent). Lowercase
+    /// ASCII letters, digits and `_`, not starting with a digit, at most 63
+    /// bytes.
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self
+    }
+
+    /// The ledger table's name (default `oncely_effects`). Lowercase ASCII
+    /// letters, digits and `_`, not starting with a digit, at most 48 bytes.
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// Whether [`PgLedger::connect_with`](crate::PgLedger::connect_with) runs
+    /// the migrations (default true). With `false` it creates and changes
+    /// nothing: it checks what exists and fails with [`Error::Config`]
+    /// naming what is missing or wrong (a deployment step runs `oncely
+    /// migrate` instead, with a role that may change the schema).
+    pub fn migrate(mut self, yes: bool) -> Self {
+        self.migrate = yes;
+        self
+    }
+
+    /// A ledger that only reads (default false), for a role that may only
+    /// `SELECT`: implies `migrate(false)`,
+    /// [`PgLedger::connect_with`](crate::PgLedger::connect_with) opens every
+    /// pooled session with `default_transaction_read_only = on`, and the
+    /// ledger refuses its own writes (claims, completions, releases,
+    /// renewals, prune, [`PgLedger::migrate`](crate::PgLedger::migrate)) with
+    /// [`Error::Config`] before any round trip. [`oncely::Ledger::get`],
+    /// [`oncely::Ledger::abandoned`] and [`oncely::Ledger::horizon`] work. On
+    /// a pool handed to
+    /// [`PgLedger::from_pool_with`](crate::PgLedger::from_pool_with) the
+    /// sessions are the pool's; only the ledger's own refusal applies.
+    pub fn read_only(mut self, yes: bool) -> Self {
+        self.read_only = yes;
+        self
+    }
+
+    /// Checks the names and sizes; [`Error::Config`] before any round trip.
+    pub fn validate(&self) -> Result<()> {
+        identifier("schema", &self.schema, MAX_SCHEMA_BYTES)?;
+        identifier("table", &self.table, MAX_TABLE_BYTES)?;
+        if self.max_connections == 0 {
+            return Err(Error::Config("max_connections must be at least 1".into()));
+        }
+        Ok(())
+    }
+
+    /// The options [`FromUrl::from_url`](oncely::backend::FromUrl::from_url)
+    /// opens with: the defaults, with the access and the connect timeout of
+    /// `open`.
+    pub(crate) fn for_open(open: OpenOptions) -> Self {
+        let options = PgLedgerOptions::default();
+        let options = match open.access {
+            Access::Migrate => options,
+            Access::Existing => options.migrate(false),
+            Access::ReadOnly => options.read_only(true),
+        };
+        match open.connect_timeout {
+            // One setting bounds both the connect and the wait for a pooled
+            // connection (see `acquire_timeout`).
+            Some(timeout) => options.acquire_timeout(timeout),
+            None => options,
+        }
+    }
+
+    /// Whether connecting runs the migrations (never for a read-only ledger).
+    pub(crate) fn migrates(&self) -> bool {
+        self.migrate && !self.read_only
+    }
+
+    /// The connection options of `url` under these options.
+    pub(crate) fn connect_options(&self, url: &str) -> Result<PgConnectOptions> {
+        let mut connect = parse_url(url)?;
+        if self.read_only {
+            // The server refuses writes too, whatever the role may do.
+            connect = connect.options([("default_transaction_read_only", "on")]);
+        }
+        Ok(connect)
+    }
+
+    /// The pool these options describe.
+    pub(crate) fn pool_options(&self) -> PgPoolOptions {
+        PgPoolOptions::new()
+            .max_connections(self.max_connections)
+            .acquire_timeout(self.acquire_timeout)
+            .test_before_acquire(self.test_before_acquire)
+    }
+}
+
+/// A PostgreSQL URL (`postgres://` or `postgresql://`, any case) as sqlx's
+/// connection options. Any other scheme is refused before anything
+/// connects: sqlx alone would read `mysql://host:3306/db` as a PostgreSQL
+/// server on port 3306. Messages never quote the URL (it may carry a
+/// password).
+fn parse_url(url: &str) -> Result<PgConnectOptions> {
+    let scheme = url.split_once(':').map(|(s, _)| s.to_ascii_lowercase());
+    if !scheme.is_some_and(|s| SCHEMES.contains(&s.as_str())) {
+        return Err(Error::Config(
+            "not a PostgreSQL URL: it starts with postgres:// or postgresql://".into(),
+        ));
+    }
+    url.parse().map_err(map)
+}
+
+fn identifier(what: &str, s: &str, max: usize) -> Result<()> {
+    let ok = !s.is_empty()
+        && s.len() <= max
+        && s.bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_lowercase() || b == b'_')
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Config(format!(
+            "{what} name {s:?} is not a plain identifier (lowercase ASCII letters, digits and _, \
+             not starting with a digit, at most {max} bytes)"
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_postgres_urls_parse() {
+        for ok in [
+            "postgres://app@db/app",
+            "postgresql://app:pw@db:5433/app?sslmode=disable",
+            "POSTGRES://app@db/app",
+        ] {
+            assert!(parse_url(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "mysql://app:s3cret@db:3306/app",
+            "postgres-ish://app:s3cret@db/app",
+            "app:s3cret@db/app",
+            "",
+            "postgres://app:s3cret@db:notaport/app",
+        ] {
+            match parse_url(bad) {
+                Err(Error::Config(m)) => assert!(!m.contains("s3cret"), "{bad}: {m}"),
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn open_options_map_to_ledger_options() {
+        let o = PgLedgerOptions::for_open(OpenOptions::new(Access::Migrate));
+        assert_eq!(o, PgLedgerOptions::default());
+        let o = PgLedgerOptions::for_open(OpenOptions::new(Access::Existing));
+        assert!(!o.migrates() && !o.read_only);
+        let o = PgLedgerOptions::for_open(
+            OpenOptions::new(Access::ReadOnly).connect_timeout(Duration::from_millis(1500)),
+        );
+        assert!(!o.migrates() && o.read_only);
+        assert_eq!(o.acquire_timeout, Duration::from_millis(1500));
+    }
+}

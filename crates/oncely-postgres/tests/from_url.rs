@@ -1,0 +1,190 @@
+//! `PgLedger::from_url` (`oncely::backend::FromUrl`): each `Access`, the
+//! connect timeout, and URLs refused before anything connects.
+//!
+//! `from_url` opens the default table, `public.oncely_effects`; the test
+//! works in a database of its own (created and dropped here) so that the
+//! table is its alone and "creates nothing" can be checked.
+
+use std::time::Duration;
+
+use oncely::backend::{Access, FromUrl, OpenOptions};
+use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
+use oncely::{Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, RecordState};
+use oncely_postgres::PgLedger;
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{AssertSqlSafe, PgPool};
+
+fn url() -> Option<String> {
+    service_url(
+        "ONCELY_POSTGRES_URL",
+        Some("postgres://postgres@127.0.0.1:5432/test"),
+    )
+}
+
+async fn pool(url: &str) -> Option<PgPool> {
+    match PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect(url)
+        .await
+    {
+        Ok(p) => Some(p),
+        Err(e) => skip_or_fail(&format!("PostgreSQL at {url}: {e}")),
+    }
+}
+
+/// `url` naming the database `db` instead of its own, with `scheme`.
+fn with_database(url: &str, scheme: &str, db: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base, format!("?{query}")),
+        None => (url, String::new()),
+    };
+    let (_, rest) = base.split_once("://").expect("a URL");
+    let authority = rest.split('/').next().unwrap_or(rest);
+    format!("{scheme}://{authority}/{db}{query}")
+}
+
+async fn drop_database(admin: &PgPool, db: &str) {
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
+    )))
+    .execute(admin)
+    .await
+    .unwrap();
+}
+
+/// Whether a relation (`schema.name`) exists.
+async fn exists(pool: &PgPool, relation: &str) -> bool {
+    sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+        .bind(relation)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+fn key(subject: &str) -> EffectKey {
+    EffectKey::new(&fresh_tenant(), "capture", subject).unwrap()
+}
+
+/// `Existing` and `ReadOnly` refuse a database without the ledger and create
+/// nothing in it; `Migrate` creates it (through a `postgresql://` URL);
+/// then `Existing` opens it and writes, and `ReadOnly` reads, refuses to
+/// write (its sessions read-only on the server too) and waits for a
+/// connection no longer than its connect timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn from_url_honours_each_access() {
+    let Some(url) = url() else { return };
+    let Some(admin) = pool(&url).await else { return };
+    let db = format!("oncely_from_url_{}", std::process::id());
+    drop_database(&admin, &db).await;
+    sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {db}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let db_url = with_database(&url, "postgres", &db);
+    let observer = pool(&db_url).await.unwrap();
+    assert_eq!(PgLedger::SCHEMES, ["postgres", "postgresql"]);
+
+    for access in [Access::Existing, Access::ReadOnly] {
+        let e = PgLedger::from_url(&db_url, OpenOptions::new(access))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::Config(m) if m.contains("table public.oncely_effects does not exist")),
+            "{access:?}: {e:?}"
+        );
+        for relation in [
+            "public.oncely_effects",
+            "public.oncely_effects_horizon",
+            "public.oncely_effects_migrations",
+        ] {
+            assert!(
+                !exists(&observer, relation).await,
+                "{access:?} created {relation}"
+            );
+        }
+    }
+
+    let migrated = PgLedger::from_url(
+        &with_database(&url, "postgresql", &db),
+        OpenOptions::new(Access::Migrate),
+    )
+    .await
+    .unwrap();
+    assert!(exists(&observer, "public.oncely_effects").await);
+    assert!(exists(&observer, "public.oncely_effects_horizon").await);
+    let done = key("done");
+    let outcome = Outcome::from_json(&"captured").unwrap();
+    match migrated.claim(&done, &ClaimOptions::default()).await.unwrap() {
+        Claim::Acquired(l) => migrated.complete(&l, &outcome).await.unwrap(),
+        other => panic!("{other:?}"),
+    }
+
+    let existing = PgLedger::from_url(&db_url, OpenOptions::new(Access::Existing))
+        .await
+        .unwrap();
+    assert!(matches!(
+        existing
+            .claim(&key("other"), &ClaimOptions::default())
+            .await
+            .unwrap(),
+        Claim::Acquired(_)
+    ));
+
+    let timeout = Duration::from_millis(1500);
+    let read_only = PgLedger::from_url(
+        &db_url,
+        OpenOptions::new(Access::ReadOnly).connect_timeout(timeout),
+    )
+    .await
+    .unwrap();
+    assert_eq!(read_only.pool().options().get_acquire_timeout(), timeout);
+    let r = read_only.get(&done).await.unwrap().unwrap();
+    assert_eq!((r.state, r.outcome), (RecordState::Completed, Some(outcome)));
+    let fresh = key("fresh");
+    let e = read_only
+        .claim(&fresh, &ClaimOptions::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Config(_)), "{e:?}");
+    assert!(read_only.get(&fresh).await.unwrap().is_none());
+    let server: String = sqlx::query_scalar("SHOW default_transaction_read_only")
+        .fetch_one(read_only.pool())
+        .await
+        .unwrap();
+    assert_eq!(server, "on");
+    // The defaults, where no connect timeout is given.
+    assert_eq!(
+        existing.pool().options().get_acquire_timeout(),
+        Duration::from_secs(5)
+    );
+
+    for ledger in [migrated, existing, read_only] {
+        ledger.pool().close().await;
+    }
+    observer.close().await;
+    drop_database(&admin, &db).await;
+}
+
+/// A malformed URL, or one of another scheme, is a configuration error for
+/// every access, before anything connects (port 1 is closed: a connection
+/// attempt would be `Unavailable`), and the message does not quote the
+/// password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn from_url_refuses_a_malformed_url() {
+    for bad in [
+        "postgres://app:s3cret@127.0.0.1:notaport/test",
+        "postgres://app:s3cret@127.0.0.1:1/test?sslmode=sometimes",
+        "mysql://app:s3cret@127.0.0.1:1/test",
+        "app:s3cret@127.0.0.1:1/test",
+        "",
+    ] {
+        for access in [Access::Migrate, Access::Existing, Access::ReadOnly] {
+            match PgLedger::from_url(bad, OpenOptions::new(access)).await {
+                Err(Error::Config(m)) => assert!(!m.contains("s3cret"), "{bad} {access:?}: {m}"),
+                Err(e) => panic!("{bad} {access:?}: {e:?}"),
+                Ok(_) => panic!("{bad} {access:?} opened"),
+            }
+        }
+    }
+}

@@ -1,0 +1,316 @@
+//! How a ledger opens: [`RedisLedgerOptions`], and the URL forms of this
+//! backend (`redis://host:port[/db]` for one server,
+//! `redis+cluster://h1:p1,h2:p2[?…]` for a cluster) turned into what the
+//! redis client connects to ([`parse_url`]). Nothing here touches a server.
+
+use std::time::Duration;
+
+use oncely::{Error, Result};
+
+/// The schemes of [`FromUrl`](oncely::backend::FromUrl): one server, or a
+/// cluster's seed nodes.
+pub(crate) const SCHEMES: &[&str] = &["redis", "redis+cluster"];
+
+const DEFAULT_PREFIX: &str = "oncely:";
+
+/// What the messages of a malformed URL point to.
+const FORMS: &str = "redis://host:port[/db] or redis+cluster://host:port,host:port,…";
+
+/// Options of a [`RedisLedger`](crate::RedisLedger).
+/// `RedisLedgerOptions::default()` gives the prefix `oncely:`, a 2 s
+/// connection timeout, a 5 s response timeout, a required `noeviction`
+/// policy, and a ledger that writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisLedgerOptions {
+    pub(crate) prefix: String,
+    pub(crate) connection_timeout: Duration,
+    pub(crate) response_timeout: Duration,
+    pub(crate) require_noeviction: bool,
+    pub(crate) read_only: bool,
+}
+
+impl Default for RedisLedgerOptions {
+    fn default() -> Self {
+        RedisLedgerOptions {
+            prefix: DEFAULT_PREFIX.to_owned(),
+            connection_timeout: Duration::from_secs(2),
+            response_timeout: Duration::from_secs(5),
+            require_noeviction: true,
+            read_only: false,
+        }
+    }
+}
+
+impl RedisLedgerOptions {
+    /// Sets the key prefix (default `oncely:`): at most 64 printable ASCII
+    /// characters, none of `{ } * ? [ ] \` (they would change the hash tag or
+    /// the `SCAN` patterns). Checked when connecting.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Sets the timeout of establishing a connection.
+    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
+        self.connection_timeout = timeout;
+        self
+    }
+
+    /// Sets how long one operation waits for the server's answer; a timeout
+    /// is a retryable [`Error::Backend`] (the operation may still have been
+    /// applied, exactly like a dropped future).
+    pub fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout;
+        self
+    }
+
+    /// Whether connecting fails on a `maxmemory-policy` other than
+    /// `noeviction` (default `true`). Turn it off only for a server whose
+    /// memory can never fill up.
+    pub fn require_noeviction(mut self, yes: bool) -> Self {
+        self.require_noeviction = yes;
+        self
+    }
+
+    /// Whether the ledger only reads (default `false`), for operator commands
+    /// that must not change anything (`get`, `abandoned`, `horizon`). It
+    /// connects exactly as a writing ledger does (Redis has nothing to create
+    /// or migrate), and every write ([`claim`](oncely::Ledger::claim),
+    /// `complete`, `release`, `renew`, `prune`) fails with [`Error::Config`]
+    /// before any round trip, as the SQL backends' read-only ledgers do.
+    pub fn read_only(mut self, yes: bool) -> Self {
+        self.read_only = yes;
+        self
+    }
+
+    pub(crate) fn check(&self) -> Result<()> {
+        let ok = self.prefix.len() <= 64
+            && self.prefix.bytes().all(|b| {
+                b.is_ascii_graphic() && !matches!(b, b'{' | b'}' | b'*' | b'?' | b'[' | b']' | b'\\')
+            });
+        if !ok {
+            return Err(Error::Config(format!(
+                "redis key prefix {:?} must be at most 64 printable ASCII characters without {{ }} * ? [ ] \\",
+                self.prefix
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The server(s) a URL names, as the redis client takes them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Target {
+    /// One server: a URL for `redis::Client::open`.
+    Single(String),
+    /// A cluster's seed nodes, each a `redis://` URL; never empty.
+    Cluster(Vec<String>),
+}
+
+/// Refuses a URL whose scheme is not one of [`SCHEMES`] (case aside).
+pub(crate) fn check_scheme(url: &str) -> Result<()> {
+    match url.trim().split_once("://") {
+        Some((scheme, _)) if SCHEMES.iter().any(|s| scheme.eq_ignore_ascii_case(s)) => Ok(()),
+        _ => Err(Error::Config(format!("a Redis URL is {FORMS}"))),
+    }
+}
+
+/// Splits a URL into what the ledger connects to:
+///
+/// - `redis+cluster://` followed by the seed nodes, comma-separated, each
+///   `host:port` or `redis://host:port`. The credentials of the first node
+///   (`redis+cluster://user:pw@h1:7000,h2:7000`) apply to the nodes that
+///   carry none (every node of one cluster takes the same ones), and a query
+///   string (`?protocol=resp3`) applies to every node.
+/// - `redis://host:port[/db]`: one server. A comma in its host part is
+///   refused with a pointer to `redis+cluster://`, rather than handed to the
+///   client as a host name that can never resolve. (Only the host part: a
+///   password may hold a comma, as `connect` has always accepted.)
+/// - any other scheme with `://` (`unix://`, `redis+unix://`, `rediss://`):
+///   one server, the URL handed to the redis client as it is, as `connect`
+///   always did (`rediss://` needs TLS features this crate does not enable,
+///   so the client refuses it).
+///
+/// Messages never quote the URL: it may hold a password.
+pub(crate) fn parse_url(url: &str) -> Result<Target> {
+    let url = url.trim();
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Err(Error::Config(format!("a Redis URL is {FORMS}")));
+    };
+    if scheme.eq_ignore_ascii_case("redis+cluster") {
+        return cluster_nodes(rest).map(Target::Cluster);
+    }
+    if !scheme.eq_ignore_ascii_case("redis") {
+        return Ok(Target::Single(url.to_owned()));
+    }
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    let host = authority.rsplit_once('@').map_or(authority, |(_, host)| host);
+    if host.contains(',') {
+        return Err(Error::Config(
+            "a redis:// URL names one server; give a cluster's nodes as \
+             redis+cluster://host:port,host:port,…"
+                .to_owned(),
+        ));
+    }
+    Ok(Target::Single(format!("redis://{rest}")))
+}
+
+/// The seed nodes of a `redis+cluster://` URL, after its `://`.
+fn cluster_nodes(rest: &str) -> Result<Vec<String>> {
+    let (list, query) = match rest.split_once('?') {
+        Some((list, query)) => (list, Some(query)),
+        None => (rest, None),
+    };
+    let mut userinfo: Option<&str> = None;
+    let mut nodes = Vec::new();
+    for (i, item) in list.split(',').map(str::trim).enumerate() {
+        if item.is_empty() {
+            continue;
+        }
+        let item = match item.split_once("://") {
+            Some((s, node)) if s.eq_ignore_ascii_case("redis") => node,
+            Some(_) => {
+                return Err(Error::Config(format!(
+                    "redis+cluster:// node {} has a scheme other than redis://; \
+                     nodes are host:port or redis://host:port",
+                    i + 1
+                )));
+            }
+            None => item,
+        };
+        let own = item.rsplit_once('@').map(|(u, _)| u);
+        // The first node's credentials stand for the cluster's: every node
+        // of one cluster takes the same ones.
+        if nodes.is_empty() {
+            userinfo = own;
+        }
+        let mut node = String::from("redis://");
+        if let (None, Some(u)) = (own, userinfo) {
+            node.push_str(u);
+            node.push('@');
+        }
+        node.push_str(item);
+        if let Some(q) = query {
+            node.push('?');
+            node.push_str(q);
+        }
+        nodes.push(node);
+    }
+    if nodes.is_empty() {
+        return Err(Error::Config(format!(
+            "redis+cluster:// lists no nodes (expected {FORMS})"
+        )));
+    }
+    Ok(nodes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefixes_are_checked() {
+        for good in ["oncely:", "", "app-1/ledger:", "a.b_c"] {
+            assert!(
+                RedisLedgerOptions::default().prefix(good).check().is_ok(),
+                "{good:?}"
+            );
+        }
+        for bad in [
+            "a{b",
+            "a}",
+            "a*",
+            "a?",
+            "a[b]",
+            "a\\b",
+            "a b",
+            "é",
+            &"x".repeat(65),
+        ] {
+            let e = RedisLedgerOptions::default().prefix(bad).check().unwrap_err();
+            assert!(matches!(e, Error::Config(_)), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn redis_urls_name_one_server_or_a_cluster() {
+        let single = |url: &str| Target::Single(url.to_owned());
+        let cluster = |nodes: &[&str]| Target::Cluster(nodes.iter().map(|n| n.to_string()).collect());
+        let cases = [
+            ("redis://127.0.0.1:6379", single("redis://127.0.0.1:6379")),
+            ("REDIS://h:1/3", single("redis://h:1/3")),
+            (" redis://h:1 ", single("redis://h:1")),
+            ("redis+cluster://a:7000", cluster(&["redis://a:7000"])),
+            ("Redis+Cluster://a:7000", cluster(&["redis://a:7000"])),
+            (
+                "redis+cluster://a:7000, b:7001 ,redis://c:7002,",
+                cluster(&["redis://a:7000", "redis://b:7001", "redis://c:7002"]),
+            ),
+            // The first node's credentials go to the nodes without their
+            // own; a node with its own keeps them.
+            (
+                "redis+cluster://u:pw@a:7000,b:7001,v:x@c:7002",
+                cluster(&["redis://u:pw@a:7000", "redis://u:pw@b:7001", "redis://v:x@c:7002"]),
+            ),
+            // The query applies to every node.
+            (
+                "redis+cluster://a:7000,b:7001?protocol=resp3",
+                cluster(&["redis://a:7000?protocol=resp3", "redis://b:7001?protocol=resp3"]),
+            ),
+            // A comma in a password is not a node list.
+            ("redis://:a,b@h:1/2", single("redis://:a,b@h:1/2")),
+            // Other single-server forms go to the client as given.
+            ("unix:///run/redis.sock", single("unix:///run/redis.sock")),
+        ];
+        for (url, want) in cases {
+            assert_eq!(parse_url(url).unwrap(), want, "{url}");
+        }
+    }
+
+    #[test]
+    fn bad_redis_urls_are_config_errors_without_the_password() {
+        for (url, says) in [
+            ("redis://:hunter2@a:7000,b:7001", "redis+cluster://"),
+            ("redis://:hunter2@a:7000,b:7001/0", "redis+cluster://"),
+            ("redis+cluster://", "no nodes"),
+            ("redis+cluster://, ,", "no nodes"),
+            ("redis+cluster://a:7000,nats://:hunter2@b:1", "node 2"),
+            ("redis:hunter2", "redis://host:port"),
+        ] {
+            let m = match parse_url(url) {
+                Err(Error::Config(m)) => m,
+                other => panic!("{url}: expected Error::Config, got {other:?}"),
+            };
+            assert!(m.contains(says), "{url}: {m}");
+            assert!(!m.contains("hunter2"), "{url}: {m}");
+        }
+    }
+
+    /// `from_url` opens only its own schemes; `connect` also hands the other
+    /// single-server forms to the client.
+    #[test]
+    fn from_url_schemes_are_redis_and_redis_cluster() {
+        for url in [
+            "redis://h:1",
+            "REDIS://h:1",
+            "redis+cluster://a:1,b:2",
+            " redis://h ",
+        ] {
+            assert!(check_scheme(url).is_ok(), "{url}");
+        }
+        for url in [
+            "unix:///run/redis.sock",
+            "rediss://:hunter2@h:1",
+            "nats://h:1",
+            "redis:hunter2",
+            "",
+        ] {
+            let m = match check_scheme(url) {
+                Err(Error::Config(m)) => m,
+                other => panic!("{url}: expected Error::Config, got {other:?}"),
+            };
+            assert!(m.contains("redis+cluster://"), "{url}: {m}");
+            assert!(!m.contains("hunter2"), "{url}: {m}");
+        }
+    }
+}

@@ -1,0 +1,503 @@
+//! [`SqliteLedger`]: opening it, and each ledger operation as one
+//! statement (or one `BEGIN IMMEDIATE` transaction) on the pool or on the
+//! caller's connection.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, SystemTime};
+
+use oncely::backend::{
+    Access, FromUrl, OpenOptions, answer_existing, check_outcome, duration_micros, from_micros,
+    is_beyond_horizon, to_micros,
+};
+use oncely::{
+    Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, Result, Tenant,
+    TransactionalLedger,
+};
+use sqlx::sqlite::{Sqlite, SqliteConnection, SqlitePool, SqlitePoolOptions};
+use sqlx::{AssertSqlSafe, Connection, Transaction};
+
+use crate::durability::{DURABLE_UNCHECKED, Probe};
+use crate::error::{BACKEND, map, map_connect};
+use crate::options::{self, Opening, SqliteLedgerOptions};
+use crate::row::{self, Found};
+use crate::schema;
+use crate::sql::{self, Queries};
+
+/// An effect ledger in a SQLite database file. Cheap to clone: a pool handle
+/// and the table's prepared SQL text.
+#[derive(Clone)]
+pub struct SqliteLedger {
+    pool: SqlitePool,
+    q: Arc<Queries>,
+    /// What the database was found to be (see [`Probe`]); unset for a
+    /// caller's pool until `migrate` or `verify` reads it.
+    durability: Arc<OnceLock<&'static str>>,
+    read_only: bool,
+    /// An ephemeral database lives as long as one connection to it: this one,
+    /// outside the pool (which may close idle connections), dropped with the
+    /// last clone of the ledger. Never used otherwise.
+    _keep_alive: Option<Arc<Mutex<SqliteConnection>>>,
+}
+
+impl fmt::Debug for SqliteLedger {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqliteLedger")
+            .field("table", &self.q.table)
+            .field("pool_size", &self.pool.size())
+            .field("read_only", &self.read_only)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SqliteLedger {
+    /// Opens (creating if missing) the database at `url` with the default
+    /// [`SqliteLedgerOptions`], runs the migrations and verifies the tables.
+    ///
+    /// Accepts `sqlite:path`, `sqlite://path` and a bare file path. A file
+    /// that cannot be opened (missing directory, permissions) fails with
+    /// [`Error::Unavailable`]; storage that would not survive (in memory, an
+    /// empty path) with [`Error::Config`].
+    pub async fn connect(url: &str) -> Result<SqliteLedger> {
+        Self::connect_with(url, SqliteLedgerOptions::default()).await
+    }
+
+    /// [`SqliteLedger::connect`] with options. For commands that only read
+    /// (`get`, `abandoned`, `horizon`), [`SqliteLedgerOptions::read_only`]:
+    /// creates nothing, migrates nothing, verifies the schema; a path with no
+    /// database is [`Error::Config`] naming it.
+    pub async fn connect_with(url: &str, options: SqliteLedgerOptions) -> Result<SqliteLedger> {
+        let q = Arc::new(Queries::new(&options.table)?);
+        let Opening {
+            connect,
+            read_only,
+            migrate,
+        } = options::open(url, &options)?;
+        let keep_alive = if options.ephemeral {
+            let conn = SqliteConnection::connect_with(&connect)
+                .await
+                .map_err(map_connect)?;
+            Some(Arc::new(Mutex::new(conn)))
+        } else {
+            None
+        };
+        let mut pool = SqlitePoolOptions::new()
+            .max_connections(options.max_connections)
+            .acquire_timeout(options.acquire_timeout);
+        if options.ephemeral {
+            // Nothing to gain from recycling connections to memory.
+            pool = pool.idle_timeout(None).max_lifetime(None);
+        }
+        // No release hook is needed to keep a connection inside an open
+        // transaction out of the pool: a dropped `Transaction` (or a dropped
+        // `begin`) queues its ROLLBACK on the connection's worker thread, and
+        // the pool pings that worker before it hands the connection out
+        // again, so the rollback has run by then. The
+        // `aborted_transactions_commit_all_or_nothing` test checks it.
+        let pool = pool.connect_with(connect).await.map_err(map_connect)?;
+        let ledger = SqliteLedger {
+            pool,
+            q,
+            durability: Arc::new(OnceLock::new()),
+            read_only,
+            _keep_alive: keep_alive,
+        };
+        let mut conn = ledger.pool.acquire().await.map_err(map_connect)?;
+        // What the URL promised is checked against what SQLite opened.
+        let durability = Probe::read(&mut conn)
+            .await?
+            .opened(url, options.ephemeral, read_only)?;
+        let _ = ledger.durability.set(durability);
+        if migrate {
+            schema::migrate(&mut conn, &ledger.q).await?;
+        } else {
+            schema::verify(&mut conn, &ledger.q).await?;
+        }
+        Ok(ledger)
+    }
+
+    /// A ledger over an existing pool, with the default table. Call
+    /// [`SqliteLedger::migrate`] once before use if the table may not exist,
+    /// or [`SqliteLedger::verify`] if it must.
+    ///
+    /// The pool's connect options are yours: WAL and a busy timeout are
+    /// strongly recommended (see [`SqliteLedger::connect`]). Nothing is
+    /// refused here (an in-memory pool is your explicit choice), but
+    /// [`Capabilities::durability`] says what `migrate` or `verify` found
+    /// (until then: unchecked).
+    pub fn from_pool(pool: SqlitePool) -> SqliteLedger {
+        SqliteLedger {
+            pool,
+            q: Arc::new(Queries::new(sql::DEFAULT_TABLE).expect("the default table name is valid")),
+            durability: Arc::new(OnceLock::new()),
+            read_only: false,
+            _keep_alive: None,
+        }
+    }
+
+    /// The same pool with another ledger table. Fails with
+    /// [`Error::Config`] on a name that is not a plain identifier. The new
+    /// table is not checked here: call [`SqliteLedger::migrate`] (or
+    /// [`SqliteLedger::verify`]) before use.
+    pub fn with_table(self, table: &str) -> Result<SqliteLedger> {
+        Ok(SqliteLedger {
+            q: Arc::new(Queries::new(table)?),
+            ..self
+        })
+    }
+
+    /// Creates or upgrades the ledger table and its horizon table, then
+    /// verifies them. Running it again is a no-op: the schema version is kept
+    /// per table in `oncely_schema`, and the steps are applied in one
+    /// `BEGIN IMMEDIATE` transaction, so concurrent migrators take turns. A
+    /// table that already exists is checked first and refused with
+    /// [`Error::Config`] if the claim could not rely on it (see
+    /// [`SqliteLedger::verify`]); then nothing is changed.
+    pub async fn migrate(&self) -> Result<()> {
+        self.writable("migrate")?;
+        let mut conn = self.pool.acquire().await.map_err(map_connect)?;
+        self.probe(&mut conn).await?;
+        schema::migrate(&mut conn, &self.q).await
+    }
+
+    /// Checks, changing nothing, that the ledger's tables exist at this
+    /// crate's schema version with the columns (and type affinities), a
+    /// PRIMARY KEY or UNIQUE index on exactly the effect key, and BINARY
+    /// (case-sensitive) comparison of keys. Runs on every connect; for a
+    /// ledger from [`SqliteLedger::from_pool`] call it (or `migrate`)
+    /// yourself. Fails with [`Error::Config`] naming the table and what is
+    /// wrong.
+    pub async fn verify(&self) -> Result<()> {
+        let mut conn = self.pool.acquire().await.map_err(map_connect)?;
+        self.probe(&mut conn).await?;
+        schema::verify(&mut conn, &self.q).await
+    }
+
+    async fn probe(&self, conn: &mut SqliteConnection) -> Result<()> {
+        if self.durability.get().is_none() {
+            let probe = Probe::read(conn).await?;
+            let _ = self.durability.set(probe.durability(self.read_only));
+        }
+        Ok(())
+    }
+
+    /// The pool underneath, for your own queries.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// The ledger table's name.
+    pub fn table(&self) -> &str {
+        &self.q.table
+    }
+
+    /// Whether the ledger was opened read-only.
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// Starts a write transaction with `BEGIN IMMEDIATE` on a pooled
+    /// connection, for [`TransactionalLedger::claim_in`] and your own writes.
+    ///
+    /// It takes SQLite's write lock at once (waiting up to the busy timeout),
+    /// so a duplicate claim on another connection waits for this one to
+    /// commit or roll back instead of failing. Dropping the transaction rolls
+    /// it back. (Also [`TransactionalLedger::begin`].)
+    pub async fn begin(&self) -> Result<Transaction<'static, Sqlite>> {
+        self.writable("begin")?;
+        self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(map)
+    }
+
+    /// Refuses a write on a read-only ledger before it reaches SQLite (whose
+    /// `SQLITE_READONLY` would read as a retryable outage).
+    fn writable(&self, what: &str) -> Result<()> {
+        if self.read_only {
+            return Err(Error::Config(format!(
+                "{what}: the ledger on table {} was opened read-only",
+                self.q.table
+            )));
+        }
+        Ok(())
+    }
+
+    /// The claim, on a pooled connection (autocommit) or on the caller's,
+    /// inside its transaction.
+    async fn claim_on(
+        &self,
+        conn: &mut SqliteConnection,
+        key: &EffectKey,
+        opts: &ClaimOptions,
+    ) -> Result<Claim> {
+        opts.validate()?;
+        self.writable("claim")?;
+        let sent_at = opts.sent_at.map(to_micros).transpose()?;
+        // A takeover-able record or a vanished row seen by the follow-up read
+        // means the record changed after the claim statement ran (released,
+        // expired or pruned in between); claim again. Each pass is atomic, so
+        // this never writes on a stale read. Inside a `BEGIN IMMEDIATE`
+        // transaction nothing else writes, and only the clock can move.
+        for _ in 0..8 {
+            let sql = if sent_at.is_some() {
+                &self.q.claim_horizon
+            } else {
+                &self.q.claim
+            };
+            let mut claim = sqlx::query(AssertSqlSafe(sql.clone()))
+                .bind(key.as_str())
+                .bind(key.tenant().as_str())
+                .bind(key.kind())
+                .bind(key.subject())
+                .bind(opts.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
+                .bind(opts.at_most_once)
+                .bind(duration_micros(opts.lease))
+                .bind(duration_micros(opts.retention));
+            if let Some(sent_at) = sent_at {
+                claim = claim.bind(sent_at);
+            }
+            if let Some(row) = claim.fetch_optional(&mut *conn).await.map_err(map)? {
+                return row::lease(key, opts, &row).map(Claim::Acquired);
+            }
+            let row = sqlx::query(AssertSqlSafe(self.q.claim_read.clone()))
+                .bind(key.as_str())
+                .bind(key.tenant().as_str())
+                .bind(key.kind())
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(map)?;
+            match row::found(&row)? {
+                Found::Absent { watermark } => {
+                    // The statement compared microseconds; so does this, or a
+                    // sent_at with sub-microsecond digits would loop.
+                    if is_beyond_horizon(sent_at.map(from_micros), watermark.map(from_micros)) {
+                        return Err(Error::BeyondHorizon { key: key.to_string() });
+                    }
+                }
+                Found::Record(record) => {
+                    if let Some(answer) = answer_existing(key, opts, record)? {
+                        return Ok(answer);
+                    }
+                }
+            }
+        }
+        Err(Error::Backend {
+            backend: BACKEND,
+            message: format!("{key}: the record kept changing during the claim"),
+            retryable: true,
+        })
+    }
+
+    /// The completion, on a pooled connection or on the caller's.
+    async fn complete_on(&self, conn: &mut SqliteConnection, lease: &Lease, outcome: &Outcome) -> Result<()> {
+        check_outcome(outcome, oncely::MAX_OUTCOME_BYTES)?;
+        self.writable("complete")?;
+        let done = sqlx::query(AssertSqlSafe(self.q.complete.clone()))
+            .bind(lease.key().as_str())
+            .bind(row::fence_param(lease.fence()))
+            .bind(outcome.as_bytes())
+            .execute(&mut *conn)
+            .await
+            .map_err(map)?;
+        fenced(lease, done.rows_affected())
+    }
+}
+
+/// The answer of a write fenced by `WHERE key AND fence AND in_progress`: no
+/// row changed means the lease is no longer this one's (taken over after it
+/// expired, or already completed or released).
+fn fenced(lease: &Lease, rows: u64) -> Result<()> {
+    if rows == 1 {
+        Ok(())
+    } else {
+        Err(Error::LeaseLost {
+            key: lease.key().to_string(),
+            fence: lease.fence(),
+        })
+    }
+}
+
+// Every pool operation below is one autocommit statement (claim: one
+// statement, plus a read when it did not acquire; prune: one transaction),
+// so a dropped future either committed it whole or not at all, and the
+// connection goes back to the pool with no transaction open.
+impl Ledger for SqliteLedger {
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new(
+            self.durability.get().copied().unwrap_or(DURABLE_UNCHECKED),
+            "SQLite unixepoch('subsec') on the host that opens the file, read after the write lock is taken",
+        )
+        .caller_transaction(true)
+    }
+
+    async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
+        opts.validate()?;
+        self.writable("claim")?;
+        let mut conn = self.pool.acquire().await.map_err(map)?;
+        self.claim_on(&mut conn, key, opts).await
+    }
+
+    async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
+        check_outcome(outcome, oncely::MAX_OUTCOME_BYTES)?;
+        self.writable("complete")?;
+        let mut conn = self.pool.acquire().await.map_err(map)?;
+        self.complete_on(&mut conn, lease, outcome).await
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<()> {
+        self.writable("release")?;
+        let done = sqlx::query(AssertSqlSafe(self.q.release.clone()))
+            .bind(lease.key().as_str())
+            .bind(row::fence_param(lease.fence()))
+            .execute(&self.pool)
+            .await
+            .map_err(map)?;
+        fenced(lease, done.rows_affected())
+    }
+
+    async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
+        self.writable("renew")?;
+        let row = sqlx::query(AssertSqlSafe(self.q.renew.clone()))
+            .bind(lease.key().as_str())
+            .bind(row::fence_param(lease.fence()))
+            .bind(duration_micros(extend_by))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(map)?;
+        let Some(row) = row else {
+            return Err(Error::LeaseLost {
+                key: lease.key().to_string(),
+                fence: lease.fence(),
+            });
+        };
+        Ok(lease.renewed_until(row::renewed_until(&row)?))
+    }
+
+    async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
+        let row = sqlx::query(AssertSqlSafe(self.q.get.clone()))
+            .bind(key.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(map)?;
+        row.as_ref().map(row::record).transpose()
+    }
+
+    /// Raises the horizon of every tenant and kind it deletes from and
+    /// deletes, in one `BEGIN IMMEDIATE` transaction: a claim never sees the
+    /// records gone and the horizon not yet raised.
+    async fn prune(&self, limit: u64) -> Result<u64> {
+        self.writable("prune")?;
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let mut conn = self.pool.acquire().await.map_err(map)?;
+        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await.map_err(map)?;
+        // One clock reading for both statements, so they pick the same rows.
+        let cutoff: i64 = sqlx::query_scalar(AssertSqlSafe(self.q.now.clone()))
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(map)?;
+        sqlx::query(AssertSqlSafe(self.q.prune_horizon.clone()))
+            .bind(limit)
+            .bind(cutoff)
+            .execute(&mut *tx)
+            .await
+            .map_err(map)?;
+        let done = sqlx::query(AssertSqlSafe(self.q.prune.clone()))
+            .bind(limit)
+            .bind(cutoff)
+            .execute(&mut *tx)
+            .await
+            .map_err(map)?;
+        tx.commit().await.map_err(map)?;
+        Ok(done.rows_affected())
+    }
+
+    async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
+        let rows = sqlx::query(AssertSqlSafe(self.q.abandoned.clone()))
+            .bind(tenant.as_str())
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(map)?;
+        rows.iter().map(row::record).collect()
+    }
+
+    async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
+        let watermark: Option<i64> = sqlx::query_scalar(AssertSqlSafe(self.q.horizon.clone()))
+            .bind(tenant.as_str())
+            .bind(kind)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(map)?;
+        Ok(watermark.map(from_micros))
+    }
+
+    /// A SQLite unique or primary-key violation (extended codes 2067, 1555)
+    /// anywhere in the error's source chain.
+    fn unique_violation(&self, error: &(dyn std::error::Error + 'static)) -> Option<String> {
+        crate::error::unique_violation(error)
+    }
+}
+
+impl TransactionalLedger for SqliteLedger {
+    type Connection = SqliteConnection;
+    type Transaction = Transaction<'static, Sqlite>;
+
+    /// [`SqliteLedger::begin`]: `BEGIN IMMEDIATE`.
+    async fn begin(&self) -> Result<Self::Transaction> {
+        SqliteLedger::begin(self).await
+    }
+
+    async fn commit(&self, tx: Self::Transaction) -> Result<()> {
+        tx.commit().await.map_err(map)
+    }
+
+    async fn rollback(&self, tx: Self::Transaction) -> Result<()> {
+        tx.rollback().await.map_err(map)
+    }
+
+    /// Claims on the caller's connection, inside its transaction: the claim
+    /// commits or rolls back with it. Start the transaction with
+    /// [`SqliteLedger::begin`] so a concurrent duplicate waits for the commit.
+    async fn claim_in(
+        &self,
+        conn: &mut SqliteConnection,
+        key: &EffectKey,
+        opts: &ClaimOptions,
+    ) -> Result<Claim> {
+        self.claim_on(conn, key, opts).await
+    }
+
+    /// Completes on the caller's connection, inside its transaction.
+    async fn complete_in(&self, conn: &mut SqliteConnection, lease: &Lease, outcome: &Outcome) -> Result<()> {
+        self.complete_on(conn, lease, outcome).await
+    }
+}
+
+/// Opens a SQLite URL (`sqlite:path`, `sqlite://path`, or a bare path, as
+/// [`SqliteLedger::connect`]) with [`SqliteLedger::connect_with`]:
+/// [`Access::Migrate`] creates the file and the tables,
+/// [`Access::Existing`] is [`SqliteLedgerOptions::migrate`]`(false)` and
+/// [`Access::ReadOnly`] is [`SqliteLedgerOptions::read_only`]`(true)`.
+/// [`OpenOptions::connect_timeout`] bounds both waits that stand between a
+/// command and its answer: the busy timeout (SQLite's write lock) and the
+/// pool's acquire timeout.
+///
+/// Messages may name the file: a SQLite URL is a path and carries no
+/// credentials.
+impl FromUrl for SqliteLedger {
+    const SCHEMES: &'static [&'static str] = &["sqlite"];
+
+    async fn from_url(url: &str, open: OpenOptions) -> Result<Self> {
+        let mut options = match open.access {
+            Access::Migrate => SqliteLedgerOptions::default(),
+            Access::Existing => SqliteLedgerOptions::default().migrate(false),
+            Access::ReadOnly => SqliteLedgerOptions::default().read_only(true),
+        };
+        if let Some(timeout) = open.connect_timeout {
+            options = options.busy_timeout(timeout).acquire_timeout(timeout);
+        }
+        SqliteLedger::connect_with(url, options).await
+    }
+}
