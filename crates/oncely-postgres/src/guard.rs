@@ -25,11 +25,12 @@ use crate::sql;
 const ATTEMPTS: usize = 8;
 
 /// The pauses between re-runs, from the third run on. The first re-run
-/// follows at once: what made it necessary (a stray transaction rolled back,
-/// a commit the snapshot missed) is already resolved, and that is every
-/// re-run seen in practice. A statement that still does not settle is meeting
-/// new concurrent events; pausing lets them finish instead of spending every
-/// attempt within a millisecond (at most 63 ms over all attempts).
+/// follows at once, as it always did: what made it necessary (a stray
+/// transaction rolled back, a commit the snapshot missed) is already
+/// resolved, so it settles in the common case. A statement that still does
+/// not settle is meeting new concurrent events; pausing lets them finish
+/// instead of spending every attempt within a millisecond (at most 63 ms over
+/// all attempts).
 const FIRST_PAUSE: Duration = Duration::from_millis(1);
 const MAX_PAUSE: Duration = Duration::from_millis(32);
 
