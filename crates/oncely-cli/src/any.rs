@@ -57,6 +57,19 @@ macro_rules! with_backends {
     };
 }
 
+/// `match` over an [`AnyLedger`], binding the inner ledger of every variant.
+macro_rules! any_match {
+    ($any:expr, $l:ident => $body:expr; $($variant:ident $feature:literal),+) => {
+        match $any {
+            $(
+                #[cfg(feature = $feature)]
+                AnyLedger::$variant($l) => $body,
+            )+
+            AnyLedger::Memory($l) => $body,
+        }
+    };
+}
+
 macro_rules! define_any {
     ($($variant:ident($name:literal, $feature:literal, [$($scheme:literal),+], $shown:literal) => $ty:ty,)+) => {
         /// The backend a database URL names.
@@ -143,7 +156,9 @@ macro_rules! define_any {
                         #[cfg(feature = $feature)]
                         Scheme::$variant => Ok(AnyLedger::$variant(<$ty as FromUrl>::from_url(url, options).await?)),
                     )+
-                    Scheme::Memory => Ok(AnyLedger::Memory(FromUrl::from_url(url, options).await?)),
+                    Scheme::Memory => Ok(AnyLedger::Memory(
+                        <Arc<MemoryLedger> as FromUrl>::from_url(url, options).await?,
+                    )),
                     #[allow(unreachable_patterns)]
                     other => Err(not_built(other)),
                 }
@@ -161,17 +176,50 @@ macro_rules! define_any {
             }
         }
 
-        /// Calls `$body` with `$l` bound to the inner ledger of every variant.
-        macro_rules! each {
-            ($any:expr, $$l:ident => $$body:expr) => {
-                match $any {
-                    $(
-                        #[cfg(feature = $feature)]
-                        AnyLedger::$variant($$l) => $$body,
-                    )+
-                    AnyLedger::Memory($$l) => $$body,
-                }
-            };
+        impl Ledger for AnyLedger {
+            fn backend(&self) -> &'static str {
+                any_match!(self, l => l.backend(); $($variant $feature),+)
+            }
+
+            fn capabilities(&self) -> Capabilities {
+                any_match!(self, l => l.capabilities(); $($variant $feature),+)
+            }
+
+            async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
+                any_match!(self, l => l.claim(key, opts).await; $($variant $feature),+)
+            }
+
+            async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
+                any_match!(self, l => l.complete(lease, outcome).await; $($variant $feature),+)
+            }
+
+            async fn release(&self, lease: &Lease) -> Result<()> {
+                any_match!(self, l => l.release(lease).await; $($variant $feature),+)
+            }
+
+            async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
+                any_match!(self, l => l.renew(lease, extend_by).await; $($variant $feature),+)
+            }
+
+            async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
+                any_match!(self, l => l.get(key).await; $($variant $feature),+)
+            }
+
+            async fn prune(&self, limit: u64) -> Result<u64> {
+                any_match!(self, l => l.prune(limit).await; $($variant $feature),+)
+            }
+
+            async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
+                any_match!(self, l => l.abandoned(tenant, limit).await; $($variant $feature),+)
+            }
+
+            async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
+                any_match!(self, l => l.horizon(tenant, kind).await; $($variant $feature),+)
+            }
+
+            fn unique_violation(&self, error: &(dyn std::error::Error + 'static)) -> Option<String> {
+                any_match!(self, l => l.unique_violation(error); $($variant $feature),+)
+            }
         }
 
         /// Every compiled-in backend lists the schemes its crate opens.
@@ -189,7 +237,11 @@ with_backends!(define_any);
 
 /// The schemes a database URL may start with, as shown in error messages.
 pub fn expected_schemes() -> String {
-    Scheme::ALL.iter().map(|s| s.shown()).collect::<Vec<_>>().join(", ")
+    Scheme::ALL
+        .iter()
+        .map(|s| s.shown())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn not_built(scheme: Scheme) -> Error {
@@ -309,52 +361,6 @@ impl fmt::Debug for AnyLedger {
         // The inner ledgers' Debug may show connection options; the backend
         // name is all an operator needs here.
         f.debug_tuple("AnyLedger").field(&self.scheme().name()).finish()
-    }
-}
-
-impl Ledger for AnyLedger {
-    fn backend(&self) -> &'static str {
-        each!(self, l => l.backend())
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        each!(self, l => l.capabilities())
-    }
-
-    async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
-        each!(self, l => l.claim(key, opts).await)
-    }
-
-    async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
-        each!(self, l => l.complete(lease, outcome).await)
-    }
-
-    async fn release(&self, lease: &Lease) -> Result<()> {
-        each!(self, l => l.release(lease).await)
-    }
-
-    async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
-        each!(self, l => l.renew(lease, extend_by).await)
-    }
-
-    async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
-        each!(self, l => l.get(key).await)
-    }
-
-    async fn prune(&self, limit: u64) -> Result<u64> {
-        each!(self, l => l.prune(limit).await)
-    }
-
-    async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
-        each!(self, l => l.abandoned(tenant, limit).await)
-    }
-
-    async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
-        each!(self, l => l.horizon(tenant, kind).await)
-    }
-
-    fn unique_violation(&self, error: &(dyn std::error::Error + 'static)) -> Option<String> {
-        each!(self, l => l.unique_violation(error))
     }
 }
 
