@@ -253,30 +253,7 @@ fn print_table(r: &DemoReport, kept: bool) {
         r.orders, r.deliveries_per_order, r.deliveries, r.workers, r.backend, r.seed
     );
     println!();
-    println!("{:<24}{:>12}{:>12}", "", "naive", "oncely");
-    let rows: [(&str, u64, u64); 4] = [
-        ("deliveries", r.naive.deliveries, r.oncely.deliveries),
-        ("charges performed", r.naive.charges, r.oncely.charges),
-        (
-            "duplicate charges",
-            r.naive.duplicate_charges,
-            r.oncely.duplicate_charges,
-        ),
-        (
-            "duplicates suppressed",
-            r.naive.duplicates_suppressed,
-            r.oncely.duplicates_suppressed,
-        ),
-    ];
-    for (label, naive, oncely) in rows {
-        println!("{label:<24}{naive:>12}{oncely:>12}");
-    }
-    println!(
-        "{:<24}{:>12}{:>12}",
-        "time",
-        format!("{:.2} s", r.naive.seconds),
-        format!("{:.2} s", r.oncely.seconds)
-    );
+    println!("{}", r.table());
     println!();
     if r.naive.duplicate_charges > 0 {
         println!(

@@ -396,32 +396,6 @@ pub struct Snapshot {
     pub sends: BTreeMap<String, u32>,
 }
 
-/// A tiny seeded xorshift, so runs can be replayed from a printed seed.
-#[derive(Debug, Clone)]
-pub struct Rng(u64);
-
-impl Rng {
-    /// Seeded (zero is replaced, xorshift needs a non-zero state).
-    pub fn new(seed: u64) -> Self {
-        Rng(seed.max(1))
-    }
-
-    /// The next number.
-    pub fn next_u64(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
-    }
-
-    /// A number below `n`.
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n.max(1)
-    }
-}
-
 /// Settings of [`simulate`].
 #[derive(Debug, Clone)]
 pub struct SimConfig {
@@ -491,12 +465,12 @@ pub async fn simulate<D: Db>(p: Arc<Pipeline<D>>, cfg: &SimConfig) -> anyhow::Re
         p.db.insert_order(&o.order_id, o.amount).await?;
     }
     // The broker's queue: (order index, attempt), duplicates interleaved.
-    let mut rng = Rng::new(cfg.seed);
+    let mut rng = fastrand::Rng::with_seed(cfg.seed);
     let mut queue: Vec<(usize, u32)> = (0..cfg.orders)
         .flat_map(|i| std::iter::repeat_n((i, 0), cfg.deliveries))
         .collect();
     for i in (1..queue.len()).rev() {
-        queue.swap(i, rng.below(i as u64 + 1) as usize);
+        queue.swap(i, rng.usize(..=i));
     }
     let queue = Arc::new(Mutex::new(VecDeque::from(queue)));
     let remaining = Arc::new(AtomicUsize::new(cfg.orders * cfg.deliveries));
@@ -516,7 +490,8 @@ pub async fn simulate<D: Db>(p: Arc<Pipeline<D>>, cfg: &SimConfig) -> anyhow::Re
             cfg.clone(),
         );
         workers.push(tokio::spawn(async move {
-            let mut rng = Rng::new(cfg.seed ^ (0x9e37_79b9_7f4a_7c15u64.wrapping_mul(w as u64 + 1)));
+            let mut rng =
+                fastrand::Rng::with_seed(cfg.seed ^ (0x9e37_79b9_7f4a_7c15u64.wrapping_mul(w as u64 + 1)));
             while remaining.load(Ordering::SeqCst) > 0 {
                 let next = queue.lock().unwrap().pop_front();
                 let Some((i, attempt)) = next else {
@@ -524,8 +499,8 @@ pub async fn simulate<D: Db>(p: Arc<Pipeline<D>>, cfg: &SimConfig) -> anyhow::Re
                     continue;
                 };
                 let msg = &orders[i];
-                let crash = (attempt < cfg.crash_attempts && rng.below(100) < cfg.crash_percent)
-                    .then(|| Boundary::ALL[rng.below(Boundary::ALL.len() as u64) as usize]);
+                let crash = (attempt < cfg.crash_attempts && rng.u64(..100) < cfg.crash_percent)
+                    .then(|| Boundary::ALL[rng.usize(..Boundary::ALL.len())]);
                 let result = p.deliver(msg, crash).await;
                 let mut r = report.lock().unwrap();
                 match result {
