@@ -12,7 +12,7 @@
 //! | `memory:` | the core's [`MemoryLedger`] (a fresh, empty ledger per connect) | always |
 //!
 //! Each backend crate parses its own URLs
-//! ([`FromUrl`](oncely::backend::FromUrl)); see its docs for the multi-node
+//! ([`FromUrl`]); see its docs for the multi-node
 //! forms (`redis+cluster://`, a NATS server list with `?bucket=&replicas=`).
 //!
 //! Adding a backend is one line in [`with_backends!`](crate::with_backends)

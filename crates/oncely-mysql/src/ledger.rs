@@ -300,11 +300,7 @@ impl Ledger for MySqlLedger {
     }
 
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
-        if extend_by < Duration::from_millis(1) || extend_by > Duration::from_secs(86_400) {
-            return Err(Error::InvalidInput(format!(
-                "a lease must be extended by between 1 ms and 1 day, got {extend_by:?}"
-            )));
-        }
+        oncely::backend::check_extension(extend_by)?;
         self.writable("renew")?;
         let lease = lease.clone();
         self.on_pool(move |this, conn| {

@@ -21,7 +21,7 @@ use crate::clock::{ServerClock, later};
 use crate::codec::{Stored, kv_key, length_us, tenant_token};
 use crate::error::{BACKEND, gave_up, read_only, unavailable};
 use crate::kv::{Current, MAX_ATTEMPTS, Write};
-use crate::options::{MAX_LEASE, NatsKvOptions, NatsUrl};
+use crate::options::{NatsKvOptions, NatsUrl};
 
 /// How many leases' revisions a ledger remembers for one-round-trip completes.
 const REVISION_CACHE: usize = 4096;
@@ -303,11 +303,7 @@ impl Ledger for NatsKvLedger {
     }
 
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
-        if extend_by < Duration::from_millis(1) || extend_by > MAX_LEASE {
-            return Err(Error::InvalidInput(format!(
-                "a lease must be extended by 1 ms to 1 day, got {extend_by:?}"
-            )));
-        }
+        oncely::backend::check_extension(extend_by)?;
         self.writable("renew")?;
         // Read before the write, as in a claim: the reported end is no later
         // than the one the server measures from the new revision's stamp.

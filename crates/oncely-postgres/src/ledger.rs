@@ -311,12 +311,7 @@ impl Ledger for PgLedger {
     }
 
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
-        // The same bounds as a claim's lease (ClaimOptions::validate).
-        if extend_by < Duration::from_millis(1) || extend_by > Duration::from_secs(86_400) {
-            return Err(Error::InvalidInput(format!(
-                "a lease is extended by 1 ms to 1 day, got {extend_by:?}"
-            )));
-        }
+        oncely::backend::check_extension(extend_by)?;
         self.writable()?;
         let mut conn = self.acquire().await?;
         let expires_us = self

@@ -261,11 +261,7 @@ impl Ledger for RedisLedger {
 
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
         self.writable("renew")?;
-        if extend_by < Duration::from_millis(1) || extend_by > Duration::from_secs(86_400) {
-            return Err(Error::Misuse(format!(
-                "a lease is extended by 1 ms to 1 day, got {extend_by:?}"
-            )));
-        }
+        oncely::backend::check_extension(extend_by)?;
         let by = duration_micros(extend_by).to_string();
         let parts = self
             .fenced(lease.key(), lease.fence(), "renew", &[by.as_bytes()])

@@ -358,6 +358,7 @@ impl Ledger for SqliteLedger {
     }
 
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
+        oncely::backend::check_extension(extend_by)?;
         self.writable("renew")?;
         let row = sqlx::query(AssertSqlSafe(self.q.renew.clone()))
             .bind(lease.key().as_str())

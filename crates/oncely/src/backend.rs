@@ -336,7 +336,7 @@ impl Backoff {
 /// `oncely_unexpected_constraint_violations_total`. The backend then returns
 /// [`Error::Corrupt`]; it is never taken for a duplicate. (A violation in a
 /// handler's own write is reported by the runner, through
-/// [`Ledger::unique_violation`](crate::Ledger::unique_violation).)
+/// [`Ledger::unique_violation`].)
 pub fn report_unexpected_violation(backend: &'static str, detail: &str) {
     crate::telemetry::unexpected_constraint_violation(backend, detail);
 }

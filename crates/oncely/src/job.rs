@@ -287,7 +287,7 @@ impl<'a, L: Ledger> Job<'a, L> {
         &self.tenant
     }
 
-    /// The job type given to [`Effects::job`].
+    /// The job type given to [`Effects::job`](crate::Effects::job).
     pub fn job_type(&self) -> &str {
         &self.job_type
     }

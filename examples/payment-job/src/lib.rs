@@ -6,7 +6,7 @@
 //!    key ([`StepMode::ProviderKeyed`]): a crash after the call re-runs it
 //!    with the same key, and the provider answers with the first charge;
 //! 2. mark the order paid on the database's own transaction
-//!    ([`StepMode::Transactional`]): the claim, the fenced `UPDATE` and the
+//!    ([`Job::step_in`](oncely::Job::step_in)): the claim, the fenced `UPDATE` and the
 //!    completion commit together;
 //! 3. claim `receipt:{order}` and send the receipt ([`StepMode::AtMostOnce`]):
 //!    the mailer does not deduplicate, so a crash between the mark and the

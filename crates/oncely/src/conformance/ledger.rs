@@ -286,6 +286,18 @@ pub async fn invalid_input_is_rejected<L: Ledger>(ledger: L) {
     let k = key(&t, "capture", "order-9");
     let e = ledger.claim(&k, &opts().lease(Duration::ZERO)).await.unwrap_err();
     assert!(e.is_invalid_input(), "{e:?}");
+    // A renewal out of bounds is refused the same way by every backend
+    // (backend::check_extension), and the lease stays as it was.
+    let held = acquired(
+        ledger
+            .claim(&key(&t, "capture", "renew-bounds"), &opts())
+            .await
+            .unwrap(),
+    );
+    for bad in [Duration::ZERO, Duration::from_secs(2 * 86_400)] {
+        let e = ledger.renew(&held, bad).await.unwrap_err();
+        assert!(matches!(e, Error::InvalidInput(_)), "{bad:?}: {e:?}");
+    }
     assert!(
         ledger.get(&k).await.unwrap().is_none(),
         "a refused claim wrote nothing"

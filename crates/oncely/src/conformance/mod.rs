@@ -20,7 +20,7 @@
 //!   policy, failures, the safety margin, renewal under [`Faulty`] faults,
 //!   telemetry counted once);
 //! - `transactional.rs`: claims on the caller's transaction
-//!   ([`transactional_conformance_tests!`]);
+//!   ([`transactional_conformance_tests!`](crate::transactional_conformance_tests));
 //! - [`model`]: a model of the contract, checked against a ledger under
 //!   random operation sequences (proptest);
 //! - `faulty.rs`, `metrics.rs` and this file: the harness.
@@ -221,7 +221,7 @@ macro_rules! conformance_tests {
     };
 }
 
-/// Generates the transactional suite for a [`TransactionalLedger`]: one
+/// Generates the transactional suite for a [`TransactionalLedger`](crate::TransactionalLedger): one
 /// `#[tokio::test]` per function, each calling `$make().await` (an
 /// `async fn() -> Option<L>`; `None` skips). Run it next to
 /// [`conformance_tests!`].
