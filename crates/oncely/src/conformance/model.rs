@@ -14,14 +14,12 @@
 //! exactly, on whatever clock the backend uses.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use proptest::prelude::*;
 
-use crate::{
-    Claim, ClaimOptions, EffectKey, Error, Fingerprint, Lease, Ledger, Outcome, RecordState, Tenant,
-};
+use super::fresh_tenant;
+use crate::{Claim, ClaimOptions, EffectKey, Error, Fingerprint, Lease, Ledger, Outcome, RecordState};
 
 /// How many claimants a scenario has.
 pub const CLAIMANTS: u8 = 3;
@@ -116,23 +114,6 @@ impl Rec {
     fn holds(&self, fence: u64) -> bool {
         matches!(self.st, St::InProgress { .. }) && self.fence == fence
     }
-}
-
-static SEQ: AtomicU64 = AtomicU64::new(0);
-
-/// A tenant no other run uses.
-pub fn fresh_tenant() -> Tenant {
-    let nanos = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos();
-    Tenant::new(format!(
-        "m{}-{:x}-{}",
-        std::process::id(),
-        nanos & 0xffff_ffff_ffff,
-        SEQ.fetch_add(1, Ordering::Relaxed)
-    ))
-    .unwrap()
 }
 
 fn fp(key: u8, altered: bool) -> Fingerprint {
