@@ -6,6 +6,7 @@ use std::time::{Duration, SystemTime};
 use crate::error::Result;
 use crate::key::{EffectKey, Tenant};
 use crate::record::{Claim, ClaimOptions, Lease, Outcome, Record};
+use crate::watch::Watch;
 
 /// What a backend offers, declared so that callers and the conformance suite
 /// can tell a missing capability from a bug. Backends build it with
@@ -146,6 +147,52 @@ pub trait Ledger: Send + Sync {
     fn horizon(&self, tenant: &Tenant, kind: &str)
     -> impl Future<Output = Result<Option<SystemTime>>> + Send;
 
+    /// A subscription to changes of `key`'s record, taken when a claim found
+    /// the effect in progress: the waiting duplicate is woken when the holder
+    /// completes or releases, instead of polling. The default is a polling
+    /// [`Watch`]; a backend with change notifications (an in-process
+    /// [`Notifier`](crate::watch::Notifier), PostgreSQL `LISTEN`, Redis
+    /// pub/sub, a NATS subject) returns a notified one. A lost notification
+    /// costs latency, never a wrong answer: the runner claims again when the
+    /// watch wakes, and again after a bounded fallback.
+    fn watch(&self, key: &EffectKey) -> impl Future<Output = Watch> + Send {
+        let _ = key;
+        std::future::ready(Watch::polling())
+    }
+
+    /// Claims several keys, one answer per key in the order given, as if each
+    /// were claimed on its own (a key listed twice: the first occurrence
+    /// acquires, the second finds it in progress). Backends answer in one
+    /// statement or one script call per slot where they can; the default
+    /// claims one after the other.
+    fn claim_many(
+        &self,
+        keys: &[EffectKey],
+        opts: &ClaimOptions,
+    ) -> impl Future<Output = Result<Vec<Result<Claim>>>> + Send {
+        async move {
+            opts.validate()?;
+            let mut answers = Vec::with_capacity(keys.len());
+            for key in keys {
+                answers.push(self.claim(key, opts).await);
+            }
+            Ok(answers)
+        }
+    }
+
+    /// Completes several leases, one answer per lease in the order given, as
+    /// if each were completed on its own (each fenced by its lease). The
+    /// default completes one after the other.
+    fn complete_many(&self, items: &[(Lease, Outcome)]) -> impl Future<Output = Vec<Result<()>>> + Send {
+        async move {
+            let mut answers = Vec::with_capacity(items.len());
+            for (lease, outcome) in items {
+                answers.push(self.complete(lease, outcome).await);
+            }
+            answers
+        }
+    }
+
     /// Whether a handler's error is a unique-constraint violation raised by
     /// this backend's driver (a write of the handler's own, in the ledger's
     /// database). The runners never take it for a duplicate: the claim
@@ -200,6 +247,19 @@ macro_rules! forward_ledger {
             }
             fn unique_violation(&self, error: &(dyn std::error::Error + 'static)) -> Option<String> {
                 (**self).unique_violation(error)
+            }
+            fn watch(&self, key: &EffectKey) -> impl Future<Output = Watch> + Send {
+                (**self).watch(key)
+            }
+            fn claim_many(
+                &self,
+                keys: &[EffectKey],
+                opts: &ClaimOptions,
+            ) -> impl Future<Output = Result<Vec<Result<Claim>>>> + Send {
+                (**self).claim_many(keys, opts)
+            }
+            fn complete_many(&self, items: &[(Lease, Outcome)]) -> impl Future<Output = Vec<Result<()>>> + Send {
+                (**self).complete_many(items)
             }
         }
     )*};

@@ -53,6 +53,7 @@ mod memory;
 mod pipeline;
 mod record;
 pub mod telemetry;
+pub mod watch;
 
 #[cfg(feature = "conformance")]
 pub mod conformance;
@@ -69,3 +70,4 @@ pub use record::{
     Claim, ClaimOptions, Fingerprint, Lease, MAX_OUTCOME_BYTES, OnInProgress, Outcome, Record, RecordState,
     StoredOutcome,
 };
+pub use watch::Watch;

@@ -26,6 +26,7 @@ struct Row {
 pub struct MemoryLedger {
     rows: Mutex<Rows>,
     offset_us: AtomicU64,
+    notifier: crate::watch::Notifier,
 }
 
 #[derive(Debug, Default)]
@@ -199,7 +200,9 @@ impl Ledger for MemoryLedger {
             r.lease_expires_at = None;
             r.updated_at = now;
             r.retain_until = now + row.retention;
-        })
+        })?;
+        self.notifier.notify(lease.key.as_str());
+        Ok(())
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
@@ -209,7 +212,13 @@ impl Ledger for MemoryLedger {
             r.lease_expires_at = None;
             r.updated_at = now;
             r.retain_until = now + row.retention;
-        })
+        })?;
+        self.notifier.notify(lease.key.as_str());
+        Ok(())
+    }
+
+    async fn watch(&self, key: &EffectKey) -> crate::Watch {
+        self.notifier.watch(key)
     }
 
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {

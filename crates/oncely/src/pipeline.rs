@@ -13,13 +13,14 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::backend::{Backoff, check_outcome};
+use crate::backend::check_outcome;
 use crate::error::{BoxError, Error, Result};
 use crate::held::{HeldLease, with_renewal};
 use crate::key::EffectKey;
 use crate::ledger::{Ledger, TransactionalLedger};
 use crate::record::{Claim, ClaimOptions, Lease, OnInProgress, Outcome};
 use crate::telemetry;
+use crate::watch::Watch;
 
 /// How a handler failed.
 ///
@@ -109,7 +110,7 @@ fn stored(ledger: &impl Ledger, key: &EffectKey, claim: Claim) -> Result<Outcome
 /// than [`ClaimOptions::margin`] left is released (fenced) and claimed again.
 pub(crate) async fn claim<L: Ledger>(ledger: &L, key: &EffectKey, opts: &ClaimOptions) -> Result<Resolved> {
     let started = Instant::now();
-    let mut backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(250));
+    let mut watch: Option<Watch> = None;
     let mut stale = 0;
     loop {
         let sent = Instant::now();
@@ -157,13 +158,26 @@ pub(crate) async fn claim<L: Ledger>(ledger: &L, key: &EffectKey, opts: &ClaimOp
                         fence,
                     });
                 }
-                // Never sleep past the holder's expiry (we may take over
+                let w = match watch.as_mut() {
+                    Some(w) => w,
+                    None => {
+                        let w = watch.insert(ledger.watch(key).await);
+                        if w.is_notified() {
+                            // Subscribed now: the holder may have finished
+                            // between the claim and the subscription, so look
+                            // once more before waiting for a notification.
+                            continue;
+                        }
+                        w
+                    }
+                };
+                // Never wait past the holder's expiry (we may take over
                 // then) or past our own deadline.
                 let until_expiry = expires_at
                     .duration_since(read_at)
                     .unwrap_or_default()
                     .saturating_add(Duration::from_millis(1));
-                backoff.wait(until_expiry.min(max - waited)).await;
+                w.changed(Instant::now() + until_expiry.min(max - waited)).await;
             }
             other => return stored(ledger, key, other).map(Resolved::Stored),
         }

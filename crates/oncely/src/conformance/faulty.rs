@@ -17,6 +17,8 @@ pub struct Faulty<L> {
     claim_delay: Duration,
     renew_failures: Arc<AtomicU64>,
     renewals_failed: Arc<AtomicU64>,
+    /// Watches from a notifier nobody notifies: every notification is lost.
+    deaf: Option<Arc<crate::watch::Notifier>>,
 }
 
 impl<L: Ledger> Faulty<L> {
@@ -27,6 +29,7 @@ impl<L: Ledger> Faulty<L> {
             claim_delay: Duration::ZERO,
             renew_failures: Arc::new(AtomicU64::new(0)),
             renewals_failed: Arc::new(AtomicU64::new(0)),
+            deaf: None,
         }
     }
 
@@ -40,6 +43,13 @@ impl<L: Ledger> Faulty<L> {
     /// all of them).
     pub fn fail_renewals(self, n: u64) -> Self {
         self.renew_failures.store(n, Ordering::SeqCst);
+        self
+    }
+
+    /// Loses every change notification: watches are notified ones that
+    /// nobody ever wakes (only their fallback does).
+    pub fn lose_notifications(mut self) -> Self {
+        self.deaf = Some(Arc::new(crate::watch::Notifier::new()));
         self
     }
 
@@ -105,5 +115,12 @@ impl<L: Ledger> Ledger for Faulty<L> {
 
     async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
         self.inner.horizon(tenant, kind).await
+    }
+
+    async fn watch(&self, key: &EffectKey) -> crate::Watch {
+        match &self.deaf {
+            Some(n) => n.watch(key),
+            None => self.inner.watch(key).await,
+        }
     }
 }

@@ -717,3 +717,145 @@ pub async fn naive_guard_double_applies<L: Ledger + Clone + 'static>(ledger: L) 
         "the naive guard should double-apply under 32 concurrent deliveries"
     );
 }
+
+/// `claim_many` answers each key in order, as claims one by one would: a new
+/// key acquires, a completed one answers its record, a live lease is in
+/// progress, a released or expired one is taken over, a key listed twice is
+/// acquired once and found in progress the second time, and a fingerprint
+/// mismatch fails its own slot only.
+pub async fn claim_many_answers_each_key_in_order<L: Ledger>(ledger: L) {
+    let t = fresh_tenant();
+    let k = |s: &str| key(&t, "capture", s);
+    let done = acquired(ledger.claim(&k("done"), &opts()).await.unwrap());
+    ledger
+        .complete(&done, &Outcome::from_json(&"done").unwrap())
+        .await
+        .unwrap();
+    let live = acquired(ledger.claim(&k("live"), &opts()).await.unwrap());
+    let released = acquired(ledger.claim(&k("released"), &opts()).await.unwrap());
+    ledger.release(&released).await.unwrap();
+    let expired = acquired(
+        ledger
+            .claim(&k("expired"), &opts().lease(SHORT_LEASE))
+            .await
+            .unwrap(),
+    );
+    let fp = Fingerprint::of_bytes(b"first payload");
+    acquired(
+        ledger
+            .claim(&k("fingerprinted"), &opts().fingerprint(fp))
+            .await
+            .unwrap(),
+    );
+    tokio::time::sleep(SHORT_LEASE_WAIT).await;
+
+    let keys = [
+        k("new"),
+        k("done"),
+        k("live"),
+        k("released"),
+        k("expired"),
+        k("new"),
+        k("fingerprinted"),
+    ];
+    let other = Fingerprint::of_bytes(b"another payload");
+    let answers = ledger
+        .claim_many(&keys, &opts().fingerprint(other))
+        .await
+        .unwrap();
+    assert_eq!(answers.len(), keys.len());
+    let mut answers = answers.into_iter();
+    let mut next = || answers.next().unwrap();
+    let new = match next() {
+        Ok(Claim::Acquired(l)) => l,
+        other => panic!("new key: {other:?}"),
+    };
+    assert!(
+        matches!(next(), Ok(Claim::Completed(r)) if r.outcome == Some(Outcome::from_json(&"done").unwrap()))
+    );
+    assert!(matches!(next(), Ok(Claim::InProgress { fence, .. }) if fence == live.fence()));
+    assert!(matches!(next(), Ok(Claim::Acquired(l)) if l.taken_over() && l.fence() > released.fence()));
+    assert!(matches!(next(), Ok(Claim::Acquired(l)) if l.taken_over() && l.fence() > expired.fence()));
+    assert!(
+        matches!(next(), Ok(Claim::InProgress { fence, .. }) if fence == new.fence()),
+        "a key listed twice"
+    );
+    assert!(matches!(next(), Err(Error::FingerprintMismatch { .. })));
+    // The batch's writes are real: the new key's lease holds.
+    ledger
+        .complete(&new, &Outcome::from_json(&"new").unwrap())
+        .await
+        .unwrap();
+    assert_eq!(ledger.claim_many(&[], &opts()).await.unwrap().len(), 0);
+    let e = ledger
+        .claim_many(&keys, &opts().lease(Duration::ZERO))
+        .await
+        .unwrap_err();
+    assert!(e.is_invalid_input(), "{e:?}");
+}
+
+/// Two batches that overlap, claimed at the same moment: every key is
+/// acquired by exactly one of them, the other finds it in progress.
+pub async fn overlapping_batches_acquire_each_key_once<L: Ledger + Clone + 'static>(ledger: L) {
+    let t = fresh_tenant();
+    let keys: Vec<EffectKey> = (0..40).map(|i| key(&t, "capture", &format!("b-{i}"))).collect();
+    for round in 0..3 {
+        let keys: Vec<EffectKey> = keys
+            .iter()
+            .map(|k| key(&t, "capture", &format!("{}-{round}", k.subject())))
+            .collect();
+        let (a, b) = (keys[..30].to_vec(), keys[10..].to_vec());
+        let barrier = Arc::new(tokio::sync::Barrier::new(2));
+        let run = |batch: Vec<EffectKey>| {
+            let (ledger, barrier) = (ledger.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let answers = ledger.claim_many(&batch, &opts()).await.unwrap();
+                batch.into_iter().zip(answers).collect::<Vec<_>>()
+            })
+        };
+        let (ra, rb) = (run(a), run(b));
+        let mut won = std::collections::HashMap::new();
+        for (k, answer) in ra.await.unwrap().into_iter().chain(rb.await.unwrap()) {
+            match answer.unwrap() {
+                Claim::Acquired(_) => *won.entry(k).or_insert(0) += 1,
+                Claim::InProgress { .. } => {
+                    won.entry(k).or_insert(0);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(won.len(), 40);
+        assert!(won.values().all(|n| *n == 1), "each key acquired once: {won:?}");
+    }
+}
+
+/// `complete_many` completes each lease in order, fenced by its own lease: a
+/// stale one fails in its slot only.
+pub async fn complete_many_is_fenced_per_lease<L: Ledger>(ledger: L) {
+    let t = fresh_tenant();
+    let a = acquired(ledger.claim(&key(&t, "capture", "a"), &opts()).await.unwrap());
+    let stale = acquired(ledger.claim(&key(&t, "capture", "b"), &opts()).await.unwrap());
+    ledger.release(&stale).await.unwrap();
+    let b = acquired(ledger.claim(&key(&t, "capture", "b"), &opts()).await.unwrap());
+    let c = acquired(ledger.claim(&key(&t, "capture", "c"), &opts()).await.unwrap());
+    let o = |s: &str| Outcome::from_json(&s).unwrap();
+    let answers = ledger
+        .complete_many(&[
+            (a.clone(), o("a")),
+            (stale, o("stale")),
+            (b.clone(), o("b")),
+            (c.clone(), o("c")),
+        ])
+        .await;
+    assert!(
+        answers[0].is_ok() && answers[2].is_ok() && answers[3].is_ok(),
+        "{answers:?}"
+    );
+    assert!(answers[1].as_ref().unwrap_err().is_lease_lost(), "{answers:?}");
+    for (l, want) in [(&a, "a"), (&b, "b"), (&c, "c")] {
+        let r = ledger.get(l.key()).await.unwrap().unwrap();
+        assert_eq!((r.state, r.outcome), (RecordState::Completed, Some(o(want))));
+    }
+    assert!(ledger.complete_many(&[]).await.is_empty());
+}

@@ -196,6 +196,9 @@ macro_rules! conformance_tests {
             out_of_range_times_are_refused,
             fences_never_repeat_after_prune,
             at_most_once_is_abandoned_not_rerun,
+            claim_many_answers_each_key_in_order,
+            overlapping_batches_acquire_each_key_once,
+            complete_many_is_fenced_per_lease,
             cancellation_is_safe,
             run_sequential_duplicate_runs_once,
             run_concurrent_deliveries_run_once,
@@ -206,6 +209,8 @@ macro_rules! conformance_tests {
             handler_learns_its_lease_is_lost,
             run_at_most_once_unstorable_outcome_is_not_repeated,
             telemetry_counts_each_claim_once,
+            run_waiter_is_answered_when_the_holder_finishes,
+            run_waiter_survives_a_lost_notification,
             naive_guard_double_applies,
         );
     };

@@ -370,3 +370,72 @@ pub async fn telemetry_counts_each_claim_once<L: Ledger>(ledger: L) {
     );
     assert_eq!(counter(telemetry::LEASE_TAKEOVERS_TOTAL, &[("kind", &kind)]), 1);
 }
+
+/// A duplicate that waits is answered when the holder finishes: it gets the
+/// completed outcome (its handler never runs), or acquires after a release.
+pub async fn run_waiter_is_answered_when_the_holder_finishes<L: Ledger + Clone + 'static>(ledger: L) {
+    for release in [false, true] {
+        let k = key(&fresh_tenant(), "capture", "waited-on");
+        let holder = acquired(
+            ledger
+                .claim(&k, &opts().lease(Duration::from_secs(60)))
+                .await
+                .unwrap(),
+        );
+        let waiter = {
+            let (ledger, k) = (ledger.clone(), k.clone());
+            tokio::spawn(async move {
+                let wait = OnInProgress::Wait {
+                    max: Duration::from_secs(30),
+                };
+                Effects::new(ledger)
+                    .run(&k, &opts().on_in_progress(wait), |_| async {
+                        Ok("waiter ran".to_owned())
+                    })
+                    .await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!waiter.is_finished(), "the waiter did not wait");
+        if release {
+            ledger.release(&holder).await.unwrap();
+        } else {
+            ledger
+                .complete(&holder, &Outcome::value(&"holder ran").unwrap())
+                .await
+                .unwrap();
+        }
+        let want = if release { "waiter ran" } else { "holder ran" };
+        assert_eq!(waiter.await.unwrap().unwrap(), want);
+    }
+}
+
+/// A notification that never comes costs latency, not the answer: with a
+/// watch that is never woken, the waiter still gets the holder's outcome.
+pub async fn run_waiter_survives_a_lost_notification<L: Ledger + Clone + 'static>(ledger: L) {
+    let k = key(&fresh_tenant(), "capture", "lost-notification");
+    let holder = acquired(
+        ledger
+            .claim(&k, &opts().lease(Duration::from_secs(60)))
+            .await
+            .unwrap(),
+    );
+    let deaf = Faulty::new(ledger.clone()).lose_notifications();
+    let waiter = {
+        let k = k.clone();
+        tokio::spawn(async move {
+            let wait = OnInProgress::Wait {
+                max: Duration::from_secs(30),
+            };
+            Effects::new(deaf)
+                .run(&k, &opts().on_in_progress(wait), |_| async { Ok(0u32) })
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    ledger
+        .complete(&holder, &Outcome::value(&7u32).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(waiter.await.unwrap().unwrap(), 7);
+}
