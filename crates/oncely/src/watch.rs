@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -30,6 +31,16 @@ pub const NOTIFIED_FALLBACK: Duration = Duration::from_secs(1);
 #[derive(Debug)]
 pub struct Watch {
     kind: Kind,
+    /// The notifier's count of live watches, decremented on drop.
+    live: Option<Arc<AtomicUsize>>,
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        if let Some(live) = &self.live {
+            live.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -51,6 +62,7 @@ impl Watch {
     pub fn polling() -> Self {
         Watch {
             kind: Kind::Polling(Backoff::new(Duration::from_millis(5), Duration::from_millis(250))),
+            live: None,
         }
     }
 
@@ -96,6 +108,9 @@ impl Watch {
 #[derive(Debug, Default)]
 pub struct Notifier {
     keys: Mutex<HashMap<String, Weak<Notify>>>,
+    /// Watches taken and not yet dropped: `notify` skips the map when none
+    /// is (the common case: nobody waits on a key that completes).
+    live: Arc<AtomicUsize>,
 }
 
 impl Notifier {
@@ -126,13 +141,18 @@ impl Notifier {
             }
         };
         let notified = armed(&notify);
+        self.live.fetch_add(1, Ordering::AcqRel);
         Watch {
             kind: Kind::Notified(notify, notified),
+            live: Some(self.live.clone()),
         }
     }
 
     /// Wakes every watch on `key` (the displayed effect key).
     pub fn notify(&self, key: &str) {
+        if self.live.load(Ordering::Acquire) == 0 {
+            return;
+        }
         let notify = {
             let keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
             keys.get(key).and_then(Weak::upgrade)
