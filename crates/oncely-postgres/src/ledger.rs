@@ -1,6 +1,8 @@
 //! [`PgLedger`]: its constructors, and each ledger operation as one
 //! statement (`sql`) run through the leaked-transaction guard (`guard`).
 
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -9,12 +11,13 @@ use oncely::backend::{
 };
 use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, MAX_OUTCOME_BYTES, Outcome, Record,
-    Result, Tenant, TransactionalLedger,
+    Result, Tenant, TransactionalLedger, Watch,
 };
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres};
 
-use crate::error::{self, BACKEND, map};
+use crate::error::{self, BACKEND, copy, map};
 use crate::guard::{self, Failed, Retry, Run};
+use crate::notify::{Changes, ListenerStatus};
 use crate::options::{PgLedgerOptions, SCHEMES};
 use crate::row::{self, ClaimRow, RecordRow};
 use crate::sql::Queries;
@@ -25,12 +28,19 @@ use crate::sql::Queries;
 /// by default), so a prune of a million records runs as many small batches.
 const PRUNE_BATCH: u64 = 500;
 
+/// Most distinct keys one `claim_many` statement carries: it holds one
+/// advisory lock per key until it ends, in the same shared lock table as
+/// prune (above); a larger batch runs as several statements on one
+/// connection, each as atomic as a single claim.
+const CLAIM_BATCH: usize = 500;
+
 #[derive(Debug)]
 pub(crate) struct Inner {
     pub(crate) q: Queries,
     pub(crate) schema: String,
     pub(crate) table: String,
     read_only: bool,
+    changes: Changes,
 }
 
 /// An effect ledger in a PostgreSQL table. Cloning is cheap (a pool handle
@@ -87,13 +97,16 @@ impl PgLedger {
     /// migrations and no check.
     pub fn from_pool_with(pool: PgPool, options: PgLedgerOptions) -> Result<PgLedger> {
         options.validate()?;
+        let q = Queries::new(&options.schema, &options.table);
+        let changes = Changes::new(pool.clone(), q.channel.clone());
         Ok(PgLedger {
             pool,
             inner: Arc::new(Inner {
-                q: Queries::new(&options.schema, &options.table),
+                q,
                 schema: options.schema,
                 table: options.table,
                 read_only: options.read_only,
+                changes,
             }),
         })
     }
@@ -106,6 +119,15 @@ impl PgLedger {
     /// The schema and table this ledger uses.
     pub fn table(&self) -> (&str, &str) {
         (&self.inner.schema, &self.inner.table)
+    }
+
+    /// The state of the ledger's change listener: the one connection per
+    /// ledger that `LISTEN`s for completions and releases committed by other
+    /// processes, so that their waiting duplicates are woken at once (see the
+    /// crate docs, "Waiting duplicates"). It starts with the first claim
+    /// that waits.
+    pub fn listener_status(&self) -> ListenerStatus {
+        self.inner.changes.status()
     }
 
     /// Begins a transaction on the pool, cancel-safely.
@@ -263,6 +285,168 @@ impl PgLedger {
             }
         }
     }
+    /// Claims the distinct keys `keys[n]` for `n` in `chunk` with one
+    /// statement, run again (through the same retry loop and its limit as
+    /// one claim) only for the keys that did not settle, and writes each
+    /// key's answer into `answers[n]`.
+    async fn claim_chunk(
+        &self,
+        conn: &mut PgConnection,
+        keys: &[EffectKey],
+        chunk: &[usize],
+        opts: &ClaimOptions,
+        sent_at: Option<i64>,
+        answers: &mut [Option<Result<Claim>>],
+    ) {
+        let sql = match sent_at {
+            None => &self.inner.q.claim_many,
+            Some(_) => &self.inner.q.claim_many_horizon,
+        };
+        let mut pending: Vec<usize> = chunk.to_vec();
+        let mut retry = Retry::new(true, || format!("a batch of {} claims", chunk.len()));
+        loop {
+            let run = async {
+                let column =
+                    |f: fn(&EffectKey) -> &str| pending.iter().map(|&n| f(&keys[n])).collect::<Vec<_>>();
+                let mut query = sqlx::query(AssertSqlSafe(sql.clone()))
+                    .bind(column(EffectKey::as_str))
+                    .bind(column(|k| k.tenant().as_str()))
+                    .bind(column(EffectKey::kind))
+                    .bind(column(EffectKey::subject))
+                    .bind(opts.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
+                    .bind(opts.at_most_once)
+                    .bind(duration_micros(opts.lease))
+                    .bind(duration_micros(opts.retention))
+                    .bind(true);
+                if let Some(sent_at) = sent_at {
+                    query = query.bind(sent_at);
+                }
+                let rows = query.fetch_all(&mut *conn).await?;
+                // The guard is one for the statement: every row says so.
+                if rows.iter().any(row::claim_leaked) {
+                    return Ok(Run::Leaked);
+                }
+                if rows.len() != pending.len() {
+                    return Err(error::corrupt(format!(
+                        "a batch of {} claims answered {} rows",
+                        pending.len(),
+                        rows.len()
+                    ))
+                    .into());
+                }
+                let index: HashMap<&str, usize> = pending.iter().map(|&n| (keys[n].as_str(), n)).collect();
+                let mut again = Vec::new();
+                for row in &rows {
+                    let stored = row::claimed_key(row)?;
+                    let Some(&n) = index.get(stored.as_str()) else {
+                        return Err(error::corrupt(format!(
+                            "a batch claim answered a key it was not given: {stored:?}"
+                        ))
+                        .into());
+                    };
+                    let key = &keys[n];
+                    let answer = match ClaimRow::decode(key, row)? {
+                        ClaimRow::Leaked => return Ok(Run::Leaked),
+                        ClaimRow::Beyond => Err(Error::BeyondHorizon { key: key.to_string() }),
+                        ClaimRow::Missing => {
+                            again.push(n);
+                            continue;
+                        }
+                        ClaimRow::Acquired(lease) => Ok(Claim::Acquired(lease)),
+                        // As for one claim: `None` is a record that could be
+                        // taken over by now; that key is claimed again.
+                        ClaimRow::Existing(record) => match answer_existing(key, opts, record) {
+                            Ok(Some(claim)) => Ok(claim),
+                            Ok(None) => {
+                                again.push(n);
+                                continue;
+                            }
+                            Err(e) => Err(e),
+                        },
+                    };
+                    answers[n] = Some(answer);
+                }
+                pending = again;
+                Ok(if pending.is_empty() {
+                    Run::Done(())
+                } else {
+                    Run::Again
+                })
+            }
+            .await;
+            match retry.settle(conn, run).await {
+                Ok(Some(())) => return,
+                Ok(None) => {}
+                Err(e) => return fill(answers, &pending, &e),
+            }
+        }
+    }
+
+    /// Completes the leases `items[n]` for `n` in `send` (distinct (key,
+    /// fence) pairs, outcomes checked) with one statement; `Ok` with the
+    /// completed pairs.
+    async fn complete_batch(
+        &self,
+        conn: &mut PgConnection,
+        items: &[(Lease, Outcome)],
+        send: &[usize],
+    ) -> Result<Vec<(String, i64)>> {
+        let keys: Vec<&str> = send.iter().map(|&n| items[n].0.key().as_str()).collect();
+        let fences: Vec<i64> = send
+            .iter()
+            .map(|&n| i64::try_from(items[n].0.fence()).unwrap_or(i64::MAX))
+            .collect();
+        let outcomes: Vec<&[u8]> = send.iter().map(|&n| items[n].1.as_bytes()).collect();
+        let mut retry = Retry::new(true, || format!("a batch of {} completions", send.len()));
+        loop {
+            let run = async {
+                let rows = sqlx::query(AssertSqlSafe(self.inner.q.complete_many.clone()))
+                    .bind(&keys)
+                    .bind(&fences)
+                    .bind(&outcomes)
+                    .bind(true)
+                    .fetch_all(&mut *conn)
+                    .await?;
+                if !rows.iter().all(|r| row::guard_ok(r).unwrap_or(false)) {
+                    return Ok(Run::Leaked);
+                }
+                let mut done = Vec::with_capacity(rows.len());
+                for r in &rows {
+                    if let Some(pair) = row::completed(r)? {
+                        done.push(pair);
+                    }
+                }
+                Ok(Run::Done(done))
+            }
+            .await;
+            if let Some(done) = retry.settle(conn, run).await? {
+                return Ok(done);
+            }
+        }
+    }
+}
+
+/// Writes a copy of `e` as the answer of every `n` in `pending`.
+fn fill<T>(answers: &mut [Option<Result<T>>], pending: &[usize], e: &Error) {
+    for &n in pending {
+        answers[n] = Some(Err(copy(e)));
+    }
+}
+
+/// What a key listed again in one `claim_many` gets: what a concurrent
+/// duplicate of the first occurrence would (in progress under the lease the
+/// first one acquired, or the same record, or the same refusal).
+fn repeated(first: &Result<Claim>) -> Result<Claim> {
+    match first {
+        Ok(Claim::Acquired(lease)) => Ok(Claim::InProgress {
+            fence: lease.fence(),
+            expires_at: lease.expires_at(),
+            first_claimed_at: lease.first_claimed_at(),
+            read_at: lease.acquired_at(),
+        }),
+        Ok(other) => Ok(other.clone()),
+        Err(e) => Err(copy(e)),
+    }
 }
 
 /// The fenced writes.
@@ -298,16 +482,141 @@ impl Ledger for PgLedger {
         self.writable()?;
         let mut conn = self.acquire().await?;
         self.fenced_on(&mut conn, lease, Write::Complete(outcome), true)
-            .await
-            .map(|_| ())
+            .await?;
+        // Committed: wake this process's waiters now, without waiting for the
+        // notification to come back through the listener.
+        self.inner.changes.notify(lease.key().as_str());
+        Ok(())
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
         self.writable()?;
         let mut conn = self.acquire().await?;
-        self.fenced_on(&mut conn, lease, Write::Release, true)
-            .await
-            .map(|_| ())
+        self.fenced_on(&mut conn, lease, Write::Release, true).await?;
+        self.inner.changes.notify(lease.key().as_str());
+        Ok(())
+    }
+
+    /// A notified watch while the ledger's listener is connected (it starts
+    /// with the first call, which waits a moment for its first connection),
+    /// else a polling one; always polling on a read-only ledger.
+    async fn watch(&self, key: &EffectKey) -> Watch {
+        if self.inner.read_only {
+            return Watch::polling();
+        }
+        self.inner.changes.watch(key).await
+    }
+
+    /// One statement per batch of up to 500 distinct keys, each key
+    /// answered as one claim would be (see the crate docs, "Batches").
+    async fn claim_many(&self, keys: &[EffectKey], opts: &ClaimOptions) -> Result<Vec<Result<Claim>>> {
+        opts.validate()?;
+        self.writable()?;
+        let sent_at = opts.sent_at.map(to_micros).transpose()?;
+        // A key listed again is not sent: it gets what a concurrent duplicate
+        // of its first occurrence would.
+        let mut first: HashMap<&str, usize> = HashMap::with_capacity(keys.len());
+        let mut distinct = Vec::with_capacity(keys.len());
+        let mut repeats = Vec::new();
+        for (n, key) in keys.iter().enumerate() {
+            match first.entry(key.as_str()) {
+                Entry::Occupied(f) => repeats.push((n, *f.get())),
+                Entry::Vacant(v) => {
+                    v.insert(n);
+                    distinct.push(n);
+                }
+            }
+        }
+        // In key order, so overlapping batches reach their common rows in
+        // the same order too (their locks are ordered by the statement).
+        distinct.sort_unstable_by(|&a, &b| keys[a].as_str().cmp(keys[b].as_str()));
+        let mut answers: Vec<Option<Result<Claim>>> = (0..keys.len()).map(|_| None).collect();
+        if !distinct.is_empty() {
+            match self.acquire().await {
+                Ok(mut conn) => {
+                    for chunk in distinct.chunks(CLAIM_BATCH) {
+                        self.claim_chunk(&mut conn, keys, chunk, opts, sent_at, &mut answers)
+                            .await;
+                    }
+                }
+                Err(e) => fill(&mut answers, &distinct, &e),
+            }
+        }
+        for (n, f) in repeats {
+            let answer = match &answers[f] {
+                Some(first) => repeated(first),
+                None => Err(error::corrupt("a batch claim left a key unanswered")),
+            };
+            answers[n] = Some(answer);
+        }
+        Ok(answers
+            .into_iter()
+            .map(|a| a.unwrap_or_else(|| Err(error::corrupt("a batch claim left a key unanswered"))))
+            .collect())
+    }
+
+    /// One statement for the whole batch, each lease fenced on its own.
+    /// Outcomes over the limit and leases listed again are answered before
+    /// the round trip (a lease listed again: as a second completion of the
+    /// same lease would be, [`Error::LeaseLost`] once the first succeeded).
+    async fn complete_many(&self, items: &[(Lease, Outcome)]) -> Vec<Result<()>> {
+        let lost = |lease: &Lease| Error::LeaseLost {
+            key: lease.key().to_string(),
+            fence: lease.fence(),
+        };
+        let mut answers: Vec<Option<Result<()>>> = (0..items.len()).map(|_| None).collect();
+        let mut first: HashMap<(&str, u64), usize> = HashMap::with_capacity(items.len());
+        let mut send = Vec::with_capacity(items.len());
+        let mut repeats = Vec::new();
+        for (n, (lease, outcome)) in items.iter().enumerate() {
+            if let Err(e) = check_outcome(outcome, MAX_OUTCOME_BYTES).and_then(|()| self.writable()) {
+                answers[n] = Some(Err(e));
+            } else if i64::try_from(lease.fence()).is_err() {
+                answers[n] = Some(Err(lost(lease)));
+            } else {
+                match first.entry((lease.key().as_str(), lease.fence())) {
+                    Entry::Occupied(f) => repeats.push((n, *f.get())),
+                    Entry::Vacant(v) => {
+                        v.insert(n);
+                        send.push(n);
+                    }
+                }
+            }
+        }
+        send.sort_unstable_by(|&a, &b| items[a].0.key().as_str().cmp(items[b].0.key().as_str()));
+        if !send.is_empty() {
+            let done = match self.acquire().await {
+                Ok(mut conn) => self.complete_batch(&mut conn, items, &send).await,
+                Err(e) => Err(e),
+            };
+            match done {
+                Ok(done) => {
+                    let done: std::collections::HashSet<(&str, i64)> =
+                        done.iter().map(|(k, f)| (k.as_str(), *f)).collect();
+                    for &n in &send {
+                        let lease = &items[n].0;
+                        let fence = i64::try_from(lease.fence()).unwrap_or(i64::MAX);
+                        answers[n] = Some(if done.contains(&(lease.key().as_str(), fence)) {
+                            self.inner.changes.notify(lease.key().as_str());
+                            Ok(())
+                        } else {
+                            Err(lost(lease))
+                        });
+                    }
+                }
+                Err(e) => fill(&mut answers, &send, &e),
+            }
+        }
+        for (n, f) in repeats {
+            answers[n] = Some(match &answers[f] {
+                Some(Err(e)) => Err(copy(e)),
+                _ => Err(lost(&items[n].0)),
+            });
+        }
+        answers
+            .into_iter()
+            .map(|a| a.unwrap_or_else(|| Err(error::corrupt("a batch completion left a lease unanswered"))))
+            .collect()
     }
 
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {

@@ -227,12 +227,14 @@
 mod error;
 mod guard;
 mod ledger;
+mod notify;
 mod options;
 mod row;
 mod schema;
 mod sql;
 
 pub use crate::ledger::PgLedger;
+pub use crate::notify::ListenerStatus;
 pub use crate::options::PgLedgerOptions;
 /// The connection a caller's transaction derefs to, for
 /// [`TransactionalLedger::claim_in`](oncely::TransactionalLedger::claim_in).

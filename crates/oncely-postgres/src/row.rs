@@ -90,6 +90,24 @@ pub(crate) fn prune_counts(row: &PgRow) -> Result<(u64, u64)> {
     Ok((count("candidates")?, count("deleted")?))
 }
 
+/// The key a claim row answers (its `key` column).
+pub(crate) fn claimed_key(row: &PgRow) -> Result<String> {
+    get(row, "key")
+}
+
+/// Whether a claim row says the leaked-transaction guard tripped.
+pub(crate) fn claim_leaked(row: &PgRow) -> bool {
+    get::<String>(row, "src").is_ok_and(|s| s == "leaked")
+}
+
+/// The (key, fence) a `complete_many` row reports completed, if any (the
+/// row of a batch that completed nothing has neither).
+pub(crate) fn completed(row: &PgRow) -> Result<Option<(String, i64)>> {
+    let key: Option<String> = get(row, "key")?;
+    let fence: Option<i64> = get(row, "fence")?;
+    Ok(key.zip(fence))
+}
+
 /// What the claim statement found (its `src` column).
 pub(crate) enum ClaimRow {
     /// The guard tripped: the statement ran in a transaction nobody owns and

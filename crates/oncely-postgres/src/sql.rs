@@ -78,6 +78,17 @@ fn lock_seed(schema: &str, table: &str) -> i64 {
     i64::from_ne_bytes(h.to_ne_bytes())
 }
 
+/// The `LISTEN`/`NOTIFY` channel of one ledger: its table's name and 32 bits
+/// of the hash that seeds its advisory locks (of the schema and the table),
+/// so two ledgers in one database do not wake each other's waiters (a
+/// collision would cost a spurious wake-up, never a wrong answer). At most
+/// 48 + 9 bytes, within PostgreSQL's 63-byte limit on channel names; only
+/// lowercase letters, digits and `_`, so it needs no quoting in a literal.
+pub(crate) fn channel(schema: &str, table: &str) -> String {
+    let h = u64::from_ne_bytes(lock_seed(schema, table).to_ne_bytes());
+    format!("{table}_{:08x}", h >> 32)
+}
+
 /// The current schema version: the last of [`Queries::migrations`].
 pub(crate) const SCHEMA_VERSION: i32 = 2;
 
@@ -86,7 +97,10 @@ pub(crate) const SCHEMA_VERSION: i32 = 2;
 pub(crate) struct Queries {
     pub claim: Arc<str>,
     pub claim_horizon: Arc<str>,
+    pub claim_many: Arc<str>,
+    pub claim_many_horizon: Arc<str>,
     pub complete: Arc<str>,
+    pub complete_many: Arc<str>,
     pub release: Arc<str>,
     pub renew: Arc<str>,
     pub probe: Arc<str>,
@@ -103,6 +117,8 @@ pub(crate) struct Queries {
     /// The names the schema check reports (`schema.table`).
     pub horizon_table: String,
     pub beyond_function: String,
+    /// The `LISTEN`/`NOTIFY` channel of this ledger ([`channel`]).
+    pub channel: Arc<str>,
 }
 
 impl Queries {
@@ -113,6 +129,7 @@ impl Queries {
         let h = format!("{}.{}", quote(schema), quote(&horizon_name));
         let beyond_name = format!("{table}_beyond");
         let beyond = format!("{}.{}", quote(schema), quote(&beyond_name));
+        let channel = channel(schema, table);
         // The per-key lock every claim takes before it reads the clock, and
         // prune tries before it deletes.
         let key_lock =
@@ -120,11 +137,12 @@ impl Queries {
 
         // A claim takes the record over when it was released, or when its
         // lease ran out and the step is not at-most-once; never on a
-        // fingerprint mismatch. The clock is read here, in the ON CONFLICT
-        // branch, after the row lock it may have waited on; the fence is
-        // above the previous one and the clock's microseconds
-        // (oncely::backend::next_fence), so it never repeats, even after the
-        // record is pruned and inserted again.
+        // fingerprint mismatch. The condition is evaluated by the UPDATE on
+        // the row's latest version (re-checked after any row lock it waited
+        // on), and the clock is read there; the fence is above the previous
+        // one and the clock's microseconds (oncely::backend::next_fence), so
+        // it never repeats, even after the record is pruned and inserted
+        // again.
         let takeover_set = format!(
             "state = 'in_progress', fence = greatest(e.fence + 1, {now_us}), at_most_once = $6, \
              outcome = NULL, fingerprint = coalesce(e.fingerprint, $5), \
@@ -138,92 +156,145 @@ impl Queries {
              AND (e.state = 'released' OR (e.state = 'in_progress' AND NOT e.at_most_once \
              AND e.lease_expires_at <= clock_timestamp()))";
 
-        // One statement, one round trip. Parameters:
-        // $1 key, $2 tenant, $3 kind, $4 subject, $5 fingerprint, $6 at_most_once,
-        // $7 lease µs, $8 retention µs, $9 guard on, and in the horizon
-        // variant $10 sent_at µs.
+        // One statement, one round trip, for one key or a batch. Parameters:
+        // $1 key, $2 tenant, $3 kind, $4 subject (a batch: four arrays, one
+        // element per distinct key), $5 fingerprint, $6 at_most_once, $7
+        // lease µs, $8 retention µs, $9 guard on, and in the horizon variant
+        // $10 sent_at µs.
         //
-        // - `g` takes the key's transaction-scoped advisory lock, THEN reads
-        //   the clock. PostgreSQL computes an inserted row's values before
-        //   the INSERT waits on the unique index, so without the lock a
-        //   claim that waited on another transaction's uncommitted claim
+        // - `i`: the keys claimed (the batch unnests its arrays).
+        // - `g` takes the keys' transaction-scoped advisory locks (a batch:
+        //   in the order of their lock ids, so two overlapping batches take
+        //   their common keys in the same order and never deadlock), THEN
+        //   reads the clock. PostgreSQL computes an inserted row's values
+        //   before the INSERT waits on the unique index, so without the lock
+        //   a claim that waited on another transaction's uncommitted claim
         //   (claim_in) would write a lease measured from before the wait,
         //   possibly already over. Every writer that creates or deletes a
         //   key's row holds this lock (claims until their transaction ends,
         //   prune while it deletes), so once `g` has it, nothing is left to
-        //   wait for on the insert path. The lock sits in subquery `l`,
-        //   which PostgreSQL never flattens into `g` (its target list calls
-        //   a volatile function), so `g`'s expressions are evaluated on the
-        //   row `l` returns, after the lock; `g0` is kept apart by
-        //   `OFFSET 0` so the guard is evaluated once. In autocommit the
-        //   lock ends with the statement; in a caller's transaction it is
-        //   held until that transaction ends, and a concurrent claim of the
-        //   key waits for it, then reads a fresh clock.
-        // - In the horizon variant `g.beyond` calls the `_beyond` function:
-        //   VOLATILE, so its queries take a new snapshot, after the lock (the
-        //   statement's own snapshot predates the wait and could miss a
-        //   prune that committed meanwhile). It is true when the key is
-        //   absent and the tenant and kind's watermark is at or after
+        //   wait for on the insert path. The lock sits in subquery `l`, which
+        //   PostgreSQL never flattens into `g` (its target list calls a
+        //   volatile function), so `g`'s expressions are evaluated on the row
+        //   `l` returns, after the locks; `g0` is kept apart by `OFFSET 0` so
+        //   the guard is evaluated once. In autocommit the locks end with the
+        //   statement; in a caller's transaction they are held until that
+        //   transaction ends, and a concurrent claim of a key waits for
+        //   them, then reads a fresh clock. Every other part reads `g`
+        //   first: through `(SELECT g.ok FROM g)`, a one-time filter
+        //   PostgreSQL evaluates before the scan it gates.
+        // - In the horizon variant `b.beyond` calls the `_beyond` function
+        //   per key: VOLATILE, so its queries take a new snapshot, after the
+        //   locks (the statement's own snapshot predates the wait and could
+        //   miss a prune that committed meanwhile). It is true when the key
+        //   is absent and the tenant and kind's watermark is at or after
         //   `sent_at` (oncely::backend::is_beyond_horizon). While this claim
         //   holds the key's lock, no claim can insert the key and no prune
         //   can delete it, so "absent" stays true until the statement ends.
         //   An old message therefore never inserts, and still takes over an
-        //   existing released or expired record through the ON CONFLICT.
-        //   (In a caller's REPEATABLE READ or SERIALIZABLE transaction the
-        //   function sees that transaction's snapshot: a key committed by
-        //   someone else after it reads as absent, so such a claim may fail
-        //   with BeyondHorizon where READ COMMITTED would answer the record.
-        //   It never inserts either way.)
-        // - `ins` inserts with fence = the clock's microseconds, or takes
-        //   the record over.
-        // - Otherwise the existing record is returned, or a status row:
-        //   `leaked` (guard tripped: nothing was written, no lock taken),
-        //   `beyond`, or `missing` (the ON CONFLICT met a row committed after
-        //   this statement's snapshot, e.g. while it waited on the lock; the
-        //   caller runs the statement again and the next snapshot shows it).
+        //   existing released or expired record. (In a caller's REPEATABLE
+        //   READ or SERIALIZABLE transaction the function sees that
+        //   transaction's snapshot: a key committed by someone else after it
+        //   reads as absent, so such a claim may fail with BeyondHorizon
+        //   where READ COMMITTED would answer the record. It never inserts
+        //   either way.)
+        // - `cur`: the records as the statement's snapshot shows them.
+        // - `ins` inserts the keys `cur` does not show, with fence = the
+        //   clock's microseconds. `ON CONFLICT DO NOTHING` (not DO UPDATE):
+        //   a row committed after the snapshot (while this claim waited on a
+        //   lock) is left alone, and reported `missing`.
+        // - `upd` takes over the records whose takeover condition holds. A
+        //   record it does not take over is only read: no row lock, no
+        //   transaction id, no WAL record. (`ON CONFLICT DO UPDATE … WHERE`
+        //   would lock the existing row even when its WHERE is false, which
+        //   takes a transaction id and writes a WAL record, so a duplicate of
+        //   a completed effect would wait on a disk flush at commit.)
+        // - Otherwise the existing record is returned (`existing`), or a
+        //   status row: `leaked` (guard tripped: nothing was written, no lock
+        //   taken), `beyond`, or `missing` (a row committed after this
+        //   statement's snapshot, e.g. while it waited on the lock; the
+        //   caller runs the statement again for that key and the next
+        //   snapshot shows it). An `existing` record that could be taken over
+        //   by now (the UPDATE found it changed, or its lease ended since)
+        //   is claimed again the same way.
         //
-        // The acquired row reports, as `now`, the clock its lease was
-        // measured from (`lease_expires_at - lease`), and whether it took a
-        // record over (an insert's `created_at` is this statement's clock;
-        // a record taken over was created by an earlier statement). The
-        // first branch of the UNION names the columns: those of `cols`, then
+        // One row per key, named by `key`. An acquired row reports, as `now`,
+        // the clock its lease was measured from (`lease_expires_at - lease`),
+        // and whether it took a record over. The first branch of the UNION
+        // names the columns: `src`, `key`, those of `cols`, then
         // `taken_over` (`row::ClaimRow` reads them by name).
-        let claim = |horizon: bool| {
-            let (beyond, not_beyond, beyond_status) = if horizon {
+        let claim = |batch: bool, horizon: bool| {
+            let (input, lock, keys) = if batch {
                 (
-                    format!(", (l.ok AND {beyond}($2, $3, $1, $10::bigint)) AS beyond"),
-                    " AND NOT g.beyond",
-                    " WHEN g.beyond THEN 'beyond'",
+                    "SELECT i.key, i.tenant, i.kind, i.subject \
+                     FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) AS i(key, tenant, kind, subject)"
+                        .to_owned(),
+                    format!(
+                        "(SELECT count(pg_advisory_xact_lock(s.id)) FROM \
+                           (SELECT DISTINCT hashtextextended(i.key, {seed}) AS id FROM i ORDER BY id) s)",
+                        seed = lock_seed(schema, table),
+                    ),
+                    "= ANY($1::text[])",
                 )
             } else {
-                (String::new(), "", "")
+                (
+                    "SELECT $1::text AS key, $2::text AS tenant, $3::text AS kind, $4::text AS subject"
+                        .to_owned(),
+                    key_lock("pg_advisory_xact_lock", "$1"),
+                    "= $1",
+                )
             };
+            let (beyond_cte, not_beyond, beyond_join, beyond_status) = if horizon {
+                (
+                    format!(
+                        "b AS (SELECT i.key, {beyond}(i.tenant, i.kind, i.key, $10::bigint) AS beyond \
+                         FROM i WHERE (SELECT g.ok FROM g)), "
+                    ),
+                    " AND NOT EXISTS (SELECT 1 FROM b WHERE b.key = i.key AND b.beyond)",
+                    " LEFT JOIN b ON b.key = i.key",
+                    " WHEN b.beyond THEN 'beyond'",
+                )
+            } else {
+                (String::new(), "", "", "")
+            };
+            let returning = format!(
+                "e.key, e.fence, e.at_most_once, e.created_at, e.lease_expires_at, \
+                 e.lease_expires_at - {lease} AS acquired_at",
+                lease = micros("$7"),
+            );
             format!(
-                "WITH g AS (\
-                   SELECT l.ok, clock_timestamp() AS now{beyond} \
+                "WITH i AS ({input}), \
+                 g AS (\
+                   SELECT l.ok, clock_timestamp() AS now \
                    FROM (SELECT g0.ok, CASE WHEN g0.ok THEN {lock} END AS locked \
                          FROM (SELECT {guard} AS ok OFFSET 0) g0) l), \
+                 {beyond_cte}\
+                 cur AS (SELECT e.* FROM {t} e WHERE e.key {keys} AND (SELECT g.ok FROM g)), \
                  ins AS (\
                    INSERT INTO {t} AS e (key, tenant, kind, subject, state, fence, fingerprint, outcome, \
                      at_most_once, created_at, updated_at, lease_expires_at, retain_until, retention_us) \
-                   SELECT $1, $2, $3, $4, 'in_progress', greatest({now_us}, 1), $5::bytea, NULL, $6, \
-                     g.now, g.now, g.now + {lease}, g.now + {ret}, $8 \
-                   FROM g WHERE g.ok{not_beyond} \
-                   ON CONFLICT (key) DO UPDATE SET {takeover_set} WHERE {takeover_when} \
-                   RETURNING e.fence, e.at_most_once, e.created_at, e.lease_expires_at, \
-                     e.lease_expires_at - {lease} AS acquired_at, \
-                     e.created_at <> (SELECT g.now FROM g) AS taken_over) \
-                 SELECT 'acquired'::text AS src, NULL::text AS state, i.fence AS fence, \
-                   NULL::bytea AS fingerprint, NULL::bytea AS outcome, i.at_most_once AS at_most_once, \
-                   i.created_at AS created_at, i.acquired_at AS updated_at, \
-                   i.lease_expires_at AS lease_expires_at, NULL::timestamptz AS retain_until, \
-                   i.acquired_at AS now, i.taken_over AS taken_over \
-                 FROM ins i \
+                   SELECT i.key, i.tenant, i.kind, i.subject, 'in_progress', greatest({now_us}, 1), $5::bytea, \
+                     NULL, $6, g.now, g.now, g.now + {lease}, g.now + {ret}, $8 \
+                   FROM i CROSS JOIN g \
+                   WHERE g.ok AND NOT EXISTS (SELECT 1 FROM cur c WHERE c.key = i.key){not_beyond} \
+                   ON CONFLICT (key) DO NOTHING \
+                   RETURNING {returning}), \
+                 upd AS (\
+                   UPDATE {t} AS e SET {takeover_set} \
+                   WHERE e.key {keys} AND (SELECT g.ok FROM g) AND {takeover_when} \
+                   RETURNING {returning}), \
+                 won AS (SELECT x.*, false AS taken_over FROM ins x \
+                         UNION ALL SELECT y.*, true AS taken_over FROM upd y) \
+                 SELECT 'acquired'::text AS src, w.key AS key, NULL::text AS state, w.fence AS fence, \
+                   NULL::bytea AS fingerprint, NULL::bytea AS outcome, w.at_most_once AS at_most_once, \
+                   w.created_at AS created_at, w.acquired_at AS updated_at, \
+                   w.lease_expires_at AS lease_expires_at, NULL::timestamptz AS retain_until, \
+                   w.acquired_at AS now, w.taken_over AS taken_over \
+                 FROM won w \
                  UNION ALL SELECT CASE WHEN NOT g.ok THEN 'leaked'{beyond_status} \
-                   WHEN e.key IS NOT NULL THEN 'existing' ELSE 'missing' END, {ce}, NULL::boolean \
-                 FROM g LEFT JOIN {t} e ON e.key = $1 AND g.ok \
-                 WHERE NOT EXISTS (SELECT 1 FROM ins)",
-                lock = key_lock("pg_advisory_xact_lock", "$1"),
+                   WHEN e.key IS NOT NULL THEN 'existing' ELSE 'missing' END, i.key, {ce}, NULL::boolean \
+                 FROM i CROSS JOIN g LEFT JOIN cur e ON e.key = i.key{beyond_join} \
+                 WHERE NOT EXISTS (SELECT 1 FROM won w WHERE w.key = i.key)",
                 guard = guard("$9"),
                 now_us = us("g.now"),
                 lease = micros("$7"),
@@ -237,23 +308,34 @@ impl Queries {
         // happened, with its `value` (renew: the new expiry's µs); when none
         // does, `probe` tells a stale fence (LeaseLost) from a tripped
         // guard, on the failure path only.
-        let fenced = |set: &str, guard_param: &str, returning: &str| {
+        //
+        // Complete and release end the lease, so they also `pg_notify` the
+        // ledger's channel with the key: waiters in other processes are
+        // woken when this commits (never before, and never if a caller's
+        // transaction rolls back). The notification is sent per updated row
+        // only, so a stale fence notifies nobody.
+        let notify = format!("pg_notify('{channel}', e.key) IS NULL AS notified");
+        let fenced = |set: &str, guard_param: &str, returning: &str, notifies: bool| {
             format!(
                 "UPDATE {t} AS e SET {set} \
                  WHERE e.key = $1 AND e.fence = $2 AND e.state = 'in_progress' AND {guard} \
-                 RETURNING {returning} AS value",
+                 RETURNING {returning} AS value{notify}",
                 guard = guard(guard_param),
+                notify = if notifies {
+                    format!(", {notify}")
+                } else {
+                    String::new()
+                },
             )
         };
-        let complete = fenced(
-            &format!(
-                "state = 'completed', outcome = $3, lease_expires_at = NULL, updated_at = clock_timestamp(), \
-                 retain_until = clock_timestamp() + {}",
+        let completed = |outcome: &str| {
+            format!(
+                "state = 'completed', outcome = {outcome}, lease_expires_at = NULL, \
+                 updated_at = clock_timestamp(), retain_until = clock_timestamp() + {}",
                 micros("e.retention_us")
-            ),
-            "$4",
-            "0::bigint",
-        );
+            )
+        };
+        let complete = fenced(&completed("$3"), "$4", "0::bigint", true);
         let release = fenced(
             &format!(
                 "state = 'released', outcome = NULL, lease_expires_at = NULL, updated_at = clock_timestamp(), \
@@ -262,11 +344,30 @@ impl Queries {
             ),
             "$3",
             "0::bigint",
+            true,
         );
         let renew = fenced(
             &format!("lease_expires_at = clock_timestamp() + {}", micros("$3")),
             "$4",
             &us("e.lease_expires_at"),
+            false,
+        );
+        // Several completions in one statement: $1 keys, $2 fences, $3
+        // outcomes (one element per lease, no (key, fence) twice), $4 the
+        // guard flag. Each lease is fenced on its own, exactly as `complete`
+        // is. One row per completed lease (`key`, `fence`), or a single row
+        // with NULLs when none was; `ok` is the guard, so a stale fence and a
+        // tripped guard are told apart without a second statement.
+        let complete_many = format!(
+            "WITH g AS (SELECT {guard} AS ok OFFSET 0), \
+             u AS (UPDATE {t} AS e SET {set} \
+               FROM unnest($1::text[], $2::bigint[], $3::bytea[]) AS i(key, fence, outcome) \
+               WHERE e.key = i.key AND e.fence = i.fence AND e.state = 'in_progress' \
+                 AND (SELECT g.ok FROM g) \
+               RETURNING e.key, e.fence, {notify}) \
+             SELECT g.ok AS ok, u.key AS key, u.fence AS fence FROM g LEFT JOIN u ON true",
+            guard = guard("$4"),
+            set = completed("i.outcome"),
         );
         // Bound to a parameter so that it, too, runs through Bind/Execute:
         // the guard relies on the protocol portal of the extended protocol.
@@ -386,9 +487,12 @@ impl Queries {
         );
 
         Queries {
-            claim: claim(false).into(),
-            claim_horizon: claim(true).into(),
+            claim: claim(false, false).into(),
+            claim_horizon: claim(false, true).into(),
+            claim_many: claim(true, false).into(),
+            claim_many_horizon: claim(true, true).into(),
             complete: complete.into(),
+            complete_many: complete_many.into(),
             release: release.into(),
             renew: renew.into(),
             probe: probe.into(),
@@ -419,6 +523,7 @@ impl Queries {
             ],
             horizon_table: horizon_name,
             beyond_function: beyond_name,
+            channel: channel.into(),
         }
     }
 }

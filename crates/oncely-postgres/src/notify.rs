@@ -1,0 +1,256 @@
+//! Waking waiting duplicates: the ledger's statements that end a lease
+//! (complete, release) `pg_notify` its channel with the key (`sql`); one
+//! listener connection per ledger `LISTEN`s on that channel and relays each
+//! key to an in-process [`Notifier`], which also hears the ledger's own
+//! writes directly (no round trip).
+//!
+//! The listener is a task started by the first [`Changes::watch`] (a ledger
+//! whose claims never wait never opens the connection). It holds one
+//! connection of its own (not one of the ledger's pool: a pool of one would
+//! otherwise starve), reconnects with a backoff when the connection is lost,
+//! and [`Changes::watch`] hands out notified watches only while it is
+//! listening; otherwise polling ones. A notification lost in between (the
+//! connection dropped after a watch was taken) costs the waiter at most
+//! [`oncely::watch::NOTIFIED_FALLBACK`], never a wrong answer: the runner
+//! claims again when a watch wakes, whatever woke it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use oncely::EffectKey;
+use oncely::backend::Backoff;
+use oncely::watch::{Notifier, Watch};
+use sqlx::PgPool;
+use sqlx::postgres::{PgListener, PgPoolOptions};
+use tokio::sync::watch as state;
+use tokio::task::JoinHandle;
+
+use crate::error::BACKEND;
+
+/// How long the first watch of a ledger waits for the listener's first
+/// connection before it settles for polling: the listener starts lazily, and
+/// the waiter it starts for is about to wait anyway. Bounded so that a server
+/// refusing connections costs a waiter this much once, not every time.
+const FIRST_CONNECT: Duration = Duration::from_secs(2);
+
+/// The pauses between reconnection attempts: the first at once after a lost
+/// connection would spin on a server that refuses connections; the cap keeps
+/// a long outage from delaying recovery by much.
+const RECONNECT_FIRST: Duration = Duration::from_millis(50);
+const RECONNECT_MAX: Duration = Duration::from_secs(5);
+
+/// The `application_name` of the listener's connection, so an operator can
+/// tell it in `pg_stat_activity`.
+const APPLICATION_NAME: &str = "oncely listener";
+
+/// Whether the listener is listening.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Listening {
+    /// Not yet tried since the task (re)started.
+    Starting,
+    /// `LISTEN` was acknowledged on a live connection.
+    Up,
+    /// Not connected (lost, or the last attempt failed); reconnecting.
+    Down,
+}
+
+/// What the listener task and the ledger share.
+#[derive(Debug)]
+struct Shared {
+    notifier: Notifier,
+    state: state::Sender<Listening>,
+    received: AtomicU64,
+    connects: AtomicU64,
+}
+
+/// The change notifications of one ledger: its [`Notifier`] and its
+/// listener task (aborted when the ledger's last clone is dropped).
+#[derive(Debug)]
+pub(crate) struct Changes {
+    shared: Arc<Shared>,
+    channel: Arc<str>,
+    /// The ledger's pool, whose connect options the listener's own
+    /// connection copies.
+    pool: PgPool,
+    task: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// The state of a ledger's change listener, from
+/// [`PgLedger::listener_status`](crate::PgLedger::listener_status): for a
+/// health check, or to see whether waiting duplicates are woken by
+/// notifications or poll.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ListenerStatus {
+    /// The `LISTEN`/`NOTIFY` channel: the table's name and a hash of the
+    /// schema and table (the payload of each notification is an effect key).
+    pub channel: String,
+    /// Whether the listener is connected and listening now. False before the
+    /// first waiting claim started it, on a read-only ledger (it never
+    /// starts), and while it reconnects.
+    pub listening: bool,
+    /// How many notifications it has received on the channel (completions
+    /// and releases committed by any process, this one included).
+    pub notifications: u64,
+    /// How many times it has connected and started listening (more than one
+    /// means it reconnected).
+    pub connects: u64,
+}
+
+impl Changes {
+    pub(crate) fn new(pool: PgPool, channel: Arc<str>) -> Self {
+        Changes {
+            shared: Arc::new(Shared {
+                notifier: Notifier::new(),
+                state: state::Sender::new(Listening::Starting),
+                received: AtomicU64::new(0),
+                connects: AtomicU64::new(0),
+            }),
+            channel,
+            pool,
+            task: Mutex::new(None),
+        }
+    }
+
+    /// Wakes this process's watches on `key` (after the ledger's own write
+    /// that ended its lease committed).
+    pub(crate) fn notify(&self, key: &str) {
+        self.shared.notifier.notify(key);
+    }
+
+    /// A watch on `key`: notified while the listener listens (started here
+    /// on first use), polling otherwise.
+    pub(crate) async fn watch(&self, key: &EffectKey) -> Watch {
+        let Some(mut state) = self.ensure_started() else {
+            return Watch::polling();
+        };
+        if *state.borrow() == Listening::Starting {
+            // Bounded, and a closed channel (the task gone) ends it too.
+            let _ = tokio::time::timeout(FIRST_CONNECT, state.wait_for(|s| *s != Listening::Starting)).await;
+        }
+        if *state.borrow() == Listening::Up {
+            // Armed now: a notification relayed from here on wakes it, and
+            // the runner looks at the record once more before waiting.
+            self.shared.notifier.watch(key)
+        } else {
+            Watch::polling()
+        }
+    }
+
+    /// The listener's state now.
+    pub(crate) fn status(&self) -> ListenerStatus {
+        ListenerStatus {
+            channel: self.channel.to_string(),
+            listening: *self.shared.state.borrow() == Listening::Up,
+            notifications: self.shared.received.load(Ordering::Relaxed),
+            connects: self.shared.connects.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Starts the listener task unless it runs; `None` outside a Tokio
+    /// runtime (the caller polls instead).
+    fn ensure_started(&self) -> Option<state::Receiver<Listening>> {
+        let mut task = self.task.lock().unwrap_or_else(|p| p.into_inner());
+        // A task that ended (its runtime shut down while the ledger lived
+        // on) is started again on the runtime of the caller.
+        if task.as_ref().is_none_or(JoinHandle::is_finished) {
+            let runtime = tokio::runtime::Handle::try_current().ok()?;
+            self.shared.state.send_replace(Listening::Starting);
+            let pool = listener_pool(&self.pool);
+            *task = Some(runtime.spawn(listen(self.shared.clone(), pool, self.channel.clone())));
+        }
+        Some(self.shared.state.subscribe())
+    }
+}
+
+impl Drop for Changes {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
+            task.abort();
+        }
+    }
+}
+
+/// A pool of one connection with the ledger pool's connect options (the
+/// listener's own, so it never takes one of the ledger's), pinged before
+/// each (re)connection so a dead one is replaced.
+fn listener_pool(pool: &PgPool) -> PgPool {
+    let options = (*pool.connect_options())
+        .clone()
+        .application_name(APPLICATION_NAME);
+    PgPoolOptions::new()
+        .max_connections(1)
+        .min_connections(0)
+        .idle_timeout(None)
+        .max_lifetime(None)
+        .acquire_timeout(pool.options().get_acquire_timeout())
+        .test_before_acquire(true)
+        .connect_lazy_with(options)
+}
+
+/// Marks the listener down when its task ends, however it ends (aborted
+/// with the ledger, or dropped with its runtime).
+struct DownOnDrop(Arc<Shared>);
+
+impl Drop for DownOnDrop {
+    fn drop(&mut self) {
+        self.0.state.send_replace(Listening::Down);
+    }
+}
+
+/// The listener task: listen, relay, reconnect, until aborted.
+async fn listen(shared: Arc<Shared>, pool: PgPool, channel: Arc<str>) {
+    let _down = DownOnDrop(shared.clone());
+    let mut backoff = Backoff::new(RECONNECT_FIRST, RECONNECT_MAX);
+    loop {
+        let mut was_up = false;
+        let ended = session(&shared, &pool, &channel, &mut was_up).await;
+        shared.state.send_replace(Listening::Down);
+        if was_up {
+            // It had been listening: reconnect at once, from the first pause.
+            backoff = Backoff::new(RECONNECT_FIRST, RECONNECT_MAX);
+        }
+        match ended {
+            Ok(()) => tracing::warn!(
+                backend = BACKEND,
+                channel = &*channel,
+                "the listener's connection was lost; waiting claims poll until it reconnects"
+            ),
+            Err(e) => tracing::warn!(
+                backend = BACKEND,
+                channel = &*channel,
+                error = %e,
+                "the listener cannot listen; waiting claims poll until it reconnects"
+            ),
+        }
+        backoff.wait(RECONNECT_MAX).await;
+    }
+}
+
+/// One connection's life: connect, `LISTEN`, relay until the connection is
+/// lost (`Ok`) or fails (`Err`). `was_up` is set once it listened.
+async fn session(
+    shared: &Shared,
+    pool: &PgPool,
+    channel: &str,
+    was_up: &mut bool,
+) -> Result<(), sqlx::Error> {
+    let mut listener = PgListener::connect_with(pool).await?;
+    // The pool is the listener's own; and a lost connection is reported
+    // (`None`) rather than silently replaced, so the state is never `Up`
+    // while notifications cannot arrive.
+    listener.ignore_pool_close_event(true);
+    listener.eager_reconnect(false);
+    listener.listen(channel).await?;
+    *was_up = true;
+    shared.connects.fetch_add(1, Ordering::Relaxed);
+    shared.state.send_replace(Listening::Up);
+    while let Some(notification) = listener.try_recv().await? {
+        if notification.channel() == channel {
+            shared.received.fetch_add(1, Ordering::Relaxed);
+            shared.notifier.notify(notification.payload());
+        }
+    }
+    Ok(())
+}
