@@ -10,6 +10,7 @@ use oncely::backend::{
     Access, FromUrl, OpenOptions, answer_existing, check_outcome, duration_micros, from_micros,
     is_beyond_horizon, to_micros,
 };
+use oncely::watch::{Notifier, Watch};
 use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, Result, Tenant,
     TransactionalLedger,
@@ -17,19 +18,30 @@ use oncely::{
 use sqlx::sqlite::{Sqlite, SqliteConnection, SqlitePool, SqlitePoolOptions};
 use sqlx::{AssertSqlSafe, Connection, Transaction};
 
+use crate::batch;
 use crate::durability::{DURABLE_UNCHECKED, Probe};
 use crate::error::{BACKEND, map, map_connect};
+use crate::notify;
 use crate::options::{self, Opening, SqliteLedgerOptions};
 use crate::row::{self, Found};
 use crate::schema;
 use crate::sql::{self, Queries};
 
-/// An effect ledger in a SQLite database file. Cheap to clone: a pool handle
-/// and the table's prepared SQL text.
+/// An effect ledger in a SQLite database file. Cheap to clone: a pool handle,
+/// the table's prepared SQL text and the wake-ups of waiting duplicates.
 #[derive(Clone)]
 pub struct SqliteLedger {
     pool: SqlitePool,
     q: Arc<Queries>,
+    /// Wakes this process's waiters on a key when this process completes or
+    /// releases it; shared by every ledger of the process on the same file
+    /// and table (see `notify.rs`).
+    notifier: Arc<Notifier>,
+    /// The database file SQLite reports, once known: what `with_table`
+    /// looks the other table's notifier up by.
+    file: Option<Arc<str>>,
+    /// [`SqliteLedgerOptions::multi_process`]: waiters poll.
+    poll_waiters: bool,
     /// What the database was found to be (see [`Probe`]); unset for a
     /// caller's pool until `migrate` or `verify` reads it.
     durability: Arc<OnceLock<&'static str>>,
@@ -95,18 +107,20 @@ impl SqliteLedger {
         // again, so the rollback has run by then. The
         // `aborted_transactions_commit_all_or_nothing` test checks it.
         let pool = pool.connect_with(connect).await.map_err(map_connect)?;
+        let mut conn = pool.acquire().await.map_err(map_connect)?;
+        // What the URL promised is checked against what SQLite opened.
+        let probe = Probe::read(&mut conn).await?;
+        let durability = probe.opened(url, options.ephemeral, read_only)?;
         let ledger = SqliteLedger {
+            notifier: notify::shared(Some(&probe.file), &q.table),
+            file: Some(probe.file.into()),
             pool,
             q,
             durability: Arc::new(OnceLock::new()),
             read_only,
+            poll_waiters: options.multi_process,
             _keep_alive: keep_alive,
         };
-        let mut conn = ledger.pool.acquire().await.map_err(map_connect)?;
-        // What the URL promised is checked against what SQLite opened.
-        let durability = Probe::read(&mut conn)
-            .await?
-            .opened(url, options.ephemeral, read_only)?;
         let _ = ledger.durability.set(durability);
         if migrate {
             schema::migrate(&mut conn, &ledger.q).await?;
@@ -129,6 +143,11 @@ impl SqliteLedger {
         SqliteLedger {
             pool,
             q: Arc::new(Queries::new(sql::DEFAULT_TABLE).expect("the default table name is valid")),
+            // The file is unknown until a statement asks: wake-ups are
+            // shared by this ledger's clones only.
+            notifier: Arc::new(Notifier::new()),
+            file: None,
+            poll_waiters: false,
             durability: Arc::new(OnceLock::new()),
             read_only: false,
             _keep_alive: None,
@@ -140,8 +159,11 @@ impl SqliteLedger {
     /// table is not checked here: call [`SqliteLedger::migrate`] (or
     /// [`SqliteLedger::verify`]) before use.
     pub fn with_table(self, table: &str) -> Result<SqliteLedger> {
+        let q = Arc::new(Queries::new(table)?);
         Ok(SqliteLedger {
-            q: Arc::new(Queries::new(table)?),
+            // Another table holds other records: its waiters are another set.
+            notifier: notify::shared(self.file.as_deref(), &q.table),
+            q,
             ..self
         })
     }
@@ -297,7 +319,43 @@ impl SqliteLedger {
             .execute(&mut *conn)
             .await
             .map_err(map)?;
-        fenced(lease, done.rows_affected())
+        fenced(lease, done.rows_affected())?;
+        // On a caller's connection the completion is not committed yet: a
+        // waiter woken now claims again and waits for the write lock the
+        // caller's `BEGIN IMMEDIATE` transaction holds, so it sees the
+        // completion the moment the caller commits (or the lease again, if
+        // the caller rolls back, and waits on).
+        self.notifier.notify(lease.key().as_str());
+        Ok(())
+    }
+
+    /// Claims a batch in one `BEGIN IMMEDIATE` transaction (see `batch.rs`).
+    /// `Err` when the transaction failed: nothing of the batch was written.
+    async fn claim_batch(
+        &self,
+        keys: &[EffectKey],
+        opts: &ClaimOptions,
+        sent_at: Option<i64>,
+    ) -> Result<Vec<Result<Claim>>> {
+        let mut conn = self.pool.acquire().await.map_err(map)?;
+        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await.map_err(map)?;
+        let answers = batch::claim_many(&mut tx, &self.q, keys, opts, sent_at).await?;
+        tx.commit().await.map_err(map)?;
+        Ok(answers)
+    }
+
+    /// Completes a batch in one `BEGIN IMMEDIATE` transaction (see
+    /// `batch.rs`); `answers` holds what is known before any round trip.
+    async fn complete_batch(
+        &self,
+        items: &[(Lease, Outcome)],
+        answers: Vec<Option<Result<()>>>,
+    ) -> Result<Vec<Result<()>>> {
+        let mut conn = self.pool.acquire().await.map_err(map)?;
+        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await.map_err(map)?;
+        let answers = batch::complete_many(&mut tx, &self.q, items, answers).await?;
+        tx.commit().await.map_err(map)?;
+        Ok(answers)
     }
 }
 
@@ -316,9 +374,13 @@ fn fenced(lease: &Lease, rows: u64) -> Result<()> {
 }
 
 // Every pool operation below is one autocommit statement (claim: one
-// statement, plus a read when it did not acquire; prune: one transaction),
-// so a dropped future either committed it whole or not at all, and the
-// connection goes back to the pool with no transaction open.
+// statement, plus a read when it did not acquire) or one transaction (prune,
+// claim_many, complete_many), so a dropped future either committed it whole
+// or not at all, and the connection goes back to the pool with no
+// transaction open (a dropped transaction's rollback runs first). Waiters
+// are notified only after the write is committed (complete_in excepted, see
+// complete_on); a future dropped between the commit and the notification
+// costs a waiter the fallback's latency, never its answer.
 impl Ledger for SqliteLedger {
     fn backend(&self) -> &'static str {
         BACKEND
@@ -354,7 +416,9 @@ impl Ledger for SqliteLedger {
             .execute(&self.pool)
             .await
             .map_err(map)?;
-        fenced(lease, done.rows_affected())
+        fenced(lease, done.rows_affected())?;
+        self.notifier.notify(lease.key().as_str());
+        Ok(())
     }
 
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
@@ -432,6 +496,72 @@ impl Ledger for SqliteLedger {
             .await
             .map_err(map)?;
         Ok(watermark.map(from_micros))
+    }
+
+    /// A watch woken when this process completes or releases `key` (any of
+    /// its ledgers on this file and table); a polling one with
+    /// [`SqliteLedgerOptions::multi_process`]. Completions in other
+    /// processes wake nobody here: the runner's fallback look answers those
+    /// waiters (see the crate docs).
+    async fn watch(&self, key: &EffectKey) -> Watch {
+        if self.poll_waiters {
+            Watch::polling()
+        } else {
+            self.notifier.watch(key)
+        }
+    }
+
+    /// One `BEGIN IMMEDIATE` transaction, one commit: the batch claim
+    /// statement, then one read of the keys it did not acquire (see
+    /// `batch.rs`). A failure of the transaction is every slot's answer,
+    /// and nothing of the batch is written.
+    async fn claim_many(&self, keys: &[EffectKey], opts: &ClaimOptions) -> Result<Vec<Result<Claim>>> {
+        opts.validate()?;
+        let sent_at = opts.sent_at.map(to_micros).transpose()?;
+        if let Err(e) = self.writable("claim") {
+            return Ok(keys.iter().map(|_| Err(batch::for_each_slot(&e))).collect());
+        }
+        match keys {
+            [] => Ok(Vec::new()),
+            // One autocommit statement beats a transaction around it.
+            [key] => Ok(vec![self.claim(key, opts).await]),
+            _ => match self.claim_batch(keys, opts, sent_at).await {
+                Ok(answers) => Ok(answers),
+                Err(e) => Ok(keys.iter().map(|_| Err(batch::for_each_slot(&e))).collect()),
+            },
+        }
+    }
+
+    /// One `BEGIN IMMEDIATE` transaction, one statement, one commit; each
+    /// item fenced by its own lease. Waiters on the completed keys are woken
+    /// after the commit.
+    async fn complete_many(&self, items: &[(Lease, Outcome)]) -> Vec<Result<()>> {
+        if let [(lease, outcome)] = items {
+            return vec![self.complete(lease, outcome).await];
+        }
+        let answers: Vec<Option<Result<()>>> = items
+            .iter()
+            .map(|(_, outcome)| {
+                check_outcome(outcome, oncely::MAX_OUTCOME_BYTES)
+                    .and_then(|()| self.writable("complete"))
+                    .err()
+                    .map(Err)
+            })
+            .collect();
+        if answers.iter().all(Option::is_some) {
+            return answers.into_iter().flatten().collect();
+        }
+        match self.complete_batch(items, answers).await {
+            Ok(answers) => {
+                for ((lease, _), answer) in items.iter().zip(&answers) {
+                    if answer.is_ok() {
+                        self.notifier.notify(lease.key().as_str());
+                    }
+                }
+                answers
+            }
+            Err(e) => items.iter().map(|_| Err(batch::for_each_slot(&e))).collect(),
+        }
     }
 
     /// A SQLite unique or primary-key violation (extended codes 2067, 1555)

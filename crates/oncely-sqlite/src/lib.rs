@@ -108,6 +108,9 @@
 //! | property | SQLite backend |
 //! | --- | --- |
 //! | atomic claim | one `INSERT … ON CONFLICT(key) DO UPDATE … WHERE <takeover> RETURNING` statement under SQLite's single-writer lock (insert if absent, or take over a released record or an expired lease). A new key costs that one statement; a duplicate costs a second one that reads the record, and claims again if the record changed in between (released, expired or pruned) |
+//! | duplicates | a claim that finds the effect completed, or in progress under a live lease, writes nothing: no row changes, no WAL frame is appended (so there is nothing to fsync), `PRAGMA data_version` does not move. Its claim statement still takes the write lock for the moment it runs, as any `INSERT` does, so it queues behind other writers |
+//! | waiting duplicates | woken when the holder completes or releases (including [`complete_many`](oncely::Ledger::complete_many) and `complete_in`), if the holder is in the same process: the ledgers of a process on one file and table share an in-process notifier. SQLite cannot signal other processes, so a waiter whose holder is in another process looks again after [`NOTIFIED_FALLBACK`](oncely::watch::NOTIFIED_FALLBACK) (1 s) or at the end of the holder's lease, whichever comes first; several processes on one file should set [`SqliteLedgerOptions::multi_process`], which makes waiters poll (5 ms, doubling to 250 ms) instead. A wake-up is a hint: the waiter claims again and gets the answer from the record |
+//! | batches | [`claim_many`](oncely::Ledger::claim_many) and [`complete_many`](oncely::Ledger::complete_many): one `BEGIN IMMEDIATE` transaction and one commit per batch (one fsync under `synchronous=FULL` instead of one per key). `claim_many` is one statement over the batch (a JSON array, so one prepared statement serves every size) applying the single claim's rules per key, plus one read of the keys it did not acquire; a key listed twice is acquired by its first slot and found in progress by the second. `complete_many` is one statement, each item fenced by its own lease. A batch that fails (busy past the timeout) fails every slot and writes nothing |
 //! | caller's transaction | yes: `claim_in` / `complete_in` on `&mut SqliteConnection`, transaction from [`SqliteLedger::begin`] (`BEGIN IMMEDIATE`) |
 //! | clock | SQLite's clock (`unixepoch('subsec')`, millisecond resolution) on the machine that opens the file, read once per statement *after* the statement holds the write lock: a claim that waited for another transaction is judged, and its lease measured, from the moment it writes. `acquired_at` is that moment |
 //! | fences | the clock in microseconds on a first claim, `max(previous + 1, clock)` on a takeover ([`oncely::backend::next_fence`]): a key's fences only grow, across prune too, as long as the host's clock does not step back by more than the shortest retention in use. Not 1, 2, 3… |
@@ -138,11 +141,12 @@
 //! ## Where things are
 //!
 //! `options.rs`: [`SqliteLedgerOptions`] and the URL forms; `ledger.rs`:
-//! [`SqliteLedger`], each operation one statement; `sql.rs`: every
-//! statement, with why each clause is there; `row.rs`: rows to records and
-//! leases, by column name; `schema.rs`: migrations and the table check;
-//! `durability.rs`: what the opened database survives; `error.rs`: driver
-//! errors to [`Error`](oncely::Error).
+//! [`SqliteLedger`], each operation one statement; `batch.rs`: batches of
+//! claims and completions, one transaction each; `notify.rs`: wake-ups of
+//! waiting duplicates; `sql.rs`: every statement, with why each clause is
+//! there; `row.rs`: rows to records and leases, by column name; `schema.rs`:
+//! migrations and the table check; `durability.rs`: what the opened database
+//! survives; `error.rs`: driver errors to [`Error`](oncely::Error).
 //!
 //! [`TransactionalLedger`]: oncely::TransactionalLedger
 //! [`Claim::Completed`]: oncely::Claim::Completed
@@ -154,9 +158,11 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod batch;
 mod durability;
 mod error;
 mod ledger;
+mod notify;
 mod options;
 mod row;
 mod schema;

@@ -52,6 +52,17 @@ pub struct SqliteLedgerOptions {
     /// exists, and reports `durability` as none. A URL that names a file is
     /// refused with `ephemeral(true)`: the two requests contradict.
     pub ephemeral: bool,
+    /// Other processes claim and complete in this file too (default
+    /// `false`). A duplicate that finds the effect in progress is woken by
+    /// completions and releases made in this process only (SQLite cannot
+    /// tell other processes); without this option it waits for that
+    /// wake-up and, when the holder is in another process, looks again after
+    /// [`NOTIFIED_FALLBACK`](oncely::watch::NOTIFIED_FALLBACK) (1 s) or when
+    /// the holder's lease ends, whichever comes first. With it, waiters poll
+    /// instead (5 ms, doubling up to 250 ms), which answers them sooner
+    /// when the holder is elsewhere, at the cost of a claim statement per
+    /// look.
+    pub multi_process: bool,
 }
 
 impl Default for SqliteLedgerOptions {
@@ -65,6 +76,7 @@ impl Default for SqliteLedgerOptions {
             migrate: true,
             read_only: false,
             ephemeral: false,
+            multi_process: false,
         }
     }
 }
@@ -118,6 +130,13 @@ impl SqliteLedgerOptions {
     /// [`SqliteLedgerOptions::ephemeral`](#structfield.ephemeral)).
     pub fn ephemeral(mut self, ephemeral: bool) -> Self {
         self.ephemeral = ephemeral;
+        self
+    }
+
+    /// Whether other processes write this file too, so waiting duplicates
+    /// poll (see [`SqliteLedgerOptions::multi_process`](#structfield.multi_process)).
+    pub fn multi_process(mut self, multi_process: bool) -> Self {
+        self.multi_process = multi_process;
         self
     }
 }

@@ -46,6 +46,13 @@ pub(crate) struct Queries {
     pub(crate) claim: Arc<str>,
     pub(crate) claim_horizon: Arc<str>,
     pub(crate) claim_read: Arc<str>,
+    /// The batch claim ([`claim_many_sql`]) and its follow-up read, one row
+    /// per slot given (`slot`, then `claim_read`'s columns).
+    pub(crate) claim_many: Arc<str>,
+    pub(crate) claim_many_horizon: Arc<str>,
+    pub(crate) claim_many_read: Arc<str>,
+    /// Completes a batch of leases in one statement (see `Queries::new`).
+    pub(crate) complete_many: Arc<str>,
     pub(crate) complete: Arc<str>,
     pub(crate) release: Arc<str>,
     pub(crate) renew: Arc<str>,
@@ -125,27 +132,77 @@ fn claim_sql(t: &str, h: &str, horizon: bool) -> Arc<str> {
                 ?6, {NOW_US}, {NOW_US}, {NOW_US} + ?7, {NOW_US} + ?8, ?8)"
         )
     };
+    format!("INSERT INTO \"{t}\" ({INSERT_COLUMNS}) {source} {UPSERT}").into()
+}
+
+/// The columns a claim inserts, in the order its source gives them.
+const INSERT_COLUMNS: &str = "key, tenant, kind, subject, state, fence, fingerprint, outcome, \
+     at_most_once, created_at, updated_at, lease_expires_at, retain_until, retention_us";
+
+/// What a claim does when the key exists: the takeover (see [`claim_sql`]),
+/// or nothing. Returns the granted lease, and the key for a batch.
+const UPSERT: &str = "ON CONFLICT(key) DO UPDATE SET
+        state = 'in_progress',
+        fence = max(fence + 1, excluded.fence),
+        fingerprint = COALESCE(fingerprint, excluded.fingerprint),
+        outcome = NULL,
+        at_most_once = excluded.at_most_once,
+        updated_at = excluded.updated_at,
+        lease_expires_at = excluded.lease_expires_at,
+        retain_until = excluded.retain_until,
+        retention_us = excluded.retention_us
+     WHERE (fingerprint IS NULL OR excluded.fingerprint IS NULL
+            OR fingerprint = excluded.fingerprint)
+       AND (state = 'released'
+            OR (state = 'in_progress' AND at_most_once = 0
+                AND lease_expires_at <= excluded.updated_at))
+     RETURNING key, fence, created_at, updated_at, lease_expires_at,
+        NOT (fence = updated_at AND created_at = updated_at) AS taken_over";
+
+/// The keys of a batch: `?1` is a JSON array of `[key, tenant, kind,
+/// subject]` (`batch::keys`), one element per slot; `slot` is the index. One
+/// text parameter whatever the batch size, so one prepared statement serves
+/// every batch, where a row of `?`s per key would compile a new statement
+/// for each size (and SQLite binds no arrays).
+const BATCH_KEYS: &str = "batch AS (SELECT j.key AS slot, j.value ->> 0 AS key,
+        j.value ->> 1 AS tenant, j.value ->> 2 AS kind, j.value ->> 3 AS subject
+     FROM json_each(?1) AS j)";
+
+/// [`claim_sql`] for a batch of keys ([`BATCH_KEYS`]) in one statement:
+/// the same insert, takeover rule, clock and horizon check per key, all
+/// decided under one write lock and one clock reading. The other
+/// parameters are the single claim's, shifted: `?2` fingerprint, `?3`
+/// at_most_once, `?4` lease and `?5` retention (µs), `?6` sent_at.
+///
+/// Rows are inserted in slot order, so of a key listed twice the first
+/// slot inserts (or takes over) and the second meets a live lease, which
+/// the takeover rule leaves alone: the second slot finds it in progress,
+/// as a concurrent duplicate would. SQLite computes the whole SELECT before
+/// it inserts when the SELECT reads the target table (the horizon variant),
+/// and row by row otherwise; either way each row's conflict is judged
+/// against the rows inserted before it. `RETURNING` comes back in no
+/// particular order, hence the key in it.
+fn claim_many_sql(t: &str, h: &str, horizon: bool) -> Arc<str> {
+    let filter = if horizon {
+        format!(
+            "NOT EXISTS (SELECT 1 FROM \"{h}\"
+                         WHERE tenant = batch.tenant AND kind = batch.kind AND pruned_through >= ?6)
+             OR EXISTS (SELECT 1 FROM \"{t}\" WHERE key = batch.key)"
+        )
+    } else {
+        // A WHERE keeps the parser from reading ON CONFLICT as a join
+        // constraint.
+        "true".to_owned()
+    };
     format!(
-        "INSERT INTO \"{t}\" (key, tenant, kind, subject, state, fence, fingerprint, outcome,
-            at_most_once, created_at, updated_at, lease_expires_at, retain_until, retention_us)
-         {source}
-         ON CONFLICT(key) DO UPDATE SET
-            state = 'in_progress',
-            fence = max(fence + 1, excluded.fence),
-            fingerprint = COALESCE(fingerprint, excluded.fingerprint),
-            outcome = NULL,
-            at_most_once = excluded.at_most_once,
-            updated_at = excluded.updated_at,
-            lease_expires_at = excluded.lease_expires_at,
-            retain_until = excluded.retain_until,
-            retention_us = excluded.retention_us
-         WHERE (fingerprint IS NULL OR excluded.fingerprint IS NULL
-                OR fingerprint = excluded.fingerprint)
-           AND (state = 'released'
-                OR (state = 'in_progress' AND at_most_once = 0
-                    AND lease_expires_at <= excluded.updated_at))
-         RETURNING fence, created_at, updated_at, lease_expires_at,
-            NOT (fence = updated_at AND created_at = updated_at) AS taken_over"
+        "WITH {BATCH_KEYS}
+         INSERT INTO \"{t}\" ({INSERT_COLUMNS})
+         SELECT batch.key, batch.tenant, batch.kind, batch.subject, 'in_progress', max(c.now, 1), ?2,
+            NULL, ?3, c.now, c.now, c.now + ?4, c.now + ?5, ?5
+         FROM (SELECT {NOW_US} AS now) AS c, batch
+         WHERE {filter}
+         ORDER BY batch.slot
+         {UPSERT}"
     )
     .into()
 }
@@ -226,6 +283,37 @@ impl Queries {
                     (SELECT pruned_through FROM \"{h}\" WHERE tenant = ?2 AND kind = ?3) AS watermark
                  FROM (SELECT {NOW_US} AS now) AS c
                  LEFT JOIN \"{t}\" AS e ON e.key = ?1"
+            )),
+            claim_many: claim_many_sql(t, &h, false),
+            claim_many_horizon: claim_many_sql(t, &h, true),
+            claim_many_read: s(format!(
+                "WITH {BATCH_KEYS}
+                 SELECT batch.slot, {RECORD_COLUMNS}, c.now,
+                    (SELECT pruned_through FROM \"{h}\"
+                     WHERE tenant = batch.tenant AND kind = batch.kind) AS watermark
+                 FROM (SELECT {NOW_US} AS now) AS c
+                 CROSS JOIN batch
+                 LEFT JOIN \"{t}\" AS e ON e.key = batch.key"
+            )),
+            // `complete` for many leases: `?1` is a JSON array of `[key,
+            // fence, start, length]` (`batch::completions`), and each
+            // outcome is the bytes `start..start + length` (1-based) of the
+            // one BLOB `?2` holding them all, so outcomes travel as bound
+            // bytes, not re-encoded as JSON text, in one statement of one
+            // shape. A (key, fence) pair appears once (the caller answers
+            // repeats), so no row has two candidate updates. `+state` keeps
+            // the planner off the (state, retain_until) index, which would
+            // visit every lease in progress for each item: it looks each
+            // item up by key instead (a test checks the plans).
+            complete_many: s(format!(
+                "WITH done AS (SELECT j.value ->> 0 AS k, j.value ->> 1 AS f,
+                    j.value ->> 2 AS start, j.value ->> 3 AS len FROM json_each(?1) AS j)
+                 UPDATE \"{t}\" SET state = 'completed', outcome = substr(?2, done.start, done.len),
+                    lease_expires_at = NULL, updated_at = {NOW_US},
+                    retain_until = {NOW_US} + retention_us
+                 FROM done
+                 WHERE \"{t}\".key = done.k AND \"{t}\".fence = done.f AND +state = 'in_progress'
+                 RETURNING key, fence"
             )),
             complete: s(format!(
                 "UPDATE \"{t}\" SET state = 'completed', outcome = ?3, lease_expires_at = NULL,
@@ -323,6 +411,55 @@ pub(crate) fn distinct_under_collation(table: &str, col: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sqlx::{AssertSqlSafe, Connection, Row, SqliteConnection};
+
+    /// The batch statements read the batch from a JSON table function whose
+    /// size the planner cannot know; each must still look the ledger's rows
+    /// up by key, never walk an index of all leases (or the table) per item.
+    #[tokio::test]
+    async fn batch_statements_look_keys_up_by_key() {
+        let q = Queries::new("ledger").unwrap();
+        let mut conn = SqliteConnection::connect("sqlite::memory:").await.unwrap();
+        for step in &q.migrations {
+            sqlx::raw_sql(AssertSqlSafe(step.clone()))
+                .execute(&mut conn)
+                .await
+                .unwrap();
+        }
+        // (The plain batch claim reads no ledger row in its SELECT: its
+        // conflicts are found by the insert itself, through the key.)
+        for (name, sql, reads) in [
+            ("claim_many", &q.claim_many, false),
+            ("claim_many_horizon", &q.claim_many_horizon, true),
+            ("claim_many_read", &q.claim_many_read, true),
+            ("complete_many", &q.complete_many, true),
+        ] {
+            let plan: Vec<String> = sqlx::query(AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))
+                .fetch_all(&mut conn)
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get::<String, _>("detail"))
+                .collect();
+            for step in &plan {
+                let scans_ledger = step.starts_with("SCAN ")
+                    && !["SCAN j", "SCAN c", "SCAN CONSTANT ROW"]
+                        .iter()
+                        .any(|ok| step.starts_with(ok));
+                assert!(
+                    !scans_ledger && !step.contains("ledger_prune") && !step.contains("ledger_abandoned"),
+                    "{name}: {plan:#?}"
+                );
+            }
+            assert!(
+                !reads
+                    || plan
+                        .iter()
+                        .any(|s| s.contains("sqlite_autoindex_ledger_1 (key=?)")),
+                "{name}: {plan:#?}"
+            );
+        }
+    }
 
     #[test]
     fn table_names() {
