@@ -1,4 +1,12 @@
-//! The claim: one statement in the common case, and what its row means.
+//! The claim: a plain read, then one statement when a write is due, and
+//! what its row means.
+//!
+//! **Read first.** On the pool a claim first reads the key without a lock
+//! (`MySqlLedger::peek`): a duplicate (completed, live lease, abandoned,
+//! another fingerprint) is answered from it and nothing is written. Only an
+//! absent, released or expired key goes on to the statement below, which
+//! decides again on its own. `claim_in` skips the read (its snapshot may
+//! be old). See the crate docs, "A duplicate is a read".
 //!
 //! **Clock after the wait.** A claim's `INSERT` computes a fresh row's values
 //! before it waits on the key's row lock (another transaction's uncommitted
@@ -74,7 +82,7 @@ static TOKEN_SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
 
 /// A claim token unique to this attempt: a per-process random seed (from the
 /// OS-seeded `RandomState`) and a per-process counter.
-fn claim_token() -> [u8; 16] {
+pub(crate) fn claim_token() -> [u8; 16] {
     let seed = *TOKEN_SEED.get_or_init(|| {
         let mut h = RandomState::new().build_hasher();
         h.write_u32(std::process::id());
@@ -91,13 +99,44 @@ fn claim_token() -> [u8; 16] {
 }
 
 /// One claim attempt: what it claims, and the token it writes.
-struct Attempt<'a> {
-    key: &'a EffectKey,
-    opts: &'a ClaimOptions,
-    token: [u8; 16],
+pub(crate) struct Attempt<'a> {
+    pub key: &'a EffectKey,
+    pub opts: &'a ClaimOptions,
+    pub token: [u8; 16],
     /// `claim_in` on the caller's transaction (no leaked-transaction guard).
-    in_caller_tx: bool,
+    pub in_caller_tx: bool,
 }
+
+impl<'a> Attempt<'a> {
+    /// A new attempt on the pool, with its own token.
+    pub(crate) fn on_pool(key: &'a EffectKey, opts: &'a ClaimOptions) -> Self {
+        Attempt {
+            key,
+            opts,
+            token: claim_token(),
+            in_caller_tx: false,
+        }
+    }
+
+    /// Binds one row of the claim statement: the ten parameters of
+    /// [`Statements::claim`](crate::sql::Statements).
+    pub(crate) fn bind<'q>(&self, q: ClaimQuery<'q>) -> ClaimQuery<'q> {
+        let retention_us = duration_micros(self.opts.retention);
+        q.bind(self.key.as_str())
+            .bind(self.key.tenant().as_str())
+            .bind(self.key.kind())
+            .bind(self.key.subject())
+            .bind(self.opts.fingerprint.map(|f| f.as_bytes().to_vec()))
+            .bind(self.opts.at_most_once)
+            .bind(self.token.to_vec())
+            .bind(duration_micros(self.opts.lease))
+            .bind(retention_us)
+            .bind(retention_us)
+    }
+}
+
+/// A claim statement being bound.
+pub(crate) type ClaimQuery<'q> = sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments>;
 
 /// Which claim statement to run.
 #[derive(Clone, Copy)]
@@ -126,9 +165,29 @@ impl MySqlLedger {
             token: claim_token(),
             in_caller_tx,
         };
+        let sent_us = opts.sent_at.map(to_micros).transpose()?;
+        // On the pool, read first: a duplicate of a completed effect, of a
+        // live lease, of an abandoned step or with another fingerprint is
+        // answered by this read alone, without a lock or a write. Only a key
+        // that is absent, released or expired goes on to the claim
+        // statement, which decides again on its own (a key that appeared or
+        // changed since is answered as the statement finds it). Inside the
+        // caller's transaction the read could come from an old snapshot, so
+        // `claim_in` always runs the statement, whose reads are current.
+        let mut exists = false;
+        if !in_caller_tx && let Some(row) = self.peek(conn, key).await? {
+            if let Some(claim) = answer_existing(key, opts, row.record(Some(key))?)? {
+                return Ok(claim);
+            }
+            exists = true;
+        }
         let started = Instant::now();
-        let row = match opts.sent_at.map(to_micros).transpose()? {
+        let row = match sent_us {
             None => self.claim_statement(conn, &a, Form::Plain).await?,
+            // The key was there a moment ago: it answers for itself, so the
+            // horizon is only checked after the write (in case a prune
+            // removed it meanwhile and this claim inserted it afresh).
+            Some(_) if exists => self.claim_statement(conn, &a, Form::Post).await?,
             Some(sent_us) => match self.claim_statement(conn, &a, Form::Pre(sent_us)).await? {
                 Some(row) => Some(row),
                 // Nothing inserted: beyond the horizon, unless the key exists
@@ -164,10 +223,7 @@ impl MySqlLedger {
         form: Form,
     ) -> Result<Option<Stored>, Retry> {
         let Attempt {
-            key,
-            opts,
-            ref token,
-            in_caller_tx,
+            key, in_caller_tx, ..
         } = *a;
         let returning = self.inner.returning.load(Ordering::Relaxed);
         let s = self.sql();
@@ -179,19 +235,7 @@ impl MySqlLedger {
             (false, Form::Pre(_)) => &s.claim_pre,
             (false, _) => &s.claim,
         };
-        let lease_us = duration_micros(opts.lease);
-        let retention_us = duration_micros(opts.retention);
-        let mut q = sqlx::query(sqlx::AssertSqlSafe(text.as_str()))
-            .bind(key.as_str())
-            .bind(key.tenant().as_str())
-            .bind(key.kind())
-            .bind(key.subject())
-            .bind(opts.fingerprint.map(|f| f.as_bytes().to_vec()))
-            .bind(opts.at_most_once)
-            .bind(&token[..])
-            .bind(lease_us)
-            .bind(retention_us)
-            .bind(retention_us);
+        let mut q = a.bind(sqlx::query(sqlx::AssertSqlSafe(text.as_str())));
         if let Form::Pre(sent_us) = form {
             q = q
                 .bind(in_caller_tx)
@@ -245,6 +289,28 @@ impl MySqlLedger {
         Ok(row)
     }
 
+    /// The key's row as committed, read without a lock (see
+    /// [`Statements::peek`](crate::sql::Statements)). A pooled connection
+    /// found inside a transaction someone else left open is healed and the
+    /// claim runs again: that transaction's snapshot may be old.
+    pub(crate) async fn peek(
+        &self,
+        conn: &mut MySqlConnection,
+        key: &EffectKey,
+    ) -> Result<Option<Stored>, Retry> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(self.sql().peek.as_str()))
+            .bind(key.as_str())
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(retry_on_lock)?
+            .map(|r| stored(&r, true, false))
+            .transpose()?;
+        if row.as_ref().is_some_and(|r| r.in_tx) && self.heal_if_leaked(conn).await? {
+            return Err(Retry::Leaked);
+        }
+        Ok(row)
+    }
+
     /// The key's row, read with a lock (a current read, in any snapshot).
     async fn read_back(
         &self,
@@ -266,7 +332,7 @@ impl MySqlLedger {
     }
 
     /// What the claim's row means for this attempt.
-    async fn interpret(
+    pub(crate) async fn interpret(
         &self,
         conn: &mut MySqlConnection,
         a: &Attempt<'_>,

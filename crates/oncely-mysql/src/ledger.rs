@@ -4,11 +4,13 @@
 //! means are in `claim.rs`, prune's batches in `prune.rs`, running on the
 //! pool (retries, the leaked-transaction guard) in `guard.rs`.
 
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::{Duration, SystemTime};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
 use oncely::backend::{FromUrl, OpenOptions, check_outcome, duration_micros, from_micros};
+use oncely::watch::{Notifier, Watch};
 use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, Result, Tenant,
     TransactionalLedger,
@@ -49,6 +51,16 @@ pub(crate) struct Inner {
     /// Set once the server has been asked what it supports and the tables
     /// were checked (`server.rs`).
     pub(crate) probed: tokio::sync::OnceCell<()>,
+    /// How many bytes of outcomes one `complete_many` statement carries at
+    /// most: what `max_allowed_packet` leaves (`server.rs`).
+    pub(crate) packet_budget: AtomicUsize,
+    /// Wakes this process's waiters when one of its leases ends here.
+    notifier: Notifier,
+    /// The leases this ledger granted and has not seen end: key → (fence,
+    /// when the lease ends on this process's monotonic clock, roughly). A
+    /// waiter on one of these keys gets a notified watch; on any other key
+    /// the holder is elsewhere, and it polls.
+    held: Mutex<HashMap<String, (u64, Instant)>>,
 }
 
 impl std::fmt::Debug for MySqlLedger {
@@ -141,6 +153,9 @@ impl MySqlLedger {
                 returning_pref: options.returning,
                 read_only: options.read_only,
                 probed: tokio::sync::OnceCell::new(),
+                packet_budget: AtomicUsize::new(1 << 20),
+                notifier: Notifier::new(),
+                held: Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -218,6 +233,87 @@ impl MySqlLedger {
         Ok(())
     }
 
+    /// Records a lease this ledger just granted on the pool: waiters on its
+    /// key in this process are woken when it ends here ([`Ledger::watch`]).
+    pub(crate) fn held_here(&self, lease: &Lease) {
+        let left = lease
+            .expires_at()
+            .duration_since(lease.acquired_at())
+            .unwrap_or_default();
+        let mut held = self.inner.held.lock().unwrap_or_else(|p| p.into_inner());
+        // Leases nobody completes or releases (a holder that gave up) are
+        // dropped once they have ended, at sizes that double, so the map
+        // stays bounded at a constant cost per grant.
+        if held.len() >= 1024 && held.len().is_power_of_two() {
+            let now = Instant::now();
+            held.retain(|_, (_, until)| *until > now);
+        }
+        held.insert(
+            lease.key().as_str().to_owned(),
+            (lease.fence(), Instant::now() + left),
+        );
+    }
+
+    /// A lease ended here (completed or released; or lost): forgets it and
+    /// wakes this process's waiters on its key.
+    pub(crate) fn ended_here(&self, lease: &Lease) {
+        {
+            let mut held = self.inner.held.lock().unwrap_or_else(|p| p.into_inner());
+            if held
+                .get(lease.key().as_str())
+                .is_some_and(|(fence, _)| *fence == lease.fence())
+            {
+                held.remove(lease.key().as_str());
+            }
+        }
+        self.inner.notifier.notify(lease.key().as_str());
+    }
+
+    /// A lease granted here was renewed: it now ends `extend_by` from now.
+    fn renewed_here(&self, lease: &Lease, extend_by: Duration) {
+        let mut held = self.inner.held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((fence, until)) = held.get_mut(lease.key().as_str())
+            && *fence == lease.fence()
+        {
+            *until = Instant::now() + extend_by;
+        }
+    }
+
+    /// Whether a live lease on `key` was granted by this ledger.
+    fn holds(&self, key: &EffectKey) -> bool {
+        let held = self.inner.held.lock().unwrap_or_else(|p| p.into_inner());
+        held.get(key.as_str())
+            .is_some_and(|(_, until)| *until > Instant::now())
+    }
+
+    /// Called with the answer of a fenced write of `lease` that ends it.
+    fn settled(&self, lease: &Lease, result: &Result<()>) {
+        if result.is_ok() || result.as_ref().is_err_and(Error::is_lease_lost) {
+            self.ended_here(lease);
+        }
+    }
+
+    async fn release_on_pool(&self, lease: &Lease) -> Result<()> {
+        let lease = lease.clone();
+        self.on_pool(move |this, conn| {
+            let lease = lease.clone();
+            Box::pin(async move {
+                let done = sqlx::query(sqlx::AssertSqlSafe(this.sql().release.as_str()))
+                    .bind(lease.key().as_str())
+                    .bind(lease.fence())
+                    .bind(false)
+                    .execute(&mut *conn)
+                    .await
+                    .map_err(retry_on_lock)?;
+                if done.rows_affected() == 0 {
+                    return Err(this.fence_miss(conn, &lease, true).await);
+                }
+                Ok(())
+            })
+        })
+        .await
+    }
+
     async fn complete_on(
         &self,
         conn: &mut MySqlConnection,
@@ -259,74 +355,107 @@ impl Ledger for MySqlLedger {
         opts.validate()?;
         self.writable("claim")?;
         let (key, opts) = (key.clone(), opts.clone());
-        self.on_pool(move |this, conn| {
-            let (key, opts) = (key.clone(), opts.clone());
-            Box::pin(async move { this.claim_on(conn, &key, &opts, false).await })
-        })
-        .await
+        let claim = self
+            .on_pool(move |this, conn| {
+                let (key, opts) = (key.clone(), opts.clone());
+                Box::pin(async move { this.claim_on(conn, &key, &opts, false).await })
+            })
+            .await?;
+        if let Claim::Acquired(lease) = &claim {
+            self.held_here(lease);
+        }
+        Ok(claim)
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
         check_outcome(outcome, self.max_outcome_bytes())?;
         self.writable("complete")?;
-        let (lease, outcome) = (lease.clone(), outcome.clone());
-        self.on_pool(move |this, conn| {
-            let (lease, outcome) = (lease.clone(), outcome.clone());
-            Box::pin(async move { this.complete_on(conn, &lease, &outcome, false).await })
-        })
-        .await
+        let (held, outcome) = (lease.clone(), outcome.clone());
+        let result = self
+            .on_pool(move |this, conn| {
+                let (lease, outcome) = (held.clone(), outcome.clone());
+                Box::pin(async move { this.complete_on(conn, &lease, &outcome, false).await })
+            })
+            .await;
+        self.settled(lease, &result);
+        result
+    }
+
+    /// Wakes the waiters of this process when a lease this ledger granted
+    /// ends here (complete, release, `complete_many`): a notified
+    /// [`Watch`]. Waiters on a key held by another process (or by a
+    /// caller's transaction, whose commit the ledger does not see) get a
+    /// polling watch: MySQL has no notifications across sessions that a
+    /// pool could listen to cheaply.
+    async fn watch(&self, key: &EffectKey) -> Watch {
+        // Armed before the check: a completion just after it still wakes it.
+        let watch = self.inner.notifier.watch(key);
+        if self.holds(key) { watch } else { Watch::polling() }
+    }
+
+    async fn claim_many(&self, keys: &[EffectKey], opts: &ClaimOptions) -> Result<Vec<Result<Claim>>> {
+        opts.validate()?;
+        if let Err(e) = self.writable("claim_many") {
+            return Ok(keys.iter().map(|_| Err(error::replicate(&e))).collect());
+        }
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(self.claim_batch(keys, opts).await)
+    }
+
+    async fn complete_many(&self, items: &[(Lease, Outcome)]) -> Vec<Result<()>> {
+        if items.is_empty() {
+            return Vec::new();
+        }
+        if let Err(e) = self.probe(None).await {
+            return items.iter().map(|_| Err(error::replicate(&e))).collect();
+        }
+        self.complete_batch(items).await
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
         self.writable("release")?;
-        let lease = lease.clone();
-        self.on_pool(move |this, conn| {
-            let lease = lease.clone();
-            Box::pin(async move {
-                let done = sqlx::query(sqlx::AssertSqlSafe(this.sql().release.as_str()))
-                    .bind(lease.key().as_str())
-                    .bind(lease.fence())
-                    .bind(false)
-                    .execute(&mut *conn)
-                    .await
-                    .map_err(retry_on_lock)?;
-                if done.rows_affected() == 0 {
-                    return Err(this.fence_miss(conn, &lease, true).await);
-                }
-                Ok(())
-            })
-        })
-        .await
+        let result = self.release_on_pool(lease).await;
+        self.settled(lease, &result);
+        result
     }
 
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
         oncely::backend::check_extension(extend_by)?;
         self.writable("renew")?;
-        let lease = lease.clone();
-        self.on_pool(move |this, conn| {
-            let lease = lease.clone();
-            Box::pin(async move {
-                let done = sqlx::query(sqlx::AssertSqlSafe(this.sql().renew.as_str()))
-                    .bind(duration_micros(extend_by))
-                    .bind(lease.key().as_str())
-                    .bind(lease.fence())
-                    .bind(false)
-                    .execute(&mut *conn)
-                    .await
-                    .map_err(retry_on_lock)?;
-                if done.rows_affected() == 0 {
-                    return Err(this.fence_miss(conn, &lease, true).await);
-                }
-                // LAST_INSERT_ID(expr) in the statement puts the new expiry
-                // in the OK packet.
-                let expires_us = i64::try_from(done.last_insert_id())
-                    .ok()
-                    .filter(|us| *us > 0)
-                    .ok_or_else(|| corrupt("renew: the server did not report the new expiry"))?;
-                Ok(lease.renewed_until(from_micros(expires_us)))
+        let held = lease.clone();
+        let renewed = self
+            .on_pool(move |this, conn| {
+                let lease = held.clone();
+                Box::pin(async move {
+                    let done = sqlx::query(sqlx::AssertSqlSafe(this.sql().renew.as_str()))
+                        .bind(duration_micros(extend_by))
+                        .bind(lease.key().as_str())
+                        .bind(lease.fence())
+                        .bind(false)
+                        .execute(&mut *conn)
+                        .await
+                        .map_err(retry_on_lock)?;
+                    if done.rows_affected() == 0 {
+                        return Err(this.fence_miss(conn, &lease, true).await);
+                    }
+                    // LAST_INSERT_ID(expr) in the statement puts the new expiry
+                    // in the OK packet.
+                    let expires_us = i64::try_from(done.last_insert_id())
+                        .ok()
+                        .filter(|us| *us > 0)
+                        .ok_or_else(|| corrupt("renew: the server did not report the new expiry"))?;
+                    Ok(lease.renewed_until(from_micros(expires_us)))
+                })
             })
-        })
-        .await
+            .await;
+        match &renewed {
+            Ok(_) => self.renewed_here(lease, extend_by),
+            Err(e) if e.is_lease_lost() => self.ended_here(lease),
+            Err(_) => {}
+        }
+        renewed
     }
 
     async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {

@@ -36,7 +36,7 @@
 //! | | |
 //! | --- | --- |
 //! | URL | `mysql://user:password@host:port/database` or `mariadb://…`, with sqlx's parameters (`ssl-mode`, …): [`MySqlLedger::connect`], or [`FromUrl`](oncely::backend::FromUrl) with an [`Access`](oncely::backend::Access) and a connect timeout (the pool's acquire timeout) |
-//! | atomic claim | one `INSERT … ON DUPLICATE KEY UPDATE` on the primary key; the takeover of an expired lease or a released record happens in the same statement |
+//! | atomic claim | a plain read of the key first (a duplicate is answered by it: no lock, no write); then, for an absent, released or expired key only, one `INSERT … ON DUPLICATE KEY UPDATE` on the primary key, which decides again on its own: the insert, or the takeover of an expired lease or a released record, in the same statement |
 //! | caller's transaction | yes: [`TransactionalLedger`](oncely::TransactionalLedger) on `&mut` [`MySqlConnection`]; a concurrent duplicate blocks on the row lock until the first commits. When several wait on one that rolls back, InnoDB may make one of them a deadlock victim (each held a share lock on the duplicate): a retryable [`oncely::Error::Backend`]; redo the transaction |
 //! | durability | what the server's InnoDB settings give (`innodb_flush_log_at_trx_commit = 1`: committed claims survive a crash) |
 //! | replication | none before a claim returns (asynchronous replicas may lag; Galera / group replication as configured). Statements read `SYSDATE()`: use row-based or mixed binary logging, not `binlog_format = STATEMENT` |
@@ -47,7 +47,9 @@
 //! | read-only | [`MySqlLedgerOptions::read_only`]: no migration, read-only sessions; `get`, `abandoned` and `horizon` work for a user with `SELECT` on the two tables |
 //! | max key | 255 bytes (`VARCHAR(255)` utf8mb4, `utf8mb4_bin`) |
 //! | max outcome | 64 KiB ([`oncely::MAX_OUTCOME_BYTES`]), lower if the server's `max_allowed_packet` is smaller; see [`MySqlLedger::max_outcome_bytes`] |
-//! | round trips per claim | 1 on MariaDB 10.5+ (`RETURNING`), 2 on MySQL 8 (the statement, then a locking read of the row). Rare paths cost more: 2 more for a fresh grant whose statement waited on a lock (its refresh), up to 3 more for a claim refused by the horizon |
+//! | round trips per claim | a duplicate (completed, in progress, abandoned, another fingerprint): 1, a plain read. A new key, or a takeover: 2 on MariaDB 10.5+ (the read, then the statement with `RETURNING`), 3 on MySQL 8 (then a locking read of the row). Rare paths cost more: 2 more for a fresh grant whose statement waited on a lock (its refresh), up to 3 more for a claim refused by the horizon. `claim_in` skips the read (1 on MariaDB, 2 on MySQL 8). See "A duplicate is a read" |
+//! | batches | `claim_many`: one plain read of every key, then one statement for the keys that need a write (MySQL 8: and its read-back; with `sent_at`: one more read, of the watermarks), per 500 distinct keys; `complete_many`: one `UPDATE` per 500 leases (one more read when some lease was lost). Every key answered as its own claim would be. See "Batches" |
+//! | waiting duplicates | in-process: a duplicate waiting on a lease this ledger granted is woken the moment that lease is completed or released here (an [`oncely::watch::Notifier`]). Across processes (and for leases claimed with `claim_in`, whose commit the ledger does not see) waiters poll: 5 ms, doubling up to 250 ms. See "Waiting" |
 //! | leaked-transaction guard | MariaDB (`@@in_transaction`); not on MySQL 8 |
 //! | pool size | default 10; the conformance race (64 claimants) uses 70. MariaDB's default `max_connections` is 151 |
 //!
@@ -76,6 +78,77 @@
 //! fence: that is below an earlier fence of the key only if the key was
 //! claimed, completed *and pruned* during the wait, which takes a retention
 //! under a second (and even then no stale holder can match the new fence).
+//!
+//! ## A duplicate is a read
+//!
+//! InnoDB locks every existing row an `INSERT` finds: a shared lock for a
+//! plain `INSERT`, `INSERT IGNORE` or an `INSERT … SELECT … WHERE NOT
+//! EXISTS` (whose read is a locking read at REPEATABLE READ, and which takes
+//! gap locks that make two concurrent inserts of a new key deadlock), an
+//! exclusive one for `ON DUPLICATE KEY UPDATE`, even when it changes
+//! nothing; and the statement gets a transaction id. Only a plain `SELECT`
+//! reads a row without either. So a claim on the pool reads the key first:
+//! a completed effect, a live lease, an abandoned step or a fingerprint
+//! mismatch is answered from that read (by the kit's rules,
+//! [`oncely::backend::answer_existing`]), and a duplicate takes no lock,
+//! writes nothing, and never holds up the holder's `complete`. Only when the
+//! read leaves a write to do (the key is absent, released, or its lease
+//! ended) does the claim run its statement, which checks everything again
+//! in the same atomic step: the read decides nothing that is written. A
+//! read that is stale by the time the statement runs costs nothing either:
+//! the statement answers as it finds the row.
+//!
+//! The price is one more round trip for a new key (the read finds nothing;
+//! a prepared statement cannot both insert and report an existing row
+//! without locking it). Over a job's deliveries (one new, at least one
+//! duplicate) it evens out, and a duplicate's plain read is cheaper for the
+//! server than the no-op `ON DUPLICATE KEY UPDATE` it replaces (one indexed
+//! read, against an insert attempt that evaluates the whole update clause).
+//!
+//! `claim_in` does not read first: inside the caller's transaction a plain
+//! read comes from its snapshot, which may be older than the record. It
+//! runs the statement, and a concurrent duplicate waits on the row lock, as
+//! the transactional mode means it to.
+//!
+//! ## Waiting
+//!
+//! A duplicate that finds the effect in progress (with
+//! [`OnInProgress::Wait`](oncely::OnInProgress::Wait)) takes a
+//! [`Watch`](oncely::watch::Watch) from [`Ledger::watch`](oncely::Ledger::watch).
+//! If the lease is one this ledger (or a clone of it) granted on the pool
+//! and has not seen end, the watch is notified: `complete`, `release` and
+//! `complete_many` wake it as they return, and the runner claims again at
+//! once. MySQL offers no change notification a pool could listen to
+//! cheaply, so a lease held by another process (or another ledger in this
+//! process, or claimed with `claim_in`) gets a polling watch (5 ms, doubling
+//! up to 250 ms, never past the lease's end). A wake-up is only a hint: the
+//! runner claims again and answers as that claim does, so a lost or early
+//! wake-up costs latency, never a wrong answer. (A notified watch whose
+//! notification never comes, because the holder lost its lease to another
+//! process, still looks again after [`oncely::watch::NOTIFIED_FALLBACK`].)
+//!
+//! ## Batches
+//!
+//! [`Ledger::claim_many`](oncely::Ledger::claim_many) reads every key in one
+//! statement, answers the duplicates from it, and claims all the others in
+//! one `INSERT … VALUES (…), (…) … ON DUPLICATE KEY UPDATE` (the single
+//! claim's statement, one row per key, each with its own claim token),
+//! sorted by key so that overlapping batches lock their common keys in the
+//! same order. MariaDB returns one row per `VALUES` row; MySQL 8 reads them
+//! back with one locking read. Each row is then judged exactly as a single
+//! claim's (token, fence, horizon after the write, refresh after a lock
+//! wait). With `sent_at`, the watermarks of the absent keys are read first
+//! (one plain read), so a refused replay writes nothing; the check after the
+//! write still decides. A key listed twice is claimed once and the later
+//! listing answered like a concurrent duplicate. Keys whose row moved under
+//! the batch are claimed on their own.
+//!
+//! [`Ledger::complete_many`](oncely::Ledger::complete_many) is one `UPDATE`,
+//! each row fenced by its own lease (`fence = CASE effect_key …`). When it
+//! matches every lease, that is the answer; when some lease was lost, one
+//! plain read tells which rows this statement completed (it writes its own
+//! token into them). A second lease of a key already in the batch is
+//! completed on its own afterwards.
 //!
 //! ## Why `ON DUPLICATE KEY UPDATE` and not `INSERT IGNORE`
 //!
@@ -183,11 +256,14 @@
 //! whose sessions run with `autocommit = 0` is refused with
 //! [`oncely::Error::Config`]. MySQL 8 has no `@@in_transaction`, so there the
 //! guard is off: the ledger's own operations and [`MySqlLedger::begin`] never
-//! leak, but do not share its pool with code that might.
+//! leak, but do not share its pool with code that might (a claim's first
+//! read there would come from the stray transaction's snapshot, and could
+//! answer an old state of a duplicate; its writes still check the row).
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
 // Where things are: one concern per module.
+mod batch; // claim_many and complete_many: a read, then one statement for the keys that need a write
 mod claim; // the claim: its statement's forms, what its row means, the refresh after a lock wait, the horizon
 mod error; // driver errors to oncely::Error, unique violations
 mod guard; // running on the pool: one retry loop, the leaked-transaction guard

@@ -108,6 +108,7 @@ impl MySqlLedger {
                 // the statement's framing; keep 4 KiB for those.
                 let fits = usize::try_from(packet.saturating_sub(4096)).unwrap_or(usize::MAX);
                 self.inner.max_outcome.fetch_min(fits, Ordering::Relaxed);
+                self.inner.packet_budget.store(fits, Ordering::Relaxed);
                 self.inner.guarded.store(guarded, Ordering::Relaxed);
                 Ok::<_, Error>(())
             })

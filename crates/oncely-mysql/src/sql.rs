@@ -185,13 +185,25 @@ pub(crate) const IS_INDEXES: &str = "SELECT CAST(INDEX_NAME AS CHAR) AS idx, CAS
 
 /// The statements of one ledger table.
 ///
-/// The claim comes in variants: with `RETURNING` (MariaDB 10.5+) or without
-/// (MySQL 8: the statement, then [`Statements::read_back`]); and for claims
-/// with `sent_at`, a `_pre` form that inserts only if the message is after
-/// the horizon, and a `_h` form that also returns the horizon read after the
-/// write (see `claim.rs` for how the two together decide `BeyondHorizon`).
+/// A claim on the pool first reads the key ([`Statements::peek`], a plain
+/// read: no lock, no write); only when that read leaves a write to do (the
+/// key is absent, or released, or its lease ended) does it run the claim
+/// statement, which decides again on its own.
+///
+/// The claim statement comes in variants: with `RETURNING` (MariaDB 10.5+)
+/// or without (MySQL 8: the statement, then [`Statements::read_back`]); and
+/// for claims with `sent_at`, a `_pre` form that inserts only if the message
+/// is after the horizon, and a `_h` form that also returns the horizon read
+/// after the write (see `claim.rs` for how the two together decide
+/// `BeyondHorizon`). Batches use the same statements with one `VALUES` row
+/// per key ([`Statements::claim_many`]).
 #[derive(Debug)]
 pub(crate) struct Statements {
+    /// The key's row as committed, with the clock: a consistent read, which
+    /// InnoDB answers without a lock and without a transaction id, so a
+    /// duplicate of a completed or live effect writes nothing. Parameter:
+    /// key.
+    pub peek: String,
     /// Parameters: key, tenant, kind, subject, fingerprint, at_most_once,
     /// token, lease µs, retention µs, retention µs.
     pub claim: String,
@@ -232,6 +244,26 @@ pub(crate) struct Statements {
     /// batch by [`Statements::watermark_upsert`].
     watermark_prefix: String,
     delete_prefix: String,
+    /// The pieces [`Statements::claim_many`] and the other batch statements
+    /// are assembled from.
+    batch: Batch,
+}
+
+/// What the batch statements are built from: the single claim's pieces.
+#[derive(Debug)]
+struct Batch {
+    insert_cols: String,
+    values: String,
+    odku: String,
+    returning: String,
+    watermark: String,
+    peek_prefix: String,
+    read_back_prefix: String,
+    read_back_h_prefix: String,
+    horizon_prefix: String,
+    complete_set: String,
+    complete_where: String,
+    settled_prefix: String,
 }
 
 impl Statements {
@@ -338,7 +370,37 @@ impl Statements {
              LOCK IN SHARE MODE) AS horizon_us"
         );
         let fenced = "WHERE effect_key = ? AND fence = ? AND state = 'in_progress'";
+        let peek_cols = format!("SELECT {COLUMNS}, {NOW_US} AS now_us, {in_tx} AS in_tx FROM `{t}`");
+        let batch = Batch {
+            insert_cols: insert_cols.clone(),
+            values: values.clone(),
+            odku: odku.clone(),
+            returning: returning.clone(),
+            watermark: watermark.clone(),
+            peek_prefix: format!("{peek_cols} WHERE effect_key IN "),
+            read_back_prefix: format!("{peek_cols} WHERE effect_key IN "),
+            read_back_h_prefix: format!(
+                "SELECT {COLUMNS}, {NOW_US} AS now_us, {in_tx} AS in_tx, {watermark} FROM `{t}` \
+                 WHERE effect_key IN "
+            ),
+            horizon_prefix: format!("SELECT tenant, kind, watermark_us FROM `{h}` WHERE "),
+            // Every row the statement completes also gets the call's own
+            // token, so that when some leases missed, a read tells which
+            // rows this statement completed (the token of a completed row is
+            // never read otherwise: refresh and undo are fenced on
+            // `state = 'in_progress'`).
+            complete_set: format!(
+                "UPDATE `{t}` SET state = 'completed', lease_expires_us = NULL, updated_us = {NOW_US}, \
+                 retain_until_us = {NOW_US} + retention_us, claim_token = ?, outcome = CASE effect_key "
+            ),
+            complete_where: format!("AND state = 'in_progress' AND {guard}"),
+            settled_prefix: format!(
+                "SELECT effect_key, fence, state, claim_token FROM `{t}` WHERE effect_key IN "
+            ),
+        };
         Statements {
+            peek: format!("{peek_cols} WHERE effect_key = ?"),
+            batch,
             claim_returning: format!("{claim}{returning}"),
             claim_returning_h: format!("{claim}{returning}, {watermark}"),
             claim_pre_returning_h: format!("{claim_pre}{returning}, {watermark}"),
@@ -416,6 +478,74 @@ impl Statements {
     pub(crate) fn prune_delete(&self, n: usize) -> String {
         format!("{}{}", self.delete_prefix, placeholders(n, "?"))
     }
+
+    /// [`Statements::peek`] for `n` distinct keys (a plain read, no lock).
+    pub(crate) fn peek_many(&self, n: usize) -> String {
+        format!("{}{}", self.batch.peek_prefix, placeholders(n, "?"))
+    }
+
+    /// The watermarks of `n` (tenant, kind) pairs, as committed (a plain
+    /// read: a batch's pre-check, so that a refused replay writes nothing;
+    /// the check after the write is the one that is never fooled).
+    /// Parameters: tenant, kind, per pair.
+    pub(crate) fn watermarks(&self, n: usize) -> String {
+        let pairs = vec!["(tenant = ? AND kind = ?)"; n.max(1)].join(" OR ");
+        format!("{}{pairs}", self.batch.horizon_prefix)
+    }
+
+    /// The claim statement with `n` rows: `claim`'s ten parameters per row.
+    /// `returning`: with `RETURNING` (one row back per `VALUES` row, in
+    /// order, whether inserted, taken over or untouched); `horizon`: that
+    /// also returns the watermark read after each row's write. MariaDB and
+    /// MySQL write the rows in `VALUES` order, so callers sort them by key:
+    /// two overlapping batches then lock their common keys in the same
+    /// order and cannot deadlock on each other.
+    pub(crate) fn claim_many(&self, n: usize, returning: bool, horizon: bool) -> String {
+        let b = &self.batch;
+        let rows = vec![format!("({})", b.values); n.max(1)].join(", ");
+        let mut q = format!("{} VALUES {rows} {}", b.insert_cols, b.odku);
+        if returning {
+            q.push_str(&b.returning);
+            if horizon {
+                q.push_str(", ");
+                q.push_str(&b.watermark);
+            }
+        }
+        q
+    }
+
+    /// The rows after [`Statements::claim_many`] without `RETURNING`, as
+    /// [`Statements::read_back`] (a locking read) for `n` keys.
+    pub(crate) fn read_back_many(&self, n: usize, horizon: bool) -> String {
+        let prefix = if horizon {
+            &self.batch.read_back_h_prefix
+        } else {
+            &self.batch.read_back_prefix
+        };
+        format!("{prefix}{} FOR UPDATE", placeholders(n, "?"))
+    }
+
+    /// Completes `n` leases of distinct keys in one statement, each fenced
+    /// by its own fence. Parameters: the call's token; (key, outcome) per
+    /// lease; the `n` keys; (key, fence) per lease; the guard.
+    pub(crate) fn complete_many(&self, n: usize) -> String {
+        let b = &self.batch;
+        let n = n.max(1);
+        let outcomes = "WHEN ? THEN ? ".repeat(n);
+        let fences = "WHEN ? THEN ? ".repeat(n);
+        format!(
+            "{}{outcomes}END WHERE effect_key IN {} AND fence = CASE effect_key {fences}END {}",
+            b.complete_set,
+            placeholders(n, "?"),
+            b.complete_where
+        )
+    }
+
+    /// Which of `n` keys are completed, at which fence, with which token
+    /// (after [`Statements::complete_many`] matched fewer rows than leases).
+    pub(crate) fn settled(&self, n: usize) -> String {
+        format!("{}{}", self.batch.settled_prefix, placeholders(n, "?"))
+    }
 }
 
 fn placeholders(n: usize, p: &str) -> String {
@@ -432,5 +562,20 @@ mod tests {
         assert_eq!(s.prune_lock(3).matches('?').count(), 3);
         assert_eq!(s.prune_delete(2).matches('?').count(), 2);
         assert_eq!(s.watermark_upsert(2).matches('?').count(), 6);
+        assert_eq!(s.peek.matches('?').count(), 1);
+        assert_eq!(s.peek_many(3).matches('?').count(), 3);
+        assert_eq!(s.watermarks(2).matches('?').count(), 4);
+        for (returning, horizon) in [(true, true), (true, false), (false, false)] {
+            assert_eq!(
+                s.claim_many(3, returning, horizon).matches('?').count(),
+                3 * s.claim.matches('?').count()
+            );
+        }
+        assert_eq!(s.claim_many(1, true, false), s.claim_returning);
+        assert_eq!(s.claim_many(1, true, true), s.claim_returning_h);
+        assert_eq!(s.read_back_many(2, true).matches('?').count(), 2);
+        // token, (key, outcome) × 2, keys × 2, (key, fence) × 2, guard
+        assert_eq!(s.complete_many(2).matches('?').count(), 1 + 4 + 2 + 4 + 1);
+        assert_eq!(s.settled(2).matches('?').count(), 2);
     }
 }

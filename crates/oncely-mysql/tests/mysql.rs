@@ -891,14 +891,24 @@ async fn read_committed_ledger(returning: Option<bool>) -> Option<MySqlLedger> {
 /// A completed record kept for `retention` (then waits a little longer);
 /// returns its creation time in µs.
 async fn completed(ledger: &MySqlLedger, k: &EffectKey, retention: Duration) -> i64 {
+    settled(ledger, k, retention, false).await
+}
+
+/// A completed (or, with `release`, released) record kept for `retention`
+/// (then waits a little longer); returns its creation time in µs.
+async fn settled(ledger: &MySqlLedger, k: &EffectKey, retention: Duration, release: bool) -> i64 {
     let o = ClaimOptions::default()
         .lease(Duration::from_millis(100))
         .retention(retention);
     let l = acquired(ledger.claim(k, &o).await.unwrap());
-    ledger
-        .complete(&l, &Outcome::from_json(&"first").unwrap())
-        .await
-        .unwrap();
+    if release {
+        ledger.release(&l).await.unwrap();
+    } else {
+        ledger
+            .complete(&l, &Outcome::from_json(&"first").unwrap())
+            .await
+            .unwrap();
+    }
     tokio::time::sleep(Duration::from_millis(500)).await;
     let created = ledger.get(k).await.unwrap().unwrap().created_at;
     i64::try_from(created.duration_since(std::time::UNIX_EPOCH).unwrap().as_micros()).unwrap()
@@ -909,17 +919,22 @@ async fn completed(ledger: &MySqlLedger, k: &EffectKey, retention: Duration) -> 
 /// watermark after its write (the check before the insert saw none), undo
 /// its row and refuse. At READ COMMITTED nothing else stops it: the check
 /// before the insert takes no gap lock on the absent watermark row.
+///
+/// On the pool a claim reads the key first, without a lock: a completed
+/// record there answers at once (the prune has not committed: the effect is
+/// done), so the pool's insert is made to wait with a released record,
+/// which the claim goes on to take over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn claim_waiting_on_a_prune_reads_its_watermark() {
     for returning in [None, Some(false)] {
         let Some(ledger) = read_committed_ledger(returning).await else {
             return;
         };
-        for in_tx in [false, true] {
+        for (in_tx, release) in [(false, true), (true, false), (true, true)] {
             let t = fresh_tenant();
             let k = key(&t, "capture", "pruned-while-waiting");
             // Kept for an hour, so no other test's prune takes it first.
-            let created = completed(&ledger, &k, Duration::from_secs(3600)).await;
+            let created = settled(&ledger, &k, Duration::from_secs(3600), release).await;
             let sent = std::time::SystemTime::now() - Duration::from_secs(3600);
             // The prune, by hand, held open: the key's row deleted (locked),
             // then the watermark raised, then commit (what prune's batch
@@ -968,6 +983,27 @@ async fn claim_waiting_on_a_prune_reads_its_watermark() {
                 "the refused claim left its row (in_tx {in_tx})"
             );
         }
+
+        // The pool's claim of a completed key that a prune is deleting:
+        // answered from the committed row, without waiting on the prune.
+        let t = fresh_tenant();
+        let k = key(&t, "capture", "completed-while-pruned");
+        completed(&ledger, &k, Duration::from_secs(3600)).await;
+        let mut prune = ledger.pool().begin().await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DELETE FROM `{}` WHERE effect_key = ?",
+            ledger.table()
+        )))
+        .bind(k.as_str())
+        .execute(&mut *prune)
+        .await
+        .unwrap();
+        let o = ClaimOptions::default().sent_at(std::time::SystemTime::now() - Duration::from_secs(3600));
+        assert!(matches!(
+            ledger.claim(&k, &o).await.unwrap(),
+            Claim::Completed(r) if r.outcome == Some(Outcome::from_json(&"first").unwrap())
+        ));
+        prune.rollback().await.unwrap();
     }
 }
 
