@@ -1,0 +1,124 @@
+//! What a key stores (the response, never the request body), the request
+//! fingerprint, and bounded reading of bodies.
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
+use bytes::Bytes;
+use http::request::Parts;
+use http::{HeaderName, HeaderValue, Response, StatusCode};
+use http_body::Body;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use oncely::{BoxError, Fingerprint};
+use serde::{Deserialize, Serialize};
+
+use crate::header::IDEMPOTENT_REPLAYED;
+
+/// The stored response: status, the headers chosen for replay, and the body
+/// (base64, so any bytes survive the JSON the ledgers store outcomes as).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct StoredResponse {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl StoredResponse {
+    /// Keeps `status`, the `replay` headers found in `headers` (those whose
+    /// values are visible ASCII) and `body`.
+    pub(crate) fn new(status: StatusCode, headers: &http::HeaderMap, replay: &[HeaderName], body: &[u8]) -> Self {
+        let mut kept = Vec::new();
+        for name in replay {
+            for value in headers.get_all(name) {
+                if let Ok(v) = value.to_str() {
+                    kept.push((name.as_str().to_owned(), v.to_owned()));
+                }
+            }
+        }
+        StoredResponse {
+            status: status.as_u16(),
+            headers: kept,
+            body: STANDARD.encode(body),
+        }
+    }
+
+    /// The stored bytes' size when encoded as an outcome, roughly (for the
+    /// check against the ledger's limit before the handler's work is lost to
+    /// a refused completion).
+    pub(crate) fn encoded_len(&self) -> usize {
+        // {"ok":{"status":…,"headers":[…],"body":"…"}} plus JSON escaping
+        // of header values, which are visible ASCII (at most `\"`, `\\`).
+        64 + self.body.len() + self.headers.iter().map(|(n, v)| n.len() + 2 * v.len() + 8).sum::<usize>()
+    }
+
+    /// The response a retry gets: the stored status, headers and body, with
+    /// `Idempotent-Replayed: true`.
+    pub(crate) fn replay(&self) -> Response<Bytes> {
+        let body = STANDARD.decode(&self.body).unwrap_or_default();
+        let mut response = Response::new(Bytes::from(body));
+        *response.status_mut() = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        for (name, value) in &self.headers {
+            if let (Ok(n), Ok(v)) = (HeaderName::try_from(name.as_str()), HeaderValue::try_from(value.as_str())) {
+                response.headers_mut().append(n, v);
+            }
+        }
+        response
+            .headers_mut()
+            .insert(IDEMPOTENT_REPLAYED.clone(), HeaderValue::from_static("true"));
+        response
+    }
+}
+
+/// The request fingerprint: BLAKE3 over the method, the path and query, the
+/// chosen headers (name and every value, in the order given) and the body,
+/// each part length-prefixed so that no two requests frame alike.
+pub(crate) fn fingerprint(parts: &Parts, headers: &[HeaderName], body: &[u8]) -> Fingerprint {
+    let mut h = blake3::Hasher::new_derive_key("oncely-tower 2026 request fingerprint");
+    let mut part = |bytes: &[u8]| {
+        h.update(&(bytes.len() as u64).to_le_bytes());
+        h.update(bytes);
+    };
+    part(parts.method.as_str().as_bytes());
+    part(
+        parts
+            .uri
+            .path_and_query()
+            .map_or(parts.uri.path(), |pq| pq.as_str())
+            .as_bytes(),
+    );
+    for name in headers {
+        part(name.as_str().as_bytes());
+        let values = parts.headers.get_all(name);
+        part(&(values.iter().count() as u64).to_le_bytes());
+        for v in values {
+            part(v.as_bytes());
+        }
+    }
+    part(body);
+    Fingerprint::from_bytes(h.finalize().as_bytes()).expect("a BLAKE3 hash is 32 bytes")
+}
+
+/// How reading a body up to a limit ended, other than with its bytes.
+pub(crate) enum ReadError {
+    /// It is longer than the limit; reading stopped at the first frame past it.
+    TooLarge,
+    /// The body itself failed.
+    Failed(BoxError),
+}
+
+/// Reads `body` whole if it is at most `limit` bytes, and stops at the first
+/// frame that goes past the limit otherwise: never buffers more than
+/// `limit` plus one frame.
+pub(crate) async fn read_limited<B>(body: B, limit: usize) -> Result<Bytes, ReadError>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    if body.size_hint().lower() > limit as u64 {
+        return Err(ReadError::TooLarge);
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<LengthLimitError>() => Err(ReadError::TooLarge),
+        Err(e) => Err(ReadError::Failed(e)),
+    }
+}
