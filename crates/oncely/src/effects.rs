@@ -66,18 +66,100 @@ impl<L: Ledger> Effects<L> {
         F: FnOnce(HeldLease) -> Fut,
         Fut: Future<Output = Result<T, Failure>>,
     {
+        self.run_reported(key, opts, f).await.map(|ran| ran.value)
+    }
+
+    /// [`Effects::run`], telling the caller how its answer came about:
+    /// [`How::Ran`] when `f` ran in this call and its outcome was stored,
+    /// [`How::Replayed`] when the effect had completed before (possibly
+    /// while this call waited for another holder) and its stored outcome was
+    /// returned without running `f`.
+    ///
+    /// A consumer loop acks either way; the difference is what it logs and
+    /// counts (a suppressed duplicate). Errors are those of
+    /// [`Effects::run`]: a stored terminal failure replayed to a duplicate is
+    /// [`Error::Terminal`](crate::Error::Terminal) as it was the first time.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use oncely::{ClaimOptions, EffectKey, Effects, How, MemoryLedger, Tenant};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> oncely::Result<()> {
+    /// let effects = Effects::new(Arc::new(MemoryLedger::new()));
+    /// let key = EffectKey::new(&Tenant::global(), "capture", "order-7")?;
+    /// let opts = ClaimOptions::default();
+    /// let first = effects.run_reported(&key, &opts, |_| async { Ok(7) }).await?;
+    /// let again = effects.run_reported(&key, &opts, |_| async { Ok(8) }).await?;
+    /// assert_eq!((first.value, first.how), (7, How::Ran));
+    /// assert_eq!((again.value, again.how), (7, How::Replayed));
+    /// # Ok(()) }
+    /// ```
+    pub async fn run_reported<T, F, Fut>(&self, key: &EffectKey, opts: &ClaimOptions, f: F) -> Result<Ran<T>>
+    where
+        T: Serialize + DeserializeOwned,
+        F: FnOnce(HeldLease) -> Fut,
+        Fut: Future<Output = Result<T, Failure>>,
+    {
         opts.validate()?;
         let ledger = &self.ledger;
         async move {
             let (lease, deadline) = match pipeline::claim(ledger, key, opts).await? {
                 Resolved::Lease(lease, deadline) => (lease, deadline),
-                Resolved::Stored(outcome) => return pipeline::decode(key, &outcome),
+                Resolved::Stored(outcome) => {
+                    return pipeline::decode(key, &outcome).map(|value| Ran {
+                        value,
+                        how: How::Replayed,
+                    });
+                }
             };
             let result = pipeline::run_held(ledger, &lease, deadline, opts, f).await;
             let settlement = pipeline::settlement(ledger, &lease, opts, result);
-            pipeline::settle(ledger, &lease, settlement).await
+            pipeline::settle(ledger, &lease, settlement)
+                .await
+                .map(|value| Ran { value, how: How::Ran })
         }
         .instrument(telemetry::claim_span(key))
         .await
     }
+}
+
+/// How a runner's answer came about (see [`Effects::run_reported`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum How {
+    /// The handler ran in this call and its outcome was stored.
+    Ran,
+    /// The effect had completed before; its stored outcome was returned and
+    /// the handler did not run (a suppressed duplicate).
+    Replayed,
+}
+
+impl How {
+    /// `ran` or `replayed`, for logs and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            How::Ran => "ran",
+            How::Replayed => "replayed",
+        }
+    }
+
+    /// Whether the stored outcome was replayed.
+    pub fn is_replayed(self) -> bool {
+        self == How::Replayed
+    }
+}
+
+impl std::fmt::Display for How {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A runner's value and [`How`] it came about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ran<T> {
+    /// The effect's outcome: the handler's value or the stored one.
+    pub value: T,
+    /// Whether the handler ran now or the stored outcome was replayed.
+    pub how: How,
 }

@@ -58,7 +58,7 @@ pub mod watch;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 
-pub use effects::Effects;
+pub use effects::{Effects, How, Ran};
 pub use error::{BoxError, Error, Result};
 pub use held::HeldLease;
 pub use job::{Job, StepContext, StepFuture, StepMode};
