@@ -272,7 +272,7 @@ impl RedisLedger {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lua::{self, CLAIM};
+    use crate::lua::ClaimItem;
     use crate::reply::grant;
     use oncely::backend::Grant;
     use oncely::{Claim, ClaimOptions, Ledger};
@@ -297,8 +297,18 @@ mod tests {
         let opts = ClaimOptions::default()
             .lease(lease)
             .retention(Duration::from_secs(3600));
-        let cmd = lua::claim(&ledger.redis_key(key), None, key, &opts, Some(sent_us), None);
-        let parts = array(lua::run(&ledger.conn, &CLAIM, &cmd).await.unwrap()).unwrap();
+        let rkey = ledger.redis_key(key);
+        let item = ClaimItem {
+            rkey: &rkey,
+            key,
+            horizon: None,
+            floor: None,
+        };
+        let mut replies = ledger
+            .claim_script(&[item], &[], &opts, Some(sent_us))
+            .await
+            .unwrap();
+        let parts = replies.pop().unwrap();
         assert_eq!(tag(&parts).unwrap(), "acquired");
         grant(key, false, &parts).unwrap()
     }

@@ -26,6 +26,39 @@ pub(crate) fn horizon_key(prefix: &str, tenant: &Tenant, kind: &str) -> String {
     format!("{prefix}{{{}}}{HORIZON_INFIX}{scope}", &tag[..TAG_HEX])
 }
 
+/// The Redis Cluster hash slot of a key: CRC16 (XMODEM) of its hash tag
+/// (what the first `{…}` holds, if not empty) or of the whole key, modulo
+/// 16384. A batch groups its keys by it: the keys of one script call must
+/// share a slot.
+pub(crate) fn slot(rkey: &str) -> u16 {
+    let bytes = rkey.as_bytes();
+    let hashed = match bytes.iter().position(|&b| b == b'{') {
+        Some(open) => match bytes[open + 1..].iter().position(|&b| b == b'}') {
+            Some(len) if len > 0 => &bytes[open + 1..open + 1 + len],
+            _ => bytes,
+        },
+        None => bytes,
+    };
+    crc16(hashed) % 16384
+}
+
+/// CRC16-CCITT (XMODEM: polynomial 0x1021, initial value 0), as Redis
+/// Cluster hashes keys.
+fn crc16(bytes: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &b in bytes {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
 /// The `SCAN MATCH` pattern of the record keys whose effect key starts with
 /// `rest` (`*` for all of them, `<tenant>/*` for one tenant's).
 pub(crate) fn record_pattern(prefix: &str, rest: &str) -> String {
@@ -49,6 +82,22 @@ mod tests {
         assert_eq!(&rkey[open + 1..close], tag);
         let other = EffectKey::new(&t, "capture", "}{y}").unwrap();
         assert_ne!(record_key("oncely:", &other)[..close], rkey[..close]);
+    }
+
+    /// The slots Redis Cluster gives these keys (`CLUSTER KEYSLOT`).
+    #[test]
+    fn slots_are_redis_clusters() {
+        assert_eq!(crc16(b"123456789"), 0x31c3);
+        assert_eq!(slot("foo"), 12182);
+        assert_eq!(slot("bar"), 5061);
+        assert_eq!(slot("{foo}.bar"), 12182);
+        assert_eq!(slot("x{foo}{bar}"), 12182);
+        // An empty tag hashes the whole key.
+        assert_eq!(slot("{}foo"), crc16(b"{}foo") % 16384);
+        let k = EffectKey::new(&Tenant::new("acme").unwrap(), "capture", "}{x}").unwrap();
+        let rkey = record_key("oncely:", &k);
+        let tag = &blake3::hash(b"acme/capture:}{x}").to_hex()[..TAG_HEX];
+        assert_eq!(slot(&rkey), crc16(tag.as_bytes()) % 16384);
     }
 
     /// Horizon keys match no record pattern of any prefix: `#` stands where

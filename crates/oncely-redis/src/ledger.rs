@@ -1,23 +1,27 @@
 //! [`RedisLedger`]: its constructors, [`Ledger`] (each operation one script
-//! call on the record's key) and [`FromUrl`].
+//! call on the record's key; a batch, one call per slot) and [`FromUrl`].
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use oncely::backend::{
     Access, FromUrl, OpenOptions, answer_existing, check_outcome, duration_micros, from_micros, to_micros,
 };
+use oncely::watch::Watch;
 use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, RecordState, Result,
     Tenant,
 };
-use redis::Value;
+use redis::aio::ConnectionLike;
+use redis::{Cmd, Script, Value};
 
 use crate::conn::Conn;
-use crate::error::{BACKEND, corrupt, map_err, task_failed, unexpected};
-use crate::keys::{horizon_key, record_key, record_pattern};
-use crate::lua::{self, CLAIM, FENCED, GET};
-use crate::options::{RedisLedgerOptions, check_scheme, parse_url};
+use crate::error::{BACKEND, copy_error, corrupt, map_err, task_failed, unexpected};
+use crate::keys::{horizon_key, record_key, record_pattern, slot};
+use crate::lua::{self, CLAIM, ClaimItem, FENCED, FencedItem, GET};
+use crate::notify::Notifications;
+use crate::options::{RedisLedgerOptions, Target, check_scheme, parse_url};
 use crate::reply::{array, grant, in_progress, int, record, tag, text, uint};
 
 /// How many times one claim runs the claim script. It runs again only after
@@ -28,11 +32,25 @@ use crate::reply::{array, grant, in_progress, int, record, tag, text, uint};
 const CLAIM_ATTEMPTS: u32 = 4;
 
 /// An effect ledger on Redis or Redis Cluster. Cheap to clone: clones share
-/// one multiplexed connection (single node) or one cluster connection.
+/// one multiplexed connection (single node) or one cluster connection, and
+/// one change-notification subscription (see the crate docs, Waiting).
 #[derive(Clone)]
 pub struct RedisLedger {
     pub(crate) conn: Conn,
     pub(crate) opts: Arc<RedisLedgerOptions>,
+    pub(crate) notes: Arc<Notifications>,
+}
+
+/// What one record's claim script reply means to the worker.
+enum Answer {
+    /// The claim's answer.
+    Done(Result<Claim>),
+    /// A cluster claim with `sent_at` inserted this lease: the horizon check
+    /// follows ([`RedisLedger::settle_horizon`]).
+    Settle(Lease),
+    /// An expired record whose claim may never have finished its horizon
+    /// check: [`RedisLedger::recheck`], then claim again.
+    Unchecked { fence: u64, created: i64, hz: String },
 }
 
 impl std::fmt::Debug for RedisLedger {
@@ -44,6 +62,7 @@ impl std::fmt::Debug for RedisLedger {
         f.debug_struct("RedisLedger")
             .field("mode", &mode)
             .field("opts", &self.opts)
+            .field("subscribed", &self.notes.is_up())
             .finish()
     }
 }
@@ -63,8 +82,10 @@ impl RedisLedger {
     /// A malformed URL is [`Error::Config`] before anything connects (a
     /// comma in a `redis://` host points to `redis+cluster://`), and no
     /// message quotes the URL. Connecting reads `maxmemory-policy` on every
-    /// master (see the crate docs' Durability). There is nothing to create
-    /// or migrate on Redis.
+    /// master (see the crate docs' Durability) and subscribes to change
+    /// notifications (see the crate docs' Waiting; a subscription that fails
+    /// is logged and retried in the background, and does not fail `connect`).
+    /// There is nothing to create or migrate on Redis.
     pub async fn connect(url: &str) -> Result<RedisLedger> {
         Self::connect_with(url, RedisLedgerOptions::default()).await
     }
@@ -73,11 +94,23 @@ impl RedisLedger {
     pub async fn connect_with(url: &str, options: RedisLedgerOptions) -> Result<RedisLedger> {
         options.check()?;
         let target = parse_url(url)?;
-        let mut conn = Conn::open(target, &options).await?;
+        let mut conn = Conn::open(target.clone(), &options).await?;
         conn.check_eviction(options.require_noeviction).await?;
+        // Pub/sub ignores databases: the channel names the ledger's.
+        let channel = format!("{}#changes@{}", options.prefix, conn.get_db());
+        let notes = if options.read_only || !options.notifications {
+            Notifications::off(channel)
+        } else {
+            let nodes = match target {
+                Target::Single(url) => vec![url],
+                Target::Cluster(nodes) => nodes,
+            };
+            Notifications::start(nodes, channel, options.connection_timeout).await
+        };
         Ok(RedisLedger {
             conn,
             opts: Arc::new(options),
+            notes: Arc::new(notes),
         })
     }
 
@@ -110,18 +143,35 @@ impl RedisLedger {
         self.opts.read_only
     }
 
+    /// Whether the ledger's change-notification subscription is up: while
+    /// it is, a duplicate that waits for a record in progress is woken when
+    /// the holder completes or releases it; while it is not, it polls (see
+    /// the crate docs, Waiting). Always `false` for a ledger that does not
+    /// subscribe ([`RedisLedgerOptions::notifications`],
+    /// [`RedisLedgerOptions::read_only`]).
+    pub fn is_subscribed(&self) -> bool {
+        self.notes.is_up()
+    }
+
+    /// How many change notifications the subscription has relayed to this
+    /// ledger's waiters since it connected: completions and releases by
+    /// other ledgers (other processes) of records that this ledger's claims
+    /// found in progress and would wait for. For diagnostics and tests.
+    pub fn notifications_relayed(&self) -> u64 {
+        self.notes.relayed()
+    }
+
     /// Refuses a write on a read-only ledger, before any round trip.
     fn writable(&self, what: &str) -> Result<()> {
         if self.opts.read_only {
-            return Err(Error::Config(format!(
-                "{what}: the Redis ledger was opened read-only (RedisLedgerOptions::read_only): it does not write"
-            )));
+            return Err(read_only(what));
         }
         Ok(())
     }
 
     /// Runs fenced.lua: `op` on `key`'s record, only while it is in
-    /// progress at `fence`; `args` are the operation's own (ARGV from 4 on).
+    /// progress at `fence`; `args`: the operation's argument, and for
+    /// `undo` and `checked` the record's horizon mark.
     pub(crate) async fn fenced(
         &self,
         key: &EffectKey,
@@ -130,17 +180,83 @@ impl RedisLedger {
         args: &[&[u8]],
     ) -> Result<Vec<Value>> {
         let rkey = self.redis_key(key);
-        let cmd = lua::fenced(&rkey, key, fence, op, args);
-        let parts = array(lua::run(&self.conn, &FENCED, &cmd).await?)?;
-        match tag(&parts)? {
-            "ok" => Ok(parts),
-            "lost" => Err(Error::LeaseLost {
-                key: key.to_string(),
-                fence,
-            }),
-            "corrupt" => Err(corrupt(&rkey, &parts)),
-            other => Err(unexpected(other)),
-        }
+        let item = FencedItem {
+            rkey: &rkey,
+            key,
+            fence,
+            arg: args.first().copied().unwrap_or_default(),
+        };
+        let cmd = lua::fenced(
+            op,
+            &[item],
+            self.notes.mark(),
+            self.notes.channel(),
+            args.get(1).copied(),
+        );
+        let parts = one(call(&self.conn, &FENCED, &cmd).await?)?;
+        fenced_answer(key, fence, &rkey, parts)
+    }
+
+    /// Runs claim.lua on `items`, one reply each.
+    pub(crate) async fn claim_script(
+        &self,
+        items: &[ClaimItem<'_>],
+        horizons: &[&str],
+        opts: &ClaimOptions,
+        sent_at: Option<i64>,
+    ) -> Result<Vec<Vec<Value>>> {
+        let cmd = lua::claim(items, horizons, opts, sent_at, self.notes.waiter(opts));
+        call(&self.conn, &CLAIM, &cmd).await
+    }
+
+    /// What one record's reply of claim.lua answers. `hkey`: the horizon key
+    /// of a claim with `sent_at`; `in_script`: whether the script read it.
+    fn answer(
+        &self,
+        key: &EffectKey,
+        rkey: &str,
+        opts: &ClaimOptions,
+        hkey: Option<&str>,
+        in_script: bool,
+        parts: &[Value],
+    ) -> Answer {
+        let answer = || -> Result<Answer> {
+            Ok(match tag(parts)? {
+                "acquired" => {
+                    let lease = grant(key, opts.at_most_once, parts)?;
+                    // A takeover found the record: the horizon is not its
+                    // question (the contract checks absent keys only).
+                    if hkey.is_some() && !in_script && !lease.taken_over() {
+                        Answer::Settle(lease)
+                    } else {
+                        Answer::Done(Ok(Claim::Acquired(lease)))
+                    }
+                }
+                "unchecked" => Answer::Unchecked {
+                    fence: uint(parts.get(1))?,
+                    created: int(parts.get(2))?,
+                    hz: parts.get(3).and_then(text).unwrap_or_default(),
+                },
+                "in_progress" => Answer::Done(in_progress(parts)),
+                "record" => {
+                    // The script decided; the kit's rule says what the record answers.
+                    let r = record(rkey, Some(key), parts)?;
+                    Answer::Done(match answer_existing(key, opts, r)? {
+                        Some(c @ (Claim::Completed(_) | Claim::Abandoned(_))) => Ok(c),
+                        other => Err(unexpected(&format!("{other:?}"))),
+                    })
+                }
+                "horizon" => Answer::Done(Err(Error::BeyondHorizon { key: key.to_string() })),
+                "mismatch" => Answer::Done(Err(Error::FingerprintMismatch { key: key.to_string() })),
+                // The third element names the horizon key when that is what is wrong.
+                "corrupt" => Answer::Done(match (hkey, parts.get(2)) {
+                    (Some(hkey), Some(_)) => Err(corrupt(hkey, parts)),
+                    _ => Err(corrupt(rkey, parts)),
+                }),
+                other => Answer::Done(Err(unexpected(other))),
+            })
+        };
+        answer().unwrap_or_else(|e| Answer::Done(Err(e)))
     }
 
     /// One claim: the script, and on a cluster the horizon check after an
@@ -159,49 +275,31 @@ impl RedisLedger {
         // The fence of a record this claim removed: the key's next record
         // gets a higher one, whatever the clock says.
         let mut floor: Option<u64> = None;
+        let horizons: Vec<&str> = in_script.into_iter().collect();
         for _ in 0..CLAIM_ATTEMPTS {
-            let cmd = lua::claim(&rkey, in_script, key, opts, sent_at, floor);
-            let parts = array(lua::run(&self.conn, &CLAIM, &cmd).await?)?;
-            return match tag(&parts)? {
-                "acquired" => {
-                    let lease = grant(key, opts.at_most_once, &parts)?;
-                    match (&hkey, sent_at) {
-                        // A takeover found the record: the horizon is not its
-                        // question (the contract checks absent keys only).
-                        (Some(hkey), Some(us)) if in_script.is_none() && !lease.taken_over() => {
-                            self.settle_horizon(lease, hkey, us).await.map(Claim::Acquired)
-                        }
-                        _ => Ok(Claim::Acquired(lease)),
-                    }
+            let item = ClaimItem {
+                rkey: &rkey,
+                key,
+                horizon: in_script.map(|_| 0),
+                floor,
+            };
+            let parts = one(self.claim_script(&[item], &horizons, opts, sent_at).await?)?;
+            match self.answer(key, &rkey, opts, hkey.as_deref(), in_script.is_some(), &parts) {
+                Answer::Done(answer) => return answer,
+                Answer::Settle(lease) => {
+                    let (Some(hkey), Some(us)) = (&hkey, sent_at) else {
+                        return Err(unexpected("a horizon check without a sent_at"));
+                    };
+                    return self.settle_horizon(lease, hkey, us).await.map(Claim::Acquired);
                 }
-                "unchecked" => {
-                    let fence = uint(parts.get(1))?;
-                    let hz = parts.get(3).and_then(text).unwrap_or_default();
-                    self.recheck(key, fence, int(parts.get(2))?, &hz).await?;
+                Answer::Unchecked { fence, created, hz } => {
+                    self.recheck(key, fence, created, &hz).await?;
                     // Needed only if the record is gone when the script runs
                     // again, harmless otherwise (a takeover's fence is above
                     // the record's anyway).
                     floor = floor.max(Some(fence));
-                    continue;
                 }
-                "in_progress" => in_progress(&parts),
-                "record" => {
-                    // The script decided; the kit's rule says what the record answers.
-                    let r = record(&rkey, Some(key), &parts)?;
-                    match answer_existing(key, opts, r)? {
-                        Some(c @ (Claim::Completed(_) | Claim::Abandoned(_))) => Ok(c),
-                        other => Err(unexpected(&format!("{other:?}"))),
-                    }
-                }
-                "horizon" => Err(Error::BeyondHorizon { key: key.to_string() }),
-                "mismatch" => Err(Error::FingerprintMismatch { key: key.to_string() }),
-                // The third element names the horizon key when that is what is wrong.
-                "corrupt" => match (&hkey, parts.get(2)) {
-                    (Some(hkey), Some(_)) => Err(corrupt(hkey, &parts)),
-                    _ => Err(corrupt(&rkey, &parts)),
-                },
-                other => Err(unexpected(other)),
-            };
+            }
         }
         Err(Error::Backend {
             backend: BACKEND,
@@ -248,15 +346,32 @@ impl Ledger for RedisLedger {
         self.writable("complete")?;
         check_outcome(outcome, oncely::MAX_OUTCOME_BYTES)?;
         self.fenced(lease.key(), lease.fence(), "complete", &[outcome.as_bytes()])
-            .await
-            .map(drop)
+            .await?;
+        // This process's waiters, at once; the script published for the
+        // others' if any waits.
+        self.notes.notify(lease.key());
+        Ok(())
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
         self.writable("release")?;
-        self.fenced(lease.key(), lease.fence(), "release", &[b""])
-            .await
-            .map(drop)
+        self.fenced(lease.key(), lease.fence(), "release", &[b""]).await?;
+        self.notes.notify(lease.key());
+        Ok(())
+    }
+
+    async fn watch(&self, key: &EffectKey) -> Watch {
+        self.notes.watch(key)
+    }
+
+    /// One script call per slot ([`RedisLedger::claim_many`]).
+    async fn claim_many(&self, keys: &[EffectKey], opts: &ClaimOptions) -> Result<Vec<Result<Claim>>> {
+        RedisLedger::claim_many(self, keys, opts).await
+    }
+
+    /// One script call per slot ([`RedisLedger::complete_many`]).
+    async fn complete_many(&self, items: &[(Lease, Outcome)]) -> Vec<Result<()>> {
+        RedisLedger::complete_many(self, items).await
     }
 
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
@@ -344,6 +459,277 @@ impl Ledger for RedisLedger {
         // A kind is checked as in an effect key, before any round trip.
         EffectKey::new(tenant, kind, "horizon")?;
         self.watermark(&self.horizon_key(tenant, kind)).await
+    }
+}
+
+impl RedisLedger {
+    /// Claims `keys`, one answer per key in the order given, each exactly as
+    /// [`Ledger::claim`] would answer it (a key listed twice: the first
+    /// acquires, the second finds it in progress). One call of the claim
+    /// script per slot, the calls of all slots at once: on one server one
+    /// call and one round trip for the whole batch; on a cluster one round
+    /// trip per master, in parallel (see the crate docs, Batches). The outer
+    /// error is only for invalid options.
+    ///
+    /// Every rule of a single claim holds, the horizon included: on one
+    /// server each key's script reads its watermark with its insert; on a
+    /// cluster the keys that inserted with `sent_at` are checked after their
+    /// inserts (each watermark read once) and taken back beyond it, and the
+    /// batch then runs as a task of its own, so that a dropped future never
+    /// leaves an unchecked insert behind. A key whose record may never have
+    /// finished its horizon check is claimed on its own afterwards.
+    pub async fn claim_many(&self, keys: &[EffectKey], opts: &ClaimOptions) -> Result<Vec<Result<Claim>>> {
+        opts.validate()?;
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        if self.opts.read_only {
+            return Ok(keys.iter().map(|_| Err(read_only("claim"))).collect());
+        }
+        if self.is_cluster() && opts.sent_at.is_some() {
+            let (ledger, keys, opts) = (self.clone(), keys.to_vec(), opts.clone());
+            return tokio::spawn(async move { ledger.claim_batch(&keys, &opts).await })
+                .await
+                .map_err(|e| task_failed("claim_many", e))?;
+        }
+        self.claim_batch(keys, opts).await
+    }
+
+    async fn claim_batch(&self, keys: &[EffectKey], opts: &ClaimOptions) -> Result<Vec<Result<Claim>>> {
+        let sent_at = opts.sent_at.map(to_micros).transpose()?;
+        let rkeys: Vec<String> = keys.iter().map(|k| self.redis_key(k)).collect();
+        let hkeys: Vec<Option<String>> = keys
+            .iter()
+            .map(|k| sent_at.map(|_| self.horizon_key(k.tenant(), k.kind())))
+            .collect();
+        let in_script = !self.is_cluster();
+        let groups = self.groups(rkeys.iter().map(String::as_str));
+        let waiter = self.notes.waiter(opts);
+        let cmds: Vec<Cmd> = groups
+            .iter()
+            .map(|group| {
+                // One server: the watermarks go with the records, each once.
+                let mut horizons: Vec<&str> = Vec::new();
+                let items: Vec<ClaimItem<'_>> = group
+                    .iter()
+                    .map(|&i| ClaimItem {
+                        rkey: &rkeys[i],
+                        key: &keys[i],
+                        horizon: hkeys[i].as_deref().filter(|_| in_script).map(|h| {
+                            horizons.iter().position(|x| *x == h).unwrap_or_else(|| {
+                                horizons.push(h);
+                                horizons.len() - 1
+                            })
+                        }),
+                        floor: None,
+                    })
+                    .collect();
+                lua::claim(&items, &horizons, opts, sent_at, waiter)
+            })
+            .collect();
+        let replies = self.call_all(&CLAIM, cmds).await;
+        let mut answers: Vec<Option<Result<Claim>>> = keys.iter().map(|_| None).collect();
+        let mut settle = Vec::new();
+        let mut unchecked = Vec::new();
+        for (group, reply) in groups.iter().zip(replies) {
+            let parts = match reply {
+                Ok(parts) if parts.len() == group.len() => parts,
+                other => {
+                    let e = other
+                        .err()
+                        .unwrap_or_else(|| unexpected("a batch reply of another length"));
+                    for &i in group {
+                        answers[i] = Some(Err(copy_error(&e)));
+                    }
+                    continue;
+                }
+            };
+            for (&i, parts) in group.iter().zip(parts) {
+                match self.answer(&keys[i], &rkeys[i], opts, hkeys[i].as_deref(), in_script, &parts) {
+                    Answer::Done(a) => answers[i] = Some(a),
+                    Answer::Settle(lease) => settle.push((i, lease)),
+                    Answer::Unchecked { .. } => unchecked.push(i),
+                }
+            }
+        }
+        if let Some(us) = sent_at {
+            // After every insert of the batch: each watermark once.
+            let mut marks: HashMap<&str, Result<Option<SystemTime>>> = HashMap::new();
+            for (i, lease) in settle {
+                let hkey = hkeys[i].as_deref().unwrap_or_default();
+                if !marks.contains_key(hkey) {
+                    marks.insert(hkey, self.watermark(hkey).await);
+                }
+                answers[i] = Some(match &marks[hkey] {
+                    Ok(w) if !oncely::backend::is_beyond_horizon(Some(from_micros(us)), *w) => {
+                        Ok(Claim::Acquired(lease))
+                    }
+                    Ok(_) => {
+                        self.undo(&lease, us).await;
+                        Err(Error::BeyondHorizon {
+                            key: keys[i].to_string(),
+                        })
+                    }
+                    Err(e) => {
+                        self.undo(&lease, us).await;
+                        Err(copy_error(e))
+                    }
+                });
+            }
+        }
+        // Rare: records to check again first; one after the other, in order,
+        // so a key listed twice still acquires once.
+        for i in unchecked {
+            answers[i] = Some(self.claim_once(&keys[i], opts).await);
+        }
+        Ok(answers
+            .into_iter()
+            .map(|a| a.unwrap_or_else(|| Err(unexpected("a batch without an answer"))))
+            .collect())
+    }
+
+    /// Completes each lease with its outcome, one answer per lease in the
+    /// order given, each exactly as [`Ledger::complete`] would answer it
+    /// (fenced by its own lease; a stale one fails in its own slot). One
+    /// call of the completion script per slot, all at once, as
+    /// [`RedisLedger::claim_many`] claims.
+    pub async fn complete_many(&self, items: &[(Lease, Outcome)]) -> Vec<Result<()>> {
+        let mut answers: Vec<Option<Result<()>>> = items
+            .iter()
+            .map(|(_, outcome)| {
+                let checked = self
+                    .writable("complete")
+                    .and_then(|()| check_outcome(outcome, oncely::MAX_OUTCOME_BYTES));
+                checked.err().map(Err)
+            })
+            .collect();
+        let todo: Vec<usize> = (0..items.len()).filter(|&i| answers[i].is_none()).collect();
+        let rkeys: Vec<String> = items.iter().map(|(l, _)| self.redis_key(l.key())).collect();
+        let groups: Vec<Vec<usize>> = self
+            .groups(todo.iter().map(|&i| rkeys[i].as_str()))
+            .into_iter()
+            .map(|g| g.into_iter().map(|j| todo[j]).collect())
+            .collect();
+        let cmds: Vec<Cmd> = groups
+            .iter()
+            .map(|group| {
+                let fenced: Vec<FencedItem<'_>> = group
+                    .iter()
+                    .map(|&i| FencedItem {
+                        rkey: &rkeys[i],
+                        key: items[i].0.key(),
+                        fence: items[i].0.fence(),
+                        arg: items[i].1.as_bytes(),
+                    })
+                    .collect();
+                lua::fenced("complete", &fenced, self.notes.mark(), self.notes.channel(), None)
+            })
+            .collect();
+        let replies = self.call_all(&FENCED, cmds).await;
+        for (group, reply) in groups.iter().zip(replies) {
+            match reply {
+                Ok(parts) if parts.len() == group.len() => {
+                    for (&i, parts) in group.iter().zip(parts) {
+                        let (lease, _) = &items[i];
+                        let done = fenced_answer(lease.key(), lease.fence(), &rkeys[i], parts).map(drop);
+                        if done.is_ok() {
+                            self.notes.notify(lease.key());
+                        }
+                        answers[i] = Some(done);
+                    }
+                }
+                other => {
+                    let e = other
+                        .err()
+                        .unwrap_or_else(|| unexpected("a batch reply of another length"));
+                    for &i in group {
+                        answers[i] = Some(Err(copy_error(&e)));
+                    }
+                }
+            }
+        }
+        answers
+            .into_iter()
+            .map(|a| a.unwrap_or_else(|| Err(unexpected("a batch without an answer"))))
+            .collect()
+    }
+
+    /// The indexes of `rkeys` grouped by slot, in order within each group:
+    /// one group on a single server (any keys may share a script call), one
+    /// per hash slot on a cluster (a script's keys must share one).
+    fn groups<'a>(&self, rkeys: impl Iterator<Item = &'a str>) -> Vec<Vec<usize>> {
+        if !self.is_cluster() {
+            let all: Vec<usize> = rkeys.enumerate().map(|(i, _)| i).collect();
+            return if all.is_empty() { Vec::new() } else { vec![all] };
+        }
+        let mut slots: BTreeMap<u16, Vec<usize>> = BTreeMap::new();
+        for (i, rkey) in rkeys.enumerate() {
+            slots.entry(slot(rkey)).or_default().push(i);
+        }
+        slots.into_values().collect()
+    }
+
+    /// Sends `cmds` (calls of `script`) all at once, one reply each, in
+    /// order. On a cluster each goes to its slot's master as a task of its
+    /// own: the cluster connection pipelines those bound for one master, so
+    /// the batch costs one round trip per master, in parallel.
+    async fn call_all(&self, script: &'static Script, cmds: Vec<Cmd>) -> Vec<Result<Vec<Vec<Value>>>> {
+        if cmds.len() <= 1 {
+            let mut replies = Vec::with_capacity(1);
+            for cmd in &cmds {
+                replies.push(call(&self.conn, script, cmd).await);
+            }
+            return replies;
+        }
+        let tasks: Vec<_> = cmds
+            .into_iter()
+            .map(|cmd| {
+                let conn = self.conn.clone();
+                tokio::spawn(async move { call(&conn, script, &cmd).await })
+            })
+            .collect();
+        let mut replies = Vec::with_capacity(tasks.len());
+        for task in tasks {
+            replies.push(task.await.unwrap_or_else(|e| Err(task_failed("batch", e))));
+        }
+        replies
+    }
+}
+
+/// What a read-only ledger answers a write.
+fn read_only(what: &str) -> Error {
+    Error::Config(format!(
+        "{what}: the Redis ledger was opened read-only (RedisLedgerOptions::read_only): it does not write"
+    ))
+}
+
+/// Sends a call of a script that handles several records, one reply each.
+async fn call(conn: &Conn, script: &Script, cmd: &Cmd) -> Result<Vec<Vec<Value>>> {
+    array(lua::run(conn, script, cmd).await?)?
+        .into_iter()
+        .map(array)
+        .collect()
+}
+
+/// The one reply of a call on one record.
+fn one(replies: Vec<Vec<Value>>) -> Result<Vec<Value>> {
+    let mut replies = replies.into_iter();
+    match (replies.next(), replies.next()) {
+        (Some(parts), None) => Ok(parts),
+        _ => Err(unexpected("a reply for another number of records")),
+    }
+}
+
+/// What one record's reply of fenced.lua answers.
+fn fenced_answer(key: &EffectKey, fence: u64, rkey: &str, parts: Vec<Value>) -> Result<Vec<Value>> {
+    match tag(&parts)? {
+        "ok" => Ok(parts),
+        "lost" => Err(Error::LeaseLost {
+            key: key.to_string(),
+            fence,
+        }),
+        "corrupt" => Err(corrupt(rkey, &parts)),
+        other => Err(unexpected(other)),
     }
 }
 

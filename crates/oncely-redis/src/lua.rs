@@ -11,17 +11,18 @@ use redis::{Cmd, ErrorKind, Script, ServerErrorKind, Value};
 use crate::conn::Conn;
 use crate::error::map_err;
 
-/// A script: the shared prelude (record format, clock, `load`) and its file.
+/// A script: the shared prelude (record format, clock, `load`, `wake`) and
+/// its file.
 macro_rules! lua {
     ($file:literal) => {
         LazyLock::new(|| Script::new(concat!(include_str!("lua/prelude.lua"), include_str!($file))))
     };
 }
 
-/// Claims a key: create, take over, or answer with the record.
+/// Claims keys of one slot: create, take over, or answer with the record.
 pub(crate) static CLAIM: LazyLock<Script> = lua!("lua/claim.lua");
-/// A lease holder's write (complete, release, renew) and the horizon
-/// check's take-back and clear, fenced on the record.
+/// Lease holders' writes (complete, release, renew) and the horizon check's
+/// take-back and clear, each fenced on its record.
 pub(crate) static FENCED: LazyLock<Script> = lua!("lua/fenced.lua");
 /// Reads a record.
 pub(crate) static GET: LazyLock<Script> = lua!("lua/get.lua");
@@ -30,33 +31,48 @@ pub(crate) static PRUNE: LazyLock<Script> = lua!("lua/prune.lua");
 /// Raises a horizon watermark (no prelude: it reads no record).
 pub(crate) static HORIZON: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/horizon.lua")));
 
-/// `EVALSHA <script> <n> <rkey> [<horizon key>]`, for the caller to add the
+/// `EVALSHA <script> <numkeys>`, for the caller to add the keys and the
 /// script's `ARGV`. The hot operations build their call as one [`Cmd`] (one
 /// buffer) rather than through [`Script::key`], which first copies every
 /// argument into a buffer of its own and then all of them again into a `Cmd`.
-fn evalsha(script: &Script, rkey: &str, horizon: Option<&str>) -> Cmd {
+fn evalsha(script: &Script, numkeys: usize) -> Cmd {
     let mut cmd = redis::cmd("EVALSHA");
-    cmd.arg(script.get_hash());
-    match horizon {
-        Some(hkey) => cmd.arg(2).arg(rkey).arg(hkey),
-        None => cmd.arg(1).arg(rkey),
-    };
+    cmd.arg(script.get_hash()).arg(numkeys);
     cmd
 }
 
-/// A call of claim.lua on `rkey`. `horizon`: the watermark key, read in the
-/// script (one server, a claim with `sent_at`); `sent_at`: the message's
-/// production time (µs); `floor`: a fence the key's next record must exceed.
+/// One record of a call of claim.lua.
+pub(crate) struct ClaimItem<'a> {
+    /// Its Redis key.
+    pub(crate) rkey: &'a str,
+    pub(crate) key: &'a EffectKey,
+    /// Its horizon watermark's index in the call's `horizons` (one server,
+    /// a claim with `sent_at`): read in the script.
+    pub(crate) horizon: Option<usize>,
+    /// A fence the key's next record must exceed (after a recheck removed
+    /// its record).
+    pub(crate) floor: Option<u64>,
+}
+
+/// A call of claim.lua on `items` (one slot; on one server, any keys).
+/// `horizons`: the watermark keys the items name; `sent_at`: the message's
+/// production time (µs); `waiter`: the mark left on a record in progress,
+/// or `""`.
 pub(crate) fn claim(
-    rkey: &str,
-    horizon: Option<&str>,
-    key: &EffectKey,
+    items: &[ClaimItem<'_>],
+    horizons: &[&str],
     opts: &ClaimOptions,
     sent_at: Option<i64>,
-    floor: Option<u64>,
+    waiter: &str,
 ) -> Cmd {
-    let mut cmd = evalsha(&CLAIM, rkey, horizon);
-    cmd.arg(key.as_str())
+    let mut cmd = evalsha(&CLAIM, items.len() + horizons.len());
+    for item in items {
+        cmd.arg(item.rkey);
+    }
+    for hkey in horizons {
+        cmd.arg(*hkey);
+    }
+    cmd.arg(items.len())
         .arg(duration_micros(opts.lease))
         .arg(duration_micros(opts.retention));
     match opts.fingerprint {
@@ -68,27 +84,61 @@ pub(crate) fn claim(
         Some(us) => cmd.arg(us),
         None => cmd.arg(""),
     };
-    if let Some(f) = floor {
-        cmd.arg(f);
+    cmd.arg(waiter);
+    for item in items {
+        cmd.arg(item.key.as_str());
+        match item.horizon {
+            // The script counts its KEYS from 1, and the records come first.
+            Some(i) => cmd.arg(i + 1),
+            None => cmd.arg(""),
+        };
+        match item.floor {
+            Some(f) => cmd.arg(f),
+            None => cmd.arg(""),
+        };
     }
     cmd
 }
 
-/// A call of fenced.lua: `op` on `key`'s record at `rkey`, only while it is
-/// in progress at `fence`; `args` are the operation's own (ARGV from 4 on).
-pub(crate) fn fenced(rkey: &str, key: &EffectKey, fence: u64, op: &str, args: &[&[u8]]) -> Cmd {
-    let mut cmd = evalsha(&FENCED, rkey, None);
-    cmd.arg(key.as_str()).arg(fence).arg(op);
-    for arg in args {
-        cmd.arg(*arg);
+/// One record of a call of fenced.lua: its Redis key, its effect key, the
+/// lease's fence, and the operation's argument (the outcome, the extension,
+/// a creation time, or nothing).
+pub(crate) struct FencedItem<'a> {
+    pub(crate) rkey: &'a str,
+    pub(crate) key: &'a EffectKey,
+    pub(crate) fence: u64,
+    pub(crate) arg: &'a [u8],
+}
+
+/// A call of fenced.lua: `op` on each item's record (one slot), only while
+/// it is in progress at the item's fence. `mark` and `channel`: the writing
+/// ledger's, for waking waiters (notify.rs); `hz`: the record's horizon
+/// mark, for `undo` and `checked`.
+pub(crate) fn fenced(
+    op: &str,
+    items: &[FencedItem<'_>],
+    mark: &str,
+    channel: &str,
+    hz: Option<&[u8]>,
+) -> Cmd {
+    let mut cmd = evalsha(&FENCED, items.len());
+    for item in items {
+        cmd.arg(item.rkey);
+    }
+    cmd.arg(items.len()).arg(op).arg(mark).arg(channel);
+    for item in items {
+        cmd.arg(item.key.as_str()).arg(item.fence).arg(item.arg);
+    }
+    if let Some(hz) = hz {
+        cmd.arg(hz);
     }
     cmd
 }
 
 /// A call of get.lua: `key`'s record at `rkey`.
 pub(crate) fn get(rkey: &str, key: &EffectKey) -> Cmd {
-    let mut cmd = evalsha(&GET, rkey, None);
-    cmd.arg(key.as_str());
+    let mut cmd = evalsha(&GET, 1);
+    cmd.arg(rkey).arg(key.as_str());
     cmd
 }
 

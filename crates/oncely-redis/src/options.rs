@@ -19,7 +19,7 @@ const FORMS: &str = "redis://host:port[/db] or redis+cluster://host:port,host:po
 /// Options of a [`RedisLedger`](crate::RedisLedger).
 /// `RedisLedgerOptions::default()` gives the prefix `oncely:`, a 2 s
 /// connection timeout, a 5 s response timeout, a required `noeviction`
-/// policy, and a ledger that writes.
+/// policy, change notifications, and a ledger that writes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisLedgerOptions {
     pub(crate) prefix: String,
@@ -27,6 +27,7 @@ pub struct RedisLedgerOptions {
     pub(crate) response_timeout: Duration,
     pub(crate) require_noeviction: bool,
     pub(crate) read_only: bool,
+    pub(crate) notifications: bool,
 }
 
 impl Default for RedisLedgerOptions {
@@ -37,6 +38,7 @@ impl Default for RedisLedgerOptions {
             response_timeout: Duration::from_secs(5),
             require_noeviction: true,
             read_only: false,
+            notifications: true,
         }
     }
 }
@@ -80,6 +82,19 @@ impl RedisLedgerOptions {
     /// before any round trip, as the SQL backends' read-only ledgers do.
     pub fn read_only(mut self, yes: bool) -> Self {
         self.read_only = yes;
+        self
+    }
+
+    /// Whether the ledger subscribes to change notifications (default
+    /// `true`): one more connection per ledger (per set of clones), so that
+    /// a duplicate waiting for a record in progress is woken when another
+    /// process completes or releases it (see the crate docs, Waiting).
+    /// Without it, such a duplicate polls (5 ms, doubling up to 250 ms), and
+    /// the ledger never asks others to publish. Turn it off where the
+    /// server's ACL does not let the ledger's user subscribe to
+    /// `<prefix>#changes@<db>`, or to save the connection.
+    pub fn notifications(mut self, yes: bool) -> Self {
+        self.notifications = yes;
         self
     }
 

@@ -1,6 +1,6 @@
 //! Reading the server's replies (this backend's row decoding): the scripts'
-//! tags and numbers, a grant, a live lease, records from `HGETALL` (fields
-//! read by name), `SCAN` pages and `CONFIG GET`.
+//! tags and numbers, a grant, a live lease, records (fields read by name),
+//! `SCAN` pages and `CONFIG GET`.
 
 use std::collections::HashMap;
 
@@ -98,21 +98,33 @@ pub(crate) fn scan_page(v: Value) -> Result<(String, Vec<String>)> {
         .ok_or_else(|| unexpected("SCAN reply without cursor"))
 }
 
-/// Builds a record from a script's `{'record', now, HGETALL}` reply. A field
-/// that does not parse means the hash is not oncely's: [`Error::Corrupt`].
+/// Every field a record may have, in the order the scripts read them
+/// (prelude.lua, `load`): a script's record reply is that `HMGET` as it is,
+/// one value or nil per field, decoded here by these names. A unit test
+/// holds prelude.lua to this list.
+pub(crate) const FIELDS: [&str; 14] = [
+    "v", "k", "s", "f", "c", "r", "hz", "w", "amo", "le", "fp", "o", "u", "ru",
+];
+
+/// Builds a record from a script's `{'record', now, fields}` reply, the
+/// fields in the order of [`FIELDS`]. A field that does not parse means the
+/// hash is not oncely's: [`Error::Corrupt`].
 pub(crate) fn record(rkey: &str, expected: Option<&EffectKey>, parts: &[Value]) -> Result<Record> {
     let bad = |what: &str| Error::Corrupt {
         backend: BACKEND,
         message: format!("{rkey}: {what}"),
     };
     let now = from_micros(int(parts.get(1))?);
-    let Some(Value::Array(flat)) = parts.get(2) else {
+    let Some(Value::Array(values)) = parts.get(2) else {
         return Err(bad("record reply without fields"));
     };
-    let mut fields = HashMap::new();
-    for pair in flat.chunks(2) {
-        if let [Value::BulkString(k), Value::BulkString(v)] = pair {
-            fields.insert(String::from_utf8_lossy(k).into_owned(), v.as_slice());
+    if values.len() != FIELDS.len() {
+        return Err(bad("record reply with another number of fields"));
+    }
+    let mut fields = HashMap::with_capacity(FIELDS.len());
+    for (name, value) in FIELDS.iter().zip(values) {
+        if let Value::BulkString(v) = value {
+            fields.insert(*name, v.as_slice());
         }
     }
     let field = |name: &str| fields.get(name).copied();
@@ -163,4 +175,29 @@ pub(crate) fn record(rkey: &str, expected: Option<&EffectKey>, parts: &[Value]) 
         retain_until: from_micros(retain_until),
         read_at: now,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The scripts read a record's fields in the order [`FIELDS`] names
+    /// them, all of them where a record is returned, a prefix elsewhere.
+    #[test]
+    fn scripts_read_the_fields_in_this_order() {
+        let prelude = include_str!("lua/prelude.lua");
+        let lists: Vec<Vec<&str>> = prelude
+            .lines()
+            .filter_map(|l| l.split("redis.pcall('HMGET', key, ").nth(1))
+            .map(|l| {
+                l.trim_end_matches(')')
+                    .split(", ")
+                    .map(|f| f.trim_matches('\''))
+                    .collect()
+            })
+            .collect();
+        assert_eq!(lists.len(), 2, "{lists:?}");
+        assert_eq!(lists[0], FIELDS, "the full read");
+        assert_eq!(lists[1], FIELDS[..lists[1].len()], "the short read");
+    }
 }

@@ -855,17 +855,24 @@ async fn insert_unchecked(
     sent_at: SystemTime,
     at_most_once: bool,
 ) -> (u64, i64) {
-    let reply: Vec<redis::Value> = CLAIM_SCRIPT
+    // claim.lua's ARGV: the batch's size and options, then per record its
+    // key, horizon index and floor.
+    let mut replies: Vec<Vec<redis::Value>> = CLAIM_SCRIPT
         .key(ledger.redis_key(key))
-        .arg(key.as_str())
+        .arg(1)
         .arg(i64::try_from(SHORT_LEASE.as_micros()).unwrap())
         .arg(3_600_000_000i64)
         .arg("")
         .arg(if at_most_once { "1" } else { "0" })
         .arg(to_micros(sent_at).unwrap())
+        .arg("")
+        .arg(key.as_str())
+        .arg("")
+        .arg("")
         .invoke_async(conn)
         .await
         .unwrap();
+    let reply = replies.pop().unwrap();
     let int = |v: &redis::Value| match v {
         redis::Value::Int(i) => *i,
         other => panic!("{other:?}"),
@@ -1278,4 +1285,399 @@ async fn read_only_ledger_refuses_writes_before_any_round_trip() {
         "reads go to the server: {e:?}"
     );
     check_writes("down").await;
+}
+
+// ---- Waiting without polling (change notifications) ----
+
+/// The `w` field of `key`'s record: the waiter mark a claim that would wait
+/// left on it.
+async fn waiter_mark(url: &str, ledger: &RedisLedger, key: &EffectKey) -> Option<String> {
+    let mut conn = raw(url).await;
+    conn.hget(ledger.redis_key(key), "w").await.unwrap()
+}
+
+/// Waits (generously, without asserting on time) until `what` holds.
+async fn eventually<F: std::future::Future<Output = bool>>(what: &str, mut check: impl FnMut() -> F) {
+    for _ in 0..600 {
+        if check().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{what}: not after 30 s");
+}
+
+/// `Effects::run` on `ledger` with the `Wait` policy, as a task: the
+/// duplicate of a delivery in progress elsewhere.
+fn waiting_run(ledger: RedisLedger, k: &EffectKey) -> tokio::task::JoinHandle<oncely::Result<String>> {
+    let k = k.clone();
+    tokio::spawn(async move {
+        let wait = oncely::OnInProgress::Wait {
+            max: Duration::from_secs(30),
+        };
+        Effects::new(ledger)
+            .run(&k, &ClaimOptions::default().on_in_progress(wait), |_| async {
+                Ok("waiter ran".to_owned())
+            })
+            .await
+    })
+}
+
+/// Two ledgers on separate connections, as two processes have: `b`'s
+/// duplicate waits for `a`'s lease, marks the record, and is woken through
+/// `b`'s subscription when `a` completes (it gets `a`'s outcome) or releases
+/// (it runs). `url`: a node to look at the record through.
+async fn woken_across_ledgers(a: RedisLedger, b: RedisLedger, url: &str) {
+    assert!(a.is_subscribed() && b.is_subscribed());
+    let t = fresh_tenant();
+    for release in [false, true] {
+        let k = EffectKey::new(&t, "capture", format!("woken-{release}")).unwrap();
+        assert!(b.watch(&k).await.is_notified(), "b's watches are notified ones");
+        let holder = acquired(
+            a.claim(&k, &ClaimOptions::default().lease(Duration::from_secs(60)))
+                .await
+                .unwrap(),
+        );
+        let relayed = b.notifications_relayed();
+        let waiter = waiting_run(b.clone(), &k);
+        eventually("b's waiter marks the record", || async {
+            waiter_mark(url, &a, &k).await.is_some()
+        })
+        .await;
+        assert!(!waiter.is_finished(), "the waiter waits");
+        if release {
+            a.release(&holder).await.unwrap();
+        } else {
+            a.complete(&holder, &Outcome::value(&"holder ran").unwrap())
+                .await
+                .unwrap();
+        }
+        let want = if release { "waiter ran" } else { "holder ran" };
+        assert_eq!(waiter.await.unwrap().unwrap(), want);
+        eventually("b's subscription relays a's write", || async {
+            b.notifications_relayed() > relayed
+        })
+        .await;
+    }
+}
+
+/// Across ledgers on one server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_is_woken_by_another_ledgers_write() {
+    let t = fresh_tenant();
+    let Some(a) = single_with(own_prefix(&t)).await else {
+        return;
+    };
+    let b = single_with(own_prefix(&t)).await.unwrap();
+    woken_across_ledgers(a, b, &single_url()).await;
+}
+
+/// Across ledgers on a cluster: the scripts `PUBLISH` on the record's
+/// master, and Redis forwards the message to every node, so one
+/// subscription on any node hears every master's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_a_waiter_is_woken_by_another_ledgers_write() {
+    let t = fresh_tenant();
+    let Some(a) = common::cluster_with(own_prefix(&t)).await else {
+        return;
+    };
+    let b = common::cluster_with(own_prefix(&t)).await.unwrap();
+    woken_across_cluster(a, b).await;
+}
+
+/// [`woken_across_ledgers`] for a cluster, looking at records through the
+/// cluster client.
+async fn woken_across_cluster(a: RedisLedger, b: RedisLedger) {
+    assert!(a.is_subscribed() && b.is_subscribed());
+    let t = fresh_tenant();
+    let conn = cluster_conn().await;
+    // Keys on each master, so that every master's messages are heard.
+    for i in 0..6 {
+        let k = EffectKey::new(&t, "capture", format!("woken-{i}")).unwrap();
+        assert!(b.watch(&k).await.is_notified(), "b's watches are notified ones");
+        let holder = acquired(
+            a.claim(&k, &ClaimOptions::default().lease(Duration::from_secs(60)))
+                .await
+                .unwrap(),
+        );
+        let relayed = b.notifications_relayed();
+        let waiter = waiting_run(b.clone(), &k);
+        let rkey = a.redis_key(&k);
+        eventually("b's waiter marks the record", || {
+            let (mut conn, rkey) = (conn.clone(), rkey.clone());
+            async move {
+                let w: Option<String> = conn.hget(rkey, "w").await.unwrap();
+                w.is_some()
+            }
+        })
+        .await;
+        a.complete(&holder, &Outcome::value(&"holder ran").unwrap())
+            .await
+            .unwrap();
+        assert_eq!(waiter.await.unwrap().unwrap(), "holder ran");
+        eventually("b's subscription relays a's write", || async {
+            b.notifications_relayed() > relayed
+        })
+        .await;
+    }
+}
+
+/// Killing the subscription's connection (`CLIENT KILL TYPE pubsub`, on a
+/// server of the test's own: it kills every subscriber there) costs waiters
+/// latency, never their answer, and the subscription comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_subscription_costs_latency_not_answers() {
+    let Some(server) = TempRedis::start(&[]).await else {
+        return;
+    };
+    let url = server.url();
+    let a = RedisLedger::connect(&url).await.unwrap();
+    let b = RedisLedger::connect(&url).await.unwrap();
+    assert!(b.is_subscribed());
+    let mut admin = raw(&url).await;
+    let t = fresh_tenant();
+    for round in 0..3 {
+        eventually("b's subscription is up", || async { b.is_subscribed() }).await;
+        let killed: i64 = redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg("pubsub")
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        assert!(killed >= 1, "round {round}: a subscription to kill");
+        // Whatever b's subscription is doing now (not noticed yet, down,
+        // back), its waiter gets the holder's answer.
+        let k = EffectKey::new(&t, "capture", format!("killed-{round}")).unwrap();
+        let holder = acquired(a.claim(&k, &ClaimOptions::default()).await.unwrap());
+        let waiter = waiting_run(b.clone(), &k);
+        eventually("b's waiter marks the record", || async {
+            waiter_mark(&url, &a, &k).await.is_some()
+        })
+        .await;
+        a.complete(&holder, &Outcome::value(&"holder ran").unwrap())
+            .await
+            .unwrap();
+        assert_eq!(waiter.await.unwrap().unwrap(), "holder ran");
+    }
+    eventually("b's subscription is back", || async { b.is_subscribed() }).await;
+    woken_across_ledgers(a, b, &url).await;
+}
+
+/// A user the server's ACL does not let use any channel: the subscription
+/// never comes up, so waiters poll (and still get their answer), and the
+/// scripts' `PUBLISH` fails without failing the write it follows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_channel_permissions_waiters_poll_and_writes_succeed() {
+    let Some(server) = TempRedis::start(&[]).await else {
+        return;
+    };
+    let mut admin = raw(&server.url()).await;
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "nochan", "on", ">pw", "~*", "+@all", "resetchannels"])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let url = format!("redis://nochan:pw@127.0.0.1:{}", server.port);
+    let a = RedisLedger::connect(&url).await.unwrap();
+    let b = RedisLedger::connect(&url).await.unwrap();
+    assert!(!b.is_subscribed(), "SUBSCRIBE is refused");
+    let k = EffectKey::new(&fresh_tenant(), "capture", "no-channels").unwrap();
+    assert!(!b.watch(&k).await.is_notified(), "so b's watches poll");
+    let holder = acquired(a.claim(&k, &ClaimOptions::default()).await.unwrap());
+    let waiter = waiting_run(b.clone(), &k);
+    eventually("b's waiter marks the record", || async {
+        waiter_mark(&server.url(), &a, &k).await.is_some()
+    })
+    .await;
+    // The script's PUBLISH is refused (NOPERM); the completion stands.
+    a.complete(&holder, &Outcome::value(&"holder ran").unwrap())
+        .await
+        .unwrap();
+    assert_eq!(waiter.await.unwrap().unwrap(), "holder ran");
+    let r = a.get(&k).await.unwrap().unwrap();
+    assert_eq!(r.state, RecordState::Completed);
+}
+
+/// How many times the server ran `command` (scripts' calls included).
+async fn calls(conn: &mut redis::aio::MultiplexedConnection, command: &str) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+/// A completion publishes only when a claim that would wait found the
+/// record in progress, and only for waiters of another ledger (a ledger
+/// wakes its own in process): a completion nobody waits for costs no
+/// message. On a server of the test's own, so the count is the test's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_completions_that_someone_waits_for_publish() {
+    let Some(server) = TempRedis::start(&[]).await else {
+        return;
+    };
+    let url = server.url();
+    let a = RedisLedger::connect(&url).await.unwrap();
+    let b = RedisLedger::connect(&url).await.unwrap();
+    let mut admin = raw(&url).await;
+    let t = fresh_tenant();
+    let done = |s: &str| Outcome::value(&s).unwrap();
+
+    // Nobody waits.
+    let k = EffectKey::new(&t, "capture", "alone").unwrap();
+    let l = acquired(a.claim(&k, &ClaimOptions::default()).await.unwrap());
+    a.complete(&l, &done("a")).await.unwrap();
+    // A duplicate that does not wait leaves no mark.
+    let k = EffectKey::new(&t, "capture", "rejected").unwrap();
+    let l = acquired(a.claim(&k, &ClaimOptions::default()).await.unwrap());
+    let reject = ClaimOptions::default().on_in_progress(oncely::OnInProgress::Reject);
+    assert!(matches!(
+        b.claim(&k, &reject).await.unwrap(),
+        Claim::InProgress { .. }
+    ));
+    assert_eq!(waiter_mark(&url, &a, &k).await, None);
+    a.complete(&l, &done("a")).await.unwrap();
+    // Only a's own waiter: a wakes it in process.
+    let k = EffectKey::new(&t, "capture", "own-waiter").unwrap();
+    let l = acquired(a.claim(&k, &ClaimOptions::default()).await.unwrap());
+    let waiter = waiting_run(a.clone(), &k);
+    eventually("a's waiter marks the record", || async {
+        waiter_mark(&url, &a, &k).await.is_some()
+    })
+    .await;
+    a.complete(&l, &done("holder ran")).await.unwrap();
+    assert_eq!(waiter.await.unwrap().unwrap(), "holder ran");
+    assert_eq!(calls(&mut admin, "publish").await, 0, "no message so far");
+
+    // b's waiter: one message.
+    let k = EffectKey::new(&t, "capture", "b-waits").unwrap();
+    let l = acquired(a.claim(&k, &ClaimOptions::default()).await.unwrap());
+    let waiter = waiting_run(b.clone(), &k);
+    eventually("b's waiter marks the record", || async {
+        waiter_mark(&url, &a, &k).await.is_some()
+    })
+    .await;
+    a.complete(&l, &done("holder ran")).await.unwrap();
+    assert_eq!(waiter.await.unwrap().unwrap(), "holder ran");
+    assert_eq!(calls(&mut admin, "publish").await, 1);
+}
+
+// ---- Batches ----
+
+/// A batch is one script call on one server, whatever its size, and so is
+/// a batch of completions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_is_one_script_call_on_one_server() {
+    let Some(server) = TempRedis::start(&[]).await else {
+        return;
+    };
+    let ledger = RedisLedger::connect(&server.url()).await.unwrap();
+    let mut admin = raw(&server.url()).await;
+    let t = fresh_tenant();
+    let keys: Vec<EffectKey> = (0..100)
+        .map(|i| EffectKey::new(&t, "capture", format!("batch-{i}")).unwrap())
+        .collect();
+    // Loads the scripts, so that what is counted next is the calls only.
+    let warm = acquired(
+        ledger
+            .claim(
+                &EffectKey::new(&t, "capture", "warm").unwrap(),
+                &ClaimOptions::default(),
+            )
+            .await
+            .unwrap(),
+    );
+    ledger.release(&warm).await.unwrap();
+    let before = calls(&mut admin, "evalsha").await;
+    let answers = ledger.claim_many(&keys, &ClaimOptions::default()).await.unwrap();
+    assert_eq!(calls(&mut admin, "evalsha").await, before + 1);
+    let items: Vec<(oncely::Lease, Outcome)> = answers
+        .into_iter()
+        .map(|a| (acquired(a.unwrap()), Outcome::value(&1).unwrap()))
+        .collect();
+    let done = ledger.complete_many(&items).await;
+    assert!(done.iter().all(Result::is_ok), "{done:?}");
+    assert_eq!(calls(&mut admin, "evalsha").await, before + 2);
+    for k in &keys {
+        assert_eq!(
+            ledger.get(k).await.unwrap().unwrap().state,
+            RecordState::Completed
+        );
+    }
+}
+
+/// The horizon holds for a batch as for a single claim: an absent key with
+/// a `sent_at` at or before the watermark is refused and nothing of it is
+/// left (on a cluster, where the check follows the insert, the insert is
+/// taken back), a record that exists answers as it is, and a later message
+/// acquires.
+async fn batch_checks_the_horizon(ledger: RedisLedger, t: &oncely::Tenant) {
+    let k = |s: &str| EffectKey::new(t, "capture", s).unwrap();
+    let done = acquired(ledger.claim(&k("done"), &ClaimOptions::default()).await.unwrap());
+    ledger
+        .complete(&done, &Outcome::value(&"done").unwrap())
+        .await
+        .unwrap();
+    let w = SystemTime::now();
+    let set_watermark = |ledger: RedisLedger| async move {
+        let hkey = ledger.horizon_key(t, "capture");
+        let us = to_micros(w).unwrap();
+        if ledger.is_cluster() {
+            let mut conn = cluster_conn().await;
+            let _: () = conn.set(hkey, us).await.unwrap();
+        } else {
+            let mut conn = raw(&single_url()).await;
+            let _: () = conn.set(hkey, us).await.unwrap();
+        }
+    };
+    set_watermark(ledger.clone()).await;
+    let old = ClaimOptions::default().sent_at(w - Duration::from_secs(1));
+    let answers = ledger
+        .claim_many(&[k("absent-1"), k("done"), k("absent-2")], &old)
+        .await
+        .unwrap();
+    assert!(
+        matches!(answers[0], Err(Error::BeyondHorizon { .. })),
+        "{answers:?}"
+    );
+    assert!(matches!(answers[1], Ok(Claim::Completed(_))), "{answers:?}");
+    assert!(
+        matches!(answers[2], Err(Error::BeyondHorizon { .. })),
+        "{answers:?}"
+    );
+    for s in ["absent-1", "absent-2"] {
+        assert!(ledger.get(&k(s)).await.unwrap().is_none(), "{s} left behind");
+    }
+    let new = ClaimOptions::default().sent_at(w + Duration::from_secs(1));
+    let answers = ledger
+        .claim_many(&[k("absent-1"), k("absent-2")], &new)
+        .await
+        .unwrap();
+    assert!(
+        answers.iter().all(|a| matches!(a, Ok(Claim::Acquired(_)))),
+        "{answers:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_checks_the_horizon_on_one_server() {
+    let t = fresh_tenant();
+    let Some(ledger) = single_with(own_prefix(&t)).await else {
+        return;
+    };
+    batch_checks_the_horizon(ledger, &t).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_batch_checks_the_horizon_after_its_inserts() {
+    let t = fresh_tenant();
+    let Some(ledger) = common::cluster_with(own_prefix(&t)).await else {
+        return;
+    };
+    batch_checks_the_horizon(ledger, &t).await;
 }

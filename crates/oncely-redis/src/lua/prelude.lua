@@ -1,5 +1,9 @@
--- Shared by every oncely record script. KEYS[1] is the record; ARGV[1] is the
--- displayed effect key the caller expects there ('' = accept any oncely record).
+-- Shared by every oncely record script. `key` is the record's Redis key and
+-- `ek` the displayed effect key the caller expects there ('' = accept any
+-- oncely record): the script's driver (its last lines) sets both before each
+-- record it handles, KEYS[1] and ARGV[1] for the scripts on one record, one
+-- after the other for claim.lua and fenced.lua, which take several records
+-- of one slot in one call (Ledger::claim_many, Ledger::complete_many).
 --
 -- Every script runs once per operation, so this code is the hot path: each
 -- redis.call and each string built here costs server time per claim.
@@ -26,12 +30,15 @@
 -- again first (claim.lua, RedisLedger::recheck). Complete, release and renew
 -- delete it. A missing 'hz' reads as none (every other record, format 1
 -- included), so the format is still 2.
+-- 'w' (a waiter's mark, see claim.lua) only once a claim that would wait
+-- found the record in progress: who to wake when it completes or is
+-- released. Like 'hz', a record without it reads as it always did, and
+-- earlier versions of this crate ignore it, so the format is still 2.
 -- Each field written costs server time on every claim, hence the optional
 -- ones. Format 1 (every field always written) reads the same way. Fences of
 -- records written before fences followed the clock are small integers; the
 -- next grant is still above them (next_fence).
-local key = KEYS[1]
-local ek = ARGV[1]
+local key, ek
 
 -- The server's clock in microseconds, as a number and as the digits to
 -- store (built from TIME's two strings, without formatting a number).
@@ -61,28 +68,31 @@ local function foreign(ty)
   return nil, 'key holds a ' .. ty .. ', not an oncely record; nothing was changed'
 end
 
--- Reads the record's control fields. Returns nil when the key is absent,
--- the record as a table, or nil plus a message when the key holds something
--- oncely did not write (which must never be overwritten).
--- `claim`: a claim usually finds nothing, so it asks EXISTS first (one call
--- when absent) and then reads every control field; the other operations
--- expect a record, so they read it at once, only the fields they use (each
--- one costs), and ask EXISTS only when none is there. A read that fails is a
--- key of another type: TYPE then names it.
-local function load(claim)
-  if claim and redis.call('EXISTS', key) == 0 then
+-- Reads the record. Returns nil when the key is absent, the record as a
+-- table, or nil plus a message when the key holds something oncely did not
+-- write (which must never be overwritten).
+-- `full` (claim, get): every field, in the order of FIELDS in reply.rs,
+-- whose unit test holds this line to it: the HMGET reply itself is the
+-- record the worker decodes (rec.fields), so a duplicate costs no HGETALL
+-- and no second conversion of the record. A claim usually finds nothing,
+-- so it asks EXISTS first (one call when absent). The lease holder's writes
+-- and prune expect a record, so they read at once only the fields they use
+-- (each one costs), and ask EXISTS only when none is there. A read that
+-- fails is a key of another type: TYPE then names it.
+local function load(full)
+  if full and redis.call('EXISTS', key) == 0 then
     return nil
   end
   local v
-  if claim then
-    v = redis.pcall('HMGET', key, 'v', 'k', 's', 'f', 'c', 'r', 'hz', 'amo', 'le', 'fp')
+  if full then
+    v = redis.pcall('HMGET', key, 'v', 'k', 's', 'f', 'c', 'r', 'hz', 'w', 'amo', 'le', 'fp', 'o', 'u', 'ru')
   else
-    v = redis.pcall('HMGET', key, 'v', 'k', 's', 'f', 'c', 'r', 'hz')
+    v = redis.pcall('HMGET', key, 'v', 'k', 's', 'f', 'c', 'r', 'hz', 'w')
   end
   if v['err'] then
     return foreign(redis.call('TYPE', key)['ok'])
   end
-  if not claim and not v[1] and not v[2] and not v[3] and redis.call('EXISTS', key) == 0 then
+  if not full and not v[1] and not v[2] and not v[3] and redis.call('EXISTS', key) == 0 then
     return nil
   end
   if (v[1] ~= '2' and v[1] ~= '1') or not v[2] or (ek ~= '' and v[2] ~= ek) then
@@ -107,9 +117,23 @@ local function load(claim)
   if hz and not tonumber(hz) then
     return nil, 'record has a malformed horizon mark; nothing was changed'
   end
-  if not claim then
-    return { s = s, f = f, c = c, r = r, k = v[2], hz = hz }
+  local rec = { s = s, f = f, c = c, r = r, k = v[2], hz = hz, w = v[8] or nil }
+  if full then
+    -- 'le' is '' in a format 1 record no longer in progress: tonumber gives nil.
+    rec.amo, rec.le, rec.fp, rec.fields = (v[9] == '1'), tonumber(v[10]), v[11] or '', v
   end
-  -- 'le' is '' in a format 1 record no longer in progress: tonumber gives nil.
-  return { s = s, f = f, c = c, r = r, hz = hz, amo = (v[8] == '1'), le = tonumber(v[9]), fp = v[10] or '' }
+  return rec
+end
+
+-- Wakes the waiters of the record (Ledger::watch) after a write that ends
+-- or hands over its lease, if a claim that would wait marked it ('w') and
+-- not only waiters of the ledger writing now (`own`: its mark), which that
+-- ledger wakes in its own process. The message goes to the channel of the
+-- ledger's prefix and database (`channel`), with the effect key. pcall: a
+-- user who may not publish (an ACL without the channel) still writes; its
+-- waiters elsewhere then wait for their fallback, never for a wrong answer.
+local function wake(rec, own, channel)
+  if rec.w and rec.w ~= own then
+    redis.pcall('PUBLISH', channel, rec.k)
+  end
 end

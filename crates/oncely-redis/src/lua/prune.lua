@@ -1,6 +1,6 @@
--- ARGV: 1 the effect key expected at KEYS[1] ('' in 'check' mode: any
--- oncely record), 2 'check' or 'delete', 3 ('delete') the watermark that
--- prune has raised the record's tenant and kind to.
+-- KEYS[1] the record. ARGV: 1 the effect key expected there ('' in 'check'
+-- mode: any oncely record), 2 'check' or 'delete', 3 ('delete') the
+-- watermark that prune has raised the record's tenant and kind to.
 --
 -- Prune is the only path that deletes a record, in two steps around the
 -- raise of the horizon (horizon.lua): 'check' reports a record that is due,
@@ -8,6 +8,7 @@
 -- and was created at or before the raised watermark. Due restates the rule
 -- of oncely::Ledger::prune: completed or released, and past its retention;
 -- never a lease, never an abandoned step.
+key, ek = KEYS[1], ARGV[1]
 local rec, err = load(false)
 if err or not rec or rec.s == 'in_progress' then
   return { 'keep' }
