@@ -21,8 +21,12 @@ impl NatsKvLedger {
         let kk = kv_key(key);
         // Most claims are of new keys: try the create first. A claim with
         // `sent_at` does too: its horizon check follows the create (see
-        // horizon.rs for why that order).
-        let mut known: Option<Option<Current>> = Some(None);
+        // horizon.rs for why that order). A key this ledger just found in
+        // progress is read first instead: the claim again is most likely a
+        // waiting duplicate's, and a create would only be refused (one
+        // round trip saved per look; either order decides the same way).
+        let hinted = self.was_in_progress(&kk);
+        let mut known: Option<Option<Current>> = if hinted { None } else { Some(None) };
         // The fence of a record this claim removed (below): the new record's
         // fence goes above it whatever the clock estimates say.
         let mut floor: Option<u64> = None;
@@ -52,13 +56,19 @@ impl NatsKvLedger {
             };
             let Some((at, prev)) = prev else {
                 match self.create(key, &kk, opts, revision, floor, now).await? {
-                    Some(claim) => return Ok(claim),
+                    Some(claim) => {
+                        if hinted {
+                            self.saw_in_progress(&kk, false);
+                        }
+                        return Ok(claim);
+                    }
                     None => continue,
                 }
             };
             prev.effect_key(Some(key))?;
             let now = now.max(at);
             if let Some(answer) = answer_existing(key, opts, prev.record(key.clone(), at, now)?)? {
+                self.saw_in_progress(&kk, matches!(answer, Claim::InProgress { .. }));
                 return Ok(answer);
             }
             // An expired lease whose creating claim may not have finished its
@@ -74,6 +84,9 @@ impl NatsKvLedger {
                 continue;
             }
             if let Some(claim) = self.take_over(key, &kk, opts, revision, prev, now).await? {
+                if hinted {
+                    self.saw_in_progress(&kk, false);
+                }
                 return Ok(claim);
             }
         }

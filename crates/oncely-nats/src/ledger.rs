@@ -5,12 +5,13 @@
 //! decision is in `claim.rs`, prune in `prune.rs`, the horizon in
 //! `horizon.rs`, the round trips themselves in `kv.rs`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::{self, kv};
 use oncely::backend::{Access, FromUrl, OpenOptions, check_outcome};
+use oncely::watch::Watch;
 use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, RecordState, Result,
     Tenant,
@@ -21,6 +22,7 @@ use crate::clock::{ServerClock, later};
 use crate::codec::{Stored, kv_key, length_us, tenant_token};
 use crate::error::{BACKEND, gave_up, read_only, unavailable};
 use crate::kv::{Current, MAX_ATTEMPTS, Write};
+use crate::notify::Notifications;
 use crate::options::{NatsKvOptions, NatsUrl};
 
 /// How many leases' revisions a ledger remembers for one-round-trip completes.
@@ -44,6 +46,10 @@ pub(crate) struct Inner {
     /// The server clock's estimate.
     pub(crate) clock: ServerClock,
     revisions: Mutex<RevisionCache>,
+    /// KV keys this ledger's last claim of found in progress (`claim.rs`).
+    in_progress: Mutex<HashSet<String>>,
+    /// Wakes waiting duplicates (`notify.rs`).
+    pub(crate) notifications: Notifications,
 }
 
 /// An effect ledger on a NATS JetStream KV bucket. Cheap to clone (shares the
@@ -92,22 +98,34 @@ impl NatsKvLedger {
             .connection_timeout(opts.connect_timeout)
             .request_timeout(Some(opts.request_timeout))
             .name("oncely")
+            // The ledger wakes its own waiters in process (`notify.rs`): its
+            // own completion notifications echoed back would only be traffic.
+            .no_echo()
             .connect(addrs)
             .await
             .map_err(unavailable)?;
         let js = jetstream::ContextBuilder::new()
             .timeout(opts.request_timeout)
-            .build(client);
+            .build(client.clone());
         // One deadline for opening the bucket and the first clock probe.
         let deadline = Deadline::after(opts.open_timeout);
         let store = bucket::open(&js, &opts, deadline).await?;
-        Self::with_store(store, opts, deadline).await
+        Self::with_store(client, store, opts, deadline).await
     }
 
     /// Uses a bucket the caller opened. Its settings are checked as by
     /// [`NatsKvLedger::connect_with`] against `opts` (the bucket name is
     /// taken from the store).
-    pub async fn from_store(store: kv::Store, opts: NatsKvOptions) -> Result<Self> {
+    ///
+    /// `client` carries the completion notifications that wake duplicates
+    /// waiting in other processes (crate docs, "Waiting"): the connection the
+    /// store was opened on, or any other to the same NATS account. (A
+    /// [`kv::Store`] does not give its connection out, hence the argument.)
+    pub async fn from_store(
+        client: async_nats::Client,
+        store: kv::Store,
+        opts: NatsKvOptions,
+    ) -> Result<Self> {
         let opts = NatsKvOptions {
             bucket: store.name.clone(),
             ..opts
@@ -115,11 +133,23 @@ impl NatsKvLedger {
         opts.validate()?;
         bucket::check(&store.stream.cached_info().config, &opts)?;
         let deadline = Deadline::after(opts.open_timeout);
-        Self::with_store(store, opts, deadline).await
+        Self::with_store(client, store, opts, deadline).await
     }
 
-    async fn with_store(store: kv::Store, opts: NatsKvOptions, deadline: Deadline) -> Result<Self> {
+    async fn with_store(
+        client: async_nats::Client,
+        store: kv::Store,
+        opts: NatsKvOptions,
+        deadline: Deadline,
+    ) -> Result<Self> {
         let bucket_max_age = Some(store.stream.cached_info().config.max_age).filter(|a| !a.is_zero());
+        // A read-only ledger never ends a lease and never waits for one (its
+        // claims are refused): it needs no subscription.
+        let notifications = if opts.read_only {
+            Notifications::local()
+        } else {
+            Notifications::subscribe(client, &store.name).await
+        };
         let ledger = NatsKvLedger {
             inner: Arc::new(Inner {
                 store,
@@ -127,6 +157,8 @@ impl NatsKvLedger {
                 bucket_max_age,
                 clock: ServerClock::default(),
                 revisions: Mutex::new(HashMap::new()),
+                in_progress: Mutex::new(HashSet::new()),
+                notifications,
             }),
         };
         // A replicated bucket just created answers only once its stream has
@@ -154,12 +186,22 @@ impl NatsKvLedger {
         &self.inner.opts
     }
 
-    /// Refuses a write on a read-only ledger, before any round trip.
-    fn writable(&self, what: &str) -> Result<()> {
-        if self.inner.opts.read_only {
-            return Err(read_only(what, &self.inner.opts.bucket));
-        }
-        Ok(())
+    /// Whether completions written by other processes wake this ledger's
+    /// waiting duplicates right now: its subscription to the bucket's
+    /// notification subject is live and the connection is up. While it is
+    /// not (reconnecting, a read-only ledger), waiters poll (crate docs,
+    /// "Waiting"). For health checks and metrics.
+    pub fn is_listening(&self) -> bool {
+        self.inner.notifications.listening()
+    }
+
+    /// How many completions and releases (keys) this ledger's notification
+    /// subscription has received from other connections (a ledger opened with
+    /// [`NatsKvLedger::connect_with`] does not receive its own; one opened
+    /// with [`NatsKvLedger::from_store`] on a connection that echoes does).
+    /// For metrics and tests.
+    pub fn notifications_received(&self) -> u64 {
+        self.inner.notifications.received()
     }
 
     /// Remembers the revision this ledger just wrote for a lease it holds.
@@ -173,6 +215,29 @@ impl NatsKvLedger {
         c.insert(kv_key.to_owned(), (revision, value));
     }
 
+    /// Notes whether this ledger's claim of `kv_key` just found it in
+    /// progress, so that the next claim of it (a waiting duplicate looking
+    /// again) reads before it tries to create.
+    pub(crate) fn saw_in_progress(&self, kv_key: &str, in_progress: bool) {
+        let mut s = self.inner.in_progress.lock().unwrap_or_else(|p| p.into_inner());
+        if !in_progress {
+            s.remove(kv_key);
+            return;
+        }
+        if s.len() >= REVISION_CACHE {
+            // Waiters that gave up never look again; forgetting costs a
+            // refused create.
+            s.clear();
+        }
+        s.insert(kv_key.to_owned());
+    }
+
+    /// Whether the last claim of `kv_key` here found it in progress.
+    pub(crate) fn was_in_progress(&self, kv_key: &str) -> bool {
+        let s = self.inner.in_progress.lock().unwrap_or_else(|p| p.into_inner());
+        s.contains(kv_key)
+    }
+
     /// The remembered revision and value of the lease at `fence`, if any
     /// (taken: a write with it either succeeds and is remembered again, or
     /// shows it stale).
@@ -182,6 +247,25 @@ impl NatsKvLedger {
             Some((_, v)) if v.fence == fence => c.remove(kv_key),
             _ => None,
         }
+    }
+
+    /// Completes `lease` (outcome checked, ledger writable); the caller
+    /// wakes the key's waiters.
+    pub(crate) async fn complete_quietly(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
+        self.fenced(lease, |v| {
+            v.set_state(RecordState::Completed);
+            v.set_outcome(Some(outcome));
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Refuses a write on a read-only ledger, before any round trip.
+    pub(crate) fn writable(&self, what: &str) -> Result<()> {
+        if self.inner.opts.read_only {
+            return Err(read_only(what, &self.inner.opts.bucket));
+        }
+        Ok(())
     }
 
     fn check_retention(&self, retention: Duration) -> Result<()> {
@@ -288,17 +372,15 @@ impl Ledger for NatsKvLedger {
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
         check_outcome(outcome, oncely::MAX_OUTCOME_BYTES)?;
         self.writable("complete")?;
-        self.fenced(lease, |v| {
-            v.set_state(RecordState::Completed);
-            v.set_outcome(Some(outcome));
-        })
-        .await?;
+        self.complete_quietly(lease, outcome).await?;
+        self.inner.notifications.finished(lease.key()).await;
         Ok(())
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
         self.writable("release")?;
         self.fenced(lease, |v| v.set_state(RecordState::Released)).await?;
+        self.inner.notifications.finished(lease.key()).await;
         Ok(())
     }
 
@@ -313,6 +395,21 @@ impl Ledger for NatsKvLedger {
         let (rev, value) = self.fenced(lease, |v| v.lease_us = us).await?;
         self.remember(&kv_key(lease.key()), rev, value);
         Ok(lease.renewed_until(expires_at))
+    }
+
+    async fn watch(&self, key: &EffectKey) -> Watch {
+        self.inner.notifications.watch(key)
+    }
+
+    async fn claim_many(&self, keys: &[EffectKey], opts: &ClaimOptions) -> Result<Vec<Result<Claim>>> {
+        opts.validate()?;
+        self.check_retention(opts.retention)?;
+        self.writable("claim")?;
+        Ok(self.claim_batch(keys, opts).await)
+    }
+
+    async fn complete_many(&self, items: &[(Lease, Outcome)]) -> Vec<Result<()>> {
+        self.complete_batch(items).await
     }
 
     async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {

@@ -43,8 +43,9 @@
 //!   [`NatsKvOptions::read_only`] neither, and the ledger refuses its own
 //!   writes before any round trip (it still writes its clock probe: see
 //!   there).
-//! - [`NatsKvLedger::from_store`]`(store, options)`: a bucket the caller
-//!   opened, checked like one `connect` finds.
+//! - [`NatsKvLedger::from_store`]`(client, store, options)`: a bucket the
+//!   caller opened, checked like one `connect` finds; `client` carries the
+//!   completion notifications (see "Waiting").
 //! - [`oncely::backend::FromUrl`] (scheme `nats`), for tools that pick the
 //!   backend from a URL: [`oncely::backend::Access`] `Migrate`, `Existing`
 //!   (`migrate(false)`) or `ReadOnly` (`read_only(true)`); its
@@ -63,7 +64,9 @@
 //! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] (stored base64, far below JetStream's 1 MiB message limit). |
 //! | fences | the server clock's µs (its lower bound, below) when a record is created, `max(previous + 1, clock µs)` on takeover ([`oncely::backend::next_fence`]): they grow for the life of the bucket, across prunes and `max_age` drops, as long as retentions are longer than the clock estimate's lag (a probe's round trip, below). |
 //! | horizon | per tenant and kind: the later of a watermark that `prune` raises before it deletes, and `now - max_age` (what the bucket drops by itself). See below. |
-//! | round trips | claim of a new key: 1 (2 with `sent_at`: the create, then the watermark). complete / release / renew: 1 when this ledger made the claim (it remembers the revision), else 2 (read, conditional write). |
+//! | round trips | claim of a new key: 1 (2 with `sent_at`: the create, then the watermark). complete / release / renew: 1 when this ledger made the claim (it remembers the revision), else 2 (read, conditional write); complete and release also publish one core NATS message (no reply awaited). |
+//! | batches | `claim_many` / `complete_many`: the single operations pipelined on the connection (up to 128 keys in flight), each keeping every rule of the single one; answers in the order given, a key listed twice claimed in list order. See below. |
+//! | waiting | a duplicate that finds the effect in progress is woken when it is completed or released, by this process's own write at once, by another's through a core NATS subject of the bucket; polling while the subscription is down. See below. |
 //! | prune / abandoned | read the latest revision of every key (the whole bucket / one tenant's keys) through an ordered consumer: cost grows with the keys kept, so prune in batches off the hot path. Prune also writes each pruned tenant and kind's watermark once per call (2 round trips each). |
 //! | retention | per claim, enforced by [`oncely::Ledger::prune`]; the bucket's `max_age` is the hard ceiling (a longer retention is refused). |
 //!
@@ -126,6 +129,54 @@
 //! late. An existing record always answers for itself, however old the
 //! message.
 //!
+//! ### Waiting
+//!
+//! A duplicate run with [`oncely::OnInProgress::Wait`] that finds the effect
+//! in progress takes a watch ([`oncely::Ledger::watch`]) and is woken when
+//! the holder completes or releases, instead of polling. After each
+//! completion or release the ledger wakes the key's watches in its own
+//! process at once, then publishes the displayed key on the core NATS
+//! subject `oncely.<bucket>.done` (the bucket's name, one subject token; no
+//! reply is awaited, so it costs no round trip; a `complete_many` publishes
+//! one message with all the keys it completed, one per line). Each ledger holds one subscription to that subject and
+//! relays what other processes publish to its waiters. A wake-up is a hint:
+//! the waiter claims again and answers from the record, so a lost
+//! notification costs latency (at most [`oncely::watch::NOTIFIED_FALLBACK`],
+//! and never beyond the holder's lease), never a wrong answer.
+//!
+//! Why not a KV watch: a watch is a JetStream consumer, created and deleted
+//! with API round trips and held as server state; one per waiter would add
+//! both to every wait, under the load where duplicates pile up, and one
+//! bucket-wide per ledger would deliver every write with its value. The
+//! notification needs no durability, so the cheapest carrier wins (the
+//! reasoning in full is in `notify.rs`).
+//!
+//! Limits: every ledger on a bucket receives every completion of that
+//! bucket (the key, at most 255 bytes). A NATS user needs permission to
+//! publish and subscribe on `oncely.<bucket>.done`; without it, waiters in
+//! other processes are woken by the fallback, once a second.
+//! [`NatsKvLedger::is_listening`] says whether the subscription is up (while
+//! the connection is down, watches poll: 5 ms doubling to 250 ms);
+//! [`NatsKvLedger::notifications_received`] counts what it relayed. A
+//! read-only ledger does not subscribe. A lease that simply expires is not
+//! announced: its waiters look again when it ends.
+//!
+//! ### Batches
+//!
+//! [`oncely::Ledger::claim_many`] and [`oncely::Ledger::complete_many`] run
+//! the single claim and completion of each key concurrently on the one
+//! connection: JetStream has no multi-key conditional write, but pipelined
+//! requests cost about one round trip for the batch plus the server's time
+//! per write. Each key keeps every rule above (create first; with `sent_at`
+//! the horizon read after the create and the undo of exactly that revision;
+//! fences from the clock's lower bound; the recheck of an unchecked record
+//! before a takeover), so a batch answers exactly what single claims in the
+//! same order would. A key listed twice is claimed twice, in list order:
+//! the first occurrence acquires, the second finds it in progress. Invalid
+//! options, a retention above `max_age` and a read-only ledger fail the
+//! whole `claim_many` before any round trip; everything else is answered
+//! per key.
+//!
 //! ### Errors
 //!
 //! Cannot connect: [`oncely::Error::Unavailable`]. JetStream unavailable, no
@@ -145,7 +196,8 @@
 //!
 //! `options.rs` (the options and the URL), `ledger.rs` (the type, its
 //! constructors, `Ledger` and `FromUrl`), `claim.rs` (create or take over),
-//! `prune.rs`, `horizon.rs` (the watermark, and why its order is safe),
+//! `batch.rs` (`claim_many` and `complete_many`, pipelined), `notify.rs`
+//! (completion notifications and the relay that wakes waiters), `prune.rs`, `horizon.rs` (the watermark, and why its order is safe),
 //! `clock.rs` (the server clock's estimate and its probe), `kv.rs` (every
 //! read, write and scan of records and watermarks: what `sql.rs` is to the
 //! SQL backends), `codec.rs` (keys and
@@ -155,6 +207,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod batch;
 mod bucket;
 mod claim;
 mod clock;
@@ -163,6 +216,7 @@ mod error;
 mod horizon;
 mod kv;
 mod ledger;
+mod notify;
 mod options;
 mod prune;
 

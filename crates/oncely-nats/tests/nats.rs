@@ -362,7 +362,7 @@ async fn from_store_checks_the_bucket() {
     let good = unique("oncely_from_store");
     js.create_stream(kv_stream(&good)).await.unwrap();
     let store = js.get_key_value(&good).await.unwrap();
-    let ledger = NatsKvLedger::from_store(store, NatsKvOptions::default())
+    let ledger = NatsKvLedger::from_store(js.client(), store, NatsKvOptions::default())
         .await
         .unwrap();
     assert_eq!(ledger.options().bucket, good);
@@ -376,7 +376,7 @@ async fn from_store_checks_the_bucket() {
     cfg.max_messages_per_subject = 3;
     js.create_stream(cfg).await.unwrap();
     let store = js.get_key_value(&bad).await.unwrap();
-    let e = NatsKvLedger::from_store(store, NatsKvOptions::default())
+    let e = NatsKvLedger::from_store(js.client(), store, NatsKvOptions::default())
         .await
         .unwrap_err();
     assert!(matches!(e, Error::Config(_)), "{e:?}");
@@ -520,6 +520,48 @@ async fn max_age_bounds_the_horizon() {
 /// check, and is taken over as usual.
 #[tokio::test]
 async fn unchecked_records_are_checked_again_on_takeover() {
+    unchecked_records_checked_again(false).await;
+}
+
+/// The same through `claim_many`: a batch keeps every rule of the single
+/// claim (the create-then-check and the recheck before a takeover), per key.
+#[tokio::test]
+async fn unchecked_records_are_checked_again_in_a_batch() {
+    unchecked_records_checked_again(true).await;
+}
+
+/// Claims `key` on its own, or as the middle key of a batch with two keys
+/// of another tenant (a new one and a completed one) that must be answered
+/// as usual around it.
+async fn claim_maybe_in_batch(
+    ledger: &NatsKvLedger,
+    key: &EffectKey,
+    opts: &ClaimOptions,
+    batch: bool,
+) -> oncely::Result<Claim> {
+    if !batch {
+        return ledger.claim(key, opts).await;
+    }
+    let t = fresh_tenant();
+    let done = EffectKey::new(&t, "capture", "done").unwrap();
+    let l = acquired(ledger.claim(&done, &ClaimOptions::default()).await.unwrap());
+    ledger
+        .complete(&l, &Outcome::from_json(&"done").unwrap())
+        .await
+        .unwrap();
+    let new = EffectKey::new(&t, "capture", "new").unwrap();
+    let mut answers = ledger
+        .claim_many(&[new, key.clone(), done], opts)
+        .await
+        .unwrap()
+        .into_iter();
+    assert!(matches!(answers.next(), Some(Ok(Claim::Acquired(_)))));
+    let answer = answers.next().unwrap();
+    assert!(matches!(answers.next(), Some(Ok(Claim::Completed(_)))));
+    answer
+}
+
+async fn unchecked_records_checked_again(batch: bool) {
     let Some(ledger) = shared_ledger().await else {
         return;
     };
@@ -565,24 +607,34 @@ async fn unchecked_records_are_checked_again_on_takeover() {
     oncely::conformance::prune_until_gone(&ledger, &newer).await;
     assert!(ledger.horizon(&t, "capture").await.unwrap().unwrap() >= hour_ago);
     // The replay of an unchecked record is refused, and the record is gone.
-    let e = ledger
-        .claim(&key("replayed"), &short.clone().sent_at(hour_ago))
+    let e = claim_maybe_in_batch(&ledger, &key("replayed"), &short.clone().sent_at(hour_ago), batch)
         .await
         .unwrap_err();
     assert!(matches!(e, Error::BeyondHorizon { .. }), "{e:?}");
     assert!(ledger.get(&key("replayed")).await.unwrap().is_none());
     assert!(ledger.release(&replayed).await.unwrap_err().is_lease_lost());
     // A claim without `sent_at` finds the key absent: a new record.
-    let l = acquired(ledger.claim(&key("fresh"), &short).await.unwrap());
+    let l = acquired(
+        claim_maybe_in_batch(&ledger, &key("fresh"), &short, batch)
+            .await
+            .unwrap(),
+    );
     assert!(!l.taken_over() && l.fence() > fresh.fence(), "{l:?}");
     // The renewed record is taken over as any expired lease.
     let l = acquired(
-        ledger
-            .claim(&key("renewed"), &short.clone().sent_at(hour_ago))
+        claim_maybe_in_batch(&ledger, &key("renewed"), &short.clone().sent_at(hour_ago), batch)
             .await
             .unwrap(),
     );
     assert!(l.taken_over() && l.fence() > renewed.fence(), "{l:?}");
+    // A new key of the pruned kind, in a message older than the horizon:
+    // refused after its create (the watermark is read after the create), and
+    // nothing is left behind.
+    let e = claim_maybe_in_batch(&ledger, &key("late"), &short.clone().sent_at(hour_ago), batch)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::BeyondHorizon { .. }), "{e:?}");
+    assert!(ledger.get(&key("late")).await.unwrap().is_none());
 }
 
 /// The order that keeps a pruned effect from running again (prune: raise
@@ -826,6 +878,21 @@ async fn read_only_refuses_writes_before_any_round_trip() {
                 ("release", reader.release(lease).await.err()),
                 ("renew", reader.renew(lease, Duration::from_secs(60)).await.err()),
                 ("prune", reader.prune(100).await.err()),
+                (
+                    "claim_many",
+                    reader
+                        .claim_many(std::slice::from_ref(other), &ClaimOptions::default())
+                        .await
+                        .err(),
+                ),
+                (
+                    "complete_many",
+                    reader
+                        .complete_many(&[(lease.clone(), outcome.clone())])
+                        .await
+                        .pop()
+                        .and_then(|r| r.err()),
+                ),
             ];
             for (what, e) in results {
                 assert!(
@@ -846,4 +913,231 @@ async fn read_only_refuses_writes_before_any_round_trip() {
     // Without the bucket every round trip fails; the refusals do not change.
     assert!(reader.get(&k).await.is_err());
     refusals("without the bucket").await;
+}
+
+/// A duplicate waiting on one ledger is woken by a completion written through
+/// another ledger on its own connection, as another process's would be: it
+/// gets the holder's outcome (its handler never runs), or acquires after a
+/// release, and its ledger received the notification the holder published.
+/// The holder ends its lease with `complete`, `release`, or a
+/// `complete_many` of that lease and another one (one message, two keys).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_is_woken_by_another_connections_completion() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use oncely::{Effects, OnInProgress};
+
+    let Some((holder_ledger, js, bucket)) = own_ledger("oncely_wake").await else {
+        return;
+    };
+    let url = service_url("ONCELY_NATS_URL", Some("nats://127.0.0.1:4222")).unwrap();
+    let waiter_ledger = NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket(&bucket))
+        .await
+        .unwrap();
+    assert!(holder_ledger.is_listening() && waiter_ledger.is_listening());
+    for how in ["complete", "release", "complete_many"] {
+        let release = how == "release";
+        let t = fresh_tenant();
+        let k = EffectKey::new(&t, "capture", "waited-on").unwrap();
+        let long = ClaimOptions::default().lease(Duration::from_secs(60));
+        let holder = acquired(holder_ledger.claim(&k, &long).await.unwrap());
+        let other = EffectKey::new(&t, "capture", "other").unwrap();
+        let other = acquired(holder_ledger.claim(&other, &long).await.unwrap());
+        assert!(waiter_ledger.watch(&k).await.is_notified());
+        let before = waiter_ledger.notifications_received();
+        let ran = Arc::new(AtomicBool::new(false));
+        let waiter = {
+            let (ledger, k, ran) = (waiter_ledger.clone(), k.clone(), ran.clone());
+            tokio::spawn(async move {
+                let wait = OnInProgress::Wait {
+                    max: Duration::from_secs(30),
+                };
+                Effects::new(ledger)
+                    .run(
+                        &k,
+                        &ClaimOptions::default().on_in_progress(wait),
+                        |_| async move {
+                            ran.store(true, Ordering::SeqCst);
+                            Ok("waiter ran".to_owned())
+                        },
+                    )
+                    .await
+            })
+        };
+        // Let the waiter find the effect in progress and start waiting.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!waiter.is_finished(), "the waiter did not wait");
+        let outcome = Outcome::value(&"holder ran").unwrap();
+        match how {
+            "release" => holder_ledger.release(&holder).await.unwrap(),
+            "complete" => holder_ledger.complete(&holder, &outcome).await.unwrap(),
+            _ => {
+                let items = [(other.clone(), outcome.clone()), (holder.clone(), outcome)];
+                for answer in holder_ledger.complete_many(&items).await {
+                    answer.unwrap();
+                }
+            }
+        }
+        let want = if release { "waiter ran" } else { "holder ran" };
+        assert_eq!(waiter.await.unwrap().unwrap(), want, "{how}");
+        assert_eq!(
+            ran.load(Ordering::SeqCst),
+            release,
+            "{how}: the waiter's handler ran only after a release"
+        );
+        // The waiter's ledger does not receive its own completions (after the
+        // release it completed the effect itself): what it received is the
+        // holder's.
+        let want = if how == "complete_many" { 2 } else { 1 };
+        assert!(
+            waiter_ledger.notifications_received() >= before + want,
+            "{how}: {} keys announced to the waiting ledger, want {want}",
+            waiter_ledger.notifications_received() - before
+        );
+        if how != "complete_many" {
+            holder_ledger.release(&other).await.unwrap();
+        }
+    }
+    drop_bucket(&js, &bucket).await;
+}
+
+/// A NATS server of this test's own, so that it can be stopped and started
+/// again (the shared server and the cluster must stay up): killed on drop.
+struct OwnServer {
+    child: Option<std::process::Child>,
+    port: u16,
+    dir: std::path::PathBuf,
+}
+
+impl OwnServer {
+    /// Starts a server on a free port with its store in a fresh directory;
+    /// `None` (or a failure, with ONCELY_REQUIRE_SERVICES=1) without the
+    /// `nats-server` binary.
+    fn start() -> Option<Self> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir = std::env::temp_dir().join(unique("oncely-nats-own-server"));
+        let mut server = OwnServer {
+            child: None,
+            port,
+            dir,
+        };
+        match server.spawn() {
+            Ok(()) => Some(server),
+            Err(e) => skip_or_fail(&format!("starting nats-server: {e}")),
+        }
+    }
+
+    fn spawn(&mut self) -> std::io::Result<()> {
+        let bin = std::env::var("NATS_SERVER").unwrap_or_else(|_| "/usr/sbin/nats-server".to_owned());
+        let child = std::process::Command::new(bin)
+            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
+            .arg(&self.dir)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for OwnServer {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Waits, generously, until `cond` holds; false if it never did.
+async fn eventually(mut cond: impl FnMut() -> bool) -> bool {
+    for _ in 0..600 {
+        if cond() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cond()
+}
+
+/// While the connection is down nothing can wake a notified watch, so the
+/// ledger hands out polling ones; once the connection is back (async-nats
+/// renews the subscription) watches are notified again, and completions
+/// from other connections reach the ledger.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn watches_poll_while_the_connection_is_down() {
+    if service_url("ONCELY_NATS_URL", Some("nats://127.0.0.1:4222")).is_none() {
+        return;
+    }
+    let Some(mut server) = OwnServer::start() else {
+        return;
+    };
+    let opts = NatsKvOptions::default().bucket("oncely_reconnect");
+    let open = || async {
+        for _ in 0..100 {
+            match NatsKvLedger::connect_with(&server.url(), opts.clone()).await {
+                Ok(l) => return l,
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+        panic!("the test's own NATS server did not come up");
+    };
+    let watcher = open().await;
+    let writer = open().await;
+    let k = EffectKey::new(&fresh_tenant(), "capture", "reconnect").unwrap();
+    assert!(watcher.is_listening());
+    assert!(watcher.watch(&k).await.is_notified());
+
+    server.stop();
+    assert!(
+        eventually(|| !watcher.is_listening()).await,
+        "the ledger never noticed its connection was down"
+    );
+    assert!(
+        !watcher.watch(&k).await.is_notified(),
+        "a watch nothing can wake is handed out while the connection is down"
+    );
+
+    server.spawn().unwrap();
+    assert!(
+        eventually(|| watcher.is_listening()).await,
+        "the ledger never listened again"
+    );
+    assert!(watcher.watch(&k).await.is_notified());
+    let before = watcher.notifications_received();
+    // JetStream may need a moment after the restart: retry the claim.
+    let mut lease = None;
+    for _ in 0..100 {
+        match writer.claim(&k, &ClaimOptions::default()).await {
+            Ok(c) => {
+                lease = Some(acquired(c));
+                break;
+            }
+            Err(e) if e.is_retryable() => tokio::time::sleep(Duration::from_millis(100)).await,
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+    let lease = lease.expect("JetStream answered after the restart");
+    writer
+        .complete(&lease, &Outcome::value(&1).unwrap())
+        .await
+        .unwrap();
+    assert!(
+        eventually(|| watcher.notifications_received() > before).await,
+        "the renewed subscription relays completions"
+    );
 }
