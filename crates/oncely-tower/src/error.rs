@@ -71,7 +71,9 @@ impl Rejection {
             Rejection::RequestTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Rejection::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Rejection::InFlight => StatusCode::CONFLICT,
-            Rejection::ResponseTooLarge { .. } | Rejection::HandlerPanicked => StatusCode::INTERNAL_SERVER_ERROR,
+            Rejection::ResponseTooLarge { .. } | Rejection::HandlerPanicked => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
             Rejection::ResponseBodyFailed => StatusCode::BAD_GATEWAY,
             Rejection::LedgerUnavailable => StatusCode::SERVICE_UNAVAILABLE,
         }
@@ -125,7 +127,9 @@ impl Rejection {
                 "The operation ran, but its response exceeds {limit} bytes and was not kept; \
                  retrying with this key returns this answer."
             ),
-            Rejection::ResponseBodyFailed => "The response body ended with an error; retry with the same key.".into(),
+            Rejection::ResponseBodyFailed => {
+                "The response body ended with an error; retry with the same key.".into()
+            }
             Rejection::HandlerPanicked => "The operation failed; retry with the same key.".into(),
             Rejection::LedgerUnavailable => "Retry later with the same key.".into(),
         }
@@ -158,7 +162,13 @@ impl Rejection {
 
 impl std::fmt::Display for Rejection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} ({}): {}", self.title(), self.status().as_u16(), self.detail())
+        write!(
+            f,
+            "{} ({}): {}",
+            self.title(),
+            self.status().as_u16(),
+            self.detail()
+        )
     }
 }
 

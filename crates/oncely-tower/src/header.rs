@@ -74,9 +74,7 @@ fn parse(raw: &[u8], accept_bare: bool) -> Result<String, String> {
             String::from_utf8_lossy(raw).into_owned()
         }
         Some(_) => {
-            return Err(
-                "Idempotency-Key must be a structured-field string in double quotes (\"…\")".into(),
-            );
+            return Err("Idempotency-Key must be a structured-field string in double quotes (\"…\")".into());
         }
         None => return Err("Idempotency-Key is empty".into()),
     };
@@ -97,7 +95,10 @@ fn parse(raw: &[u8], accept_bare: bool) -> Result<String, String> {
 
 fn trim(b: &[u8]) -> &[u8] {
     let start = b.iter().position(|&c| c != b' ' && c != b'\t').unwrap_or(b.len());
-    let end = b.iter().rposition(|&c| c != b' ' && c != b'\t').map_or(start, |e| e + 1);
+    let end = b
+        .iter()
+        .rposition(|&c| c != b' ' && c != b'\t')
+        .map_or(start, |e| e + 1);
     &b[start..end]
 }
 
@@ -120,6 +121,11 @@ mod tests {
         assert!(parse(b"", true).is_err());
         assert!(parse(br#"" a""#, true).is_err());
         assert!(parse(format!("\"{}\"", "x".repeat(256)).as_bytes(), true).is_err());
-        assert_eq!(parse(format!("\"{}\"", "x".repeat(255)).as_bytes(), true).unwrap().len(), 255);
+        assert_eq!(
+            parse(format!("\"{}\"", "x".repeat(255)).as_bytes(), true)
+                .unwrap()
+                .len(),
+            255
+        );
     }
 }

@@ -255,7 +255,10 @@ impl<L: Ledger + Clone + 'static, P: PrincipalSource> IdempotencyLayer<L, P> {
 
     /// The response for each [`Rejection`] (default:
     /// [`Rejection::problem`], `application/problem+json`).
-    pub fn rejection_response(mut self, f: impl Fn(&Rejection) -> Response<Bytes> + Send + Sync + 'static) -> Self {
+    pub fn rejection_response(
+        mut self,
+        f: impl Fn(&Rejection) -> Response<Bytes> + Send + Sync + 'static,
+    ) -> Self {
         self.config.rejection = Arc::new(f);
         self
     }

@@ -20,7 +20,10 @@ pub struct Principal {
 impl Principal {
     /// A principal `id` of `tenant`.
     pub fn new(tenant: Tenant, id: impl Into<String>) -> Self {
-        Principal { tenant, id: id.into() }
+        Principal {
+            tenant,
+            id: id.into(),
+        }
     }
 
     /// The tenant its keys are scoped to.

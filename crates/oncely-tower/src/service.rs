@@ -138,7 +138,11 @@ where
     };
     let key = match EffectKey::for_client(principal.tenant(), principal.id(), &config.kind, &client_key) {
         Ok(key) => key,
-        Err(e) => return Ok(shared.reject(&Rejection::InvalidKey { reason: e.to_string() })),
+        Err(e) => {
+            return Ok(shared.reject(&Rejection::InvalidKey {
+                reason: e.to_string(),
+            }));
+        }
     };
     let limit = config.max_request_bytes;
     let body = match stored::read_limited(body, limit).await {

@@ -25,7 +25,12 @@ pub(crate) struct StoredResponse {
 impl StoredResponse {
     /// Keeps `status`, the `replay` headers found in `headers` (those whose
     /// values are visible ASCII) and `body`.
-    pub(crate) fn new(status: StatusCode, headers: &http::HeaderMap, replay: &[HeaderName], body: &[u8]) -> Self {
+    pub(crate) fn new(
+        status: StatusCode,
+        headers: &http::HeaderMap,
+        replay: &[HeaderName],
+        body: &[u8],
+    ) -> Self {
         let mut kept = Vec::new();
         for name in replay {
             for value in headers.get_all(name) {
@@ -47,7 +52,12 @@ impl StoredResponse {
     pub(crate) fn encoded_len(&self) -> usize {
         // {"ok":{"status":…,"headers":[…],"body":"…"}} plus JSON escaping
         // of header values, which are visible ASCII (at most `\"`, `\\`).
-        64 + self.body.len() + self.headers.iter().map(|(n, v)| n.len() + 2 * v.len() + 8).sum::<usize>()
+        64 + self.body.len()
+            + self
+                .headers
+                .iter()
+                .map(|(n, v)| n.len() + 2 * v.len() + 8)
+                .sum::<usize>()
     }
 
     /// The response a retry gets: the stored status, headers and body, with
@@ -55,9 +65,13 @@ impl StoredResponse {
     pub(crate) fn replay(&self) -> Response<Bytes> {
         let body = STANDARD.decode(&self.body).unwrap_or_default();
         let mut response = Response::new(Bytes::from(body));
-        *response.status_mut() = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        *response.status_mut() =
+            StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         for (name, value) in &self.headers {
-            if let (Ok(n), Ok(v)) = (HeaderName::try_from(name.as_str()), HeaderValue::try_from(value.as_str())) {
+            if let (Ok(n), Ok(v)) = (
+                HeaderName::try_from(name.as_str()),
+                HeaderValue::try_from(value.as_str()),
+            ) {
                 response.headers_mut().append(n, v);
             }
         }
