@@ -27,7 +27,7 @@ use std::time::{Duration, SystemTime};
 use oncely::backend::{FromUrl, OpenOptions};
 use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, MemoryLedger, Outcome, Record,
-    Result, Tenant,
+    Result, Tenant, Watch,
 };
 
 pub use oncely::backend::Access;
@@ -219,6 +219,22 @@ macro_rules! define_any {
 
             fn unique_violation(&self, error: &(dyn std::error::Error + 'static)) -> Option<String> {
                 any_match!(self, l => l.unique_violation(error); $($variant $feature),+)
+            }
+
+            // The three below have defaults in the trait (a polling watch,
+            // claims one after the other); forwarding them is what lets a
+            // backend's notifications and one-statement batches reach callers
+            // of the `Any` ledger.
+            async fn watch(&self, key: &EffectKey) -> Watch {
+                any_match!(self, l => l.watch(key).await; $($variant $feature),+)
+            }
+
+            async fn claim_many(&self, keys: &[EffectKey], opts: &ClaimOptions) -> Result<Vec<Result<Claim>>> {
+                any_match!(self, l => l.claim_many(keys, opts).await; $($variant $feature),+)
+            }
+
+            async fn complete_many(&self, items: &[(Lease, Outcome)]) -> Vec<Result<()>> {
+                any_match!(self, l => l.complete_many(items).await; $($variant $feature),+)
             }
         }
 
@@ -534,6 +550,43 @@ mod tests {
             .await
             .unwrap();
         assert!(matches!(again, Claim::Completed(_)), "{again:?}");
+    }
+
+    /// The `Any` ledger hands out the backend's own watch (the memory
+    /// ledger's is notified), not the trait's polling default, and answers
+    /// batches through the backend.
+    #[tokio::test]
+    async fn watch_and_batches_reach_the_backend() {
+        let ledger = AnyLedger::connect("memory:").await.unwrap();
+        let key = EffectKey::new(&Tenant::new("t").unwrap(), "capture", "order-1").unwrap();
+        assert!(ledger.watch(&key).await.is_notified());
+        let other = EffectKey::new(&Tenant::new("t").unwrap(), "capture", "order-2").unwrap();
+        let opts = ClaimOptions::default();
+        let answers = ledger
+            .claim_many(&[key.clone(), other.clone(), key.clone()], &opts)
+            .await
+            .unwrap();
+        let leases: Vec<Lease> = answers[..2]
+            .iter()
+            .map(|a| match a {
+                Ok(Claim::Acquired(l)) => l.clone(),
+                other => panic!("expected Acquired, got {other:?}"),
+            })
+            .collect();
+        assert!(
+            matches!(answers[2], Ok(Claim::InProgress { .. })),
+            "{:?}",
+            answers[2]
+        );
+        let outcome = Outcome::from_json(&"ok").unwrap();
+        let items: Vec<(Lease, Outcome)> = leases.into_iter().map(|l| (l, outcome.clone())).collect();
+        for done in ledger.complete_many(&items).await {
+            done.unwrap();
+        }
+        assert!(matches!(
+            ledger.claim(&other, &opts).await.unwrap(),
+            Claim::Completed(_)
+        ));
     }
 
     /// Port 1 on loopback: nothing listens there. Each backend fails

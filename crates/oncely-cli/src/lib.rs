@@ -8,6 +8,11 @@
 //!   redeliveries of a "charge" message, processed once with a naive
 //!   status-check guard and once with [`oncely::Effects::run`], on a real
 //!   database. It returns a [`demo::DemoReport`].
+//! - [`bench`]: the duplicate-storm bench (`oncely bench`): every job
+//!   delivered twice, one delivery after the other and both at once, with
+//!   single claims and batches, under oncely's `Wait` and `Reject` policies,
+//!   each next to the hand-written minimum on the same database. It returns
+//!   a [`bench::BenchReport`].
 //! - [`ops`]: the operator commands (`oncely get`, `abandoned`, `prune`,
 //!   `migrate`).
 //! - [`AnyLedger`]: one [`oncely::Ledger`] whose backend is picked from a
@@ -16,6 +21,7 @@
 //! ```text
 //! $ cargo run --release -p oncely-cli -- demo
 //! $ oncely demo --database-url mysql://root@127.0.0.1:3306/test
+//! $ oncely bench --database-url postgres://postgres@127.0.0.1/test --jobs 5000 --json
 //! $ oncely get acme/capture:order-123 --database-url sqlite:ledger.db
 //! $ oncely abandoned --tenant acme --database-url postgres://localhost/app
 //! $ oncely prune --limit 10000 --database-url 'nats://n1:4222,n2:4222,n3:4222?replicas=3'
@@ -23,7 +29,8 @@
 //! ```
 //!
 //! Exit codes: 0 success, 1 runtime failure (database unreachable, backend
-//! error, a demo in which oncely charged twice), 2 usage error (bad
+//! error, a demo in which oncely charged twice, a bench row in which an
+//! effect ran twice), 2 usage error (bad
 //! arguments, an invalid key or tenant, an unknown URL scheme), 3 `get`
 //! found no record.
 //!
@@ -62,6 +69,7 @@
 #![deny(missing_docs)]
 
 pub mod any;
+pub mod bench;
 pub mod demo;
 pub mod ops;
 

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use oncely::Error;
+use oncely_cli::bench::{self, BenchConfig, BenchReport};
 use oncely_cli::demo::{self, DemoConfig, DemoReport, Guard, Progress};
 use oncely_cli::ops::{self, RecordView};
 
@@ -17,7 +18,8 @@ use oncely_cli::ops::{self, RecordView};
 /// oncely records each effect (a charge, an email) under a key derived from
 /// the business fact, claimed atomically in a database, so a redelivered or
 /// concurrent duplicate message changes nothing. This command runs the
-/// double-charge demo and lets operators inspect and maintain a ledger.
+/// double-charge demo, measures duplicates next to hand-written code, and
+/// lets operators inspect and maintain a ledger.
 ///
 /// Database URLs: sqlite:PATH or sqlite://PATH (add ?mode=rwc to create the
 /// file), postgres://USER@HOST/DB, mysql://USER@HOST/DB or mariadb://USER@HOST/DB,
@@ -27,7 +29,8 @@ use oncely_cli::ops::{self, RecordView};
 /// in-process ledger).
 ///
 /// Exit codes: 0 success; 1 runtime failure (database unreachable, backend
-/// error, oncely charged twice in the demo); 2 usage error (bad arguments,
+/// error, oncely charged twice in the demo, an effect ran twice in the
+/// bench); 2 usage error (bad arguments,
 /// invalid key or tenant, unknown URL scheme); 3 `get` found no record.
 #[derive(Debug, Parser)]
 #[command(name = "oncely", version, propagate_version = true)]
@@ -54,6 +57,29 @@ enum Command {
     /// dropped. On Redis, NATS and memory: the orders table lives in a
     /// scratch SQLite file. Exits 1 if oncely charged any order twice.
     Demo(DemoArgs),
+    /// Measure duplicates: oncely next to hand-written code, on one database.
+    ///
+    /// Each of --jobs jobs is delivered twice: sequentially (one worker, the
+    /// duplicate sent when the first delivery has returned) and concurrently
+    /// (--workers workers, both deliveries of a job dispatched at the same
+    /// instant). Each mode runs with single claims and with batches of
+    /// --batch jobs (claim_many / complete_many), with oncely (Effects::run
+    /// under the Wait policy, and for concurrent duplicates under Reject)
+    /// and with the hand-written minimum on the same database: PostgreSQL
+    /// INSERT ... ON CONFLICT DO NOTHING RETURNING, then SELECT on a
+    /// duplicate; MySQL INSERT IGNORE, then SELECT; SQLite INSERT ... ON
+    /// CONFLICT DO NOTHING, then SELECT; Redis SET NX PX, then GET; NATS KV
+    /// create, then get; a mutex-guarded map for memory:.
+    ///
+    /// Each row prints deliveries/s, the claim latency (p50, p99), the
+    /// wake-up latency of duplicates that waited for the first delivery
+    /// (from its return to theirs), the effects executed (must equal --jobs)
+    /// and the ratio of deliveries/s to the hand-written row. By default the
+    /// database is a fresh SQLite file in a temporary directory, removed
+    /// afterwards. The baseline's table, bucket or keys are removed at the
+    /// end; the ledger's records stay under tenant bench-<run id>, kept one
+    /// hour. Exits 1, naming the row, if any effect ran twice or never.
+    Bench(BenchArgs),
     /// Print one effect's record as JSON.
     ///
     /// The key is the displayed form tenant/kind:subject, e.g.
@@ -151,6 +177,32 @@ struct DemoArgs {
     seed: Option<u64>,
 }
 
+#[derive(Debug, Args)]
+struct BenchArgs {
+    /// How many jobs; each is delivered twice.
+    #[arg(long, default_value_t = 5_000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    jobs: u32,
+    /// How many workers send the concurrent deliveries (each has one job's
+    /// two deliveries, or one batch's, in flight).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    workers: u32,
+    /// Jobs per batch in the batch rows.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    batch: u32,
+    /// Run against this database instead of a temporary SQLite file
+    /// (sqlite:PATH?mode=rwc, postgres://USER@HOST/DB, mysql://USER@HOST/DB
+    /// or mariadb://, redis://HOST:PORT, redis+cluster://HOST:PORT,HOST:PORT,...,
+    /// nats://HOST:PORT[,HOST:PORT...][?bucket=NAME&replicas=1|3], memory:).
+    /// Like the demo, the bench ignores ONCELY_DATABASE_URL: it writes only
+    /// where it is told to.
+    #[arg(long)]
+    database_url: Option<String>,
+    /// Print exactly one JSON object on stdout instead of the table (and no
+    /// progress bar).
+    #[arg(long)]
+    json: bool,
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
@@ -166,6 +218,7 @@ fn main() -> ExitCode {
 async fn run(command: Command) -> ExitCode {
     match command {
         Command::Demo(args) => run_demo(args).await,
+        Command::Bench(args) => run_bench(args).await,
         Command::Get { key, db } => match ops::get(&db.database_url, &key).await {
             Ok(Some(record)) => print_json(&RecordView::from(&record)),
             Ok(None) => {
@@ -274,6 +327,71 @@ fn print_table(r: &DemoReport, kept: bool) {
     }
 }
 
+async fn run_bench(args: BenchArgs) -> ExitCode {
+    let config = BenchConfig {
+        jobs: args.jobs,
+        workers: args.workers as usize,
+        batch: args.batch as usize,
+        database_url: args.database_url.clone(),
+    };
+    let progress = Arc::new(Bar {
+        enabled: !args.json && std::io::stderr().is_terminal(),
+        bar: Mutex::new(None),
+    });
+    // On Ctrl-C the bench's future is dropped, which removes its temporary
+    // SQLite directory; a baseline table, bucket or keys on a server stay
+    // (the Redis keys expire within an hour).
+    let report = tokio::select! {
+        r = bench::run(&config, progress.clone()) => match r {
+            Ok(r) => r,
+            Err(e) => return fail(&e),
+        },
+        _ = tokio::signal::ctrl_c() => {
+            bench::Progress::finish(progress.as_ref());
+            eprintln!("interrupted");
+            return ExitCode::from(130);
+        }
+    };
+    if args.json {
+        let _ = print_json(&report);
+    } else {
+        print_bench_table(&report);
+    }
+    bench_verdict(&report)
+}
+
+/// Exit 1, naming each row, when an effect ran twice (or never) or a
+/// delivery got another job's outcome; 0 otherwise.
+fn bench_verdict(report: &BenchReport) -> ExitCode {
+    let problems = report.problems();
+    if problems.is_empty() {
+        return ExitCode::SUCCESS;
+    }
+    for p in problems {
+        eprintln!("error: {p}");
+    }
+    ExitCode::from(1)
+}
+
+fn print_bench_table(r: &BenchReport) {
+    println!(
+        "oncely bench: {} jobs x {} deliveries, {} workers, batches of {}, {} ledger (tenant {})",
+        r.jobs, r.deliveries_per_job, r.workers, r.batch, r.backend, r.tenant
+    );
+    println!("hand-written: {}", r.baseline);
+    println!();
+    println!("{}", r.table());
+    println!();
+    println!(
+        "claim: one claim or claim_many call (hand-written: its insert, and its read on a duplicate); \
+         wake-up: from the first delivery's return to the waiting duplicate's; \
+         ratio: deliveries/s over the hand-written row's."
+    );
+    if r.problems().is_empty() {
+        println!("Every effect ran exactly once.");
+    }
+}
+
 fn print_json<T: serde::Serialize>(value: &T) -> ExitCode {
     match serde_json::to_string(value) {
         Ok(s) => {
@@ -328,5 +446,83 @@ impl Progress for Bar {
         if let Some(bar) = self.bar.lock().unwrap_or_else(|p| p.into_inner()).take() {
             bar.finish_and_clear();
         }
+    }
+}
+
+/// The bench's progress bar: one per row, drawn only on a terminal.
+impl bench::Progress for Bar {
+    fn start(&self, row: &str, deliveries: u64) {
+        if !self.enabled {
+            return;
+        }
+        let bar = ProgressBar::with_draw_target(Some(deliveries), ProgressDrawTarget::stderr());
+        if let Ok(style) = ProgressStyle::with_template("{prefix:>38} [{bar:30}] {pos}/{len} {elapsed}") {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        bar.set_prefix(row.to_owned());
+        *self.bar.lock().unwrap_or_else(|p| p.into_inner()) = Some(bar);
+    }
+
+    fn delivered(&self, n: u64) {
+        if let Some(bar) = self.bar.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            bar.inc(n);
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = self.bar.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use oncely_cli::bench::{Guard, Latency, Mode, Policy, RowReport};
+
+    fn row(effects: u64, twice: u64) -> RowReport {
+        RowReport {
+            name: "concurrent, single, oncely Wait".to_owned(),
+            mode: Mode::Concurrent,
+            batch: 1,
+            guard: Guard::Oncely(Policy::Wait),
+            policy: Some(Policy::Wait),
+            jobs: 200,
+            deliveries: 400,
+            seconds: 0.5,
+            deliveries_per_sec: 800.0,
+            claim_calls: 420,
+            claim_latency: Latency::of(vec![std::time::Duration::from_micros(250); 420]),
+            in_progress_answers: 20,
+            waiters: 20,
+            wake_up_latency: Latency::of(vec![std::time::Duration::from_micros(90); 20]),
+            rejected: 0,
+            retries: 0,
+            effects,
+            jobs_run_twice: twice,
+            jobs_not_run: 0,
+            wrong_outcomes: 0,
+            ratio: Some(0.7),
+        }
+    }
+
+    fn report(row: RowReport) -> BenchReport {
+        BenchReport {
+            backend: "memory",
+            jobs: 200,
+            deliveries_per_job: 2,
+            workers: 8,
+            batch: 100,
+            tenant: "bench-test".to_owned(),
+            baseline: "a mutex-guarded map",
+            rows: vec![row],
+        }
+    }
+
+    #[test]
+    fn a_report_with_a_duplicate_effect_fails_the_command() {
+        assert_eq!(bench_verdict(&report(row(200, 0))), ExitCode::SUCCESS);
+        assert_eq!(bench_verdict(&report(row(201, 1))), ExitCode::from(1));
     }
 }

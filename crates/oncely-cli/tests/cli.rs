@@ -627,3 +627,114 @@ fn demo_exits_nonzero_only_for_oncely_duplicates() {
     assert_eq!(v["naive"]["duplicate_charges"], 0);
     assert_eq!(v["oncely"]["charges"], 10);
 }
+
+/// Runs `bench --json` on `url` (or the default SQLite file) with a small
+/// workload and checks what the bench promises: one JSON object, every
+/// row's effects equal to its jobs, each oncely row paired with a
+/// hand-written row and a ratio, waiters woken in the concurrent Wait row.
+fn bench_on(url: Option<&str>, backend: &str) {
+    let mut args = vec![
+        "bench",
+        "--json",
+        "--jobs",
+        "60",
+        "--workers",
+        "4",
+        "--batch",
+        "20",
+    ];
+    if let Some(url) = url {
+        args.extend_from_slice(&["--database-url", url]);
+    }
+    let out = oncely(&args);
+    assert!(
+        out.status.success(),
+        "bench failed: {}\n{}",
+        stderr(&out),
+        stdout(&out)
+    );
+    let text = stdout(&out);
+    assert_eq!(text.lines().count(), 1, "exactly one JSON line on stdout: {text}");
+    let v: Value = serde_json::from_str(&text).expect("stdout is JSON");
+    assert_eq!(v["backend"], backend, "{v}");
+    let rows = v["rows"].as_array().expect("rows");
+    // Sequential and concurrent, single and batch; hand-written, oncely
+    // Wait, and concurrently oncely Reject.
+    assert_eq!(rows.len(), 10, "{v}");
+    for row in rows {
+        let name = row["name"].as_str().unwrap();
+        assert_eq!(row["jobs"], 60, "{name}: {row}");
+        assert_eq!(row["effects"], 60, "{name}: every effect exactly once: {row}");
+        assert_eq!(row["jobs_run_twice"], 0, "{name}: {row}");
+        assert_eq!(row["wrong_outcomes"], 0, "{name}: {row}");
+        assert_eq!(row["deliveries"], 120, "{name}: {row}");
+        assert!(row["deliveries_per_sec"].as_f64().unwrap() > 0.0, "{name}: {row}");
+        assert!(row["ratio"].as_f64().unwrap() > 0.0, "{name}: {row}");
+        assert!(
+            row["claim_latency"]["samples"].as_u64().unwrap() > 0,
+            "{name}: {row}"
+        );
+    }
+    let names: Vec<&str> = rows.iter().map(|r| r["name"].as_str().unwrap()).collect();
+    for want in [
+        "sequential, single, hand-written",
+        "concurrent, single, oncely Wait",
+        "concurrent, single, oncely Reject",
+        "concurrent, batch 20, oncely Wait",
+    ] {
+        assert!(names.contains(&want), "no row {want:?} in {names:?}");
+    }
+}
+
+#[test]
+fn bench_on_the_default_sqlite_file() {
+    bench_on(None, "sqlite");
+}
+
+#[test]
+fn bench_on_memory() {
+    bench_on(Some("memory:"), "memory");
+}
+
+#[test]
+fn bench_on_postgres() {
+    let Some(url) = reachable(
+        "ONCELY_POSTGRES_URL",
+        "postgres://postgres@127.0.0.1:5432/test",
+        "PostgreSQL",
+    ) else {
+        return;
+    };
+    bench_on(Some(&url), "postgres");
+}
+
+#[cfg(feature = "mysql")]
+#[test]
+fn bench_on_mysql() {
+    let Some(url) = reachable(
+        "ONCELY_MYSQL_URL",
+        "mysql://root@127.0.0.1:3306/test",
+        "MySQL/MariaDB",
+    ) else {
+        return;
+    };
+    bench_on(Some(&url), "mysql");
+}
+
+#[cfg(feature = "redis")]
+#[test]
+fn bench_on_redis() {
+    let Some(url) = reachable("ONCELY_REDIS_URL", "redis://127.0.0.1:6379", "Redis") else {
+        return;
+    };
+    bench_on(Some(&url), "redis");
+}
+
+#[cfg(feature = "nats")]
+#[test]
+fn bench_on_nats() {
+    let Some(url) = reachable("ONCELY_NATS_URL", "nats://127.0.0.1:4222", "NATS") else {
+        return;
+    };
+    bench_on(Some(&url), "nats");
+}

@@ -1,22 +1,45 @@
-//! Claim + complete of a fresh key: `PgLedger` against hand-written sqlx
-//! doing the same two round trips on an identical table of the same server.
+//! `PgLedger` against hand-written sqlx doing the same work on an identical
+//! table of the same server, in the same run.
 //!
-//! - `oncely`: `Ledger::claim` + `Ledger::complete`.
-//! - `baseline`: `INSERT … ON CONFLICT (key) DO NOTHING RETURNING fence`,
-//!   then the fenced `UPDATE … WHERE key = $1 AND fence = $2 AND state = 'in_progress'`.
-//! - `baseline_plus_guard`: the baseline with the leaked-transaction guard
-//!   (the `pg_cursors` lookup) added to both statements: the guard's cost alone.
+//! - `claim_complete_{1_task,8_tasks}`: claim + complete of a fresh key.
+//!   `baseline`: `INSERT … ON CONFLICT (key) DO NOTHING RETURNING fence`,
+//!   then the fenced `UPDATE … WHERE key = $1 AND fence = $2 AND state =
+//!   'in_progress'`; `baseline_plus_guard`: the same with the
+//!   leaked-transaction guard (the `pg_cursors` lookup) in both statements.
+//! - `storm_{sequential,concurrent}`: the duplicate storm. Every job is
+//!   delivered twice; sequential delivers the second after the first
+//!   finished, concurrent delivers both at the same instant (4 jobs in
+//!   flight, so 8 deliveries at once). One iteration is one job (two
+//!   deliveries). `oncely_wait`: `Effects::run` with the `Wait` policy (the
+//!   duplicate waits for the outcome: woken by the ledger's notification);
+//!   `oncely_reject`: the `Reject` policy (a duplicate that finds the effect
+//!   in progress fails at once with `InProgress`); `baseline`: the claim
+//!   insert above, the effect and the completion by whoever inserted, and
+//!   one `SELECT` of the row by the duplicate (which does not wait). The
+//!   effect must run once per job: a job run twice panics the bench.
+//! - `batch_100`: claim + complete of 100 fresh keys. `oncely_batch`:
+//!   `claim_many` + `complete_many` (one statement each); `baseline_batch`:
+//!   the two hand-written statements over `unnest` arrays; `oncely_single`:
+//!   the same 100 keys claimed and completed one at a time. One iteration is
+//!   one batch of 100.
+//!
+//! Before the timed groups, a report (stderr) of what each storm variant
+//! costs the server per job: WAL bytes, transaction ids and server CPU (the
+//! sum over the server's processes of `/proc/<pid>/schedstat`). The server
+//! is shared: anything else it runs meanwhile is counted too.
 //!
 //! Needs PostgreSQL at `ONCELY_POSTGRES_URL` (default
-//! `postgres://postgres@127.0.0.1:5432/test`).
+//! `postgres://postgres@127.0.0.1:5432/test`):
+//! `cargo bench -p oncely-postgres --bench claim`.
 #![allow(missing_docs)]
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use oncely::{Claim, ClaimOptions, EffectKey, Ledger, Outcome, Tenant};
+use oncely::{Claim, ClaimOptions, EffectKey, Effects, Ledger, OnInProgress, Outcome, Tenant};
 use oncely_postgres::{PgLedger, PgLedgerOptions};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -31,8 +54,24 @@ fn next_subject() -> String {
 
 struct Setup {
     ledger: PgLedger,
+    effects: Effects<PgLedger>,
     pool: PgPool,
     tenant: Tenant,
+    /// How many times a storm's effect ran, and how many jobs it was given.
+    ran: AtomicU64,
+    jobs: AtomicU64,
+}
+
+impl Setup {
+    fn key(&self) -> EffectKey {
+        EffectKey::new(&self.tenant, "capture", next_subject()).unwrap()
+    }
+
+    /// Panics if any job's effect ran more than once (or never).
+    fn check_once(&self) {
+        let (ran, jobs) = (self.ran.load(Ordering::SeqCst), self.jobs.load(Ordering::SeqCst));
+        assert_eq!(ran, jobs, "effects executed {ran} for {jobs} jobs");
+    }
 }
 
 const CLAIM: &str = "INSERT INTO oncely_bench_baseline (key, tenant, kind, subject, state, fence, \
@@ -45,6 +84,21 @@ const COMPLETE: &str = "UPDATE oncely_bench_baseline SET state = 'completed', ou
      lease_expires_at = NULL, updated_at = now(), \
      retain_until = now() + retention_us * interval '1 microsecond' \
      WHERE key = $1 AND fence = $2 AND state = 'in_progress'";
+
+const READ: &str = "SELECT state, outcome FROM oncely_bench_baseline WHERE key = $1";
+
+const CLAIM_BATCH: &str = "INSERT INTO oncely_bench_baseline (key, tenant, kind, subject, state, fence, \
+     fingerprint, outcome, at_most_once, created_at, updated_at, lease_expires_at, retain_until, retention_us) \
+     SELECT i.key, i.tenant, i.kind, i.subject, 'in_progress', 1, NULL, NULL, false, now(), now(), \
+     now() + $5::bigint * interval '1 microsecond', now() + $6::bigint * interval '1 microsecond', $6 \
+     FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) AS i(key, tenant, kind, subject) \
+     ON CONFLICT (key) DO NOTHING RETURNING key, fence";
+
+const COMPLETE_BATCH: &str = "UPDATE oncely_bench_baseline AS e SET state = 'completed', outcome = i.outcome, \
+     lease_expires_at = NULL, updated_at = now(), \
+     retain_until = now() + e.retention_us * interval '1 microsecond' \
+     FROM unnest($1::text[], $2::bigint[], $3::bytea[]) AS i(key, fence, outcome) \
+     WHERE e.key = i.key AND e.fence = i.fence AND e.state = 'in_progress'";
 
 const GUARD: &str = "coalesce((SELECT c.creation_time = transaction_timestamp() \
      FROM pg_catalog.pg_cursors c WHERE c.name = ''), false)";
@@ -72,34 +126,41 @@ async fn setup() -> Setup {
         .await
         .unwrap();
     Setup {
+        effects: Effects::new(ledger.clone()),
         ledger,
         pool,
         tenant: Tenant::new(format!("bench{}", std::process::id())).unwrap(),
+        ran: AtomicU64::new(0),
+        jobs: AtomicU64::new(0),
     }
 }
 
-async fn oncely_once(ledger: &PgLedger, tenant: &Tenant, opts: &ClaimOptions, outcome: &Outcome) {
-    let key = EffectKey::new(tenant, "capture", next_subject()).unwrap();
-    match ledger.claim(&key, opts).await.unwrap() {
+fn outcome() -> Outcome {
+    Outcome::from_json(&serde_json::json!({"charge": "ch_1", "amount": 1250})).unwrap()
+}
+
+async fn oncely_once(ledger: &PgLedger, key: &EffectKey, opts: &ClaimOptions, outcome: &Outcome) {
+    match ledger.claim(key, opts).await.unwrap() {
         Claim::Acquired(lease) => ledger.complete(&lease, outcome).await.unwrap(),
         other => panic!("{other:?}"),
     }
 }
 
-async fn baseline_once(pool: &PgPool, tenant: &Tenant, opts: &ClaimOptions, outcome: &Outcome, sql: &Sql) {
-    let key = EffectKey::new(tenant, "capture", next_subject()).unwrap();
-    let fence: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.claim.clone()))
+async fn baseline_claim(pool: &PgPool, key: &EffectKey, opts: &ClaimOptions, sql: &str) -> Option<i64> {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
         .bind(key.as_str())
-        .bind(tenant.as_str())
+        .bind(key.tenant().as_str())
         .bind(key.kind())
         .bind(key.subject())
         .bind(oncely::backend::duration_micros(opts.lease))
         .bind(oncely::backend::duration_micros(opts.retention))
         .fetch_optional(pool)
         .await
-        .unwrap();
-    let fence = fence.expect("fresh key acquired");
-    let done = sqlx::query(sqlx::AssertSqlSafe(sql.complete.clone()))
+        .unwrap()
+}
+
+async fn baseline_complete(pool: &PgPool, key: &EffectKey, fence: i64, outcome: &Outcome, sql: &str) {
+    let done = sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
         .bind(key.as_str())
         .bind(fence)
         .bind(outcome.as_bytes())
@@ -109,10 +170,17 @@ async fn baseline_once(pool: &PgPool, tenant: &Tenant, opts: &ClaimOptions, outc
     assert_eq!(done.rows_affected(), 1);
 }
 
+async fn baseline_once(pool: &PgPool, key: &EffectKey, opts: &ClaimOptions, outcome: &Outcome, sql: &Sql) {
+    let fence = baseline_claim(pool, key, opts, &sql.claim)
+        .await
+        .expect("fresh key acquired");
+    baseline_complete(pool, key, fence, outcome, &sql.complete).await;
+}
+
 #[derive(Clone)]
 struct Sql {
-    claim: Arc<str>,
-    complete: Arc<str>,
+    claim: String,
+    complete: String,
 }
 
 impl Sql {
@@ -133,14 +201,13 @@ impl Sql {
      now() + $5::bigint * interval '1 microsecond', now() + $6::bigint * interval '1 microsecond', $6 \
      WHERE GUARD",
                 )
-                .replace("GUARD", GUARD)
-                .into(),
-            complete: format!("{COMPLETE} AND {GUARD}").into(),
+                .replace("GUARD", GUARD),
+            complete: format!("{COMPLETE} AND {GUARD}"),
         }
     }
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 enum Side {
     Oncely,
     Baseline,
@@ -149,7 +216,7 @@ enum Side {
 
 async fn run(setup: Arc<Setup>, side: Side, tasks: u64, iters: u64) -> Duration {
     let opts = ClaimOptions::default();
-    let outcome = Outcome::from_json(&serde_json::json!({"charge": "ch_1", "amount": 1250})).unwrap();
+    let outcome = outcome();
     let start = Instant::now();
     let mut handles = Vec::new();
     for t in 0..tasks {
@@ -161,10 +228,11 @@ async fn run(setup: Arc<Setup>, side: Side, tasks: u64, iters: u64) -> Duration 
                 _ => Sql::plain(),
             };
             for _ in 0..n {
+                let key = setup.key();
                 match side {
-                    Side::Oncely => oncely_once(&setup.ledger, &setup.tenant, &opts, &outcome).await,
+                    Side::Oncely => oncely_once(&setup.ledger, &key, &opts, &outcome).await,
                     Side::Baseline | Side::BaselineGuarded => {
-                        baseline_once(&setup.pool, &setup.tenant, &opts, &outcome, &sql).await
+                        baseline_once(&setup.pool, &key, &opts, &outcome, &sql).await
                     }
                 }
             }
@@ -176,6 +244,230 @@ async fn run(setup: Arc<Setup>, side: Side, tasks: u64, iters: u64) -> Duration 
     start.elapsed()
 }
 
+/// A storm variant: who delivers.
+#[derive(Clone, Copy, Debug)]
+enum Storm {
+    OncelyWait,
+    OncelyReject,
+    Baseline,
+}
+
+/// One delivery of the job `key`.
+async fn deliver(setup: &Setup, storm: Storm, key: &EffectKey, outcome: &Outcome) {
+    let ran = || {
+        setup.ran.fetch_add(1, Ordering::SeqCst);
+    };
+    match storm {
+        Storm::OncelyWait | Storm::OncelyReject => {
+            let policy = match storm {
+                Storm::OncelyWait => OnInProgress::Wait {
+                    max: Duration::from_secs(30),
+                },
+                _ => OnInProgress::Reject,
+            };
+            let opts = ClaimOptions::default().on_in_progress(policy);
+            let answer = setup
+                .effects
+                .run(key, &opts, |_lease| async {
+                    ran();
+                    Ok(serde_json::json!({"charge": "ch_1", "amount": 1250}))
+                })
+                .await;
+            match answer {
+                Ok(_) => {}
+                Err(e) if e.is_in_progress() && matches!(storm, Storm::OncelyReject) => {}
+                Err(e) => panic!("{key}: {e:?}"),
+            }
+        }
+        Storm::Baseline => {
+            let opts = ClaimOptions::default();
+            match baseline_claim(&setup.pool, key, &opts, CLAIM).await {
+                Some(fence) => {
+                    ran();
+                    baseline_complete(&setup.pool, key, fence, outcome, COMPLETE).await;
+                }
+                None => {
+                    let row: Option<(String, Option<Vec<u8>>)> = sqlx::query_as(READ)
+                        .bind(key.as_str())
+                        .fetch_optional(&setup.pool)
+                        .await
+                        .unwrap();
+                    assert!(row.is_some());
+                }
+            }
+        }
+    }
+}
+
+/// `jobs` jobs, each delivered twice: one after the other (`concurrent`
+/// false, one job at a time), or both at once with 4 jobs in flight.
+async fn storm(setup: Arc<Setup>, storm: Storm, concurrent: bool, jobs: u64) -> Duration {
+    let workers = if concurrent { 4 } else { 1 };
+    setup.jobs.fetch_add(jobs, Ordering::SeqCst);
+    let start = Instant::now();
+    let mut handles = Vec::new();
+    for w in 0..workers {
+        let n = jobs / workers + u64::from(w < jobs % workers);
+        let setup = setup.clone();
+        handles.push(tokio::spawn(async move {
+            let outcome = outcome();
+            for _ in 0..n {
+                let key = setup.key();
+                if concurrent {
+                    tokio::join!(
+                        deliver(&setup, storm, &key, &outcome),
+                        deliver(&setup, storm, &key, &outcome)
+                    );
+                } else {
+                    deliver(&setup, storm, &key, &outcome).await;
+                    deliver(&setup, storm, &key, &outcome).await;
+                }
+            }
+        }));
+    }
+    for h in handles {
+        h.await.unwrap();
+    }
+    let elapsed = start.elapsed();
+    setup.check_once();
+    elapsed
+}
+
+/// A batch variant.
+#[derive(Clone, Copy, Debug)]
+enum Batch {
+    Oncely,
+    Baseline,
+    OncelySingle,
+}
+
+const BATCH: usize = 100;
+
+async fn batch(setup: &Setup, how: Batch) {
+    let keys: Vec<EffectKey> = (0..BATCH).map(|_| setup.key()).collect();
+    let opts = ClaimOptions::default();
+    let outcome = outcome();
+    match how {
+        Batch::Oncely => {
+            let items: Vec<_> = setup
+                .ledger
+                .claim_many(&keys, &opts)
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|c| match c.unwrap() {
+                    Claim::Acquired(l) => (l, outcome.clone()),
+                    other => panic!("{other:?}"),
+                })
+                .collect();
+            for done in setup.ledger.complete_many(&items).await {
+                done.unwrap();
+            }
+        }
+        Batch::OncelySingle => {
+            for key in &keys {
+                oncely_once(&setup.ledger, key, &opts, &outcome).await;
+            }
+        }
+        Batch::Baseline => {
+            let col = |f: fn(&EffectKey) -> &str| keys.iter().map(f).collect::<Vec<_>>();
+            let rows: Vec<(String, i64)> = sqlx::query_as(CLAIM_BATCH)
+                .bind(col(EffectKey::as_str))
+                .bind(col(|k| k.tenant().as_str()))
+                .bind(col(EffectKey::kind))
+                .bind(col(EffectKey::subject))
+                .bind(oncely::backend::duration_micros(opts.lease))
+                .bind(oncely::backend::duration_micros(opts.retention))
+                .fetch_all(&setup.pool)
+                .await
+                .unwrap();
+            assert_eq!(rows.len(), BATCH);
+            let (ks, fences): (Vec<String>, Vec<i64>) = rows.into_iter().unzip();
+            let outcomes: Vec<&[u8]> = ks.iter().map(|_| outcome.as_bytes()).collect();
+            let done = sqlx::query(COMPLETE_BATCH)
+                .bind(&ks)
+                .bind(&fences)
+                .bind(&outcomes)
+                .execute(&setup.pool)
+                .await
+                .unwrap();
+            assert_eq!(done.rows_affected(), BATCH as u64);
+        }
+    }
+}
+
+/// CPU time of every server process (`postgres`), by pid, in nanoseconds.
+fn server_cpu() -> HashMap<u32, u64> {
+    let mut cpu = HashMap::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return cpu;
+    };
+    for entry in dir.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+        if comm.trim() != "postgres" {
+            continue;
+        }
+        let stat = std::fs::read_to_string(entry.path().join("schedstat")).unwrap_or_default();
+        if let Some(ns) = stat.split_whitespace().next().and_then(|n| n.parse().ok()) {
+            cpu.insert(pid, ns);
+        }
+    }
+    cpu
+}
+
+async fn wal_and_xid(pool: &PgPool) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint, \
+         pg_snapshot_xmax(pg_current_snapshot())::text::bigint",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// Per job: WAL bytes, transaction ids and server CPU of each storm variant.
+async fn report(setup: Arc<Setup>) {
+    const JOBS: u64 = 1000;
+    eprintln!("\nserver cost per job of {JOBS} jobs x 2 deliveries (the whole server: noisy if shared)");
+    eprintln!(
+        "{:<28} {:>10} {:>10} {:>12} {:>14}",
+        "variant", "WAL B/job", "xids/job", "CPU us/job", "deliveries/s"
+    );
+    for concurrent in [false, true] {
+        for s in [Storm::Baseline, Storm::OncelyWait, Storm::OncelyReject] {
+            if !concurrent && matches!(s, Storm::OncelyReject) {
+                continue; // sequential duplicates never find one in progress
+            }
+            let (wal0, xid0) = wal_and_xid(&setup.pool).await;
+            let cpu0 = server_cpu();
+            let elapsed = storm(setup.clone(), s, concurrent, JOBS).await;
+            let cpu1 = server_cpu();
+            let (wal1, xid1) = wal_and_xid(&setup.pool).await;
+            let cpu: u64 = cpu1
+                .iter()
+                .filter_map(|(pid, ns)| cpu0.get(pid).map(|before| ns.saturating_sub(*before)))
+                .sum();
+            let mode = if concurrent { "concurrent" } else { "sequential" };
+            eprintln!(
+                "{:<28} {:>10.0} {:>10.2} {:>12.0} {:>14.0}",
+                format!("{mode} {s:?}"),
+                (wal1 - wal0) as f64 / JOBS as f64,
+                (xid1 - xid0) as f64 / JOBS as f64,
+                cpu as f64 / 1000.0 / JOBS as f64,
+                (2 * JOBS) as f64 / elapsed.as_secs_f64(),
+            );
+        }
+    }
+    let status = setup.ledger.listener_status();
+    eprintln!(
+        "listener: listening {}, {} notifications\n",
+        status.listening, status.notifications
+    );
+}
+
 fn bench(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -183,6 +475,9 @@ fn bench(c: &mut Criterion) {
         .build()
         .unwrap();
     let setup = Arc::new(rt.block_on(setup()));
+    if std::env::var_os("ONCELY_BENCH_NO_REPORT").is_none() {
+        rt.block_on(report(setup.clone()));
+    }
     for (group_name, tasks) in [
         ("postgres/claim_complete_1_task", 1u64),
         ("postgres/claim_complete_8_tasks", 8),
@@ -205,6 +500,56 @@ fn bench(c: &mut Criterion) {
         }
         group.finish();
     }
+    for (group_name, concurrent) in [
+        ("postgres/storm_sequential", false),
+        ("postgres/storm_concurrent", true),
+    ] {
+        let mut group = c.benchmark_group(group_name);
+        group
+            .sample_size(20)
+            .measurement_time(Duration::from_secs(5))
+            .warm_up_time(Duration::from_secs(1));
+        for (name, s) in [
+            ("oncely_wait", Storm::OncelyWait),
+            ("oncely_reject", Storm::OncelyReject),
+            ("baseline", Storm::Baseline),
+        ] {
+            if !concurrent && matches!(s, Storm::OncelyReject) {
+                continue;
+            }
+            let setup = setup.clone();
+            group.bench_function(name, |b| {
+                b.to_async(&rt)
+                    .iter_custom(|iters| storm(setup.clone(), s, concurrent, iters))
+            });
+        }
+        group.finish();
+    }
+    let mut group = c.benchmark_group("postgres/batch_100");
+    group
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(5))
+        .warm_up_time(Duration::from_secs(1));
+    for (name, how) in [
+        ("oncely_batch", Batch::Oncely),
+        ("baseline_batch", Batch::Baseline),
+        ("oncely_single", Batch::OncelySingle),
+    ] {
+        let setup = setup.clone();
+        group.bench_function(name, |b| {
+            b.to_async(&rt).iter_custom(|iters| {
+                let setup = setup.clone();
+                async move {
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        batch(&setup, how).await;
+                    }
+                    start.elapsed()
+                }
+            })
+        });
+    }
+    group.finish();
 }
 
 criterion_group!(benches, bench);

@@ -38,6 +38,7 @@ mod orders;
 mod report;
 mod workload;
 
+pub(crate) use orders::sql_error;
 use orders::{Orders, scratch_sqlite};
 pub use report::{DemoReport, RunReport};
 use workload::{DEMO_RETENTION, Delivery, Provider, delivery_queue, run_guard};
@@ -144,7 +145,7 @@ pub async fn run(config: &DemoConfig, progress: Arc<dyn Progress>) -> Result<Dem
     let (url, _scratch) = match &config.database_url {
         Some(url) => (url.clone(), None),
         None => {
-            let dir = scratch_dir()?;
+            let dir = scratch_dir("oncely-demo-")?;
             let url = sqlite_url(&dir.path().join("oncely-demo.db"));
             (url, Some(dir))
         }
@@ -156,7 +157,7 @@ pub async fn run(config: &DemoConfig, progress: Arc<dyn Progress>) -> Result<Dem
         // orders in a scratch SQLite file so the naive guard still reads a
         // real table.
         None => {
-            let dir = scratch_dir()?;
+            let dir = scratch_dir("oncely-demo-")?;
             let pool = scratch_sqlite(&dir.path().join("orders.db"), config.workers).await?;
             (AnyPool::Sqlite(pool), Some(dir))
         }
@@ -222,20 +223,23 @@ async fn run_both(
     })
 }
 
-fn scratch_dir() -> Result<tempfile::TempDir> {
+/// A fresh temporary directory whose name starts with `prefix`, removed
+/// when dropped.
+pub(crate) fn scratch_dir(prefix: &str) -> Result<tempfile::TempDir> {
     tempfile::Builder::new()
-        .prefix("oncely-demo-")
+        .prefix(prefix)
         .tempdir()
         .map_err(|e| Error::Config(format!("cannot create a temporary directory: {e}")))
 }
 
-fn sqlite_url(path: &std::path::Path) -> String {
+/// The URL of a SQLite file, created if missing.
+pub(crate) fn sqlite_url(path: &std::path::Path) -> String {
     format!("sqlite://{}?mode=rwc", path.display())
 }
 
 /// 12 hex digits from the clock and the process id: unique enough that two
-/// demos on one database never share a table or a tenant.
-fn run_id() -> String {
+/// demos (or benches) on one database never share a table or a tenant.
+pub(crate) fn run_id() -> String {
     let mut rng = fastrand::Rng::with_seed(clock_seed() ^ (u64::from(std::process::id()) << 32));
     format!("{:012x}", rng.u64(..) & 0xffff_ffff_ffff)
 }

@@ -118,9 +118,15 @@ async fn exec(pool: &AnyPool, sql: String) -> Result<()> {
         .map_err(|e| db_error(backend, e)))
 }
 
-/// Maps a driver error on the orders table; busy and locked databases,
-/// pool timeouts and I/O errors are worth a retry.
+/// Maps a driver error on the orders table.
 fn db_error(backend: &'static str, e: sqlx::Error) -> Error {
+    sql_error(backend, "demo orders table", e)
+}
+
+/// Maps a driver error on a table of the demo's or the bench's own, saying
+/// `what` it was about; busy and locked databases, deadlocks, pool timeouts
+/// and I/O errors are worth a retry.
+pub(crate) fn sql_error(backend: &'static str, what: &str, e: sqlx::Error) -> Error {
     let retryable = match &e {
         sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) => true,
         sqlx::Error::Database(d) => {
@@ -137,7 +143,7 @@ fn db_error(backend: &'static str, e: sqlx::Error) -> Error {
     };
     Error::Backend {
         backend,
-        message: format!("demo orders table: {e}"),
+        message: format!("{what}: {e}"),
         retryable,
     }
 }

@@ -1,0 +1,149 @@
+//! The hand-written minimum each oncely row is compared with, per backend:
+//! insert the outcome if the key is absent (the delivery that inserted runs
+//! the effect), read the stored outcome on a duplicate. On the ledger's own
+//! database or server, in a table, bucket or key space of its own.
+
+use oncely::{Error, Result};
+
+use crate::any::AnyLedger;
+
+mod memory;
+#[cfg(feature = "nats")]
+mod nats;
+#[cfg(feature = "redis")]
+mod redis;
+mod sql;
+
+/// What the hand-written code answered for one key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Answer {
+    /// This delivery inserted the key: it runs the effect.
+    Won,
+    /// The key was there: its stored outcome.
+    Duplicate(String),
+}
+
+/// The hand-written baseline on one backend.
+pub(super) enum Baseline {
+    Sql(sql::SqlBaseline),
+    #[cfg(feature = "redis")]
+    Redis(redis::RedisBaseline),
+    #[cfg(feature = "nats")]
+    // A KV store handle is large; the others are a few pointers.
+    Nats(Box<nats::NatsBaseline>),
+    Memory(memory::MemoryBaseline),
+}
+
+macro_rules! each {
+    ($self:expr, $b:ident => $body:expr) => {
+        match $self {
+            Baseline::Sql($b) => $body,
+            #[cfg(feature = "redis")]
+            Baseline::Redis($b) => $body,
+            #[cfg(feature = "nats")]
+            Baseline::Nats($b) => $body,
+            Baseline::Memory($b) => $body,
+        }
+    };
+}
+
+impl Baseline {
+    /// Sets the baseline up next to `ledger`: a table in its SQL database
+    /// (on its pool), a connection to its Redis or NATS server(s) from the
+    /// same URL, or a map for `memory:`.
+    pub(super) async fn open(ledger: &AnyLedger, url: &str, run_id: &str) -> Result<Baseline> {
+        if let Some(pool) = ledger.pool() {
+            return Ok(Baseline::Sql(sql::SqlBaseline::create(pool, run_id).await?));
+        }
+        match ledger {
+            #[cfg(feature = "redis")]
+            AnyLedger::Redis(_) => Ok(Baseline::Redis(redis::RedisBaseline::connect(url, run_id).await?)),
+            #[cfg(feature = "nats")]
+            AnyLedger::Nats(_) => Ok(Baseline::Nats(Box::new(
+                nats::NatsBaseline::create(url, run_id).await?,
+            ))),
+            AnyLedger::Memory(_) => Ok(Baseline::Memory(memory::MemoryBaseline::default())),
+            #[allow(unreachable_patterns)]
+            other => {
+                let _ = url;
+                Err(Error::Config(format!(
+                    "the bench has no hand-written baseline for the {} backend",
+                    other.scheme()
+                )))
+            }
+        }
+    }
+
+    /// What the hand-written code does, for the report.
+    pub(super) fn describe(&self) -> &'static str {
+        each!(self, b => b.describe())
+    }
+
+    /// The baseline's key for a row's job.
+    pub(super) fn key(&self, row: &str, job: usize) -> String {
+        each!(self, b => b.key(row, job))
+    }
+
+    /// Inserts `outcome` under `key` unless the key exists; otherwise reads
+    /// what is stored.
+    pub(super) async fn claim(&self, key: &str, outcome: &str) -> Result<Answer> {
+        each!(self, b => b.claim(key, outcome).await)
+    }
+
+    /// [`Baseline::claim`] for several distinct keys at once, one answer per
+    /// key in order: one statement (plus one read for the duplicates) on SQL,
+    /// pipelined requests on Redis and NATS.
+    pub(super) async fn claim_many(&self, items: &[(String, String)]) -> Result<Vec<Answer>> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        each!(self, b => b.claim_many(items).await)
+    }
+
+    /// Removes what the baseline created: the table, the bucket, or `keys`
+    /// (Redis, whose keys also expire on their own).
+    pub(super) async fn remove(&self, keys: &[String]) -> Result<()> {
+        each!(self, b => b.remove(keys).await)
+    }
+}
+
+/// How long the baseline's keys live where the backend expires them
+/// (Redis), in case the run is interrupted before it removes them.
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+const KEY_TTL: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// An error of the baseline's own statements, named as such so that nobody
+/// takes it for the ledger's.
+pub(super) fn backend_error(
+    backend: &'static str,
+    message: impl std::fmt::Display,
+    retryable: bool,
+) -> Error {
+    Error::Backend {
+        backend,
+        message: format!("bench baseline: {message}"),
+        retryable,
+    }
+}
+
+/// Pairs the keys a batch won with the stored outcomes of the others, in
+/// the order of `items`.
+fn merge(
+    items: &[(String, String)],
+    won: impl Fn(&str) -> bool,
+    mut stored: std::collections::HashMap<String, String>,
+    backend: &'static str,
+) -> Result<Vec<Answer>> {
+    items
+        .iter()
+        .map(|(key, _)| {
+            if won(key) {
+                return Ok(Answer::Won);
+            }
+            stored
+                .remove(key)
+                .map(Answer::Duplicate)
+                .ok_or_else(|| backend_error(backend, format!("{key} was neither inserted nor found"), false))
+        })
+        .collect()
+}

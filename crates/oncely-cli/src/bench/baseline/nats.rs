@@ -1,0 +1,146 @@
+//! The hand-written baseline on NATS: a JetStream KV bucket of the run's own
+//! (`oncely_cli_bench_<run id>`, history 1, the URL's replica count, file
+//! storage as the ledger's bucket; deleted at the end), `create(key, outcome)`, then `get` on a duplicate. A batch
+//! sends its creates at once (the client pipelines them), then the
+//! duplicates' gets.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, kv, stream};
+use futures_util::future::join_all;
+use oncely::{Error, Result};
+
+use super::{Answer, backend_error, merge};
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The baseline's bucket.
+pub(in crate::bench) struct NatsBaseline {
+    js: jetstream::Context,
+    kv: kv::Store,
+    bucket: String,
+}
+
+impl NatsBaseline {
+    /// Connects to the servers the ledger's URL lists and creates the run's
+    /// bucket with the URL's `replicas` (default 1). The ledger has already
+    /// parsed and opened the URL, so only its server list and that
+    /// parameter are read here.
+    pub(super) async fn create(url: &str, run_id: &str) -> Result<NatsBaseline> {
+        let (servers, query) = url.trim().split_once('?').unwrap_or((url.trim(), ""));
+        let replicas = query
+            .split('&')
+            .filter_map(|p| p.split_once('='))
+            .find(|(name, _)| *name == "replicas")
+            .and_then(|(_, v)| v.parse().ok())
+            .unwrap_or(1);
+        let servers: Vec<&str> = servers
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .collect();
+        let unavailable = |e: &dyn std::fmt::Display| Error::Unavailable {
+            backend: "nats",
+            message: format!("bench baseline: {e}"),
+        };
+        let client = async_nats::ConnectOptions::new()
+            .connection_timeout(CONNECT_TIMEOUT)
+            .connect(servers)
+            .await
+            .map_err(|e| unavailable(&e))?;
+        let js = jetstream::new(client);
+        let bucket = format!("oncely_cli_bench_{run_id}");
+        // The bucket's stream written out, as `oncely-nats` does: the
+        // client's `create_key_value` expects account info in a newer shape
+        // than NATS 2.9 sends.
+        js.create_stream(stream::Config {
+            name: format!("KV_{bucket}"),
+            subjects: vec![format!("$KV.{bucket}.>")],
+            max_messages_per_subject: 1,
+            max_messages: -1,
+            max_bytes: -1,
+            max_message_size: -1,
+            storage: stream::StorageType::File,
+            num_replicas: replicas,
+            allow_rollup: true,
+            deny_delete: true,
+            allow_direct: true,
+            discard: stream::DiscardPolicy::New,
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| unavailable(&e))?;
+        let kv = js.get_key_value(&bucket).await.map_err(|e| unavailable(&e))?;
+        Ok(NatsBaseline { js, kv, bucket })
+    }
+
+    pub(super) fn describe(&self) -> &'static str {
+        "KV create with the outcome, get on a duplicate (batches: the creates, then the gets, pipelined)"
+    }
+
+    pub(super) fn key(&self, row: &str, job: usize) -> String {
+        format!("{row}.{job}")
+    }
+
+    async fn create_key(&self, key: &str, outcome: &str) -> Result<bool> {
+        match self.kv.create(key, outcome.to_owned().into()).await {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(false),
+            Err(e) => Err(backend_error("nats", e, true)),
+        }
+    }
+
+    async fn read(&self, key: &str) -> Result<String> {
+        match self.kv.get(key).await {
+            Ok(Some(value)) => Ok(String::from_utf8_lossy(&value).into_owned()),
+            Ok(None) => Err(backend_error(
+                "nats",
+                format!("{key} was neither created nor found"),
+                false,
+            )),
+            Err(e) => Err(backend_error("nats", e, true)),
+        }
+    }
+
+    pub(super) async fn claim(&self, key: &str, outcome: &str) -> Result<Answer> {
+        if self.create_key(key, outcome).await? {
+            return Ok(Answer::Won);
+        }
+        self.read(key).await.map(Answer::Duplicate)
+    }
+
+    pub(super) async fn claim_many(&self, items: &[(String, String)]) -> Result<Vec<Answer>> {
+        let created: Vec<bool> = join_all(items.iter().map(|(k, o)| self.create_key(k, o)))
+            .await
+            .into_iter()
+            .collect::<Result<_>>()?;
+        let rest: Vec<&str> = items
+            .iter()
+            .zip(&created)
+            .filter(|(_, won)| !**won)
+            .map(|((k, _), _)| k.as_str())
+            .collect();
+        let stored: HashMap<String, String> = rest
+            .iter()
+            .map(|k| (*k).to_owned())
+            .zip(
+                join_all(rest.iter().map(|k| self.read(k)))
+                    .await
+                    .into_iter()
+                    .collect::<Result<Vec<_>>>()?,
+            )
+            .collect();
+        let won: HashMap<&str, bool> = items.iter().map(|(k, _)| k.as_str()).zip(created).collect();
+        merge(items, |k| won.get(k).copied().unwrap_or(false), stored, "nats")
+    }
+
+    pub(super) async fn remove(&self, _keys: &[String]) -> Result<()> {
+        self.js
+            .delete_stream(format!("KV_{}", self.bucket))
+            .await
+            .map(drop)
+            .map_err(|e| backend_error("nats", e, true))
+    }
+}

@@ -1,0 +1,216 @@
+//! The hand-written baseline on Redis: `SET key outcome NX PX ttl`, then
+//! `GET` on a duplicate, on one multiplexed connection (a cluster
+//! connection for `redis+cluster://`). A batch sends its `SET`s at once
+//! (the connection pipelines them, routed per node on a cluster), then the
+//! duplicates' `GET`s. Keys `oncely-cli-bench:<run id>:<row>:<job>`, removed at
+//! the end and expiring after an hour anyway.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use oncely::{Error, Result};
+use redis::aio::MultiplexedConnection;
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, FromRedisValue, RedisError};
+
+use super::{Answer, KEY_TTL, backend_error, merge};
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Clone)]
+enum Conn {
+    Single(MultiplexedConnection),
+    Cluster(ClusterConnection),
+}
+
+impl Conn {
+    async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T> {
+        // Clones share the connection: concurrent requests are pipelined on it.
+        match self {
+            Conn::Single(c) => cmd.query_async(&mut c.clone()).await,
+            Conn::Cluster(c) => cmd.query_async(&mut c.clone()).await,
+        }
+        .map_err(error)
+    }
+}
+
+fn error(e: RedisError) -> Error {
+    let retryable = e.is_io_error() || e.is_timeout() || e.is_connection_dropped();
+    backend_error("redis", e, retryable)
+}
+
+/// The baseline's connection and key prefix.
+pub(in crate::bench) struct RedisBaseline {
+    conn: Conn,
+    prefix: String,
+}
+
+impl RedisBaseline {
+    /// Connects to the server (or the cluster) the ledger's URL names. The
+    /// ledger has already parsed and opened the URL, so only its two forms
+    /// are split here.
+    pub(super) async fn connect(url: &str, run_id: &str) -> Result<RedisBaseline> {
+        let url = url.trim();
+        let (scheme, rest) = url.split_once("://").unwrap_or(("redis", url));
+        let connecting = async {
+            if scheme.eq_ignore_ascii_case("redis+cluster") {
+                let client = ClusterClient::new(cluster_nodes(rest)).map_err(error)?;
+                client
+                    .get_async_connection()
+                    .await
+                    .map(Conn::Cluster)
+                    .map_err(error)
+            } else {
+                let client = redis::Client::open(url).map_err(error)?;
+                client
+                    .get_multiplexed_async_connection()
+                    .await
+                    .map(Conn::Single)
+                    .map_err(error)
+            }
+        };
+        let conn = tokio::time::timeout(CONNECT_TIMEOUT, connecting)
+            .await
+            .map_err(|_| Error::Unavailable {
+                backend: "redis",
+                message: format!("bench baseline: no connection within {CONNECT_TIMEOUT:?}"),
+            })??;
+        Ok(RedisBaseline {
+            conn,
+            prefix: format!("oncely-cli-bench:{run_id}:"),
+        })
+    }
+
+    pub(super) fn describe(&self) -> &'static str {
+        "SET NX PX with the outcome, GET on a duplicate (batches: the SETs, then the GETs, pipelined)"
+    }
+
+    pub(super) fn key(&self, row: &str, job: usize) -> String {
+        format!("{}{row}:{job}", self.prefix)
+    }
+
+    fn set_nx(key: &str, outcome: &str) -> Cmd {
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(key)
+            .arg(outcome)
+            .arg("NX")
+            .arg("PX")
+            .arg(KEY_TTL.as_millis() as u64);
+        cmd
+    }
+
+    fn get(key: &str) -> Cmd {
+        let mut cmd = redis::cmd("GET");
+        cmd.arg(key);
+        cmd
+    }
+
+    pub(super) async fn claim(&self, key: &str, outcome: &str) -> Result<Answer> {
+        let set: Option<String> = self.conn.query(&Self::set_nx(key, outcome)).await?;
+        if set.is_some() {
+            return Ok(Answer::Won);
+        }
+        let stored: Option<String> = self.conn.query(&Self::get(key)).await?;
+        stored
+            .map(Answer::Duplicate)
+            .ok_or_else(|| backend_error("redis", format!("{key} was neither set nor found"), false))
+    }
+
+    pub(super) async fn claim_many(&self, items: &[(String, String)]) -> Result<Vec<Answer>> {
+        let sets = items.iter().map(|(k, o)| Self::set_nx(k, o)).collect::<Vec<_>>();
+        let set: Vec<Option<String>> = join_all(sets.iter().map(|cmd| self.conn.query(cmd)))
+            .await
+            .into_iter()
+            .collect::<Result<_>>()?;
+        let rest: Vec<&str> = items
+            .iter()
+            .zip(&set)
+            .filter(|(_, s)| s.is_none())
+            .map(|((k, _), _)| k.as_str())
+            .collect();
+        let gets = rest.iter().map(|k| Self::get(k)).collect::<Vec<_>>();
+        let got: Vec<Option<String>> = join_all(gets.iter().map(|cmd| self.conn.query(cmd)))
+            .await
+            .into_iter()
+            .collect::<Result<_>>()?;
+        let stored: HashMap<String, String> = rest
+            .iter()
+            .zip(got)
+            .filter_map(|(k, v)| v.map(|v| ((*k).to_owned(), v)))
+            .collect();
+        let won: Vec<bool> = set.iter().map(Option::is_some).collect();
+        let won: HashMap<&str, bool> = items.iter().map(|(k, _)| k.as_str()).zip(won).collect();
+        merge(items, |k| won.get(k).copied().unwrap_or(false), stored, "redis")
+    }
+
+    pub(super) async fn remove(&self, keys: &[String]) -> Result<()> {
+        // One key per command: a cluster refuses multi-key commands across
+        // slots.
+        for chunk in keys.chunks(500) {
+            let cmds: Vec<Cmd> = chunk
+                .iter()
+                .map(|k| {
+                    let mut cmd = redis::cmd("UNLINK");
+                    cmd.arg(k);
+                    cmd
+                })
+                .collect();
+            for done in join_all(cmds.iter().map(|cmd| self.conn.query::<i64>(cmd))).await {
+                done?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The seed nodes of a `redis+cluster://` URL (after its `://`) as
+/// `redis://` URLs: the first node's credentials stand for every node that
+/// has none, and a query string applies to every node (as `oncely-redis`
+/// reads the same URL).
+fn cluster_nodes(rest: &str) -> Vec<String> {
+    let (list, query) = match rest.split_once('?') {
+        Some((list, query)) => (list, Some(query)),
+        None => (rest, None),
+    };
+    let mut userinfo: Option<&str> = None;
+    let mut nodes = Vec::new();
+    for item in list.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let item = item.split_once("://").map_or(item, |(_, node)| node);
+        let own = item.rsplit_once('@').map(|(u, _)| u);
+        if nodes.is_empty() {
+            userinfo = own;
+        }
+        let mut node = String::from("redis://");
+        if let (None, Some(u)) = (own, userinfo) {
+            node.push_str(u);
+            node.push('@');
+        }
+        node.push_str(item);
+        if let Some(q) = query {
+            node.push('?');
+            node.push_str(q);
+        }
+        nodes.push(node);
+    }
+    nodes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_nodes_share_the_first_nodes_credentials() {
+        assert_eq!(
+            cluster_nodes("u:pw@a:7000, b:7001 ,redis://c:7002?protocol=resp3"),
+            [
+                "redis://u:pw@a:7000?protocol=resp3",
+                "redis://u:pw@b:7001?protocol=resp3",
+                "redis://u:pw@c:7002?protocol=resp3"
+            ]
+        );
+        assert_eq!(cluster_nodes("a:1"), ["redis://a:1"]);
+    }
+}

@@ -1,0 +1,270 @@
+//! The hand-written baseline in SQL, on the ledger's own pool, in a table of
+//! the run's own (`oncely_cli_bench_<run id>`, dropped at the end):
+//!
+//! - PostgreSQL: `INSERT … ON CONFLICT DO NOTHING RETURNING`, then `SELECT`
+//!   on a duplicate; a batch inserts from `unnest()` arrays and reads the
+//!   duplicates with `= ANY($1)`.
+//! - SQLite: `INSERT … ON CONFLICT DO NOTHING` (a row changed: inserted),
+//!   then `SELECT`; a batch is one multi-row `INSERT … RETURNING key`.
+//! - MySQL / MariaDB: `INSERT IGNORE` (a row affected: inserted), then
+//!   `SELECT`. MySQL cannot say which rows of a multi-row `INSERT IGNORE` it
+//!   inserted, so a batch writes its own token in every row and reads back
+//!   the keys it did not certainly win: the rows carrying its token are its.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::AtomicI64;
+
+use oncely::Result;
+use sqlx::{AssertSqlSafe, Row};
+
+use super::{Answer, merge};
+use crate::any::AnyPool;
+use crate::demo::sql_error;
+
+/// The baseline's table on the ledger's pool.
+pub(in crate::bench) struct SqlBaseline {
+    pool: AnyPool,
+    table: String,
+    /// The next MySQL batch's token (rows inserted by single claims carry 0).
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
+    token: AtomicI64,
+}
+
+impl SqlBaseline {
+    /// Creates the run's table.
+    pub(super) async fn create(pool: AnyPool, run_id: &str) -> Result<SqlBaseline> {
+        let table = format!("oncely_cli_bench_{run_id}");
+        let ddl = match &pool {
+            AnyPool::Sqlite(_) | AnyPool::Postgres(_) => {
+                format!("CREATE TABLE {table} (key TEXT PRIMARY KEY, outcome TEXT NOT NULL)")
+            }
+            // `key` is reserved in MySQL. ASCII and binary: the keys are, and
+            // a case-insensitive comparison would merge two of them.
+            #[cfg(feature = "mysql")]
+            AnyPool::MySql(_) => format!(
+                "CREATE TABLE {table} (k VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PRIMARY KEY, \
+                 outcome VARCHAR(255) NOT NULL, owner BIGINT NOT NULL)"
+            ),
+        };
+        let baseline = SqlBaseline {
+            pool,
+            table,
+            token: AtomicI64::new(1),
+        };
+        baseline.exec(ddl).await?;
+        Ok(baseline)
+    }
+
+    pub(super) fn describe(&self) -> &'static str {
+        match &self.pool {
+            AnyPool::Postgres(_) => {
+                "INSERT … ON CONFLICT DO NOTHING RETURNING with the outcome, SELECT on a duplicate \
+                 (batches: unnest() arrays, then SELECT … = ANY)"
+            }
+            AnyPool::Sqlite(_) => {
+                "INSERT … ON CONFLICT DO NOTHING with the outcome, SELECT on a duplicate \
+                 (batches: one multi-row INSERT … RETURNING, then SELECT … IN)"
+            }
+            #[cfg(feature = "mysql")]
+            AnyPool::MySql(_) => {
+                "INSERT IGNORE with the outcome, SELECT on a duplicate \
+                 (batches: one multi-row INSERT IGNORE with a batch token, then SELECT … IN)"
+            }
+        }
+    }
+
+    pub(super) fn key(&self, row: &str, job: usize) -> String {
+        format!("{row}:{job}")
+    }
+
+    fn backend(&self) -> &'static str {
+        match &self.pool {
+            AnyPool::Sqlite(_) => "sqlite",
+            AnyPool::Postgres(_) => "postgres",
+            #[cfg(feature = "mysql")]
+            AnyPool::MySql(_) => "mysql",
+        }
+    }
+
+    fn error(&self, e: sqlx::Error) -> oncely::Error {
+        sql_error(self.backend(), "bench baseline", e)
+    }
+
+    async fn exec(&self, sql: String) -> Result<()> {
+        let sql = AssertSqlSafe(sql);
+        let done = match &self.pool {
+            AnyPool::Sqlite(p) => sqlx::query(sql).execute(p).await.map(drop),
+            AnyPool::Postgres(p) => sqlx::query(sql).execute(p).await.map(drop),
+            #[cfg(feature = "mysql")]
+            AnyPool::MySql(p) => sqlx::query(sql).execute(p).await.map(drop),
+        };
+        done.map_err(|e| self.error(e))
+    }
+
+    pub(super) async fn claim(&self, key: &str, outcome: &str) -> Result<Answer> {
+        let t = &self.table;
+        let inserted = match &self.pool {
+            AnyPool::Postgres(p) => sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO {t} (key, outcome) VALUES ($1, $2) ON CONFLICT DO NOTHING RETURNING 1"
+            )))
+            .bind(key)
+            .bind(outcome)
+            .fetch_optional(p)
+            .await
+            .map(|row| row.is_some()),
+            AnyPool::Sqlite(p) => sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO {t} (key, outcome) VALUES (?1, ?2) ON CONFLICT DO NOTHING"
+            )))
+            .bind(key)
+            .bind(outcome)
+            .execute(p)
+            .await
+            .map(|done| done.rows_affected() == 1),
+            #[cfg(feature = "mysql")]
+            AnyPool::MySql(p) => sqlx::query(AssertSqlSafe(format!(
+                "INSERT IGNORE INTO {t} (k, outcome, owner) VALUES (?, ?, 0)"
+            )))
+            .bind(key)
+            .bind(outcome)
+            .execute(p)
+            .await
+            .map(|done| done.rows_affected() == 1),
+        }
+        .map_err(|e| self.error(e))?;
+        if inserted {
+            return Ok(Answer::Won);
+        }
+        let stored: String = match &self.pool {
+            AnyPool::Postgres(p) => {
+                sqlx::query_scalar(AssertSqlSafe(format!("SELECT outcome FROM {t} WHERE key = $1")))
+                    .bind(key)
+                    .fetch_one(p)
+                    .await
+            }
+            AnyPool::Sqlite(p) => {
+                sqlx::query_scalar(AssertSqlSafe(format!("SELECT outcome FROM {t} WHERE key = ?1")))
+                    .bind(key)
+                    .fetch_one(p)
+                    .await
+            }
+            #[cfg(feature = "mysql")]
+            AnyPool::MySql(p) => {
+                sqlx::query_scalar(AssertSqlSafe(format!("SELECT outcome FROM {t} WHERE k = ?")))
+                    .bind(key)
+                    .fetch_one(p)
+                    .await
+            }
+        }
+        .map_err(|e| self.error(e))?;
+        Ok(Answer::Duplicate(stored))
+    }
+
+    pub(super) async fn claim_many(&self, items: &[(String, String)]) -> Result<Vec<Answer>> {
+        let t = &self.table;
+        let n = items.len();
+        let keys: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
+        match &self.pool {
+            AnyPool::Postgres(p) => {
+                let outcomes: Vec<&str> = items.iter().map(|(_, o)| o.as_str()).collect();
+                let won: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
+                    "INSERT INTO {t} (key, outcome) SELECT * FROM unnest($1::text[], $2::text[]) \
+                     ON CONFLICT DO NOTHING RETURNING key"
+                )))
+                .bind(&keys)
+                .bind(&outcomes)
+                .fetch_all(p)
+                .await
+                .map_err(|e| self.error(e))?;
+                let won: HashSet<String> = won.into_iter().collect();
+                let rest: Vec<&str> = keys.iter().copied().filter(|k| !won.contains(*k)).collect();
+                let stored: Vec<(String, String)> = if rest.is_empty() {
+                    Vec::new()
+                } else {
+                    sqlx::query_as(AssertSqlSafe(format!(
+                        "SELECT key, outcome FROM {t} WHERE key = ANY($1)"
+                    )))
+                    .bind(&rest)
+                    .fetch_all(p)
+                    .await
+                    .map_err(|e| self.error(e))?
+                };
+                merge(
+                    items,
+                    |k| won.contains(k),
+                    stored.into_iter().collect(),
+                    "postgres",
+                )
+            }
+            AnyPool::Sqlite(p) => {
+                let values = vec!["(?, ?)"; n].join(", ");
+                let mut insert = sqlx::query(AssertSqlSafe(format!(
+                    "INSERT INTO {t} (key, outcome) VALUES {values} ON CONFLICT DO NOTHING RETURNING key"
+                )));
+                for (k, o) in items {
+                    insert = insert.bind(k).bind(o);
+                }
+                let won: HashSet<String> = insert
+                    .fetch_all(p)
+                    .await
+                    .map_err(|e| self.error(e))?
+                    .iter()
+                    .map(|row| row.try_get::<String, _>(0))
+                    .collect::<std::result::Result<_, _>>()
+                    .map_err(|e| self.error(e))?;
+                let rest: Vec<&str> = keys.iter().copied().filter(|k| !won.contains(*k)).collect();
+                let mut stored = HashMap::new();
+                if !rest.is_empty() {
+                    let list = vec!["?"; rest.len()].join(", ");
+                    let mut read = sqlx::query_as::<_, (String, String)>(AssertSqlSafe(format!(
+                        "SELECT key, outcome FROM {t} WHERE key IN ({list})"
+                    )));
+                    for k in &rest {
+                        read = read.bind(*k);
+                    }
+                    stored.extend(read.fetch_all(p).await.map_err(|e| self.error(e))?);
+                }
+                merge(items, |k| won.contains(k), stored, "sqlite")
+            }
+            #[cfg(feature = "mysql")]
+            AnyPool::MySql(p) => {
+                let token = self.token.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let values = vec!["(?, ?, ?)"; n].join(", ");
+                let mut insert = sqlx::query(AssertSqlSafe(format!(
+                    "INSERT IGNORE INTO {t} (k, outcome, owner) VALUES {values}"
+                )));
+                for (k, o) in items {
+                    insert = insert.bind(k).bind(o).bind(token);
+                }
+                let inserted = insert
+                    .execute(p)
+                    .await
+                    .map_err(|e| self.error(e))?
+                    .rows_affected();
+                if inserted == n as u64 {
+                    return Ok(vec![Answer::Won; n]);
+                }
+                let list = vec!["?"; n].join(", ");
+                let mut read = sqlx::query_as::<_, (String, String, i64)>(AssertSqlSafe(format!(
+                    "SELECT k, outcome, owner FROM {t} WHERE k IN ({list})"
+                )));
+                for k in &keys {
+                    read = read.bind(*k);
+                }
+                let rows = read.fetch_all(p).await.map_err(|e| self.error(e))?;
+                // Nothing inserted: every row is someone else's, whatever
+                // its token.
+                let won: HashSet<String> = rows
+                    .iter()
+                    .filter(|(_, _, owner)| inserted > 0 && *owner == token)
+                    .map(|(k, _, _)| k.clone())
+                    .collect();
+                let stored = rows.into_iter().map(|(k, o, _)| (k, o)).collect();
+                merge(items, |k| won.contains(k), stored, "mysql")
+            }
+        }
+    }
+
+    pub(super) async fn remove(&self, _keys: &[String]) -> Result<()> {
+        self.exec(format!("DROP TABLE IF EXISTS {}", self.table)).await
+    }
+}

@@ -1,0 +1,430 @@
+//! `oncely bench`: the duplicate storm, measured next to the hand-written
+//! minimum on the same server in the same run.
+//!
+//! `jobs` jobs are each delivered twice:
+//!
+//! - **sequential**: one worker, the second delivery of a job right after
+//!   the first returned (the duplicate finds the effect completed);
+//! - **concurrent**: `workers` workers, each taking the next job and
+//!   dispatching both of its deliveries at the same instant (one of them
+//!   finds the effect in progress).
+//!
+//! Each mode runs with single claims ([`Effects::run`](oncely::Effects::run),
+//! under the `Wait` policy and, concurrently, under `Reject`) and with batches
+//! of `batch` jobs ([`Ledger::claim_many`](oncely::Ledger::claim_many) /
+//! [`Ledger::complete_many`](oncely::Ledger::complete_many); keys a batch
+//! finds in progress are then waited for through `Effects::run`, or rejected).
+//! Next to each, the hand-written minimum on the same database: the
+//! delivery inserts its outcome if the key is absent and runs the effect if
+//! it inserted, and a duplicate reads the stored outcome (PostgreSQL
+//! `INSERT … ON CONFLICT DO NOTHING RETURNING` + `SELECT`, MySQL `INSERT
+//! IGNORE` + `SELECT`, SQLite `INSERT … ON CONFLICT DO NOTHING` + `SELECT`,
+//! Redis `SET NX PX` + `GET`, NATS KV `create` + `get`, and a mutex-guarded
+//! map for `memory:`). It does not survive a crash between the insert and the
+//! effect, and a duplicate never waits: that is the floor oncely is compared
+//! with.
+//!
+//! Every row counts the effects it executed: each job's must run exactly
+//! once ([`BenchReport::problems`] names any row where one ran twice, or
+//! never). A delivery rejected under the `Reject` policy is delivered again
+//! after the row's timed part, as a broker would redeliver it, and must get
+//! the stored outcome.
+//!
+//! Each run has its own tenant (`bench-<run id>`, records kept one hour, as
+//! the demo's) and its own baseline table, bucket or keys, removed at the
+//! end. [`run`] returns a [`BenchReport`]; it prints nothing.
+//!
+//! The code, by file: `workload.rs` (the deliveries, the workers and what
+//! they measure), `baseline/` (the hand-written code, per backend),
+//! `report.rs` (what a run reports, and its table).
+
+use std::sync::Arc;
+
+use oncely::{Error, Ledger, Result, Tenant};
+use serde::Serialize;
+
+use crate::any::AnyLedger;
+use crate::demo::{run_id, scratch_dir, sqlite_url};
+
+mod baseline;
+mod report;
+mod workload;
+
+use baseline::Baseline;
+pub use report::{BenchReport, Latency, RowReport};
+use workload::RowRun;
+
+/// What the bench runs.
+#[derive(Debug, Clone)]
+pub struct BenchConfig {
+    /// How many jobs; each is delivered twice.
+    pub jobs: u32,
+    /// Workers of the concurrent rows (each has one job's two deliveries in
+    /// flight).
+    pub workers: usize,
+    /// Jobs per batch in the batch rows.
+    pub batch: usize,
+    /// Where the ledger and the baseline live; `None` means a fresh SQLite
+    /// file in a temporary directory, removed afterwards.
+    pub database_url: Option<String>,
+}
+
+impl Default for BenchConfig {
+    fn default() -> Self {
+        BenchConfig {
+            jobs: 5_000,
+            workers: 8,
+            batch: 100,
+            database_url: None,
+        }
+    }
+}
+
+impl BenchConfig {
+    /// Refuses configurations that cannot run, before anything is opened.
+    pub fn validate(&self) -> Result<()> {
+        if !(1..=1_000_000).contains(&self.jobs) {
+            return Err(Error::Config("jobs must be between 1 and 1 000 000".to_owned()));
+        }
+        if !(1..=1024).contains(&self.workers) {
+            return Err(Error::Config("workers must be between 1 and 1024".to_owned()));
+        }
+        // 1000 keys and outcomes stay within every backend's bind limits
+        // (SQLite's 32 766, MySQL's 65 535 placeholders).
+        if !(1..=1000).contains(&self.batch) {
+            return Err(Error::Config("batch must be between 1 and 1000".to_owned()));
+        }
+        Ok(())
+    }
+}
+
+/// How the two deliveries of a job arrive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// One after the other, on one worker.
+    Sequential,
+    /// Both at the same instant, on each of `workers` workers.
+    Concurrent,
+}
+
+impl Mode {
+    /// `sequential` or `concurrent`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Sequential => "sequential",
+            Mode::Concurrent => "concurrent",
+        }
+    }
+}
+
+/// Who decides that a delivery is a duplicate. In JSON: `hand-written` or
+/// `oncely` (a row's policy is a field of its own).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Guard {
+    /// The hand-written minimum on the same database (see the module docs).
+    HandWritten,
+    /// oncely, with this in-progress policy.
+    Oncely(Policy),
+}
+
+/// What an oncely duplicate does when it finds the effect in progress.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Policy {
+    /// `OnInProgress::Wait`: wait for the holder to finish.
+    Wait,
+    /// `OnInProgress::Reject`: fail at once; the broker redelivers.
+    Reject,
+}
+
+impl Serialize for Guard {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(match self {
+            Guard::HandWritten => "hand-written",
+            Guard::Oncely(_) => "oncely",
+        })
+    }
+}
+
+impl Guard {
+    /// `hand-written`, `oncely Wait` or `oncely Reject`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Guard::HandWritten => "hand-written",
+            Guard::Oncely(Policy::Wait) => "oncely Wait",
+            Guard::Oncely(Policy::Reject) => "oncely Reject",
+        }
+    }
+}
+
+/// One row of the bench: how deliveries arrive, how many keys a claim
+/// carries, and who guards them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowSpec {
+    /// Sequential or concurrent deliveries.
+    pub mode: Mode,
+    /// Keys per claim: 1 for single claims, else the batch size.
+    pub batch: usize,
+    /// Hand-written or oncely.
+    pub guard: Guard,
+}
+
+impl RowSpec {
+    /// The rows of a run, each oncely row after the hand-written row it is
+    /// compared with. Sequential rows have no oncely `Reject` row: a
+    /// sequential duplicate never finds the effect in progress, so both
+    /// policies do the same.
+    pub fn all(batch: usize) -> Vec<RowSpec> {
+        let mut rows = Vec::new();
+        for mode in [Mode::Sequential, Mode::Concurrent] {
+            for size in [1, batch] {
+                rows.push(RowSpec {
+                    mode,
+                    batch: size,
+                    guard: Guard::HandWritten,
+                });
+                rows.push(RowSpec {
+                    mode,
+                    batch: size,
+                    guard: Guard::Oncely(Policy::Wait),
+                });
+                if mode == Mode::Concurrent {
+                    rows.push(RowSpec {
+                        mode,
+                        batch: size,
+                        guard: Guard::Oncely(Policy::Reject),
+                    });
+                }
+            }
+        }
+        rows
+    }
+
+    /// `single` or `batch N`.
+    pub fn claims(&self) -> String {
+        if self.batch == 1 {
+            "single".to_owned()
+        } else {
+            format!("batch {}", self.batch)
+        }
+    }
+
+    /// How messages name the row: `concurrent, batch 100, oncely Wait`.
+    pub fn name(&self) -> String {
+        let guard = match (self.mode, self.guard) {
+            // Both policies act alike on sequential duplicates.
+            (Mode::Sequential, Guard::Oncely(_)) => "oncely",
+            (_, g) => g.name(),
+        };
+        format!("{}, {}, {guard}", self.mode.name(), self.claims())
+    }
+
+    /// A short, key-safe name, unique per row: the kind of its effect keys
+    /// and the prefix of its baseline keys (`s1-hw`, `c100-reject`).
+    fn slug(&self) -> String {
+        let mode = match self.mode {
+            Mode::Sequential => 's',
+            Mode::Concurrent => 'c',
+        };
+        let guard = match self.guard {
+            Guard::HandWritten => "hw",
+            Guard::Oncely(Policy::Wait) => "wait",
+            Guard::Oncely(Policy::Reject) => "reject",
+        };
+        format!("{mode}{}-{guard}", self.batch)
+    }
+}
+
+/// Hears about the bench's progress (the binary draws a progress bar).
+pub trait Progress: Send + Sync {
+    /// A row starts with this many deliveries.
+    fn start(&self, _row: &str, _deliveries: u64) {}
+    /// `n` more deliveries were answered.
+    fn delivered(&self, _n: u64) {}
+    /// The row finished.
+    fn finish(&self) {}
+}
+
+/// A [`Progress`] that ignores everything.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoProgress;
+
+impl Progress for NoProgress {}
+
+/// Runs every row ([`RowSpec::all`]) on the database and reports.
+///
+/// Opens the ledger (creating its schema, as `demo` does) and the baseline's
+/// table, bucket or connection; removes the baseline's data at the end,
+/// whether the rows succeeded or not. An effect that ran twice is not an
+/// error here: it is in the report ([`BenchReport::problems`]), for the
+/// caller to fail on.
+pub async fn run(config: &BenchConfig, progress: Arc<dyn Progress>) -> Result<BenchReport> {
+    config.validate()?;
+    let run_id = run_id();
+    // The temporary directory lives until the end of this function and is
+    // removed on drop, after the pools are closed.
+    let (url, _scratch) = match &config.database_url {
+        Some(url) => (url.clone(), None),
+        None => {
+            let dir = scratch_dir("oncely-bench-")?;
+            let url = sqlite_url(&dir.path().join("oncely-bench.db"));
+            (url, Some(dir))
+        }
+    };
+    let ledger = AnyLedger::connect(&url).await?;
+    let result = match Baseline::open(&ledger, &url, &run_id).await {
+        Ok(baseline) => {
+            let baseline = Arc::new(baseline);
+            let rows = RowSpec::all(config.batch);
+            let report = run_rows(config, &run_id, &rows, &ledger, &baseline, progress).await;
+            // Remove the baseline's data whatever happened; a failure to do
+            // so must not hide the run's own error.
+            let keys: Vec<String> = rows
+                .iter()
+                .filter(|r| r.guard == Guard::HandWritten)
+                .flat_map(|r| (0..config.jobs as usize).map(|job| baseline.key(&r.slug(), job)))
+                .collect();
+            let cleaned = baseline.remove(&keys).await;
+            report.and_then(|r| cleaned.map(|()| r))
+        }
+        Err(e) => Err(e),
+    };
+    ledger.close().await;
+    result
+}
+
+async fn run_rows(
+    config: &BenchConfig,
+    run_id: &str,
+    rows: &[RowSpec],
+    ledger: &AnyLedger,
+    baseline: &Arc<Baseline>,
+    progress: Arc<dyn Progress>,
+) -> Result<BenchReport> {
+    let tenant = Tenant::new(format!("bench-{run_id}"))?;
+    warm_up(ledger, &tenant, config.workers).await?;
+    let mut reports: Vec<RowReport> = Vec::with_capacity(rows.len());
+    for &spec in rows {
+        let run = RowRun::new(
+            spec,
+            config.jobs as usize,
+            config.workers,
+            ledger,
+            baseline,
+            &tenant,
+        );
+        let mut row = run.run(progress.clone()).await?;
+        row.ratio = reports
+            .iter()
+            .find(|r| r.mode == spec.mode && r.batch == spec.batch as u64 && r.guard == Guard::HandWritten)
+            .map(|b| row.deliveries_per_sec / b.deliveries_per_sec)
+            .or((spec.guard == Guard::HandWritten).then_some(1.0));
+        reports.push(row);
+    }
+    Ok(BenchReport {
+        backend: ledger.backend(),
+        jobs: u64::from(config.jobs),
+        deliveries_per_job: 2,
+        workers: config.workers as u64,
+        batch: config.batch as u64,
+        tenant: tenant.as_str().to_owned(),
+        baseline: baseline.describe(),
+        rows: reports,
+    })
+}
+
+/// Opens the pool's connections before the first timed row, so that no
+/// row pays for them: as many concurrent reads as the concurrent rows have
+/// deliveries in flight. Reads of absent keys write nothing.
+async fn warm_up(ledger: &AnyLedger, tenant: &Tenant, workers: usize) -> Result<()> {
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..2 * workers {
+        let ledger = ledger.clone();
+        let key = oncely::EffectKey::new(tenant, "warm-up", i.to_string())?;
+        tasks.spawn(async move { ledger.get(&key).await.map(drop) });
+    }
+    while let Some(joined) = tasks.join_next().await {
+        joined.map_err(|e| Error::Misuse(format!("a warm-up task panicked: {e}")))??;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_pair_each_oncely_row_with_its_baseline() {
+        let rows = RowSpec::all(100);
+        assert_eq!(rows.len(), 10);
+        let names: Vec<String> = rows.iter().map(RowSpec::name).collect();
+        assert_eq!(names[0], "sequential, single, hand-written");
+        assert_eq!(names[1], "sequential, single, oncely");
+        assert_eq!(names[9], "concurrent, batch 100, oncely Reject");
+        for (i, r) in rows.iter().enumerate() {
+            if r.guard != Guard::HandWritten {
+                assert!(
+                    rows[..i]
+                        .iter()
+                        .any(|b| b.guard == Guard::HandWritten && b.mode == r.mode && b.batch == r.batch),
+                    "{}",
+                    r.name()
+                );
+            }
+        }
+        let mut slugs: Vec<String> = rows.iter().map(RowSpec::slug).collect();
+        slugs.sort();
+        slugs.dedup();
+        assert_eq!(slugs.len(), rows.len(), "one key space per row");
+    }
+
+    #[test]
+    fn bad_configs_are_refused() {
+        for bad in [
+            BenchConfig {
+                jobs: 0,
+                ..BenchConfig::default()
+            },
+            BenchConfig {
+                workers: 0,
+                ..BenchConfig::default()
+            },
+            BenchConfig {
+                batch: 0,
+                ..BenchConfig::default()
+            },
+            BenchConfig {
+                batch: 1001,
+                ..BenchConfig::default()
+            },
+        ] {
+            assert!(matches!(bad.validate(), Err(Error::Config(_))), "{bad:?}");
+        }
+        BenchConfig::default().validate().unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn memory_bench_runs_each_effect_once() {
+        let config = BenchConfig {
+            jobs: 120,
+            workers: 4,
+            batch: 50,
+            database_url: Some("memory:".to_owned()),
+        };
+        let report = run(&config, Arc::new(NoProgress)).await.unwrap();
+        assert_eq!(report.backend, "memory");
+        assert_eq!(report.rows.len(), 10);
+        for row in &report.rows {
+            assert_eq!(row.deliveries, 240, "{row:?}");
+            assert_eq!(row.effects, 120, "{row:?}");
+            assert_eq!(
+                row.jobs_run_twice + row.jobs_not_run + row.wrong_outcomes,
+                0,
+                "{row:?}"
+            );
+            assert!(row.ratio.is_some(), "{row:?}");
+        }
+        assert!(report.problems().is_empty(), "{:?}", report.problems());
+    }
+}
