@@ -220,6 +220,37 @@ pub struct Stats {
     pub settle_errors: u64,
 }
 
+impl Stats {
+    /// Deliveries whose handler is still running (received and not yet
+    /// decided).
+    pub fn in_flight(&self) -> u64 {
+        self.received.saturating_sub(
+            self.ran
+                + self.replayed
+                + self.abandoned
+                + self.in_progress
+                + self.retried
+                + self.dead_lettered
+                + self.shutdown,
+        )
+    }
+
+    /// The sum of two consumers' stats.
+    pub fn plus(self, o: Stats) -> Stats {
+        Stats {
+            received: self.received + o.received,
+            ran: self.ran + o.ran,
+            replayed: self.replayed + o.replayed,
+            abandoned: self.abandoned + o.abandoned,
+            in_progress: self.in_progress + o.in_progress,
+            retried: self.retried + o.retried,
+            dead_lettered: self.dead_lettered + o.dead_lettered,
+            shutdown: self.shutdown + o.shutdown,
+            settle_errors: self.settle_errors + o.settle_errors,
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Counters {
     received: AtomicU64,

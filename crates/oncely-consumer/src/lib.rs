@@ -74,6 +74,8 @@ mod broker;
 mod consumer;
 mod handler;
 pub mod memory;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
 pub mod telemetry;
 
 pub use broker::{BrokerError, Delivery, Source};

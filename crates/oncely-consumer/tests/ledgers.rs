@@ -163,9 +163,11 @@ async fn payments_once_under_duplicates_kills_and_poison<L: Ledger + Clone + 'st
         .find(|d| d.reason.starts_with("terminal"))
         .unwrap();
     assert!(declined.reason.contains("card declined"), "{}", declined.reason);
-    // Each order's effects ran in exactly one handler call; every
-    // re-publication and every redelivery after a kill was a replay.
-    assert_eq!(stats.ran, orders.len() as u64, "{stats:?}");
+    // Each order's capture and receipt ran in one or two handler calls (a
+    // redelivery may take the receipt while the first call is between its
+    // steps); every other delivery of an order was a replay.
+    let n = orders.len() as u64;
+    assert!((n..=2 * n).contains(&stats.ran), "{stats:?}");
     assert!(stats.replayed >= republished as u64, "{stats:?}");
     assert!(counts.killed >= 10, "{counts:?}");
     assert!(

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use oncely::conformance::{service_url, skip_or_fail};
@@ -47,6 +48,8 @@ pub struct Payments<L> {
     pub opts: ClaimOptions,
     /// How long the capture takes (connections are killed meanwhile).
     pub work: Duration,
+    /// Deliveries the broker counted as redeliveries.
+    pub redelivered: Arc<AtomicU64>,
 }
 
 impl<L: Ledger + Clone> Payments<L> {
@@ -62,6 +65,7 @@ impl<L: Ledger + Clone> Payments<L> {
                     max: Duration::from_millis(100),
                 }),
             work: Duration::from_millis(15),
+            redelivered: Arc::default(),
         }
     }
 }
@@ -73,7 +77,10 @@ impl<L: Ledger + Clone + 'static> Handler for Payments<L> {
         json(payload)
     }
 
-    async fn handle(&self, msg: PayMsg, _ctx: Context) -> Result<How, HandlerError> {
+    async fn handle(&self, msg: PayMsg, ctx: Context) -> Result<How, HandlerError> {
+        if ctx.delivery_count.is_some_and(|n| n > 1) {
+            self.redelivered.fetch_add(1, Ordering::Relaxed);
+        }
         let order = msg
             .order_id
             .clone()
