@@ -42,6 +42,8 @@ macro_rules! layer_tests {
             released_key_stays_bound_to_its_fingerprint,
             oversized_request_is_refused_unread,
             oversized_response_is_stored_as_the_chosen_error,
+            a_client_that_hangs_up_does_not_cancel_the_handler,
+            optional_routes_pass_requests_without_a_key,
         );
     };
     (@each $open:path, $($name:ident),* $(,)?) => {$(
@@ -628,4 +630,64 @@ pub async fn oversized_response_is_stored_as_the_chosen_error<L: Ledger + Clone 
         again.replayed(),
         "the handler ran once; its stand-in answer is what the key keeps"
     );
+}
+
+pub async fn a_client_that_hangs_up_does_not_cancel_the_handler<L: Ledger + Clone + 'static>(ledger: L) {
+    let (app, c) = app(ledger, |l| {
+        l.on_in_flight(OnInProgress::Wait {
+            max: Duration::from_secs(30),
+        })
+    });
+    let key = new_key();
+    let slow = post_req("/charges", "alice", &key, "{}")
+        .header("x-delay-ms", "400")
+        .send(&app);
+    // The client gives up while the handler runs: its future is dropped.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), slow)
+            .await
+            .is_err()
+    );
+    assert_eq!(counts(&c).0, 1, "the handler started");
+    // The retry waits for the first run, which went on to completion, and
+    // gets its response instead of running again.
+    let retry = post_req("/charges", "alice", &key, "{}")
+        .header("x-delay-ms", "400")
+        .send(&app)
+        .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(counts(&c).0, 1);
+}
+
+pub async fn optional_routes_pass_requests_without_a_key<L: Ledger + Clone + 'static>(ledger: L) {
+    let (app, c) = app(ledger, |l| {
+        l.requirement(|parts| {
+            if parts.uri.path() == "/charges" {
+                oncely_tower::KeyRequirement::Optional
+            } else {
+                oncely_tower::KeyRequirement::Ignored
+            }
+        })
+    });
+    let mut keyless = post_req("/charges", "alice", "", "{}");
+    keyless.key = None;
+    let mut keyless2 = post_req("/charges", "alice", "", "{}");
+    keyless2.key = None;
+    let (a, b) = (keyless.send(&app).await, keyless2.send(&app).await);
+    assert_eq!((a.status, b.status), (StatusCode::CREATED, StatusCode::CREATED));
+    assert_ne!(a.body, b.body, "without a key every request runs");
+    let key = new_key();
+    let first = post_req("/charges", "alice", &key, "{}").send(&app).await;
+    let again = post_req("/charges", "alice", &key, "{}").send(&app).await;
+    assert_eq!(again.body, first.body);
+    assert!(again.replayed());
+    // An ignored route does nothing with a key, even a malformed one.
+    for _ in 0..2 {
+        let ignored = post_req("/flaky", "alice", "not a key", "{}").send(&app).await;
+        assert!(!ignored.replayed());
+        assert_ne!(ignored.status, StatusCode::BAD_REQUEST);
+    }
+    assert_eq!(counts(&c).0, 3);
+    assert_eq!(counts(&c).2, 2);
 }
