@@ -144,6 +144,11 @@ impl RabbitSource {
     /// window and starts consuming `topology.queue` with manual acks.
     /// `prefetch` should exceed the consumer's concurrency (deliveries
     /// waiting for a delayed redelivery hold prefetch slots).
+    ///
+    /// Give each consumer a connection of its own and close it once
+    /// [`Consumer::run`](crate::Consumer::run) returns: with lapin 4.12, two
+    /// subscriptions sharing a connection can fail it with `UNEXPECTED-FRAME`
+    /// (a `basic.cancel-ok`) when one of them is dropped.
     pub async fn subscribe(
         connection: &Connection,
         topology: &RabbitTopology,
