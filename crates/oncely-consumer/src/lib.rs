@@ -21,7 +21,13 @@
 //!   redelivers them once the grace ends), and settles every one.
 //!
 //! A broker adapter implements [`Source`] and [`Delivery`] (a few dozen
-//! lines); [`memory::MemoryBroker`] is one in process, for tests.
+//! lines); [`memory::MemoryBroker`] is one in process, for tests. Adapters
+//! in this crate, each behind its feature:
+//!
+//! | feature | module | broker |
+//! | --- | --- | --- |
+//! | `rabbitmq` | `rabbitmq` | RabbitMQ through lapin: manual acks, prefetch, a quorum queue with its dead-letter exchange |
+//! | `nats` | `nats` | NATS JetStream pull consumers through async-nats: `AckWait`, `MaxDeliver`, in-progress acks, a dead-letter stream and `+TERM` |
 //!
 //! ```
 //! use std::sync::Arc;
@@ -74,6 +80,8 @@ mod broker;
 mod consumer;
 mod handler;
 pub mod memory;
+#[cfg(feature = "nats")]
+pub mod nats;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
 pub mod telemetry;
