@@ -169,7 +169,7 @@ impl Answer {
             .is_some_and(|v| v == "true")
     }
 
-    fn problem(&self) -> serde_json::Value {
+    pub fn problem(&self) -> serde_json::Value {
         assert_eq!(
             self.headers.get(header::CONTENT_TYPE).unwrap(),
             "application/problem+json",
@@ -207,7 +207,7 @@ impl<'a> Req<'a> {
         self
     }
 
-    async fn send(self, app: &Router) -> Answer {
+    pub async fn send(self, app: &Router) -> Answer {
         let mut b = Request::builder().method(self.method).uri(self.path);
         if let Some(user) = self.user {
             b = b.header("x-user", user);
@@ -472,7 +472,7 @@ pub async fn principals_are_isolated<L: Ledger + Clone + 'static>(ledger: L) {
 }
 
 pub async fn handler_panic_releases_the_key<L: Ledger + Clone + 'static>(ledger: L) {
-    let (app, c) = app(ledger, |l| l);
+    let (app, c) = app(ledger.clone(), |l| l);
     let key = new_key();
     let first = post_req("/boom", "alice", &key, "{}").send(&app).await;
     assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
@@ -489,6 +489,15 @@ pub async fn handler_panic_releases_the_key<L: Ledger + Clone + 'static>(ledger:
     let replay = post_req("/boom", "alice", &key, "{}").send(&app).await;
     assert!(replay.replayed());
     assert_eq!(counts(&c).1, 2);
+
+    // With the policy off, the panic's 500 is what the key stores.
+    let (app, c) = self::app(ledger, |l| l.release_panics(false));
+    let first = post_req("/boom", "alice", &key, "{}").send(&app).await;
+    assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
+    let retry = post_req("/boom", "alice", &key, "{}").send(&app).await;
+    assert_eq!((retry.status, &retry.body), (first.status, &first.body));
+    assert!(retry.replayed());
+    assert_eq!(counts(&c).1, 1, "the handler did not run again");
 }
 
 pub async fn server_error_releases_the_key<L: Ledger + Clone + 'static>(ledger: L) {
