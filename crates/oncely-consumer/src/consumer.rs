@@ -337,6 +337,11 @@ impl<H: Handler> Consumer<H> {
         self
     }
 
+    /// The consumer's name (the metrics' `consumer` label).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// The handler.
     pub fn handler(&self) -> &H {
         &self.handler

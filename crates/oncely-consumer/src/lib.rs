@@ -28,6 +28,7 @@
 //! | --- | --- | --- |
 //! | `rabbitmq` | `rabbitmq` | RabbitMQ through lapin: manual acks, prefetch, a quorum queue with its dead-letter exchange |
 //! | `nats` | `nats` | NATS JetStream pull consumers through async-nats: `AckWait`, `MaxDeliver`, in-progress acks, a dead-letter stream and `+TERM` |
+//! | `redis-streams` | `redis_streams` | Redis Streams through redis-rs: a consumer group, `XACK`, `XAUTOCLAIM` for deliveries stuck on a dead consumer, a dead-letter stream |
 //!
 //! ```
 //! use std::sync::Arc;
@@ -84,6 +85,8 @@ pub mod memory;
 pub mod nats;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
+#[cfg(feature = "redis-streams")]
+pub mod redis_streams;
 pub mod telemetry;
 
 pub use broker::{BrokerError, Delivery, Source};
