@@ -29,6 +29,7 @@
 //! | `rabbitmq` | `rabbitmq` | RabbitMQ through lapin: manual acks, prefetch, a quorum queue with its dead-letter exchange |
 //! | `nats` | `nats` | NATS JetStream pull consumers through async-nats: `AckWait`, `MaxDeliver`, in-progress acks, a dead-letter stream and `+TERM` |
 //! | `redis-streams` | `redis_streams` | Redis Streams through redis-rs: a consumer group, `XACK`, `XAUTOCLAIM` for deliveries stuck on a dead consumer, a dead-letter stream |
+//! | `apalis` | `apalis` | not a broker: an apalis 1.x tower layer that makes a job handler idempotent |
 //!
 //! ```
 //! use std::sync::Arc;
@@ -77,6 +78,8 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+#[cfg(feature = "apalis")]
+pub mod apalis;
 mod broker;
 mod consumer;
 mod handler;
