@@ -113,92 +113,97 @@ pub async fn run<L: Ledger + Clone + 'static>(
     )
     .ack_wait(Duration::from_secs(10));
     topology.declare(&js).await.map_err(|e| anyhow::anyhow!(e))?;
-    let mut publish: Vec<Vec<u8>> = Vec::new();
-    for _copy in 0..2 {
-        for i in 0..orders {
-            let msg = PayOrder {
-                order_id: Some(format!("order-{i}")),
-                amount: 1000 + i as i64,
-            };
-            publish.push(serde_json::to_vec(&msg)?);
+    // Delete the queue or streams whatever happens.
+    let outcome = async {
+        let mut publish: Vec<Vec<u8>> = Vec::new();
+        for _copy in 0..2 {
+            for i in 0..orders {
+                let msg = PayOrder {
+                    order_id: Some(format!("order-{i}")),
+                    amount: 1000 + i as i64,
+                };
+                publish.push(serde_json::to_vec(&msg)?);
+            }
         }
-    }
-    publish.push(b"{not json".to_vec());
-    publish.push(br#"{"amount":5}"#.to_vec());
-    for payload in publish {
-        js.publish(topology.subject.clone(), payload.into())
-            .await?
-            .await?;
-    }
+        publish.push(b"{not json".to_vec());
+        publish.push(br#"{"amount":5}"#.to_vec());
+        for payload in publish {
+            js.publish(topology.subject.clone(), payload.into())
+                .await?
+                .await?;
+        }
 
-    let tenant = Tenant::new(format!("example-{nanos:x}"))?;
-    let provider = Arc::new(FakeProvider::new(true));
-    let mailer = Arc::new(FakeMailer::default());
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let mut runs = Vec::new();
-    let mut consumers = Vec::new();
-    for c in 0..2 {
-        let handler = Payments {
-            effects: Effects::new(ledger.clone()),
-            tenant: tenant.clone(),
-            provider: provider.clone(),
-            mailer: mailer.clone(),
-        };
-        let consumer = Arc::new(
-            Consumer::new(format!("payments-{c}"), handler).options(
-                ConsumerOptions::default()
-                    .concurrency(4)
-                    .in_progress_delay(Duration::from_millis(200))
-                    .extend_every(Duration::from_secs(3)),
-            ),
-        );
-        consumers.push(consumer.clone());
-        let worker_js = jetstream::new(async_nats::connect(nats_url).await?);
-        let source = JetStreamSource::subscribe(&worker_js, &topology, 4)
-            .await
-            .map_err(|e| anyhow::anyhow!(e))?;
-        let mut stop = stop_rx.clone();
-        runs.push(tokio::spawn(async move {
-            consumer
-                .run(source, async move {
-                    let _ = stop.wait_for(|s| *s).await;
-                })
+        let tenant = Tenant::new(format!("example-{nanos:x}"))?;
+        let provider = Arc::new(FakeProvider::new(true));
+        let mailer = Arc::new(FakeMailer::default());
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let mut runs = Vec::new();
+        let mut consumers = Vec::new();
+        for c in 0..2 {
+            let handler = Payments {
+                effects: Effects::new(ledger.clone()),
+                tenant: tenant.clone(),
+                provider: provider.clone(),
+                mailer: mailer.clone(),
+            };
+            let consumer = Arc::new(
+                Consumer::new(format!("payments-{c}"), handler).options(
+                    ConsumerOptions::default()
+                        .concurrency(4)
+                        .in_progress_delay(Duration::from_millis(200))
+                        .extend_every(Duration::from_secs(3)),
+                ),
+            );
+            consumers.push(consumer.clone());
+            let worker_js = jetstream::new(async_nats::connect(nats_url).await?);
+            let source = JetStreamSource::subscribe(&worker_js, &topology, 4)
                 .await
-        }));
-    }
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    let dead_lettered = loop {
-        let mut consumer = topology.consumer(&js).await.map_err(|e| anyhow::anyhow!(e))?;
-        let info = consumer.info().await?.clone();
-        let dead = js
-            .get_stream(&topology.dead_letter_stream)
-            .await?
-            .info()
-            .await?
-            .state
-            .messages;
-        let in_flight: u64 = consumers.iter().map(|c| c.stats().in_flight()).sum();
-        if provider.captures().len() == orders
-            && info.num_pending == 0
-            && info.num_ack_pending == 0
-            && dead == 2
-            && in_flight == 0
-        {
-            break dead as u32;
+                .map_err(|e| anyhow::anyhow!(e))?;
+            let mut stop = stop_rx.clone();
+            runs.push(tokio::spawn(async move {
+                consumer
+                    .run(source, async move {
+                        let _ = stop.wait_for(|s| *s).await;
+                    })
+                    .await
+            }));
         }
-        anyhow::ensure!(tokio::time::Instant::now() < deadline, "not done after a minute");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    stop_tx.send(true)?;
-    let mut stats = Stats::default();
-    for r in runs {
-        stats = stats.plus(r.await?.map_err(|e| anyhow::anyhow!(e))?);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        let dead_lettered = loop {
+            let mut consumer = topology.consumer(&js).await.map_err(|e| anyhow::anyhow!(e))?;
+            let info = consumer.info().await?.clone();
+            let dead = js
+                .get_stream(&topology.dead_letter_stream)
+                .await?
+                .info()
+                .await?
+                .state
+                .messages;
+            let in_flight: u64 = consumers.iter().map(|c| c.stats().in_flight()).sum();
+            if provider.captures().len() == orders
+                && info.num_pending == 0
+                && info.num_ack_pending == 0
+                && dead == 2
+                && in_flight == 0
+            {
+                break dead as u32;
+            }
+            anyhow::ensure!(tokio::time::Instant::now() < deadline, "not done after a minute");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        stop_tx.send(true)?;
+        let mut stats = Stats::default();
+        for r in runs {
+            stats = stats.plus(r.await?.map_err(|e| anyhow::anyhow!(e))?);
+        }
+        Ok::<_, anyhow::Error>(Summary {
+            stats,
+            captured_once: provider.captures().values().filter(|n| **n == 1).count(),
+            orders,
+            dead_lettered,
+        })
     }
+    .await;
     topology.delete(&js).await.map_err(|e| anyhow::anyhow!(e))?;
-    Ok(Summary {
-        stats,
-        captured_once: provider.captures().values().filter(|n| **n == 1).count(),
-        orders,
-        dead_lettered,
-    })
+    outcome
 }

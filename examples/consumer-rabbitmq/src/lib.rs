@@ -114,106 +114,110 @@ pub async fn run<L: Ledger + Clone + 'static>(
     let topology = RabbitTopology::for_queue(&format!("consumer-rabbitmq-{nanos:x}"));
     let admin = conn.create_channel().await?;
     topology.declare(&admin).await.map_err(|e| anyhow::anyhow!(e))?;
+    // Delete the queue or streams whatever happens.
+    let outcome = async {
+        let producer = conn.create_channel().await?;
+        producer.confirm_select(ConfirmSelectOptions::default()).await?;
+        let mut publish = Vec::new();
+        for copy in ["a", "b"] {
+            for i in 0..orders {
+                let msg = PayOrder {
+                    order_id: Some(format!("order-{i}")),
+                    amount: 1000 + i as i64,
+                };
+                publish.push((format!("order-{i}-{copy}"), serde_json::to_vec(&msg)?));
+            }
+        }
+        publish.push(("poison-1".into(), b"{not json".to_vec()));
+        publish.push(("poison-2".into(), br#"{"amount":5}"#.to_vec()));
+        for (id, payload) in &publish {
+            let props = BasicProperties::default()
+                .with_message_id(id.as_str().into())
+                .with_delivery_mode(2);
+            let queue = topology.queue.as_str().into();
+            let confirm = producer
+                .basic_publish("".into(), queue, BasicPublishOptions::default(), payload, props)
+                .await?
+                .await?;
+            anyhow::ensure!(confirm.is_ack(), "the broker refused {id}");
+        }
 
-    let producer = conn.create_channel().await?;
-    producer.confirm_select(ConfirmSelectOptions::default()).await?;
-    let mut publish = Vec::new();
-    for copy in ["a", "b"] {
-        for i in 0..orders {
-            let msg = PayOrder {
-                order_id: Some(format!("order-{i}")),
-                amount: 1000 + i as i64,
+        let tenant = Tenant::new(format!("example-{nanos:x}"))?;
+        let provider = Arc::new(FakeProvider::new(true));
+        let mailer = Arc::new(FakeMailer::default());
+        let mut runs = Vec::new();
+        let mut consumers = Vec::new();
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        for c in 0..2 {
+            let handler = Payments {
+                effects: Effects::new(ledger.clone()),
+                tenant: tenant.clone(),
+                provider: provider.clone(),
+                mailer: mailer.clone(),
             };
-            publish.push((format!("order-{i}-{copy}"), serde_json::to_vec(&msg)?));
+            let consumer = Arc::new(
+                Consumer::new(format!("payments-{c}"), handler).options(
+                    ConsumerOptions::default()
+                        .concurrency(4)
+                        .in_progress_delay(Duration::from_millis(200)),
+                ),
+            );
+            consumers.push(consumer.clone());
+            // One connection per consumer, as one per process would be.
+            let own = Connection::connect(amqp_url, ConnectionProperties::default()).await?;
+            let source = RabbitSource::subscribe(&own, &topology, 8, &format!("payments-{c}"))
+                .await
+                .map_err(|e| anyhow::anyhow!(e))?;
+            let mut stop = stop_rx.clone();
+            runs.push(tokio::spawn(async move {
+                let stats = consumer
+                    .run(source, async move {
+                        let _ = stop.wait_for(|s| *s).await;
+                    })
+                    .await;
+                let _ = own.close(200, "stopped".into()).await;
+                stats
+            }));
         }
-    }
-    publish.push(("poison-1".into(), b"{not json".to_vec()));
-    publish.push(("poison-2".into(), br#"{"amount":5}"#.to_vec()));
-    for (id, payload) in &publish {
-        let props = BasicProperties::default()
-            .with_message_id(id.as_str().into())
-            .with_delivery_mode(2);
-        let queue = topology.queue.as_str().into();
-        let confirm = producer
-            .basic_publish("".into(), queue, BasicPublishOptions::default(), payload, props)
-            .await?
-            .await?;
-        anyhow::ensure!(confirm.is_ack(), "the broker refused {id}");
-    }
-
-    let tenant = Tenant::new(format!("example-{nanos:x}"))?;
-    let provider = Arc::new(FakeProvider::new(true));
-    let mailer = Arc::new(FakeMailer::default());
-    let mut runs = Vec::new();
-    let mut consumers = Vec::new();
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    for c in 0..2 {
-        let handler = Payments {
-            effects: Effects::new(ledger.clone()),
-            tenant: tenant.clone(),
-            provider: provider.clone(),
-            mailer: mailer.clone(),
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
         };
-        let consumer = Arc::new(
-            Consumer::new(format!("payments-{c}"), handler).options(
-                ConsumerOptions::default()
-                    .concurrency(4)
-                    .in_progress_delay(Duration::from_millis(200)),
-            ),
-        );
-        consumers.push(consumer.clone());
-        // One connection per consumer, as one per process would be.
-        let own = Connection::connect(amqp_url, ConnectionProperties::default()).await?;
-        let source = RabbitSource::subscribe(&own, &topology, 8, &format!("payments-{c}"))
-            .await
-            .map_err(|e| anyhow::anyhow!(e))?;
-        let mut stop = stop_rx.clone();
-        runs.push(tokio::spawn(async move {
-            let stats = consumer
-                .run(source, async move {
-                    let _ = stop.wait_for(|s| *s).await;
-                })
-                .await;
-            let _ = own.close(200, "stopped".into()).await;
-            stats
-        }));
-    }
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..QueueDeclareOptions::default()
-    };
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    let dead_lettered = loop {
-        let queued = admin
-            .queue_declare(topology.queue.as_str().into(), passive, FieldTable::default())
-            .await?
-            .message_count();
-        let dead = admin
-            .queue_declare(
-                topology.dead_letter_queue.as_str().into(),
-                passive,
-                FieldTable::default(),
-            )
-            .await?
-            .message_count();
-        let in_flight: u64 = consumers.iter().map(|c| c.stats().in_flight()).sum();
-        if provider.captures().len() == orders && queued == 0 && dead == 2 && in_flight == 0 {
-            break dead;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        let dead_lettered = loop {
+            let queued = admin
+                .queue_declare(topology.queue.as_str().into(), passive, FieldTable::default())
+                .await?
+                .message_count();
+            let dead = admin
+                .queue_declare(
+                    topology.dead_letter_queue.as_str().into(),
+                    passive,
+                    FieldTable::default(),
+                )
+                .await?
+                .message_count();
+            let in_flight: u64 = consumers.iter().map(|c| c.stats().in_flight()).sum();
+            if provider.captures().len() == orders && queued == 0 && dead == 2 && in_flight == 0 {
+                break dead;
+            }
+            anyhow::ensure!(tokio::time::Instant::now() < deadline, "not done after a minute");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        stop_tx.send(true)?;
+        let mut stats = Stats::default();
+        for r in runs {
+            stats = stats.plus(r.await?.map_err(|e| anyhow::anyhow!(e))?);
         }
-        anyhow::ensure!(tokio::time::Instant::now() < deadline, "not done after a minute");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    stop_tx.send(true)?;
-    let mut stats = Stats::default();
-    for r in runs {
-        stats = stats.plus(r.await?.map_err(|e| anyhow::anyhow!(e))?);
+        Ok::<_, anyhow::Error>(Summary {
+            stats,
+            captured_once: provider.captures().values().filter(|n| **n == 1).count(),
+            orders,
+            dead_lettered,
+        })
     }
+    .await;
     topology.delete(&admin).await.map_err(|e| anyhow::anyhow!(e))?;
     conn.close(200, "done".into()).await?;
-    Ok(Summary {
-        stats,
-        captured_once: provider.captures().values().filter(|n| **n == 1).count(),
-        orders,
-        dead_lettered,
-    })
+    outcome
 }

@@ -112,99 +112,105 @@ pub async fn run<L: Ledger + Clone + 'static>(
         .declare(&mut conn)
         .await
         .map_err(|e| anyhow::anyhow!(e))?;
-    let mut publish: Vec<Vec<u8>> = Vec::new();
-    for _copy in 0..2 {
-        for i in 0..orders {
-            let msg = PayOrder {
-                order_id: Some(format!("order-{i}")),
-                amount: 1000 + i as i64,
-            };
-            publish.push(serde_json::to_vec(&msg)?);
+    // Delete the streams whatever happens.
+    let outcome = async {
+        let mut conn = conn.clone();
+        let mut publish: Vec<Vec<u8>> = Vec::new();
+        for _copy in 0..2 {
+            for i in 0..orders {
+                let msg = PayOrder {
+                    order_id: Some(format!("order-{i}")),
+                    amount: 1000 + i as i64,
+                };
+                publish.push(serde_json::to_vec(&msg)?);
+            }
         }
-    }
-    publish.push(b"{not json".to_vec());
-    publish.push(br#"{"amount":5}"#.to_vec());
-    for payload in publish {
-        let _: String = redis::cmd("XADD")
-            .arg(&topology.stream)
-            .arg("*")
-            .arg(PAYLOAD_FIELD)
-            .arg(payload)
-            .query_async(&mut conn)
-            .await?;
-    }
+        publish.push(b"{not json".to_vec());
+        publish.push(br#"{"amount":5}"#.to_vec());
+        for payload in publish {
+            let _: String = redis::cmd("XADD")
+                .arg(&topology.stream)
+                .arg("*")
+                .arg(PAYLOAD_FIELD)
+                .arg(payload)
+                .query_async(&mut conn)
+                .await?;
+        }
 
-    let tenant = Tenant::new(format!("example-{nanos:x}"))?;
-    let provider = Arc::new(FakeProvider::new(true));
-    let mailer = Arc::new(FakeMailer::default());
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let mut runs = Vec::new();
-    let mut consumers = Vec::new();
-    for c in 0..2 {
-        let handler = Payments {
-            effects: Effects::new(ledger.clone()),
-            tenant: tenant.clone(),
-            provider: provider.clone(),
-            mailer: mailer.clone(),
-        };
-        let consumer = Arc::new(
-            Consumer::new(format!("payments-{c}"), handler).options(
-                ConsumerOptions::default()
-                    .concurrency(4)
-                    .in_progress_delay(Duration::from_millis(200))
-                    .extend_every(Duration::from_secs(3)),
-            ),
-        );
-        consumers.push(consumer.clone());
-        let source = RedisStreamSource::subscribe(
-            &client,
-            &topology,
-            &format!("payments-{c}"),
-            4,
-            Duration::from_secs(10),
-        )
-        .await
-        .map_err(|e| anyhow::anyhow!(e))?;
-        let mut stop = stop_rx.clone();
-        runs.push(tokio::spawn(async move {
-            consumer
-                .run(source, async move {
-                    let _ = stop.wait_for(|s| *s).await;
-                })
-                .await
-        }));
-    }
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    let dead_lettered = loop {
-        let pending = topology
-            .pending(&mut conn)
+        let tenant = Tenant::new(format!("example-{nanos:x}"))?;
+        let provider = Arc::new(FakeProvider::new(true));
+        let mailer = Arc::new(FakeMailer::default());
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let mut runs = Vec::new();
+        let mut consumers = Vec::new();
+        for c in 0..2 {
+            let handler = Payments {
+                effects: Effects::new(ledger.clone()),
+                tenant: tenant.clone(),
+                provider: provider.clone(),
+                mailer: mailer.clone(),
+            };
+            let consumer = Arc::new(
+                Consumer::new(format!("payments-{c}"), handler).options(
+                    ConsumerOptions::default()
+                        .concurrency(4)
+                        .in_progress_delay(Duration::from_millis(200))
+                        .extend_every(Duration::from_secs(3)),
+                ),
+            );
+            consumers.push(consumer.clone());
+            let source = RedisStreamSource::subscribe(
+                &client,
+                &topology,
+                &format!("payments-{c}"),
+                4,
+                Duration::from_secs(10),
+            )
             .await
             .map_err(|e| anyhow::anyhow!(e))?;
-        let dead: Value = redis::cmd("XLEN")
-            .arg(&topology.dead_letter_stream)
-            .query_async(&mut conn)
-            .await?;
-        let dead = match dead {
-            Value::Int(n) => n,
-            _ => 0,
-        };
-        let in_flight: u64 = consumers.iter().map(|c| c.stats().in_flight()).sum();
-        if provider.captures().len() == orders && pending == 0 && dead == 2 && in_flight == 0 {
-            break dead as u32;
+            let mut stop = stop_rx.clone();
+            runs.push(tokio::spawn(async move {
+                consumer
+                    .run(source, async move {
+                        let _ = stop.wait_for(|s| *s).await;
+                    })
+                    .await
+            }));
         }
-        anyhow::ensure!(tokio::time::Instant::now() < deadline, "not done after a minute");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    stop_tx.send(true)?;
-    let mut stats = Stats::default();
-    for r in runs {
-        stats = stats.plus(r.await?.map_err(|e| anyhow::anyhow!(e))?);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        let dead_lettered = loop {
+            let pending = topology
+                .pending(&mut conn)
+                .await
+                .map_err(|e| anyhow::anyhow!(e))?;
+            let dead: Value = redis::cmd("XLEN")
+                .arg(&topology.dead_letter_stream)
+                .query_async(&mut conn)
+                .await?;
+            let dead = match dead {
+                Value::Int(n) => n,
+                _ => 0,
+            };
+            let in_flight: u64 = consumers.iter().map(|c| c.stats().in_flight()).sum();
+            if provider.captures().len() == orders && pending == 0 && dead == 2 && in_flight == 0 {
+                break dead as u32;
+            }
+            anyhow::ensure!(tokio::time::Instant::now() < deadline, "not done after a minute");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        stop_tx.send(true)?;
+        let mut stats = Stats::default();
+        for r in runs {
+            stats = stats.plus(r.await?.map_err(|e| anyhow::anyhow!(e))?);
+        }
+        Ok::<_, anyhow::Error>(Summary {
+            stats,
+            captured_once: provider.captures().values().filter(|n| **n == 1).count(),
+            orders,
+            dead_lettered,
+        })
     }
+    .await;
     topology.delete(&mut conn).await.map_err(|e| anyhow::anyhow!(e))?;
-    Ok(Summary {
-        stats,
-        captured_once: provider.captures().values().filter(|n| **n == 1).count(),
-        orders,
-        dead_lettered,
-    })
+    outcome
 }
