@@ -238,11 +238,17 @@ impl PgLedger {
         loop {
             let run = async {
                 let query = match write {
-                    Write::Complete(outcome) => sqlx::query(AssertSqlSafe(q.complete.clone()))
-                        .bind(lease.key().as_str())
-                        .bind(fence)
-                        .bind(outcome.as_bytes())
-                        .bind(guarded),
+                    // Unguarded: inside the caller's transaction, which
+                    // notifies when it commits (see sql.rs).
+                    Write::Complete(outcome) => sqlx::query(AssertSqlSafe(if guarded {
+                        q.complete.clone()
+                    } else {
+                        q.complete_in.clone()
+                    }))
+                    .bind(lease.key().as_str())
+                    .bind(fence)
+                    .bind(outcome.as_bytes())
+                    .bind(guarded),
                     Write::Release => sqlx::query(AssertSqlSafe(q.release.clone()))
                         .bind(lease.key().as_str())
                         .bind(fence)
@@ -483,9 +489,9 @@ impl Ledger for PgLedger {
         let mut conn = self.acquire().await?;
         self.fenced_on(&mut conn, lease, Write::Complete(outcome), true)
             .await?;
-        // Committed: wake this process's waiters now, without waiting for the
-        // notification to come back through the listener.
-        self.inner.changes.notify(lease.key().as_str());
+        // Committed: wake this process's waiters now, and announce it to the
+        // others' (after the commit, from a transaction of its own).
+        self.inner.changes.finished(lease.key().as_str());
         Ok(())
     }
 
@@ -493,7 +499,7 @@ impl Ledger for PgLedger {
         self.writable()?;
         let mut conn = self.acquire().await?;
         self.fenced_on(&mut conn, lease, Write::Release, true).await?;
-        self.inner.changes.notify(lease.key().as_str());
+        self.inner.changes.finished(lease.key().as_str());
         Ok(())
     }
 
@@ -597,7 +603,7 @@ impl Ledger for PgLedger {
                         let lease = &items[n].0;
                         let fence = i64::try_from(lease.fence()).unwrap_or(i64::MAX);
                         answers[n] = Some(if done.contains(&(lease.key().as_str(), fence)) {
-                            self.inner.changes.notify(lease.key().as_str());
+                            self.inner.changes.finished(lease.key().as_str());
                             Ok(())
                         } else {
                             Err(lost(lease))

@@ -114,7 +114,7 @@
 //!
 //! | | |
 //! | --- | --- |
-//! | atomic claim | one statement: a per-key advisory lock, then `INSERT … ON CONFLICT (key) DO UPDATE … WHERE <takeover>` plus a read of the existing row, one round trip |
+//! | atomic claim | one statement, one round trip: a per-key advisory lock, then `INSERT … ON CONFLICT (key) DO NOTHING`, a fenced takeover `UPDATE` only of a released or expired record, and a read of the existing row. A duplicate of a completed or live effect is a read: no row lock, no transaction id, no WAL |
 //! | caller's transaction | yes: [`TransactionalLedger`] on `&mut PgConnection` (`&mut *tx`); the claim holds its key's transaction-scoped advisory lock until the transaction ends |
 //! | durability | a PostgreSQL commit (WAL, as `synchronous_commit` is configured) |
 //! | replication | not assumed (`replicated: false`); synchronous standbys are the server's business |
@@ -126,6 +126,38 @@
 //! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] (64 KiB), `bytea` |
 //! | locks | one advisory lock per claim, held for the statement (autocommit) or until the caller's transaction ends (`claim_in`): a transaction claiming thousands of keys can exhaust the server's lock table (`max_locks_per_transaction` × connections). Prune deletes in batches of at most 500 rows per transaction and skips keys whose lock is held |
 //! | failure | cannot connect or pool exhausted: [`Error::Unavailable`] (fail closed, nothing runs); serialization failure or deadlock: retryable [`Error::Backend`]; a unique violation in a step's own write: [`Error::ConstraintViolation`] (through [`Ledger::unique_violation`]); a read-only session or a missing privilege: [`Error::Config`] |
+//!
+//! ## Waiting duplicates
+//!
+//! A duplicate run with [`oncely::OnInProgress::Wait`] that finds the effect
+//! in progress is woken when it completes or is released, not on a timer.
+//! The ledger wakes its own process's waiters directly after each write that
+//! ends a lease commits; other processes hear of it by `LISTEN`/`NOTIFY`: one
+//! listener connection per ledger (started by the first claim that waits,
+//! not one per waiter; [`PgLedger::listener_status`]), and the keys of this
+//! ledger's completions and releases announced after they commit, coalesced
+//! into one `SELECT pg_notify(…) FROM unnest(…)` that writes nothing.
+//! Completions do not notify inside their own transaction because PostgreSQL
+//! commits notifying transactions one at a time, WAL flush included: on this
+//! project's 2-core machine, 8 clients inserting committed 4,200 times a
+//! second, and 530 to 880 times with a notify in each. Only
+//! [`complete_in`](oncely::TransactionalLedger::complete_in) notifies in its
+//! statement, so the notification leaves when the caller's transaction
+//! commits, and never if it rolls back. A wake-up is a hint: the waiter
+//! claims again and answers from the record. A lost notification (the
+//! listener reconnecting, a process that died between its commit and its
+//! announcement) costs latency, at most
+//! [`oncely::watch::NOTIFIED_FALLBACK`] and never beyond the lease, never a
+//! wrong answer; while the listener is down, waiters poll.
+//!
+//! ## Batches
+//!
+//! [`Ledger::claim_many`](oncely::Ledger::claim_many) is one statement per
+//! 500 distinct keys with every rule of the single claim (key locks in lock-id
+//! order, the clock read after the locks, horizon, fingerprints, takeovers,
+//! the guard); [`Ledger::complete_many`](oncely::Ledger::complete_many) is one
+//! statement with each lease fenced on its own. A key listed twice acquires
+//! once and finds itself in progress the second time.
 //!
 //! ## Cancel safety
 //!

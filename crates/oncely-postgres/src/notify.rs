@@ -1,8 +1,20 @@
-//! Waking waiting duplicates: the ledger's statements that end a lease
-//! (complete, release) `pg_notify` its channel with the key (`sql`); one
-//! listener connection per ledger `LISTEN`s on that channel and relays each
-//! key to an in-process [`Notifier`], which also hears the ledger's own
-//! writes directly (no round trip).
+//! Waking waiting duplicates: after each write that ends a lease (complete,
+//! release, complete_many) commits, the ledger wakes its own process's
+//! watches directly (no round trip) and hands the key to its [`Announcer`],
+//! a task that `pg_notify`s the ledger's channel with the keys handed to it
+//! meanwhile, in one statement that writes nothing. One listener connection
+//! per ledger `LISTEN`s on that channel and relays each key to the
+//! in-process [`Notifier`]. (`complete_in` notifies inside the caller's
+//! transaction instead; see `sql.rs` for why the others do not.)
+//!
+//! Why a separate transaction: PostgreSQL serializes the commits of
+//! transactions that notify (a database-wide lock held from the commit's
+//! start to its end, through the WAL flush), so a completion that notified in
+//! its own statement could not share a flush with concurrent ones. A
+//! transaction that only notifies has no transaction id and flushes nothing:
+//! it holds that lock for microseconds. An announcement lost with its process
+//! (a crash between the commit and the announcement) costs the waiters their
+//! fallback, never a wrong answer.
 //!
 //! The listener is a task started by the first [`Changes::watch`] (a ledger
 //! whose claims never wait never opens the connection). It holds one
@@ -23,6 +35,7 @@ use oncely::backend::Backoff;
 use oncely::watch::{Notifier, Watch};
 use sqlx::PgPool;
 use sqlx::postgres::{PgListener, PgPoolOptions};
+use tokio::sync::Notify;
 use tokio::sync::watch as state;
 use tokio::task::JoinHandle;
 
@@ -43,6 +56,29 @@ const RECONNECT_MAX: Duration = Duration::from_secs(5);
 /// The `application_name` of the listener's connection, so an operator can
 /// tell it in `pg_stat_activity`.
 const APPLICATION_NAME: &str = "oncely listener";
+
+/// Keys waiting to be announced at most: beyond it (the server unreachable
+/// for a long time, say) new ones are dropped, and their waiters elsewhere
+/// wake by their fallback. Bounds the memory, not the correctness.
+const ANNOUNCE_BACKLOG: usize = 10_000;
+
+/// Keys per announcing statement.
+const ANNOUNCE_CHUNK: usize = 1_000;
+
+/// One notification per key, from a statement that writes nothing. Two
+/// copies of one payload in a transaction are sent once by PostgreSQL.
+const ANNOUNCE: &str = "SELECT pg_notify($1, k) FROM unnest($2::text[]) AS k";
+
+/// The keys whose leases this ledger ended, not yet announced to other
+/// processes, and the wake-up of the task that announces them.
+#[derive(Debug, Default)]
+struct Announcer {
+    pending: Mutex<Vec<String>>,
+    wake: Notify,
+    /// Announcements sent (one per key) and dropped.
+    sent: AtomicU64,
+    dropped: AtomicU64,
+}
 
 /// Whether the listener is listening.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,6 +110,8 @@ pub(crate) struct Changes {
     /// connection copies.
     pool: PgPool,
     task: Mutex<Option<JoinHandle<()>>>,
+    announcer: Arc<Announcer>,
+    announce_task: Mutex<Option<JoinHandle<()>>>,
 }
 
 /// The state of a ledger's change listener, from
@@ -96,6 +134,13 @@ pub struct ListenerStatus {
     /// How many times it has connected and started listening (more than one
     /// means it reconnected).
     pub connects: u64,
+    /// How many of this ledger's completions and releases it has announced
+    /// on the channel to other processes' listeners (after each committed).
+    pub announced: u64,
+    /// How many it could not announce (the server unreachable, or more than
+    /// 10,000 waiting to be sent): their waiters elsewhere woke by their
+    /// fallback instead.
+    pub unannounced: u64,
 }
 
 impl Changes {
@@ -110,13 +155,39 @@ impl Changes {
             channel,
             pool,
             task: Mutex::new(None),
+            announcer: Arc::new(Announcer::default()),
+            announce_task: Mutex::new(None),
         }
     }
 
-    /// Wakes this process's watches on `key` (after the ledger's own write
-    /// that ended its lease committed).
-    pub(crate) fn notify(&self, key: &str) {
+    /// After the ledger's own write that ended `key`'s lease committed:
+    /// wakes this process's watches on it now, and has it announced to
+    /// other processes' listeners (see the module docs).
+    pub(crate) fn finished(&self, key: &str) {
         self.shared.notifier.notify(key);
+        let announcer = &self.announcer;
+        {
+            let mut pending = announcer.pending.lock().unwrap_or_else(|p| p.into_inner());
+            if pending.len() >= ANNOUNCE_BACKLOG {
+                announcer.dropped.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            pending.push(key.to_owned());
+        }
+        let mut task = self.announce_task.lock().unwrap_or_else(|p| p.into_inner());
+        if task.as_ref().is_none_or(JoinHandle::is_finished) {
+            // Outside a Tokio runtime nobody is announced to: their waiters
+            // wake by their fallback.
+            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                return;
+            };
+            *task = Some(runtime.spawn(announce(
+                announcer.clone(),
+                self.pool.clone(),
+                self.channel.clone(),
+            )));
+        }
+        announcer.wake.notify_one();
     }
 
     /// A watch on `key`: notified while the listener listens (started here
@@ -145,6 +216,8 @@ impl Changes {
             listening: *self.shared.state.borrow() == Listening::Up,
             notifications: self.shared.received.load(Ordering::Relaxed),
             connects: self.shared.connects.load(Ordering::Relaxed),
+            announced: self.announcer.sent.load(Ordering::Relaxed),
+            unannounced: self.announcer.dropped.load(Ordering::Relaxed),
         }
     }
 
@@ -168,6 +241,49 @@ impl Drop for Changes {
     fn drop(&mut self) {
         if let Some(task) = self.task.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
             task.abort();
+        }
+        if let Some(task) = self
+            .announce_task
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            task.abort();
+        }
+    }
+}
+
+/// The announcing task: whenever keys are pending, sends them all, in as
+/// few statements as [`ANNOUNCE_CHUNK`] allows; while one is in flight,
+/// the next completions' keys gather for the next. Aborted with the ledger.
+async fn announce(announcer: Arc<Announcer>, pool: PgPool, channel: Arc<str>) {
+    loop {
+        announcer.wake.notified().await;
+        loop {
+            let keys = std::mem::take(&mut *announcer.pending.lock().unwrap_or_else(|p| p.into_inner()));
+            if keys.is_empty() {
+                break;
+            }
+            for chunk in keys.chunks(ANNOUNCE_CHUNK) {
+                match sqlx::query(ANNOUNCE)
+                    .bind(&*channel)
+                    .bind(chunk)
+                    .execute(&pool)
+                    .await
+                {
+                    Ok(_) => announcer.sent.fetch_add(chunk.len() as u64, Ordering::Relaxed),
+                    Err(e) => {
+                        tracing::debug!(
+                            backend = BACKEND,
+                            channel = &*channel,
+                            error = %e,
+                            keys = chunk.len(),
+                            "could not announce completions; waiters elsewhere wake by their fallback"
+                        );
+                        announcer.dropped.fetch_add(chunk.len() as u64, Ordering::Relaxed)
+                    }
+                };
+            }
         }
     }
 }
