@@ -8,7 +8,7 @@
 //!   redeliveries of a "charge" message, processed once with a naive
 //!   status-check guard and once with [`oncely::Effects::run`], on a real
 //!   database. It returns a [`demo::DemoReport`].
-//! - [`bench`]: the duplicate-storm bench (`oncely bench`): every job
+//! - [`bench`](mod@bench): the duplicate-storm bench (`oncely bench`): every job
 //!   delivered twice, one delivery after the other and both at once, with
 //!   single claims and batches, under oncely's `Wait` and `Reject` policies,
 //!   each next to the hand-written minimum on the same database. It returns

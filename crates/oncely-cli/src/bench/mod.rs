@@ -11,8 +11,8 @@
 //!
 //! Each mode runs with single claims ([`Effects::run`](oncely::Effects::run),
 //! under the `Wait` policy and, concurrently, under `Reject`) and with batches
-//! of `batch` jobs ([`Ledger::claim_many`](oncely::Ledger::claim_many) /
-//! [`Ledger::complete_many`](oncely::Ledger::complete_many); keys a batch
+//! of `batch` jobs ([`Ledger::claim_many`] /
+//! [`Ledger::complete_many`]; keys a batch
 //! finds in progress are then waited for through `Effects::run`, or rejected).
 //! Next to each, the hand-written minimum on the same database: the
 //! delivery inserts its outcome if the key is absent and runs the effect if
