@@ -697,9 +697,15 @@ pub async fn naive_guard_double_applies<L: Ledger + Clone + 'static>(ledger: L) 
         let (ledger, k, performed, barrier) = (ledger.clone(), k.clone(), performed.clone(), barrier.clone());
         tasks.push(tokio::spawn(async move {
             barrier.wait().await;
-            if ledger.get(&k).await.unwrap().is_none() {
+            let seen = ledger.get(&k).await.unwrap();
+            // Every delivery has read before any acts: the race the guard
+            // loses, made certain instead of left to the scheduler (on a
+            // loaded machine the first writer could otherwise finish before
+            // a slow reader reads, and the test would fail for the wrong
+            // reason).
+            barrier.wait().await;
+            if seen.is_none() {
                 performed.fetch_add(1, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_millis(20)).await;
                 if let Claim::Acquired(l) = ledger.claim(&k, &opts()).await.unwrap() {
                     ledger
                         .complete(&l, &Outcome::from_json(&()).unwrap())
