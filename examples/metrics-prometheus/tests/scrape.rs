@@ -281,3 +281,80 @@ fn the_gap_buckets_cover_the_retentions_people_choose() {
         );
     }
 }
+
+/// The binary as a user runs it: it serves the same numbers on the address
+/// it is given, and keeps serving until it is stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_serves_the_numbers_until_stopped() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    let mut tries = 0;
+    let (mut child, addr, printed) = loop {
+        tries += 1;
+        let addr = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_metrics-prometheus"))
+            .args(["--listen", &addr.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start the example");
+        let stdout = child.stdout.take().unwrap();
+        // Everything up to the line that says it serves (or the end, if it
+        // failed).
+        let printed = tokio::task::spawn_blocking(move || {
+            let mut printed = String::new();
+            for line in BufReader::new(stdout).lines() {
+                let line = line.unwrap();
+                printed.push_str(&line);
+                printed.push('\n');
+                if line.starts_with("serving http://") {
+                    break;
+                }
+            }
+            printed
+        });
+        let printed = tokio::time::timeout(std::time::Duration::from_secs(120), printed)
+            .await
+            .expect("the example printed nothing for 120 s")
+            .unwrap();
+        if printed.contains("serving http://") {
+            break (child, addr, printed);
+        }
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        // Another process took the port between our check and its bind.
+        assert!(
+            tries < 10 && stderr.contains("serving metrics on"),
+            "the example failed ({}):\n{printed}{stderr}",
+            out.status
+        );
+    };
+    assert!(
+        printed.contains("2 zombie completions refused by their fence"),
+        "{printed}"
+    );
+    assert!(printed.contains("17 charges from 19 provider calls"), "{printed}");
+
+    // It is still serving after printing, for as many scrapes as come.
+    for _ in 0..2 {
+        let text = scrape(addr).await;
+        let s = parse(&text);
+        let capture = [("kind", "capture")];
+        assert_eq!(count(&s, "oncely_fence_rejections_total", &capture), 2, "{text}");
+        assert_eq!(count(&s, "oncely_lease_takeovers_total", &capture), 5, "{text}");
+        assert_eq!(
+            count(&s, "oncely_duplicates_suppressed_total", &capture),
+            7,
+            "{text}"
+        );
+        assert_eq!(
+            count(&s, "oncely_redelivery_gap_seconds_count", &capture),
+            7,
+            "{text}"
+        );
+    }
+    assert!(child.try_wait().unwrap().is_none(), "the example stopped serving");
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
