@@ -293,13 +293,15 @@ async fn the_binary_serves_the_numbers_until_stopped() {
     let (mut child, addr, printed) = loop {
         tries += 1;
         let addr = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_metrics-prometheus"))
-            .args(["--listen", &addr.to_string()])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start the example");
-        let stdout = child.stdout.take().unwrap();
+        let mut child = Stopped(
+            Command::new(env!("CARGO_BIN_EXE_metrics-prometheus"))
+                .args(["--listen", &addr.to_string()])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("start the example"),
+        );
+        let stdout = child.0.stdout.take().unwrap();
         // Everything up to the line that says it serves (or the end, if it
         // failed).
         let printed = tokio::task::spawn_blocking(move || {
@@ -321,13 +323,13 @@ async fn the_binary_serves_the_numbers_until_stopped() {
         if printed.contains("serving http://") {
             break (child, addr, printed);
         }
-        let out = child.wait_with_output().unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        let status = child.0.wait().unwrap();
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(&mut child.0.stderr.take().unwrap(), &mut stderr).unwrap();
         // Another process took the port between our check and its bind.
         assert!(
             tries < 10 && stderr.contains("serving metrics on"),
-            "the example failed ({}):\n{printed}{stderr}",
-            out.status
+            "the example failed ({status}):\n{printed}{stderr}"
         );
     };
     assert!(
@@ -354,7 +356,19 @@ async fn the_binary_serves_the_numbers_until_stopped() {
             "{text}"
         );
     }
-    assert!(child.try_wait().unwrap().is_none(), "the example stopped serving");
-    child.kill().unwrap();
-    child.wait().unwrap();
+    assert!(
+        child.0.try_wait().unwrap().is_none(),
+        "the example stopped serving"
+    );
+}
+
+/// The example's process, stopped when the test ends, whether it passed or
+/// not (it would serve forever otherwise).
+struct Stopped(std::process::Child);
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
