@@ -152,8 +152,8 @@ pub struct Workload {
     /// Orders published once: each runs its effect (`acquired`).
     pub orders: u64,
     /// Of those, how many are published again as soon as the first
-    /// deliveries are done (suppressed duplicates with a gap well under
-    /// [`Workload::late_gap`]).
+    /// deliveries are done (suppressed duplicates, their gap normally far
+    /// below [`Workload::late_gap`]).
     pub prompt_duplicates: u64,
     /// How many more are published again once their records are at least
     /// [`Workload::late_gap`] old on the ledger's clock.
