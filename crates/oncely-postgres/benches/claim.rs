@@ -24,9 +24,13 @@
 //!   one batch of 100.
 //!
 //! Before the timed groups, a report (stderr) of what each storm variant
-//! costs the server per job: WAL bytes, transaction ids and server CPU (the
-//! sum over the server's processes of `/proc/<pid>/schedstat`). The server
-//! is shared: anything else it runs meanwhile is counted too.
+//! costs the server per job: WAL bytes, transaction ids, WAL syncs
+//! (`pg_stat_wal.wal_sync`: the flushes commits wait on) and server CPU (the
+//! sum of `/proc/<pid>/schedstat` over the server's postmaster and its
+//! children, found through `pg_read_file('postmaster.pid')`). The counters
+//! are the whole server's: anything else it runs meanwhile is counted too,
+//! so for exact numbers point `ONCELY_POSTGRES_URL` at a cluster of its own
+//! (docs/benchmarks.md shows how).
 //!
 //! Needs PostgreSQL at `ONCELY_POSTGRES_URL` (default
 //! `postgres://postgres@127.0.0.1:5432/test`):
@@ -396,8 +400,11 @@ async fn batch(setup: &Setup, how: Batch) {
     }
 }
 
-/// CPU time of every server process (`postgres`), by pid, in nanoseconds.
-fn server_cpu() -> HashMap<u32, u64> {
+/// CPU time of this server's processes, by pid, in nanoseconds: the
+/// postmaster `postmaster` and its children (another cluster on the same
+/// machine is not counted). Without a postmaster pid, every `postgres`
+/// process.
+fn server_cpu(postmaster: Option<u32>) -> HashMap<u32, u64> {
     let mut cpu = HashMap::new();
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return cpu;
@@ -410,6 +417,18 @@ fn server_cpu() -> HashMap<u32, u64> {
         if comm.trim() != "postgres" {
             continue;
         }
+        if let Some(pm) = postmaster {
+            // /proc/<pid>/stat: "pid (comm) state ppid ..."; comm is "postgres".
+            let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+            let ppid = stat
+                .rsplit(')')
+                .next()
+                .and_then(|rest| rest.split_whitespace().nth(1))
+                .and_then(|p| p.parse::<u32>().ok());
+            if pid != pm && ppid != Some(pm) {
+                continue;
+            }
+        }
         let stat = std::fs::read_to_string(entry.path().join("schedstat")).unwrap_or_default();
         if let Some(ns) = stat.split_whitespace().next().and_then(|n| n.parse().ok()) {
             cpu.insert(pid, ns);
@@ -418,10 +437,23 @@ fn server_cpu() -> HashMap<u32, u64> {
     cpu
 }
 
-async fn wal_and_xid(pool: &PgPool) -> (i64, i64) {
+/// The server's postmaster pid (the first line of its `postmaster.pid`),
+/// readable when the bench connects as a superuser on the same machine.
+async fn postmaster_pid(pool: &PgPool) -> Option<u32> {
+    let file: String = sqlx::query_scalar("SELECT pg_read_file('postmaster.pid')")
+        .fetch_one(pool)
+        .await
+        .ok()?;
+    file.lines().next()?.trim().parse().ok()
+}
+
+/// WAL bytes inserted, the next transaction id and the WAL syncs (the
+/// flushes a commit waits on; `pg_stat_wal`, cluster-wide) so far.
+async fn wal_and_xid(pool: &PgPool) -> (i64, i64, i64) {
     sqlx::query_as(
         "SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint, \
-         pg_snapshot_xmax(pg_current_snapshot())::text::bigint",
+         pg_snapshot_xmax(pg_current_snapshot())::text::bigint, \
+         (SELECT wal_sync FROM pg_stat_wal)",
     )
     .fetch_one(pool)
     .await
@@ -431,31 +463,39 @@ async fn wal_and_xid(pool: &PgPool) -> (i64, i64) {
 /// Per job: WAL bytes, transaction ids and server CPU of each storm variant.
 async fn report(setup: Arc<Setup>) {
     const JOBS: u64 = 1000;
-    eprintln!("\nserver cost per job of {JOBS} jobs x 2 deliveries (the whole server: noisy if shared)");
+    let postmaster = postmaster_pid(&setup.pool).await;
     eprintln!(
-        "{:<28} {:>10} {:>10} {:>12} {:>14}",
-        "variant", "WAL B/job", "xids/job", "CPU us/job", "deliveries/s"
+        "\nserver cost per job of {JOBS} jobs x 2 deliveries (the whole server, {}: noisy if shared)",
+        match postmaster {
+            Some(pid) => format!("CPU of postmaster {pid} and its children"),
+            None => "CPU of every postgres process on this machine".to_owned(),
+        }
+    );
+    eprintln!(
+        "{:<28} {:>10} {:>10} {:>11} {:>12} {:>14}",
+        "variant", "WAL B/job", "xids/job", "syncs/job", "CPU us/job", "deliveries/s"
     );
     for concurrent in [false, true] {
         for s in [Storm::Baseline, Storm::OncelyWait, Storm::OncelyReject] {
             if !concurrent && matches!(s, Storm::OncelyReject) {
                 continue; // sequential duplicates never find one in progress
             }
-            let (wal0, xid0) = wal_and_xid(&setup.pool).await;
-            let cpu0 = server_cpu();
+            let (wal0, xid0, sync0) = wal_and_xid(&setup.pool).await;
+            let cpu0 = server_cpu(postmaster);
             let elapsed = storm(setup.clone(), s, concurrent, JOBS).await;
-            let cpu1 = server_cpu();
-            let (wal1, xid1) = wal_and_xid(&setup.pool).await;
+            let cpu1 = server_cpu(postmaster);
+            let (wal1, xid1, sync1) = wal_and_xid(&setup.pool).await;
             let cpu: u64 = cpu1
                 .iter()
                 .filter_map(|(pid, ns)| cpu0.get(pid).map(|before| ns.saturating_sub(*before)))
                 .sum();
             let mode = if concurrent { "concurrent" } else { "sequential" };
             eprintln!(
-                "{:<28} {:>10.0} {:>10.2} {:>12.0} {:>14.0}",
+                "{:<28} {:>10.0} {:>10.2} {:>11.2} {:>12.0} {:>14.0}",
                 format!("{mode} {s:?}"),
                 (wal1 - wal0) as f64 / JOBS as f64,
                 (xid1 - xid0) as f64 / JOBS as f64,
+                (sync1 - sync0) as f64 / JOBS as f64,
                 cpu as f64 / 1000.0 / JOBS as f64,
                 (2 * JOBS) as f64 / elapsed.as_secs_f64(),
             );

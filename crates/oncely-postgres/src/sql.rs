@@ -318,7 +318,7 @@ impl Queries {
         // at a time (pgbench, 8 clients inserting on this machine: 4,200
         // commits/s without a notify, 530-880 with one). The ledger
         // announces their keys after they commit instead, from a
-        // transaction that writes nothing (`notify::Announcer`). Only
+        // transaction whose commit waits for no flush (`notify::Announcer`). Only
         // `complete_in`, inside the caller's transaction, notifies in its
         // statement: the notification then goes out when (and only if) the
         // caller commits. It is sent per updated row only, so a stale fence
