@@ -113,7 +113,8 @@ pub async fn admin_pages_cover_each_record_once<L: Admin>(ledger: L) {
     assert_eq!(one[0].key.as_str(), key(&t, "capture", "order-05").as_str());
     let late = all[10].created_at;
     let since = page_all(&ledger, RecordQuery::tenant(&t).since(late), 100).await;
-    assert!(!since.is_empty() && since.len() <= 13, "{}", since.len());
+    // (Records created in the same clock tick as the 11th are in too.)
+    assert!(since.len() >= 13, "{}", since.len());
     assert!(since.iter().all(|r| r.created_at >= late));
     assert_eq!(since.len(), all.iter().filter(|r| r.created_at >= late).count());
     // A page is bounded.
