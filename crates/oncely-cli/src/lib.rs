@@ -15,6 +15,9 @@
 //!   a [`bench::BenchReport`].
 //! - [`ops`]: the operator commands (`oncely get`, `abandoned`, `prune`,
 //!   `migrate`).
+//! - [`admin`](mod@admin): the operator commands over [`oncely::admin`]
+//!   (`oncely inspect`, `history`, `stats`, `stuck`, `resolve`, `forget`);
+//!   `resolve` and `forget` are recorded in the ledger as audit records.
 //! - [`AnyLedger`]: one [`oncely::Ledger`] whose backend is picked from a
 //!   database URL at run time, like sqlx's `Any` driver.
 //!
@@ -68,6 +71,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod admin;
 pub mod any;
 pub mod bench;
 pub mod demo;
