@@ -418,6 +418,8 @@ pub struct Listing {
     pub tenant: Option<Tenant>,
     /// Only this kind.
     pub kind: Option<String>,
+    /// Only records first claimed at or after this RFC 3339 time or date.
+    pub since: Option<String>,
     /// At most this many (bounded by [`MAX_PAGE`]).
     pub limit: u32,
 }
@@ -434,6 +436,10 @@ pub async fn list(database_url: &str, filter: Filter, l: &Listing) -> Result<Vec
 
 /// Lists records of a class, oldest first (read-only).
 pub async fn list_records(database_url: &str, filter: Filter, l: &Listing) -> Result<Vec<Record>> {
+    if let Some(k) = &l.kind {
+        // Validates the kind as a key would, before connecting.
+        EffectKey::new(&Tenant::global(), k, "x")?;
+    }
     let mut query = match &l.tenant {
         Some(t) => RecordQuery::tenant(t),
         None => RecordQuery::all_tenants(),
@@ -442,6 +448,9 @@ pub async fn list_records(database_url: &str, filter: Filter, l: &Listing) -> Re
     .limit(l.limit.clamp(1, MAX_PAGE));
     if let Some(k) = &l.kind {
         query = query.kind(k.clone());
+    }
+    if let Some(since) = &l.since {
+        query = query.since(parse_rfc3339(since)?);
     }
     let ledger = open_admin(database_url, Access::ReadOnly).await?;
     let result = ledger.records(&query).await;

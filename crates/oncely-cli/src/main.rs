@@ -181,6 +181,10 @@ enum Command {
         /// Only this kind.
         #[arg(long)]
         kind: Option<String>,
+        /// Only records first claimed at or after this RFC 3339 time
+        /// (2026-11-30T08:00:00Z) or date (2026-11-30).
+        #[arg(long)]
+        since: Option<String>,
         /// At most this many records (up to 1000).
         #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=1000))]
         limit: u32,
@@ -197,7 +201,7 @@ enum Command {
     /// automatically: it may or may not have happened, and someone has to
     /// check (then `resolve` it). This lists them, oldest first, as JSON
     /// (as it always has; --json says so explicitly). One tenant works on
-    /// every backend; --all-tenants and --kind need a SQL backend.
+    /// every backend; --all-tenants, --kind and --since need a SQL backend.
     /// Read-only, like `get`.
     Abandoned {
         #[command(flatten)]
@@ -205,6 +209,10 @@ enum Command {
         /// Only this kind.
         #[arg(long)]
         kind: Option<String>,
+        /// Only records first claimed at or after this RFC 3339 time
+        /// (2026-11-30T08:00:00Z) or date (2026-11-30).
+        #[arg(long)]
+        since: Option<String>,
         /// At most this many records.
         #[arg(long, default_value_t = 100)]
         limit: u64,
@@ -459,6 +467,7 @@ async fn run(command: Command) -> ExitCode {
         Command::Stuck {
             scope,
             kind,
+            since,
             limit,
             json,
             db,
@@ -467,7 +476,12 @@ async fn run(command: Command) -> ExitCode {
                 Ok(t) => t,
                 Err(e) => return fail(&e),
             };
-            let listing = admin::Listing { tenant, kind, limit };
+            let listing = admin::Listing {
+                tenant,
+                kind,
+                since,
+                limit,
+            };
             match admin::list(&db.database_url, Filter::Stuck, &listing).await {
                 Ok(list) if json => print_json(&list),
                 Ok(list) => {
@@ -480,6 +494,7 @@ async fn run(command: Command) -> ExitCode {
         Command::Abandoned {
             scope,
             kind,
+            since,
             limit,
             json: _,
             db,
@@ -488,7 +503,15 @@ async fn run(command: Command) -> ExitCode {
                 Ok(t) => t,
                 Err(e) => return fail(&e),
             };
-            match ops::abandoned_in(&db.database_url, tenant.as_ref(), kind.as_deref(), limit).await {
+            match ops::abandoned_in(
+                &db.database_url,
+                tenant.as_ref(),
+                kind.as_deref(),
+                since.as_deref(),
+                limit,
+            )
+            .await
+            {
                 Ok(records) => print_json(&records.iter().map(RecordView::from).collect::<Vec<_>>()),
                 Err(e) => fail(&e),
             }

@@ -31,21 +31,23 @@ pub async fn abandoned(database_url: &str, tenant: &str, limit: u64) -> Result<V
 }
 
 /// Lists abandoned at-most-once steps of one tenant or of every tenant
-/// (`None`), optionally of one kind, oldest first. One tenant without a
-/// kind is [`Ledger::abandoned`], which every backend answers; the rest
+/// (`None`), optionally of one kind and since a time, oldest first. One
+/// tenant alone is [`Ledger::abandoned`], which every backend answers; the rest
 /// needs [`oncely::Admin`] (the SQL backends).
 pub async fn abandoned_in(
     database_url: &str,
     tenant: Option<&Tenant>,
     kind: Option<&str>,
+    since: Option<&str>,
     limit: u64,
 ) -> Result<Vec<Record>> {
-    match (tenant, kind) {
-        (Some(t), None) => abandoned(database_url, t.as_str(), limit).await,
+    match (tenant, kind, since) {
+        (Some(t), None, None) => abandoned(database_url, t.as_str(), limit).await,
         _ => {
             let listing = crate::admin::Listing {
                 tenant: tenant.cloned(),
                 kind: kind.map(str::to_owned),
+                since: since.map(str::to_owned),
                 limit: u32::try_from(limit).unwrap_or(u32::MAX),
             };
             crate::admin::list_records(database_url, oncely::admin::Filter::Abandoned, &listing).await
