@@ -291,6 +291,9 @@ enum Command {
         /// Count the records past retention; delete nothing.
         #[arg(long)]
         dry_run: bool,
+        /// Print one JSON object ({"pruned": N} or {"would_prune": N}).
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         db: DbArgs,
     },
@@ -547,10 +550,12 @@ async fn run(command: Command) -> ExitCode {
             }
         }
         Command::Prune {
-            limit: _,
             dry_run: true,
+            json,
             db,
+            ..
         } => match ops::prune_dry_run(&db.database_url).await {
+            Ok(n) if json => print_json(&serde_json::json!({ "would_prune": n, "dry_run": true })),
             Ok(n) => {
                 println!(
                     "would prune {n} record{} (dry run: nothing deleted)",
@@ -560,7 +565,8 @@ async fn run(command: Command) -> ExitCode {
             }
             Err(e) => fail(&e),
         },
-        Command::Prune { limit, db, .. } => match ops::prune(&db.database_url, limit).await {
+        Command::Prune { limit, json, db, .. } => match ops::prune(&db.database_url, limit).await {
+            Ok(n) if json => print_json(&serde_json::json!({ "pruned": n })),
             Ok(n) => {
                 println!("pruned {n} record{}", if n == 1 { "" } else { "s" });
                 ExitCode::SUCCESS
