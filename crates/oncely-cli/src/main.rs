@@ -489,6 +489,12 @@ async fn run(command: Command) -> ExitCode {
                 Ok(list) if json => print_json(&list),
                 Ok(list) => {
                     print_listing(&list, "stuck");
+                    if list.len() == limit as usize {
+                        eprintln!(
+                            "showing the oldest {limit}; there may be more (narrow with --kind or \
+                             --since, or raise --limit up to 1000)"
+                        );
+                    }
                     ExitCode::SUCCESS
                 }
                 Err(e) => fail(&e),
@@ -742,9 +748,11 @@ fn print_json<T: serde::Serialize>(value: &T) -> ExitCode {
 fn fail(e: &Error) -> ExitCode {
     eprintln!("error: {e}");
     match e {
-        Error::InvalidKey { .. } | Error::Config(_) | Error::Misuse(_) | Error::InvalidInput(_) => {
-            ExitCode::from(2)
-        }
+        Error::InvalidKey { .. }
+        | Error::Config(_)
+        | Error::Misuse(_)
+        | Error::InvalidInput(_)
+        | Error::OutcomeTooLarge { .. } => ExitCode::from(2),
         Error::NotFound { .. } => ExitCode::from(3),
         _ => ExitCode::from(1),
     }
