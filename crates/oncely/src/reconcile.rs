@@ -38,7 +38,7 @@
 //! that writes nothing ([`Reconcile::dry_run`]), and returns a [`Report`].
 //! Each record is handled in an `oncely.reconcile` span carrying its effect
 //! key and counted in `oncely_reconciled_total{kind,doubt,result}` (see
-//! [`telemetry`](crate::telemetry)).
+//! [`telemetry`](mod@crate::telemetry)).
 //!
 //! Where the records come from is a [`Source`]: [`Abandoned`] lists a
 //! tenant's abandoned steps through [`Ledger::abandoned`]; [`Keys`] reads

@@ -54,8 +54,11 @@ async fn snapshot(ledger: &MemoryLedger, keys: &[EffectKey]) -> Vec<Option<Recor
 struct Table {
     answers: HashMap<String, Answer>,
     asked: AtomicUsize,
-    hook: Mutex<Option<Box<dyn FnOnce(&Record) + Send>>>,
+    hook: Mutex<Option<Hook>>,
 }
+
+/// Runs once, before the first answer.
+type Hook = Box<dyn FnOnce(&Record) + Send>;
 
 #[derive(Clone)]
 enum Answer {
