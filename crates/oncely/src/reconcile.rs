@@ -43,7 +43,7 @@
 //! Where the records come from is a [`Source`]: [`Abandoned`] lists a
 //! tenant's abandoned steps through [`Ledger::abandoned`]; [`Keys`] reads
 //! given keys through [`Ledger::get`] (the way to reconcile stuck leases you
-//! know of).
+//! know of); [`Chain`] runs one after the other.
 //!
 //! # Example
 //!
@@ -305,6 +305,37 @@ impl<L: Ledger + ?Sized> Source<L> for Keys {
         }
         page.records.sort_by_key(|r| r.created_at);
         Ok(page)
+    }
+}
+
+/// One source until it runs dry, then another: stuck leases you know of
+/// after a tenant's abandoned steps, for one [`Report`].
+#[derive(Debug, Clone)]
+pub struct Chain<A, B> {
+    first: Option<A>,
+    second: B,
+}
+
+impl<A, B> Chain<A, B> {
+    /// `first`, then `second`.
+    pub fn new(first: A, second: B) -> Self {
+        Chain {
+            first: Some(first),
+            second,
+        }
+    }
+}
+
+impl<L: Ledger + ?Sized, A: Source<L>, B: Source<L>> Source<L> for Chain<A, B> {
+    async fn next_page(&mut self, ledger: &L, limit: usize) -> Result<Page> {
+        if let Some(first) = self.first.as_mut() {
+            let page = first.next_page(ledger, limit).await?;
+            if !page.records.is_empty() || !page.absent.is_empty() {
+                return Ok(page);
+            }
+            self.first = None;
+        }
+        self.second.next_page(ledger, limit).await
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, UNIX_EPOCH};
 
-use oncely::reconcile::{Doubt, Reconcile, Reconciler, Resolution, Verdict};
+use oncely::reconcile::{Abandoned, Chain, Doubt, Keys, Reconcile, Reconciler, Resolution, Verdict};
 use oncely::{
     BoxError, Claim, ClaimOptions, EffectKey, Ledger, MemoryLedger, Outcome, Record, RecordState,
     StoredOutcome, Tenant,
@@ -415,4 +415,24 @@ async fn the_rate_limit_paces_records() {
             .unwrap_err();
         assert!(e.is_invalid_input(), "{e:?}");
     }
+}
+
+#[tokio::test]
+async fn a_chain_runs_one_source_after_the_other() {
+    let ledger = MemoryLedger::new();
+    let (receipt, capture) = (key("receipt", "o-1"), key("capture", "o-1"));
+    crash(&ledger, &receipt, true).await;
+    crash(&ledger, &capture, false).await;
+    ledger.advance(Duration::from_secs(60));
+    let table = Table::with(&[("o-1", Answer::Done("yes"))]);
+    let report = Reconcile::new(&ledger, &table)
+        .run(Chain::new(Abandoned::new(&acme()), Keys::new([capture.clone()])))
+        .await
+        .unwrap();
+    let order: Vec<(&EffectKey, Option<Doubt>)> = report.entries.iter().map(|e| (&e.key, e.doubt)).collect();
+    assert_eq!(
+        order,
+        vec![(&receipt, Some(Doubt::Abandoned)), (&capture, Some(Doubt::Stuck))]
+    );
+    assert_eq!(report.completed, 2, "{report:#?}");
 }
