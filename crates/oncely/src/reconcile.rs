@@ -635,19 +635,7 @@ impl<'a, L: Ledger + ?Sized, R: Reconciler + ?Sized> Reconcile<'a, L, R> {
             Doubt::Abandoned => record.reconciliation_lease(),
             // Never a write with a guessed lease: the backend decides the
             // takeover atomically, and fences out the stalled holder.
-            Doubt::Stuck => match self
-                .ledger
-                .claim(
-                    &record.key,
-                    &ClaimOptions {
-                        // The record's own: a key reused for another payload since
-                        // the listing fails the claim instead of being settled.
-                        fingerprint: record.fingerprint,
-                        ..claim.clone()
-                    },
-                )
-                .await
-            {
+            Doubt::Stuck => match self.takeover(record, claim).await {
                 Ok(Claim::Acquired(lease)) if lease.taken_over() => lease,
                 Ok(Claim::Acquired(lease)) => {
                     // The record vanished (completed, then pruned) and this
@@ -670,6 +658,27 @@ impl<'a, L: Ledger + ?Sized, R: Reconciler + ?Sized> Reconcile<'a, L, R> {
         self.write(&lease, doubt, done).await
     }
 
+    /// The claim that takes a stuck lease over, counted like every claim
+    /// (`oncely_claims_total`, and `oncely_lease_takeovers_total` when it
+    /// takes over).
+    async fn takeover(&self, record: &Record, claim: &ClaimOptions) -> Result<Claim> {
+        let opts = ClaimOptions {
+            // The record's own: a key reused for another payload since the
+            // listing fails the claim instead of being settled.
+            fingerprint: record.fingerprint,
+            ..claim.clone()
+        };
+        let started = std::time::Instant::now();
+        let answer = self.ledger.claim(&record.key, &opts).await?;
+        telemetry::claim_recorded(
+            self.ledger.backend(),
+            &record.key,
+            answer.label(),
+            started.elapsed(),
+        );
+        Ok(answer)
+    }
+
     async fn write(&self, lease: &Lease, doubt: Doubt, done: Option<Outcome>) -> Resolution {
         let (result, resolution) = match &done {
             Some(outcome) => (self.ledger.complete(lease, outcome).await, Resolution::Completed),
@@ -678,6 +687,7 @@ impl<'a, L: Ledger + ?Sized, R: Reconciler + ?Sized> Reconcile<'a, L, R> {
         match result {
             Ok(()) => resolution,
             Err(Error::LeaseLost { .. }) => {
+                telemetry::fence_rejected(lease.key());
                 tracing::info!(effect_key = %lease.key(), fence = lease.fence(),
                     "record moved on before the reconciliation write; nothing overwritten");
                 Resolution::Moved
