@@ -413,6 +413,9 @@ pub struct Report {
     pub errors: u64,
     /// Every examined record, in the order examined.
     pub entries: Vec<Entry>,
+    /// Why the run stopped early: the listing failed (the records examined
+    /// before are in the report). `None`: the run went through.
+    pub aborted: Option<String>,
 }
 
 impl Report {
@@ -519,8 +522,10 @@ impl<'a, L: Ledger + ?Sized, R: Reconciler + ?Sized> Reconcile<'a, L, R> {
     }
 
     /// Reconciles what `source` lists. Fails only if the options are
-    /// invalid or the source cannot list; a record that fails is counted in
-    /// [`Report::errors`] and the run goes on.
+    /// invalid ([`Error::InvalidInput`], before any round trip). A record
+    /// that fails is counted in [`Report::errors`] and the run goes on; a
+    /// listing that fails stops the run, which returns what it did so far
+    /// with [`Report::aborted`] set.
     pub async fn run<S: Source<L>>(&self, mut source: S) -> Result<Report> {
         let mut claim = self.claim.clone();
         claim.at_most_once = false;
@@ -530,9 +535,13 @@ impl<'a, L: Ledger + ?Sized, R: Reconciler + ?Sized> Reconcile<'a, L, R> {
         let mut pace = match self.rate_limit {
             Some(r) if r.is_finite() && r > 0.0 => {
                 let period = Duration::try_from_secs_f64(1.0 / r).unwrap_or(Duration::MAX);
-                let mut i = tokio::time::interval(period);
-                i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                Some(i)
+                // A rate too high to measure is no limit (and a zero period
+                // would make the interval panic).
+                (!period.is_zero()).then(|| {
+                    let mut i = tokio::time::interval(period);
+                    i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    i
+                })
             }
             Some(r) => {
                 return Err(Error::InvalidInput(format!(
@@ -556,11 +565,22 @@ impl<'a, L: Ledger + ?Sized, R: Reconciler + ?Sized> Reconcile<'a, L, R> {
                     break;
                 }
                 let limit = usize::try_from(left).unwrap_or(usize::MAX).min(self.batch_size);
-                let page = source.next_page(self.ledger, limit).await?;
+                let page = match source.next_page(self.ledger, limit).await {
+                    Ok(page) => page,
+                    Err(e) => {
+                        // What was written so far stays in the report.
+                        tracing::warn!(error = %e, "listing failed; reconciliation run stopped");
+                        report.aborted = Some(e.to_string());
+                        break;
+                    }
+                };
                 if page.records.is_empty() && page.absent.is_empty() {
                     break;
                 }
                 for key in page.absent {
+                    if report.examined >= self.max_records.unwrap_or(u64::MAX) {
+                        break;
+                    }
                     telemetry::reconciled(&key, None, Resolution::Skipped.as_str(), self.dry_run);
                     report.add(Entry {
                         key,
@@ -579,10 +599,9 @@ impl<'a, L: Ledger + ?Sized, R: Reconciler + ?Sized> Reconcile<'a, L, R> {
                     report.add(self.one(record, &claim).await);
                 }
             }
-            Ok::<(), Error>(())
         }
         .instrument(span)
-        .await?;
+        .await;
         Ok(report)
     }
 

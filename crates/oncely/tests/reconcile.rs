@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, UNIX_EPOCH};
 
-use oncely::reconcile::{Abandoned, Chain, Doubt, Keys, Reconcile, Reconciler, Resolution, Verdict};
+use oncely::reconcile::{
+    Abandoned, Chain, Doubt, Keys, Page, Reconcile, Reconciler, Resolution, Source, Verdict,
+};
 use oncely::{
     BoxError, Claim, ClaimOptions, EffectKey, Ledger, MemoryLedger, Outcome, Record, RecordState,
     StoredOutcome, Tenant,
@@ -435,4 +437,45 @@ async fn a_chain_runs_one_source_after_the_other() {
         vec![(&receipt, Some(Doubt::Abandoned)), (&capture, Some(Doubt::Stuck))]
     );
     assert_eq!(report.completed, 2, "{report:#?}");
+}
+
+/// One page of the tenant's abandoned steps, then a listing that fails.
+struct Flaky(Option<Abandoned>);
+
+impl Source<MemoryLedger> for Flaky {
+    async fn next_page(&mut self, ledger: &MemoryLedger, limit: usize) -> oncely::Result<Page> {
+        match self.0.take() {
+            Some(mut first) => first.next_page(ledger, limit).await,
+            None => Err(oncely::Error::Unavailable {
+                backend: "memory",
+                message: "connection reset".into(),
+            }),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_failed_listing_stops_the_run_and_keeps_what_it_did() {
+    let ledger = MemoryLedger::new();
+    for i in 0..3 {
+        crash(&ledger, &key("receipt", &format!("o-{i}")), true).await;
+    }
+    ledger.advance(Duration::from_secs(60));
+    let table = Table::with(&[("o-0", Answer::NotDone), ("o-1", Answer::Done("sent"))]);
+    let report = Reconcile::new(&ledger, &table)
+        .batch_size(2)
+        .rate_limit(1e300) // too fast to pace: no limit, no panic
+        .run(Flaky(Some(Abandoned::new(&acme()))))
+        .await
+        .unwrap();
+    assert_eq!(
+        (report.examined, report.released, report.completed),
+        (2, 1, 1),
+        "{report:#?}"
+    );
+    assert!(
+        report.aborted.as_deref().unwrap().contains("connection reset"),
+        "{report:#?}"
+    );
+    assert_eq!(ledger.abandoned(&acme(), 10).await.unwrap().len(), 1);
 }
