@@ -33,6 +33,20 @@
 //! *before* any write, so an [`Verdict::Unknown`] leaves the ledger exactly
 //! as it was.
 //!
+//! # What the provider's answer is worth
+//!
+//! The provider is asked before anything is written, and a worker whose
+//! lease ended may not be dead: stalled (a pause, a partition) between its
+//! claim and its call, it can still reach the provider after the answer.
+//! Its own completion is then refused by the fence, but the effect happened.
+//! For a stuck provider-keyed step that is harmless: the step re-runs with
+//! the same provider key, and the provider answers with the first result.
+//! For an abandoned at-most-once step, a "not done" that a zombie overtakes
+//! means a second email. [`Reconcile::grace`] leaves records alone until
+//! their lease ended long enough ago (on the backend's clock) that no
+//! worker of yours can still be running the step; set it to more than your
+//! longest stall.
+//!
 //! A run is bounded ([`Reconcile::batch_size`], [`Reconcile::max_records`]),
 //! paced ([`Reconcile::rate_limit`], records per second), can be a dry run
 //! that writes nothing ([`Reconcile::dry_run`]), and returns a [`Report`].
@@ -352,8 +366,9 @@ pub enum Resolution {
     /// The record moved on between the listing and the write (completed,
     /// released or taken over by someone else); nothing was overwritten.
     Moved,
-    /// Not in doubt when read (completed, released, a live lease, or no
-    /// record at all); nothing was asked or written.
+    /// Not in doubt when read (completed, released, a live lease, a lease
+    /// that ended within [`Reconcile::grace`], or no record at all);
+    /// nothing was asked or written.
     Skipped,
     /// The provider or the ledger failed; the record is as it was (or, for
     /// a stuck lease taken over, will be stuck again when the reconciler's
@@ -407,7 +422,7 @@ pub struct Report {
     pub unknown: u64,
     /// Moved on between the listing and the write; left alone.
     pub moved: u64,
-    /// Not in doubt when read (or absent); left alone.
+    /// Not in doubt when read, within the grace, or absent; left alone.
     pub skipped: u64,
     /// The provider or the ledger failed on them; left as they were.
     pub errors: u64,
@@ -444,7 +459,7 @@ impl Report {
 /// (see the [module docs](self)).
 ///
 /// Defaults: pages of 100, no record limit, no rate limit, not a dry run,
-/// and stuck leases taken over with a 30 s lease and the default retention
+/// no grace, and stuck leases taken over with a 30 s lease and the default retention
 /// of [`ClaimOptions`] (the retention the record keeps once completed or
 /// released).
 #[derive(Debug, Clone)]
@@ -455,6 +470,7 @@ pub struct Reconcile<'a, L: ?Sized, R: ?Sized> {
     max_records: Option<u64>,
     rate_limit: Option<f64>,
     dry_run: bool,
+    grace: Duration,
     claim: ClaimOptions,
 }
 
@@ -468,8 +484,19 @@ impl<'a, L: Ledger + ?Sized, R: Reconciler + ?Sized> Reconcile<'a, L, R> {
             max_records: None,
             rate_limit: None,
             dry_run: false,
+            grace: Duration::ZERO,
             claim: ClaimOptions::default(),
         }
+    }
+
+    /// Leaves alone (as [`Resolution::Skipped`], nothing asked) the records
+    /// whose lease ended less than `grace` before they were read, on the
+    /// backend's clock: a worker that stalled past its lease may still be
+    /// about to call the provider (see the [module docs](self)). Default:
+    /// zero, every ended lease is in doubt.
+    pub fn grace(mut self, grace: Duration) -> Self {
+        self.grace = grace;
+        self
     }
 
     /// How many records each page asks the source for (at least 1).
@@ -629,6 +656,13 @@ impl<'a, L: Ledger + ?Sized, R: Reconciler + ?Sized> Reconcile<'a, L, R> {
         let Some(doubt) = doubt else {
             return Resolution::Skipped;
         };
+        if let Some(ended) = record.lease_expires_at
+            && ended
+                .checked_add(self.grace)
+                .is_none_or(|safe| record.read_at < safe)
+        {
+            return Resolution::Skipped;
+        }
         let verdict = match self.reconciler.check(record, doubt).await {
             Ok(v) => v,
             Err(e) => {

@@ -479,3 +479,27 @@ async fn a_failed_listing_stops_the_run_and_keeps_what_it_did() {
     );
     assert_eq!(ledger.abandoned(&acme(), 10).await.unwrap().len(), 1);
 }
+
+#[tokio::test]
+async fn records_within_the_grace_are_left_alone() {
+    let ledger = MemoryLedger::new();
+    let (recent, old) = (key("receipt", "o-1"), key("receipt", "o-2"));
+    crash(&ledger, &old, true).await;
+    ledger.advance(Duration::from_secs(600));
+    crash(&ledger, &recent, true).await;
+    ledger.advance(Duration::from_secs(60)); // recent's lease ended 50 s ago
+    let table = Table::with(&[("o-1", Answer::NotDone), ("o-2", Answer::NotDone)]);
+    let report = Reconcile::new(&ledger, &table)
+        .grace(Duration::from_secs(300))
+        .abandoned(&acme())
+        .await
+        .unwrap();
+    assert_eq!((report.released, report.skipped), (1, 1), "{report:#?}");
+    assert_eq!(report.entry(&recent).unwrap().resolution, Resolution::Skipped);
+    assert_eq!(
+        table.asked.load(Ordering::SeqCst),
+        1,
+        "a record within the grace is not asked about"
+    );
+    assert_eq!(ledger.abandoned(&acme(), 10).await.unwrap()[0].key, recent);
+}
