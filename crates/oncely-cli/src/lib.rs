@@ -15,6 +15,9 @@
 //!   a [`bench::BenchReport`].
 //! - [`ops`]: the operator commands (`oncely get`, `abandoned`, `prune`,
 //!   `migrate`).
+//! - [`admin`](mod@admin): the operator commands over [`oncely::admin`]
+//!   (`oncely inspect`, `history`, `stats`, `stuck`, `resolve`, `forget`);
+//!   `resolve` and `forget` are recorded in the ledger as audit records.
 //! - [`AnyLedger`]: one [`oncely::Ledger`] whose backend is picked from a
 //!   database URL at run time, like sqlx's `Any` driver.
 //!
@@ -26,13 +29,18 @@
 //! $ oncely abandoned --tenant acme --database-url postgres://localhost/app
 //! $ oncely prune --limit 10000 --database-url 'nats://n1:4222,n2:4222,n3:4222?replicas=3'
 //! $ oncely migrate --database-url redis+cluster://10.0.0.1:7000,10.0.0.2:7000
+//! $ export ONCELY_DATABASE_URL=postgres://localhost/app
+//! $ oncely history --tenant acme --subject order-123     # did this run twice?
+//! $ oncely stats --all-tenants --json
+//! $ oncely resolve acme/receipt:order-123 --released     # recorded as an audit record
 //! ```
 //!
 //! Exit codes: 0 success, 1 runtime failure (database unreachable, backend
 //! error, a demo in which oncely charged twice, a bench row in which an
-//! effect ran twice), 2 usage error (bad
-//! arguments, an invalid key or tenant, an unknown URL scheme), 3 `get`
-//! found no record.
+//! effect ran twice, a resolve or forget refused by the record's state or
+//! fence), 2 usage error (bad arguments, an invalid key or tenant, an
+//! unknown URL scheme, a command the backend does not offer), 3 `get`,
+//! `inspect`, `resolve` or `forget` found no record.
 //!
 //! ```no_run
 //! use oncely::{ClaimOptions, EffectKey, Effects, Tenant};
@@ -68,6 +76,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod admin;
 pub mod any;
 pub mod bench;
 pub mod demo;

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
+use oncely::admin::{Admin, KindStats, RecordQuery, forget_refusal};
 use oncely::backend::{FromUrl, OpenOptions, check_outcome, duration_micros, from_micros};
 use oncely::watch::{Notifier, Watch};
 use oncely::{
@@ -580,4 +581,84 @@ impl FromUrl for MySqlLedger {
         options::check_scheme(url)?;
         MySqlLedger::connect_with(url, MySqlLedgerOptions::for_open(options)).await
     }
+}
+
+/// The operator's view (`oncely::admin`): listings and stats are reads at
+/// one clock reading; forget is one guarded, fenced `UPDATE`, run to
+/// completion on the pool like every write.
+impl Admin for MySqlLedger {
+    async fn records(&self, query: &RecordQuery) -> Result<Vec<Record>> {
+        self.probe(None).await?;
+        let (text, args) = sql::records(&self.inner.table, query)?;
+        let rows = bind(sqlx::query(sqlx::AssertSqlSafe(text)), args)
+            .fetch_all(&self.inner.pool)
+            .await
+            .map_err(map)?;
+        rows.iter()
+            .map(|r| stored(r, false, false)?.record(None))
+            .collect()
+    }
+
+    async fn stats(&self, tenant: Option<&Tenant>) -> Result<Vec<KindStats>> {
+        self.probe(None).await?;
+        let (text, args) = sql::stats(&self.inner.table, tenant);
+        let rows = bind(sqlx::query(sqlx::AssertSqlSafe(text)), args)
+            .fetch_all(&self.inner.pool)
+            .await
+            .map_err(map)?;
+        rows.iter().map(crate::row::kind_stats).collect()
+    }
+
+    async fn forget(&self, key: &EffectKey, fence: u64) -> Result<()> {
+        self.writable("forget")?;
+        let k = key.clone();
+        let wrote = self
+            .on_pool(move |this, conn| {
+                let k = k.clone();
+                Box::pin(async move {
+                    let done = sqlx::query(sqlx::AssertSqlSafe(this.sql().forget.as_str()))
+                        .bind(k.as_str())
+                        .bind(fence)
+                        .bind(false)
+                        .execute(&mut *conn)
+                        .await
+                        .map_err(retry_on_lock)?;
+                    if done.rows_affected() == 0 {
+                        if this.heal_if_leaked(conn).await? {
+                            return Err(Retry::Leaked);
+                        }
+                        return Ok(false);
+                    }
+                    Ok(true)
+                })
+            })
+            .await?;
+        if wrote {
+            return Ok(());
+        }
+        // Nothing changed; the read only names the reason.
+        Err(forget_refusal(key, fence, self.get(key).await?))
+    }
+
+    async fn prunable(&self) -> Result<u64> {
+        self.probe(None).await?;
+        let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(self.sql().prunable.as_str()))
+            .fetch_one(&self.inner.pool)
+            .await
+            .map_err(map)?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+}
+
+fn bind<'q>(
+    mut query: sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments>,
+    args: Vec<sql::Arg>,
+) -> sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments> {
+    for a in args {
+        query = match a {
+            sql::Arg::Text(s) => query.bind(s),
+            sql::Arg::Int(i) => query.bind(i),
+        };
+    }
+    query
 }

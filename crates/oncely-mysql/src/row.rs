@@ -107,3 +107,29 @@ impl Stored {
         })
     }
 }
+
+/// A row of `sql::stats`, by name.
+pub(crate) fn kind_stats(row: &MySqlRow) -> Result<oncely::admin::KindStats> {
+    let g = |e: sqlx::Error| corrupt(format!("unreadable stats row: {e}"));
+    let tenant: String = row.try_get("tenant").map_err(g)?;
+    let tenant = oncely::Tenant::parse(&tenant).map_err(|e| corrupt(format!("tenant {tenant:?}: {e}")))?;
+    let kind: String = row.try_get("kind").map_err(g)?;
+    let now: i64 = row.try_get("now_us").map_err(g)?;
+    let count = |c: &str| -> Result<u64> {
+        let n: i64 = row.try_get(c).map_err(g)?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    };
+    let at = |c: &str| -> Result<Option<std::time::SystemTime>> {
+        Ok(row.try_get::<Option<i64>, _>(c).map_err(g)?.map(from_micros))
+    };
+    let mut s = oncely::admin::KindStats::new(tenant, kind, from_micros(now));
+    s.live = count("live")?;
+    s.stuck = count("stuck")?;
+    s.abandoned = count("abandoned")?;
+    s.completed = count("completed")?;
+    s.released = count("released")?;
+    s.oldest_live = at("oldest_live")?;
+    s.oldest_stuck = at("oldest_stuck")?;
+    s.oldest_abandoned = at("oldest_abandoned")?;
+    Ok(s)
+}

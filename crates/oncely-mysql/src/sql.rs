@@ -33,6 +33,9 @@
 //! A server started with `--sysdate-is-now` makes `SYSDATE()` the statement
 //! start again; the ledger refuses such a server at its first operation.
 
+use oncely::admin::{Filter, RecordQuery};
+use oncely::{RecordState, Tenant};
+
 /// The statement's start, UTC, in µs since the epoch; independent of the
 /// session time zone and constant within one statement.
 pub(crate) const STMT_US: &str = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))";
@@ -183,6 +186,155 @@ pub(crate) const IS_INDEXES: &str = "SELECT CAST(INDEX_NAME AS CHAR) AS idx, CAS
      FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? \
      ORDER BY INDEX_NAME, SEQ_IN_INDEX";
 
+// The operator's statements (`oncely::admin::Admin`): built per query,
+// because which filters apply decides which index serves it.
+
+/// A value bound to an admin statement, in the order of its `?`s.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Arg {
+    Text(String),
+    Int(i64),
+}
+
+/// One clock reading for the whole statement, `c.now_us`: [`NOW_US`] reads
+/// `SYSDATE(6)`, evaluated per call; a derived table with `LIMIT` is
+/// materialized (never merged into the outer query), so it is read once.
+fn clock() -> String {
+    format!("(SELECT {NOW_US} AS now_us LIMIT 1) AS c")
+}
+
+/// What a record is, as an operator sees it, at `c.now_us`
+/// (`oncely::admin::Filter`).
+fn filter_sql(filter: Filter) -> &'static str {
+    match filter {
+        Filter::State(RecordState::InProgress) => {
+            "e.state = 'in_progress' AND NOT (e.at_most_once = 1 AND e.lease_expires_us <= c.now_us)"
+        }
+        Filter::State(RecordState::Completed) => "e.state = 'completed'",
+        Filter::State(RecordState::Released) => "e.state = 'released'",
+        Filter::State(RecordState::Abandoned) | Filter::Abandoned => {
+            "e.state = 'in_progress' AND e.at_most_once = 1 AND e.lease_expires_us <= c.now_us"
+        }
+        Filter::Live => "e.state = 'in_progress' AND e.lease_expires_us > c.now_us",
+        Filter::Stuck => "e.state = 'in_progress' AND e.at_most_once = 0 AND e.lease_expires_us <= c.now_us",
+        Filter::Any => "TRUE",
+        // Non-exhaustive enums: an unknown filter matches nothing.
+        _ => "FALSE",
+    }
+}
+
+/// Tenant, kind and subject: a range of the primary key (`tenant/`,
+/// `tenant/kind:`; `utf8mb4_bin` compares code points, which is byte
+/// order), or the key itself when all three are given; the columns are
+/// compared too, which keeps the range exact.
+fn scope_sql(
+    tenant: Option<&Tenant>,
+    kind: Option<&str>,
+    subject: Option<&str>,
+    args: &mut Vec<Arg>,
+) -> String {
+    let mut w = Vec::new();
+    match (tenant, kind, subject) {
+        (Some(t), Some(k), Some(s)) => {
+            w.push("e.effect_key = ?".to_owned());
+            args.push(Arg::Text(format!("{t}/{k}:{s}")));
+        }
+        (Some(t), k, _) => {
+            let prefix = match k {
+                Some(k) => format!("{t}/{k}:"),
+                None => format!("{t}/"),
+            };
+            // The prefix ends in ASCII '/' or ':'; the next byte bounds it.
+            let mut upper = prefix.clone().into_bytes();
+            if let Some(last) = upper.last_mut() {
+                *last += 1;
+            }
+            w.push("e.effect_key >= ? AND e.effect_key < ?".to_owned());
+            args.push(Arg::Text(prefix));
+            args.push(Arg::Text(String::from_utf8_lossy(&upper).into_owned()));
+        }
+        _ => {}
+    }
+    if let Some(t) = tenant {
+        w.push("e.tenant = ?".to_owned());
+        args.push(Arg::Text(t.as_str().to_owned()));
+    }
+    if let Some(k) = kind {
+        w.push("e.kind = ?".to_owned());
+        args.push(Arg::Text(k.to_owned()));
+    }
+    if let Some(s) = subject {
+        w.push("e.subject = ?".to_owned());
+        args.push(Arg::Text(s.to_owned()));
+    }
+    if w.is_empty() {
+        "TRUE".to_owned()
+    } else {
+        w.join(" AND ")
+    }
+}
+
+/// `Admin::records`: oldest first (`created_us`, then the key), after the
+/// cursor, at most a page, each with the statement's clock (`now_us`).
+pub(crate) fn records(t: &str, q: &RecordQuery) -> Result<(String, Vec<Arg>), oncely::Error> {
+    let mut args = Vec::new();
+    let mut w = vec![scope_sql(
+        q.tenant.as_ref(),
+        q.kind.as_deref(),
+        q.subject.as_deref(),
+        &mut args,
+    )];
+    if let Some(since) = q.since {
+        w.push("e.created_us >= ?".to_owned());
+        args.push(Arg::Int(oncely::backend::to_micros(since)?));
+    }
+    if let Some(c) = &q.after {
+        let at = oncely::backend::to_micros(c.created_at)?;
+        w.push("(e.created_us > ? OR (e.created_us = ? AND e.effect_key > ?))".to_owned());
+        args.extend([Arg::Int(at), Arg::Int(at), Arg::Text(c.key.as_str().to_owned())]);
+    }
+    w.push(filter_sql(q.filter).to_owned());
+    args.push(Arg::Int(i64::from(q.page_size())));
+    let cols: Vec<String> = COLUMNS.split(',').map(|c| format!("e.{}", c.trim())).collect();
+    Ok((
+        format!(
+            "SELECT {}, c.now_us AS now_us FROM {} JOIN `{t}` AS e ON {} \
+             ORDER BY e.created_us, e.effect_key LIMIT ?",
+            cols.join(", "),
+            clock(),
+            w.join(" AND ")
+        ),
+        args,
+    ))
+}
+
+/// `Admin::stats`: per tenant and kind, the records in each class and the
+/// oldest `created_us` of the open ones, at one clock reading. (`COUNT`,
+/// not `SUM`: `SUM` of a condition is a DECIMAL.)
+pub(crate) fn stats(t: &str, tenant: Option<&Tenant>) -> (String, Vec<Arg>) {
+    let mut args = Vec::new();
+    let scope = scope_sql(tenant, None, None, &mut args);
+    let live = filter_sql(Filter::Live);
+    let stuck = filter_sql(Filter::Stuck);
+    let abandoned = filter_sql(Filter::Abandoned);
+    (
+        format!(
+            "SELECT e.tenant AS tenant, e.kind AS kind, MIN(c.now_us) AS now_us, \
+               COUNT(CASE WHEN {live} THEN 1 END) AS live, COUNT(CASE WHEN {stuck} THEN 1 END) AS stuck, \
+               COUNT(CASE WHEN {abandoned} THEN 1 END) AS abandoned, \
+               COUNT(CASE WHEN e.state = 'completed' THEN 1 END) AS completed, \
+               COUNT(CASE WHEN e.state = 'released' THEN 1 END) AS released, \
+               MIN(CASE WHEN {live} THEN e.created_us END) AS oldest_live, \
+               MIN(CASE WHEN {stuck} THEN e.created_us END) AS oldest_stuck, \
+               MIN(CASE WHEN {abandoned} THEN e.created_us END) AS oldest_abandoned \
+             FROM {clock} JOIN `{t}` AS e ON {scope} \
+             GROUP BY e.tenant, e.kind ORDER BY e.tenant, e.kind",
+            clock = clock(),
+        ),
+        args,
+    )
+}
+
 /// The statements of one ledger table.
 ///
 /// A claim on the pool first reads the key ([`Statements::peek`], a plain
@@ -234,6 +386,13 @@ pub(crate) struct Statements {
     /// server reports in the OK packet: one round trip.
     pub renew: String,
     pub abandoned: String,
+    /// `Admin::forget`: completed at exactly this fence becomes released,
+    /// without its outcome, kept for its retention from now. Parameters:
+    /// key, fence, guard flag. The row stays, so the next claim's fence is
+    /// `fence + 1` or more whatever the clock does.
+    pub forget: String,
+    /// `Admin::prunable`: how many records prune would delete now.
+    pub prunable: String,
     pub horizon: String,
     /// Prune, step 1: a batch of prunable keys (a plain read). Parameter: limit.
     pub prune_candidates: String,
@@ -440,6 +599,15 @@ impl Statements {
                  AND lease_expires_us <= {NOW_US} ORDER BY created_us LIMIT ?"
             ),
             horizon: format!("SELECT watermark_us FROM `{h}` WHERE tenant = ? AND kind = ?"),
+            forget: format!(
+                "UPDATE `{t}` SET state = 'released', outcome = NULL, lease_expires_us = NULL, \
+                 updated_us = {NOW_US}, retain_until_us = {NOW_US} + retention_us \
+                 WHERE effect_key = ? AND fence = ? AND state = 'completed' AND {guard}"
+            ),
+            prunable: format!(
+                "SELECT COUNT(*) FROM `{t}` \
+                 WHERE state IN ('completed', 'released') AND retain_until_us <= {NOW_US}"
+            ),
             prune_candidates: format!(
                 "SELECT effect_key, tenant, kind FROM `{t}` \
                  WHERE state IN ('completed', 'released') AND retain_until_us <= {NOW_US} LIMIT ?"

@@ -26,6 +26,7 @@ mod detected {
 
     oncely::conformance_tests!(ledger);
     oncely::transactional_conformance_tests!(ledger);
+    oncely::admin_conformance_tests!(ledger);
 }
 
 mod two_statement {

@@ -6,6 +6,7 @@ use std::collections::hash_map::Entry;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use oncely::admin::{Admin, KindStats, RecordQuery, forget_refusal};
 use oncely::backend::{
     FromUrl, OpenOptions, answer_existing, check_outcome, duration_micros, from_micros, to_micros,
 };
@@ -20,7 +21,7 @@ use crate::guard::{self, Failed, Retry, Run};
 use crate::notify::{Changes, ListenerStatus};
 use crate::options::{PgLedgerOptions, SCHEMES};
 use crate::row::{self, ClaimRow, RecordRow};
-use crate::sql::Queries;
+use crate::sql::{self, Queries};
 
 /// Most records one prune transaction deletes. Each deleted key's advisory
 /// lock is held until its transaction ends, and the server's lock table is
@@ -775,5 +776,113 @@ impl FromUrl for PgLedger {
     /// connecting too).
     async fn from_url(url: &str, options: OpenOptions) -> Result<Self> {
         PgLedger::connect_with(url, PgLedgerOptions::for_open(options)).await
+    }
+}
+
+/// The operator's view (`oncely::admin`): listings and stats are reads at
+/// one `clock_timestamp()` reading; forget is one guarded, fenced `UPDATE`.
+impl Admin for PgLedger {
+    async fn records(&self, query: &RecordQuery) -> Result<Vec<Record>> {
+        let (text, args) = sql::records(&self.inner.q_table(), query)?;
+        let rows = self.read_all(&text, &args, "the record listing").await?;
+        rows.iter()
+            .map(|row| {
+                let key = row::key(row)?;
+                RecordRow::decode(row)?.record(key)
+            })
+            .collect()
+    }
+
+    async fn stats(&self, tenant: Option<&Tenant>) -> Result<Vec<KindStats>> {
+        let (text, args) = sql::stats(&self.inner.q_table(), tenant);
+        let rows = self.read_all(&text, &args, "the stats").await?;
+        rows.iter().map(row::kind_stats).collect()
+    }
+
+    async fn forget(&self, key: &EffectKey, fence: u64) -> Result<()> {
+        self.writable()?;
+        let Ok(f) = i64::try_from(fence) else {
+            return Err(forget_refusal(key, fence, self.get(key).await?));
+        };
+        let q = &self.inner.q;
+        let mut conn = self.acquire().await?;
+        let mut retry = Retry::new(true, || format!("{key}: forget"));
+        let wrote = loop {
+            let run = async {
+                let row = sqlx::query(AssertSqlSafe(q.forget.clone()))
+                    .bind(key.as_str())
+                    .bind(f)
+                    .bind(true)
+                    .fetch_optional(&mut *conn)
+                    .await?;
+                match row {
+                    Some(_) => Ok(Run::Done(true)),
+                    None if !guard::autocommit(&mut conn, &q.probe).await? => Ok(Run::Leaked),
+                    None => Ok(Run::Done(false)),
+                }
+            }
+            .await;
+            if let Some(wrote) = retry.settle(&mut conn, run).await? {
+                break wrote;
+            }
+        };
+        drop(conn);
+        if wrote {
+            return Ok(());
+        }
+        // Nothing changed; the read only names the reason.
+        Err(forget_refusal(key, fence, self.get(key).await?))
+    }
+
+    async fn prunable(&self) -> Result<u64> {
+        let rows = self
+            .read_all(&self.inner.q.prunable, &[], "the prunable count")
+            .await?;
+        let n: i64 = rows
+            .first()
+            .map(|r| sqlx::Row::try_get(r, 0))
+            .transpose()
+            .map_err(map)?
+            .unwrap_or(0);
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+}
+
+impl PgLedger {
+    /// A read on a pooled connection, healed (rolled back and run again) if
+    /// the connection was left inside a failed stray transaction.
+    async fn read_all(
+        &self,
+        text: &str,
+        args: &[sql::Arg],
+        what: &str,
+    ) -> Result<Vec<sqlx::postgres::PgRow>> {
+        let mut conn = self.acquire().await?;
+        let mut retry = Retry::new(true, || what.to_owned());
+        loop {
+            let mut query = sqlx::query(AssertSqlSafe(text.to_owned()));
+            for a in args {
+                query = match a {
+                    sql::Arg::Text(s) => query.bind(s.clone()),
+                    sql::Arg::Int(i) => query.bind(*i),
+                };
+            }
+            let run = query
+                .fetch_all(&mut *conn)
+                .await
+                .map(Run::Done)
+                .map_err(Failed::from);
+            if let Some(rows) = retry.settle(&mut conn, run).await? {
+                return Ok(rows);
+            }
+        }
+    }
+}
+
+impl Inner {
+    /// The ledger table, schema-qualified and quoted, for the statements
+    /// built per query.
+    fn q_table(&self) -> String {
+        format!("{}.{}", sql::quote(&self.schema), sql::quote(&self.table))
     }
 }

@@ -216,3 +216,22 @@ impl RecordRow {
         })
     }
 }
+
+/// A row of `sql::stats`, by name.
+pub(crate) fn kind_stats(row: &PgRow) -> Result<oncely::admin::KindStats> {
+    let tenant: String = get(row, "tenant")?;
+    let tenant = oncely::Tenant::parse(&tenant).map_err(|e| corrupt(format!("tenant {tenant:?}: {e}")))?;
+    let kind: String = get(row, "kind")?;
+    let count = |c: &str| unsigned(row, c, |n| format!("negative count {n}"));
+    let at = |c: &str| micros_opt(row, c).map(|m| m.map(from_micros));
+    let mut s = oncely::admin::KindStats::new(tenant, kind, from_micros(micros(row, "now")?));
+    s.live = count("live")?;
+    s.stuck = count("stuck")?;
+    s.abandoned = count("abandoned")?;
+    s.completed = count("completed")?;
+    s.released = count("released")?;
+    s.oldest_live = at("oldest_live")?;
+    s.oldest_stuck = at("oldest_stuck")?;
+    s.oldest_abandoned = at("oldest_abandoned")?;
+    Ok(s)
+}

@@ -12,6 +12,9 @@
 
 use std::sync::Arc;
 
+use oncely::admin::{Filter, RecordQuery};
+use oncely::{RecordState, Tenant};
+
 /// A timestamp as microseconds since the Unix epoch (`extract` is exact
 /// `numeric` since PostgreSQL 14), for fences, the horizon and the renewed
 /// expiry.
@@ -108,6 +111,10 @@ pub(crate) struct Queries {
     pub get: Arc<str>,
     pub prune: Arc<str>,
     pub abandoned: Arc<str>,
+    /// `Admin::forget` (`$1` key, `$2` fence, `$3` guard flag).
+    pub forget: Arc<str>,
+    /// `Admin::prunable`: how many records prune would delete now.
+    pub prunable: Arc<str>,
     pub horizon: Arc<str>,
     pub schema_exists: Arc<str>,
     pub create_schema: Arc<str>,
@@ -436,6 +443,24 @@ impl Queries {
             ce = cols("e"),
         );
 
+        // Forget: completed at exactly this fence becomes released, without
+        // its outcome, kept for its retention from now; the row stays, so the
+        // next claim's fence is `fence + 1` or more whatever the clock does.
+        // Guarded like every write; a row comes back only if it wrote.
+        let forget = format!(
+            "UPDATE {t} AS e SET state = 'released', outcome = NULL, lease_expires_at = NULL, \
+               updated_at = clock_timestamp(), retain_until = clock_timestamp() + {retention} \
+             WHERE e.key = $1 AND e.fence = $2 AND e.state = 'completed' AND {guard} \
+             RETURNING 0::bigint AS value",
+            retention = micros("e.retention_us"),
+            guard = guard("$3"),
+        );
+        // `now()` (stable), as prune's own candidate search, so the prune
+        // index serves the count.
+        let prunable = format!(
+            "SELECT count(*) FROM {t} WHERE state IN ('completed', 'released') AND retain_until <= now()"
+        );
+
         let horizon = format!(
             "SELECT g.ok, w.watermark FROM (SELECT {guard} AS ok) g \
              LEFT JOIN {h} w ON w.tenant = $1 AND w.kind = $2 AND g.ok",
@@ -510,6 +535,8 @@ impl Queries {
             get: get.into(),
             prune: prune.into(),
             abandoned: abandoned.into(),
+            forget: forget.into(),
+            prunable: prunable.into(),
             horizon: horizon.into(),
             schema_exists: "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)".into(),
             create_schema: format!("CREATE SCHEMA IF NOT EXISTS {}", quote(schema)).into(),
@@ -537,6 +564,145 @@ impl Queries {
             channel: channel.into(),
         }
     }
+}
+
+// The operator's statements (`oncely::admin::Admin`): built per query from
+// the filters it has. Reads carry no leaked-transaction guard (inside a
+// stray transaction they still read correctly, like `abandoned`).
+
+/// A value bound to an admin statement, `$1` first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Arg {
+    Text(String),
+    Int(i64),
+}
+
+/// The statement's one clock reading, `c.now`: `clock_timestamp()` is
+/// volatile and would be read again per row; a materialized CTE reads it
+/// once, so every record of an answer is judged at the same instant.
+const CLOCK: &str = "WITH c AS MATERIALIZED (SELECT clock_timestamp() AS now)";
+
+/// What a record is, as an operator sees it, at `c.now`
+/// (`oncely::admin::Filter`).
+fn filter_sql(filter: Filter) -> &'static str {
+    match filter {
+        Filter::State(RecordState::InProgress) => {
+            "e.state = 'in_progress' AND NOT (e.at_most_once AND e.lease_expires_at <= c.now)"
+        }
+        Filter::State(RecordState::Completed) => "e.state = 'completed'",
+        Filter::State(RecordState::Released) => "e.state = 'released'",
+        Filter::State(RecordState::Abandoned) | Filter::Abandoned => {
+            "e.state = 'in_progress' AND e.at_most_once AND e.lease_expires_at <= c.now"
+        }
+        Filter::Live => "e.state = 'in_progress' AND e.lease_expires_at > c.now",
+        Filter::Stuck => "e.state = 'in_progress' AND NOT e.at_most_once AND e.lease_expires_at <= c.now",
+        Filter::Any => "true",
+        // Non-exhaustive enums: an unknown filter matches nothing.
+        _ => "false",
+    }
+}
+
+/// The statement's placeholders, numbered as values are added.
+struct Binds(Vec<Arg>);
+
+impl Binds {
+    fn push(&mut self, a: Arg) -> String {
+        self.0.push(a);
+        format!("${}", self.0.len())
+    }
+}
+
+/// Tenant, kind and subject: the key itself (its primary key) when all
+/// three are given, else the columns.
+fn scope_sql(tenant: Option<&Tenant>, kind: Option<&str>, subject: Option<&str>, b: &mut Binds) -> String {
+    let mut w = Vec::new();
+    if let (Some(t), Some(k), Some(s)) = (tenant, kind, subject) {
+        w.push(format!("e.key = {}", b.push(Arg::Text(format!("{t}/{k}:{s}")))));
+    }
+    if let Some(t) = tenant {
+        w.push(format!("e.tenant = {}", b.push(Arg::Text(t.as_str().to_owned()))));
+    }
+    if let Some(k) = kind {
+        w.push(format!("e.kind = {}", b.push(Arg::Text(k.to_owned()))));
+    }
+    if let Some(s) = subject {
+        w.push(format!("e.subject = {}", b.push(Arg::Text(s.to_owned()))));
+    }
+    if w.is_empty() {
+        "true".to_owned()
+    } else {
+        w.join(" AND ")
+    }
+}
+
+/// A `bigint` of microseconds since the Unix epoch as a `timestamptz`,
+/// exactly (no floating point on the way).
+fn at(p: &str) -> String {
+    format!("(timestamptz 'epoch' + {})", micros(p))
+}
+
+/// `Admin::records`: oldest first (`created_at`, then the key in byte
+/// order, `COLLATE "C"`, whatever the column's collation), after the
+/// cursor, at most a page. A tenant's listing is served by its rows
+/// (`tenant`, no index but the partial one of abandoned steps); a key's by
+/// the primary key.
+pub(crate) fn records(t: &str, q: &RecordQuery) -> Result<(String, Vec<Arg>), oncely::Error> {
+    let mut b = Binds(Vec::new());
+    let mut w = vec![scope_sql(
+        q.tenant.as_ref(),
+        q.kind.as_deref(),
+        q.subject.as_deref(),
+        &mut b,
+    )];
+    if let Some(since) = q.since {
+        let p = b.push(Arg::Int(oncely::backend::to_micros(since)?));
+        w.push(format!("e.created_at >= {}", at(&p)));
+    }
+    if let Some(c) = &q.after {
+        let p = b.push(Arg::Int(oncely::backend::to_micros(c.created_at)?));
+        let k = b.push(Arg::Text(c.key.as_str().to_owned()));
+        w.push(format!(
+            "(e.created_at > {at} OR (e.created_at = {at} AND e.key COLLATE \"C\" > {k}))",
+            at = at(&p)
+        ));
+    }
+    w.push(filter_sql(q.filter).to_owned());
+    let limit = b.push(Arg::Int(i64::from(q.page_size())));
+    Ok((
+        format!(
+            "{CLOCK} SELECT e.key AS key, {ce} FROM c CROSS JOIN {t} e WHERE {w} \
+             ORDER BY e.created_at, e.key COLLATE \"C\" LIMIT {limit}",
+            ce = cols("e").replace("clock_timestamp() AS now", "c.now AS now"),
+            w = w.join(" AND "),
+        ),
+        b.0,
+    ))
+}
+
+/// `Admin::stats`: per tenant and kind (byte order), the records in each
+/// class and the oldest `created_at` of the open ones, at one clock reading.
+pub(crate) fn stats(t: &str, tenant: Option<&Tenant>) -> (String, Vec<Arg>) {
+    let mut b = Binds(Vec::new());
+    let scope = scope_sql(tenant, None, None, &mut b);
+    let live = filter_sql(Filter::Live);
+    let stuck = filter_sql(Filter::Stuck);
+    let abandoned = filter_sql(Filter::Abandoned);
+    (
+        format!(
+            "{CLOCK} SELECT e.tenant AS tenant, e.kind AS kind, c.now AS now, \
+               count(*) FILTER (WHERE {live}) AS live, count(*) FILTER (WHERE {stuck}) AS stuck, \
+               count(*) FILTER (WHERE {abandoned}) AS abandoned, \
+               count(*) FILTER (WHERE e.state = 'completed') AS completed, \
+               count(*) FILTER (WHERE e.state = 'released') AS released, \
+               min(e.created_at) FILTER (WHERE {live}) AS oldest_live, \
+               min(e.created_at) FILTER (WHERE {stuck}) AS oldest_stuck, \
+               min(e.created_at) FILTER (WHERE {abandoned}) AS oldest_abandoned \
+             FROM c CROSS JOIN {t} e WHERE {scope} \
+             GROUP BY e.tenant, e.kind, c.now \
+             ORDER BY e.tenant COLLATE \"C\", e.kind COLLATE \"C\""
+        ),
+        b.0,
+    )
 }
 
 /// Serialises migrations of one schema and table across processes

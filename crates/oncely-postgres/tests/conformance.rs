@@ -37,3 +37,4 @@ async fn ledger() -> Option<PgLedger> {
 
 oncely::conformance_tests!(ledger);
 oncely::transactional_conformance_tests!(ledger);
+oncely::admin_conformance_tests!(ledger);

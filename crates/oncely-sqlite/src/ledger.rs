@@ -6,6 +6,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
+use oncely::admin::{Admin, KindStats, RecordQuery, forget_refusal};
 use oncely::backend::{
     Access, FromUrl, OpenOptions, answer_existing, check_outcome, duration_micros, from_micros,
     is_beyond_horizon, to_micros,
@@ -631,4 +632,62 @@ impl FromUrl for SqliteLedger {
         }
         SqliteLedger::connect_with(url, options).await
     }
+}
+
+/// The operator's view (`oncely::admin`): listings and stats read on the
+/// pool with SQLite's clock; forget is one fenced `UPDATE`.
+impl Admin for SqliteLedger {
+    async fn records(&self, query: &RecordQuery) -> Result<Vec<Record>> {
+        let (text, args) = sql::records(&self.q.table, query)?;
+        let rows = bind(sqlx::query(AssertSqlSafe(text)), args)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(map)?;
+        rows.iter().map(row::record).collect()
+    }
+
+    async fn stats(&self, tenant: Option<&Tenant>) -> Result<Vec<KindStats>> {
+        let (text, args) = sql::stats(&self.q.table, tenant);
+        let rows = bind(sqlx::query(AssertSqlSafe(text)), args)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(map)?;
+        rows.iter().map(row::kind_stats).collect()
+    }
+
+    async fn forget(&self, key: &EffectKey, fence: u64) -> Result<()> {
+        self.writable("forget")?;
+        let done = sqlx::query(AssertSqlSafe(self.q.forget.clone()))
+            .bind(key.as_str())
+            .bind(row::fence_param(fence))
+            .execute(&self.pool)
+            .await
+            .map_err(map)?;
+        if done.rows_affected() == 1 {
+            return Ok(());
+        }
+        // Nothing changed; the read only names the reason.
+        Err(forget_refusal(key, fence, self.get(key).await?))
+    }
+
+    async fn prunable(&self) -> Result<u64> {
+        let n: i64 = sqlx::query_scalar(AssertSqlSafe(self.q.prunable_count.clone()))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(map)?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+}
+
+fn bind<'q>(
+    mut query: sqlx::query::Query<'q, Sqlite, sqlx::sqlite::SqliteArguments>,
+    args: Vec<sql::Arg>,
+) -> sqlx::query::Query<'q, Sqlite, sqlx::sqlite::SqliteArguments> {
+    for a in args {
+        query = match a {
+            sql::Arg::Text(s) => query.bind(s),
+            sql::Arg::Int(i) => query.bind(i),
+        };
+    }
+    query
 }

@@ -11,7 +11,8 @@
 
 use std::sync::Arc;
 
-use oncely::Error;
+use oncely::admin::{Filter, RecordQuery};
+use oncely::{Error, RecordState, Tenant};
 
 /// The database clock in microseconds.
 const NOW_US: &str = "CAST(unixepoch('subsec') * 1000000 AS INTEGER)";
@@ -65,6 +66,13 @@ pub(crate) struct Queries {
     pub(crate) prune: Arc<str>,
     pub(crate) horizon: Arc<str>,
     pub(crate) abandoned: Arc<str>,
+    /// `Admin::forget`: completed at exactly this fence becomes released,
+    /// without its outcome, kept for its retention from now (`?1` key, `?2`
+    /// fence). The row stays, so the next claim's fence is `fence + 1` or
+    /// more, whatever the clock does.
+    pub(crate) forget: Arc<str>,
+    /// `Admin::prunable`: how many records prune would delete now.
+    pub(crate) prunable_count: Arc<str>,
 }
 
 /// Accepts table names that need no quoting anywhere: ASCII letters, digits
@@ -367,8 +375,160 @@ impl Queries {
                  ORDER BY e.created_at, e.key
                  LIMIT ?2"
             )),
+            forget: s(format!(
+                "UPDATE \"{t}\" SET state = 'released', outcome = NULL, lease_expires_at = NULL,
+                    updated_at = {NOW_US}, retain_until = {NOW_US} + retention_us
+                 WHERE key = ?1 AND fence = ?2 AND state = 'completed'"
+            )),
+            prunable_count: s(format!(
+                "SELECT count(*) FROM \"{t}\"
+                 WHERE state IN ('completed', 'released') AND retain_until <= {NOW_US}"
+            )),
         })
     }
+}
+
+// The operator's statements (`oncely::admin::Admin`): built per query,
+// because which filters apply decides which index serves it.
+
+/// A value bound to an admin statement, in the order of its `?`s.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Arg {
+    Text(String),
+    Int(i64),
+}
+
+/// What a record is, as an operator sees it, on the statement's clock
+/// `c.now` (`oncely::admin::Filter`). Abandoned and stuck leases are
+/// stored in progress; the clock tells them from live ones.
+fn filter_sql(filter: Filter) -> &'static str {
+    match filter {
+        Filter::State(RecordState::InProgress) => {
+            "e.state = 'in_progress' AND NOT (e.at_most_once = 1 AND e.lease_expires_at <= c.now)"
+        }
+        Filter::State(RecordState::Completed) => "e.state = 'completed'",
+        Filter::State(RecordState::Released) => "e.state = 'released'",
+        Filter::State(RecordState::Abandoned) | Filter::Abandoned => {
+            "e.state = 'in_progress' AND e.at_most_once = 1 AND e.lease_expires_at <= c.now"
+        }
+        Filter::Live => "e.state = 'in_progress' AND e.lease_expires_at > c.now",
+        Filter::Stuck => "e.state = 'in_progress' AND e.at_most_once = 0 AND e.lease_expires_at <= c.now",
+        // Filter and RecordState are non-exhaustive: a state this crate does
+        // not know matches nothing rather than everything.
+        Filter::Any => "1",
+        _ => "0",
+    }
+}
+
+/// The part of the WHERE that picks a tenant (and kind, and subject): a
+/// range of the primary key (`tenant/`, `tenant/kind:`), or the key itself
+/// when all three are given, so the key's index serves it. The columns are
+/// compared too, which keeps the range exact.
+fn scope_sql(
+    tenant: Option<&Tenant>,
+    kind: Option<&str>,
+    subject: Option<&str>,
+    args: &mut Vec<Arg>,
+) -> String {
+    let mut w = Vec::new();
+    match (tenant, kind, subject) {
+        (Some(t), Some(k), Some(s)) => {
+            w.push("e.key = ?".to_owned());
+            args.push(Arg::Text(format!("{t}/{k}:{s}")));
+        }
+        (Some(t), k, _) => {
+            let prefix = match k {
+                Some(k) => format!("{t}/{k}:"),
+                None => format!("{t}/"),
+            };
+            // The prefix ends in ASCII '/' or ':'; the next byte bounds it.
+            let mut upper = prefix.clone().into_bytes();
+            if let Some(last) = upper.last_mut() {
+                *last += 1;
+            }
+            w.push("e.key >= ? AND e.key < ?".to_owned());
+            args.push(Arg::Text(prefix));
+            args.push(Arg::Text(String::from_utf8_lossy(&upper).into_owned()));
+        }
+        _ => {}
+    }
+    if let Some(t) = tenant {
+        w.push("e.tenant = ?".to_owned());
+        args.push(Arg::Text(t.as_str().to_owned()));
+    }
+    if let Some(k) = kind {
+        w.push("e.kind = ?".to_owned());
+        args.push(Arg::Text(k.to_owned()));
+    }
+    if let Some(s) = subject {
+        w.push("e.subject = ?".to_owned());
+        args.push(Arg::Text(s.to_owned()));
+    }
+    if w.is_empty() {
+        "1".to_owned()
+    } else {
+        w.join(" AND ")
+    }
+}
+
+/// `Admin::records`: the records `q` selects, oldest first (`created_at`,
+/// then the key, BINARY: byte order), after its cursor, at most its page
+/// size, each with the statement's clock (`now`).
+pub(crate) fn records(t: &str, q: &RecordQuery) -> Result<(String, Vec<Arg>), Error> {
+    let mut args = Vec::new();
+    let mut w = vec![scope_sql(
+        q.tenant.as_ref(),
+        q.kind.as_deref(),
+        q.subject.as_deref(),
+        &mut args,
+    )];
+    if let Some(since) = q.since {
+        w.push("e.created_at >= ?".to_owned());
+        args.push(Arg::Int(oncely::backend::to_micros(since)?));
+    }
+    if let Some(c) = &q.after {
+        let at = oncely::backend::to_micros(c.created_at)?;
+        w.push("(e.created_at > ? OR (e.created_at = ? AND e.key > ?))".to_owned());
+        args.extend([Arg::Int(at), Arg::Int(at), Arg::Text(c.key.as_str().to_owned())]);
+    }
+    w.push(filter_sql(q.filter).to_owned());
+    args.push(Arg::Int(i64::from(q.page_size())));
+    Ok((
+        format!(
+            "SELECT {RECORD_COLUMNS}, c.now
+             FROM (SELECT {NOW_US} AS now) AS c
+             JOIN \"{t}\" AS e ON {}
+             ORDER BY e.created_at, e.key
+             LIMIT ?",
+            w.join(" AND ")
+        ),
+        args,
+    ))
+}
+
+/// `Admin::stats`: per tenant and kind, the records in each class and the
+/// oldest `created_at` of the open ones, on one clock reading.
+pub(crate) fn stats(t: &str, tenant: Option<&Tenant>) -> (String, Vec<Arg>) {
+    let mut args = Vec::new();
+    let scope = scope_sql(tenant, None, None, &mut args);
+    let live = filter_sql(Filter::Live);
+    let stuck = filter_sql(Filter::Stuck);
+    let abandoned = filter_sql(Filter::Abandoned);
+    (
+        format!(
+            "SELECT e.tenant AS tenant, e.kind AS kind, c.now AS now,
+                sum({live}) AS live, sum({stuck}) AS stuck, sum({abandoned}) AS abandoned,
+                sum(e.state = 'completed') AS completed, sum(e.state = 'released') AS released,
+                min(CASE WHEN {live} THEN e.created_at END) AS oldest_live,
+                min(CASE WHEN {stuck} THEN e.created_at END) AS oldest_stuck,
+                min(CASE WHEN {abandoned} THEN e.created_at END) AS oldest_abandoned
+             FROM (SELECT {NOW_US} AS now) AS c
+             JOIN \"{t}\" AS e ON {scope}
+             GROUP BY e.tenant, e.kind
+             ORDER BY e.tenant, e.kind"
+        ),
+        args,
+    )
 }
 
 // What a database is: read on connect, by `durability::Probe` and the

@@ -38,3 +38,4 @@ async fn ledger() -> Option<SqliteLedger> {
 
 oncely::conformance_tests!(ledger);
 oncely::transactional_conformance_tests!(ledger);
+oncely::admin_conformance_tests!(ledger);

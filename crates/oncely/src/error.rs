@@ -96,6 +96,22 @@ pub enum Error {
         /// The driver's message.
         message: String,
     },
+    /// An operator command named a key that has no record
+    /// ([`Admin::forget`](crate::admin::Admin::forget)). Nothing was written.
+    #[error("{key}: no record")]
+    NotFound {
+        /// The displayed effect key.
+        key: String,
+    },
+    /// An operator command needs a completed record and found another state
+    /// ([`Admin::forget`](crate::admin::Admin::forget)). Nothing was written.
+    #[error("{key}: the record is {}, not completed", state.as_str())]
+    NotCompleted {
+        /// The displayed effect key.
+        key: String,
+        /// The state found.
+        state: crate::RecordState,
+    },
     /// A value that cannot be used (a claim option out of range, a timestamp
     /// outside what the ledger stores); nothing was sent to the database.
     #[error("invalid input: {0}")]

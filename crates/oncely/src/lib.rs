@@ -43,6 +43,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod admin;
 pub mod backend;
 mod effects;
 mod error;
@@ -60,6 +61,7 @@ pub mod watch;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 
+pub use admin::Admin;
 pub use effects::{Effects, How, Ran};
 pub use error::{BoxError, Error, Result};
 pub use held::HeldLease;

@@ -284,3 +284,70 @@ impl Ledger for MemoryLedger {
             .copied())
     }
 }
+
+impl crate::admin::Admin for MemoryLedger {
+    async fn records(&self, query: &crate::admin::RecordQuery) -> Result<Vec<Record>> {
+        let now = self.now();
+        let mut out: Vec<Record> = self
+            .rows()
+            .records
+            .values()
+            .map(|row| view(row, now))
+            .filter(|r| query.matches(r, now))
+            .collect();
+        out.sort_by(|a, b| {
+            (a.created_at, a.key.as_str().as_bytes()).cmp(&(b.created_at, b.key.as_str().as_bytes()))
+        });
+        out.truncate(query.page_size() as usize);
+        Ok(out)
+    }
+
+    async fn stats(&self, tenant: Option<&Tenant>) -> Result<Vec<crate::admin::KindStats>> {
+        let now = self.now();
+        let mut by: std::collections::BTreeMap<(String, String), crate::admin::KindStats> =
+            std::collections::BTreeMap::new();
+        for row in self.rows().records.values() {
+            let r = view(row, now);
+            if tenant.is_some_and(|t| r.key.tenant() != t) {
+                continue;
+            }
+            by.entry((r.key.tenant().as_str().to_owned(), r.key.kind().to_owned()))
+                .or_insert_with(|| crate::admin::KindStats::new(r.key.tenant().clone(), r.key.kind(), now))
+                .count(&r, now);
+        }
+        Ok(by.into_values().collect())
+    }
+
+    async fn forget(&self, key: &EffectKey, fence: u64) -> Result<()> {
+        let now = self.now();
+        let mut rows = self.rows();
+        match rows.records.get_mut(key) {
+            Some(row) if row.record.fence == fence && row.record.state == RecordState::Completed => {
+                let r = &mut row.record;
+                r.state = RecordState::Released;
+                r.outcome = None;
+                r.lease_expires_at = None;
+                r.updated_at = now;
+                r.retain_until = now + row.retention;
+                Ok(())
+            }
+            found => {
+                let found = found.map(|row| view(row, now));
+                Err(crate::admin::forget_refusal(key, fence, found))
+            }
+        }
+    }
+
+    async fn prunable(&self) -> Result<u64> {
+        let now = self.now();
+        Ok(self
+            .rows()
+            .records
+            .values()
+            .filter(|row| {
+                matches!(row.record.state, RecordState::Completed | RecordState::Released)
+                    && row.record.retain_until <= now
+            })
+            .count() as u64)
+    }
+}

@@ -9,3 +9,4 @@ async fn ledger() -> Option<Arc<MemoryLedger>> {
 }
 
 oncely::conformance_tests!(ledger);
+oncely::admin_conformance_tests!(ledger);

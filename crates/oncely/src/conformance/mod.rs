@@ -19,6 +19,9 @@
 //! - `runner.rs`: `Effects::run` over the backend (duplicates, the in-progress
 //!   policy, failures, the safety margin, renewal under [`Faulty`] faults,
 //!   telemetry counted once);
+//! - `admin.rs`: the operator capability [`Admin`](crate::Admin) (paging,
+//!   tenant isolation, stuck and abandoned on the backend's clock, stats,
+//!   forget) ([`admin_conformance_tests!`](crate::admin_conformance_tests));
 //! - `transactional.rs`: claims on the caller's transaction
 //!   ([`transactional_conformance_tests!`](crate::transactional_conformance_tests));
 //! - [`model`]: a model of the contract, checked against a ledger under
@@ -31,6 +34,7 @@ use std::time::{Duration, SystemTime};
 
 use crate::{Claim, ClaimOptions, EffectKey, Ledger, Tenant};
 
+mod admin;
 mod faulty;
 mod ledger;
 mod metrics;
@@ -38,6 +42,7 @@ pub mod model;
 mod runner;
 mod transactional;
 
+pub use admin::*;
 pub use faulty::Faulty;
 pub use ledger::*;
 pub use metrics::{counter, metrics_snapshotter};
@@ -238,6 +243,26 @@ macro_rules! transactional_conformance_tests {
             claim_in_late_in_a_transaction_gets_a_live_lease,
             claim_in_commits_and_rolls_back_with_the_transaction,
             duplicate_waits_for_the_transaction_and_sees_its_outcome,
+        );
+    };
+}
+
+/// Generates the admin suite for a ledger that implements
+/// [`Admin`](crate::Admin): one `#[tokio::test]` per function, each calling
+/// `$make().await` (an `async fn() -> Option<L>`; `None` skips). Run it next
+/// to [`conformance_tests!`]; backends without the capability (Redis, NATS)
+/// leave it out.
+#[macro_export]
+macro_rules! admin_conformance_tests {
+    ($make:path) => {
+        $crate::conformance_tests!(@each $make;
+            admin_pages_cover_each_record_once,
+            admin_tenants_are_isolated,
+            admin_classifies_on_the_backend_clock,
+            admin_stats_count_per_kind,
+            forget_then_claim_takes_over,
+            forget_is_refused_unless_completed_at_the_fence,
+            prunable_counts_without_deleting,
         );
     };
 }
