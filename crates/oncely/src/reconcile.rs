@@ -54,10 +54,15 @@
 //! key and counted in `oncely_reconciled_total{kind,doubt,result}` (see
 //! [`telemetry`](mod@crate::telemetry)).
 //!
-//! Where the records come from is a [`Source`]: [`Abandoned`] lists a
-//! tenant's abandoned steps through [`Ledger::abandoned`]; [`Keys`] reads
-//! given keys through [`Ledger::get`] (the way to reconcile stuck leases you
-//! know of); [`Chain`] runs one after the other.
+//! Where the records come from is a [`Source`]. On a ledger with the
+//! operator view ([`Admin`]: the SQL backends and the memory ledger),
+//! [`Query`] pages through [`Admin::records`] with its cursor, and
+//! [`Reconcile::doubtful`] settles a tenant's stuck leases and abandoned
+//! steps in one run. On any ledger, [`Abandoned`] lists a tenant's
+//! abandoned steps through [`Ledger::abandoned`], and [`Keys`] reads given
+//! keys through [`Ledger::get`] (stuck leases you know of, where the
+//! backend cannot list them: Redis, NATS). [`Chain`] runs one source after
+//! another.
 //!
 //! # Example
 //!
@@ -110,6 +115,7 @@ use std::time::Duration;
 
 use tracing::Instrument;
 
+use crate::admin::{Admin, Cursor, Filter, MAX_PAGE, RecordQuery};
 use crate::error::{BoxError, Error, Result};
 use crate::key::{EffectKey, Tenant};
 use crate::ledger::Ledger;
@@ -350,6 +356,55 @@ impl<L: Ledger + ?Sized, A: Source<L>, B: Source<L>> Source<L> for Chain<A, B> {
             self.first = None;
         }
         self.second.next_page(ledger, limit).await
+    }
+}
+
+/// The records an [`Admin`] query lists, page after page with its cursor:
+/// [`Query::stuck`] and [`Query::abandoned`] list a tenant's stuck leases
+/// and abandoned steps; [`Query::new`] takes any narrower or wider query
+/// (one kind, records since an instant, every tenant). A record settled
+/// during the run falls out of the query while the cursor moves past it,
+/// so each is examined once, oldest first, at one query per page.
+#[derive(Debug, Clone)]
+pub struct Query {
+    query: RecordQuery,
+    done: bool,
+}
+
+impl Query {
+    /// The records `query` lists (its `after` is where the run starts; its
+    /// `limit` is replaced by the run's batch size, at most
+    /// [`MAX_PAGE`](crate::admin::MAX_PAGE)).
+    pub fn new(query: RecordQuery) -> Self {
+        Query { query, done: false }
+    }
+
+    /// The stuck leases of `tenant` ([`Filter::Stuck`]).
+    pub fn stuck(tenant: &Tenant) -> Self {
+        Query::new(RecordQuery::tenant(tenant).filter(Filter::Stuck))
+    }
+
+    /// The abandoned steps of `tenant` ([`Filter::Abandoned`]).
+    pub fn abandoned(tenant: &Tenant) -> Self {
+        Query::new(RecordQuery::tenant(tenant).filter(Filter::Abandoned))
+    }
+}
+
+impl<L: Admin + ?Sized> Source<L> for Query {
+    async fn next_page(&mut self, ledger: &L, limit: usize) -> Result<Page> {
+        if self.done || limit == 0 {
+            return Ok(Page::default());
+        }
+        let n = u32::try_from(limit).unwrap_or(u32::MAX).min(MAX_PAGE);
+        let query = self.query.clone().limit(n);
+        let records = ledger.records(&query).await?;
+        match records.last() {
+            Some(last) if records.len() >= n as usize => {
+                self.query = self.query.clone().after(Some(Cursor::after(last)));
+            }
+            _ => self.done = true,
+        }
+        Ok(Page::records(records))
     }
 }
 
@@ -755,5 +810,20 @@ impl<'a, L: Ledger + ?Sized, R: Reconciler + ?Sized> Reconcile<'a, L, R> {
                 Resolution::Error(format!("{}: {e}", resolution.as_str()))
             }
         }
+    }
+}
+
+impl<L: Admin + ?Sized, R: Reconciler + ?Sized> Reconcile<'_, L, R> {
+    /// Reconciles every doubtful record of `tenant` through the
+    /// [`Admin`] listing: its stuck leases, then its abandoned steps, each
+    /// oldest first ([`Query::stuck`], [`Query::abandoned`]).
+    pub async fn doubtful(&self, tenant: &Tenant) -> Result<Report> {
+        self.run(Chain::new(Query::stuck(tenant), Query::abandoned(tenant)))
+            .await
+    }
+
+    /// Reconciles the stuck leases of `tenant` ([`Query::stuck`]).
+    pub async fn stuck(&self, tenant: &Tenant) -> Result<Report> {
+        self.run(Query::stuck(tenant)).await
     }
 }

@@ -503,3 +503,60 @@ async fn records_within_the_grace_are_left_alone() {
     );
     assert_eq!(ledger.abandoned(&acme(), 10).await.unwrap()[0].key, recent);
 }
+
+#[tokio::test]
+async fn the_admin_listing_settles_stuck_leases_then_abandoned_steps() {
+    let ledger = MemoryLedger::new();
+    let stuck: Vec<EffectKey> = (0..5).map(|i| key("capture", &format!("s-{i}"))).collect();
+    let abandoned: Vec<EffectKey> = (0..3).map(|i| key("receipt", &format!("a-{i}"))).collect();
+    for k in &stuck {
+        crash(&ledger, k, false).await;
+    }
+    for k in &abandoned {
+        crash(&ledger, k, true).await;
+    }
+    crash(&ledger, &key("capture", "done"), false).await;
+    let done = ledger.get(&key("capture", "done")).await.unwrap().unwrap();
+    ledger
+        .complete(&done.reconciliation_lease(), &Outcome::value(&"x").unwrap())
+        .await
+        .unwrap();
+    ledger.advance(Duration::from_secs(60));
+    crash(&ledger, &key("capture", "live"), false).await;
+    // s-1 and s-3 and a-0 are unknown: they stay behind the cursor.
+    let table = Table::with(&[
+        ("s-0", Answer::Done("ch")),
+        ("s-2", Answer::NotDone),
+        ("s-4", Answer::Done("ch")),
+        ("a-1", Answer::Done("sent")),
+        ("a-2", Answer::NotDone),
+    ]);
+    let report = Reconcile::new(&ledger, &table)
+        .batch_size(2)
+        .doubtful(&acme())
+        .await
+        .unwrap();
+    let order: Vec<&EffectKey> = report.entries.iter().map(|e| &e.key).collect();
+    assert_eq!(
+        order,
+        stuck.iter().chain(&abandoned).collect::<Vec<_>>(),
+        "{report:#?}"
+    );
+    assert_eq!(
+        (report.completed, report.released, report.unknown, report.skipped),
+        (3, 2, 3, 0),
+        "{report:#?}"
+    );
+    assert_eq!(
+        ledger.get(&stuck[1]).await.unwrap().unwrap().state,
+        RecordState::InProgress
+    );
+    assert_eq!(
+        ledger.get(&stuck[2]).await.unwrap().unwrap().state,
+        RecordState::Released
+    );
+    // The stuck leases alone.
+    let report = Reconcile::new(&ledger, &table).stuck(&acme()).await.unwrap();
+    let order: Vec<&EffectKey> = report.entries.iter().map(|e| &e.key).collect();
+    assert_eq!(order, vec![&stuck[1], &stuck[3]]);
+}

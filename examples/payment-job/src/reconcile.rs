@@ -20,8 +20,9 @@
 
 use std::sync::Arc;
 
+use oncely::admin::Admin;
 use oncely::reconcile::{Doubt, Reconcile, Reconciler, Report, Verdict};
-use oncely::{BoxError, EffectKey, Outcome, Record};
+use oncely::{BoxError, Outcome, Record};
 
 use crate::{Db, FakeMailer, FakeProvider, MailLog, Pipeline};
 
@@ -66,20 +67,16 @@ impl Reconciler for PaymentReconciler {
     }
 }
 
-/// One reconciliation pass over a pipeline's tenant: its abandoned receipts
-/// (listed by the ledger), then the given keys (stuck captures the operator
-/// knows of). Returns both reports, in that order.
-pub async fn reconcile<D: Db>(
-    p: &Pipeline<D>,
-    stuck: &[EffectKey],
-    dry_run: bool,
-) -> oncely::Result<(Report, Report)> {
+/// One reconciliation pass over a pipeline's tenant: every stuck lease,
+/// then every abandoned step, oldest first, listed through the ledger's
+/// operator view ([`Admin`]).
+pub async fn reconcile<D: Db + Admin>(p: &Pipeline<D>, dry_run: bool) -> oncely::Result<Report> {
     let reconciler = PaymentReconciler::of(p);
-    let run = Reconcile::new(&p.db, &reconciler)
+    Reconcile::new(&p.db, &reconciler)
         .dry_run(dry_run)
         .batch_size(50)
-        .claim_options(p.opts.clone().lease(std::time::Duration::from_secs(30)));
-    let abandoned = run.abandoned(&p.tenant).await?;
-    let keys = run.keys(stuck.iter().cloned()).await?;
-    Ok((abandoned, keys))
+        // The takeover of a stuck capture keeps the job's retention.
+        .claim_options(p.opts.clone().lease(std::time::Duration::from_secs(30)))
+        .doubtful(&p.tenant)
+        .await
 }

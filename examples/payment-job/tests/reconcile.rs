@@ -50,7 +50,7 @@ async fn listed<D: Db>(p: &Pipeline<D>) -> Vec<EffectKey> {
         .collect()
 }
 
-async fn crashed_run_is_reconciled<D: Db>(p: Arc<Pipeline<D>>) {
+async fn crashed_run_is_reconciled<D: Db + oncely::admin::Admin>(p: Arc<Pipeline<D>>) {
     let sent = msg(&p, "sent", 100);
     let unsent = msg(&p, "unsent", 200);
     let gone = msg(&p, "gone", 300);
@@ -67,38 +67,28 @@ async fn crashed_run_is_reconciled<D: Db>(p: Arc<Pipeline<D>>) {
     tokio::time::sleep(PAST_LEASE).await;
 
     let all = [&sent, &unsent, &gone, &charged, &uncharged, &clean].map(|m| m.clone());
-    let stuck: Vec<EffectKey> = [&charged, &uncharged, &clean]
-        .iter()
-        .map(|m| p.step_key("capture", &m.order_id))
-        .collect();
     let charged_fence = record(&p, "capture", &charged).await.fence;
     assert_eq!(
         Doubt::of(&record(&p, "capture", &charged).await),
         Some(Doubt::Stuck)
     );
-    let want_listed: Vec<EffectKey> = [&sent, &unsent, &gone]
+    let mut got = listed(&p).await;
+    got.sort();
+    let mut want: Vec<EffectKey> = [&sent, &unsent, &gone]
         .iter()
         .map(|m| p.step_key("receipt", &m.order_id))
         .collect();
-    let mut got = listed(&p).await;
-    got.sort();
-    let mut want = want_listed.clone();
     want.sort();
     assert_eq!(got, want);
 
     // A dry run: the same answers, nothing written.
     let before = p.snapshot(&all).await.unwrap();
-    let (ab, keys) = reconcile(&p, &stuck, true).await.unwrap();
-    assert!(ab.dry_run && keys.dry_run);
+    let report = reconcile(&p, true).await.unwrap();
+    assert!(report.dry_run);
     assert_eq!(
-        (ab.examined, ab.completed, ab.released, ab.unknown),
-        (3, 1, 1, 1),
-        "{ab:#?}"
-    );
-    assert_eq!(
-        (keys.examined, keys.completed, keys.released, keys.skipped),
-        (3, 1, 1, 1),
-        "{keys:#?}"
+        (report.examined, report.completed, report.released, report.unknown),
+        (5, 2, 2, 1),
+        "{report:#?}"
     );
     assert_eq!(
         p.snapshot(&all).await.unwrap(),
@@ -106,41 +96,36 @@ async fn crashed_run_is_reconciled<D: Db>(p: Arc<Pipeline<D>>) {
         "a dry run changed something"
     );
 
-    // The real run.
-    let (ab, keys) = reconcile(&p, &stuck, false).await.unwrap();
+    // The real run: the stuck captures first, then the abandoned receipts.
+    let report = reconcile(&p, false).await.unwrap();
     assert_eq!(
         (
-            ab.examined,
-            ab.completed,
-            ab.released,
-            ab.unknown,
-            ab.moved,
-            ab.errors
+            report.examined,
+            report.completed,
+            report.released,
+            report.unknown,
+            report.moved,
+            report.skipped,
+            report.errors
         ),
-        (3, 1, 1, 1, 0, 0),
-        "{ab:#?}"
+        (5, 2, 2, 1, 0, 0, 0),
+        "{report:#?}"
     );
-    assert_eq!(
-        (
-            keys.examined,
-            keys.completed,
-            keys.released,
-            keys.skipped,
-            keys.moved,
-            keys.errors
-        ),
-        (3, 1, 1, 1, 0, 0),
-        "{keys:#?}"
-    );
-    let receipt_of = |m: &OrderMsg| {
-        ab.entry(&p.step_key("receipt", &m.order_id))
+    let doubts: Vec<Option<Doubt>> = report.entries.iter().map(|e| e.doubt).collect();
+    assert_eq!(doubts[..2], [Some(Doubt::Stuck); 2]);
+    assert_eq!(doubts[2..], [Some(Doubt::Abandoned); 3]);
+    let of = |kind: &str, m: &OrderMsg| {
+        report
+            .entry(&p.step_key(kind, &m.order_id))
             .unwrap()
             .resolution
             .clone()
     };
-    assert_eq!(receipt_of(&sent), Resolution::Completed);
-    assert_eq!(receipt_of(&unsent), Resolution::Released);
-    assert_eq!(receipt_of(&gone), Resolution::Unknown);
+    assert_eq!(of("receipt", &sent), Resolution::Completed);
+    assert_eq!(of("receipt", &unsent), Resolution::Released);
+    assert_eq!(of("receipt", &gone), Resolution::Unknown);
+    assert_eq!(of("capture", &charged), Resolution::Completed);
+    assert_eq!(of("capture", &uncharged), Resolution::Released);
 
     // The receipt that went out: completed with the step's own value.
     let r = record(&p, "receipt", &sent).await;
@@ -215,9 +200,18 @@ async fn crashed_run_is_reconciled<D: Db>(p: Arc<Pipeline<D>>) {
     assert_eq!(listed(&p).await, vec![p.step_key("receipt", &gone.order_id)]);
 
     // Another pass: the unknown receipt is asked about again, nothing else.
-    let (ab, keys) = reconcile(&p, &stuck, false).await.unwrap();
-    assert_eq!((ab.examined, ab.unknown), (1, 1), "{ab:#?}");
-    assert_eq!((keys.examined, keys.skipped), (3, 3), "{keys:#?}");
+    let report = reconcile(&p, false).await.unwrap();
+    assert_eq!((report.examined, report.unknown), (1, 1), "{report:#?}");
+    // Given by key, settled records are skipped.
+    let keys: Vec<EffectKey> = [&charged, &uncharged, &clean]
+        .iter()
+        .map(|m| p.step_key("capture", &m.order_id))
+        .collect();
+    let report = Reconcile::new(&p.db, &PaymentReconciler::of(&p))
+        .keys(keys)
+        .await
+        .unwrap();
+    assert_eq!((report.examined, report.skipped), (3, 3), "{report:#?}");
 }
 
 /// A reconciler whose question races with another writer: before answering
