@@ -374,7 +374,7 @@ pub struct Query {
 impl Query {
     /// The records `query` lists (its `after` is where the run starts; its
     /// `limit` is replaced by the run's batch size, at most
-    /// [`MAX_PAGE`](crate::admin::MAX_PAGE)).
+    /// [`MAX_PAGE`]).
     pub fn new(query: RecordQuery) -> Self {
         Query { query, done: false }
     }
