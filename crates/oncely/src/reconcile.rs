@@ -104,6 +104,32 @@
 //! # Ok(()) }
 //! ```
 //!
+//! A scheduled job on a SQL ledger (anything with [`Admin`]), gentle with
+//! the provider and leaving recent crashes to their redeliveries:
+//!
+//! ```
+//! use std::time::Duration;
+//! use oncely::admin::Admin;
+//! use oncely::reconcile::{Reconcile, Reconciler};
+//! use oncely::Tenant;
+//!
+//! async fn nightly<L: Admin>(ledger: &L, provider: &impl Reconciler, tenant: &Tenant) -> oncely::Result<()> {
+//!     let report = Reconcile::new(ledger, provider)
+//!         .batch_size(200)
+//!         .rate_limit(20.0)                  // records per second
+//!         .grace(Duration::from_secs(600))   // leases that ended 10+ minutes ago
+//!         .max_records(10_000)
+//!         .doubtful(tenant)                  // stuck leases, then abandoned steps
+//!         .await?;
+//!     tracing::info!(
+//!         completed = report.completed, released = report.released,
+//!         unknown = report.unknown, moved = report.moved, errors = report.errors,
+//!         "reconciled"
+//!     );
+//!     Ok(())
+//! }
+//! ```
+//!
 //! Cancel safety: dropping a run between records loses nothing. Dropped
 //! after a stuck lease was taken over and before its write, the
 //! reconciler's lease simply expires and the record is stuck again, at a
