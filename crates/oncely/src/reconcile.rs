@@ -543,7 +543,6 @@ impl Report {
 /// no grace, and stuck leases taken over with a 30 s lease and the default retention
 /// of [`ClaimOptions`] (the retention the record keeps once completed or
 /// released).
-#[derive(Debug, Clone)]
 pub struct Reconcile<'a, L: ?Sized, R: ?Sized> {
     ledger: &'a L,
     reconciler: &'a R,
@@ -553,6 +552,30 @@ pub struct Reconcile<'a, L: ?Sized, R: ?Sized> {
     dry_run: bool,
     grace: Duration,
     claim: ClaimOptions,
+}
+
+// By hand: derived impls would ask the ledger and the reconciler to be
+// `Clone` and `Debug`, and only references to them are held.
+impl<L: ?Sized, R: ?Sized> Clone for Reconcile<'_, L, R> {
+    fn clone(&self) -> Self {
+        Reconcile {
+            claim: self.claim.clone(),
+            ..*self
+        }
+    }
+}
+
+impl<L: ?Sized, R: ?Sized> std::fmt::Debug for Reconcile<'_, L, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reconcile")
+            .field("batch_size", &self.batch_size)
+            .field("max_records", &self.max_records)
+            .field("rate_limit", &self.rate_limit)
+            .field("dry_run", &self.dry_run)
+            .field("grace", &self.grace)
+            .field("claim", &self.claim)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<'a, L: Ledger + ?Sized, R: Reconciler + ?Sized> Reconcile<'a, L, R> {
