@@ -33,6 +33,13 @@
 //! *before* any write, so an [`Verdict::Unknown`] leaves the ledger exactly
 //! as it was.
 //!
+//! A claim also takes over a *released* record, so a stuck lease that
+//! another run (a second replica of your reconciliation job) released
+//! between this run's listing and its claim is taken over and settled again
+//! with this run's answer. That is harmless: a release is repeated, or a
+//! completion stores what the provider says happened (a charge, once made,
+//! stays made); both runs count it.
+//!
 //! # What the provider's answer is worth
 //!
 //! The provider is asked before anything is written, and a worker whose

@@ -314,3 +314,73 @@ async fn postgres_moved_records_are_not_overwritten() {
     };
     moved_records_are_not_overwritten(common::pipeline(db, true)).await;
 }
+
+/// Two reconcilers (two replicas of a scheduled job) over the same crashed
+/// run at once: every record is settled once and correctly, the loser of
+/// each race counts it as moved, and a redelivery then finishes every
+/// order with one capture and one receipt.
+async fn two_reconcilers_at_once<D: Db + oncely::admin::Admin>(p: Arc<Pipeline<D>>) {
+    let mut orders = Vec::new();
+    for i in 0..12 {
+        let m = msg(&p, &format!("o{i}"), 100 + i);
+        let b = [
+            Boundary::AfterSend,
+            Boundary::AfterReceiptClaim,
+            Boundary::AfterCaptureCall,
+            Boundary::AfterCaptureClaim,
+        ][i as usize % 4];
+        crash_at(&p, &m, Some(b)).await;
+        orders.push(m);
+    }
+    tokio::time::sleep(PAST_LEASE).await;
+    let (a, b) = tokio::join!(reconcile(&p, false), reconcile(&p, false));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    for r in [&a, &b] {
+        assert_eq!((r.errors, r.unknown, r.skipped), (0, 0, 0), "{r:#?}");
+        assert!(r.aborted.is_none(), "{r:#?}");
+    }
+    // Each of the 12 doubtful records was settled by at least one run.
+    let settled = |r: &oncely::reconcile::Report, k: &EffectKey| {
+        r.entry(k)
+            .is_some_and(|e| matches!(e.resolution, Resolution::Completed | Resolution::Released))
+    };
+    for (i, m) in orders.iter().enumerate() {
+        let kind = if i % 4 < 2 { "receipt" } else { "capture" };
+        let k = p.step_key(kind, &m.order_id);
+        assert!(settled(&a, &k) || settled(&b, &k), "{k} settled by neither run");
+        let want = if i % 4 == 0 || i % 4 == 2 {
+            RecordState::Completed
+        } else {
+            RecordState::Released
+        };
+        assert_eq!(record(&p, kind, m).await.state, want, "{k}");
+    }
+    assert!(listed(&p).await.is_empty());
+    for m in &orders {
+        assert_eq!(
+            p.deliver(m, None).await.unwrap(),
+            Delivered::Acked {
+                receipt_abandoned: false
+            }
+        );
+    }
+    let snap = p.snapshot(&orders).await.unwrap();
+    for m in &orders {
+        assert_eq!(snap.captures.get(&m.order_id), Some(&1), "{}", m.order_id);
+        assert_eq!(snap.sends.get(&m.order_id), Some(&1), "{}", m.order_id);
+    }
+}
+
+#[tokio::test]
+async fn sqlite_two_reconcilers_at_once() {
+    let (db, _dir) = common::sqlite().await;
+    two_reconcilers_at_once(common::pipeline(db, true)).await;
+}
+
+#[tokio::test]
+async fn postgres_two_reconcilers_at_once() {
+    let Some(db) = common::postgres().await else {
+        return;
+    };
+    two_reconcilers_at_once(common::pipeline(db, true)).await;
+}
