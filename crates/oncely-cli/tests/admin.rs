@@ -668,8 +668,10 @@ fn prune_dry_run_counts_exactly_and_deletes_nothing_on_sqlite() {
         );
         assert!(record(&url, &key).is_some());
     }
-    let out = oncely(&["prune", "--database-url", &url]);
-    assert_eq!(stdout(&out).trim(), "pruned 1 record", "{}", stderr(&out));
+    let v = json(&["prune", "--dry-run", "--json"], &url);
+    assert_eq!(v, serde_json::json!({"would_prune": 1, "dry_run": true}));
+    let v = json(&["prune", "--json"], &url);
+    assert_eq!(v, serde_json::json!({"pruned": 1}));
     let out = oncely(&["prune", "--dry-run", "--database-url", &url]);
     assert_eq!(
         stdout(&out).trim(),
