@@ -34,7 +34,8 @@
 //! its own key with [`Effects::job`]: a redelivery resumes at the first
 //! unfinished step. [`Job`] explains the three [`StepMode`]s
 //! (transactional, provider-keyed, at-most-once) and the window each leaves
-//! open.
+//! open. What a crash leaves in doubt (an abandoned at-most-once step, a
+//! stuck lease) is settled by asking the provider: see [`reconcile`].
 //!
 //! Backends: [`MemoryLedger`] here for unit tests; `oncely-sqlite` (the
 //! embedded default) and `oncely-postgres` in their own crates. Every backend
@@ -52,6 +53,7 @@ mod key;
 mod ledger;
 mod memory;
 mod pipeline;
+pub mod reconcile;
 mod record;
 pub mod telemetry;
 pub mod watch;

@@ -22,6 +22,15 @@ pub const CLAIM_SECONDS: &str = "oncely_claim_seconds";
 pub const REDELIVERY_GAP_SECONDS: &str = "oncely_redelivery_gap_seconds";
 /// The span every claim runs in.
 pub const CLAIM_SPAN: &str = "oncely.claim";
+/// Counter `{kind,doubt,result,dry_run}`: records a reconciliation run
+/// examined, by what became of them (`completed`, `released`, `unknown`,
+/// `moved`, `skipped`, `error`; see [`Resolution`](crate::reconcile::Resolution)).
+pub const RECONCILED_TOTAL: &str = "oncely_reconciled_total";
+/// The span of one reconciliation run ([`Reconcile::run`](crate::reconcile::Reconcile::run)).
+pub const RECONCILE_RUN_SPAN: &str = "oncely.reconcile_run";
+/// The span each examined record is reconciled in, with `effect_key`,
+/// `tenant`, `kind`, `fence`, `doubt`, `verdict` and `result`.
+pub const RECONCILE_SPAN: &str = "oncely.reconcile";
 
 /// The span every claim runs in, with the fields of `docs/design.md` ("Observability") (`fence`
 /// and `result` are recorded once known).
@@ -34,6 +43,39 @@ pub(crate) fn claim_span(key: &EffectKey) -> tracing::Span {
         fence = tracing::field::Empty,
         result = tracing::field::Empty,
     )
+}
+
+/// The span of a reconciliation run.
+pub(crate) fn reconcile_run_span(backend: &'static str, dry_run: bool) -> tracing::Span {
+    tracing::info_span!(RECONCILE_RUN_SPAN, backend, dry_run)
+}
+
+/// The span one record is reconciled in (`fence` is the record's, then the
+/// takeover lease's; `verdict` and `result` are recorded once known).
+pub(crate) fn reconcile_span(key: &EffectKey, fence: u64, doubt: Option<&'static str>) -> tracing::Span {
+    tracing::info_span!(
+        RECONCILE_SPAN,
+        effect_key = %key,
+        tenant = %key.tenant(),
+        kind = key.kind(),
+        fence,
+        doubt = doubt.unwrap_or("none"),
+        verdict = tracing::field::Empty,
+        result = tracing::field::Empty,
+    )
+}
+
+/// Counts one examined record by what became of it.
+pub(crate) fn reconciled(key: &EffectKey, doubt: Option<&'static str>, result: &'static str, dry_run: bool) {
+    metrics::counter!(
+        RECONCILED_TOTAL,
+        "kind" => key.kind().to_owned(),
+        "doubt" => doubt.unwrap_or("none"),
+        "result" => result,
+        "dry_run" => if dry_run { "true" } else { "false" },
+    )
+    .increment(1);
+    tracing::info!(effect_key = %key, doubt = doubt.unwrap_or("none"), result, dry_run, "reconciled");
 }
 
 /// Records one claim's result and latency.

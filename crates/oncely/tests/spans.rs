@@ -100,3 +100,68 @@ async fn claims_run_in_a_span_with_the_effect_key() {
     assert_eq!(claims[0]["fence"], fence.to_string());
     assert_eq!(claims[1]["result"], "completed");
 }
+
+/// Knows that every receipt went out.
+struct AllSent;
+
+impl oncely::reconcile::Reconciler for AllSent {
+    async fn check(
+        &self,
+        _: &oncely::Record,
+        _: oncely::reconcile::Doubt,
+    ) -> Result<oncely::reconcile::Verdict, oncely::BoxError> {
+        Ok(oncely::reconcile::Verdict::Done(oncely::Outcome::value(&())?))
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn reconciliation_runs_each_record_in_a_span_with_the_effect_key() {
+    let spans: Spans = Arc::default();
+    let _guard = tracing::subscriber::set_default(Capture {
+        spans: spans.clone(),
+        meta: Mutex::default(),
+        stack: Mutex::default(),
+    });
+    let ledger = MemoryLedger::new();
+    let tenant = Tenant::new("acme").unwrap();
+    let (receipt, capture) = (
+        EffectKey::new(&tenant, "receipt", "order-9").unwrap(),
+        EffectKey::new(&tenant, "capture", "order-9").unwrap(),
+    );
+    let opts = ClaimOptions::default();
+    ledger
+        .claim(&receipt, &opts.clone().at_most_once(true))
+        .await
+        .unwrap();
+    ledger.claim(&capture, &opts).await.unwrap();
+    ledger.advance(std::time::Duration::from_secs(60));
+    let report = oncely::reconcile::Reconcile::new(&ledger, &AllSent)
+        .keys([receipt.clone(), capture.clone()])
+        .await
+        .unwrap();
+    assert_eq!(report.completed, 2);
+    let receipt_fence = ledger.get(&receipt).await.unwrap().unwrap().fence.to_string();
+    let capture_fence = ledger.get(&capture).await.unwrap().unwrap().fence.to_string();
+    let spans = spans.lock().unwrap();
+    assert_eq!(
+        spans.iter().filter(|(n, _)| n == "oncely.reconcile_run").count(),
+        1
+    );
+    let settled: Vec<_> = spans
+        .iter()
+        .filter(|(n, _)| n == "oncely.reconcile")
+        .map(|(_, f)| f)
+        .collect();
+    assert_eq!(settled.len(), 2, "{spans:?}");
+    for f in &settled {
+        assert_eq!(f["tenant"], "acme");
+        assert_eq!(f["verdict"], "done");
+        assert_eq!(f["result"], "completed");
+    }
+    let by_key = |k: &EffectKey| settled.iter().find(|f| f["effect_key"] == k.as_str()).unwrap();
+    assert_eq!(by_key(&receipt)["doubt"], "abandoned");
+    assert_eq!(by_key(&receipt)["fence"], receipt_fence);
+    // The stuck lease was written under the takeover's fence.
+    assert_eq!(by_key(&capture)["doubt"], "stuck");
+    assert_eq!(by_key(&capture)["fence"], capture_fence);
+}

@@ -113,3 +113,95 @@ fn effects_emit_the_documented_metrics() {
     assert_eq!(histogram_samples(&snap, CLAIM_SECONDS), 5);
     assert_eq!(histogram_samples(&snap, REDELIVERY_GAP_SECONDS), 2);
 }
+
+/// Knows that receipts went out and captures did not.
+struct Provider;
+
+impl oncely::reconcile::Reconciler for Provider {
+    async fn check(
+        &self,
+        record: &oncely::Record,
+        _: oncely::reconcile::Doubt,
+    ) -> Result<oncely::reconcile::Verdict, oncely::BoxError> {
+        use oncely::reconcile::Verdict;
+        Ok(match record.key.kind() {
+            "receipt" => Verdict::Done(oncely::Outcome::value(&())?),
+            "capture" => Verdict::NotDone,
+            _ => Verdict::Unknown,
+        })
+    }
+}
+
+#[test]
+fn reconciliation_counts_every_examined_record() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let ledger = MemoryLedger::new();
+            let t = Tenant::global();
+            let key = |kind: &str, s: &str| EffectKey::new(&t, kind, s).unwrap();
+            let opts = ClaimOptions::default();
+            ledger
+                .claim(&key("receipt", "o-1"), &opts.clone().at_most_once(true))
+                .await
+                .unwrap();
+            ledger.claim(&key("capture", "o-1"), &opts).await.unwrap();
+            ledger.claim(&key("refund", "o-1"), &opts).await.unwrap();
+            ledger.advance(Duration::from_secs(60));
+            let keys = [
+                key("receipt", "o-1"),
+                key("capture", "o-1"),
+                key("refund", "o-1"),
+                key("capture", "o-2"),
+            ];
+            let dry = oncely::reconcile::Reconcile::new(&ledger, &Provider).dry_run(true);
+            dry.keys(keys.clone()).await.unwrap();
+            let report = oncely::reconcile::Reconcile::new(&ledger, &Provider)
+                .keys(keys)
+                .await
+                .unwrap();
+            assert_eq!(
+                (report.completed, report.released, report.unknown, report.skipped),
+                (1, 1, 1, 1)
+            );
+        });
+    });
+    let snap = snapshot(&snapshotter);
+    let n = |labels: &[(&str, &str)]| counter(&snap, RECONCILED_TOTAL, labels);
+    assert_eq!(n(&[("dry_run", "true")]), 4);
+    assert_eq!(n(&[("dry_run", "false")]), 4);
+    assert_eq!(
+        n(&[
+            ("kind", "receipt"),
+            ("doubt", "abandoned"),
+            ("result", "completed"),
+            ("dry_run", "false")
+        ]),
+        1
+    );
+    assert_eq!(
+        n(&[
+            ("kind", "capture"),
+            ("doubt", "stuck"),
+            ("result", "released"),
+            ("dry_run", "false")
+        ]),
+        1
+    );
+    assert_eq!(
+        n(&[("kind", "refund"), ("result", "unknown"), ("dry_run", "false")]),
+        1
+    );
+    assert_eq!(
+        n(&[("kind", "capture"), ("doubt", "none"), ("result", "skipped")]),
+        2
+    );
+    // Only the stuck capture was taken over (an unknown is never claimed).
+    assert_eq!(counter(&snap, LEASE_TAKEOVERS_TOTAL, &[("kind", "capture")]), 1);
+    assert_eq!(counter(&snap, CLAIMS_TOTAL, &[("kind", "refund")]), 0);
+}

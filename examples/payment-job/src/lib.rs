@@ -42,7 +42,9 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
 mod db;
+mod reconcile;
 pub use db::{Db, Order};
+pub use reconcile::{PaymentReconciler, reconcile};
 
 /// The message a broker delivers: pay for this order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -68,6 +70,7 @@ pub struct Charge {
 #[derive(Debug)]
 pub struct FakeProvider {
     honour_keys: AtomicBool,
+    outage: AtomicBool,
     seq: AtomicU64,
     state: Mutex<ProviderState>,
 }
@@ -83,6 +86,7 @@ impl FakeProvider {
     pub fn new(honour_keys: bool) -> Self {
         FakeProvider {
             honour_keys: AtomicBool::new(honour_keys),
+            outage: AtomicBool::new(false),
             seq: AtomicU64::new(0),
             state: Mutex::new(ProviderState::default()),
         }
@@ -110,13 +114,54 @@ impl FakeProvider {
     pub fn captures(&self) -> BTreeMap<String, u32> {
         self.state.lock().unwrap().captures.clone()
     }
+
+    /// The charge made under `idempotency_key`, if any: the provider's
+    /// lookup that reconciliation asks (payment APIs list charges by their
+    /// idempotency key). Fails while [`FakeProvider::set_outage`] is on.
+    pub async fn charge_by_key(&self, idempotency_key: &str) -> Result<Option<Charge>, ProviderDown> {
+        tokio::task::yield_now().await;
+        if self.outage.load(Ordering::SeqCst) {
+            return Err(ProviderDown);
+        }
+        Ok(self.state.lock().unwrap().by_key.get(idempotency_key).cloned())
+    }
+
+    /// Makes lookups fail (the provider's API is down) or work again.
+    pub fn set_outage(&self, down: bool) {
+        self.outage.store(down, Ordering::SeqCst);
+    }
 }
+
+/// The provider's API did not answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProviderDown;
+
+impl std::fmt::Display for ProviderDown {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the provider's API is unavailable")
+    }
+}
+
+impl std::error::Error for ProviderDown {}
 
 /// An in-process mailer that sends every time it is asked (no
 /// deduplication) and counts sends per order.
 #[derive(Debug, Default)]
 pub struct FakeMailer {
     sends: Mutex<BTreeMap<String, u32>>,
+    lost: Mutex<std::collections::BTreeSet<String>>,
+}
+
+/// What the mailer's message log says about one order's receipt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MailLog {
+    /// The receipt went out this many times.
+    Sent(u32),
+    /// The log covers the order and shows no receipt.
+    NotSent,
+    /// The log no longer covers the order (past its retention, or lost):
+    /// nobody can tell.
+    Gone,
 }
 
 impl FakeMailer {
@@ -129,6 +174,25 @@ impl FakeMailer {
     /// How many receipts went out for each order.
     pub fn sends(&self) -> BTreeMap<String, u32> {
         self.sends.lock().unwrap().clone()
+    }
+
+    /// Looks the order's receipt up in the message log (what reconciliation
+    /// asks a mail provider).
+    pub async fn log(&self, order: &str) -> MailLog {
+        tokio::task::yield_now().await;
+        if self.lost.lock().unwrap().contains(order) {
+            return MailLog::Gone;
+        }
+        match self.sends.lock().unwrap().get(order) {
+            Some(&n) if n > 0 => MailLog::Sent(n),
+            _ => MailLog::NotSent,
+        }
+    }
+
+    /// Drops the order from the message log (it aged out): a lookup answers
+    /// [`MailLog::Gone`].
+    pub fn lose_log(&self, order: &str) {
+        self.lost.lock().unwrap().insert(order.to_owned());
     }
 }
 
