@@ -51,6 +51,7 @@ mod key;
 mod ledger;
 mod memory;
 mod pipeline;
+mod pruner;
 mod record;
 pub mod telemetry;
 pub mod watch;
@@ -66,6 +67,7 @@ pub use key::{EffectKey, MAX_KEY_BYTES, MAX_KIND_BYTES, MAX_TENANT_BYTES, Tenant
 pub use ledger::{Capabilities, Ledger, TransactionalLedger};
 pub use memory::MemoryLedger;
 pub use pipeline::Failure;
+pub use pruner::{Pruner, PrunerHandle, PrunerOptions, PrunerStats};
 pub use record::{
     Claim, ClaimOptions, Fingerprint, Lease, MAX_OUTCOME_BYTES, OnInProgress, Outcome, Record, RecordState,
     StoredOutcome,
