@@ -244,7 +244,8 @@ impl<L: Ledger + 'static> Pruner<L> {
 /// Rests for `d`, cut short by a stop or by the handle being dropped (the
 /// channel closing); returns whether to stop.
 async fn rest(stopped: &mut watch::Receiver<bool>, d: Duration) -> bool {
-    if *stopped.borrow() {
+    // `has_changed` fails once the handle is gone.
+    if *stopped.borrow() || stopped.has_changed().is_err() {
         return true;
     }
     if d.is_zero() {

@@ -122,6 +122,32 @@ async fn dropping_the_handle_stops_the_pruner() {
     .await;
 }
 
+/// Dropped while a backlog keeps it busy (no rate limit, so it never
+/// rests): it stops at its next batch, long before the backlog is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_handle_stops_a_busy_pruner() {
+    let ledger = Arc::new(MemoryLedger::new());
+    let t = Tenant::new("acme").unwrap();
+    for i in 0..20_000 {
+        completed(&ledger, &EffectKey::new(&t, "capture", format!("k-{i}")).unwrap(), Duration::from_secs(1)).await;
+    }
+    ledger.advance(Duration::from_secs(10));
+    let counting = CountingPrunes::new(ledger.clone());
+    let handle = Pruner::new(counting.clone(), PrunerOptions::default().batch(1).unlimited()).spawn();
+    eventually(|| handle.stats().batches >= 10).await;
+    drop(handle);
+    let mut last = counting.calls().len();
+    let mut same = 0;
+    eventually(|| {
+        let now = counting.calls().len();
+        same = if now == last { same + 1 } else { 0 };
+        last = now;
+        same >= 20
+    })
+    .await;
+    assert!(last < 10_000, "the pruner went on after its handle was dropped: {last} batches");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn shared_pruner_case_on_memory() {
     pruner_prunes_due_records_in_bounded_batches(Arc::new(MemoryLedger::new()), true).await;
