@@ -12,11 +12,15 @@
 //!    default 5,000, the library's default; 0: no limit) deletes the
 //!    backlog; the phase ends when the backlog is gone.
 //!
-//! Prints one table (stderr) and one JSON line (stdout): p50/p99 of both
-//! phases, their ratios (the target: p99 during the prune at most 2× the
+//! 4. `after prune`: the workers alone again, for as long as in step 2.
+//!
+//! A 2-second warm-up before step 2 is not counted. Prints one table
+//! (stderr) and one JSON line (stdout): p50/p99 of each phase, the ratios of
+//! `during` to `without` (the target: p99 during the prune at most 2× the
 //! p99 without it), and the prune's rows a second. The server and the
-//! machine may be shared: the two phases run one after the other, so load
-//! from elsewhere that changes between them shows up in the ratio.
+//! machine may be shared: the phases run one after the other, so load from
+//! elsewhere that changes between them shows up in the ratio; `after prune`
+//! shows how much.
 //!
 //! Needs PostgreSQL at `ONCELY_POSTGRES_URL` (default
 //! `postgres://postgres@127.0.0.1:5432/test`):
@@ -90,7 +94,10 @@ async fn seed(pool: &sqlx::PgPool, rows: u64) {
             from = done + 1,
             to = done + n,
         );
-        sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await.unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(pool)
+            .await
+            .unwrap();
         done += n;
     }
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("VACUUM ANALYZE {TABLE}")))
@@ -107,8 +114,13 @@ async fn workers(ledger: &PgLedger, phase: &str, stop: Arc<AtomicBool>) -> Sampl
     let opts = ClaimOptions::default();
     let tasks: Vec<_> = (0..WORKERS)
         .map(|w| {
-            let (ledger, tenant, outcome, opts, stop) =
-                (ledger.clone(), tenant.clone(), outcome.clone(), opts.clone(), stop.clone());
+            let (ledger, tenant, outcome, opts, stop) = (
+                ledger.clone(),
+                tenant.clone(),
+                outcome.clone(),
+                opts.clone(),
+                stop.clone(),
+            );
             let phase = phase.to_owned();
             tokio::spawn(async move {
                 let mut s = Samples::default();
@@ -124,8 +136,10 @@ async fn workers(ledger: &PgLedger, phase: &str, stop: Arc<AtomicBool>) -> Sampl
                     let t1 = Instant::now();
                     ledger.complete(&lease, &outcome).await.unwrap();
                     let t2 = Instant::now();
-                    s.claim.push(u32::try_from((t1 - t0).as_micros()).unwrap_or(u32::MAX));
-                    s.both.push(u32::try_from((t2 - t0).as_micros()).unwrap_or(u32::MAX));
+                    s.claim
+                        .push(u32::try_from((t1 - t0).as_micros()).unwrap_or(u32::MAX));
+                    s.both
+                        .push(u32::try_from((t2 - t0).as_micros()).unwrap_or(u32::MAX));
                 }
                 s
             })
@@ -137,6 +151,18 @@ async fn workers(ledger: &PgLedger, phase: &str, stop: Arc<AtomicBool>) -> Sampl
     }
     all.sort();
     all
+}
+
+/// Runs the workers for `d`.
+async fn timed(ledger: &PgLedger, phase: &str, d: Duration) -> Samples {
+    let stop = Arc::new(AtomicBool::new(false));
+    let task = tokio::spawn({
+        let (ledger, stop, phase) = (ledger.clone(), stop.clone(), phase.to_owned());
+        async move { workers(&ledger, &phase, stop).await }
+    });
+    tokio::time::sleep(d).await;
+    stop.store(true, Ordering::Relaxed);
+    task.await.unwrap()
 }
 
 fn main() {
@@ -170,19 +196,15 @@ async fn run() {
     .unwrap();
     seed(&pool, rows).await;
 
-    // Without the prune.
-    let stop = Arc::new(AtomicBool::new(false));
-    let phase = tokio::spawn({
-        let (ledger, stop) = (ledger.clone(), stop.clone());
-        async move { workers(&ledger, "a", stop).await }
-    });
-    tokio::time::sleep(Duration::from_secs(secs)).await;
-    stop.store(true, Ordering::Relaxed);
-    let quiet = phase.await.unwrap();
+    // Warm-up (connections, caches), not counted; then without the prune.
+    let _ = timed(&ledger, "w", Duration::from_secs(2)).await;
+    let quiet = timed(&ledger, "a", Duration::from_secs(secs)).await;
     let quiet_secs = secs as f64;
 
     // During the prune: until the backlog is gone.
-    let mut options = PrunerOptions::default().batch(batch).idle(Duration::from_millis(200));
+    let mut options = PrunerOptions::default()
+        .batch(batch)
+        .idle(Duration::from_millis(200));
     options = if rate == 0 {
         options.unlimited()
     } else {
@@ -217,7 +239,15 @@ async fn run() {
         .unwrap();
     assert!(horizon.is_some(), "the prune raised no horizon");
 
-    let rate_label = if rate == 0 { "none".to_owned() } else { format!("{rate}") };
+    // Without the prune again, after it: load from elsewhere that changed
+    // during the run shows up as a difference between the two.
+    let after = timed(&ledger, "c", Duration::from_secs(secs)).await;
+
+    let rate_label = if rate == 0 {
+        "none".to_owned()
+    } else {
+        format!("{rate}")
+    };
     let row = |name: &str, s: &Samples, secs: f64| {
         eprintln!(
             "{name:<15} {:>9} {:>9.0} {:>9.2} {:>9.2} {:>9.2} {:>9.2}",
@@ -239,6 +269,7 @@ async fn run() {
     );
     row("without prune", &quiet, quiet_secs);
     row("during prune", &busy, busy_secs);
+    row("after prune", &after, quiet_secs);
     let ratio = |p: f64, f: fn(&Samples) -> &Vec<u32>| pct(f(&busy), p) / pct(f(&quiet), p);
     let claim_p50 = ratio(0.5, |s| &s.claim);
     let claim_p99 = ratio(0.99, |s| &s.claim);
@@ -246,7 +277,18 @@ async fn run() {
     let both_p99 = ratio(0.99, |s| &s.both);
     eprintln!(
         "{:<15} {:>9} {:>9} {:>8.2}x {:>8.2}x {:>8.2}x {:>8.2}x",
-        "ratio", "", "", claim_p50, claim_p99, both_p50, both_p99
+        "ratio (during/without)", "", "", claim_p50, claim_p99, both_p50, both_p99
+    );
+    let vs_after = |p: f64, f: fn(&Samples) -> &Vec<u32>| pct(f(&busy), p) / pct(f(&after), p);
+    eprintln!(
+        "{:<15} {:>9} {:>9} {:>8.2}x {:>8.2}x {:>8.2}x {:>8.2}x",
+        "ratio vs after",
+        "",
+        "",
+        vs_after(0.5, |s| &s.claim),
+        vs_after(0.99, |s| &s.claim),
+        vs_after(0.5, |s| &s.both),
+        vs_after(0.99, |s| &s.both)
     );
     let rows_per_s = stats.rows as f64 / prune_secs;
     eprintln!(
@@ -266,6 +308,11 @@ async fn run() {
                 "claim_p50_ms": pct(&quiet.claim, 0.5), "claim_p99_ms": pct(&quiet.claim, 0.99),
                 "claim_complete_p50_ms": pct(&quiet.both, 0.5), "claim_complete_p99_ms": pct(&quiet.both, 0.99),
             },
+            "after_prune": {
+                "claims": after.claim.len(), "secs": quiet_secs,
+                "claim_p50_ms": pct(&after.claim, 0.5), "claim_p99_ms": pct(&after.claim, 0.99),
+                "claim_complete_p50_ms": pct(&after.both, 0.5), "claim_complete_p99_ms": pct(&after.both, 0.99),
+            },
             "during_prune": {
                 "claims": busy.claim.len(), "secs": busy_secs,
                 "claim_p50_ms": pct(&busy.claim, 0.5), "claim_p99_ms": pct(&busy.claim, 0.99),
@@ -273,6 +320,9 @@ async fn run() {
             },
             "ratio": {"claim_p50": claim_p50, "claim_p99": claim_p99,
                       "claim_complete_p50": both_p50, "claim_complete_p99": both_p99},
+            "ratio_vs_after": {"claim_p50": vs_after(0.5, |s| &s.claim), "claim_p99": vs_after(0.99, |s| &s.claim),
+                      "claim_complete_p50": vs_after(0.5, |s| &s.both),
+                      "claim_complete_p99": vs_after(0.99, |s| &s.both)},
             "prune": {"rows": stats.rows, "batches": stats.batches, "errors": stats.errors,
                       "secs": prune_secs, "rows_per_s": rows_per_s},
         })

@@ -422,7 +422,7 @@ impl Queries {
              c AS (SELECT x.key, x.retain_until FROM {t} x \
                WHERE (SELECT g.ok FROM g) AND x.state IN ('completed', 'released') \
                  AND x.retain_until <= now() \
-                 AND x.retain_until >= coalesce({from}, '-infinity'::timestamptz) \
+                 AND x.retain_until >= coalesce('epoch'::timestamptz + {from_us}, '-infinity'::timestamptz) \
                ORDER BY x.retain_until LIMIT $1 FOR UPDATE SKIP LOCKED), \
              l AS (SELECT c.key FROM c WHERE {try_lock}), \
              d AS (DELETE FROM {t} AS e USING l \
@@ -437,7 +437,7 @@ impl Queries {
                (SELECT count(*) FROM w) AS raised, (SELECT {last} FROM c) AS last \
              FROM g",
             guard = guard("true"),
-            from = format!("('epoch'::timestamptz + {})", micros("$2")),
+            from_us = micros("$2"),
             last = us("max(c.retain_until)"),
             try_lock = key_lock("pg_try_advisory_xact_lock", "c.key"),
         );

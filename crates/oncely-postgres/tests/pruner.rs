@@ -17,8 +17,11 @@ async fn pruner_prunes_due_records_in_bounded_batches() {
         Ok(pool) => pool,
         Err(e) => return skip_or_fail(&format!("PostgreSQL at {url}: {e}")).unwrap_or(()),
     };
-    let ledger = PgLedger::from_pool_with(pool.clone(), PgLedgerOptions::default().table("oncely_pruner_test"))
-        .expect("valid options");
+    let ledger = PgLedger::from_pool_with(
+        pool.clone(),
+        PgLedgerOptions::default().table("oncely_pruner_test"),
+    )
+    .expect("valid options");
     ledger.migrate().await.expect("migrations run");
     sqlx::raw_sql("TRUNCATE oncely_pruner_test")
         .execute(&pool)
@@ -46,8 +49,11 @@ async fn a_row_skipped_behind_the_cursor_is_pruned_by_the_next_pass() {
         Ok(pool) => pool,
         Err(e) => return skip_or_fail(&format!("PostgreSQL at {url}: {e}")).unwrap_or(()),
     };
-    let ledger = PgLedger::from_pool_with(pool.clone(), PgLedgerOptions::default().table("oncely_pruner_cursor"))
-        .expect("valid options");
+    let ledger = PgLedger::from_pool_with(
+        pool.clone(),
+        PgLedgerOptions::default().table("oncely_pruner_cursor"),
+    )
+    .expect("valid options");
     ledger.migrate().await.expect("migrations run");
     sqlx::raw_sql("TRUNCATE oncely_pruner_cursor")
         .execute(&pool)

@@ -501,7 +501,7 @@ impl Ledger for SqliteLedger {
         let mut deleted = 0;
         while deleted < limit {
             let batch = (limit - deleted).min(PRUNE_BATCH);
-            let n = self.prune_batch(&mut *conn, batch).await?;
+            let n = self.prune_batch(&mut conn, batch).await?;
             deleted += n;
             if n < batch {
                 break;

@@ -490,7 +490,9 @@ mod tests {
             "{plan:#?}"
         );
         assert!(
-            !plan.iter().any(|s| s.contains("TEMP B-TREE") || s.starts_with("SCAN ledger")),
+            !plan
+                .iter()
+                .any(|s| s.contains("TEMP B-TREE") || s.starts_with("SCAN ledger")),
             "{plan:#?}"
         );
     }

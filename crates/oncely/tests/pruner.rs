@@ -8,7 +8,9 @@ use oncely::conformance::{CountingPrunes, pruner_prunes_due_records_in_bounded_b
 use oncely::{Claim, ClaimOptions, EffectKey, Ledger, MemoryLedger, Outcome, Pruner, PrunerOptions, Tenant};
 
 async fn completed(ledger: &MemoryLedger, key: &EffectKey, retention: Duration) {
-    let opts = ClaimOptions::default().lease(Duration::from_millis(500)).retention(retention);
+    let opts = ClaimOptions::default()
+        .lease(Duration::from_millis(500))
+        .retention(retention);
     let Claim::Acquired(lease) = ledger.claim(key, &opts).await.unwrap() else {
         panic!("{key} was not acquired");
     };
@@ -36,7 +38,12 @@ async fn prunes_what_expired_in_bounded_batches_and_nothing_else() {
     let t = Tenant::new("acme").unwrap();
     let hour = Duration::from_secs(3_600);
     for i in 0..95 {
-        completed(&ledger, &EffectKey::new(&t, "capture", format!("old-{i}")).unwrap(), hour).await;
+        completed(
+            &ledger,
+            &EffectKey::new(&t, "capture", format!("old-{i}")).unwrap(),
+            hour,
+        )
+        .await;
     }
     ledger.advance(2 * hour);
     let young: Vec<EffectKey> = (0..6)
@@ -64,13 +71,19 @@ async fn prunes_what_expired_in_bounded_batches_and_nothing_else() {
     assert_eq!(stats.rows, 95, "{stats:?}");
     assert_eq!(stats.errors, 0);
     let calls = counting.calls();
-    assert!(calls.iter().all(|&(limit, n)| limit == 10 && n <= 10), "{calls:?}");
+    assert!(
+        calls.iter().all(|&(limit, n)| limit == 10 && n <= 10),
+        "{calls:?}"
+    );
     // 95 rows at 10 a call: nine full batches, one of 5, then empty passes.
     assert_eq!(calls.iter().filter(|c| c.1 == 10).count(), 9, "{calls:?}");
     assert_eq!(calls.iter().map(|c| c.1).sum::<u64>(), 95);
     assert_eq!(stats.batches, calls.len() as u64);
     for k in &young {
-        assert!(ledger.get(k).await.unwrap().is_some(), "{k} was pruned before its time");
+        assert!(
+            ledger.get(k).await.unwrap().is_some(),
+            "{k} was pruned before its time"
+        );
     }
     assert!(ledger.horizon(&t, "capture").await.unwrap().is_some());
 
@@ -86,14 +99,23 @@ async fn the_rate_limit_spaces_batches_out_and_stop_cuts_the_wait_short() {
     let ledger = Arc::new(MemoryLedger::new());
     let t = Tenant::new("acme").unwrap();
     for i in 0..50 {
-        completed(&ledger, &EffectKey::new(&t, "capture", format!("k-{i}")).unwrap(), Duration::from_secs(1)).await;
+        completed(
+            &ledger,
+            &EffectKey::new(&t, "capture", format!("k-{i}")).unwrap(),
+            Duration::from_secs(1),
+        )
+        .await;
     }
     ledger.advance(Duration::from_secs(10));
     // One row a second with batches of 5: after the first batch the pruner
     // owes five seconds; a stop must not wait them out (the test would
     // hit its own deadline if it did).
     let counting = CountingPrunes::new(ledger.clone());
-    let handle = Pruner::new(counting.clone(), PrunerOptions::default().batch(5).rows_per_second(1)).spawn();
+    let handle = Pruner::new(
+        counting.clone(),
+        PrunerOptions::default().batch(5).rows_per_second(1),
+    )
+    .spawn();
     eventually(|| handle.stats().batches >= 1).await;
     let stats = tokio::time::timeout(Duration::from_secs(4), handle.stop())
         .await
@@ -107,7 +129,11 @@ async fn the_rate_limit_spaces_batches_out_and_stop_cuts_the_wait_short() {
 async fn dropping_the_handle_stops_the_pruner() {
     let ledger = Arc::new(MemoryLedger::new());
     let counting = CountingPrunes::new(ledger.clone());
-    let handle = Pruner::new(counting.clone(), PrunerOptions::default().idle(Duration::from_millis(5))).spawn();
+    let handle = Pruner::new(
+        counting.clone(),
+        PrunerOptions::default().idle(Duration::from_millis(5)),
+    )
+    .spawn();
     eventually(|| handle.stats().batches >= 2).await;
     drop(handle);
     // Once the task has seen the drop, the calls stop growing.
@@ -129,7 +155,12 @@ async fn dropping_the_handle_stops_a_busy_pruner() {
     let ledger = Arc::new(MemoryLedger::new());
     let t = Tenant::new("acme").unwrap();
     for i in 0..20_000 {
-        completed(&ledger, &EffectKey::new(&t, "capture", format!("k-{i}")).unwrap(), Duration::from_secs(1)).await;
+        completed(
+            &ledger,
+            &EffectKey::new(&t, "capture", format!("k-{i}")).unwrap(),
+            Duration::from_secs(1),
+        )
+        .await;
     }
     ledger.advance(Duration::from_secs(10));
     let counting = CountingPrunes::new(ledger.clone());
@@ -145,7 +176,10 @@ async fn dropping_the_handle_stops_a_busy_pruner() {
         same >= 20
     })
     .await;
-    assert!(last < 10_000, "the pruner went on after its handle was dropped: {last} batches");
+    assert!(
+        last < 10_000,
+        "the pruner went on after its handle was dropped: {last} batches"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

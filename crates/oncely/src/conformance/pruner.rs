@@ -81,7 +81,10 @@ impl<L: Ledger> Ledger for CountingPrunes<L> {
 /// `exact`: the ledger (its table) is this test's alone, so the rows the
 /// pruner deleted are exactly the 43 records due; on a table other tests
 /// prune too, only what is gone and what is kept prove anything.
-pub async fn pruner_prunes_due_records_in_bounded_batches<L: Ledger + Clone + 'static>(ledger: L, exact: bool) {
+pub async fn pruner_prunes_due_records_in_bounded_batches<L: Ledger + Clone + 'static>(
+    ledger: L,
+    exact: bool,
+) {
     const BATCH: u64 = 7;
     let t = fresh_tenant();
     let brief = opts()
@@ -159,7 +162,9 @@ pub async fn pruner_prunes_due_records_in_bounded_batches<L: Ledger + Clone + 's
     let stats = handle.stop().await;
     let calls = counting.calls();
     assert!(
-        calls.iter().all(|&(limit, deleted)| limit == BATCH && deleted <= BATCH),
+        calls
+            .iter()
+            .all(|&(limit, deleted)| limit == BATCH && deleted <= BATCH),
         "a prune call exceeded the batch of {BATCH}: {calls:?}"
     );
     assert_eq!(stats.batches, calls.len() as u64, "{stats:?}");
@@ -182,5 +187,9 @@ pub async fn pruner_prunes_due_records_in_bounded_batches<L: Ledger + Clone + 's
     // Stopped: no call after stop returned.
     let after = counting.calls().len();
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(counting.calls().len(), after, "the pruner ran after it was stopped");
+    assert_eq!(
+        counting.calls().len(),
+        after,
+        "the pruner ran after it was stopped"
+    );
 }
