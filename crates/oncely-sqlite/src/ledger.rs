@@ -489,7 +489,7 @@ impl Ledger for SqliteLedger {
         row.as_ref().map(row::record).transpose()
     }
 
-    /// Deletes in batches of at most [`PRUNE_BATCH`] records, one
+    /// Deletes in batches of at most 500 records (`PRUNE_BATCH`), one
     /// `BEGIN IMMEDIATE` transaction each, and raises the horizon of every
     /// tenant and kind a batch deletes from in that batch's transaction: a
     /// claim never sees the records gone and the horizon not yet raised.
