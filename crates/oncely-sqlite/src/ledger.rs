@@ -414,7 +414,7 @@ impl SqliteLedger {
 }
 
 // Every pool operation below is one autocommit statement (claim: one
-// statement, plus a read when it did not acquire) or one transaction (prune,
+// statement, plus a read when it did not acquire) or one transaction (each prune batch,
 // claim_many, complete_many), so a dropped future either committed it whole
 // or not at all, and the connection goes back to the pool with no
 // transaction open (a dropped transaction's rollback runs first). Waiters
