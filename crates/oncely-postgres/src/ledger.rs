@@ -42,6 +42,14 @@ pub(crate) struct Inner {
     pub(crate) table: String,
     read_only: bool,
     changes: Changes,
+    /// Where the next prune batch starts looking: the newest `retain_until`
+    /// (µs) of the previous batch's candidates, `None` to start from the
+    /// oldest. Only a hint for the search (see `sql.rs`, prune); reset
+    /// whenever a batch reaches the end of what is due, so rows it skipped
+    /// (locked by a claim, or due with an earlier `retain_until` than the
+    /// cursor because their retention was shorter) are found on the next
+    /// pass.
+    prune_from: std::sync::Mutex<Option<i64>>,
 }
 
 /// An effect ledger in a PostgreSQL table. Cloning is cheap (a pool handle
@@ -108,6 +116,7 @@ impl PgLedger {
                 table: options.table,
                 read_only: options.read_only,
                 changes,
+                prune_from: std::sync::Mutex::new(None),
             }),
         })
     }
@@ -273,15 +282,23 @@ impl PgLedger {
         }
     }
 
-    /// One prune batch of at most `batch` records: how many were
-    /// candidates (past retention, not locked) and how many were deleted.
-    async fn prune_batch(&self, conn: &mut PgConnection, batch: u64) -> Result<(u64, u64)> {
+    /// One prune batch of at most `batch` records, searching from
+    /// `retain_until` `from` (µs) on: how many were candidates (past
+    /// retention, not locked), how many were deleted, and the newest
+    /// candidate's `retain_until`.
+    async fn prune_batch(
+        &self,
+        conn: &mut PgConnection,
+        batch: u64,
+        from: Option<i64>,
+    ) -> Result<(u64, u64, Option<i64>)> {
         let batch = i64::try_from(batch).unwrap_or(i64::MAX);
         let mut retry = Retry::new(true, || "prune".to_owned());
         loop {
             let run = async {
                 let row = sqlx::query(AssertSqlSafe(self.inner.q.prune.clone()))
                     .bind(batch)
+                    .bind(from)
                     .fetch_one(&mut *conn)
                     .await?;
                 guard::checked(row)
@@ -664,14 +681,28 @@ impl Ledger for PgLedger {
         }
         self.writable()?;
         let mut conn = self.acquire().await?;
+        let cursor = || self.inner.prune_from.lock().unwrap_or_else(|p| p.into_inner());
         let mut deleted = 0;
         while deleted < limit {
             let batch = (limit - deleted).min(PRUNE_BATCH);
-            let (candidates, n) = self.prune_batch(&mut conn, batch).await?;
+            let from = *cursor();
+            let (candidates, n, last) = self.prune_batch(&mut conn, batch, from).await?;
             deleted += n;
-            // Fewer candidates than asked: nothing more is due. None deleted:
-            // every candidate's key is held by a claim; the next prune gets it.
-            if candidates < batch || n == 0 {
+            // Fewer candidates than asked: nothing more is due from the
+            // cursor on. Start from the oldest again: once more in this call
+            // if it began mid-way (a row skipped earlier, locked by a claim
+            // then, may be due and free now), else in the next call.
+            if candidates < batch {
+                *cursor() = None;
+                if from.is_none() {
+                    break;
+                }
+                continue;
+            }
+            *cursor() = last;
+            // None deleted: every candidate's key is held by a claim; the
+            // next prune gets them (the cursor has moved past them).
+            if n == 0 {
                 break;
             }
         }

@@ -125,7 +125,7 @@
 //! | max key | [`oncely::MAX_KEY_BYTES`] (255 bytes), stored whole as the primary key |
 //! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] (64 KiB), `bytea` |
 //! | operator view | [`oncely::Admin`]: `records` and `stats` read at one `clock_timestamp()` (a materialized CTE), in byte order of the key (`COLLATE "C"`); a tenant's listing reads its rows by the `tenant` column (no index on it but the partial one of abandoned steps; the key's primary key serves a full key), then sorts; `forget` is one guarded, fenced `UPDATE` (completed at that fence → released, outcome removed, row kept); `prunable` counts with the prune index |
-//! | locks | one advisory lock per claim, held for the statement (autocommit) or until the caller's transaction ends (`claim_in`): a transaction claiming thousands of keys can exhaust the server's lock table (`max_locks_per_transaction` × connections). Prune deletes in batches of at most 500 rows per transaction and skips keys whose lock is held |
+//! | locks | one advisory lock per claim, held for the statement (autocommit) or until the caller's transaction ends (`claim_in`): a transaction claiming thousands of keys can exhaust the server's lock table (`max_locks_per_transaction` × connections). Prune deletes in batches of at most 500 rows per transaction and skips keys whose lock is held (see [Pruning](#pruning-tens-of-millions-of-rows)) |
 //! | failure | cannot connect or pool exhausted: [`Error::Unavailable`] (fail closed, nothing runs); serialization failure or deadlock: retryable [`Error::Backend`]; a unique violation in a step's own write: [`Error::ConstraintViolation`] (through [`Ledger::unique_violation`]); a read-only session or a missing privilege: [`Error::Config`] |
 //!
 //! ## Waiting duplicates
@@ -160,6 +160,71 @@
 //! the guard); [`Ledger::complete_many`](oncely::Ledger::complete_many) is one
 //! statement with each lease fenced on its own. A key listed twice acquires
 //! once and finds itself in progress the second time.
+//!
+//! ## Pruning tens of millions of rows
+//!
+//! [`Ledger::prune`](oncely::Ledger::prune) never deletes in one big
+//! statement. Each batch is one autocommit statement of at most 500 rows
+//! that finds its rows on the partial index `<table>_prune_idx`
+//! (`retain_until`, only completed and released rows: in-progress rows,
+//! the hot part of the table, are not in it) with `ORDER BY retain_until
+//! LIMIT n FOR UPDATE SKIP LOCKED`, skips keys a claim holds (their
+//! advisory lock), deletes, and raises the tenant and kind's horizon in
+//! the same statement, so in the same transaction. A claim therefore never
+//! waits on more than one batch's row and key locks, and only when it
+//! claims one of the very keys being deleted. Batches start where the
+//! previous one stopped on that index (the ledger keeps a cursor, reset
+//! once it reaches the end of what is due), so a backlog is not read again
+//! from its oldest, already-deleted index entries by every batch.
+//!
+//! Run it continuously with [`oncely::Pruner`] rather than as a nightly
+//! `oncely prune` of everything: `Pruner::new(ledger.clone(),
+//! PrunerOptions::default()).spawn()` deletes at most
+//! [`rows_per_second`](oncely::PrunerOptions::rows_per_second) (5,000 by
+//! default) in [`batch`](oncely::PrunerOptions::batch)es (500), and rests
+//! when nothing is due. What to tune:
+//!
+//! - **the rate**: every deleted row writes WAL (and a full page image the
+//!   first time a page is touched after a checkpoint) that replicas must
+//!   replay; set the rate a little above the rate records become due (your
+//!   completions per second) so a backlog drains, and low enough that
+//!   replication lag and checkpoint I/O stay where you want them;
+//!   `benches/prune.rs` measures claim latency while a million rows go;
+//! - **autovacuum**: a deleted row is dead until vacuum reclaims it, and its
+//!   entries stay in the table's indexes until then. The default trigger
+//!   (`autovacuum_vacuum_scale_factor` = 0.2, a fifth of the table dead)
+//!   lets a 50-million-row ledger carry 10 million dead rows; give the
+//!   ledger table its own settings, e.g. `ALTER TABLE oncely_effects SET
+//!   (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_cost_limit =
+//!   2000)`, so vacuum keeps pace with the prune. Freed space is reused by
+//!   new claims; the table does not need to shrink. Long-running
+//!   transactions anywhere on the server hold vacuum back (and make each
+//!   dead index entry a heap visit): keep them short;
+//! - **the batch**: larger batches cost fewer round trips but hold more row
+//!   and advisory locks per transaction (the lock table is shared:
+//!   `max_locks_per_transaction` × connections); the ledger caps a
+//!   transaction at 500 rows whatever the batch.
+//!
+//! **Why not time partitions** (one partition per day, dropped instead of
+//! deleted)? Because the claim is one atomic `INSERT … ON CONFLICT (key)`
+//! decided by a unique index on `key` alone, and PostgreSQL cannot have one
+//! on a partitioned table whose partition key is anything but `key`: a
+//! unique or primary key constraint on a partitioned table must include
+//! every partition key column, because each partition's index enforces
+//! uniqueness only within that partition (PostgreSQL docs, "Table
+//! Partitioning", limitations). Partitioned by `created_at` or
+//! `retain_until`, the unique key would have to be `(key, created_at)`; a
+//! key claimed again later (a redelivery after the first record moved to
+//! an older partition, or simply with a later `created_at`) would not
+//! conflict with its earlier record, so two claims of one effect would both
+//! insert and both acquire: the effect would run twice. (PostgreSQL 15
+//! refuses `PRIMARY KEY (key)` on a table partitioned by `created_at`, and
+//! with `(key, created_at)` the same key inserts once per timestamp.) A
+//! completion also rewrites `retain_until`, which would move the row
+//! between partitions. Partitioning by a hash of `key` keeps the unique
+//! key, but expired rows are then spread over every partition and there is
+//! nothing to drop. Batched deletes on the expiry index keep the one
+//! atomic claim.
 //!
 //! ## Cancel safety
 //!

@@ -85,9 +85,9 @@ pub(crate) fn written(row: &PgRow) -> Result<i64> {
 
 /// How many records a prune batch found past retention and unlocked, and
 /// how many it deleted.
-pub(crate) fn prune_counts(row: &PgRow) -> Result<(u64, u64)> {
+pub(crate) fn prune_counts(row: &PgRow) -> Result<(u64, u64, Option<i64>)> {
     let count = |column| get::<i64>(row, column).map(|n| u64::try_from(n).unwrap_or(0));
-    Ok((count("candidates")?, count("deleted")?))
+    Ok((count("candidates")?, count("deleted")?, get(row, "last")?))
 }
 
 /// The key a claim row answers (its `key` column).

@@ -398,10 +398,20 @@ impl Queries {
 
         // One batch of prune ($1 rows at most), in one statement and so in
         // one transaction:
-        // - `c`: candidates, oldest retention first. `now()` (not the clock)
-        //   so the prune index serves the search; it is this statement's
-        //   start, so a record is only ever deleted after its retention.
-        //   SKIP LOCKED leaves rows a claim is taking over to that claim.
+        // - `c`: candidates, oldest retention first, from `$2` on (µs, NULL:
+        //   from the start): a range scan of the partial prune index
+        //   (`retain_until`, completed and released rows only) that stops
+        //   after $1 rows. `now()` (not the clock) so the index serves the
+        //   search; it is this statement's start, so a record is only ever
+        //   deleted after its retention. SKIP LOCKED leaves rows a claim is
+        //   taking over to that claim. `$2` is the newest `retain_until` of
+        //   the previous batch (a cursor the ledger keeps, see
+        //   `PgLedger::prune`): without it each batch would walk again over
+        //   the index entries of every row the earlier batches deleted,
+        //   which stay in the index until vacuum and cost a heap visit each
+        //   while any snapshot older than their delete is open, so a backlog
+        //   of a million rows would cost quadratic work. The cursor only
+        //   narrows the search; what is deleted is decided by `d`.
         // - `l`: only keys whose advisory lock is free: a claim holding a
         //   key's lock (waiting to insert it, or inside a caller's
         //   transaction) never sees the key deleted under it. The locks are
@@ -412,12 +422,14 @@ impl Queries {
         //   `created_at` deleted, in the same transaction as the delete
         //   (in a fixed order, so two prunes lock watermark rows alike).
         // Returns the guard (`ok`), how many candidates there were
-        // (`candidates`) and how many were deleted (`deleted`).
+        // (`candidates`), how many were deleted (`deleted`) and the newest
+        // candidate's `retain_until` in µs (`last`, the next cursor).
         let prune = format!(
             "WITH g AS (SELECT {guard} AS ok), \
-             c AS (SELECT x.key FROM {t} x \
+             c AS (SELECT x.key, x.retain_until FROM {t} x \
                WHERE (SELECT g.ok FROM g) AND x.state IN ('completed', 'released') \
                  AND x.retain_until <= now() \
+                 AND x.retain_until >= coalesce('epoch'::timestamptz + {from_us}, '-infinity'::timestamptz) \
                ORDER BY x.retain_until LIMIT $1 FOR UPDATE SKIP LOCKED), \
              l AS (SELECT c.key FROM c WHERE {try_lock}), \
              d AS (DELETE FROM {t} AS e USING l \
@@ -429,9 +441,11 @@ impl Queries {
                ON CONFLICT (tenant, kind) DO UPDATE SET watermark = greatest(w.watermark, excluded.watermark) \
                RETURNING 1) \
              SELECT g.ok, (SELECT count(*) FROM c) AS candidates, (SELECT count(*) FROM d) AS deleted, \
-               (SELECT count(*) FROM w) AS raised \
+               (SELECT count(*) FROM w) AS raised, (SELECT {last} FROM c) AS last \
              FROM g",
             guard = guard("true"),
+            from_us = micros("$2"),
+            last = us("max(c.retain_until)"),
             try_lock = key_lock("pg_try_advisory_xact_lock", "c.key"),
         );
 

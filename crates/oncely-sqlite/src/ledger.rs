@@ -374,8 +374,48 @@ fn fenced(lease: &Lease, rows: u64) -> Result<()> {
     }
 }
 
+/// Most records one prune transaction deletes: a batch holds SQLite's single
+/// write lock while it runs, so claims wait for one batch at most.
+const PRUNE_BATCH: u64 = 500;
+
+impl SqliteLedger {
+    /// One prune batch: deletes up to `batch` prunable records and raises
+    /// the horizon over them, in one transaction; returns how many it
+    /// deleted.
+    async fn prune_batch(&self, conn: &mut SqliteConnection, batch: u64) -> Result<u64> {
+        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await.map_err(map)?;
+        // The clock, read once the write lock is held.
+        let cutoff: i64 = sqlx::query_scalar(AssertSqlSafe(self.q.now.clone()))
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(map)?;
+        let gone: Vec<(String, String, i64)> = sqlx::query_as(AssertSqlSafe(self.q.prune.clone()))
+            .bind(i64::try_from(batch).unwrap_or(i64::MAX))
+            .bind(cutoff)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(map)?;
+        let mut newest: std::collections::BTreeMap<(&str, &str), i64> = std::collections::BTreeMap::new();
+        for (tenant, kind, created_at) in &gone {
+            let w = newest.entry((tenant, kind)).or_insert(*created_at);
+            *w = (*w).max(*created_at);
+        }
+        for ((tenant, kind), watermark) in newest {
+            sqlx::query(AssertSqlSafe(self.q.prune_horizon.clone()))
+                .bind(tenant)
+                .bind(kind)
+                .bind(watermark)
+                .execute(&mut *tx)
+                .await
+                .map_err(map)?;
+        }
+        tx.commit().await.map_err(map)?;
+        Ok(gone.len() as u64)
+    }
+}
+
 // Every pool operation below is one autocommit statement (claim: one
-// statement, plus a read when it did not acquire) or one transaction (prune,
+// statement, plus a read when it did not acquire) or one transaction (each prune batch,
 // claim_many, complete_many), so a dropped future either committed it whole
 // or not at all, and the connection goes back to the pool with no
 // transaction open (a dropped transaction's rollback runs first). Waiters
@@ -450,33 +490,25 @@ impl Ledger for SqliteLedger {
         row.as_ref().map(row::record).transpose()
     }
 
-    /// Raises the horizon of every tenant and kind it deletes from and
-    /// deletes, in one `BEGIN IMMEDIATE` transaction: a claim never sees the
-    /// records gone and the horizon not yet raised.
+    /// Deletes in batches of at most 500 records (`PRUNE_BATCH`), one
+    /// `BEGIN IMMEDIATE` transaction each, and raises the horizon of every
+    /// tenant and kind a batch deletes from in that batch's transaction: a
+    /// claim never sees the records gone and the horizon not yet raised.
+    /// Between batches the write lock is free, so claims wait on one batch
+    /// at most, never on the whole prune.
     async fn prune(&self, limit: u64) -> Result<u64> {
         self.writable("prune")?;
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let mut conn = self.pool.acquire().await.map_err(map)?;
-        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await.map_err(map)?;
-        // One clock reading for both statements, so they pick the same rows.
-        let cutoff: i64 = sqlx::query_scalar(AssertSqlSafe(self.q.now.clone()))
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(map)?;
-        sqlx::query(AssertSqlSafe(self.q.prune_horizon.clone()))
-            .bind(limit)
-            .bind(cutoff)
-            .execute(&mut *tx)
-            .await
-            .map_err(map)?;
-        let done = sqlx::query(AssertSqlSafe(self.q.prune.clone()))
-            .bind(limit)
-            .bind(cutoff)
-            .execute(&mut *tx)
-            .await
-            .map_err(map)?;
-        tx.commit().await.map_err(map)?;
-        Ok(done.rows_affected())
+        let mut deleted = 0;
+        while deleted < limit {
+            let batch = (limit - deleted).min(PRUNE_BATCH);
+            let n = self.prune_batch(&mut conn, batch).await?;
+            deleted += n;
+            if n < batch {
+                break;
+            }
+        }
+        Ok(deleted)
     }
 
     async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {

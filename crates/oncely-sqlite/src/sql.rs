@@ -58,10 +58,12 @@ pub(crate) struct Queries {
     pub(crate) release: Arc<str>,
     pub(crate) renew: Arc<str>,
     pub(crate) get: Arc<str>,
-    /// Prune is three statements in one `BEGIN IMMEDIATE` transaction: read
-    /// the clock once, raise the horizon over the records about to go, then
-    /// delete exactly those records.
+    /// The clock, in microseconds.
     pub(crate) now: Arc<str>,
+    /// One prune batch is two statements in one `BEGIN IMMEDIATE`
+    /// transaction: delete up to `?1` prunable records (`prune`, returning
+    /// what the horizon needs of each), then raise the horizon of each
+    /// tenant and kind it deleted from (`prune_horizon`, once per group).
     pub(crate) prune_horizon: Arc<str>,
     pub(crate) prune: Arc<str>,
     pub(crate) horizon: Arc<str>,
@@ -255,14 +257,16 @@ fn horizon_table_sql(h: &str) -> String {
 }
 
 /// The records prune may delete: completed or released, past retention at
-/// the cutoff `?2` (one clock reading for the whole prune), at most `?1` of
-/// them, in key order so that the horizon statement and the delete, run one
-/// after the other in one transaction, pick exactly the same rows.
+/// `?2`, at most `?1` of them. No `ORDER BY`: the `(state, retain_until)`
+/// index serves the search as two range scans that stop after `?1` rows,
+/// so a batch costs the same whether ten or ten million records are due
+/// (an order on anything but the index would read every due record, then
+/// sort them, in every batch).
 fn prunable(t: &str) -> String {
     format!(
         "SELECT key FROM \"{t}\"
          WHERE state IN ('completed', 'released') AND retain_until <= ?2
-         ORDER BY key LIMIT ?1"
+         LIMIT ?1"
     )
 }
 
@@ -342,22 +346,21 @@ impl Queries {
                 "SELECT {RECORD_COLUMNS}, {NOW_US} AS now FROM \"{t}\" AS e WHERE e.key = ?1"
             )),
             now: s(format!("SELECT {NOW_US}")),
-            // The newest created_at per tenant and kind among the doomed
-            // records; a watermark never moves back. (The subquery selects by
-            // key, not rowid, so a user's WITHOUT ROWID table works too.)
+            // Raises one tenant and kind's watermark to the newest
+            // created_at a batch deleted there; a watermark never moves back.
             prune_horizon: s(format!(
-                "INSERT INTO \"{h}\" (tenant, kind, pruned_through)
-                 SELECT tenant, kind, max(created_at) FROM \"{t}\"
-                 WHERE key IN ({prunable})
-                 GROUP BY tenant, kind
+                "INSERT INTO \"{h}\" (tenant, kind, pruned_through) VALUES (?1, ?2, ?3)
                  ON CONFLICT(tenant, kind) DO UPDATE
-                    SET pruned_through = max(pruned_through, excluded.pruned_through)",
-                prunable = prunable(t)
+                    SET pruned_through = max(pruned_through, excluded.pruned_through)"
             )),
             // LIMIT on a DELETE needs a compile-time option; the subquery does
-            // the same with the (state, retain_until) index.
+            // the same with the (state, retain_until) index. RETURNING names
+            // exactly the records deleted, so the horizon is raised over them
+            // and no others. (The subquery selects by key, not rowid, so a
+            // user's WITHOUT ROWID table works too.)
             prune: s(format!(
-                "DELETE FROM \"{t}\" WHERE key IN ({prunable})",
+                "DELETE FROM \"{t}\" WHERE key IN ({prunable})
+                 RETURNING tenant, kind, created_at",
                 prunable = prunable(t)
             )),
             horizon: s(format!(
@@ -619,6 +622,39 @@ mod tests {
                 "{name}: {plan:#?}"
             );
         }
+    }
+
+    /// A prune batch finds its records through the (state, retain_until)
+    /// index and stops after its limit: no scan of the table, no sort of
+    /// every due record.
+    #[tokio::test]
+    async fn prune_batch_searches_the_expiry_index() {
+        let q = Queries::new("ledger").unwrap();
+        let mut conn = SqliteConnection::connect("sqlite::memory:").await.unwrap();
+        for step in &q.migrations {
+            sqlx::raw_sql(AssertSqlSafe(step.clone()))
+                .execute(&mut conn)
+                .await
+                .unwrap();
+        }
+        let plan: Vec<String> = sqlx::query(AssertSqlSafe(format!("EXPLAIN QUERY PLAN {}", q.prune)))
+            .fetch_all(&mut conn)
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get::<String, _>("detail"))
+            .collect();
+        assert!(
+            plan.iter()
+                .any(|s| s.contains("ledger_prune (state=? AND retain_until<?)")),
+            "{plan:#?}"
+        );
+        assert!(
+            !plan
+                .iter()
+                .any(|s| s.contains("TEMP B-TREE") || s.starts_with("SCAN ledger")),
+            "{plan:#?}"
+        );
     }
 
     #[test]

@@ -54,6 +54,7 @@ mod ledger;
 mod memory;
 mod pipeline;
 pub mod reconcile;
+mod pruner;
 mod record;
 pub mod telemetry;
 pub mod watch;
@@ -70,6 +71,7 @@ pub use key::{EffectKey, MAX_KEY_BYTES, MAX_KIND_BYTES, MAX_TENANT_BYTES, Tenant
 pub use ledger::{Capabilities, Ledger, TransactionalLedger};
 pub use memory::MemoryLedger;
 pub use pipeline::Failure;
+pub use pruner::{Pruner, PrunerHandle, PrunerOptions, PrunerStats};
 pub use record::{
     Claim, ClaimOptions, Fingerprint, Lease, MAX_OUTCOME_BYTES, OnInProgress, Outcome, Record, RecordState,
     StoredOutcome,

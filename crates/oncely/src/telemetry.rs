@@ -31,6 +31,20 @@ pub const RECONCILE_RUN_SPAN: &str = "oncely.reconcile_run";
 /// The span each examined record is reconciled in, with `effect_key`,
 /// `tenant`, `kind`, `fence`, `doubt`, `verdict` and `result`.
 pub const RECONCILE_SPAN: &str = "oncely.reconcile";
+/// Counter `{backend}`: records deleted by a [`Pruner`](crate::Pruner).
+pub const PRUNED_ROWS_TOTAL: &str = "oncely_pruned_rows_total";
+/// Counter `{backend,result}`: [`Ledger::prune`](crate::Ledger::prune) calls
+/// of a [`Pruner`](crate::Pruner), by result (`ok`, `error`).
+pub const PRUNE_BATCHES_TOTAL: &str = "oncely_prune_batches_total";
+/// Histogram `{backend}`: seconds per successful prune batch of a
+/// [`Pruner`](crate::Pruner).
+pub const PRUNE_BATCH_SECONDS: &str = "oncely_prune_batch_seconds";
+/// The span a [`Pruner`](crate::Pruner)'s task runs in (`backend`, `batch`,
+/// `rows_per_second`).
+pub const PRUNER_SPAN: &str = "oncely.pruner";
+/// The span each prune batch of a [`Pruner`](crate::Pruner) runs in
+/// (`limit`, then `deleted` once known).
+pub const PRUNE_BATCH_SPAN: &str = "oncely.prune_batch";
 
 /// The span every claim runs in, with the fields of `docs/design.md` ("Observability") (`fence`
 /// and `result` are recorded once known).
@@ -161,4 +175,34 @@ pub(crate) fn unexpected_constraint_violation(backend: &'static str, detail: &st
         detail,
         "unexpected unique-constraint violation (not the effect key)"
     );
+}
+
+/// The span a pruner's task runs in.
+pub(crate) fn pruner_span(backend: &'static str, batch: u64, rows_per_second: Option<u64>) -> tracing::Span {
+    tracing::info_span!(PRUNER_SPAN, backend, batch, rows_per_second)
+}
+
+/// The span one prune batch runs in.
+pub(crate) fn prune_batch_span(limit: u64) -> tracing::Span {
+    tracing::debug_span!(PRUNE_BATCH_SPAN, limit, deleted = tracing::field::Empty)
+}
+
+/// Records a prune batch that deleted `rows` in `took`.
+pub(crate) fn prune_batch_done(span: &tracing::Span, backend: &'static str, rows: u64, took: Duration) {
+    span.record("deleted", rows);
+    metrics::counter!(PRUNED_ROWS_TOTAL, "backend" => backend).increment(rows);
+    metrics::counter!(PRUNE_BATCHES_TOTAL, "backend" => backend, "result" => "ok").increment(1);
+    metrics::histogram!(PRUNE_BATCH_SECONDS, "backend" => backend).record(took.as_secs_f64());
+}
+
+/// Records a prune batch that failed; the pruner tries again after `pause`.
+pub(crate) fn prune_batch_failed(
+    span: &tracing::Span,
+    backend: &'static str,
+    error: &crate::Error,
+    pause: Duration,
+) {
+    metrics::counter!(PRUNE_BATCHES_TOTAL, "backend" => backend, "result" => "error").increment(1);
+    tracing::warn!(parent: span, backend, %error, retry_in_ms = pause.as_millis() as u64,
+        "prune batch failed; trying again later");
 }

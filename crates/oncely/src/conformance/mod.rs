@@ -26,6 +26,9 @@
 //!   ([`transactional_conformance_tests!`](crate::transactional_conformance_tests));
 //! - [`model`]: a model of the contract, checked against a ledger under
 //!   random operation sequences (proptest);
+//! - `pruner.rs`: the background [`Pruner`](crate::Pruner) on the backend
+//!   (run by each backend's own test, on a table of its own, with
+//!   [`pruner_prunes_due_records_in_bounded_batches`]);
 //! - `faulty.rs`, `metrics.rs` and this file: the harness.
 
 use std::sync::Arc;
@@ -39,6 +42,7 @@ mod faulty;
 mod ledger;
 mod metrics;
 pub mod model;
+mod pruner;
 mod runner;
 mod transactional;
 
@@ -46,6 +50,7 @@ pub use admin::*;
 pub use faulty::Faulty;
 pub use ledger::*;
 pub use metrics::{counter, metrics_snapshotter};
+pub use pruner::*;
 pub use runner::*;
 pub use transactional::*;
 
