@@ -654,7 +654,7 @@ pub async fn a_client_that_hangs_up_does_not_cancel_the_handler<L: Ledger + Clon
     // The client gives up while the handler runs: its future is dropped as
     // soon as the handler has started (not after a fixed time: on a loaded
     // machine the claim alone can take longer than any short timeout).
-    tokio::pin!(slow);
+    let mut slow = Box::pin(slow);
     let started = async {
         while counts(&c).0 == 0 {
             tokio::time::sleep(Duration::from_millis(2)).await;
