@@ -61,6 +61,43 @@ pub(crate) fn duplicate_seen(
     metrics::histogram!(REDELIVERY_GAP_SECONDS, "kind" => key.kind().to_owned()).record(gap.as_secs_f64());
 }
 
+/// Bucket bounds (seconds) for [`REDELIVERY_GAP_SECONDS`], from 1 s to 30
+/// days, about ×2–×3 apart, with a bound at each retention people choose:
+/// 1m, 5m, 15m, 30m, 1h, 3h, 6h, 12h, 24h, 48h, 72h, 7d, 14d, 30d.
+///
+/// The `metrics` facade records raw values; buckets are the exporter's
+/// choice, so pass these to it, e.g. with `metrics-exporter-prometheus`:
+/// `PrometheusBuilder::new().set_buckets_for_metric(Matcher::Full(REDELIVERY_GAP_SECONDS.into()), REDELIVERY_GAP_BUCKETS)`.
+///
+/// Reading retention from it: the smallest bound under which (nearly) all
+/// gaps fall is the longest redelivery seen; keep completed records longer
+/// than that, with margin ([`ClaimOptions::retention`](crate::ClaimOptions::retention)).
+/// A duplicate that arrives after its record was pruned is not counted
+/// here: it fails with [`Error::BeyondHorizon`](crate::Error::BeyondHorizon)
+/// when the claim gives `sent_at`, and runs again when it does not.
+pub const REDELIVERY_GAP_BUCKETS: &[f64] = &[
+    1.0,         // 1 s
+    2.0,         // 2 s
+    5.0,         // 5 s
+    10.0,        // 10 s
+    30.0,        // 30 s
+    60.0,        // 1 min
+    120.0,       // 2 min
+    300.0,       // 5 min
+    900.0,       // 15 min
+    1_800.0,     // 30 min
+    3_600.0,     // 1 h
+    10_800.0,    // 3 h
+    21_600.0,    // 6 h
+    43_200.0,    // 12 h
+    86_400.0,    // 24 h
+    172_800.0,   // 48 h
+    259_200.0,   // 72 h
+    604_800.0,   // 7 days
+    1_209_600.0, // 14 days
+    2_592_000.0, // 30 days
+];
+
 /// Records a write refused for a stale fence.
 pub(crate) fn fence_rejected(key: &EffectKey) {
     metrics::counter!(FENCE_REJECTIONS_TOTAL, "kind" => key.kind().to_owned()).increment(1);
