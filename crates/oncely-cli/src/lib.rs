@@ -15,6 +15,9 @@
 //!   a [`bench::BenchReport`].
 //! - [`ops`]: the operator commands (`oncely get`, `abandoned`, `prune`,
 //!   `migrate`).
+//! - [`serve`]: the operator web page (`oncely serve`): stats, stuck and
+//!   abandoned records, one record, and the redelivery-gap chart against
+//!   the retention, rendered on the server.
 //! - [`AnyLedger`]: one [`oncely::Ledger`] whose backend is picked from a
 //!   database URL at run time, like sqlx's `Any` driver.
 //!
@@ -26,6 +29,7 @@
 //! $ oncely abandoned --tenant acme --database-url postgres://localhost/app
 //! $ oncely prune --limit 10000 --database-url 'nats://n1:4222,n2:4222,n3:4222?replicas=3'
 //! $ oncely migrate --database-url redis+cluster://10.0.0.1:7000,10.0.0.2:7000
+//! $ oncely serve --database-url postgres://localhost/app --tenant acme --metrics-url http://127.0.0.1:9000/metrics
 //! ```
 //!
 //! Exit codes: 0 success, 1 runtime failure (database unreachable, backend
@@ -72,5 +76,6 @@ pub mod any;
 pub mod bench;
 pub mod demo;
 pub mod ops;
+pub mod serve;
 
 pub use any::{Access, AnyLedger, AnyPool, Scheme};
