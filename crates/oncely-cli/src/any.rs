@@ -24,6 +24,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use oncely::admin::{Admin, KindStats, RecordQuery};
 use oncely::backend::{FromUrl, OpenOptions};
 use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, MemoryLedger, Outcome, Record,
@@ -370,6 +371,91 @@ impl AnyLedger {
             pool.close().await;
         }
     }
+}
+
+/// The operator capability ([`oncely::admin`]) on the backends that have it:
+/// SQLite, PostgreSQL, MySQL and memory. Redis and NATS JetStream KV keep no
+/// index to list or count records by tenant and kind, so every method fails
+/// there with [`Error::Config`] naming the backend, before any round trip.
+impl Admin for AnyLedger {
+    async fn records(&self, query: &RecordQuery) -> Result<Vec<Record>> {
+        match self {
+            #[cfg(feature = "sqlite")]
+            AnyLedger::Sqlite(l) => l.records(query).await,
+            #[cfg(feature = "postgres")]
+            AnyLedger::Postgres(l) => l.records(query).await,
+            #[cfg(feature = "mysql")]
+            AnyLedger::MySql(l) => l.records(query).await,
+            AnyLedger::Memory(l) => l.records(query).await,
+            #[allow(unreachable_patterns)]
+            other => Err(no_admin(other, "listing records")),
+        }
+    }
+
+    async fn stats(&self, tenant: Option<&Tenant>) -> Result<Vec<KindStats>> {
+        match self {
+            #[cfg(feature = "sqlite")]
+            AnyLedger::Sqlite(l) => l.stats(tenant).await,
+            #[cfg(feature = "postgres")]
+            AnyLedger::Postgres(l) => l.stats(tenant).await,
+            #[cfg(feature = "mysql")]
+            AnyLedger::MySql(l) => l.stats(tenant).await,
+            AnyLedger::Memory(l) => l.stats(tenant).await,
+            #[allow(unreachable_patterns)]
+            other => Err(no_admin(other, "stats")),
+        }
+    }
+
+    async fn forget(&self, key: &EffectKey, fence: u64) -> Result<()> {
+        match self {
+            #[cfg(feature = "sqlite")]
+            AnyLedger::Sqlite(l) => l.forget(key, fence).await,
+            #[cfg(feature = "postgres")]
+            AnyLedger::Postgres(l) => l.forget(key, fence).await,
+            #[cfg(feature = "mysql")]
+            AnyLedger::MySql(l) => l.forget(key, fence).await,
+            AnyLedger::Memory(l) => l.forget(key, fence).await,
+            #[allow(unreachable_patterns)]
+            other => Err(no_admin(other, "forget")),
+        }
+    }
+
+    async fn prunable(&self) -> Result<u64> {
+        match self {
+            #[cfg(feature = "sqlite")]
+            AnyLedger::Sqlite(l) => l.prunable().await,
+            #[cfg(feature = "postgres")]
+            AnyLedger::Postgres(l) => l.prunable().await,
+            #[cfg(feature = "mysql")]
+            AnyLedger::MySql(l) => l.prunable().await,
+            AnyLedger::Memory(l) => l.prunable().await,
+            #[allow(unreachable_patterns)]
+            other => Err(no_admin(other, "a prune dry run")),
+        }
+    }
+}
+
+impl AnyLedger {
+    /// Whether this backend offers [`Admin`] (the SQL backends and memory).
+    pub fn has_admin(&self) -> bool {
+        self.scheme().has_admin()
+    }
+}
+
+impl Scheme {
+    /// Whether this backend offers [`Admin`] (listing, stats, forget, prune
+    /// dry run): the SQL backends and memory; not Redis or NATS.
+    pub fn has_admin(self) -> bool {
+        !matches!(self, Scheme::Redis | Scheme::Nats)
+    }
+}
+
+fn no_admin(ledger: &AnyLedger, what: &str) -> Error {
+    Error::Config(format!(
+        "{what} is not available on the {} backend: it keeps no index to list or count records \
+         by tenant and kind (only SQLite, PostgreSQL and MySQL ledgers offer it)",
+        ledger.scheme().name()
+    ))
 }
 
 impl fmt::Debug for AnyLedger {

@@ -15,6 +15,9 @@
 //!   a [`bench::BenchReport`].
 //! - [`ops`]: the operator commands (`oncely get`, `abandoned`, `prune`,
 //!   `migrate`).
+//! - [`admin`](mod@admin): the operator commands over [`oncely::admin`]
+//!   (`oncely inspect`, `history`, `stats`, `stuck`, `resolve`, `forget`);
+//!   `resolve` and `forget` are recorded in the ledger as audit records.
 //! - [`serve`]: the operator web page (`oncely serve`): stats, stuck and
 //!   abandoned records, one record, and the redelivery-gap chart against
 //!   the retention, rendered on the server.
@@ -72,6 +75,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod admin;
 pub mod any;
 pub mod bench;
 pub mod demo;

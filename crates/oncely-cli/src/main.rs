@@ -7,8 +7,12 @@ use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 
 use clap::{Args, Parser, Subcommand};
+use comfy_table::Table;
+use comfy_table::presets::NOTHING;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use oncely::Error;
+use oncely::admin::Filter;
+use oncely_cli::admin::{self, ActionReport, History, Inspection, StatsReport};
 use oncely_cli::bench::{self, BenchConfig, BenchReport};
 use oncely_cli::demo::{self, DemoConfig, DemoReport, Guard, Progress};
 use oncely_cli::ops::{self, RecordView};
@@ -31,8 +35,10 @@ use oncely_cli::serve::{self, ServeArgs};
 ///
 /// Exit codes: 0 success; 1 runtime failure (database unreachable, backend
 /// error, oncely charged twice in the demo, an effect ran twice in the
-/// bench); 2 usage error (bad arguments,
-/// invalid key or tenant, unknown URL scheme); 3 `get` found no record.
+/// bench, resolve or forget refused: a live lease, a fence that moved);
+/// 2 usage error (bad arguments, invalid key or tenant, unknown URL
+/// scheme, a command the backend does not offer); 3 `get`, `inspect`,
+/// `resolve` or `forget` found no record.
 #[derive(Debug, Parser)]
 #[command(name = "oncely", version, propagate_version = true)]
 struct Cli {
@@ -94,19 +100,179 @@ enum Command {
         #[command(flatten)]
         db: DbArgs,
     },
-    /// List a tenant's abandoned at-most-once steps as a JSON array.
+    /// Show one effect's record for an operator: its state, fence, lease,
+    /// timestamps, outcome size, whether a fingerprint is stored, and how
+    /// often it was granted.
+    ///
+    /// The key is tenant/kind:subject. Stored: state, fence, at-most-once,
+    /// fingerprint, outcome, created/updated/lease-end/retain-until times.
+    /// Derived (nothing counts claims): the class (live, stuck: lease
+    /// ended and not at-most-once, abandoned: at-most-once and lease ended,
+    /// completed, released) on the backend's clock at the read; "granted":
+    /// 1 when the fence equals the first claim's clock in microseconds
+    /// (every first claim writes it so), "2 or more" when it is above it
+    /// (a takeover of an ended lease, a claim after a release or a forget;
+    /// the exact count is not stored), with the latest grant's time read
+    /// from the fence. Exits 3 when the key has no record. Read-only, every
+    /// backend.
+    Inspect {
+        /// The effect key, tenant/kind:subject.
+        key: String,
+        /// Print one JSON object instead of the table.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        db: DbArgs,
+    },
+    /// Did this run twice? Every record of a subject, and a verdict.
+    ///
+    /// Lists the tenant's records (of one kind, one subject, created since
+    /// a time: all optional), oldest first, each with what `inspect`
+    /// derives, the resolve and forget actions recorded on them, and a
+    /// one-line verdict from what is stored: "no" when each record was
+    /// granted once; "possibly" when a record was granted again (a
+    /// takeover after its lease ended: the work may have started twice).
+    /// Duplicates answered from a stored outcome are reads and leave no
+    /// record; count them with the oncely_duplicates_suppressed_total
+    /// metric. Read-only; SQL backends only.
+    History {
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// Only this kind (capture).
+        #[arg(long)]
+        kind: Option<String>,
+        /// Only this subject (order-123), in every kind unless --kind.
+        #[arg(long)]
+        subject: Option<String>,
+        /// Only records first claimed at or after this RFC 3339 time
+        /// (2026-11-30T08:00:00Z) or date (2026-11-30).
+        #[arg(long)]
+        since: Option<String>,
+        /// Print one JSON object instead of the table.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        db: DbArgs,
+    },
+    /// Count records per tenant and kind: live, stuck, abandoned,
+    /// completed, released, and the oldest open ones.
+    ///
+    /// Judged on the backend's clock. Duplicates suppressed are not
+    /// stored (a duplicate of a completed effect is a read, not a write):
+    /// count them with the oncely_duplicates_suppressed_total metric.
+    /// Read-only; SQL backends only.
+    Stats {
+        #[command(flatten)]
+        scope: ScopeArgs,
+        /// Print one JSON object instead of the table.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        db: DbArgs,
+    },
+    /// List stuck leases: in progress, lease ended, not at-most-once.
+    ///
+    /// A worker died or stalled and nobody has claimed the key since; the
+    /// next delivery takes it over (with fence + 1). Resolve one by hand
+    /// with `resolve`. Oldest first. Read-only; SQL backends only.
+    Stuck {
+        #[command(flatten)]
+        scope: ScopeArgs,
+        /// Only this kind.
+        #[arg(long)]
+        kind: Option<String>,
+        /// Only records first claimed at or after this RFC 3339 time
+        /// (2026-11-30T08:00:00Z) or date (2026-11-30).
+        #[arg(long)]
+        since: Option<String>,
+        /// At most this many records (up to 1000).
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=1000))]
+        limit: u32,
+        /// Print a JSON array instead of the table.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        db: DbArgs,
+    },
+    /// List abandoned at-most-once steps as a JSON array.
     ///
     /// An at-most-once step (an email, a push) whose worker died between
     /// marking it attempted and completing it is never re-run
     /// automatically: it may or may not have happened, and someone has to
-    /// check. This lists them, oldest first. Read-only, like `get`.
+    /// check (then `resolve` it). This lists them, oldest first, as JSON
+    /// (as it always has; --json says so explicitly). One tenant works on
+    /// every backend; --all-tenants, --kind and --since need a SQL backend.
+    /// Read-only, like `get`.
     Abandoned {
-        /// The tenant whose steps to list.
+        #[command(flatten)]
+        scope: ScopeArgs,
+        /// Only this kind.
         #[arg(long)]
-        tenant: String,
+        kind: Option<String>,
+        /// Only records first claimed at or after this RFC 3339 time
+        /// (2026-11-30T08:00:00Z) or date (2026-11-30).
+        #[arg(long)]
+        since: Option<String>,
         /// At most this many records.
         #[arg(long, default_value_t = 100)]
         limit: u64,
+        /// Print JSON (the default and only format of this command).
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        db: DbArgs,
+    },
+    /// Resolve a stuck lease or an abandoned at-most-once step by hand:
+    /// complete it with an outcome, or release it so the next delivery
+    /// runs it.
+    ///
+    /// A stuck lease is taken over atomically by a claim (granted only if
+    /// its lease is still ended; fence + 1), then completed or released
+    /// with that lease. An abandoned step is completed or released at its
+    /// fence (Record::reconciliation_lease), a fenced write. A live lease,
+    /// a completed or released record, or a fence other than --fence is
+    /// refused and nothing changes. --completed takes the handler's value
+    /// as JSON and stores it as the runners do ({"ok": VALUE}), so
+    /// duplicates replay it. Recorded: writes an audit record (kind
+    /// oncely-audit, same tenant) and emits a tracing event.
+    #[command(group(clap::ArgGroup::new("resolution").required(true).args(["completed", "released"])))]
+    Resolve {
+        /// The effect key, tenant/kind:subject.
+        key: String,
+        /// Complete it with this value (JSON), e.g. '{"charge":"ch_1"}'.
+        #[arg(long, value_name = "OUTCOME_JSON")]
+        completed: Option<String>,
+        /// Release it: the next delivery runs the effect.
+        #[arg(long)]
+        released: bool,
+        /// Refuse unless the record is still at this fence (as listed).
+        #[arg(long)]
+        fence: Option<u64>,
+        /// Print one JSON object instead of a line.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        db: DbArgs,
+    },
+    /// Let a completed effect run again, on purpose.
+    ///
+    /// One fenced write turns the completed record (at its current fence,
+    /// or --fence) into a released one without its outcome; the row stays,
+    /// so the next delivery takes it over at a higher fence and fences stay
+    /// above every earlier one. Refused, changing nothing, when the key has
+    /// no record (exit 3), is not completed, or its fence moved. Recorded:
+    /// writes an audit record (kind oncely-audit, same tenant) and emits a
+    /// tracing event. SQL backends only.
+    Forget {
+        /// The effect key, tenant/kind:subject.
+        key: String,
+        /// Refuse unless the record is still at this fence.
+        #[arg(long)]
+        fence: Option<u64>,
+        /// Print one JSON object instead of a line.
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         db: DbArgs,
     },
@@ -117,10 +283,15 @@ enum Command {
     /// how many it deleted. It raises the ledger's horizon (per tenant and
     /// kind) to what it deleted, so a replay of a pruned effect is refused
     /// rather than run again. Uses the existing ledger; creates nothing.
+    /// With --dry-run, counts what would go now and deletes nothing
+    /// (read-only; SQL backends only).
     Prune {
         /// Delete at most this many records in this call.
         #[arg(long, default_value_t = 10_000)]
         limit: u64,
+        /// Count the records past retention; delete nothing.
+        #[arg(long)]
+        dry_run: bool,
         #[command(flatten)]
         db: DbArgs,
     },
@@ -158,6 +329,19 @@ struct DbArgs {
     /// nats://HOST:PORT[,HOST:PORT...][?bucket=NAME&replicas=1|3] or memory:.
     #[arg(long, env = "ONCELY_DATABASE_URL")]
     database_url: String,
+}
+
+/// Which tenants a read covers: one, or every tenant when asked for
+/// explicitly.
+#[derive(Debug, Args)]
+#[group(required = true, multiple = false)]
+struct ScopeArgs {
+    /// The tenant whose records to read.
+    #[arg(long)]
+    tenant: Option<String>,
+    /// Read every tenant's records (an operator view across tenants).
+    #[arg(long)]
+    all_tenants: bool,
 }
 
 #[derive(Debug, Args)]
@@ -240,13 +424,155 @@ async fn run(command: Command) -> ExitCode {
             }
             Err(e) => fail(&e),
         },
-        Command::Abandoned { tenant, limit, db } => {
-            match ops::abandoned(&db.database_url, &tenant, limit).await {
+        Command::Inspect { key, json, db } => match admin::inspect(&db.database_url, &key).await {
+            Ok(Some(i)) if json => print_json(&i),
+            Ok(Some(i)) => {
+                print_inspection(&i);
+                ExitCode::SUCCESS
+            }
+            Ok(None) => {
+                if json {
+                    println!("null");
+                }
+                eprintln!("no record for {key}");
+                ExitCode::from(3)
+            }
+            Err(e) => fail(&e),
+        },
+        Command::History {
+            tenant,
+            kind,
+            subject,
+            since,
+            json,
+            db,
+        } => {
+            let q = admin::HistoryQuery {
+                tenant,
+                kind,
+                subject,
+                since,
+            };
+            match admin::history(&db.database_url, &q).await {
+                Ok(h) if json => print_json(&h),
+                Ok(h) => {
+                    print_history(&h);
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(&e),
+            }
+        }
+        Command::Stats { scope, json, db } => {
+            let tenant = match admin::scope(scope.tenant.as_deref(), scope.all_tenants) {
+                Ok(t) => t,
+                Err(e) => return fail(&e),
+            };
+            match admin::stats(&db.database_url, tenant.as_ref()).await {
+                Ok(r) if json => print_json(&r),
+                Ok(r) => {
+                    print_stats(&r);
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(&e),
+            }
+        }
+        Command::Stuck {
+            scope,
+            kind,
+            since,
+            limit,
+            json,
+            db,
+        } => {
+            let tenant = match admin::scope(scope.tenant.as_deref(), scope.all_tenants) {
+                Ok(t) => t,
+                Err(e) => return fail(&e),
+            };
+            let listing = admin::Listing {
+                tenant,
+                kind,
+                since,
+                limit,
+            };
+            match admin::list(&db.database_url, Filter::Stuck, &listing).await {
+                Ok(list) if json => print_json(&list),
+                Ok(list) => {
+                    print_listing(&list, "stuck");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(&e),
+            }
+        }
+        Command::Abandoned {
+            scope,
+            kind,
+            since,
+            limit,
+            json: _,
+            db,
+        } => {
+            let tenant = match admin::scope(scope.tenant.as_deref(), scope.all_tenants) {
+                Ok(t) => t,
+                Err(e) => return fail(&e),
+            };
+            match ops::abandoned_in(
+                &db.database_url,
+                tenant.as_ref(),
+                kind.as_deref(),
+                since.as_deref(),
+                limit,
+            )
+            .await
+            {
                 Ok(records) => print_json(&records.iter().map(RecordView::from).collect::<Vec<_>>()),
                 Err(e) => fail(&e),
             }
         }
-        Command::Prune { limit, db } => match ops::prune(&db.database_url, limit).await {
+        Command::Resolve {
+            key,
+            completed,
+            released: _,
+            fence,
+            json,
+            db,
+        } => {
+            let resolution = match completed {
+                Some(text) => match serde_json::from_str(&text) {
+                    Ok(v) => admin::Resolution::Completed(v),
+                    Err(e) => {
+                        return fail(&Error::InvalidInput(format!(
+                            "--completed takes the outcome as JSON (quote strings: '\"sent\"'): {e}"
+                        )));
+                    }
+                },
+                None => admin::Resolution::Released,
+            };
+            match admin::resolve(&db.database_url, &key, &resolution, fence).await {
+                Ok(r) => print_action(&r, json),
+                Err(e) => fail(&e),
+            }
+        }
+        Command::Forget { key, fence, json, db } => {
+            match admin::forget(&db.database_url, &key, fence).await {
+                Ok(r) => print_action(&r, json),
+                Err(e) => fail(&e),
+            }
+        }
+        Command::Prune {
+            limit: _,
+            dry_run: true,
+            db,
+        } => match ops::prune_dry_run(&db.database_url).await {
+            Ok(n) => {
+                println!(
+                    "would prune {n} record{} (dry run: nothing deleted)",
+                    if n == 1 { "" } else { "s" }
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(&e),
+        },
+        Command::Prune { limit, db, .. } => match ops::prune(&db.database_url, limit).await {
             Ok(n) => {
                 println!("pruned {n} record{}", if n == 1 { "" } else { "s" });
                 ExitCode::SUCCESS
@@ -449,9 +775,169 @@ fn print_json<T: serde::Serialize>(value: &T) -> ExitCode {
 fn fail(e: &Error) -> ExitCode {
     eprintln!("error: {e}");
     match e {
-        Error::InvalidKey { .. } | Error::Config(_) | Error::Misuse(_) => ExitCode::from(2),
+        Error::InvalidKey { .. } | Error::Config(_) | Error::Misuse(_) | Error::InvalidInput(_) => {
+            ExitCode::from(2)
+        }
+        Error::NotFound { .. } => ExitCode::from(3),
         _ => ExitCode::from(1),
     }
+}
+
+fn plain_table() -> Table {
+    let mut t = Table::new();
+    t.load_preset(NOTHING);
+    t
+}
+
+fn padded(mut t: Table) -> Table {
+    for (i, column) in t.column_iter_mut().enumerate() {
+        column.set_padding((if i == 0 { 0 } else { 2 }, 0));
+    }
+    t
+}
+
+fn or_dash(v: Option<&str>) -> String {
+    v.unwrap_or("-").to_owned()
+}
+
+fn print_inspection(i: &Inspection) {
+    let r = &i.record;
+    let mut t = plain_table();
+    let lease = match i.lease_left_seconds {
+        Some(s) if s > 0.0 => format!("{} (ends in {s:.1} s)", or_dash(r.lease_expires_at.as_deref())),
+        Some(s) => format!(
+            "{} (ended {:.1} s ago)",
+            or_dash(r.lease_expires_at.as_deref()),
+            -s
+        ),
+        None => "-".to_owned(),
+    };
+    let granted = match &i.claims.latest_grant_at {
+        Some(at) => format!("{} (derived from the fence; latest grant {at})", i.claims.grants),
+        None => format!("{} (derived from the fence)", i.claims.grants),
+    };
+    for (k, v) in [
+        ("key", r.key.clone()),
+        ("state", format!("{} (stored {})", i.class, r.state)),
+        ("fence", r.fence.to_string()),
+        ("granted", granted),
+        ("at-most-once", r.at_most_once.to_string()),
+        ("created", r.created_at.clone()),
+        ("updated", r.updated_at.clone()),
+        ("lease", lease),
+        ("retain until", r.retain_until.clone()),
+        (
+            "outcome",
+            i.outcome_bytes.map_or("-".to_owned(), |n| format!("{n} bytes")),
+        ),
+        (
+            "fingerprint",
+            if i.fingerprint_present { "stored" } else { "none" }.to_owned(),
+        ),
+        ("provider key", r.provider_key.clone()),
+        ("read at", i.read_at.clone()),
+    ] {
+        t.add_row([k.to_owned(), v]);
+    }
+    println!("{}", padded(t));
+}
+
+fn print_listing(list: &[Inspection], what: &str) {
+    if list.is_empty() {
+        println!("no {what} records");
+        return;
+    }
+    let mut t = plain_table();
+    t.set_header(["key", "state", "fence", "granted", "created", "lease ended"]);
+    for i in list {
+        t.add_row([
+            i.record.key.clone(),
+            i.class.to_owned(),
+            i.record.fence.to_string(),
+            i.claims.grants.to_owned(),
+            i.record.created_at.clone(),
+            or_dash(i.record.lease_expires_at.as_deref()),
+        ]);
+    }
+    println!("{}", padded(t));
+}
+
+fn print_history(h: &History) {
+    if !h.records.is_empty() {
+        let mut t = plain_table();
+        t.set_header([
+            "key", "state", "fence", "granted", "created", "updated", "outcome",
+        ]);
+        for i in &h.records {
+            t.add_row([
+                i.record.key.clone(),
+                i.class.to_owned(),
+                i.record.fence.to_string(),
+                i.claims.grants.to_owned(),
+                i.record.created_at.clone(),
+                i.record.updated_at.clone(),
+                i.outcome_bytes.map_or("-".to_owned(), |n| format!("{n} B")),
+            ]);
+        }
+        println!("{}", padded(t));
+    }
+    for a in &h.audits {
+        println!(
+            "recorded: {} of {} at fence {} ({})",
+            a.entry["action"].as_str().unwrap_or("?"),
+            a.entry["key"].as_str().unwrap_or("?"),
+            a.entry["fence"],
+            a.entry["at"].as_str().unwrap_or("?")
+        );
+    }
+    println!("verdict: {}", h.verdict);
+}
+
+fn print_stats(r: &StatsReport) {
+    if r.kinds.is_empty() {
+        println!("no records");
+    } else {
+        let mut t = plain_table();
+        t.set_header([
+            "tenant",
+            "kind",
+            "live",
+            "stuck",
+            "abandoned",
+            "completed",
+            "released",
+            "oldest live",
+            "oldest stuck",
+            "oldest abandoned",
+        ]);
+        for k in &r.kinds {
+            t.add_row([
+                k.tenant.clone(),
+                k.kind.clone(),
+                k.live.to_string(),
+                k.stuck.to_string(),
+                k.abandoned.to_string(),
+                k.completed.to_string(),
+                k.released.to_string(),
+                or_dash(k.oldest_live.as_deref()),
+                or_dash(k.oldest_stuck.as_deref()),
+                or_dash(k.oldest_abandoned.as_deref()),
+            ]);
+        }
+        println!("{}", padded(t));
+    }
+    println!("note: {}", r.note);
+}
+
+fn print_action(r: &ActionReport, json: bool) -> ExitCode {
+    if json {
+        return print_json(r);
+    }
+    println!(
+        "{}: {} was {} at fence {}, now {} (fence {}); recorded as {}",
+        r.action, r.key, r.was, r.fence, r.now, r.new_fence, r.audit_key
+    );
+    ExitCode::SUCCESS
 }
 
 /// The demo's progress bar on stderr, one per run; drawn only on a terminal.

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use oncely::{EffectKey, Ledger, Record, Result, Tenant};
+use oncely::{EffectKey, Error, Ledger, Record, Result, Tenant};
 use serde::Serialize;
 
 use crate::any::{Access, AnyLedger};
@@ -26,6 +26,48 @@ pub async fn abandoned(database_url: &str, tenant: &str, limit: u64) -> Result<V
     let tenant = Tenant::parse(tenant)?;
     with_ledger(database_url, Access::ReadOnly, |l| async move {
         l.abandoned(&tenant, limit).await
+    })
+    .await
+}
+
+/// Lists abandoned at-most-once steps of one tenant or of every tenant
+/// (`None`), optionally of one kind and since a time, oldest first. One
+/// tenant alone is [`Ledger::abandoned`], which every backend answers; the rest
+/// needs [`oncely::Admin`] (the SQL backends).
+pub async fn abandoned_in(
+    database_url: &str,
+    tenant: Option<&Tenant>,
+    kind: Option<&str>,
+    since: Option<&str>,
+    limit: u64,
+) -> Result<Vec<Record>> {
+    match (tenant, kind, since) {
+        (Some(t), None, None) => abandoned(database_url, t.as_str(), limit).await,
+        _ => {
+            let listing = crate::admin::Listing {
+                tenant: tenant.cloned(),
+                kind: kind.map(str::to_owned),
+                since: since.map(str::to_owned),
+                limit: u32::try_from(limit).unwrap_or(u32::MAX),
+            };
+            crate::admin::list_records(database_url, oncely::admin::Filter::Abandoned, &listing).await
+        }
+    }
+}
+
+/// How many records `prune` would delete now, deleting nothing (a dry run,
+/// read-only). Needs [`oncely::Admin`] (the SQL backends).
+pub async fn prune_dry_run(database_url: &str) -> Result<u64> {
+    let scheme = crate::any::Scheme::of_url(database_url)?;
+    if !scheme.has_admin() {
+        return Err(Error::Config(format!(
+            "prune --dry-run is not available on the {} backend: it keeps no index to count \
+             records past retention (only SQLite, PostgreSQL and MySQL ledgers offer it)",
+            scheme.name()
+        )));
+    }
+    with_ledger(database_url, Access::ReadOnly, |l| async move {
+        oncely::Admin::prunable(&l).await
     })
     .await
 }

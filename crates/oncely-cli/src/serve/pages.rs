@@ -12,12 +12,12 @@ use axum::http::StatusCode;
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
 use minijinja::{Environment, Value};
-use oncely::admin::{Cursor, DUPLICATES_NOT_STORED, Filter, KindStats, RecordQuery};
+use oncely::admin::{Admin, Cursor, DUPLICATES_NOT_STORED, Filter, KindStats, RecordQuery};
 use oncely::{EffectKey, Error, Ledger, Record, RecordState, Tenant};
 use serde::{Deserialize, Serialize};
 
 use super::text::{format_duration, key_path, query_value};
-use super::{Scope, ServeConfig, admin, gaps};
+use super::{Scope, ServeConfig, gaps};
 use crate::any::AnyLedger;
 use crate::ops::rfc3339;
 
@@ -238,7 +238,7 @@ async fn index(State(app): State<Arc<App>>, q: Q) -> Response {
     let result = async {
         let p = params(q)?;
         let tenant = app.tenant(p.tenant.as_deref())?;
-        let stats = admin::stats(&app.ledger, tenant.as_ref()).await?;
+        let stats = app.ledger.stats(tenant.as_ref()).await?;
         Ok::<_, Failure>((tenant, stats))
     }
     .await;
@@ -325,7 +325,7 @@ async fn list(app: &App, q: Q, filter: Filter) -> Response {
         if let Some(kind) = p.kind.as_deref().filter(|k| !k.is_empty()) {
             query = query.kind(kind);
         }
-        let records = admin::records(&app.ledger, &query).await?;
+        let records = app.ledger.records(&query).await?;
         Ok::<_, Failure>((p, tenant, records))
     }
     .await;
