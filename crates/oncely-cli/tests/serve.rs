@@ -42,6 +42,9 @@ struct Seeded {
     completed: Vec<EffectKey>,
     stuck: EffectKey,
     abandoned: EffectKey,
+    /// The fences the ledger granted: the first completed's and the stuck's.
+    completed_fence: u64,
+    stuck_fence: u64,
 }
 
 /// Three completed captures (one with a fingerprint), one stuck capture
@@ -52,6 +55,7 @@ async fn seed(url: &str, tenant: Tenant) -> Seeded {
     let ledger = AnyLedger::connect(url).await.unwrap();
     let key = |kind: &str, subject: &str| EffectKey::new(&tenant, kind, subject).unwrap();
     let mut completed = Vec::new();
+    let mut completed_fence = 0;
     for i in 1..=3 {
         let k = key("capture", &format!("order-{i}"));
         let mut opts = ClaimOptions::default();
@@ -61,6 +65,9 @@ async fn seed(url: &str, tenant: Tenant) -> Seeded {
         let Claim::Acquired(lease) = ledger.claim(&k, &opts).await.unwrap() else {
             panic!("{k} is fresh")
         };
+        if i == 1 {
+            completed_fence = lease.fence();
+        }
         ledger
             .complete(&lease, &Outcome::from_json(&serde_json::json!({"charge": format!("ch_{i}")})).unwrap())
             .await
@@ -100,6 +107,8 @@ async fn seed(url: &str, tenant: Tenant) -> Seeded {
         completed,
         stuck,
         abandoned,
+        completed_fence,
+        stuck_fence: stuck_lease.fence(),
     }
 }
 
@@ -244,7 +253,7 @@ async fn look_at_every_view(chromium: &Path, s: &Serve, seeded: &Seeded, shots: 
     // Kind, fence, age ("1s", "2s", …) and how long ago its lease ended.
     let mut cells = row.split_whitespace();
     assert_eq!(cells.next(), Some("capture"), "{row}");
-    assert_eq!(cells.next(), Some("1"), "{row}");
+    assert_eq!(cells.next(), Some(seeded.stuck_fence.to_string().as_str()), "{row}");
     let age = cells.next().unwrap();
     assert!(age.ends_with('s') && age[..age.len() - 1].parse::<u64>().is_ok(), "age {age:?}: {row}");
     assert!(row.contains(" ago"), "{row}");
@@ -259,7 +268,7 @@ async fn look_at_every_view(chromium: &Path, s: &Serve, seeded: &Seeded, shots: 
     // One record each: its state, fence, outcome size, fingerprint.
     let page = load(&format!("/record/{}", seeded.completed[0])).await.unwrap();
     assert!(page.contains("State completed"), "{page}");
-    assert!(page.contains("Fence 1"), "{page}");
+    assert!(page.contains(&format!("Fence {}", seeded.completed_fence)), "{page}");
     assert!(page.contains("bytes stored"), "{page}");
     assert!(page.contains("Fingerprint present"), "{page}");
     let page = load(&format!("/record/{}", seeded.completed[1])).await.unwrap();
@@ -374,10 +383,13 @@ async fn every_view_on_sqlite_with_the_gap_chart() {
     let (c, gaps_url) = (chromium.clone(), format!("{}/gaps", short.base));
     let page = tokio::task::spawn_blocking(move || text(&dom(&c, &gaps_url))).await.unwrap();
     assert!(page.contains("retention 1s"), "{page}");
-    assert!(
-        page.contains(&format!("{} arrived after the retention of 1s", workload.late_duplicates)),
-        "{page}"
-    );
+    // At least the late duplicates (a prompt one on a loaded machine may
+    // be late too).
+    let after: u64 = page
+        .split_once(" arrived after the retention of 1s")
+        .and_then(|(before, _)| before.split_whitespace().last()?.parse().ok())
+        .unwrap_or_else(|| panic!("{page}"));
+    assert!(after >= workload.expected().late_gaps, "{after}: {page}");
 }
 
 /// PostgreSQL, a fresh tenant among whatever else the database holds,

@@ -462,7 +462,7 @@ oncely_claims_total{kind="capture",result="acquired"} 12
         let v = verdict(&hs[0], Duration::from_secs(7 * 86_400));
         assert_eq!((v.within, v.straddling, v.beyond), (7, 0, 0));
         let v = verdict(&hs[1], Duration::from_secs(60));
-        assert_eq!((v.within, v.straddling, v.beyond), (1, 0, 1));
+        assert_eq!((v.within, v.straddling, v.beyond), (1, 1, 0));
         assert!(v.svg.contains("mail, &quot;quoted&quot; }"), "{}", v.svg);
     }
 

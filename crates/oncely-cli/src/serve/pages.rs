@@ -13,7 +13,7 @@ use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
 use minijinja::{Environment, Value};
 use oncely::admin::{Admin, Cursor, DUPLICATES_NOT_STORED, Filter, KindStats, RecordQuery};
-use oncely::{EffectKey, Error, Ledger, Record, RecordState, Tenant};
+use oncely::{EffectKey, Error, Ledger, Record, Tenant};
 use serde::{Deserialize, Serialize};
 
 use super::text::{format_duration, key_path, query_value};
@@ -443,7 +443,7 @@ struct RecordPage {
     subject: String,
     state: &'static str,
     /// What the state means for an operator, one line.
-    meaning: String,
+    meaning: &'static str,
     fence: u64,
     at_most_once: bool,
     created_at: String,
@@ -461,23 +461,19 @@ struct RecordPage {
 impl RecordPage {
     fn of(r: &Record) -> Self {
         let now = r.read_at;
-        let lease_live = r.lease_expires_at.is_some_and(|t| now < t);
-        let (state, meaning) = match r.state {
-            RecordState::Completed => ("completed", "Done: duplicates are answered with the stored outcome.".to_owned()),
-            RecordState::Released => ("released", "Given back: the next claim runs the effect again.".to_owned()),
-            RecordState::Abandoned => (
-                "abandoned",
+        let state = crate::admin::class_of(r);
+        let meaning = match state {
+            "completed" => "Done: duplicates are answered with the stored outcome.",
+            "released" => "Given back: the next claim runs the effect again.",
+            "abandoned" => {
                 "An at-most-once step whose lease ended before it completed: it may or may not have \
                  happened. It is never re-run automatically; check and resolve it."
-                    .to_owned(),
-            ),
-            RecordState::InProgress if lease_live => ("in progress", "A worker holds a live lease.".to_owned()),
-            RecordState::InProgress => (
-                "stuck",
+            }
+            "live" => "In progress: a worker holds a live lease.",
+            _ => {
                 "In progress, but its lease ended: the worker died or stalled. The next claim takes it \
                  over (with fence + 1)."
-                    .to_owned(),
-            ),
+            }
         };
         RecordPage {
             key: r.key.to_string(),
