@@ -311,8 +311,10 @@ enum Command {
     /// Serve the operator web page: stats, stuck and abandoned records, one
     /// record's detail, and the redelivery-gap chart against the retention.
     ///
-    /// Server-rendered HTML, no JavaScript. Read-only: the ledger is opened
-    /// like `get` does, and nothing is written. Listens on loopback unless
+    /// Server-rendered HTML, no JavaScript. Read-only (the ledger is opened
+    /// like `get` does) unless --allow-resolve, which offers a form on stuck
+    /// and abandoned records doing what `oncely resolve` does. Listens on
+    /// loopback unless
     /// --allow-remote (the page has no authentication). Shows one tenant
     /// (--tenant; any other answers 403) or all (--all-tenants). The gap
     /// chart reads oncely_redelivery_gap_seconds from a consumer's
@@ -608,8 +610,9 @@ async fn run_serve(args: ServeArgs) -> ExitCode {
     };
     match server.local_addr() {
         Ok(addr) => println!(
-            "oncely serve: http://{addr}/ ({} ledger, {scope}, read-only); Ctrl-C stops it",
-            server.backend()
+            "oncely serve: http://{addr}/ ({} ledger, {scope}, {}); Ctrl-C stops it",
+            server.backend(),
+            if server.resolves() { "resolve allowed" } else { "read-only" }
         ),
         Err(e) => return fail(&e),
     }

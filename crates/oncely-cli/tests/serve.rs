@@ -180,12 +180,52 @@ fn screenshot(chromium: &Path, url: &str, dir: &Path, name: &str) {
 
 /// The status code of a GET (Chromium's DOM dump does not show it).
 fn status(base: &str, path: &str) -> u16 {
+    request(base, "GET", path, &[], "").0
+}
+
+/// One HTTP/1.0 request, `Host` set to the address unless `headers` give
+/// one; the status and the body.
+fn request(base: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
     let addr: SocketAddr = base.trim_start_matches("http://").parse().unwrap();
     let mut s = TcpStream::connect(addr).unwrap();
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut head = format!("{method} {path} HTTP/1.0\r\n");
+    if !headers.iter().any(|(h, _)| h.eq_ignore_ascii_case("host")) {
+        head.push_str(&format!("Host: {addr}\r\n"));
+    }
+    for (h, v) in headers {
+        head.push_str(&format!("{h}: {v}\r\n"));
+    }
+    if !body.is_empty() {
+        head.push_str("Content-Type: application/x-www-form-urlencoded\r\n");
+    }
+    head.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    s.write_all(head.as_bytes()).unwrap();
     let mut answer = String::new();
     s.read_to_string(&mut answer).unwrap();
-    answer.split_whitespace().nth(1).unwrap().parse().unwrap()
+    let code = answer.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    (code, text(body))
+}
+
+/// A form body, its values percent-encoded.
+fn form(fields: &[(&str, &str)]) -> String {
+    fields
+        .iter()
+        .map(|(k, v)| {
+            let v: String = v
+                .bytes()
+                .map(|b| {
+                    if b.is_ascii_alphanumeric() {
+                        (b as char).to_string()
+                    } else {
+                        format!("%{b:02X}")
+                    }
+                })
+                .collect();
+            format!("{k}={v}")
+        })
+        .collect::<Vec<_>>()
+        .join("&")
 }
 
 /// Text as the page shows it: tags dropped, whitespace collapsed, the
@@ -318,6 +358,53 @@ async fn look_at_every_view(chromium: &Path, s: &Serve, seeded: &Seeded, shots: 
     }
 }
 
+/// With `--allow-resolve`: the abandoned step's page offers the form; a
+/// POST with a stale fence, without the page's token or from another origin
+/// changes nothing; the form as the page gives it releases the step.
+async fn resolve_the_abandoned_step(chromium: &Path, s: &Serve, seeded: &Seeded) {
+    let (c, url) = (chromium.to_owned(), format!("{}/record/{}", s.base, seeded.abandoned));
+    let html = tokio::task::spawn_blocking(move || dom(&c, &url)).await.unwrap();
+    assert!(text(&html).contains("Release: the next delivery runs it again"), "{html}");
+    let field = |name: &str| {
+        let at = html.find(&format!("name=\"{name}\" value=\"")).unwrap_or_else(|| panic!("{name}: {html}"));
+        let rest = &html[at + name.len() + 15..];
+        rest[..rest.find('"').unwrap()].to_owned()
+    };
+    let (token, fence) = (field("token"), field("fence"));
+    let key = seeded.abandoned.to_string();
+    let post = |fence: &str, token: &str, origin: Option<&str>| {
+        let body = form(&[("key", &key), ("fence", fence), ("token", token), ("action", "release")]);
+        let headers: Vec<(&str, &str)> = origin.map(|o| ("Origin", o)).into_iter().collect();
+        request(&s.base, "POST", "/resolve", &headers, &body)
+    };
+    let stale = (fence.parse::<u64>().unwrap() + 1).to_string();
+    let (code, page) = post(&stale, &token, None);
+    assert_eq!(code, 409, "{page}");
+    assert!(page.contains("Nothing was written"), "{page}");
+    let (code, page) = post(&fence, "not-the-token", None);
+    assert_eq!(code, 403, "{page}");
+    let (code, page) = post(&fence, &token, Some("http://evil.example"));
+    assert_eq!(code, 403, "{page}");
+    let (c, url) = (chromium.to_owned(), format!("{}/record/{}", s.base, seeded.abandoned));
+    let page = tokio::task::spawn_blocking(move || text(&dom(&c, &url))).await.unwrap();
+    assert!(page.contains("State abandoned"), "nothing changed: {page}");
+
+    let origin = s.base.clone();
+    let (code, page) = post(&fence, &token, Some(&origin));
+    assert_eq!(code, 200, "{page}");
+    assert!(page.contains(&format!("Resolved {key}")), "{page}");
+    assert!(page.contains("Was abandoned"), "{page}");
+    assert!(page.contains("Now released"), "{page}");
+    let (c, url) = (chromium.to_owned(), format!("{}/record/{}", s.base, seeded.abandoned));
+    let page = tokio::task::spawn_blocking(move || text(&dom(&c, &url))).await.unwrap();
+    assert!(page.contains("State released"), "{page}");
+    let (c, url) = (chromium.to_owned(), format!("{}/", s.base));
+    let page = tokio::task::spawn_blocking(move || text(&dom(&c, &url))).await.unwrap();
+    let t = seeded.tenant.as_str();
+    assert!(page.contains(&format!("{t} email 0 0 0 0 1 1")), "{page}");
+    assert!(page.contains(&format!("{t} oncely-audit 0 0 0 1 0 1")), "the audit record: {page}");
+}
+
 /// SQLite, with the gap chart drawn from the example's real workload.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_view_on_sqlite_with_the_gap_chart() {
@@ -348,6 +435,7 @@ async fn every_view_on_sqlite_with_the_gap_chart() {
         &metrics_url,
         "--retention",
         "7d",
+        "--allow-resolve",
     ]);
     let (shots, _keep) = shots_dir();
     look_at_every_view(&chromium, &s, &seeded, Some(&shots)).await;
@@ -367,6 +455,8 @@ async fn every_view_on_sqlite_with_the_gap_chart() {
     tokio::task::spawn_blocking(move || screenshot(&c, &gaps_url, &d, "serve-gaps"))
         .await
         .unwrap();
+
+    resolve_the_abandoned_step(&chromium, &s, &seeded).await;
 
     // A retention shorter than the late duplicates' gap (2 s or more): the
     // chart says some arrived after it.
@@ -409,6 +499,20 @@ async fn every_view_on_postgres() {
     let t = seeded.tenant.to_string();
     let s = serve(&["--database-url", &url, "--tenant", &t]);
     look_at_every_view(&chromium, &s, &seeded, None).await;
+
+    // Read-only: no form, and a POST is refused. A Host that is not a
+    // loopback name (DNS rebinding) is refused too.
+    let (c, u) = (chromium.clone(), format!("{}/record/{}", s.base, seeded.stuck));
+    let page = tokio::task::spawn_blocking(move || text(&dom(&c, &u))).await.unwrap();
+    assert!(page.contains("read-only"), "{page}");
+    assert!(!page.contains("Release:"), "{page}");
+    let body = form(&[("key", seeded.stuck.as_str()), ("fence", "1"), ("token", "x"), ("action", "release")]);
+    let (code, page) = request(&s.base, "POST", "/resolve", &[], &body);
+    assert_eq!(code, 403, "{page}");
+    assert!(page.contains("--allow-resolve"), "{page}");
+    let (code, page) = request(&s.base, "GET", "/", &[("Host", "evil.example")], "");
+    assert_eq!(code, 403, "{page}");
+    assert!(page.contains("not a loopback name"), "{page}");
 
     let (c, gaps_url) = (chromium.clone(), format!("{}/gaps", s.base));
     let page = tokio::task::spawn_blocking(move || text(&dom(&c, &gaps_url))).await.unwrap();

@@ -37,6 +37,12 @@ pub struct ServeArgs {
     /// the gap chart: 7d, 36h, 1h30m, 90s.
     #[arg(long, default_value = "7d")]
     pub retention: String,
+    /// Offer a form on stuck and abandoned records to resolve them (release
+    /// the key, or mark it completed with a value), through the same fenced
+    /// path as `oncely resolve`, recorded as an audit record. Without it
+    /// the page is read-only.
+    #[arg(long)]
+    pub allow_resolve: bool,
 }
 
 impl ServeArgs {
@@ -55,6 +61,7 @@ impl ServeArgs {
             scope,
             metrics_url: self.metrics_url.as_deref().map(MetricsUrl::parse).transpose()?,
             retention: parse_duration(&self.retention)?,
+            allow_resolve: self.allow_resolve,
         };
         config.validate()?;
         Ok(config)

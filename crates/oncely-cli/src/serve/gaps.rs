@@ -343,13 +343,13 @@ pub(crate) fn chart(h: &GapHistogram, retention: Duration) -> String {
     let base = TOP + plot_h;
     let _ = write!(
         svg,
-        r##"<line x1="{LEFT}" y1="{base}" x2="{x2}" y2="{base}" stroke="#555"/><text x="{LEFT}" y="{ty}" fill="#555">gaps</text>"##,
+        r##"<line x1="{LEFT}" y1="{base}" x2="{x2}" y2="{base}" stroke="#555"/><text x="14" y="{ty}" fill="#555" transform="rotate(-90 14 {ty})" text-anchor="middle">duplicates</text>"##,
         x2 = W - RIGHT,
-        ty = TOP - 8.0,
+        ty = TOP + plot_h / 2.0,
     );
     for (i, (_, upper, count)) in bars.iter().enumerate() {
         let x = LEFT + i as f64 * slot;
-        let bh = if *count == 0 { 0.0 } else { (*count as f64 / max * plot_h).max(2.0) };
+        let bh = if *count == 0 { 0.0 } else { (*count as f64 / max * (plot_h - 20.0)).max(2.0) };
         let _ = write!(
             svg,
             r##"<rect x="{x:.1}" y="{y:.1}" width="{w:.1}" height="{bh:.1}" fill="#4a7bb7"><title>{label}: {count}</title></rect>"##,
@@ -376,7 +376,7 @@ pub(crate) fn chart(h: &GapHistogram, retention: Duration) -> String {
     }
     let _ = write!(
         svg,
-        r##"<text x="{cx}" y="{y}" text-anchor="middle" fill="#444">bucket upper bound (gap between the first claim and a duplicate)</text>"##,
+        r##"<text x="{cx}" y="{y}" text-anchor="middle" fill="#444">gap between the first claim and a duplicate (bucket upper bound)</text>"##,
         cx = LEFT + plot_w / 2.0,
         y = base + 38.0,
     );

@@ -18,9 +18,17 @@
 //! - the page listens on a loopback address unless
 //!   [`ServeConfig::allow_remote`] says otherwise: it has no
 //!   authentication and shows every listed key;
+//! - it answers only requests whose `Host` is a loopback name or address
+//!   (unless [`ServeConfig::allow_remote`]), so a web site cannot reach it
+//!   through DNS rebinding;
 //! - it is read-only (the ledger is opened with
 //!   [`Access::ReadOnly`](crate::Access::ReadOnly), so it writes nothing
-//!   even by mistake);
+//!   even by mistake) unless [`ServeConfig::allow_resolve`]: then stuck and
+//!   abandoned records get a form that resolves them through
+//!   [`admin::resolve`](crate::admin::resolve), the path `oncely resolve`
+//!   takes, fenced at the fence the page showed; the form carries a token
+//!   drawn when the page started, and a POST from another origin is
+//!   refused;
 //! - it shows one tenant ([`Scope::Tenant`]) unless started for all
 //!   ([`Scope::All`]); asking for another tenant answers 403 and shows
 //!   nothing.
@@ -74,6 +82,12 @@ pub struct ServeConfig {
     /// The retention the chart draws across the gaps: how long completed
     /// records are kept ([`oncely::ClaimOptions::retention`]).
     pub retention: Duration,
+    /// Offer to resolve stuck and abandoned records
+    /// ([`admin::resolve`](crate::admin::resolve): a stuck lease is taken
+    /// over by a claim, an abandoned step written with its reconciliation
+    /// lease, both fenced at the fence the page showed, and recorded).
+    /// Without it the page writes nothing.
+    pub allow_resolve: bool,
 }
 
 impl std::fmt::Display for Scope {
@@ -142,6 +156,12 @@ impl Server {
             .map_err(|e| Error::Config(format!("cannot read the listen address: {e}")))
     }
 
+    /// Whether the page offers to resolve records
+    /// ([`ServeConfig::allow_resolve`]).
+    pub fn resolves(&self) -> bool {
+        self.app.config.allow_resolve
+    }
+
     /// The backend's name (`sqlite`, `postgres`, …).
     pub fn backend(&self) -> &'static str {
         self.app.ledger.backend()
@@ -170,6 +190,7 @@ mod tests {
             scope: Scope::All,
             metrics_url: None,
             retention: Duration::from_secs(3600),
+            allow_resolve: false,
         }
     }
 

@@ -6,11 +6,12 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
-use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
+use axum::extract::rejection::{FormRejection, QueryRejection};
+use axum::extract::{Form, Path, Query, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::Next;
 use axum::response::{Html, IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use minijinja::{Environment, Value};
 use oncely::admin::{Admin, Cursor, DUPLICATES_NOT_STORED, Filter, KindStats, RecordQuery};
 use oncely::{EffectKey, Error, Ledger, Record, Tenant};
@@ -27,8 +28,11 @@ const PAGE: u32 = 50;
 /// What every request shares.
 pub(crate) struct App {
     pub(crate) ledger: AnyLedger,
-    config: ServeConfig,
+    pub(crate) config: ServeConfig,
     templates: Environment<'static>,
+    /// Every resolve form carries it, and a POST without it is refused:
+    /// another web page cannot know it, so it cannot post the form.
+    token: String,
 }
 
 impl App {
@@ -41,6 +45,7 @@ impl App {
             ("list.html", include_str!("templates/list.html")),
             ("record.html", include_str!("templates/record.html")),
             ("gaps.html", include_str!("templates/gaps.html")),
+            ("resolved.html", include_str!("templates/resolved.html")),
         ] {
             templates
                 .add_template(name, source)
@@ -50,6 +55,7 @@ impl App {
             ledger,
             config,
             templates,
+            token: token(),
         })
     }
 
@@ -106,6 +112,7 @@ impl App {
     fn chrome(&self, active: &'static str, tenant: Option<&Tenant>) -> Chrome {
         Chrome {
             active,
+            resolves: self.config.allow_resolve,
             backend: self.ledger.backend(),
             scope: match &self.config.scope {
                 Scope::Tenant(t) => format!("tenant {t}"),
@@ -126,6 +133,7 @@ impl App {
 #[derive(Debug, Serialize)]
 struct Chrome {
     active: &'static str,
+    resolves: bool,
     backend: &'static str,
     scope: String,
     /// `?tenant=…` for the navigation links when a tenant was picked among
@@ -181,7 +189,9 @@ pub(crate) fn router(app: Arc<App>) -> Router {
         .route("/abandoned", get(abandoned))
         .route("/record/{*key}", get(record))
         .route("/gaps", get(gaps_page))
+        .route("/resolve", post(resolve))
         .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(app.clone(), loopback_host))
         .with_state(app)
 }
 
@@ -432,7 +442,11 @@ async fn record(State(app): State<Arc<App>>, Path(raw): Path<String>) -> Respons
             },
         );
     };
-    app.render(StatusCode::OK, "record.html", &chrome, RecordPage::of(&r))
+    let mut page = RecordPage::of(&r);
+    if app.config.allow_resolve && matches!(page.state, "stuck" | "abandoned") {
+        page.token = Some(app.token.clone());
+    }
+    app.render(StatusCode::OK, "record.html", &chrome, page)
 }
 
 #[derive(Serialize)]
@@ -456,6 +470,9 @@ struct RecordPage {
     fingerprint: Option<String>,
     provider_key: String,
     read_at: String,
+    /// The resolve forms' token, when the page offers them (stuck and
+    /// abandoned records, with `--allow-resolve`).
+    token: Option<String>,
 }
 
 impl RecordPage {
@@ -497,6 +514,7 @@ impl RecordPage {
             fingerprint: r.fingerprint.map(|f| f.to_hex()),
             provider_key: r.key.provider_key(),
             read_at: rfc3339(now),
+            token: None,
         }
     }
 }
@@ -538,4 +556,188 @@ async fn gaps_page(State(app): State<Arc<App>>, q: Q) -> Response {
         }
     }
     app.render(status, "gaps.html", &chrome, page)
+}
+
+/// 128 unpredictable bits, hex: std's `RandomState` draws its SipHash keys
+/// from the operating system's randomness, so hashing with two of them is
+/// a token no other page can guess, without a crate for it.
+fn token() -> String {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    let part = || {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(0x6f6e_6365_6c79);
+        h.finish()
+    };
+    format!("{:016x}{:016x}", part(), part())
+}
+
+/// Refuses requests whose `Host` is not a loopback name (unless
+/// `--allow-remote`): a web site whose name an attacker resolves to
+/// 127.0.0.1 (DNS rebinding) must not read the page through a visitor's
+/// browser.
+async fn loopback_host(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
+    if !app.config.allow_remote {
+        let host = req
+            .headers()
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .unwrap_or("");
+        if !is_loopback_host(host) {
+            return app.fail(
+                &app.chrome("", None),
+                Failure {
+                    status: StatusCode::FORBIDDEN,
+                    message: format!(
+                        "Host {host:?} is not a loopback name. This page answers requests for \
+                         localhost, 127.0.0.1 or [::1] only: it has no authentication. Open it \
+                         as http://127.0.0.1:PORT/, or start oncely serve with --allow-remote \
+                         behind a proxy that authenticates."
+                    ),
+                },
+            );
+        }
+    }
+    next.run(req).await
+}
+
+fn is_loopback_host(host: &str) -> bool {
+    let name = match host.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(""),
+        None => host.rsplit_once(':').map_or(host, |(h, _)| h),
+    };
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// The resolve forms' fields.
+#[derive(Debug, Deserialize)]
+struct ResolveForm {
+    key: String,
+    /// The fence the page showed: the write is refused if it moved.
+    fence: String,
+    token: String,
+    /// `release` or `complete`.
+    action: String,
+    /// The JSON value to complete with.
+    value: Option<String>,
+}
+
+/// `POST /resolve`: [`crate::admin::resolve`], the path `oncely resolve`
+/// takes, fenced at the fence the page showed.
+async fn resolve(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    form: Result<Form<ResolveForm>, FormRejection>,
+) -> Response {
+    let chrome = app.chrome("", None);
+    let result = async {
+        if !app.config.allow_resolve {
+            return Err(Failure {
+                status: StatusCode::FORBIDDEN,
+                message: "This page is read-only: start oncely serve with --allow-resolve to \
+                          resolve records here (or use oncely resolve)."
+                    .to_owned(),
+            });
+        }
+        same_origin(&headers)?;
+        let Form(f) = form.map_err(|e| Failure::bad_request(format!("unreadable form: {}", e.body_text())))?;
+        if f.token != app.token {
+            return Err(Failure {
+                status: StatusCode::FORBIDDEN,
+                message: "The form's token is not this page's (it was started again since, or \
+                          the form came from elsewhere). Nothing was written; reload the record."
+                    .to_owned(),
+            });
+        }
+        let key = EffectKey::parse(&f.key).map_err(|e| Failure::bad_request(format!("{:?}: {e}", f.key)))?;
+        let tenant = app.tenant(Some(key.tenant().as_str()))?;
+        let fence: u64 = f
+            .fence
+            .parse()
+            .map_err(|_| Failure::bad_request(format!("fence {:?} is not a number", f.fence)))?;
+        let resolution = match (f.action.as_str(), f.value.as_deref()) {
+            ("release", _) => crate::admin::Resolution::Released,
+            ("complete", v) => crate::admin::Resolution::Completed(
+                serde_json::from_str(v.unwrap_or("null"))
+                    .map_err(|e| Failure::bad_request(format!("the value is not JSON: {e}")))?,
+            ),
+            (other, _) => {
+                return Err(Failure::bad_request(format!(
+                    "unknown action {other:?} (release or complete)"
+                )));
+            }
+        };
+        let report = crate::admin::resolve(&app.config.database_url, key.as_str(), &resolution, Some(fence))
+            .await
+            .map_err(|e| refused(&key, fence, e))?;
+        Ok((tenant, report))
+    }
+    .await;
+    match result {
+        Ok((tenant, report)) => {
+            #[derive(Serialize)]
+            struct Resolved {
+                report: crate::admin::ActionReport,
+                href: String,
+            }
+            let href = format!("/record/{}", key_path(&report.key));
+            app.render(
+                StatusCode::OK,
+                "resolved.html",
+                &app.chrome("", tenant.as_ref()),
+                Resolved { report, href },
+            )
+        }
+        Err(f) => app.fail(&chrome, f),
+    }
+}
+
+/// A browser says where a POST comes from (`Origin`); one from another
+/// origin than this page's is refused.
+fn same_origin(headers: &HeaderMap) -> Result<(), Failure> {
+    let Some(origin) = headers.get(header::ORIGIN) else {
+        return Ok(());
+    };
+    let host = headers.get(header::HOST).and_then(|h| h.to_str().ok());
+    let origin_host = origin
+        .to_str()
+        .ok()
+        .and_then(|o| o.split_once("://"))
+        .map(|(_, h)| h.trim_end_matches('/'));
+    if origin_host.is_some() && origin_host == host {
+        Ok(())
+    } else {
+        Err(Failure {
+            status: StatusCode::FORBIDDEN,
+            message: format!(
+                "The form was posted from {origin:?}, not from this page. Nothing was written."
+            ),
+        })
+    }
+}
+
+/// Why a resolve wrote nothing, as an operator reads it.
+fn refused(key: &EffectKey, fence: u64, e: Error) -> Failure {
+    let (status, message) = match &e {
+        Error::LeaseLost { .. } => (
+            StatusCode::CONFLICT,
+            format!(
+                "{key} changed since the page showed it (its fence is no longer {fence}). \
+                 Nothing was written; reload the record."
+            ),
+        ),
+        Error::InProgress { .. } => (
+            StatusCode::CONFLICT,
+            format!("A worker holds a live lease on {key} now. Nothing was written."),
+        ),
+        Error::NotFound { .. } => (
+            StatusCode::NOT_FOUND,
+            format!("No record for {key} any more. Nothing was written."),
+        ),
+        Error::Misuse(m) => (StatusCode::CONFLICT, format!("{m}")),
+        _ => return Failure::from(e),
+    };
+    Failure { status, message }
 }
