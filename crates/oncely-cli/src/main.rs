@@ -612,7 +612,11 @@ async fn run_serve(args: ServeArgs) -> ExitCode {
         Ok(addr) => println!(
             "oncely serve: http://{addr}/ ({} ledger, {scope}, {}); Ctrl-C stops it",
             server.backend(),
-            if server.resolves() { "resolve allowed" } else { "read-only" }
+            if server.resolves() {
+                "resolve allowed"
+            } else {
+                "read-only"
+            }
         ),
         Err(e) => return fail(&e),
     }

@@ -69,7 +69,10 @@ async fn seed(url: &str, tenant: Tenant) -> Seeded {
             completed_fence = lease.fence();
         }
         ledger
-            .complete(&lease, &Outcome::from_json(&serde_json::json!({"charge": format!("ch_{i}")})).unwrap())
+            .complete(
+                &lease,
+                &Outcome::from_json(&serde_json::json!({"charge": format!("ch_{i}")})).unwrap(),
+            )
             .await
             .unwrap();
         completed.push(k);
@@ -85,7 +88,10 @@ async fn seed(url: &str, tenant: Tenant) -> Seeded {
     };
     let abandoned = key("email", "receipt-9");
     let Claim::Acquired(abandoned_lease) = ledger
-        .claim(&abandoned, &ClaimOptions::default().lease(short).at_most_once(true))
+        .claim(
+            &abandoned,
+            &ClaimOptions::default().lease(short).at_most_once(true),
+        )
         .await
         .unwrap()
     else {
@@ -138,7 +144,9 @@ fn serve(args: &[&str]) -> Serve {
         .spawn()
         .unwrap();
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
     let base = line
         .split_whitespace()
         .find(|w| w.starts_with("http://"))
@@ -157,7 +165,11 @@ fn dom(chromium: &Path, url: &str) -> String {
         .arg(url)
         .output()
         .unwrap();
-    assert!(out.status.success(), "chromium {url}: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "chromium {url}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout).unwrap()
 }
 
@@ -166,14 +178,23 @@ fn screenshot(chromium: &Path, url: &str, dir: &Path, name: &str) {
     let profile = tempfile::tempdir().unwrap();
     let path = dir.join(format!("{name}.png"));
     let out = Command::new(chromium)
-        .args(["--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"])
+        .args([
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+        ])
         .arg("--window-size=1200,900")
         .arg(format!("--screenshot={}", path.display()))
         .arg(format!("--user-data-dir={}", profile.path().display()))
         .arg(url)
         .output()
         .unwrap();
-    assert!(out.status.success(), "chromium {url}: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "chromium {url}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let png = std::fs::read(&path).unwrap();
     assert!(png.starts_with(b"\x89PNG"), "{}", path.display());
 }
@@ -293,9 +314,16 @@ async fn look_at_every_view(chromium: &Path, s: &Serve, seeded: &Seeded, shots: 
     // Kind, fence, age ("1s", "2s", …) and how long ago its lease ended.
     let mut cells = row.split_whitespace();
     assert_eq!(cells.next(), Some("capture"), "{row}");
-    assert_eq!(cells.next(), Some(seeded.stuck_fence.to_string().as_str()), "{row}");
+    assert_eq!(
+        cells.next(),
+        Some(seeded.stuck_fence.to_string().as_str()),
+        "{row}"
+    );
     let age = cells.next().unwrap();
-    assert!(age.ends_with('s') && age[..age.len() - 1].parse::<u64>().is_ok(), "age {age:?}: {row}");
+    assert!(
+        age.ends_with('s') && age[..age.len() - 1].parse::<u64>().is_ok(),
+        "age {age:?}: {row}"
+    );
     assert!(row.contains(" ago"), "{row}");
     assert!(!page.contains(seeded.abandoned.as_str()), "{page}");
     assert!(!page.contains(seeded.completed[0].as_str()), "{page}");
@@ -308,7 +336,10 @@ async fn look_at_every_view(chromium: &Path, s: &Serve, seeded: &Seeded, shots: 
     // One record each: its state, fence, outcome size, fingerprint.
     let page = load(&format!("/record/{}", seeded.completed[0])).await.unwrap();
     assert!(page.contains("State completed"), "{page}");
-    assert!(page.contains(&format!("Fence {}", seeded.completed_fence)), "{page}");
+    assert!(
+        page.contains(&format!("Fence {}", seeded.completed_fence)),
+        "{page}"
+    );
     assert!(page.contains("bytes stored"), "{page}");
     assert!(page.contains("Fingerprint present"), "{page}");
     let page = load(&format!("/record/{}", seeded.completed[1])).await.unwrap();
@@ -362,18 +393,31 @@ async fn look_at_every_view(chromium: &Path, s: &Serve, seeded: &Seeded, shots: 
 /// POST with a stale fence, without the page's token or from another origin
 /// changes nothing; the form as the page gives it releases the step.
 async fn resolve_the_abandoned_step(chromium: &Path, s: &Serve, seeded: &Seeded) {
-    let (c, url) = (chromium.to_owned(), format!("{}/record/{}", s.base, seeded.abandoned));
+    let (c, url) = (
+        chromium.to_owned(),
+        format!("{}/record/{}", s.base, seeded.abandoned),
+    );
     let html = tokio::task::spawn_blocking(move || dom(&c, &url)).await.unwrap();
-    assert!(text(&html).contains("Release: the next delivery runs it again"), "{html}");
+    assert!(
+        text(&html).contains("Release: the next delivery runs it again"),
+        "{html}"
+    );
     let field = |name: &str| {
-        let at = html.find(&format!("name=\"{name}\" value=\"")).unwrap_or_else(|| panic!("{name}: {html}"));
+        let at = html
+            .find(&format!("name=\"{name}\" value=\""))
+            .unwrap_or_else(|| panic!("{name}: {html}"));
         let rest = &html[at + name.len() + 15..];
         rest[..rest.find('"').unwrap()].to_owned()
     };
     let (token, fence) = (field("token"), field("fence"));
     let key = seeded.abandoned.to_string();
     let post = |fence: &str, token: &str, origin: Option<&str>| {
-        let body = form(&[("key", &key), ("fence", fence), ("token", token), ("action", "release")]);
+        let body = form(&[
+            ("key", &key),
+            ("fence", fence),
+            ("token", token),
+            ("action", "release"),
+        ]);
         let headers: Vec<(&str, &str)> = origin.map(|o| ("Origin", o)).into_iter().collect();
         request(&s.base, "POST", "/resolve", &headers, &body)
     };
@@ -385,8 +429,13 @@ async fn resolve_the_abandoned_step(chromium: &Path, s: &Serve, seeded: &Seeded)
     assert_eq!(code, 403, "{page}");
     let (code, page) = post(&fence, &token, Some("http://evil.example"));
     assert_eq!(code, 403, "{page}");
-    let (c, url) = (chromium.to_owned(), format!("{}/record/{}", s.base, seeded.abandoned));
-    let page = tokio::task::spawn_blocking(move || text(&dom(&c, &url))).await.unwrap();
+    let (c, url) = (
+        chromium.to_owned(),
+        format!("{}/record/{}", s.base, seeded.abandoned),
+    );
+    let page = tokio::task::spawn_blocking(move || text(&dom(&c, &url)))
+        .await
+        .unwrap();
     assert!(page.contains("State abandoned"), "nothing changed: {page}");
 
     let origin = s.base.clone();
@@ -395,14 +444,24 @@ async fn resolve_the_abandoned_step(chromium: &Path, s: &Serve, seeded: &Seeded)
     assert!(page.contains(&format!("Resolved {key}")), "{page}");
     assert!(page.contains("Was abandoned"), "{page}");
     assert!(page.contains("Now released"), "{page}");
-    let (c, url) = (chromium.to_owned(), format!("{}/record/{}", s.base, seeded.abandoned));
-    let page = tokio::task::spawn_blocking(move || text(&dom(&c, &url))).await.unwrap();
+    let (c, url) = (
+        chromium.to_owned(),
+        format!("{}/record/{}", s.base, seeded.abandoned),
+    );
+    let page = tokio::task::spawn_blocking(move || text(&dom(&c, &url)))
+        .await
+        .unwrap();
     assert!(page.contains("State released"), "{page}");
     let (c, url) = (chromium.to_owned(), format!("{}/", s.base));
-    let page = tokio::task::spawn_blocking(move || text(&dom(&c, &url))).await.unwrap();
+    let page = tokio::task::spawn_blocking(move || text(&dom(&c, &url)))
+        .await
+        .unwrap();
     let t = seeded.tenant.as_str();
     assert!(page.contains(&format!("{t} email 0 0 0 0 1 1")), "{page}");
-    assert!(page.contains(&format!("{t} oncely-audit 0 0 0 1 0 1")), "the audit record: {page}");
+    assert!(
+        page.contains(&format!("{t} oncely-audit 0 0 0 1 0 1")),
+        "the audit record: {page}"
+    );
 }
 
 /// SQLite, with the gap chart drawn from the example's real workload.
@@ -422,7 +481,9 @@ async fn every_view_on_sqlite_with_the_gap_chart() {
     metrics_prometheus::install(metrics_addr).unwrap();
     let workload = metrics_prometheus::Workload::default();
     let work_dir = tempfile::tempdir().unwrap();
-    metrics_prometheus::run_workload(work_dir.path(), &workload).await.unwrap();
+    metrics_prometheus::run_workload(work_dir.path(), &workload)
+        .await
+        .unwrap();
     let gaps = workload.expected().redelivery_gaps;
 
     let metrics_url = format!("http://{metrics_addr}/metrics");
@@ -441,16 +502,24 @@ async fn every_view_on_sqlite_with_the_gap_chart() {
     look_at_every_view(&chromium, &s, &seeded, Some(&shots)).await;
 
     let (c, gaps_url) = (chromium.clone(), format!("{}/gaps", s.base));
-    let html = tokio::task::spawn_blocking(move || dom(&c, &gaps_url)).await.unwrap();
+    let html = tokio::task::spawn_blocking(move || dom(&c, &gaps_url))
+        .await
+        .unwrap();
     assert!(html.contains("<svg"), "{html}");
     let page = text(&html);
     assert!(page.contains("Kind capture"), "{page}");
-    assert!(page.contains("retention 7d"), "the retention line's label: {page}");
+    assert!(
+        page.contains("retention 7d"),
+        "the retention line's label: {page}"
+    );
     assert!(
         page.contains(&format!("{gaps} gaps observed")),
         "{gaps} gaps: {page}"
     );
-    assert!(page.contains("All of them arrived within the retention of 7d"), "{page}");
+    assert!(
+        page.contains("All of them arrived within the retention of 7d"),
+        "{page}"
+    );
     let (c, gaps_url, d) = (chromium.clone(), format!("{}/gaps", s.base), shots.clone());
     tokio::task::spawn_blocking(move || screenshot(&c, &gaps_url, &d, "serve-gaps"))
         .await
@@ -471,7 +540,9 @@ async fn every_view_on_sqlite_with_the_gap_chart() {
         "1s",
     ]);
     let (c, gaps_url) = (chromium.clone(), format!("{}/gaps", short.base));
-    let page = tokio::task::spawn_blocking(move || text(&dom(&c, &gaps_url))).await.unwrap();
+    let page = tokio::task::spawn_blocking(move || text(&dom(&c, &gaps_url)))
+        .await
+        .unwrap();
     assert!(page.contains("retention 1s"), "{page}");
     // At least the late duplicates (a prompt one on a loaded machine may
     // be late too).
@@ -488,7 +559,10 @@ async fn every_view_on_sqlite_with_the_gap_chart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_view_on_postgres() {
     let Some(chromium) = chromium() else { return };
-    let Some(url) = service_url("ONCELY_POSTGRES_URL", Some("postgres://postgres@127.0.0.1:5432/test")) else {
+    let Some(url) = service_url(
+        "ONCELY_POSTGRES_URL",
+        Some("postgres://postgres@127.0.0.1:5432/test"),
+    ) else {
         return;
     };
     if let Err(e) = AnyLedger::connect(&url).await {
@@ -503,10 +577,17 @@ async fn every_view_on_postgres() {
     // Read-only: no form, and a POST is refused. A Host that is not a
     // loopback name (DNS rebinding) is refused too.
     let (c, u) = (chromium.clone(), format!("{}/record/{}", s.base, seeded.stuck));
-    let page = tokio::task::spawn_blocking(move || text(&dom(&c, &u))).await.unwrap();
+    let page = tokio::task::spawn_blocking(move || text(&dom(&c, &u)))
+        .await
+        .unwrap();
     assert!(page.contains("read-only"), "{page}");
     assert!(!page.contains("Release:"), "{page}");
-    let body = form(&[("key", seeded.stuck.as_str()), ("fence", "1"), ("token", "x"), ("action", "release")]);
+    let body = form(&[
+        ("key", seeded.stuck.as_str()),
+        ("fence", "1"),
+        ("token", "x"),
+        ("action", "release"),
+    ]);
     let (code, page) = request(&s.base, "POST", "/resolve", &[], &body);
     assert_eq!(code, 403, "{page}");
     assert!(page.contains("--allow-resolve"), "{page}");
@@ -515,14 +596,18 @@ async fn every_view_on_postgres() {
     assert!(page.contains("not a loopback name"), "{page}");
 
     let (c, gaps_url) = (chromium.clone(), format!("{}/gaps", s.base));
-    let page = tokio::task::spawn_blocking(move || text(&dom(&c, &gaps_url))).await.unwrap();
+    let page = tokio::task::spawn_blocking(move || text(&dom(&c, &gaps_url)))
+        .await
+        .unwrap();
     assert!(page.contains("No metrics endpoint given"), "{page}");
     assert!(page.contains("--metrics-url http://HOST:PORT/metrics"), "{page}");
 
     // Across tenants: this tenant is one of them, picked with ?tenant=.
     let all = serve(&["--database-url", &url, "--all-tenants"]);
     let (c, u) = (chromium.clone(), format!("{}/stuck?tenant={t}", all.base));
-    let page = tokio::task::spawn_blocking(move || text(&dom(&c, &u))).await.unwrap();
+    let page = tokio::task::spawn_blocking(move || text(&dom(&c, &u)))
+        .await
+        .unwrap();
     assert!(page.contains(seeded.stuck.as_str()), "{page}");
     assert!(page.contains(&format!("tenant {t} (of all tenants)")), "{page}");
 }
@@ -541,7 +626,13 @@ fn serve_refuses_what_it_cannot_do_safely() {
     };
     for (args, says) in [
         (
-            &["--database-url", "memory:", "--all-tenants", "--listen", "0.0.0.0:0"][..],
+            &[
+                "--database-url",
+                "memory:",
+                "--all-tenants",
+                "--listen",
+                "0.0.0.0:0",
+            ][..],
             "refusing to listen on 0.0.0.0:0: not a loopback address",
         ),
         (
@@ -549,7 +640,13 @@ fn serve_refuses_what_it_cannot_do_safely() {
             "unknown database URL scheme 'mongodb'",
         ),
         (
-            &["--database-url", "memory:", "--all-tenants", "--metrics-url", "ftp://x/metrics"][..],
+            &[
+                "--database-url",
+                "memory:",
+                "--all-tenants",
+                "--metrics-url",
+                "ftp://x/metrics",
+            ][..],
             "unknown --metrics-url scheme 'ftp'",
         ),
         (
@@ -557,7 +654,13 @@ fn serve_refuses_what_it_cannot_do_safely() {
             "cannot do",
         ),
         (
-            &["--database-url", "memory:", "--all-tenants", "--retention", "a week"][..],
+            &[
+                "--database-url",
+                "memory:",
+                "--all-tenants",
+                "--retention",
+                "a week",
+            ][..],
             "invalid duration",
         ),
         (

@@ -98,7 +98,11 @@ impl MetricsUrl {
         );
         stream.write_all(request.as_bytes()).await.map_err(io)?;
         let mut raw = Vec::new();
-        stream.take(MAX_SCRAPE_BYTES).read_to_end(&mut raw).await.map_err(io)?;
+        stream
+            .take(MAX_SCRAPE_BYTES)
+            .read_to_end(&mut raw)
+            .await
+            .map_err(io)?;
         let text = String::from_utf8_lossy(&raw);
         let (head, body) = text
             .split_once("\r\n\r\n")
@@ -349,7 +353,11 @@ pub(crate) fn chart(h: &GapHistogram, retention: Duration) -> String {
     );
     for (i, (_, upper, count)) in bars.iter().enumerate() {
         let x = LEFT + i as f64 * slot;
-        let bh = if *count == 0 { 0.0 } else { (*count as f64 / max * (plot_h - 20.0)).max(2.0) };
+        let bh = if *count == 0 {
+            0.0
+        } else {
+            (*count as f64 / max * (plot_h - 20.0)).max(2.0)
+        };
         let _ = write!(
             svg,
             r##"<rect x="{x:.1}" y="{y:.1}" width="{w:.1}" height="{bh:.1}" fill="#4a7bb7"><title>{label}: {count}</title></rect>"##,
@@ -446,7 +454,12 @@ oncely_claims_total{kind="capture",result="acquired"} 12
         assert_eq!(hs[0].total(), 7);
         assert_eq!(
             hs[0].bars(),
-            vec![(0.0, 1.0, 4), (1.0, 2.0, 0), (2.0, 5.0, 3), (5.0, f64::INFINITY, 0)]
+            vec![
+                (0.0, 1.0, 4),
+                (1.0, 2.0, 0),
+                (2.0, 5.0, 3),
+                (5.0, f64::INFINITY, 0)
+            ]
         );
         assert_eq!(hs[1].kind, "mail, \"quoted\" }");
         assert_eq!(hs[1].total(), 2);

@@ -218,8 +218,9 @@ async fn not_found(State(app): State<Arc<App>>) -> Response {
         &chrome,
         Failure {
             status: StatusCode::NOT_FOUND,
-            message: "No such page. The pages are /, /stuck, /abandoned, /record/TENANT/KIND:SUBJECT and /gaps."
-                .to_owned(),
+            message:
+                "No such page. The pages are /, /stuck, /abandoned, /record/TENANT/KIND:SUBJECT and /gaps."
+                    .to_owned(),
         },
     )
 }
@@ -267,9 +268,10 @@ async fn index(State(app): State<Arc<App>>, q: Q) -> Response {
     let rows = stats
         .iter()
         .map(|s: &KindStats| {
-            for (t, n) in totals
-                .iter_mut()
-                .zip([s.live, s.stuck, s.abandoned, s.completed, s.released, s.total()])
+            for (t, n) in
+                totals
+                    .iter_mut()
+                    .zip([s.live, s.stuck, s.abandoned, s.completed, s.released, s.total()])
             {
                 *t += n;
             }
@@ -298,7 +300,12 @@ async fn index(State(app): State<Arc<App>>, q: Q) -> Response {
         read_at: stats.first().map(|s| rfc3339(s.read_at)),
         duplicates: DUPLICATES_NOT_STORED,
     };
-    app.render(StatusCode::OK, "index.html", &app.chrome("overview", tenant.as_ref()), page)
+    app.render(
+        StatusCode::OK,
+        "index.html",
+        &app.chrome("overview", tenant.as_ref()),
+        page,
+    )
 }
 
 async fn stuck(State(app): State<Arc<App>>, q: Q) -> Response {
@@ -321,7 +328,11 @@ struct ListRow {
 }
 
 async fn list(app: &App, q: Q, filter: Filter) -> Response {
-    let active = if filter == Filter::Stuck { "stuck" } else { "abandoned" };
+    let active = if filter == Filter::Stuck {
+        "stuck"
+    } else {
+        "abandoned"
+    };
     let result = async {
         let p = params(q)?;
         let tenant = app.tenant(p.tenant.as_deref())?;
@@ -387,7 +398,12 @@ async fn list(app: &App, q: Q, filter: Filter) -> Response {
         next,
         first: p.after_t.is_none(),
     };
-    app.render(StatusCode::OK, "list.html", &app.chrome(active, tenant.as_ref()), page)
+    app.render(
+        StatusCode::OK,
+        "list.html",
+        &app.chrome(active, tenant.as_ref()),
+        page,
+    )
 }
 
 fn micros(t: SystemTime) -> u128 {
@@ -398,9 +414,9 @@ fn cursor(p: &Params) -> Result<Option<Cursor>, Failure> {
     match (&p.after_t, &p.after_key) {
         (None, None) => Ok(None),
         (Some(t), Some(k)) => {
-            let t: u64 = t
-                .parse()
-                .map_err(|_| Failure::bad_request(format!("?after_t={t:?} is not a number of microseconds")))?;
+            let t: u64 = t.parse().map_err(|_| {
+                Failure::bad_request(format!("?after_t={t:?} is not a number of microseconds"))
+            })?;
             let key = EffectKey::parse(k).map_err(|e| Failure::bad_request(format!("?after_key: {e}")))?;
             Ok(Some(Cursor {
                 created_at: UNIX_EPOCH + Duration::from_micros(t),
@@ -606,9 +622,7 @@ fn is_loopback_host(host: &str) -> bool {
         None => host.rsplit_once(':').map_or(host, |(h, _)| h),
     };
     name.eq_ignore_ascii_case("localhost")
-        || name
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
+        || name.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 /// The resolve forms' fields.
@@ -642,7 +656,8 @@ async fn resolve(
             });
         }
         same_origin(&headers)?;
-        let Form(f) = form.map_err(|e| Failure::bad_request(format!("unreadable form: {}", e.body_text())))?;
+        let Form(f) =
+            form.map_err(|e| Failure::bad_request(format!("unreadable form: {}", e.body_text())))?;
         if f.token != app.token {
             return Err(Failure {
                 status: StatusCode::FORBIDDEN,
@@ -711,9 +726,7 @@ fn same_origin(headers: &HeaderMap) -> Result<(), Failure> {
     } else {
         Err(Failure {
             status: StatusCode::FORBIDDEN,
-            message: format!(
-                "The form was posted from {origin:?}, not from this page. Nothing was written."
-            ),
+            message: format!("The form was posted from {origin:?}, not from this page. Nothing was written."),
         })
     }
 }
