@@ -15,8 +15,8 @@ pub struct ServeArgs {
     /// mysql://USER@HOST/DB (Redis and NATS cannot list records).
     #[arg(long, env = "ONCELY_DATABASE_URL")]
     pub database_url: String,
-    /// Where to listen: a loopback address (127.0.0.1:PORT or [::1]:PORT)
-    /// unless --allow-remote.
+    /// Where to listen: a loopback address (127.0.0.1:PORT, or the IPv6
+    /// loopback ::1 in brackets) unless --allow-remote.
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
     /// Listen on a non-loopback address. The page has no authentication:

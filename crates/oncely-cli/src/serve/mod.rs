@@ -5,7 +5,7 @@
 //! | --- | --- | --- |
 //! | `/` | records per tenant and kind: live, stuck, abandoned, completed, released | [`Admin::stats`](oncely::admin::Admin::stats) |
 //! | `/stuck`, `/abandoned` | those records, oldest first, with their ages, a page at a time | [`Admin::records`](oncely::admin::Admin::records) |
-//! | `/record/{key}` | one record: state, fence, timestamps, outcome size, fingerprint | [`Ledger::get`](oncely::Ledger::get) |
+//! | `/record/{key}` | one record: state, fence, timestamps, outcome size, fingerprint | [`Ledger::get`] |
 //! | `/gaps` | the redelivery-gap distribution, with the retention drawn across it | the consumer's Prometheus endpoint ([`ServeConfig::metrics_url`]) |
 //!
 //! Why the gap chart reads Prometheus and not the ledger: the gap (how long
@@ -22,7 +22,7 @@
 //!   (unless [`ServeConfig::allow_remote`]), so a web site cannot reach it
 //!   through DNS rebinding;
 //! - it is read-only (the ledger is opened with
-//!   [`Access::ReadOnly`](crate::Access::ReadOnly), so it writes nothing
+//!   [`Access::ReadOnly`], so it writes nothing
 //!   even by mistake) unless [`ServeConfig::allow_resolve`]: then stuck and
 //!   abandoned records get a form that resolves them through
 //!   [`admin::resolve`](crate::admin::resolve), the path `oncely resolve`

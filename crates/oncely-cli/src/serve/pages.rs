@@ -749,7 +749,7 @@ fn refused(key: &EffectKey, fence: u64, e: Error) -> Failure {
             StatusCode::NOT_FOUND,
             format!("No record for {key} any more. Nothing was written."),
         ),
-        Error::Misuse(m) => (StatusCode::CONFLICT, format!("{m}")),
+        Error::Misuse(m) => (StatusCode::CONFLICT, m.clone()),
         _ => return Failure::from(e),
     };
     Failure { status, message }
