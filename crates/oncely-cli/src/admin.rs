@@ -833,6 +833,79 @@ mod tests {
         }
     }
 
+    fn record(fence_offset: i64, state: RecordState) -> Record {
+        use oncely::backend::from_micros;
+        let created_us = 1_796_000_000_000_000i64;
+        let key = EffectKey::parse("acme/capture:o-1").unwrap();
+        let mut r = Record {
+            key,
+            state,
+            fence: u64::try_from(created_us + fence_offset).unwrap(),
+            fingerprint: None,
+            outcome: None,
+            at_most_once: false,
+            created_at: from_micros(created_us),
+            updated_at: from_micros(created_us),
+            lease_expires_at: None,
+            retain_until: from_micros(created_us + 1),
+            read_at: from_micros(created_us + 10),
+        };
+        if state == RecordState::InProgress {
+            r.lease_expires_at = Some(from_micros(created_us + 5));
+        }
+        r
+    }
+
+    #[test]
+    fn the_fence_tells_a_single_grant_from_several() {
+        let once = Claims::of(&record(0, RecordState::Completed));
+        assert_eq!((once.claimed_again, once.grants), (Some(false), "1"));
+        assert_eq!(once.latest_grant_at, None);
+        let again = Claims::of(&record(7, RecordState::Completed));
+        assert_eq!((again.claimed_again, again.grants), (Some(true), "2 or more"));
+        assert_eq!(
+            again.latest_grant_at.as_deref(),
+            Some("2026-11-30T00:53:20.000007Z")
+        );
+        // A fence below the clock (schema version 1's 1, 2, 3…): cannot tell.
+        let mut old = record(0, RecordState::Completed);
+        old.fence = 3;
+        assert_eq!(Claims::of(&old).claimed_again, None);
+    }
+
+    #[test]
+    fn classes_follow_the_clock_and_the_step_mode() {
+        assert_eq!(class_of(&record(0, RecordState::InProgress)), "stuck");
+        let mut amo = record(0, RecordState::InProgress);
+        amo.at_most_once = true;
+        assert_eq!(class_of(&amo), "abandoned");
+        let mut live = record(0, RecordState::InProgress);
+        live.lease_expires_at = Some(live.read_at + Duration::from_micros(1));
+        assert_eq!(class_of(&live), "live");
+        assert_eq!(class_of(&record(0, RecordState::Released)), "released");
+    }
+
+    #[test]
+    fn the_verdict_says_what_the_records_show() {
+        let view = |r: &Record| Inspection::from(r);
+        let (twice, line) = verdict(&[], &[]);
+        assert!(!twice && line.starts_with("no record"), "{line}");
+        let (twice, line) = verdict(&[view(&record(0, RecordState::Completed))], &[]);
+        assert!(
+            !twice && line.starts_with("no: the effect was granted once"),
+            "{line}"
+        );
+        let (twice, line) = verdict(
+            &[
+                view(&record(0, RecordState::Completed)),
+                view(&record(3, RecordState::Completed)),
+            ],
+            &[],
+        );
+        assert!(twice && line.starts_with("possibly: 1 of 2 effects"), "{line}");
+        assert!(line.contains("oncely_duplicates_suppressed_total"), "{line}");
+    }
+
     #[test]
     fn scope_needs_a_tenant_or_all_tenants() {
         assert!(matches!(scope(None, false), Err(Error::Misuse(_))));

@@ -32,14 +32,19 @@
 //! $ oncely abandoned --tenant acme --database-url postgres://localhost/app
 //! $ oncely prune --limit 10000 --database-url 'nats://n1:4222,n2:4222,n3:4222?replicas=3'
 //! $ oncely migrate --database-url redis+cluster://10.0.0.1:7000,10.0.0.2:7000
+//! $ export ONCELY_DATABASE_URL=postgres://localhost/app
+//! $ oncely history --tenant acme --subject order-123     # did this run twice?
+//! $ oncely stats --all-tenants --json
+//! $ oncely resolve acme/receipt:order-123 --released     # recorded as an audit record
 //! $ oncely serve --database-url postgres://localhost/app --tenant acme --metrics-url http://127.0.0.1:9000/metrics
 //! ```
 //!
 //! Exit codes: 0 success, 1 runtime failure (database unreachable, backend
 //! error, a demo in which oncely charged twice, a bench row in which an
-//! effect ran twice), 2 usage error (bad
-//! arguments, an invalid key or tenant, an unknown URL scheme), 3 `get`
-//! found no record.
+//! effect ran twice, a resolve or forget refused by the record's state or
+//! fence), 2 usage error (bad arguments, an invalid key or tenant, an
+//! unknown URL scheme, a command the backend does not offer), 3 `get`,
+//! `inspect`, `resolve` or `forget` found no record.
 //!
 //! ```no_run
 //! use oncely::{ClaimOptions, EffectKey, Effects, Tenant};

@@ -292,6 +292,9 @@ enum Command {
         /// Count the records past retention; delete nothing.
         #[arg(long)]
         dry_run: bool,
+        /// Print one JSON object ({"pruned": N} or {"would_prune": N}).
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         db: DbArgs,
     },
@@ -500,6 +503,12 @@ async fn run(command: Command) -> ExitCode {
                 Ok(list) if json => print_json(&list),
                 Ok(list) => {
                     print_listing(&list, "stuck");
+                    if list.len() == limit as usize {
+                        eprintln!(
+                            "showing the oldest {limit}; there may be more (narrow with --kind or \
+                             --since, or raise --limit up to 1000)"
+                        );
+                    }
                     ExitCode::SUCCESS
                 }
                 Err(e) => fail(&e),
@@ -561,10 +570,12 @@ async fn run(command: Command) -> ExitCode {
             }
         }
         Command::Prune {
-            limit: _,
             dry_run: true,
+            json,
             db,
+            ..
         } => match ops::prune_dry_run(&db.database_url).await {
+            Ok(n) if json => print_json(&serde_json::json!({ "would_prune": n, "dry_run": true })),
             Ok(n) => {
                 println!(
                     "would prune {n} record{} (dry run: nothing deleted)",
@@ -574,7 +585,8 @@ async fn run(command: Command) -> ExitCode {
             }
             Err(e) => fail(&e),
         },
-        Command::Prune { limit, db, .. } => match ops::prune(&db.database_url, limit).await {
+        Command::Prune { limit, json, db, .. } => match ops::prune(&db.database_url, limit).await {
+            Ok(n) if json => print_json(&serde_json::json!({ "pruned": n })),
             Ok(n) => {
                 println!("pruned {n} record{}", if n == 1 { "" } else { "s" });
                 ExitCode::SUCCESS
@@ -782,9 +794,11 @@ fn print_json<T: serde::Serialize>(value: &T) -> ExitCode {
 fn fail(e: &Error) -> ExitCode {
     eprintln!("error: {e}");
     match e {
-        Error::InvalidKey { .. } | Error::Config(_) | Error::Misuse(_) | Error::InvalidInput(_) => {
-            ExitCode::from(2)
-        }
+        Error::InvalidKey { .. }
+        | Error::Config(_)
+        | Error::Misuse(_)
+        | Error::InvalidInput(_)
+        | Error::OutcomeTooLarge { .. } => ExitCode::from(2),
         Error::NotFound { .. } => ExitCode::from(3),
         _ => ExitCode::from(1),
     }

@@ -668,8 +668,10 @@ fn prune_dry_run_counts_exactly_and_deletes_nothing_on_sqlite() {
         );
         assert!(record(&url, &key).is_some());
     }
-    let out = oncely(&["prune", "--database-url", &url]);
-    assert_eq!(stdout(&out).trim(), "pruned 1 record", "{}", stderr(&out));
+    let v = json(&["prune", "--dry-run", "--json"], &url);
+    assert_eq!(v, serde_json::json!({"would_prune": 1, "dry_run": true}));
+    let v = json(&["prune", "--json"], &url);
+    assert_eq!(v, serde_json::json!({"pruned": 1}));
     let out = oncely(&["prune", "--dry-run", "--database-url", &url]);
     assert_eq!(
         stdout(&out).trim(),
@@ -840,4 +842,56 @@ fn help_lists_the_operator_commands() {
     }
     let out = oncely(&["inspect", "--help"]);
     assert!(stdout(&out).contains("Derived"), "{}", stdout(&out));
+}
+
+/// On Redis (no `Admin`): `inspect`, one tenant's `abandoned` and `resolve`
+/// work on a real server; the listings, stats and forget say they are not
+/// available there, and change nothing.
+#[cfg(feature = "redis")]
+#[test]
+fn redis_offers_inspect_and_resolve_and_refuses_the_rest() {
+    let Some(url) = reachable("ONCELY_REDIS_URL", "redis://127.0.0.1:6379", "Redis") else {
+        return;
+    };
+    let t = oncely::conformance::fresh_tenant();
+    let step = EffectKey::new(&t, "receipt", "o-1").unwrap();
+    let done = EffectKey::new(&t, "capture", "o-1").unwrap();
+    runtime().block_on(async {
+        let l = AnyLedger::connect(&url).await.unwrap();
+        let short = ClaimOptions::default()
+            .lease(Duration::from_millis(300))
+            .at_most_once(true);
+        acquired(l.claim(&step, &short).await.unwrap());
+        let lease = acquired(l.claim(&done, &ClaimOptions::default()).await.unwrap());
+        l.complete(&lease, &Outcome::value(&"ch_1").unwrap())
+            .await
+            .unwrap();
+        l.close().await;
+    });
+    std::thread::sleep(Duration::from_millis(900));
+    let i = json(&["inspect", step.as_str(), "--json"], &url);
+    assert_eq!(i["class"], "abandoned", "{i}");
+    let listed = json(&["abandoned", "--tenant", t.as_str()], &url);
+    assert_eq!(listed.as_array().unwrap().len(), 1, "{listed}");
+    for args in [
+        vec!["stats", "--tenant", t.as_str()],
+        vec!["stuck", "--tenant", t.as_str()],
+        vec!["history", "--tenant", t.as_str()],
+        vec!["abandoned", "--all-tenants"],
+        vec!["forget", done.as_str()],
+        vec!["prune", "--dry-run"],
+    ] {
+        refused(&args, &url, 2, "not available on the redis backend");
+    }
+    let r = record(&url, &done).unwrap();
+    assert_eq!(
+        r.state,
+        oncely::RecordState::Completed,
+        "forget refused, nothing changed"
+    );
+    let resolved = json(&["resolve", step.as_str(), "--released", "--json"], &url);
+    assert_eq!(resolved["was"], "abandoned", "{resolved}");
+    assert_eq!(record(&url, &step).unwrap().state, oncely::RecordState::Released);
+    let audit = json(&["get", resolved["audit_key"].as_str().unwrap()], &url);
+    assert_eq!(audit["outcome"]["ok"]["action"], "resolve-released", "{audit}");
 }

@@ -69,6 +69,7 @@
 //! | waiting | a duplicate that finds the effect in progress is woken when it is completed or released, by this process's own write at once, by another's through a core NATS subject of the bucket; polling while the subscription is down. See below. |
 //! | prune / abandoned | read the latest revision of every key (the whole bucket / one tenant's keys) through an ordered consumer: cost grows with the keys kept, so prune in batches off the hot path. Prune also writes each pruned tenant and kind's watermark once per call (2 round trips each). |
 //! | retention | per claim, enforced by [`oncely::Ledger::prune`]; the bucket's `max_age` is the hard ceiling (a longer retention is refused). |
+//! | operator view | not offered: this crate does not implement [`oncely::Admin`] (listing and counting records by tenant and kind, `forget`, a prune dry run): the bucket has no secondary index, so it would read every key. `oncely inspect`, `resolve` and tenant-scoped `abandoned` work; the other operator commands say they are not available here. |
 //!
 //! ### Clocks
 //!

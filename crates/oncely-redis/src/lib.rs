@@ -70,6 +70,7 @@
 //! | max key | [`oncely::MAX_KEY_BYTES`] bytes of effect key, plus the prefix and a 19-byte hash tag |
 //! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] bytes, stored in the record's hash |
 //! | cluster | yes: each operation on a record touches exactly one key, so one slot |
+//! | operator view | not offered: this crate does not implement [`oncely::Admin`] (listing and counting records by tenant and kind, `forget`, a prune dry run): records are hashes under hashed keys with no secondary index, so it would scan the keyspace. `oncely inspect`, `resolve` and tenant-scoped `abandoned` work; the other operator commands say they are not available here |
 //!
 //! ## Records
 //!

@@ -123,6 +123,7 @@
 //! | concurrency | many readers, one writer at a time; writers wait up to the busy timeout (5 s by default), then fail with a retryable `Error::Backend` |
 //! | max key | [`oncely::MAX_KEY_BYTES`] (255 bytes, stored whole as TEXT) |
 //! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] (64 KiB, BLOB) |
+//! | operator view | [`oncely::Admin`]: `records` and `stats` read on one clock reading, scoped by a range of the key's primary index (`tenant/`, `tenant/kind:`; the key itself with a subject), then sorted by `created_at` (no index on it: a listing of a large tenant sorts its rows per page); `forget` is one fenced `UPDATE` (completed at that fence → released, outcome removed, row kept); `prunable` counts with the prune index |
 //!
 //! The file must be on a local disk: SQLite's locking (WAL uses shared
 //! memory) does not work over network file systems.

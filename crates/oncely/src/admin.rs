@@ -351,7 +351,8 @@ pub trait Admin: Ledger {
     /// next claim takes it over with a fence above `fence`, so fences stay
     /// above every earlier one without relying on the clock (a delete would),
     /// and the business writes of the earlier run, fenced with `fence`, can be
-    /// told from the new run's.
+    /// told from the new run's. The request fingerprint stays: the effect runs
+    /// again for the same request (another payload is still refused).
     ///
     /// Refused, changing nothing:
     /// [`Error::NotFound`](crate::Error::NotFound) when there is no record;
