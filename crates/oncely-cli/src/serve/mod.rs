@@ -206,6 +206,82 @@ mod tests {
         assert!(c.validate().is_ok());
     }
 
+    /// One GET over HTTP/1.0: the status and the body.
+    async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut raw = String::new();
+        s.read_to_string(&mut raw).await.unwrap();
+        let code = raw.split_whitespace().nth(1).unwrap().parse().unwrap();
+        (code, raw.split_once("\r\n\r\n").unwrap().1.to_owned())
+    }
+
+    /// Following the "next page" links lists every stuck record once, in
+    /// pages of [`pages::PAGE`], and ends.
+    #[tokio::test]
+    async fn paging_lists_each_stuck_record_once() {
+        use oncely::{Claim, ClaimOptions, EffectKey, Ledger, MemoryLedger};
+        let memory = Arc::new(MemoryLedger::new());
+        let tenant = Tenant::new("acme").unwrap();
+        let n = pages::PAGE as usize * 2 + 7;
+        let opts = ClaimOptions::default().lease(Duration::from_secs(1));
+        let mut ends = std::time::SystemTime::UNIX_EPOCH;
+        for i in 0..n {
+            let key = EffectKey::new(&tenant, "capture", &format!("order-{i:03}")).unwrap();
+            let Claim::Acquired(lease) = memory.claim(&key, &opts).await.unwrap() else {
+                panic!("fresh")
+            };
+            ends = ends.max(lease.expires_at());
+        }
+        let probe = EffectKey::new(&tenant, "capture", "order-000").unwrap();
+        while memory.get(&probe).await.unwrap().unwrap().read_at < ends {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let mut cfg = config("127.0.0.1:0");
+        cfg.scope = Scope::Tenant(tenant);
+        let listener = tokio::net::TcpListener::bind(cfg.listen).await.unwrap();
+        let server = Server {
+            listener,
+            app: Arc::new(pages::App::new(AnyLedger::Memory(memory), cfg).unwrap()),
+        };
+        let addr = server.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(server.run(async {
+            let _ = stopped.await;
+        }));
+
+        let mut seen = Vec::new();
+        let mut path = "/stuck".to_owned();
+        let mut pages_read = 0;
+        loop {
+            let (code, html) = get(addr, &path).await;
+            assert_eq!(code, 200, "{html}");
+            pages_read += 1;
+            for part in html.split("href=\"/record/").skip(1) {
+                seen.push(part[..part.find('"').unwrap()].to_owned());
+            }
+            match html.split_once("<a href=\"/stuck?after_t=") {
+                Some((_, rest)) => {
+                    let q = &rest[..rest.find('"').unwrap()];
+                    path = format!("/stuck?after_t={}", q.replace("&amp;", "&"));
+                }
+                None => break,
+            }
+        }
+        assert_eq!(pages_read, 3);
+        assert_eq!(seen.len(), n);
+        let mut unique = seen.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(unique.len(), n, "each record once");
+        assert_eq!(seen, unique, "oldest first: created in key order");
+        let _ = stop.send(());
+        serving.await.unwrap().unwrap();
+    }
+
     #[test]
     fn unknown_database_schemes_are_refused_before_connecting() {
         let mut c = config("127.0.0.1:0");

@@ -23,7 +23,7 @@ use crate::any::AnyLedger;
 use crate::ops::rfc3339;
 
 /// Records per page of `/stuck` and `/abandoned`.
-const PAGE: u32 = 50;
+pub(crate) const PAGE: u32 = 50;
 
 /// What every request shares.
 pub(crate) struct App {
@@ -196,7 +196,7 @@ pub(crate) fn router(app: Arc<App>) -> Router {
 }
 
 /// The query string every page accepts; the lists also page with `after_t`
-/// (microseconds since the epoch) and `after_key`.
+/// (nanoseconds since the epoch) and `after_key`.
 #[derive(Debug, Default, Deserialize)]
 struct Params {
     tenant: Option<String>,
@@ -319,6 +319,8 @@ async fn abandoned(State(app): State<Arc<App>>, q: Q) -> Response {
 #[derive(Serialize)]
 struct ListRow {
     key: String,
+    /// Percent-encoded by [`key_path`]: only `A-Za-z0-9-._~/:%`, so the
+    /// template writes it into the attribute as it is.
     href: String,
     kind: String,
     fence: u64,
@@ -368,7 +370,7 @@ async fn list(app: &App, q: Q, filter: Filter) -> Response {
         .map(|last| {
             let mut q = format!(
                 "?after_t={}&after_key={}",
-                micros(last.created_at),
+                nanos(last.created_at),
                 query_value(last.key.as_str())
             );
             if let Some(t) = p.tenant.as_deref().filter(|t| !t.is_empty()) {
@@ -406,8 +408,11 @@ async fn list(app: &App, q: Q, filter: Filter) -> Response {
     )
 }
 
-fn micros(t: SystemTime) -> u128 {
-    t.duration_since(UNIX_EPOCH).unwrap_or_default().as_micros()
+/// The cursor's instant in nanoseconds: the memory ledger keeps
+/// `created_at` finer than the SQL backends' microseconds, and a cursor
+/// rounded down would list its last record again.
+fn nanos(t: SystemTime) -> u128 {
+    t.duration_since(UNIX_EPOCH).unwrap_or_default().as_nanos()
 }
 
 fn cursor(p: &Params) -> Result<Option<Cursor>, Failure> {
@@ -415,11 +420,11 @@ fn cursor(p: &Params) -> Result<Option<Cursor>, Failure> {
         (None, None) => Ok(None),
         (Some(t), Some(k)) => {
             let t: u64 = t.parse().map_err(|_| {
-                Failure::bad_request(format!("?after_t={t:?} is not a number of microseconds"))
+                Failure::bad_request(format!("?after_t={t:?} is not a number of nanoseconds"))
             })?;
             let key = EffectKey::parse(k).map_err(|e| Failure::bad_request(format!("?after_key: {e}")))?;
             Ok(Some(Cursor {
-                created_at: UNIX_EPOCH + Duration::from_micros(t),
+                created_at: UNIX_EPOCH + Duration::from_nanos(t),
                 key,
             }))
         }
