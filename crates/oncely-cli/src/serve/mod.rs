@@ -230,7 +230,7 @@ mod tests {
         let opts = ClaimOptions::default().lease(Duration::from_secs(1));
         let mut ends = std::time::SystemTime::UNIX_EPOCH;
         for i in 0..n {
-            let key = EffectKey::new(&tenant, "capture", &format!("order-{i:03}")).unwrap();
+            let key = EffectKey::new(&tenant, "capture", format!("order-{i:03}")).unwrap();
             let Claim::Acquired(lease) = memory.claim(&key, &opts).await.unwrap() else {
                 panic!("fresh")
             };
