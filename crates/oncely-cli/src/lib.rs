@@ -18,6 +18,9 @@
 //! - [`admin`](mod@admin): the operator commands over [`oncely::admin`]
 //!   (`oncely inspect`, `history`, `stats`, `stuck`, `resolve`, `forget`);
 //!   `resolve` and `forget` are recorded in the ledger as audit records.
+//! - [`serve`]: the operator web page (`oncely serve`): stats, stuck and
+//!   abandoned records, one record, and the redelivery-gap chart against
+//!   the retention, rendered on the server.
 //! - [`AnyLedger`]: one [`oncely::Ledger`] whose backend is picked from a
 //!   database URL at run time, like sqlx's `Any` driver.
 //!
@@ -33,6 +36,7 @@
 //! $ oncely history --tenant acme --subject order-123     # did this run twice?
 //! $ oncely stats --all-tenants --json
 //! $ oncely resolve acme/receipt:order-123 --released     # recorded as an audit record
+//! $ oncely serve --database-url postgres://localhost/app --tenant acme --metrics-url http://127.0.0.1:9000/metrics
 //! ```
 //!
 //! Exit codes: 0 success, 1 runtime failure (database unreachable, backend
@@ -81,5 +85,6 @@ pub mod any;
 pub mod bench;
 pub mod demo;
 pub mod ops;
+pub mod serve;
 
 pub use any::{Access, AnyLedger, AnyPool, Scheme};

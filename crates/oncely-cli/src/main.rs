@@ -16,6 +16,7 @@ use oncely_cli::admin::{self, ActionReport, History, Inspection, StatsReport};
 use oncely_cli::bench::{self, BenchConfig, BenchReport};
 use oncely_cli::demo::{self, DemoConfig, DemoReport, Guard, Progress};
 use oncely_cli::ops::{self, RecordView};
+use oncely_cli::serve::{self, ServeArgs};
 
 /// Make job and message handlers safe to run twice.
 ///
@@ -310,6 +311,19 @@ enum Command {
         #[command(flatten)]
         db: DbArgs,
     },
+    /// Serve the operator web page: stats, stuck and abandoned records, one
+    /// record's detail, and the redelivery-gap chart against the retention.
+    ///
+    /// Server-rendered HTML, no JavaScript. Read-only (the ledger is opened
+    /// like `get` does) unless --allow-resolve, which offers a form on stuck
+    /// and abandoned records doing what `oncely resolve` does. Listens on
+    /// loopback unless
+    /// --allow-remote (the page has no authentication). Shows one tenant
+    /// (--tenant; any other answers 403) or all (--all-tenants). The gap
+    /// chart reads oncely_redelivery_gap_seconds from a consumer's
+    /// Prometheus endpoint (--metrics-url): duplicates are not stored in
+    /// the ledger. Runs until Ctrl-C.
+    Serve(ServeArgs),
 }
 
 #[derive(Debug, Args)]
@@ -592,6 +606,38 @@ async fn run(command: Command) -> ExitCode {
             }
             Err(e) => fail(&e),
         },
+        Command::Serve(args) => run_serve(args).await,
+    }
+}
+
+async fn run_serve(args: ServeArgs) -> ExitCode {
+    let config = match args.config() {
+        Ok(c) => c,
+        Err(e) => return fail(&e),
+    };
+    let scope = config.scope.to_string();
+    let server = match serve::bind(config).await {
+        Ok(s) => s,
+        Err(e) => return fail(&e),
+    };
+    match server.local_addr() {
+        Ok(addr) => println!(
+            "oncely serve: http://{addr}/ ({} ledger, {scope}, {}); Ctrl-C stops it",
+            server.backend(),
+            if server.resolves() {
+                "resolve allowed"
+            } else {
+                "read-only"
+            }
+        ),
+        Err(e) => return fail(&e),
+    }
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    match server.run(shutdown).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(&e),
     }
 }
 

@@ -1,0 +1,69 @@
+//! The command line of `oncely serve`, turned into a [`ServeConfig`].
+
+use std::net::SocketAddr;
+
+use clap::{ArgGroup, Args};
+use oncely::{Result, Tenant};
+
+use super::{MetricsUrl, Scope, ServeConfig, parse_duration};
+
+/// `oncely serve`'s arguments.
+#[derive(Debug, Clone, Args)]
+#[command(group(ArgGroup::new("scope").required(true).args(["tenant", "all_tenants"])))]
+pub struct ServeArgs {
+    /// The ledger's database: sqlite:PATH, postgres://USER@HOST/DB or
+    /// mysql://USER@HOST/DB (Redis and NATS cannot list records).
+    #[arg(long, env = "ONCELY_DATABASE_URL")]
+    pub database_url: String,
+    /// Where to listen: a loopback address (127.0.0.1:PORT, or the IPv6
+    /// loopback ::1 in brackets) unless --allow-remote.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Listen on a non-loopback address. The page has no authentication:
+    /// put it behind a proxy that authenticates.
+    #[arg(long)]
+    pub allow_remote: bool,
+    /// Show this tenant only; a request for another is refused (403).
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// Show every tenant (pick one with ?tenant= in the URL).
+    #[arg(long)]
+    pub all_tenants: bool,
+    /// A consumer's Prometheus endpoint (http://HOST:PORT/metrics), for the
+    /// redelivery-gap chart.
+    #[arg(long)]
+    pub metrics_url: Option<String>,
+    /// The retention your claims keep completed records for, drawn across
+    /// the gap chart: 7d, 36h, 1h30m, 90s.
+    #[arg(long, default_value = "7d")]
+    pub retention: String,
+    /// Offer a form on stuck and abandoned records to resolve them (release
+    /// the key, or mark it completed with a value), through the same fenced
+    /// path as `oncely resolve`, recorded as an audit record. Without it
+    /// the page is read-only.
+    #[arg(long)]
+    pub allow_resolve: bool,
+}
+
+impl ServeArgs {
+    /// Checks the arguments and builds the configuration, connecting to
+    /// nothing. Fails with [`oncely::Error::Config`] (or
+    /// [`oncely::Error::InvalidKey`] for a malformed tenant).
+    pub fn config(&self) -> Result<ServeConfig> {
+        let scope = match &self.tenant {
+            Some(t) => Scope::Tenant(Tenant::parse(t)?),
+            None => Scope::All,
+        };
+        let config = ServeConfig {
+            database_url: self.database_url.clone(),
+            listen: self.listen,
+            allow_remote: self.allow_remote,
+            scope,
+            metrics_url: self.metrics_url.as_deref().map(MetricsUrl::parse).transpose()?,
+            retention: parse_duration(&self.retention)?,
+            allow_resolve: self.allow_resolve,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+}
