@@ -81,5 +81,6 @@ pub mod any;
 pub mod bench;
 pub mod demo;
 pub mod ops;
+pub mod reconcile;
 
 pub use any::{Access, AnyLedger, AnyPool, Scheme};
