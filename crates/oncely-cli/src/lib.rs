@@ -18,6 +18,9 @@
 //! - [`admin`](mod@admin): the operator commands over [`oncely::admin`]
 //!   (`oncely inspect`, `history`, `stats`, `stuck`, `resolve`, `forget`);
 //!   `resolve` and `forget` are recorded in the ledger as audit records.
+//! - [`reconcile`](mod@reconcile): `oncely reconcile`, which settles stuck
+//!   leases and abandoned steps by asking an external command about each
+//!   ([`reconcile::CheckCommand`], a [`oncely::reconcile::Reconciler`]).
 //! - [`AnyLedger`]: one [`oncely::Ledger`] whose backend is picked from a
 //!   database URL at run time, like sqlx's `Any` driver.
 //!
@@ -33,14 +36,16 @@
 //! $ oncely history --tenant acme --subject order-123     # did this run twice?
 //! $ oncely stats --all-tenants --json
 //! $ oncely resolve acme/receipt:order-123 --released     # recorded as an audit record
+//! $ oncely reconcile --tenant acme --check ./check-provider.sh --grace 10m --dry-run
 //! ```
 //!
 //! Exit codes: 0 success, 1 runtime failure (database unreachable, backend
 //! error, a demo in which oncely charged twice, a bench row in which an
 //! effect ran twice, a resolve or forget refused by the record's state or
-//! fence), 2 usage error (bad arguments, an invalid key or tenant, an
-//! unknown URL scheme, a command the backend does not offer), 3 `get`,
-//! `inspect`, `resolve` or `forget` found no record.
+//! fence, a reconcile that could not settle a record), 2 usage error (bad
+//! arguments, an invalid key or tenant, an unknown URL scheme, a command the
+//! backend does not offer), 3 `get`, `inspect`, `resolve` or `forget` found
+//! no record.
 //!
 //! ```no_run
 //! use oncely::{ClaimOptions, EffectKey, Effects, Tenant};

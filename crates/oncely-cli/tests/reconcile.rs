@@ -160,11 +160,11 @@ fn record(url: &str, key: &EffectKey) -> Record {
     })
 }
 
-/// What can change: state, fence, outcome, lease end.
-fn snapshot(
-    url: &str,
-    s: &Seeded,
-) -> Vec<(RecordState, u64, Option<Vec<u8>>, Option<std::time::SystemTime>)> {
+/// What a write can change in a record: state, fence, outcome, lease end.
+type Written = (RecordState, u64, Option<Vec<u8>>, Option<std::time::SystemTime>);
+
+/// What can change in each seeded record.
+fn snapshot(url: &str, s: &Seeded) -> Vec<Written> {
     s.all()
         .into_iter()
         .map(|k| {
