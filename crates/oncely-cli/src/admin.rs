@@ -330,7 +330,7 @@ async fn all_pages(ledger: &AnyLedger, query: RecordQuery) -> Result<Vec<Record>
 }
 
 /// Opens a ledger and refuses, before any read, a backend without [`Admin`].
-async fn open_admin(database_url: &str, access: Access) -> Result<AnyLedger> {
+pub(crate) async fn open_admin(database_url: &str, access: Access) -> Result<AnyLedger> {
     let scheme = crate::any::Scheme::of_url(database_url)?;
     if !scheme.has_admin() {
         return Err(Error::Config(format!(

@@ -21,6 +21,9 @@
 //! - [`serve`]: the operator web page (`oncely serve`): stats, stuck and
 //!   abandoned records, one record, and the redelivery-gap chart against
 //!   the retention, rendered on the server.
+//! - [`reconcile`](mod@reconcile): `oncely reconcile`, which settles stuck
+//!   leases and abandoned steps by asking an external command about each
+//!   ([`reconcile::CheckCommand`], a [`oncely::reconcile::Reconciler`]).
 //! - [`AnyLedger`]: one [`oncely::Ledger`] whose backend is picked from a
 //!   database URL at run time, like sqlx's `Any` driver.
 //!
@@ -37,14 +40,16 @@
 //! $ oncely stats --all-tenants --json
 //! $ oncely resolve acme/receipt:order-123 --released     # recorded as an audit record
 //! $ oncely serve --database-url postgres://localhost/app --tenant acme --metrics-url http://127.0.0.1:9000/metrics
+//! $ oncely reconcile --tenant acme --check ./check-provider.sh --grace 10m --dry-run
 //! ```
 //!
 //! Exit codes: 0 success, 1 runtime failure (database unreachable, backend
 //! error, a demo in which oncely charged twice, a bench row in which an
 //! effect ran twice, a resolve or forget refused by the record's state or
-//! fence), 2 usage error (bad arguments, an invalid key or tenant, an
-//! unknown URL scheme, a command the backend does not offer), 3 `get`,
-//! `inspect`, `resolve` or `forget` found no record.
+//! fence, a reconcile that could not settle a record), 2 usage error (bad
+//! arguments, an invalid key or tenant, an unknown URL scheme, a command the
+//! backend does not offer), 3 `get`, `inspect`, `resolve` or `forget` found
+//! no record.
 //!
 //! ```no_run
 //! use oncely::{ClaimOptions, EffectKey, Effects, Tenant};
@@ -85,6 +90,7 @@ pub mod any;
 pub mod bench;
 pub mod demo;
 pub mod ops;
+pub mod reconcile;
 pub mod serve;
 
 pub use any::{Access, AnyLedger, AnyPool, Scheme};

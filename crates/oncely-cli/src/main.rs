@@ -5,6 +5,7 @@
 use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use comfy_table::Table;
@@ -16,6 +17,7 @@ use oncely_cli::admin::{self, ActionReport, History, Inspection, StatsReport};
 use oncely_cli::bench::{self, BenchConfig, BenchReport};
 use oncely_cli::demo::{self, DemoConfig, DemoReport, Guard, Progress};
 use oncely_cli::ops::{self, RecordView};
+use oncely_cli::reconcile::{self, ReconcileConfig, ReconcileReport};
 use oncely_cli::serve::{self, ServeArgs};
 
 /// Make job and message handlers safe to run twice.
@@ -35,8 +37,8 @@ use oncely_cli::serve::{self, ServeArgs};
 ///
 /// Exit codes: 0 success; 1 runtime failure (database unreachable, backend
 /// error, oncely charged twice in the demo, an effect ran twice in the
-/// bench, resolve or forget refused: a live lease, a fence that moved);
-/// 2 usage error (bad arguments, invalid key or tenant, unknown URL
+/// bench, resolve or forget refused: a live lease, a fence that moved;
+/// reconcile could not settle a record); 2 usage error (bad arguments, invalid key or tenant, unknown URL
 /// scheme, a command the backend does not offer); 3 `get`, `inspect`,
 /// `resolve` or `forget` found no record.
 #[derive(Debug, Parser)]
@@ -255,6 +257,48 @@ enum Command {
         #[command(flatten)]
         db: DbArgs,
     },
+    /// Settle stuck leases and abandoned at-most-once steps by asking a
+    /// command of yours about each (like a git hook).
+    ///
+    /// Lists the tenant's doubtful records (--all-tenants: every
+    /// tenant's): stuck leases first, then abandoned steps, oldest first.
+    /// For each, runs CHECK through `sh -c` and applies its answer with
+    /// fenced writes: a stuck lease is taken over by a claim (fence + 1),
+    /// then completed or released; an abandoned step is completed or
+    /// released at its fence. A record that moved on meanwhile is left
+    /// alone (counted as moved).
+    ///
+    /// The protocol. The record reaches CHECK only as data, never on its
+    /// command line: on stdin, one JSON object and a newline, with key,
+    /// tenant, kind, subject, doubt ("stuck" or "abandoned"), fence, state,
+    /// at_most_once, created_at, lease_expires_at (RFC 3339 UTC) and
+    /// provider_key (the idempotency key the step sent the provider); in
+    /// the environment, ONCELY_KEY, ONCELY_DOUBT and ONCELY_PROVIDER_KEY.
+    /// CHECK prints exactly one line on stdout:
+    ///
+    ///   done <JSON>   the effect happened: complete the record with this
+    ///                 value, stored as a runner stores a handler's value
+    ///                 ({"ok": JSON}), so duplicates replay it (done null
+    ///                 for a step that returns nothing);
+    ///
+    ///   not-done      it certainly did not happen: release the record, the
+    ///                 next delivery runs the step;
+    ///
+    ///   unknown       the provider cannot tell: write nothing, the record
+    ///                 stays listed.
+    ///
+    /// Any other output, a non-zero exit, or no answer within
+    /// --check-timeout (CHECK is then killed) is an error for that record:
+    /// nothing is written for it and the run goes on. Log to stderr; its
+    /// end is quoted in the error. With --dry-run, CHECK is still asked
+    /// (it should only read from the provider) but nothing is written.
+    ///
+    /// Prints each examined record (key, doubt, fence, verdict, result)
+    /// and the totals, or one JSON object with --json. Exits 1 if any
+    /// record failed or the listing failed; 2 on bad input, and on Redis
+    /// and NATS (they cannot list records: settle known keys with
+    /// `resolve`). SQL backends only.
+    Reconcile(ReconcileArgs),
     /// Let a completed effect run again, on purpose.
     ///
     /// One fenced write turns the completed record (at its current fence,
@@ -347,6 +391,49 @@ struct ScopeArgs {
     /// Read every tenant's records (an operator view across tenants).
     #[arg(long)]
     all_tenants: bool,
+}
+
+#[derive(Debug, Args)]
+struct ReconcileArgs {
+    #[command(flatten)]
+    scope: ScopeArgs,
+    /// The command to ask about each record, run through `sh -c` (see the
+    /// protocol above), e.g. './check-provider.sh'.
+    #[arg(long, value_name = "CMD")]
+    check: String,
+    /// How long CHECK may take for one record before it is killed
+    /// (500ms, 30s, 5m).
+    #[arg(long, default_value = "30s", value_parser = duration_arg)]
+    check_timeout: Duration,
+    /// Ask, but write nothing: the report says what would be done.
+    #[arg(long)]
+    dry_run: bool,
+    /// Leave alone records whose lease ended less than this long ago, on
+    /// the database's clock (a stalled worker may still call the provider):
+    /// 30s, 5m, 2h, 1d.
+    #[arg(long, default_value = "0s", value_parser = duration_arg)]
+    grace: Duration,
+    /// Records listed per page.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    batch: u32,
+    /// Stop after examining this many records.
+    #[arg(long)]
+    max: Option<u64>,
+    /// At most this many records per second (the provider's rate limit).
+    #[arg(long, value_name = "PER_SEC")]
+    rate: Option<f64>,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    db: DbArgs,
+}
+
+fn duration_arg(s: &str) -> Result<Duration, String> {
+    reconcile::parse_duration(s).map_err(|e| match e {
+        Error::InvalidInput(m) => m,
+        other => other.to_string(),
+    })
 }
 
 #[derive(Debug, Args)]
@@ -563,6 +650,7 @@ async fn run(command: Command) -> ExitCode {
                 Err(e) => fail(&e),
             }
         }
+        Command::Reconcile(args) => run_reconcile(args).await,
         Command::Forget { key, fence, json, db } => {
             match admin::forget(&db.database_url, &key, fence).await {
                 Ok(r) => print_action(&r, json),
@@ -682,6 +770,89 @@ async fn run_demo(args: DemoArgs) -> ExitCode {
         eprintln!("error: {p}");
     }
     ExitCode::from(1)
+}
+
+async fn run_reconcile(args: ReconcileArgs) -> ExitCode {
+    let tenant = match admin::scope(args.scope.tenant.as_deref(), args.scope.all_tenants) {
+        Ok(t) => t,
+        Err(e) => return fail(&e),
+    };
+    let config = ReconcileConfig {
+        check_timeout: args.check_timeout,
+        dry_run: args.dry_run,
+        grace: args.grace,
+        batch: args.batch as usize,
+        max: args.max,
+        rate: args.rate,
+        ..ReconcileConfig::new(tenant, args.check)
+    };
+    let report = match reconcile::reconcile(&args.db.database_url, &config).await {
+        Ok(r) => r,
+        Err(e) => return fail(&e),
+    };
+    if args.json {
+        let code = print_json(&report);
+        if code != ExitCode::SUCCESS {
+            return code;
+        }
+    } else {
+        print_reconcile(&report);
+    }
+    if let Some(why) = &report.aborted {
+        eprintln!("error: the run stopped early: {why}");
+    }
+    if report.errors > 0 {
+        eprintln!(
+            "error: {} record{} could not be settled (left as they were)",
+            report.errors,
+            if report.errors == 1 { "" } else { "s" }
+        );
+    }
+    if report.failed() {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+fn print_reconcile(r: &ReconcileReport) {
+    if r.entries.is_empty() {
+        println!("no doubtful records");
+    } else {
+        let mut t = plain_table();
+        t.set_header(["key", "doubt", "fence", "verdict", "result", "detail"]);
+        for e in &r.entries {
+            let detail = match (&e.error, &e.outcome) {
+                (Some(err), _) => err.clone(),
+                (None, Some(v)) => v.to_string(),
+                (None, None) => "-".to_owned(),
+            };
+            t.add_row([
+                e.key.clone(),
+                e.doubt.unwrap_or("-").to_owned(),
+                e.fence.to_string(),
+                e.verdict.unwrap_or("-").to_owned(),
+                e.result.to_owned(),
+                detail,
+            ]);
+        }
+        println!("{}", padded(t));
+    }
+    println!(
+        "examined {}: completed {}, released {}, unknown {}, moved {}, skipped {}, errors {}{}",
+        r.examined,
+        r.completed,
+        r.released,
+        r.unknown,
+        r.moved,
+        r.skipped,
+        r.errors,
+        if r.dry_run {
+            " (dry run: nothing written)"
+        } else {
+            ""
+        }
+    );
 }
 
 fn print_table(r: &DemoReport, kept: bool) {

@@ -1,0 +1,588 @@
+//! `oncely reconcile`: settles stuck leases and abandoned at-most-once
+//! steps by asking an external command about each, like a git hook.
+//!
+//! The CLI cannot know your provider, so the [`Reconciler`] it runs,
+//! [`CheckCommand`], runs a command of yours once per doubtful record,
+//! through `sh -c`, and reads its answer. The record reaches the command
+//! only as data, never as part of a command line (no shell injection from
+//! a key's subject):
+//!
+//! - on **stdin**, one JSON object and a newline: `key`, `tenant`, `kind`,
+//!   `subject`, `doubt` (`stuck` or `abandoned`), `fence`, `state`,
+//!   `at_most_once`, `created_at`, `lease_expires_at` (RFC 3339 UTC) and
+//!   `provider_key` (the idempotency key the step sent the provider);
+//! - in the environment: `ONCELY_KEY`, `ONCELY_DOUBT`,
+//!   `ONCELY_PROVIDER_KEY` (and everything the `oncely` process has).
+//!
+//! The command prints one line on stdout ([`parse_answer`]):
+//!
+//! | line | verdict | what is written |
+//! | --- | --- | --- |
+//! | `done <JSON>` | [`Verdict::Done`] with [`Outcome::value`] of the JSON | the record completes with `{"ok": JSON}`, as a runner stores a handler's value, so duplicates replay it (`done null` for a step that returns nothing) |
+//! | `not-done` | [`Verdict::NotDone`] | the record is released: the next delivery runs the step |
+//! | `unknown` | [`Verdict::Unknown`] | nothing: the record stays listed |
+//!
+//! Anything else (another line, several lines, JSON that does not parse), a
+//! non-zero exit, or no answer within the timeout (the command is then
+//! killed) is an error for that record: nothing is written for it, it is
+//! counted in [`ReconcileReport::errors`], and the run goes on. Write logs
+//! to stderr: the end of it is quoted in the error.
+//!
+//! The records are listed and the answers applied by
+//! [`oncely::reconcile::Reconcile`] (stuck leases first, then abandoned
+//! steps, oldest first; fenced writes; a stuck lease taken over by a claim
+//! before it is written). It needs [`oncely::admin::Admin`]: on Redis and
+//! NATS the command is a usage error.
+
+use std::collections::HashMap;
+use std::process::Stdio;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use oncely::admin::{Filter, RecordQuery};
+use oncely::backend::Access;
+use oncely::reconcile::{Chain, Doubt, Query, Reconcile, Reconciler, Resolution, Verdict};
+use oncely::{BoxError, EffectKey, Error, Outcome, Record, Result, Tenant};
+use serde::Serialize;
+use tokio::io::AsyncWriteExt;
+
+use crate::admin::open_admin;
+use crate::ops::rfc3339;
+
+/// How much of the command's stderr an error quotes (its end).
+const STDERR_TAIL: usize = 300;
+
+/// What `oncely reconcile` runs.
+#[derive(Debug, Clone)]
+pub struct ReconcileConfig {
+    /// One tenant, or every tenant (`None`).
+    pub tenant: Option<Tenant>,
+    /// The command, run through `sh -c` once per doubtful record.
+    pub check: String,
+    /// How long the command may take for one record before it is killed.
+    pub check_timeout: Duration,
+    /// Ask, but write nothing.
+    pub dry_run: bool,
+    /// Leave records alone whose lease ended less than this long ago.
+    pub grace: Duration,
+    /// Records listed per page.
+    pub batch: usize,
+    /// Stop after this many records.
+    pub max: Option<u64>,
+    /// At most this many records per second.
+    pub rate: Option<f64>,
+}
+
+impl ReconcileConfig {
+    /// A run over `tenant` asking `check`, with the defaults: a 30 s
+    /// timeout, no grace, pages of 100, no limits, not a dry run.
+    pub fn new(tenant: Option<Tenant>, check: impl Into<String>) -> Self {
+        ReconcileConfig {
+            tenant,
+            check: check.into(),
+            check_timeout: Duration::from_secs(30),
+            dry_run: false,
+            grace: Duration::ZERO,
+            batch: 100,
+            max: None,
+            rate: None,
+        }
+    }
+
+    /// Refuses, before anything connects, what cannot run.
+    fn validate(&self) -> Result<()> {
+        if self.check.trim().is_empty() {
+            return Err(Error::InvalidInput(
+                "--check needs a command to ask about each record".into(),
+            ));
+        }
+        if self.check_timeout.is_zero() {
+            return Err(Error::InvalidInput("--check-timeout must be above zero".into()));
+        }
+        if self.batch == 0 {
+            return Err(Error::InvalidInput("--batch must be at least 1".into()));
+        }
+        if let Some(r) = self.rate
+            && !(r.is_finite() && r > 0.0)
+        {
+            return Err(Error::InvalidInput(format!(
+                "--rate must be a positive number of records per second, got {r}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What a run did, as `oncely reconcile` prints it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ReconcileReport {
+    /// Whether nothing was written.
+    pub dry_run: bool,
+    /// Records looked at (the sum of the counts below).
+    pub examined: u64,
+    /// Completed with the command's outcome (in a dry run: would be).
+    pub completed: u64,
+    /// Released for a retry (in a dry run: would be).
+    pub released: u64,
+    /// The command answered `unknown`; nothing written.
+    pub unknown: u64,
+    /// Moved on between the listing and the write; left alone.
+    pub moved: u64,
+    /// Not in doubt when read, or within the grace; the command was not run.
+    pub skipped: u64,
+    /// The command or the ledger failed; left as they were.
+    pub errors: u64,
+    /// Why the run stopped early (a listing failed), if it did.
+    pub aborted: Option<String>,
+    /// Every examined record, in order.
+    pub entries: Vec<EntryView>,
+}
+
+impl ReconcileReport {
+    /// Whether any record failed or the run stopped early (the command
+    /// exits 1).
+    pub fn failed(&self) -> bool {
+        self.errors > 0 || self.aborted.is_some()
+    }
+}
+
+/// One examined record.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EntryView {
+    /// `tenant/kind:subject`.
+    pub key: String,
+    /// `stuck`, `abandoned`, or `None` when it was not in doubt.
+    pub doubt: Option<&'static str>,
+    /// Its fence when listed.
+    pub fence: u64,
+    /// The command's answer: `done`, `not-done`, `unknown`, `error` (it
+    /// failed), or `None` (it was not asked).
+    pub verdict: Option<&'static str>,
+    /// `completed`, `released`, `unknown`, `moved`, `skipped` or `error`.
+    pub result: &'static str,
+    /// The JSON the command answered `done` with.
+    pub outcome: Option<serde_json::Value>,
+    /// What failed.
+    pub error: Option<String>,
+}
+
+/// Reconciles the doubtful records of a tenant (or of every tenant):
+/// stuck leases, then abandoned steps, asking `config.check` about each.
+/// Bad input fails before anything connects; a ledger without
+/// [`oncely::admin::Admin`] fails with [`Error::Config`]. Record failures
+/// are in the report, not an `Err`.
+pub async fn reconcile(database_url: &str, config: &ReconcileConfig) -> Result<ReconcileReport> {
+    config.validate()?;
+    let access = if config.dry_run {
+        Access::ReadOnly
+    } else {
+        Access::Existing
+    };
+    let ledger = open_admin(database_url, access).await?;
+    let check = CheckCommand::new(&config.check, config.check_timeout);
+    let mut run = Reconcile::new(&ledger, &check)
+        .batch_size(config.batch)
+        .dry_run(config.dry_run)
+        .grace(config.grace);
+    if let Some(max) = config.max {
+        run = run.max_records(max);
+    }
+    if let Some(rate) = config.rate {
+        run = run.rate_limit(rate);
+    }
+    let report = match &config.tenant {
+        Some(t) => run.doubtful(t).await,
+        None => {
+            let all = || RecordQuery::all_tenants();
+            run.run(Chain::new(
+                Query::new(all().filter(Filter::Stuck)),
+                Query::new(all().filter(Filter::Abandoned)),
+            ))
+            .await
+        }
+    };
+    ledger.close().await;
+    let report = report?;
+    let answers = check.answers.into_inner().unwrap_or_else(|p| p.into_inner());
+    let entries = report
+        .entries
+        .iter()
+        .map(|e| {
+            let answer = answers.get(&(e.key.clone(), e.fence));
+            EntryView {
+                key: e.key.to_string(),
+                doubt: e.doubt.map(Doubt::as_str),
+                fence: e.fence,
+                verdict: answer.map(|a| a.verdict),
+                result: e.resolution.as_str(),
+                outcome: answer.and_then(|a| a.outcome.clone()),
+                error: match &e.resolution {
+                    Resolution::Error(m) => Some(m.clone()),
+                    _ => None,
+                },
+            }
+        })
+        .collect();
+    Ok(ReconcileReport {
+        dry_run: report.dry_run,
+        examined: report.examined,
+        completed: report.completed,
+        released: report.released,
+        unknown: report.unknown,
+        moved: report.moved,
+        skipped: report.skipped,
+        errors: report.errors,
+        aborted: report.aborted,
+        entries,
+    })
+}
+
+/// What the command said about one record, kept for the report.
+#[derive(Debug, Clone)]
+struct Answer {
+    verdict: &'static str,
+    outcome: Option<serde_json::Value>,
+}
+
+/// A [`Reconciler`] that runs a shell command per record (see the
+/// [module docs](self) for the protocol).
+#[derive(Debug)]
+pub struct CheckCommand {
+    command: String,
+    timeout: Duration,
+    answers: Mutex<HashMap<(EffectKey, u64), Answer>>,
+}
+
+impl CheckCommand {
+    /// Runs `command` through `sh -c`, killed after `timeout`.
+    pub fn new(command: &str, timeout: Duration) -> Self {
+        CheckCommand {
+            command: command.to_owned(),
+            timeout,
+            answers: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn note(&self, record: &Record, answer: Answer) {
+        self.answers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert((record.key.clone(), record.fence), answer);
+    }
+
+    /// Runs the command for one record and reads its line.
+    async fn ask(&self, record: &Record, doubt: Doubt) -> std::result::Result<Answered, String> {
+        let input = serde_json::to_vec(&CheckInput::of(record, doubt))
+            .map_err(|e| format!("cannot encode the record as JSON: {e}"))?;
+        let mut child = tokio::process::Command::new("sh")
+            .arg("-c")
+            .arg(&self.command)
+            .env("ONCELY_KEY", record.key.as_str())
+            .env("ONCELY_DOUBT", doubt.as_str())
+            .env("ONCELY_PROVIDER_KEY", record.key.provider_key())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // A command that outlives its timeout is killed when its
+            // future is dropped.
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot run sh -c: {e}"))?;
+        let stdin = child.stdin.take();
+        // Fed while the output is read, so a large record never blocks on
+        // a command that prints before it reads; a command that does not
+        // read its stdin is fine (the write error is ignored).
+        let feed = async move {
+            if let Some(mut stdin) = stdin {
+                let _ = stdin.write_all(&input).await;
+                let _ = stdin.write_all(b"\n").await;
+            }
+        };
+        let output = async {
+            let ((), out) = tokio::join!(feed, child.wait_with_output());
+            out
+        };
+        let out = match tokio::time::timeout(self.timeout, output).await {
+            Err(_) => {
+                return Err(format!(
+                    "the check command gave no answer within {} (killed)",
+                    human(self.timeout)
+                ));
+            }
+            Ok(Err(e)) => return Err(format!("the check command failed to run: {e}")),
+            Ok(Ok(out)) => out,
+        };
+        let stderr = tail(&String::from_utf8_lossy(&out.stderr));
+        let said = |what: String| {
+            if stderr.is_empty() {
+                what
+            } else {
+                format!("{what}; stderr: {stderr}")
+            }
+        };
+        if !out.status.success() {
+            return Err(said(format!("the check command exited with {}", out.status)));
+        }
+        let stdout = std::str::from_utf8(&out.stdout)
+            .map_err(|_| said("the check command's output is not UTF-8".to_owned()))?;
+        parse_answer(stdout).map_err(said)
+    }
+}
+
+impl Reconciler for CheckCommand {
+    async fn check(&self, record: &Record, doubt: Doubt) -> std::result::Result<Verdict, BoxError> {
+        match self.ask(record, doubt).await {
+            Ok(Answered { verdict, outcome }) => {
+                self.note(
+                    record,
+                    Answer {
+                        verdict: match verdict {
+                            Verdict::Done(_) => "done",
+                            Verdict::NotDone => "not-done",
+                            Verdict::Unknown => "unknown",
+                        },
+                        outcome,
+                    },
+                );
+                Ok(verdict)
+            }
+            Err(e) => {
+                self.note(
+                    record,
+                    Answer {
+                        verdict: "error",
+                        outcome: None,
+                    },
+                );
+                Err(e.into())
+            }
+        }
+    }
+}
+
+/// A parsed answer: the verdict, and the JSON of a `done`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Answered {
+    /// What to do with the record.
+    pub verdict: Verdict,
+    /// The JSON the command answered `done` with.
+    pub outcome: Option<serde_json::Value>,
+}
+
+/// Reads the check command's stdout: exactly one non-empty line, `done
+/// <JSON>`, `not-done` or `unknown` (surrounding whitespace ignored).
+/// `done`'s JSON is stored as [`Outcome::value`] stores a handler's value.
+pub fn parse_answer(stdout: &str) -> std::result::Result<Answered, String> {
+    let mut lines = stdout.lines().map(str::trim).filter(|l| !l.is_empty());
+    let line = match (lines.next(), lines.next()) {
+        (Some(line), None) => line,
+        (None, _) => {
+            return Err(
+                "the check command printed nothing (expected one line: done <JSON>, not-done or unknown)"
+                    .to_owned(),
+            );
+        }
+        (Some(_), Some(_)) => {
+            return Err(format!(
+                "the check command printed several lines (expected one: done <JSON>, not-done or \
+                 unknown; log to stderr): {}",
+                quote(stdout.trim())
+            ));
+        }
+    };
+    let (word, rest) = match line.split_once(char::is_whitespace) {
+        Some((w, r)) => (w, r.trim()),
+        None => (line, ""),
+    };
+    match (word, rest) {
+        ("not-done", "") => Ok(Answered {
+            verdict: Verdict::NotDone,
+            outcome: None,
+        }),
+        ("unknown", "") => Ok(Answered {
+            verdict: Verdict::Unknown,
+            outcome: None,
+        }),
+        ("done", "") => Err(
+            "the check command answered done without the outcome (done <JSON>; done null for a step \
+             that returns nothing)"
+                .to_owned(),
+        ),
+        ("done", json) => {
+            let value: serde_json::Value = serde_json::from_str(json).map_err(|e| {
+                format!(
+                    "the check command's done outcome is not JSON ({e}): {}",
+                    quote(json)
+                )
+            })?;
+            let outcome = Outcome::value(&value).map_err(|e| format!("the done outcome: {e}"))?;
+            Ok(Answered {
+                verdict: Verdict::Done(outcome),
+                outcome: Some(value),
+            })
+        }
+        _ => Err(format!(
+            "the check command answered {} (expected done <JSON>, not-done or unknown)",
+            quote(line)
+        )),
+    }
+}
+
+/// What the check command reads on stdin.
+#[derive(Debug, Serialize)]
+struct CheckInput<'a> {
+    key: &'a str,
+    tenant: &'a str,
+    kind: &'a str,
+    subject: &'a str,
+    doubt: &'static str,
+    fence: u64,
+    state: &'static str,
+    at_most_once: bool,
+    created_at: String,
+    lease_expires_at: Option<String>,
+    provider_key: String,
+}
+
+impl<'a> CheckInput<'a> {
+    fn of(r: &'a Record, doubt: Doubt) -> Self {
+        CheckInput {
+            key: r.key.as_str(),
+            tenant: r.key.tenant().as_str(),
+            kind: r.key.kind(),
+            subject: r.key.subject(),
+            doubt: doubt.as_str(),
+            fence: r.fence,
+            state: r.state.as_str(),
+            at_most_once: r.at_most_once,
+            created_at: rfc3339(r.created_at),
+            lease_expires_at: r.lease_expires_at.map(rfc3339),
+            provider_key: r.key.provider_key(),
+        }
+    }
+}
+
+/// Parses a duration: a whole number with a unit, `ms`, `s`, `m`, `h` or
+/// `d` (`500ms`, `30s`, `5m`, `2h`, `1d`), or a bare number of seconds.
+pub fn parse_duration(s: &str) -> Result<Duration> {
+    let bad = || Error::InvalidInput(format!("not a duration (500ms, 30s, 5m, 2h, 1d): {s:?}"));
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (n, unit) = s.split_at(split);
+    if n.is_empty() {
+        return Err(bad());
+    }
+    let n: u64 = n.parse().map_err(|_| bad())?;
+    let per = match unit {
+        "ms" => return Ok(Duration::from_millis(n)),
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(per).map(Duration::from_secs).ok_or_else(bad)
+}
+
+fn human(d: Duration) -> String {
+    if d.subsec_nanos() == 0 {
+        format!("{} s", d.as_secs())
+    } else {
+        format!("{} ms", d.as_millis())
+    }
+}
+
+/// The end of a command's stderr, on one line.
+fn tail(s: &str) -> String {
+    let one = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    let n = one.chars().count();
+    if n <= STDERR_TAIL {
+        one
+    } else {
+        let cut: String = one.chars().skip(n - STDERR_TAIL).collect();
+        format!("…{cut}")
+    }
+}
+
+/// A command's output, quoted and bounded.
+fn quote(s: &str) -> String {
+    let short: String = s.chars().take(120).collect();
+    if short.len() < s.len() {
+        format!("{short:?}…")
+    } else {
+        format!("{short:?}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_parse_strictly() {
+        let a = parse_answer("done {\"charge\":\"ch_1\"}\n").unwrap();
+        assert_eq!(a.outcome, Some(serde_json::json!({"charge": "ch_1"})));
+        let Verdict::Done(o) = a.verdict else { panic!() };
+        assert_eq!(o.as_bytes(), br#"{"ok":{"charge":"ch_1"}}"#);
+        let a = parse_answer("  done   null  ").unwrap();
+        let Verdict::Done(o) = a.verdict else { panic!() };
+        assert_eq!(o.as_bytes(), br#"{"ok":null}"#);
+        assert_eq!(parse_answer("not-done\n").unwrap().verdict, Verdict::NotDone);
+        assert_eq!(parse_answer("\nunknown\n\n").unwrap().verdict, Verdict::Unknown);
+        for bad in [
+            "",
+            "\n \n",
+            "done",
+            "done {",
+            "done 1 2",
+            "not-done please",
+            "NOT-DONE",
+            "not_done",
+            "yes",
+            "unknown\nnot-done",
+            "checking...\ndone 1",
+        ] {
+            assert!(parse_answer(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn durations_parse() {
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("30").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
+        assert_eq!(parse_duration("2h").unwrap(), Duration::from_secs(7200));
+        assert_eq!(parse_duration("1d").unwrap(), Duration::from_secs(86_400));
+        for bad in ["", "m", "5 m", "-5s", "1.5s", "5y", "99999999999999999999s"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_config_that_cannot_run_is_refused() {
+        let t = Tenant::new("acme").ok();
+        assert!(ReconcileConfig::new(t.clone(), "true").validate().is_ok());
+        assert!(ReconcileConfig::new(t.clone(), "  ").validate().is_err());
+        for rate in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let c = ReconcileConfig {
+                rate: Some(rate),
+                ..ReconcileConfig::new(t.clone(), "true")
+            };
+            assert!(matches!(c.validate(), Err(Error::InvalidInput(_))), "{rate}");
+        }
+        let c = ReconcileConfig {
+            check_timeout: Duration::ZERO,
+            ..ReconcileConfig::new(t, "true")
+        };
+        assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn stderr_is_quoted_by_its_end() {
+        assert_eq!(tail("a\n b \n"), "a b");
+        let long = "x".repeat(1000) + "END";
+        let t = tail(&long);
+        assert!(t.ends_with("END") && t.chars().count() == STDERR_TAIL + 1, "{t}");
+    }
+}
