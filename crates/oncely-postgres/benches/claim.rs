@@ -460,7 +460,12 @@ async fn wal_and_xid(pool: &PgPool) -> (i64, i64, i64) {
     .unwrap()
 }
 
-/// Per job: WAL bytes, transaction ids and server CPU of each storm variant.
+/// Longer than PostgreSQL's idle statistics interval (10 s in 15), so that
+/// `pg_stat_wal` holds every backend's syncs when it is read.
+const STATS_FLUSH: Duration = Duration::from_secs(11);
+
+/// Per job: WAL bytes, transaction ids, WAL syncs and server CPU of each
+/// storm variant.
 async fn report(setup: Arc<Setup>) {
     const JOBS: u64 = 1000;
     let postmaster = postmaster_pid(&setup.pool).await;
@@ -484,6 +489,10 @@ async fn report(setup: Arc<Setup>) {
             let cpu0 = server_cpu(postmaster);
             let elapsed = storm(setup.clone(), s, concurrent, JOBS).await;
             let cpu1 = server_cpu(postmaster);
+            // PostgreSQL 15 backends report their WAL statistics at most once
+            // a second while busy and within ten seconds once idle: wait for
+            // the stragglers, or a short variant's syncs count in the next.
+            tokio::time::sleep(STATS_FLUSH).await;
             let (wal1, xid1, sync1) = wal_and_xid(&setup.pool).await;
             let cpu: u64 = cpu1
                 .iter()
