@@ -333,6 +333,13 @@ enum Command {
         /// Delete at most this many records in this call.
         #[arg(long, default_value_t = 10_000)]
         limit: u64,
+        /// Records per batch: each batch is one short transaction, so claims
+        /// keep their latency while a large backlog goes.
+        #[arg(long, default_value_t = 500)]
+        batch: u64,
+        /// Delete at most this many records per second (default: no limit).
+        #[arg(long, value_name = "ROWS_PER_SEC")]
+        rate: Option<u64>,
         /// Count the records past retention; delete nothing.
         #[arg(long)]
         dry_run: bool,
@@ -673,14 +680,41 @@ async fn run(command: Command) -> ExitCode {
             }
             Err(e) => fail(&e),
         },
-        Command::Prune { limit, json, db, .. } => match ops::prune(&db.database_url, limit).await {
-            Ok(n) if json => print_json(&serde_json::json!({ "pruned": n })),
-            Ok(n) => {
-                println!("pruned {n} record{}", if n == 1 { "" } else { "s" });
-                ExitCode::SUCCESS
+        Command::Prune {
+            limit,
+            batch,
+            rate,
+            json,
+            db,
+            ..
+        } => {
+            let plan = ops::PrunePlan {
+                limit,
+                batch,
+                rows_per_second: rate,
+            };
+            // A count on stderr while a backlog goes (hidden when stderr is
+            // not a terminal, and with --json).
+            let bar = if json {
+                ProgressBar::hidden()
+            } else {
+                ProgressBar::with_draw_target(Some(limit), ProgressDrawTarget::stderr())
+            };
+            bar.set_style(
+                ProgressStyle::with_template("pruning {pos}/{len} records ({per_sec}, {elapsed})")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            let pruned = ops::prune(&db.database_url, plan, |rows| bar.inc(rows)).await;
+            bar.finish_and_clear();
+            match pruned {
+                Ok(n) if json => print_json(&serde_json::json!({ "pruned": n })),
+                Ok(n) => {
+                    println!("pruned {n} record{}", if n == 1 { "" } else { "s" });
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(&e),
             }
-            Err(e) => fail(&e),
-        },
+        }
         Command::Migrate { db } => match ops::migrate(&db.database_url).await {
             Ok(report) => {
                 println!("{} ledger schema is up to date", report.backend);

@@ -72,14 +72,40 @@ pub async fn prune_dry_run(database_url: &str) -> Result<u64> {
     .await
 }
 
-/// Deletes up to `limit` completed or released records past their retention
-/// (never a live lease, never an abandoned step); returns how many.
-pub async fn prune(database_url: &str, limit: u64) -> Result<u64> {
-    with_ledger(
-        database_url,
-        Access::Existing,
-        |l| async move { l.prune(limit).await },
-    )
+/// How `prune` deletes: at most `limit` records, in batches of `batch`, at
+/// most `rows_per_second` (none: as fast as the database goes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrunePlan {
+    /// Records to delete at most in this call.
+    pub limit: u64,
+    /// Records per batch (one transaction each).
+    pub batch: u64,
+    /// The rate limit, if any.
+    pub rows_per_second: Option<u64>,
+}
+
+/// Deletes up to `plan.limit` completed or released records past their
+/// retention (never a live lease, never an abandoned step) through
+/// [`oncely::Pruner::drain`], in bounded batches at the plan's rate, calling
+/// `on_batch` with each batch's count; returns how many went. A failed batch
+/// ends the call with its error; the batches before it stay deleted.
+pub async fn prune(database_url: &str, plan: PrunePlan, on_batch: impl FnMut(u64) + Send) -> Result<u64> {
+    if plan.batch == 0 || plan.rows_per_second == Some(0) {
+        return Err(Error::InvalidInput(
+            "prune: --batch and --rate must be at least 1".to_owned(),
+        ));
+    }
+    with_ledger(database_url, Access::Existing, |l| async move {
+        let options = oncely::PrunerOptions::default().batch(plan.batch);
+        let options = match plan.rows_per_second {
+            Some(rate) => options.rows_per_second(rate),
+            None => options.unlimited(),
+        };
+        let stats = oncely::Pruner::new(l, options)
+            .drain(plan.limit, on_batch)
+            .await?;
+        Ok(stats.rows)
+    })
     .await
 }
 

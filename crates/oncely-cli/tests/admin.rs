@@ -680,6 +680,52 @@ fn prune_dry_run_counts_exactly_and_deletes_nothing_on_sqlite() {
     assert!(record(&url, &kept).is_some());
 }
 
+/// `prune` deletes through the library's Pruner: at most `--limit` records,
+/// in batches of `--batch`, at `--rate`; nothing due is left alone, and a
+/// zero batch or rate is refused before connecting.
+#[test]
+fn prune_is_bounded_batched_and_paced_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = sqlite_url(dir.path());
+    let t = oncely::conformance::fresh_tenant();
+    let old: Vec<EffectKey> = (0..7)
+        .map(|i| EffectKey::new(&t, "capture", format!("old-{i}")).unwrap())
+        .collect();
+    let kept = EffectKey::new(&t, "capture", "new").unwrap();
+    runtime().block_on(async {
+        let l = AnyLedger::connect(&url).await.unwrap();
+        let short = ClaimOptions::default()
+            .lease(Duration::from_millis(50))
+            .retention(Duration::from_millis(50));
+        for k in &old {
+            let lease = acquired(l.claim(k, &short).await.unwrap());
+            l.complete(&lease, &Outcome::value(&1).unwrap()).await.unwrap();
+        }
+        let lease = acquired(l.claim(&kept, &ClaimOptions::default()).await.unwrap());
+        l.complete(&lease, &Outcome::value(&2).unwrap()).await.unwrap();
+        l.close().await;
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    for bad in [["--batch", "0"], ["--rate", "0"]] {
+        let out = oncely(&["prune", bad[0], bad[1], "--database-url", &url]);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}: {}", stderr(&out));
+    }
+    let gone = |url: &str| old.iter().filter(|k| record(url, k).is_none()).count();
+    assert_eq!(gone(&url), 0, "refused commands deleted nothing");
+    let v = json(
+        &[
+            "prune", "--limit", "5", "--batch", "2", "--rate", "1000", "--json",
+        ],
+        &url,
+    );
+    assert_eq!(v, serde_json::json!({"pruned": 5}));
+    assert_eq!(gone(&url), 5);
+    let v = json(&["prune", "--batch", "2", "--json"], &url);
+    assert_eq!(v, serde_json::json!({"pruned": 2}));
+    assert_eq!(gone(&url), 7);
+    assert!(record(&url, &kept).is_some(), "not due: kept");
+}
+
 /// Commands that read across tenants say so: without --tenant or
 /// --all-tenants (or with both) they are usage errors, before connecting.
 #[test]

@@ -12,6 +12,7 @@ use tokio::task::JoinHandle;
 use tracing::Instrument;
 
 use crate::backend::Backoff;
+use crate::error::Result;
 use crate::ledger::Ledger;
 use crate::telemetry;
 
@@ -199,6 +200,39 @@ impl<L: Ledger + 'static> Pruner<L> {
         );
         let task = tokio::spawn(self.run(stopped, counters.clone()).instrument(span));
         PrunerHandle { stop, counters, task }
+    }
+
+    /// Prunes in the foreground until nothing is due or `max_rows` records
+    /// are gone, at the options' batch size and rate (`idle` and the error
+    /// backoff do not apply: a failed batch ends the call with its error,
+    /// after the batches before it were committed). Calls `on_batch` with the
+    /// rows of each batch, for a progress bar. Returns what it did. This is
+    /// what `oncely prune` runs; a service keeps a [`Pruner::spawn`]ed one.
+    pub async fn drain(&self, max_rows: u64, mut on_batch: impl FnMut(u64)) -> Result<PrunerStats> {
+        let backend = self.ledger.backend();
+        let mut stats = PrunerStats::default();
+        while stats.rows < max_rows {
+            let batch = self.options.batch.get().min(max_rows - stats.rows);
+            let started = Instant::now();
+            let span = telemetry::prune_batch_span(batch);
+            let rows = match self.ledger.prune(batch).instrument(span.clone()).await {
+                Ok(rows) => rows,
+                Err(e) => {
+                    telemetry::prune_batch_failed(&span, backend, &e, Duration::ZERO);
+                    return Err(e);
+                }
+            };
+            let took = started.elapsed();
+            telemetry::prune_batch_done(&span, backend, rows, took);
+            stats.rows += rows;
+            stats.batches += 1;
+            on_batch(rows);
+            if rows < batch {
+                break;
+            }
+            tokio::time::sleep(self.options.budget(rows).saturating_sub(took)).await;
+        }
+        Ok(stats)
     }
 
     async fn run(self, mut stopped: watch::Receiver<bool>, counters: Arc<Counters>) {

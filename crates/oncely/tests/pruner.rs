@@ -186,3 +186,37 @@ async fn dropping_the_handle_stops_a_busy_pruner() {
 async fn shared_pruner_case_on_memory() {
     pruner_prunes_due_records_in_bounded_batches(Arc::new(MemoryLedger::new()), true).await;
 }
+
+#[tokio::test]
+async fn drain_prunes_what_is_due_in_bounded_batches_then_returns() {
+    let ledger = Arc::new(MemoryLedger::new());
+    let t = Tenant::new("acme").unwrap();
+    let hour = Duration::from_secs(3_600);
+    for i in 0..25 {
+        completed(
+            &ledger,
+            &EffectKey::new(&t, "capture", format!("old-{i}")).unwrap(),
+            hour,
+        )
+        .await;
+    }
+    ledger.advance(2 * hour);
+    let young = EffectKey::new(&t, "capture", "young").unwrap();
+    completed(&ledger, &young, hour).await;
+
+    let counting = CountingPrunes::new(ledger.clone());
+    let pruner = Pruner::new(counting.clone(), PrunerOptions::default().batch(10).unlimited());
+    // At most 12 rows: a batch of 10, then one cut to the 2 left.
+    let mut seen = Vec::new();
+    let stats = pruner.drain(12, |rows| seen.push(rows)).await.unwrap();
+    assert_eq!((stats.rows, stats.batches), (12, 2), "{stats:?}");
+    assert_eq!(seen, [10, 2]);
+    assert_eq!(counting.calls(), [(10, 10), (2, 2)]);
+    // Then everything due: 10, then a short batch of 3 ends the call.
+    let stats = pruner.drain(u64::MAX, |_| {}).await.unwrap();
+    assert_eq!((stats.rows, stats.batches), (13, 2), "{stats:?}");
+    assert!(ledger.get(&young).await.unwrap().is_some(), "not due: kept");
+    // Nothing due: one empty batch, and back.
+    let stats = pruner.drain(u64::MAX, |_| {}).await.unwrap();
+    assert_eq!((stats.rows, stats.batches), (0, 1));
+}
