@@ -262,7 +262,12 @@ mod tests {
         }
         let err = abandoned(url, "bad/tenant", 10).await.unwrap_err();
         assert!(matches!(err, Error::InvalidKey { .. }), "{err:?}");
-        let err = prune("nope://x", 10).await.unwrap_err();
+        let plan = PrunePlan {
+            limit: 10,
+            batch: 10,
+            rows_per_second: None,
+        };
+        let err = prune("nope://x", plan, |_| {}).await.unwrap_err();
         assert!(matches!(err, Error::Config(_)), "{err:?}");
     }
 
