@@ -4,33 +4,14 @@
 //! seeded through the library in a tenant of the test's own.
 
 use std::path::Path;
-use std::process::{Command, Output};
 use std::time::Duration;
 
-use oncely::{Claim, ClaimOptions, EffectKey, Fingerprint, Lease, Ledger, Outcome, Tenant};
+use oncely::{ClaimOptions, EffectKey, Fingerprint, Ledger, Outcome, Tenant};
 use oncely_cli::AnyLedger;
 use serde_json::Value;
 
-fn oncely(args: &[&str]) -> Output {
-    oncely_with(args, None)
-}
-
-fn oncely_with(args: &[&str], env_url: Option<&str>) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_oncely"));
-    cmd.args(args).env_remove("ONCELY_DATABASE_URL");
-    if let Some(url) = env_url {
-        cmd.env("ONCELY_DATABASE_URL", url);
-    }
-    cmd.output().expect("the oncely binary runs")
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+mod common;
+use common::{acquired, oncely, oncely_with, reachable, runtime, stderr, stdout};
 
 /// Runs a command that must succeed and print JSON.
 fn json(args: &[&str], url: &str) -> Value {
@@ -63,32 +44,6 @@ fn refused(args: &[&str], url: &str, code: i32, needle: &str) {
         "{args:?}: {}",
         stdout(&out)
     );
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-fn reachable(var: &str, default: &str, what: &str) -> Option<String> {
-    let url = oncely::conformance::service_url(var, Some(default))?;
-    let rt = runtime();
-    match rt.block_on(AnyLedger::connect(&url)) {
-        Ok(l) => {
-            rt.block_on(l.close());
-            Some(url)
-        }
-        Err(e) => oncely::conformance::skip_or_fail(&format!("{what} at {url}: {e}")),
-    }
-}
-
-fn acquired(c: Claim) -> Lease {
-    match c {
-        Claim::Acquired(l) => l,
-        other => panic!("expected Acquired, got {other:?}"),
-    }
 }
 
 /// The records every test starts from, in a fresh tenant.

@@ -4,54 +4,15 @@
 //! answers per key, and the ledger read back afterwards.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 use std::time::{Duration, Instant};
 
-use oncely::{Claim, ClaimOptions, EffectKey, Lease, Ledger, Outcome, Record, RecordState, Tenant};
+use oncely::{Claim, ClaimOptions, EffectKey, Ledger, Outcome, Record, RecordState, Tenant};
 use oncely_cli::AnyLedger;
 use serde_json::Value;
 
-fn oncely(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_oncely"))
-        .args(args)
-        .env_remove("ONCELY_DATABASE_URL")
-        .output()
-        .expect("the oncely binary runs")
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-fn reachable(var: &str, default: &str, what: &str) -> Option<String> {
-    let url = oncely::conformance::service_url(var, Some(default))?;
-    let rt = runtime();
-    match rt.block_on(AnyLedger::connect(&url)) {
-        Ok(l) => {
-            rt.block_on(l.close());
-            Some(url)
-        }
-        Err(e) => oncely::conformance::skip_or_fail(&format!("{what} at {url}: {e}")),
-    }
-}
-
-fn acquired(c: Claim) -> Lease {
-    match c {
-        Claim::Acquired(l) => l,
-        other => panic!("expected Acquired, got {other:?}"),
-    }
-}
+mod common;
+use common::{acquired, oncely, reachable, runtime, stderr, stdout};
 
 /// The records a test starts from, in a fresh tenant.
 struct Seeded {
