@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use common::{PayMsg, Payments};
+use common::Payments;
 use futures_util::FutureExt;
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
 use oncely::{Ledger, Tenant};
@@ -116,45 +116,12 @@ async fn exercise<L: Ledger + Clone + 'static>(
     topology: &JetStreamTopology,
 ) {
     // Publish, each publication acknowledged by the stream.
-    let orders: Vec<String> = (0..ORDERS).map(|i| format!("order-{i}")).collect();
-    let mut payloads: Vec<(String, Vec<u8>)> = Vec::new();
-    for (i, o) in orders.iter().enumerate() {
-        payloads.push((format!("{o}-first"), PayMsg::order(o, 1000 + i as i64)));
-    }
-    let republished = ORDERS * 3 / 10;
-    for (i, o) in orders
-        .iter()
-        .enumerate()
-        .step_by(ORDERS / republished)
-        .take(republished)
-    {
-        payloads.push((format!("{o}-again"), PayMsg::order(o, 1000 + i as i64)));
-    }
-    let poison: [(&str, Vec<u8>); 4] = [
-        ("poison-undecodable", b"{not json".to_vec()),
-        ("poison-missing", br#"{"amount":5}"#.to_vec()),
-        (
-            "poison-oversized",
-            serde_json::to_vec(&PayMsg {
-                order_id: Some("order-big".into()),
-                amount: 1,
-                decline: false,
-                pad: "x".repeat(5000),
-            })
-            .unwrap(),
-        ),
-        (
-            "poison-declined",
-            serde_json::to_vec(&PayMsg {
-                order_id: Some("order-declined".into()),
-                amount: 1,
-                decline: true,
-                pad: String::new(),
-            })
-            .unwrap(),
-        ),
-    ];
-    payloads.extend(poison.iter().map(|(id, p)| (id.to_string(), p.clone())));
+    let common::Publications {
+        orders,
+        payloads,
+        republished,
+        poison,
+    } = common::publications(ORDERS);
     let mut acks = Vec::new();
     for (id, payload) in payloads {
         let mut headers = HeaderMap::new();

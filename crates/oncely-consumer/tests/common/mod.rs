@@ -38,6 +38,67 @@ impl PayMsg {
     }
 }
 
+/// What an end-to-end run publishes, in order: every order once
+/// (`<order>-first`), 30 % of them again as new messages (`<order>-again`: a
+/// producer's retry, a new broker id), then four poison messages
+/// (undecodable, missing the order id, oversized, declined), each with its
+/// test id.
+pub struct Publications {
+    pub orders: Vec<String>,
+    pub payloads: Vec<(String, Vec<u8>)>,
+    pub republished: usize,
+    pub poison: Vec<(&'static str, Vec<u8>)>,
+}
+
+pub fn publications(n: usize) -> Publications {
+    let orders: Vec<String> = (0..n).map(|i| format!("order-{i}")).collect();
+    let mut payloads: Vec<(String, Vec<u8>)> = Vec::new();
+    for (i, o) in orders.iter().enumerate() {
+        payloads.push((format!("{o}-first"), PayMsg::order(o, 1000 + i as i64)));
+    }
+    let republished = n * 3 / 10;
+    for (i, o) in orders
+        .iter()
+        .enumerate()
+        .step_by(n / republished)
+        .take(republished)
+    {
+        // The same payload, a new message: a new broker id.
+        payloads.push((format!("{o}-again"), PayMsg::order(o, 1000 + i as i64)));
+    }
+    let poison = vec![
+        ("poison-undecodable", b"{not json".to_vec()),
+        ("poison-missing", br#"{"amount":5}"#.to_vec()),
+        (
+            "poison-oversized",
+            serde_json::to_vec(&PayMsg {
+                order_id: Some("order-big".into()),
+                amount: 1,
+                decline: false,
+                pad: "x".repeat(5000),
+            })
+            .unwrap(),
+        ),
+        (
+            "poison-declined",
+            serde_json::to_vec(&PayMsg {
+                order_id: Some("order-declined".into()),
+                amount: 1,
+                decline: true,
+                pad: String::new(),
+            })
+            .unwrap(),
+        ),
+    ];
+    payloads.extend(poison.iter().map(|(id, p)| (id.to_string(), p.clone())));
+    Publications {
+        orders,
+        payloads,
+        republished,
+        poison,
+    }
+}
+
 /// Capture (provider-keyed) then send the receipt (at most once), keys from
 /// the order id.
 pub struct Payments<L> {
