@@ -109,7 +109,11 @@ async fn node_loss_keeps_claims_exact_and_completions_durable() {
         );
         workers.push(tokio::spawn(async move {
             let ledger = retry(|| NatsKvLedger::connect_with(&urls, opts())).await.unwrap();
-            let claim_opts = ClaimOptions::default();
+            // Leases far longer than the run, however slow the election
+            // after the stop (a run over 30 s, the default lease, once saw a
+            // lease end while its completion was still being retried, and a
+            // legitimate takeover then broke this test's premise).
+            let claim_opts = ClaimOptions::default().lease(Duration::from_secs(600));
             // Every worker walks the same keys from a nearby offset, so most
             // keys are claimed by several workers at about the same time.
             for step in 0..KEYS {
@@ -173,7 +177,7 @@ async fn node_loss_keeps_claims_exact_and_completions_durable() {
     script(&["start-node", &victim.to_string()]).await;
 
     let completions = completions.lock().unwrap().clone();
-    // No lease expired (they last 30 s), so nothing was taken over: each key
+    // No lease expired (they last 10 min), so nothing was taken over: each key
     // was granted once, and its record keeps that grant's fence.
     let mut granted: HashMap<usize, u64> = HashMap::new();
     for (i, fence, taken_over) in grants.lock().unwrap().iter().copied() {
