@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use oncely::conformance::{counter, fresh_tenant, metrics_snapshotter, service_url, skip_or_fail};
 use oncely::telemetry::UNEXPECTED_CONSTRAINT_VIOLATIONS_TOTAL;
-use oncely::{Effects, Error, Failure, Ledger};
+use oncely::{ClaimOptions, Effects, Error, Failure, Ledger, StepMode};
 use oncely_postgres::{PgLedger, PgLedgerOptions};
 use sqlx::postgres::PgPoolOptions;
 
@@ -109,4 +109,39 @@ async fn step_in_unique_violation_is_a_constraint_violation() {
     let other = sqlx::query("SELECT 1/0").execute(&pool).await.unwrap_err();
     assert!(ledger.unique_violation(&other).is_none());
     assert!(ledger.unique_violation(&std::io::Error::other("23505")).is_none());
+
+    // In an at-most-once step the same bug comes after the effect may have
+    // happened (the receipt went out, then logging it hit another order's
+    // row): the step is kept, not released, so the redelivery finds it
+    // abandoned instead of sending the receipt again.
+    let short = Duration::from_millis(300);
+    let sent = std::sync::atomic::AtomicUsize::new(0);
+    let receipt = || {
+        let (pool, n) = (pool.clone(), number.clone());
+        let job = effects
+            .job(&t, "receipts", "order-2")
+            .options(ClaimOptions::default().lease(short));
+        let sent = &sent;
+        async move {
+            job.step("receipt", StepMode::AtMostOnce, |_ctx| async move {
+                sent.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                sqlx::query("INSERT INTO oncely_pg_test_invoices (number, order_id) VALUES ($1, 'order-2')")
+                    .bind(n)
+                    .execute(&pool)
+                    .await?;
+                Ok::<_, Failure>(())
+            })
+            .await
+        }
+    };
+    let e = receipt().await.unwrap_err();
+    assert!(matches!(e, Error::ConstraintViolation { .. }), "{e:?}");
+    tokio::time::sleep(short * 3).await;
+    let e = receipt().await.unwrap_err();
+    assert!(matches!(e, Error::Abandoned { .. }), "{e:?}");
+    assert_eq!(
+        sent.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the receipt was sent twice"
+    );
 }

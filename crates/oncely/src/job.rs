@@ -169,7 +169,11 @@ pub type StepFuture<'c, T> = Pin<Box<dyn Future<Output = Result<T, Failure>> + S
 ///   reconciliation job that asks the mail provider) settles it with
 ///   [`Record::reconciliation_lease`]. Return [`Failure::Retryable`] from an
 ///   at-most-once closure only when the effect certainly did not happen: it
-///   releases the step and the next delivery tries again.
+///   releases the step and the next delivery tries again. Nothing else
+///   releases an at-most-once step whose closure started (an unexpected
+///   unique violation, a terminal failure that is not cached, an outcome
+///   too large to store): the effect may have happened, so the step is left
+///   to be abandoned and reconciled.
 ///
 /// # Bad input
 ///

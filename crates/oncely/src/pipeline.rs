@@ -232,8 +232,8 @@ pub(crate) enum Settlement<T> {
     Complete(Outcome, Result<T>),
     /// Give the key back (a later delivery runs it again), then fail.
     Release(Error),
-    /// Leave the claim as it is and fail: an at-most-once effect that
-    /// happened but whose outcome cannot be stored must not be released
+    /// Leave the claim as it is and fail: an at-most-once effect that may
+    /// have happened but whose outcome is not stored must not be released
     /// (the next delivery would repeat it); it is abandoned when its lease
     /// ends and waits for reconciliation.
     Keep(Error),
@@ -248,6 +248,13 @@ pub(crate) enum Settlement<T> {
 ///   [`Error`] the handler passed on is returned as it is;
 /// - a terminal failure is stored and replayed when failures are cached,
 ///   released otherwise.
+///
+/// An at-most-once step whose handler started is never released by the
+/// runner, except on the handler's own retryable failure (its way of saying
+/// that the effect certainly did not happen): whatever else went wrong, the
+/// effect may have happened, and a released step would be performed again
+/// by the next delivery. It is completed, or kept ([`Settlement::Keep`]) to be
+/// abandoned when its lease ends and reconciled.
 pub(crate) fn settlement<L: Ledger, T: Serialize>(
     ledger: &L,
     lease: &Lease,
@@ -255,28 +262,37 @@ pub(crate) fn settlement<L: Ledger, T: Serialize>(
     result: Result<T, Failure>,
 ) -> Settlement<T> {
     let key = &lease.key;
+    // The effect may have happened: give the key back only where a second
+    // run is safe.
+    let give_back = |e: Error, why: &str| {
+        if lease.at_most_once {
+            tracing::error!(effect_key = %key, error = %e,
+                "at-most-once effect may have happened ({why}); \
+                 left to be abandoned and reconciled");
+            Settlement::Keep(e)
+        } else {
+            Settlement::Release(e)
+        }
+    };
     match result {
         Ok(value) => {
             let encoded = Outcome::value(&value)
                 .and_then(|o| check_outcome(&o, ledger.capabilities().max_outcome_bytes).map(|()| o));
             match encoded {
                 Ok(outcome) => Settlement::Complete(outcome, Ok(value)),
-                Err(e) if lease.at_most_once => {
-                    tracing::error!(effect_key = %key, error = %e,
-                        "at-most-once effect ran but its outcome cannot be stored; \
-                         left to be abandoned and reconciled");
-                    Settlement::Keep(e)
-                }
-                Err(e) => Settlement::Release(e),
+                Err(e) => give_back(e, "it ran but its outcome cannot be stored"),
             }
         }
         Err(Failure::Retryable(e)) => match ledger.unique_violation(&*e) {
             Some(message) => {
                 telemetry::unexpected_constraint_violation(ledger.backend(), &message);
-                Settlement::Release(Error::ConstraintViolation {
-                    key: key.to_string(),
-                    message,
-                })
+                give_back(
+                    Error::ConstraintViolation {
+                        key: key.to_string(),
+                        message,
+                    },
+                    "its handler hit an unexpected unique violation",
+                )
             }
             // An oncely error the handler passed on with `?` (a lost lease,
             // an invalid key it built) keeps its own classification instead
@@ -294,8 +310,8 @@ pub(crate) fn settlement<L: Ledger, T: Serialize>(
             };
             match stored {
                 Some(Ok(outcome)) => Settlement::Complete(outcome, Err(terminal)),
-                Some(Err(e)) => Settlement::Release(e),
-                None => Settlement::Release(terminal),
+                Some(Err(e)) => give_back(e, "its terminal failure cannot be stored"),
+                None => give_back(terminal, "it failed terminally and failures are not cached"),
             }
         }
     }

@@ -10,7 +10,8 @@ use crate::{
 
 /// A ledger that misbehaves on purpose around a real one, so the runner's
 /// rules can be checked on every backend: it answers claims late (a slow
-/// round trip) and fails renewals (a backend that blips).
+/// round trip), fails renewals (a backend that blips), and can take an
+/// [`InjectedUniqueViolation`] for its driver's unique-constraint error.
 #[derive(Debug, Clone)]
 pub struct Faulty<L> {
     inner: L,
@@ -19,7 +20,17 @@ pub struct Faulty<L> {
     renewals_failed: Arc<AtomicU64>,
     /// Watches from a notifier nobody notifies: every notification is lost.
     deaf: Option<Arc<crate::watch::Notifier>>,
+    /// Whether [`InjectedUniqueViolation`] is reported as a unique violation.
+    unique_violations: bool,
 }
+
+/// A handler error that a [`Faulty::unique_violations`] ledger reports as a
+/// unique-constraint violation of its driver: the runner's rule for such an
+/// error can then be checked on backends whose handlers cannot raise one
+/// (Redis, NATS) as on those that can.
+#[derive(Debug, thiserror::Error)]
+#[error("duplicate key value violates unique constraint \"{0}\" (injected by conformance::Faulty)")]
+pub struct InjectedUniqueViolation(pub &'static str);
 
 impl<L: Ledger> Faulty<L> {
     /// Passes everything through to `inner`.
@@ -30,6 +41,7 @@ impl<L: Ledger> Faulty<L> {
             renew_failures: Arc::new(AtomicU64::new(0)),
             renewals_failed: Arc::new(AtomicU64::new(0)),
             deaf: None,
+            unique_violations: false,
         }
     }
 
@@ -50,6 +62,13 @@ impl<L: Ledger> Faulty<L> {
     /// nobody ever wakes (only their fallback does).
     pub fn lose_notifications(mut self) -> Self {
         self.deaf = Some(Arc::new(crate::watch::Notifier::new()));
+        self
+    }
+
+    /// Reports a handler's [`InjectedUniqueViolation`] as the driver's
+    /// unique violation ([`Ledger::unique_violation`]).
+    pub fn unique_violations(mut self) -> Self {
+        self.unique_violations = true;
         self
     }
 
@@ -115,6 +134,13 @@ impl<L: Ledger> Ledger for Faulty<L> {
 
     async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
         self.inner.horizon(tenant, kind).await
+    }
+
+    fn unique_violation(&self, error: &(dyn std::error::Error + 'static)) -> Option<String> {
+        match error.downcast_ref::<InjectedUniqueViolation>() {
+            Some(e) if self.unique_violations => Some(e.to_string()),
+            _ => self.inner.unique_violation(error),
+        }
     }
 
     async fn watch(&self, key: &EffectKey) -> crate::Watch {

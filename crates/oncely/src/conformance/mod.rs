@@ -47,7 +47,7 @@ mod runner;
 mod transactional;
 
 pub use admin::*;
-pub use faulty::Faulty;
+pub use faulty::{Faulty, InjectedUniqueViolation};
 pub use ledger::*;
 pub use metrics::{counter, metrics_snapshotter};
 pub use pruner::*;
@@ -218,6 +218,8 @@ macro_rules! conformance_tests {
             renewal_survives_a_transient_failure,
             handler_learns_its_lease_is_lost,
             run_at_most_once_unstorable_outcome_is_not_repeated,
+            run_at_most_once_constraint_violation_is_not_repeated,
+            run_at_most_once_uncached_terminal_failure_is_not_repeated,
             telemetry_counts_each_claim_once,
             run_waiter_is_answered_when_the_holder_finishes,
             run_waiter_survives_a_lost_notification,

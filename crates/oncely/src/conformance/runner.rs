@@ -317,6 +317,79 @@ pub async fn run_at_most_once_unstorable_outcome_is_not_repeated<L: Ledger>(ledg
     );
 }
 
+/// Runs an at-most-once effect whose handler fails with `fail` after it
+/// started, then a redelivery once the lease ended: the handler must have
+/// run once, the first run's error must satisfy `first`, and the redelivery
+/// must find the step abandoned instead of performing it again.
+async fn at_most_once_failure_is_not_repeated<L: Ledger>(
+    ledger: L,
+    amo: ClaimOptions,
+    fail: impl Fn() -> Failure,
+    first: impl Fn(&Error) -> bool,
+) {
+    let effects = Effects::new(ledger);
+    let k = key(&fresh_tenant(), "receipt", "order-1");
+    let amo = amo.lease(SHORT_LEASE).at_most_once(true);
+    let sent = AtomicUsize::new(0);
+    let e = effects
+        .run::<String, _, _>(&k, &amo, |_| {
+            // The mail went out; then something failed.
+            sent.fetch_add(1, Ordering::SeqCst);
+            let failure = fail();
+            async move { Err(failure) }
+        })
+        .await
+        .unwrap_err();
+    assert!(first(&e), "{e:?}");
+    let record = effects.ledger().get(&k).await.unwrap().expect("the mark stays");
+    assert_eq!(
+        record.state,
+        RecordState::InProgress,
+        "an at-most-once step whose handler ran was released: {record:?}"
+    );
+    tokio::time::sleep(SHORT_LEASE_WAIT).await;
+    let e = effects
+        .run::<String, _, _>(&k, &amo, |_| {
+            sent.fetch_add(1, Ordering::SeqCst);
+            async { Ok(String::new()) }
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Abandoned { .. }), "{e:?}");
+    assert_eq!(
+        sent.load(Ordering::SeqCst),
+        1,
+        "the at-most-once effect ran twice"
+    );
+}
+
+/// An at-most-once handler that hits an unexpected unique violation (a bug
+/// in its own writes, reported as [`Error::ConstraintViolation`]) may have
+/// performed its effect already: the step is not released, so the next
+/// delivery finds it abandoned instead of repeating it.
+pub async fn run_at_most_once_constraint_violation_is_not_repeated<L: Ledger>(ledger: L) {
+    at_most_once_failure_is_not_repeated(
+        super::Faulty::new(ledger).unique_violations(),
+        opts(),
+        || Failure::retryable(super::InjectedUniqueViolation("receipts_pkey")),
+        |e| matches!(e, Error::ConstraintViolation { message, .. } if message.contains("receipts_pkey")),
+    )
+    .await;
+}
+
+/// An at-most-once handler's terminal failure with failures not cached
+/// ([`ClaimOptions::cache_failures`] off) is not released either: the step
+/// is left to be abandoned and reconciled, never performed again.
+pub async fn run_at_most_once_uncached_terminal_failure_is_not_repeated<L: Ledger>(ledger: L) {
+    at_most_once_failure_is_not_repeated(
+        ledger,
+        opts().cache_failures(false),
+        || Failure::terminal("the mail server hung up after DATA"),
+        |e| matches!(e, Error::Terminal { .. }),
+    )
+    .await;
+}
+
 /// Telemetry is recorded once per claim, by the runner: a scripted run gives
 /// exactly the documented counts (a backend that records its own would
 /// double them).
