@@ -133,7 +133,7 @@ impl Rejection {
             Rejection::ResponseBodyFailed => {
                 "The operation ran, but its response body ended with an error.".into()
             }
-            Rejection::HandlerPanicked => "The operation failed; retry with the same key.".into(),
+            Rejection::HandlerPanicked => "The operation failed while it ran.".into(),
             Rejection::LedgerUnavailable => "Retry later with the same key.".into(),
         }
     }
