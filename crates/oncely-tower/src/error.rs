@@ -49,11 +49,14 @@ pub enum Rejection {
         /// The limit in bytes.
         limit: usize,
     },
-    /// 502: the handler's response body failed while it was being read; the
-    /// key was released.
+    /// 502: the handler ran, but its response body failed while the layer
+    /// read it. This stands for the handler's 5xx: the key is released, or
+    /// stores this answer with
+    /// [`release_server_errors(false)`](crate::IdempotencyLayer::release_server_errors).
     ResponseBodyFailed,
-    /// 500: the handler panicked (the key was released, unless the layer was
-    /// told to keep panics).
+    /// 500: the handler panicked, or its response body did while the layer
+    /// read it. The key is released, or stores this answer with
+    /// [`release_panics(false)`](crate::IdempotencyLayer::release_panics).
     HandlerPanicked,
     /// 503: the ledger could not be reached or refused the operation; the
     /// request may be retried with the same key.
@@ -128,9 +131,9 @@ impl Rejection {
                  retrying with this key returns this answer."
             ),
             Rejection::ResponseBodyFailed => {
-                "The response body ended with an error; retry with the same key.".into()
+                "The operation ran, but its response body ended with an error.".into()
             }
-            Rejection::HandlerPanicked => "The operation failed; retry with the same key.".into(),
+            Rejection::HandlerPanicked => "The operation failed while it ran.".into(),
             Rejection::LedgerUnavailable => "Retry later with the same key.".into(),
         }
     }

@@ -233,13 +233,20 @@ impl<L: Ledger + Clone + 'static, P: PrincipalSource> IdempotencyLayer<L, P> {
     /// Whether a 5xx response gives the key back (`true`: it reaches the
     /// caller and is not stored, so a retry with the key runs again) or is
     /// stored and replayed like any other.
+    ///
+    /// A response body that fails while the layer reads it counts as a 5xx:
+    /// the handler ran, so with `false` the key stores
+    /// [`Rejection::ResponseBodyFailed`]'s answer (by default a 502 problem)
+    /// and a retry gets it back instead of running the handler again.
     pub fn release_server_errors(mut self, yes: bool) -> Self {
         self.config.release_server_errors = yes;
         self
     }
 
     /// Whether a handler panic gives the key back (`true`) or stores
-    /// [`Rejection::HandlerPanicked`]'s response for the key.
+    /// [`Rejection::HandlerPanicked`]'s response for the key. A panic of its
+    /// response body while the layer reads it is the handler's panic: caught
+    /// the same way, and released or stored by the same switch.
     pub fn release_panics(mut self, yes: bool) -> Self {
         self.config.release_panics = yes;
         self

@@ -72,7 +72,14 @@
 //!   ([`release_server_errors`](IdempotencyLayer::release_server_errors),
 //!   [`release_panics`](IdempotencyLayer::release_panics)): the caller gets
 //!   the 5xx (or a 500 problem for a panic), nothing is stored, and a retry
-//!   with the same key runs the handler again.
+//!   with the same key runs the handler again. With either switch off, that
+//!   answer is what the key stores, and retries get it back.
+//! - **Once the handler has returned, its response body is part of its
+//!   result.** A body that fails while the layer reads it counts as a 5xx (a
+//!   502 [`Rejection::ResponseBodyFailed`] problem, released or stored as
+//!   `release_server_errors` says); a body that panics is caught as a
+//!   handler panic is (a 500, released or stored as `release_panics` says).
+//!   Neither kills the request's task or leaves the key held.
 //! - **A released key stays bound to its first request's fingerprint.** The
 //!   retry after a 5xx must be the same request; the same key with another
 //!   body is still a 422. A key names one operation for its whole retention,

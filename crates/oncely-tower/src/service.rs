@@ -260,11 +260,7 @@ where
             side(&cell, |s| s.error = Some(error));
             return Err(Failure::retryable("the inner service failed"));
         }
-        Err(_panic) if config.release_panics => {
-            side(&cell, |s| s.rejection = Some(Rejection::HandlerPanicked));
-            return Err(Failure::retryable(Rejection::HandlerPanicked));
-        }
-        Err(_panic) => return Ok(own(&shared, &cell, &Rejection::HandlerPanicked)),
+        Err(_panic) => return failed(&shared, &cell, Rejection::HandlerPanicked),
     };
     if response.status().is_server_error() && config.release_server_errors {
         side(&cell, |s| s.released = Some(response));
@@ -273,21 +269,48 @@ where
     let (parts, body) = response.into_parts();
     let limit = config.max_response_bytes;
     let too_large = Rejection::ResponseTooLarge { limit };
-    match stored::read_limited(body, limit).await {
-        Ok(bytes) => {
+    // The handler has run: whatever reading its body does (fail, panic) is
+    // its result, decided like its own 5xx or panic, never a reason to run
+    // it again under the same key.
+    match CatchUnwind(Box::pin(stored::read_limited(body, limit))).await {
+        Ok(Ok(bytes)) => {
             let stored = StoredResponse::new(parts.status, &parts.headers, &config.replay_headers, &bytes);
             if stored.encoded_len() > shared.outcome_limit {
-                return Ok(own(&shared, &cell, &too_large));
+                return failed(&shared, &cell, too_large);
             }
             side(&cell, |s| s.first = Some(Response::from_parts(parts, bytes)));
             Ok(stored)
         }
-        Err(ReadError::TooLarge) => Ok(own(&shared, &cell, &too_large)),
-        Err(ReadError::Failed(e)) => {
-            side(&cell, |s| s.rejection = Some(Rejection::ResponseBodyFailed));
-            Err(Failure::retryable(e))
+        Ok(Err(ReadError::TooLarge)) => failed(&shared, &cell, too_large),
+        Ok(Err(ReadError::Failed(e))) => {
+            tracing::warn!(error = %e, "the handler's response body failed");
+            failed(&shared, &cell, Rejection::ResponseBodyFailed)
         }
+        Err(_panic) => failed(&shared, &cell, Rejection::HandlerPanicked),
     }
+}
+
+/// The handler ran but its answer cannot be kept as it is: the key is
+/// released with `rejection`'s answer where the layer's release switch for
+/// it says so, and stores that answer otherwise.
+fn failed<L, P, B, E>(
+    shared: &Shared<L, P>,
+    cell: &SideCell<B, E>,
+    rejection: Rejection,
+) -> Result<StoredResponse, Failure> {
+    let config = &shared.config;
+    let release = match rejection {
+        Rejection::HandlerPanicked => config.release_panics,
+        // A body that fails stands for the 5xx it would have been.
+        Rejection::ResponseBodyFailed => config.release_server_errors,
+        // A response too large to store: the handler's work is kept, always.
+        _ => false,
+    };
+    if !release {
+        return Ok(own(shared, cell, &rejection));
+    }
+    side(cell, |s| s.rejection = Some(rejection.clone()));
+    Err(Failure::retryable(rejection))
 }
 
 /// Stores the layer's own answer for the key (every header of it) and gives
@@ -300,8 +323,9 @@ fn own<L, P, B, E>(shared: &Shared<L, P>, cell: &SideCell<B, E>, rejection: &Rej
     stored
 }
 
-/// A future whose panics become an `Err` (the handler's, so that its key can
-/// be released instead of held until the lease ends).
+/// A future whose panics become an `Err` (the handler's, or its response
+/// body's while the layer reads it, so that its key is released or stores
+/// the panic's answer instead of being held until the lease ends).
 struct CatchUnwind<F>(Pin<Box<F>>);
 
 impl<F: Future> Future for CatchUnwind<F> {

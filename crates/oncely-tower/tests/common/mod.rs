@@ -39,6 +39,8 @@ macro_rules! layer_tests {
             principals_are_isolated,
             handler_panic_releases_the_key,
             server_error_releases_the_key,
+            a_failing_response_body_is_the_handlers_result,
+            a_panicking_response_body_is_caught,
             released_key_stays_bound_to_its_fingerprint,
             oversized_request_is_refused_unread,
             oversized_response_is_stored_as_the_chosen_error,
@@ -61,6 +63,8 @@ pub struct Counts {
     pub charges: Arc<AtomicUsize>,
     pub boom: Arc<AtomicUsize>,
     pub flaky: Arc<AtomicUsize>,
+    /// Runs of the handlers whose response bodies fail or panic.
+    pub broken: Arc<AtomicUsize>,
 }
 
 fn counts(c: &Counts) -> (usize, usize, usize) {
@@ -125,11 +129,67 @@ async fn flaky(State(c): State<Counts>) -> Response {
     (StatusCode::CREATED, "done").into_response()
 }
 
+/// A response body that yields a first frame, then fails (or panics, when
+/// `panics`): what a handler that did its work and then streams its answer
+/// from a source that breaks returns.
+struct Broken {
+    sent: bool,
+    panics: bool,
+}
+
+impl http_body::Body for Broken {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if !self.sent {
+            self.sent = true;
+            return Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"{\"charge\":")))));
+        }
+        if self.panics {
+            panic!("the response body panics (on purpose, in a test)");
+        }
+        Poll::Ready(Some(Err(std::io::Error::other(
+            "the response body fails (on purpose, in a test)",
+        ))))
+    }
+}
+
+/// Charges, then answers 201 with a body that fails while it is read.
+async fn body_fails(State(c): State<Counts>) -> Response {
+    c.broken.fetch_add(1, Ordering::SeqCst);
+    (
+        StatusCode::CREATED,
+        Body::new(Broken {
+            sent: false,
+            panics: false,
+        }),
+    )
+        .into_response()
+}
+
+/// Charges, then answers 201 with a body that panics while it is read.
+async fn body_panics(State(c): State<Counts>) -> Response {
+    c.broken.fetch_add(1, Ordering::SeqCst);
+    (
+        StatusCode::CREATED,
+        Body::new(Broken {
+            sent: false,
+            panics: true,
+        }),
+    )
+        .into_response()
+}
+
 async fn big() -> Response {
     (StatusCode::OK, vec![b'x'; 100 * 1024]).into_response()
 }
 
-/// The app: POST /charges, /boom, /flaky, /big, GET /charges; the
+/// The app: POST /charges, /boom, /flaky, /body-fails, /body-panics, /big,
+/// GET /charges; the
 /// principal is the `x-user` header in this test's own tenant.
 pub fn app<L: Ledger + Clone + 'static>(
     ledger: L,
@@ -147,6 +207,8 @@ pub fn app<L: Ledger + Clone + 'static>(
         .route("/charges", post(charge).get(|| async { "list" }))
         .route("/boom", post(boom))
         .route("/flaky", post(flaky))
+        .route("/body-fails", post(body_fails))
+        .route("/body-panics", post(body_panics))
         .route("/big", post(big))
         .route("/health", get(|| async { "ok" }))
         .with_state(counts.clone())
@@ -528,6 +590,85 @@ pub async fn server_error_releases_the_key<L: Ledger + Clone + 'static>(ledger: 
     );
     assert!(retry.replayed());
     assert_eq!(counts(&c).2, 1);
+}
+
+pub async fn a_failing_response_body_is_the_handlers_result<L: Ledger + Clone + 'static>(ledger: L) {
+    // The handler ran (it charged); its body failing is its result, stored
+    // like the 5xx it stands for when 5xx responses are kept.
+    let (app, c) = app(ledger.clone(), |l| l.release_server_errors(false));
+    let key = new_key();
+    let first = post_req("/body-fails", "alice", &key, "{}").send(&app).await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY, "{first:?}");
+    assert_eq!(
+        first.problem()["type"],
+        "tag:oncely.dev,2026:idempotency:response-body-failed"
+    );
+    assert!(!first.replayed());
+    for _ in 0..2 {
+        let retry = post_req("/body-fails", "alice", &key, "{}").send(&app).await;
+        assert_eq!(
+            (retry.status, &retry.body),
+            (first.status, &first.body),
+            "{retry:?}"
+        );
+        assert!(retry.replayed(), "{retry:?}");
+    }
+    assert_eq!(c.broken.load(Ordering::SeqCst), 1, "3 requests, 1 charge");
+
+    // Released like a 5xx (the default): each retry runs the handler again.
+    let (app, c) = self::app(ledger, |l| l.release_server_errors(true));
+    let key = new_key();
+    for run in 1..=2 {
+        let a = post_req("/body-fails", "alice", &key, "{}").send(&app).await;
+        assert_eq!(a.status, StatusCode::BAD_GATEWAY, "{a:?}");
+        assert!(!a.replayed(), "{a:?}");
+        assert_eq!(c.broken.load(Ordering::SeqCst), run);
+    }
+}
+
+pub async fn a_panicking_response_body_is_caught<L: Ledger + Clone + 'static>(ledger: L) {
+    // A panic while the layer reads the body is the handler's panic: caught,
+    // and with panics kept, stored for the key (no 409 until the lease ends).
+    let (app, c) = app(ledger.clone(), |l| {
+        l.release_panics(false).on_in_flight(OnInProgress::Reject)
+    });
+    let key = new_key();
+    let first = post_req("/body-panics", "alice", &key, "{}").send(&app).await;
+    assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR, "{first:?}");
+    assert_eq!(
+        first.problem()["type"],
+        "tag:oncely.dev,2026:idempotency:handler-panicked"
+    );
+    assert!(!first.replayed());
+    let retry = post_req("/body-panics", "alice", &key, "{}").send(&app).await;
+    assert_eq!(
+        (retry.status, &retry.body),
+        (first.status, &first.body),
+        "{retry:?}"
+    );
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(
+        c.broken.load(Ordering::SeqCst),
+        1,
+        "the handler did not run again"
+    );
+
+    // Released (the default): the key is given back at once, and the retry
+    // runs the handler again.
+    let (app, c) = self::app(ledger, |l| {
+        l.release_panics(true).on_in_flight(OnInProgress::Reject)
+    });
+    let key = new_key();
+    for run in 1..=2 {
+        let a = post_req("/body-panics", "alice", &key, "{}").send(&app).await;
+        assert_eq!(a.status, StatusCode::INTERNAL_SERVER_ERROR, "{a:?}");
+        assert_eq!(
+            a.problem()["type"],
+            "tag:oncely.dev,2026:idempotency:handler-panicked"
+        );
+        assert!(!a.replayed(), "{a:?}");
+        assert_eq!(c.broken.load(Ordering::SeqCst), run);
+    }
 }
 
 pub async fn released_key_stays_bound_to_its_fingerprint<L: Ledger + Clone + 'static>(ledger: L) {
