@@ -26,14 +26,24 @@ pub struct ConsumerOptions {
     /// progress elsewhere (default 1 s): the consumer slot is freed at once
     /// instead of blocking for the other holder's whole lease.
     pub in_progress_delay: Duration,
+    /// How long to wait before redelivering a message one of whose
+    /// at-most-once steps is abandoned (default 60 s). Such a delivery is
+    /// held, not acked: the step is performed by the first delivery after a
+    /// reconciliation (or `oncely resolve --released`) found it not done,
+    /// and replayed once it was resolved as done. A message still held on
+    /// its [`ConsumerOptions::max_deliveries`]-th delivery is dead-lettered
+    /// with the reason `abandoned` and its effect key, to be replayed once
+    /// the step is resolved.
+    pub abandoned_delay: Duration,
     /// The first retry's delay; each further delivery doubles it (default
     /// 200 ms).
     pub backoff_base: Duration,
     /// The longest retry delay (default 60 s).
     pub backoff_max: Duration,
-    /// A message that fails retryably on its `max_deliveries`-th delivery is
-    /// dead-lettered instead of redelivered (default 20; brokers that give no
-    /// delivery count never reach it).
+    /// A message that fails retryably, or is still held for an abandoned
+    /// step, on its `max_deliveries`-th delivery is dead-lettered instead of
+    /// redelivered (default 20; brokers that give no delivery count never
+    /// reach it).
     pub max_deliveries: u32,
     /// How often to tell the broker the message is still in progress while
     /// the handler runs ([`Delivery::extend`]; default 10 s).
@@ -49,6 +59,7 @@ impl Default for ConsumerOptions {
             concurrency: 8,
             max_payload_bytes: 256 * 1024,
             in_progress_delay: Duration::from_secs(1),
+            abandoned_delay: Duration::from_secs(60),
             backoff_base: Duration::from_millis(200),
             backoff_max: Duration::from_secs(60),
             max_deliveries: 20,
@@ -74,6 +85,12 @@ impl ConsumerOptions {
     /// Sets [`ConsumerOptions::in_progress_delay`].
     pub fn in_progress_delay(mut self, d: Duration) -> Self {
         self.in_progress_delay = d;
+        self
+    }
+
+    /// Sets [`ConsumerOptions::abandoned_delay`].
+    pub fn abandoned_delay(mut self, d: Duration) -> Self {
+        self.abandoned_delay = d;
         self
     }
 
@@ -115,12 +132,13 @@ impl ConsumerOptions {
 /// What the loop does with a delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
-    /// Ack: the effects are done (now, before, or abandoned for
-    /// reconciliation).
+    /// Ack: the effects are done (now or before).
     Ack(&'static str),
-    /// Redeliver after a delay (`in_progress`, `retry` or `shutdown`).
+    /// Redeliver after a delay (`in_progress`, `abandoned`, `retry` or
+    /// `shutdown`).
     Redeliver {
-        /// The result label (`in_progress`, `retry`, `shutdown`).
+        /// The result label (`in_progress`, `abandoned`, `retry`,
+        /// `shutdown`).
         result: &'static str,
         /// When.
         delay: Duration,
@@ -165,8 +183,21 @@ impl Action {
                     delay: opts.in_progress_delay,
                     reason: e.to_string(),
                 },
-                // Listed for reconciliation; a redelivery changes nothing.
-                Error::Abandoned { .. } => Action::Ack("abandoned"),
+                // Held until the step is reconciled: an ack here would leave
+                // no delivery to perform a step found not done. Past the
+                // last delivery, parked with its key for a person to replay.
+                Error::Abandoned { .. } if delivery >= opts.max_deliveries => Action::DeadLetter {
+                    class: "abandoned",
+                    reason: format!(
+                        "{e}; held for {delivery} deliveries while it awaited reconciliation: \
+                         resolve the step (oncely reconcile, oncely resolve), then replay this message"
+                    ),
+                },
+                Error::Abandoned { .. } => Action::Redeliver {
+                    result: "abandoned",
+                    delay: opts.abandoned_delay,
+                    reason: e.to_string(),
+                },
                 Error::Terminal { .. } => Action::DeadLetter {
                     class: "terminal",
                     reason: e.to_string(),
@@ -206,7 +237,8 @@ pub struct Stats {
     pub ran: u64,
     /// Acked: every effect had been done before (suppressed duplicates).
     pub replayed: u64,
-    /// Acked: an at-most-once step was found abandoned.
+    /// Held for a later delivery: an at-most-once step was found abandoned
+    /// (awaiting reconciliation).
     pub abandoned: u64,
     /// Redelivered later: in progress elsewhere.
     pub in_progress: u64,
@@ -304,7 +336,7 @@ impl Counters {
 /// | payload over [`ConsumerOptions::max_payload_bytes`] | dead-letter `oversized` |
 /// | `decode` failed | dead-letter `undecodable` |
 /// | `Ok(How::Ran)` / `Ok(How::Replayed)` | ack |
-/// | an abandoned at-most-once step | ack (listed for reconciliation) |
+/// | an abandoned at-most-once step | held: redeliver after [`ConsumerOptions::abandoned_delay`] until the step is reconciled (then the delivery performs or replays it); dead-letter `abandoned` on the last allowed delivery |
 /// | in progress elsewhere, lease lost | redeliver after [`ConsumerOptions::in_progress_delay`] |
 /// | retryable failure | redeliver after backoff; dead-letter `max_deliveries` on the last allowed delivery |
 /// | missing key field, poison, stored terminal failure, any other oncely error | dead-letter with the reason |

@@ -84,9 +84,10 @@ pub enum HandlerError {
     /// An oncely error: in progress elsewhere or a lost lease → redelivered
     /// after [`ConsumerOptions::in_progress_delay`](crate::ConsumerOptions::in_progress_delay);
     /// retryable → redelivered with backoff; an abandoned at-most-once step
-    /// → acked (it is listed for reconciliation and a redelivery would
-    /// change nothing); anything else (a stored terminal failure, an invalid
-    /// key, a fingerprint mismatch) → dead-lettered.
+    /// → held, redelivered after
+    /// [`ConsumerOptions::abandoned_delay`](crate::ConsumerOptions::abandoned_delay)
+    /// until the step is reconciled; anything else (a stored terminal
+    /// failure, an invalid key, a fingerprint mismatch) → dead-lettered.
     Oncely(oncely::Error),
     /// The message lacks a field an effect key is derived from:
     /// dead-lettered.

@@ -7,7 +7,7 @@
 pub const DELIVERIES_TOTAL: &str = "oncely_consumer_deliveries_total";
 /// Counter `{consumer,reason}`: dead-lettered deliveries by reason
 /// (`oversized`, `undecodable`, `missing_field`, `poison`, `terminal`,
-/// `max_deliveries`, `rejected`).
+/// `max_deliveries`, `abandoned`, `rejected`).
 pub const DEAD_LETTERS_TOTAL: &str = "oncely_consumer_dead_letters_total";
 /// Counter `{consumer,action}`: acks, nacks and dead-letters the broker
 /// refused (a dropped connection): the broker redelivers those.

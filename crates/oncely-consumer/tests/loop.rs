@@ -281,7 +281,15 @@ fn each_result_maps_to_its_broker_action() {
         }
     ));
     let abandoned = oncely::Error::Abandoned { key: key.clone() };
-    assert_eq!(decide(Err(abandoned.into()), 1), Action::Ack("abandoned"));
+    assert!(matches!(
+        decide(Err(abandoned.into()), 1),
+        Action::Redeliver { result: "abandoned", delay, .. } if delay == Duration::from_secs(60)
+    ));
+    let abandoned = oncely::Error::Abandoned { key: key.clone() };
+    assert!(matches!(
+        decide(Err(abandoned.into()), 100),
+        Action::DeadLetter { class: "abandoned", reason } if reason.contains(&key)
+    ));
     let terminal = oncely::Error::Terminal {
         key: key.clone(),
         message: "declined".into(),
