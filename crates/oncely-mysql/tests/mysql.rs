@@ -182,13 +182,14 @@ async fn concurrent_claim_in_writes_once() {
 }
 
 /// Keys that a case- or accent-insensitive collation would fold together are
-/// different effects.
+/// different effects. (A decomposed `e\u{301}` next to `é` never gets here:
+/// keys are NFC, `EffectKey::new` refuses it.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn keys_compare_exactly() {
     let Some(ledger) = ledger().await else { return };
     let t = fresh_tenant();
     let subjects = [
-        "Order-1", "order-1", "ORDER-1", "é", "e", "É", "e\u{301}", "ß", "ss", "a", "A",
+        "Order-1", "order-1", "ORDER-1", "é", "e", "É", "q\u{301}", "q", "ß", "ss", "a", "A",
     ];
     for (i, s) in subjects.iter().enumerate() {
         let l = acquired(

@@ -1,21 +1,22 @@
 //! A duplicate of a completed effect, or of one in progress under a live
 //! lease, is a read: the claim takes no row lock, no transaction id, and
-//! writes no WAL, so its commit never waits on a disk flush.
+//! writes no row, so its commit never waits on a disk flush.
 //!
-//! Measured on the server: the WAL insert position before and after 200
-//! duplicate claims, and the rows' `xmax` (a row lock would leave the
-//! locking transaction's id there). The WAL position is the whole server's,
-//! so this file holds this one test (test binaries run one at a time) and
-//! the measurement is repeated a few times, keeping the lowest: anything
-//! else writing (autovacuum, another client) can only add to it. The claim
-//! statement that locked the row wrote about 120 bytes per duplicate.
+//! Measured on this test's own rows and session, so that other clients
+//! writing to the same server change nothing: each row's `xmin`, `xmax` and
+//! `ctid` are the same after 200 duplicate claims as before (an update
+//! would leave a new row version, a row lock the locking transaction's id
+//! in `xmax`), and 200 duplicate claims run in a transaction the test owns
+//! leave it without a transaction id (`pg_current_xact_id_if_assigned()`:
+//! PostgreSQL assigns one at a transaction's first write or row lock). The
+//! claim statement that locked the row failed both.
 
 use std::time::Duration;
 
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
-use oncely::{Claim, ClaimOptions, EffectKey, Ledger, Outcome};
+use oncely::{Claim, ClaimOptions, EffectKey, Ledger, Outcome, TransactionalLedger};
 use oncely_postgres::{PgLedger, PgLedgerOptions};
-use sqlx::AssertSqlSafe;
+use sqlx::{AssertSqlSafe, PgConnection};
 
 const TABLE: &str = "oncely_pg_duplicates";
 const N: usize = 200;
@@ -57,47 +58,67 @@ async fn duplicates_of_completed_and_live_effects_write_nothing() {
     }
 
     for (what, keys) in [("completed", &completed), ("in progress", &live)] {
-        // A first round of duplicates lets the server do its own
-        // housekeeping on these pages (hint bits, pruning the versions the
-        // completions left), which a read may write once.
-        duplicates(&ledger, keys).await;
-        let mut lowest = u64::MAX;
-        for _ in 0..3 {
-            let before = wal(&ledger).await;
-            duplicates(&ledger, keys).await;
-            lowest = lowest.min(wal(&ledger).await - before);
+        let before = versions(ledger.pool().acquire().await.unwrap().as_mut(), keys).await;
+        assert_eq!(before.len(), N, "{what}: rows");
+        // No transaction locks the rows yet (else the check below would
+        // compare two locked states).
+        for (key, _, xmax, _) in &before {
+            assert_eq!(xmax, "0", "{what}: {key} locked before the duplicates");
         }
-        assert!(
-            lowest < (N as u64) * 8,
-            "{N} duplicates of {what} effects wrote {lowest} bytes of WAL"
+
+        // Autocommit, as a consumer claims: one statement per claim.
+        for k in keys.iter() {
+            duplicate(&ledger, k).await;
+        }
+        let after = versions(ledger.pool().acquire().await.unwrap().as_mut(), keys).await;
+        assert_eq!(
+            after, before,
+            "{what}: {N} duplicate claims changed their rows' versions (key, xmin, xmax, ctid)"
         );
-        // No transaction locked the rows: a lock would have left its id.
-        let locked: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT count(*) FROM {TABLE} WHERE key = ANY($1) AND xmax::text <> '0'"
-        )))
-        .bind(keys.iter().map(EffectKey::as_str).collect::<Vec<_>>())
-        .fetch_one(ledger.pool())
-        .await
-        .unwrap();
-        assert_eq!(locked, 0, "{what}: rows locked by duplicates");
-    }
-}
 
-/// One duplicate claim of each key, answered as a duplicate.
-async fn duplicates(ledger: &PgLedger, keys: &[EffectKey]) {
-    for k in keys {
-        match ledger.claim(k, &ClaimOptions::default()).await.unwrap() {
-            Claim::Completed(_) | Claim::InProgress { .. } => {}
-            other => panic!("{k}: {other:?}"),
+        // The same statement in a transaction of our own: a write or a row
+        // lock would have given it a transaction id.
+        let mut tx = ledger.begin().await.unwrap();
+        for k in keys.iter() {
+            duplicate_in(&ledger, &mut tx, k).await;
         }
+        let xid: Option<String> = sqlx::query_scalar("SELECT pg_current_xact_id_if_assigned()::text")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        assert_eq!(xid, None, "{what}: {N} duplicate claims in one transaction wrote");
+        let inside = versions(&mut tx, keys).await;
+        ledger.rollback(tx).await.unwrap();
+        assert_eq!(
+            inside, before,
+            "{what}: duplicate claims in a transaction changed the rows"
+        );
     }
 }
 
-/// The server's WAL insert position, in bytes.
-async fn wal(ledger: &PgLedger) -> u64 {
-    let lsn: i64 = sqlx::query_scalar("SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint")
-        .fetch_one(ledger.pool())
-        .await
-        .unwrap();
-    lsn as u64
+/// One duplicate claim, answered as a duplicate.
+async fn duplicate(ledger: &PgLedger, k: &EffectKey) {
+    match ledger.claim(k, &ClaimOptions::default()).await.unwrap() {
+        Claim::Completed(_) | Claim::InProgress { .. } => {}
+        other => panic!("{k}: {other:?}"),
+    }
+}
+
+/// One duplicate claim on `conn`'s open transaction, answered as a duplicate.
+async fn duplicate_in(ledger: &PgLedger, conn: &mut PgConnection, k: &EffectKey) {
+    match ledger.claim_in(conn, k, &ClaimOptions::default()).await.unwrap() {
+        Claim::Completed(_) | Claim::InProgress { .. } => {}
+        other => panic!("{k}: {other:?}"),
+    }
+}
+
+/// Each key's current row version: (key, xmin, xmax, ctid), in key order.
+async fn versions(conn: &mut PgConnection, keys: &[EffectKey]) -> Vec<(String, String, String, String)> {
+    sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT key, xmin::text, xmax::text, ctid::text FROM {TABLE} WHERE key = ANY($1) ORDER BY key"
+    )))
+    .bind(keys.iter().map(EffectKey::as_str).collect::<Vec<_>>())
+    .fetch_all(conn)
+    .await
+    .unwrap()
 }

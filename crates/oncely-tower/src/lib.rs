@@ -54,7 +54,9 @@
 //! key is a different effect, which can neither replay nor block this one.
 //! The application says who the principal is ([`PrincipalSource`]: a
 //! closure, or [`FromExtensions`] for a [`Principal`] its authentication
-//! middleware put in the request extensions).
+//! middleware put in the request extensions). The principal's id is held to
+//! the rules of an effect key's text (no invisible or blank characters,
+//! Unicode NFC): an id that breaks them gets 400 `invalid-key`.
 //!
 //! ## What is stored, and for how long
 //!

@@ -1,7 +1,14 @@
 //! Tenants and effect keys: what an effect is, validated before any round trip.
+//!
+//! Two keys that print alike must be one key, or two producers that write
+//! the same text differently would get two effects. So a key is refused
+//! (never silently rewritten) when a part holds invisible, blank or
+//! unassigned characters, or is not in Unicode NFC; see [`EffectKey::new`].
 
 use std::fmt;
 use std::sync::Arc;
+
+use unicode_normalization::UnicodeNormalization;
 
 use crate::error::{Error, Result};
 
@@ -102,8 +109,23 @@ pub struct EffectKey {
 
 impl EffectKey {
     /// Builds and validates a key. Fails with [`Error::InvalidKey`] on an empty
-    /// part, control characters, a kind containing `:` or `/`, or a displayed
-    /// key longer than [`MAX_KEY_BYTES`].
+    /// part, a kind containing `:`, `/` or whitespace, a subject starting or
+    /// ending with whitespace, a displayed key longer than [`MAX_KEY_BYTES`],
+    /// or a part that could print like another key:
+    ///
+    /// - control, format, invisible or blank characters: Unicode's
+    ///   `White_Space` (U+0020 excepted, inside a subject) and
+    ///   `Default_Ignorable_Code_Point` (zero-width characters, bidi
+    ///   controls, Hangul fillers, variation selectors…), noncharacters, and
+    ///   the blank glyphs U+2800 and U+1D159;
+    /// - unassigned and private-use code points;
+    /// - text not in Unicode Normalization Form C: `café` with a precomposed
+    ///   `é` (U+00E9) is accepted, `cafe` + U+0301 is refused.
+    ///
+    /// Text is refused, never normalised for you: a key is its exact string,
+    /// so normalise subjects that come from outside (for example with the
+    /// `unicode-normalization` crate's `nfc()`) before building the key, in
+    /// every producer alike.
     pub fn new(tenant: &Tenant, kind: impl AsRef<str>, subject: impl AsRef<str>) -> Result<Self> {
         let (kind, subject) = (kind.as_ref(), subject.as_ref());
         check_part("kind", kind, MAX_KIND_BYTES)?;
@@ -138,6 +160,9 @@ impl EffectKey {
     /// header), bound to the authenticated `principal`: the same client key
     /// sent by another principal is another effect, so nobody can replay or
     /// block an operation they do not own by guessing its key.
+    ///
+    /// The principal and the client key are held to [`EffectKey::new`]'s
+    /// rules on characters and normalisation.
     pub fn for_client(
         tenant: &Tenant,
         principal: &str,
@@ -231,31 +256,80 @@ fn check_part(what: &str, s: &str, max: usize) -> Result<()> {
             s.len()
         )));
     }
-    // Keys are mostly printable ASCII, none of which is deceptive: only
-    // other text needs the character-by-character look.
+    // Keys are mostly printable ASCII, none of which is deceptive and all of
+    // which is NFC: only other text needs the character-by-character look.
     if s.bytes().all(|b| (0x20..0x7f).contains(&b)) {
         return Ok(());
     }
-    if let Some(c) = s.chars().find(|&c| is_deceptive(c)) {
-        return Err(Error::invalid_key(format!(
-            "{what} must not contain control, format, invisible or non-ASCII space characters \
-             (found U+{:04X})",
-            c as u32
-        )));
+    for (at, c) in s.char_indices() {
+        if is_deceptive(c) {
+            return Err(Error::invalid_key(format!(
+                "{what} must not contain control, format, invisible, blank or non-ASCII space \
+                 characters (found U+{:04X} at byte {at})",
+                c as u32
+            )));
+        }
+        // No glyph of its own (a box, like every other), and what NFC makes
+        // of it may change once Unicode assigns it: the normalization
+        // stability policy covers assigned characters only.
+        if !unicode_normalization::char::is_public_assigned(c) {
+            return Err(Error::invalid_key(format!(
+                "{what} must not contain unassigned or private-use code points \
+                 (found U+{:04X} at byte {at})",
+                c as u32
+            )));
+        }
+    }
+    if !unicode_normalization::is_nfc(s) {
+        return Err(not_nfc(what, s));
     }
     Ok(())
 }
 
+/// The error for a part that is not in NFC, naming the first character that
+/// normalisation changes.
+///
+/// Refused rather than normalised here: a key is its exact string, so
+/// normalising one that an earlier version accepted as it was would give its
+/// effect a second record (and run it again).
+#[cold]
+fn not_nfc(what: &str, s: &str) -> Error {
+    let mut nfc = s.nfc();
+    let first = s.char_indices().find_map(|(at, c)| {
+        let n = nfc.next();
+        (n != Some(c)).then_some((at, c, n))
+    });
+    let at = match first {
+        Some((at, c, Some(n))) => format!(
+            " at byte {at}: U+{:04X} where NFC has U+{:04X}",
+            c as u32, n as u32
+        ),
+        Some((at, c, None)) => format!(" at byte {at}: U+{:04X}", c as u32),
+        None => String::new(),
+    };
+    Error::invalid_key(format!(
+        "{what} is not in Unicode normalization form C{at} (two keys that print alike \
+         would be two effects); normalise it to NFC before building the key, for example \
+         with the unicode-normalization crate's nfc()"
+    ))
+}
+
 /// Characters that let two keys print the same while differing in the
-/// ledger: controls (Cc), format characters (Cf: zero-width, bidi controls
-/// and isolates, the soft hyphen, tag characters, the Arabic letter mark…),
-/// the rest of Unicode's default-ignorable code points (the combining
-/// grapheme joiner, Hangul fillers, variation selectors), line and paragraph
-/// separators, spaces other than U+0020, and noncharacters.
+/// ledger, or print as nothing: controls (Cc), format characters (Cf:
+/// zero-width, bidi controls and isolates, the soft hyphen, tag characters,
+/// the Arabic letter mark…), the rest of Unicode's `White_Space` (line and
+/// paragraph separators, every space but U+0020, which a subject may hold
+/// inside it) and of its `Default_Ignorable_Code_Point`s (the combining
+/// grapheme joiner, Hangul fillers, variation selectors, Mongolian free
+/// variation selectors), noncharacters, and the blank glyphs that are
+/// neither: U+2800 BRAILLE PATTERN BLANK and U+1D159 MUSICAL SYMBOL NULL
+/// NOTEHEAD.
 ///
 /// The ranges are Unicode 15.1's `Cf`, `Zl`, `Zp`, `Zs` and
 /// `Default_Ignorable_Code_Point` (DerivedCoreProperties.txt), which are
-/// stable: a character never leaves these sets in a later version.
+/// stable: a character never leaves these sets in a later version. A test
+/// checks every code point against ICU4X's `White_Space` and
+/// `Default_Ignorable_Code_Point` sets and general categories.
 pub(crate) fn is_deceptive(c: char) -> bool {
     if c.is_control() {
         return true;
@@ -265,10 +339,10 @@ pub(crate) fn is_deceptive(c: char) -> bool {
         u,
         0x00A0 | 0x00AD | 0x034F | 0x0600..=0x0605 | 0x061C | 0x06DD | 0x070F | 0x0890..=0x0891
             | 0x08E2 | 0x115F..=0x1160 | 0x1680 | 0x17B4..=0x17B5 | 0x180B..=0x180F
-            | 0x2000..=0x200F | 0x2028..=0x202F | 0x205F..=0x206F | 0x3000 | 0x3164
+            | 0x2000..=0x200F | 0x2028..=0x202F | 0x205F..=0x206F | 0x2800 | 0x3000 | 0x3164
             | 0xFE00..=0xFE0F | 0xFEFF | 0xFFA0 | 0xFFF0..=0xFFFB | 0x110BD | 0x110CD
-            | 0x13430..=0x1343F | 0x1BCA0..=0x1BCA3 | 0x1D173..=0x1D17A | 0xE0000..=0xE0FFF
-            | 0xFDD0..=0xFDEF
+            | 0x13430..=0x1343F | 0x1BCA0..=0x1BCA3 | 0x1D159 | 0x1D173..=0x1D17A
+            | 0xE0000..=0xE0FFF | 0xFDD0..=0xFDEF
     ) || u & 0xFFFE == 0xFFFE
 }
 
@@ -372,8 +446,239 @@ mod tests {
             );
         }
         // Visible non-ASCII text stays allowed.
-        for ok in ["café", "注文-1", "Ωmega", "🧾", "naïve–dash", "a\u{0301}"] {
+        for ok in ["café", "注文-1", "Ωmega", "🧾", "naïve–dash", "x\u{0323}\u{0301}"] {
             assert!(EffectKey::new(&t(), "capture", ok).is_ok(), "{ok}");
+        }
+    }
+
+    /// Text is checked in NFC, never normalised: each of these prints like
+    /// the NFC text next to it and is refused, in every part, with where
+    /// the difference starts and what to do about it.
+    #[test]
+    fn refuses_text_not_in_nfc() {
+        let pairs = [
+            ("cafe\u{0301}", "caf\u{00E9}", 3, "U+0065 where NFC has U+00E9"),
+            ("a\u{0301}", "\u{00E1}", 0, "U+0061 where NFC has U+00E1"),
+            // Marks out of canonical order (below before above).
+            (
+                "x\u{0301}\u{0323}",
+                "x\u{0323}\u{0301}",
+                1,
+                "U+0301 where NFC has U+0323",
+            ),
+            // Conjoining jamo, and singletons that NFC replaces.
+            ("\u{1100}\u{1161}", "\u{AC00}", 0, "U+1100 where NFC has U+AC00"),
+            (
+                "\u{212B}ngstr\u{00F6}m",
+                "\u{00C5}ngstr\u{00F6}m",
+                0,
+                "U+212B where NFC has U+00C5",
+            ),
+            ("5\u{2126}", "5\u{03A9}", 1, "U+2126 where NFC has U+03A9"),
+        ];
+        for (nfd, nfc, at, what) in pairs {
+            assert_eq!(nfd.nfc().collect::<String>(), nfc, "{nfd:?}");
+            assert!(EffectKey::new(&t(), "capture", nfc).is_ok(), "{nfc:?}");
+            let e = EffectKey::new(&t(), "capture", nfd).unwrap_err();
+            assert!(matches!(e, Error::InvalidKey { .. }), "{nfd:?}: {e:?}");
+            let msg = e.to_string();
+            assert!(
+                msg.contains("subject is not in Unicode normalization form C"),
+                "{msg}"
+            );
+            assert!(msg.contains(&format!("at byte {at}: {what}")), "{msg}");
+            assert!(msg.contains("unicode-normalization"), "{msg}");
+            assert!(EffectKey::new(&t(), nfd, "x").is_err(), "kind {nfd:?}");
+            assert!(
+                EffectKey::for_client(&t(), nfd, "payment", "k").is_err(),
+                "principal {nfd:?}"
+            );
+            assert!(
+                EffectKey::for_client(&t(), "u", "payment", nfd).is_err(),
+                "client key {nfd:?}"
+            );
+            assert!(
+                EffectKey::parse(&format!("acme/capture:{nfd}")).is_err(),
+                "parse {nfd:?}"
+            );
+            assert!(
+                EffectKey::for_client(&t(), nfc, "payment", nfc).is_ok(),
+                "{nfc:?}"
+            );
+        }
+    }
+
+    /// Blank-looking characters: `order⠀-1` (U+2800) prints like
+    /// `order -1`, and so do the Hangul fillers and the musical null
+    /// notehead.
+    #[test]
+    fn refuses_blank_looking_characters() {
+        for c in [
+            '\u{2800}',
+            '\u{3164}',
+            '\u{115F}',
+            '\u{1160}',
+            '\u{FFA0}',
+            '\u{1D159}',
+        ] {
+            let e = EffectKey::new(&t(), "capture", format!("order{c}-1")).unwrap_err();
+            assert!(matches!(e, Error::InvalidKey { .. }), "U+{:04X}: {e:?}", c as u32);
+            assert!(
+                e.to_string().contains(&format!("U+{:04X} at byte 5", c as u32)),
+                "{e}"
+            );
+            assert!(
+                EffectKey::new(&t(), format!("cap{c}"), "x").is_err(),
+                "kind U+{:04X}",
+                c as u32
+            );
+            assert!(
+                EffectKey::for_client(&t(), "u", "payment", &format!("k{c}")).is_err(),
+                "client key U+{:04X}",
+                c as u32
+            );
+        }
+        assert!(EffectKey::new(&t(), "capture", "order -1").is_ok());
+    }
+
+    /// No glyph of their own, and no stable normal form.
+    #[test]
+    fn refuses_unassigned_and_private_use_code_points() {
+        for c in [
+            '\u{0378}',
+            '\u{E000}',
+            '\u{F8FF}',
+            '\u{50000}',
+            '\u{F0000}',
+            '\u{10FFFD}',
+        ] {
+            let e = EffectKey::new(&t(), "capture", format!("order{c}1")).unwrap_err();
+            assert!(
+                e.to_string().contains(&format!(
+                    "unassigned or private-use code points (found U+{:04X}",
+                    c as u32
+                )),
+                "{e}"
+            );
+        }
+    }
+
+    use icu_properties::props::{DefaultIgnorableCodePoint, GeneralCategory, WhiteSpace};
+    use icu_properties::{CodePointMapData, CodePointSetData};
+    use proptest::prelude::*;
+    use unicode_normalization::is_nfc;
+
+    /// What Unicode itself says must not be in a key, from ICU4X's data
+    /// rather than the table under test (plus the two blank glyphs that no
+    /// property names).
+    fn refused_by_unicode(c: char) -> bool {
+        let ws = CodePointSetData::new::<WhiteSpace>();
+        let ignorable = CodePointSetData::new::<DefaultIgnorableCodePoint>();
+        use GeneralCategory as G;
+        let category = matches!(
+            CodePointMapData::<GeneralCategory>::new().get(c),
+            G::Control | G::Format | G::SpaceSeparator | G::LineSeparator | G::ParagraphSeparator
+        );
+        c != ' '
+            && (ws.contains(c) || ignorable.contains(c) || category || matches!(c, '\u{2800}' | '\u{1D159}'))
+    }
+
+    #[test]
+    fn refused_characters_cover_white_space_default_ignorables_and_formats() {
+        for c in (0..=0x10FFFF).filter_map(char::from_u32) {
+            if refused_by_unicode(c) {
+                assert!(is_deceptive(c), "U+{:04X} is not refused", c as u32);
+            }
+        }
+    }
+
+    /// Characters that make normalisation and the refused classes matter:
+    /// precomposed letters, combining marks, conjoining jamo, singletons,
+    /// blanks and invisibles, and anything at all.
+    fn text() -> impl Strategy<Value = String> {
+        let c = prop_oneof![
+            4 => proptest::char::range('a', 'e'),
+            1 => proptest::sample::select(vec![' ', '-', ':', '/', '.']),
+            3 => proptest::char::range('\u{00C0}', '\u{017F}'),
+            3 => proptest::char::range('\u{0300}', '\u{0344}'),
+            1 => proptest::char::range('\u{1100}', '\u{1175}'),
+            1 => proptest::char::range('\u{11A8}', '\u{11AF}'),
+            1 => proptest::char::range('\u{AC00}', '\u{AC1F}'),
+            2 => proptest::sample::select(vec![
+                '\u{212B}', '\u{2126}', '\u{0344}', '\u{0958}', '\u{2800}', '\u{3164}',
+                '\u{FFA0}', '\u{1D159}', '\u{200B}', '\u{00A0}', '\u{3000}', '\u{FE0F}',
+                '\u{E0041}', '\u{034F}', '\u{E000}', '\u{0378}', '\u{FFFE}',
+            ]),
+            2 => any::<char>(),
+        ];
+        proptest::collection::vec(c, 1..10).prop_map(String::from_iter)
+    }
+
+    /// `part` of an accepted key: NFC, nothing Unicode calls blank or
+    /// invisible, nothing unassigned.
+    fn assert_clean(part: &str) {
+        assert!(is_nfc(part), "{part:?} is not NFC");
+        for c in part.chars() {
+            assert!(!refused_by_unicode(c), "{part:?} holds U+{:04X}", c as u32);
+            assert!(
+                unicode_normalization::char::is_public_assigned(c),
+                "{part:?} holds U+{:04X}",
+                c as u32
+            );
+        }
+    }
+
+    fn assert_round_trips(k: &EffectKey) {
+        assert_eq!(k.to_string(), k.as_str());
+        assert_eq!(&EffectKey::parse(k.as_str()).unwrap(), k);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// Whatever the text, in whichever part: an accepted key is clean
+        /// and round-trips through its display; a refused one is
+        /// `InvalidKey`.
+        #[test]
+        fn accepted_keys_are_nfc_and_visible(s in text()) {
+            let t = t();
+            for built in [
+                EffectKey::new(&t, "capture", &s),
+                EffectKey::new(&t, &s, "x"),
+                EffectKey::for_client(&t, &s, "payment", "k"),
+                EffectKey::for_client(&t, "u", "payment", &s),
+            ] {
+                match built {
+                    Ok(k) => {
+                        assert_clean(&s);
+                        assert_clean(k.as_str());
+                        assert_round_trips(&k);
+                    }
+                    Err(e) => prop_assert!(matches!(e, Error::InvalidKey { .. }), "{e:?}"),
+                }
+            }
+        }
+
+        /// The NFC and NFD forms of one text are never two accepted keys:
+        /// where they differ, the NFD form is refused.
+        #[test]
+        fn nfc_and_nfd_forms_are_never_two_keys(s in text()) {
+            let (nfc, nfd): (String, String) = (s.nfc().collect(), s.nfd().collect());
+            if nfc == nfd {
+                // One form: nothing to tell apart.
+                return Ok(());
+            }
+            let t = t();
+            for (a, b) in [
+                (EffectKey::new(&t, "capture", &nfc), EffectKey::new(&t, "capture", &nfd)),
+                (EffectKey::new(&t, &nfc, "x"), EffectKey::new(&t, &nfd, "x")),
+            ] {
+                prop_assert!(b.is_err(), "NFD {nfd:?} accepted: {b:?}");
+                if let (Ok(_), Err(e)) = (&a, &b) {
+                    // Only the form was wrong: the error says so.
+                    prop_assert!(e.to_string().contains("normalization form C"), "{e}");
+                }
+            }
         }
     }
 
