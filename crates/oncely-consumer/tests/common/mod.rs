@@ -7,11 +7,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use oncely::conformance::{service_url, skip_or_fail};
+use oncely::reconcile::Reconcile;
 use oncely::{ClaimOptions, EffectKey, Effects, Failure, Fingerprint, How, Ledger, Tenant};
 use oncely_consumer::{Context, Handler, HandlerError, json};
 use oncely_postgres::PgLedger;
 use oncely_sqlite::SqliteLedger;
-use payment_job::{FakeMailer, FakeProvider};
+use payment_job::{FakeMailer, FakeProvider, PaymentReconciler};
 use serde::{Deserialize, Serialize};
 
 /// A payment message. `order_id` is optional so that a payload without it
@@ -181,6 +182,27 @@ impl<L: Ledger + Clone + 'static> Handler for Payments<L> {
             How::Replayed
         })
     }
+}
+
+/// Settles the tenant's abandoned receipts as an operator's reconciliation
+/// job would, from the mailer's log: a sent receipt is completed, an unsent
+/// one released, and the delivery the consumer holds for it then sends it.
+/// Returns how many were settled.
+pub async fn reconcile_abandoned<L: Ledger>(
+    ledger: &L,
+    tenant: &Tenant,
+    provider: &Arc<FakeProvider>,
+    mailer: &Arc<FakeMailer>,
+) -> u64 {
+    let reconciler = PaymentReconciler {
+        provider: provider.clone(),
+        mailer: mailer.clone(),
+    };
+    let report = Reconcile::new(ledger, &reconciler)
+        .abandoned(tenant)
+        .await
+        .unwrap();
+    report.completed + report.released
 }
 
 pub async fn sqlite() -> (SqliteLedger, tempfile::TempDir) {
