@@ -408,8 +408,8 @@ struct ReconcileArgs {
     /// protocol above), e.g. './check-provider.sh'.
     #[arg(long, value_name = "CMD")]
     check: String,
-    /// How long CHECK may take for one record before it is killed
-    /// (500ms, 30s, 5m).
+    /// How long CHECK may take for one record before it is killed, with
+    /// everything it started (its process group): 500ms, 30s, 5m.
     #[arg(long, default_value = "30s", value_parser = duration_arg)]
     check_timeout: Duration,
     /// Ask, but write nothing: the report says what would be done.
@@ -820,9 +820,17 @@ async fn run_reconcile(args: ReconcileArgs) -> ExitCode {
         rate: args.rate,
         ..ReconcileConfig::new(tenant, args.check)
     };
-    let report = match reconcile::reconcile(&args.db.database_url, &config).await {
-        Ok(r) => r,
-        Err(e) => return fail(&e),
+    // The check runs in a process group of its own, out of the terminal's
+    // reach: on Ctrl-C the run's future is dropped, which kills that group.
+    let report = tokio::select! {
+        r = reconcile::reconcile(&args.db.database_url, &config) => match r {
+            Ok(r) => r,
+            Err(e) => return fail(&e),
+        },
+        _ = tokio::signal::ctrl_c() => {
+            eprintln!("interrupted");
+            return ExitCode::from(130);
+        }
     };
     if args.json {
         let code = print_json(&report);

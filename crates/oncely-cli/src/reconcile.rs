@@ -28,6 +28,12 @@
 //! counted in [`ReconcileReport::errors`], and the run goes on. Write logs
 //! to stderr: the end of it is quoted in the error.
 //!
+//! The command runs in a process group of its own. Its answer is what it
+//! printed by the time it exited; then whatever it left running in the
+//! group (a background child still holding its stdout, say) is killed, so
+//! a prompt answer counts and nothing outlives the record. On a timeout,
+//! or when the run is interrupted, the whole group is killed.
+//!
 //! The records are listed and the answers applied by
 //! [`oncely::reconcile::Reconcile`] (stuck leases first, then abandoned
 //! steps, oldest first; fenced writes; a stuck lease taken over by a claim
@@ -43,8 +49,9 @@ use oncely::admin::{Filter, RecordQuery};
 use oncely::backend::Access;
 use oncely::reconcile::{Chain, Doubt, Query, Reconcile, Reconciler, Resolution, Verdict};
 use oncely::{BoxError, EffectKey, Error, Outcome, Record, Result, Tenant};
+use rustix::process::{Pid, Signal, kill_process_group};
 use serde::Serialize;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 use crate::admin::open_admin;
 use crate::ops::rfc3339;
@@ -59,7 +66,8 @@ pub struct ReconcileConfig {
     pub tenant: Option<Tenant>,
     /// The command, run through `sh -c` once per doubtful record.
     pub check: String,
-    /// How long the command may take for one record before it is killed.
+    /// How long the command may take for one record before it is killed,
+    /// with everything it started (its process group).
     pub check_timeout: Duration,
     /// Ask, but write nothing.
     pub dry_run: bool,
@@ -254,7 +262,8 @@ pub struct CheckCommand {
 }
 
 impl CheckCommand {
-    /// Runs `command` through `sh -c`, killed after `timeout`.
+    /// Runs `command` through `sh -c` in a process group of its own, killed
+    /// with the group after `timeout`.
     pub fn new(command: &str, timeout: Duration) -> Self {
         CheckCommand {
             command: command.to_owned(),
@@ -283,26 +292,17 @@ impl CheckCommand {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
-            // A command that outlives its timeout is killed when its
-            // future is dropped.
+            // A group of its own, so that what the command starts (a
+            // provider call, a `sleep &`) is killed with it.
+            .process_group(0)
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| format!("cannot run sh -c: {e}"))?;
-        let stdin = child.stdin.take();
-        // Fed while the output is read, so a large record never blocks on
-        // a command that prints before it reads; a command that does not
-        // read its stdin is fine (the write error is ignored).
-        let feed = async move {
-            if let Some(mut stdin) = stdin {
-                let _ = stdin.write_all(&input).await;
-                let _ = stdin.write_all(b"\n").await;
-            }
-        };
-        let output = async {
-            let ((), out) = tokio::join!(feed, child.wait_with_output());
-            out
-        };
-        let out = match tokio::time::timeout(self.timeout, output).await {
+        // Killed when dropped, on every way out of here (answered, failed,
+        // timed out, the run interrupted): nothing the command started
+        // outlives its record.
+        let group = ProcessGroup::of(child.id());
+        let out = match tokio::time::timeout(self.timeout, converse(&mut child, &group, input)).await {
             Err(_) => {
                 return Err(format!(
                     "the check command gave no answer within {} (killed)",
@@ -326,6 +326,82 @@ impl CheckCommand {
         let stdout = std::str::from_utf8(&out.stdout)
             .map_err(|_| said("the check command's output is not UTF-8".to_owned()))?;
         parse_answer(stdout).map_err(said)
+    }
+}
+
+/// Feeds the record to the command, waits for it to exit, then kills what
+/// it left running in its group and reads its output to the end.
+///
+/// A command that printed its answer and exited is answered, even if a
+/// child it started in the background still holds its stdout: that child is
+/// killed, which closes the pipes. Only a process that left the group (with
+/// `setsid`, say) can keep them open, until the timeout.
+async fn converse(
+    child: &mut tokio::process::Child,
+    group: &ProcessGroup,
+    input: Vec<u8>,
+) -> std::io::Result<std::process::Output> {
+    let (stdin, stdout, stderr) = (child.stdin.take(), child.stdout.take(), child.stderr.take());
+    // Fed while the output is read, so a large record never blocks on a
+    // command that prints before it reads; a command that does not read its
+    // stdin is fine (the write error is ignored).
+    let feed = async move {
+        if let Some(mut stdin) = stdin {
+            let _ = stdin.write_all(&input).await;
+            let _ = stdin.write_all(b"\n").await;
+        }
+    };
+    let exit = async {
+        let status = child.wait().await;
+        group.kill();
+        status
+    };
+    let ((), status, stdout, stderr) = tokio::join!(feed, exit, read_all(stdout), read_all(stderr));
+    Ok(std::process::Output {
+        status: status?,
+        stdout: stdout?,
+        stderr: stderr?,
+    })
+}
+
+async fn read_all(pipe: Option<impl tokio::io::AsyncRead + Unpin>) -> std::io::Result<Vec<u8>> {
+    let mut all = Vec::new();
+    if let Some(mut pipe) = pipe {
+        pipe.read_to_end(&mut all).await?;
+    }
+    Ok(all)
+}
+
+/// The check command's process group (the command is its leader), killed
+/// with SIGKILL when dropped.
+#[derive(Debug)]
+struct ProcessGroup(Option<Pid>);
+
+impl ProcessGroup {
+    fn of(leader: Option<u32>) -> Self {
+        // Never 1: `kill(-1)` would signal every process we may signal.
+        ProcessGroup(
+            leader
+                .and_then(|p| i32::try_from(p).ok())
+                .filter(|&p| p > 1)
+                .and_then(Pid::from_raw),
+        )
+    }
+
+    /// Kills every process left in the group. After the leader is reaped
+    /// its id stays the group's while any member lives, and pids are handed
+    /// out in a cycle, so the id cannot name another group in the moment
+    /// between the reap and this. A group already gone is not an error.
+    fn kill(&self) {
+        if let Some(pgid) = self.0 {
+            let _ = kill_process_group(pgid, Signal::KILL);
+        }
+    }
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        self.kill();
     }
 }
 

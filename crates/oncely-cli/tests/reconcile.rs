@@ -551,6 +551,176 @@ fn all_tenants_covers_every_tenant_on_sqlite() {
     }
 }
 
+/// A check script that starts `sleep 30` in the background, writes its pid
+/// to `pids`, then does `body`.
+fn background_script(dir: &Path, body: &str) -> (String, std::path::PathBuf) {
+    let path = dir.join("check.sh");
+    let pids = dir.join("pids");
+    let script = format!(
+        "#!/bin/sh\ncat >/dev/null\nsleep 30 &\necho $! >> '{pids}'\n{body}\n",
+        pids = pids.display()
+    );
+    std::fs::write(&path, script).unwrap();
+    (format!("sh '{}'", path.display()), pids)
+}
+
+/// The pids a background script wrote.
+fn pids(file: &Path) -> Vec<u32> {
+    std::fs::read_to_string(file)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| l.trim().parse().unwrap_or_else(|e| panic!("{e}: {l:?}")))
+        .collect()
+}
+
+/// Whether `pid` runs (a zombie does not: it is dead, waiting for its
+/// parent, here whatever adopted it, to reap it).
+fn alive(pid: u32) -> bool {
+    let out = std::process::Command::new("ps")
+        .args(["-o", "stat=", "-p", &pid.to_string()])
+        .output()
+        .unwrap();
+    let stat = String::from_utf8_lossy(&out.stdout);
+    !stat.trim().is_empty() && !stat.trim().starts_with('Z')
+}
+
+/// Every pid is dead, soon: SIGKILL is delivered, not waited for, so the
+/// processes may take a moment to go (well before `sleep 30` would end).
+fn all_dead(pids: &[u32]) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids.iter().any(|&p| alive(p)) {
+        assert!(
+            Instant::now() < deadline,
+            "still running after reconcile returned: {:?}",
+            pids.iter().filter(|&&p| alive(p)).collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A check that answers at once and exits, leaving a background child
+/// that holds its stdout, is answered (not timed out), and the child is
+/// killed.
+#[test]
+fn a_prompt_answer_counts_and_what_the_check_left_running_is_killed_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = sqlite_url(dir.path());
+    let s = seed(&url);
+    let (check, pid_file) = background_script(
+        dir.path(),
+        "case \"$ONCELY_KEY\" in\n  */capture:*) echo 'done 1' ;;\n  *) echo not-done ;;\nesac",
+    );
+    // Stuck leases first: o-1 and o-4 (captures, done), then o-2 (not-done).
+    let out = run(
+        &[
+            "--tenant",
+            s.tenant.as_str(),
+            "--check",
+            &check,
+            "--check-timeout",
+            "5s",
+            "--max",
+            "3",
+            "--json",
+        ],
+        &url,
+    );
+    let r = report(&out);
+    assert_eq!(counts(&r), [3, 2, 1, 0, 0, 0, 0], "{r}");
+    assert!(out.status.success(), "{}", stderr(&out));
+    for (key, state) in [
+        (&s.done, RecordState::Completed),
+        (&s.fails, RecordState::Completed),
+        (&s.not_done, RecordState::Released),
+    ] {
+        assert_eq!(entry(&r, key)["error"], Value::Null, "{r}");
+        assert_eq!(record(&url, key).state, state, "{key}");
+    }
+    assert_eq!(record(&url, &s.done).outcome.unwrap().as_bytes(), br#"{"ok":1}"#);
+    let left = pids(&pid_file);
+    assert_eq!(left.len(), 3, "one background child per record");
+    all_dead(&left);
+}
+
+/// A check still waiting on its child at the timeout is killed with that
+/// child: nothing it started goes on after reconcile returned.
+#[test]
+fn a_check_past_its_timeout_is_killed_with_its_children_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = sqlite_url(dir.path());
+    let s = seed(&url);
+    let before = snapshot(&url, &s);
+    let (check, pid_file) = background_script(dir.path(), "wait\necho not-done");
+    let out = run(
+        &[
+            "--tenant",
+            s.tenant.as_str(),
+            "--check",
+            &check,
+            "--check-timeout",
+            "1s",
+            "--max",
+            "1",
+            "--json",
+        ],
+        &url,
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let r = report(&out);
+    assert_eq!(counts(&r), [1, 0, 0, 0, 0, 0, 1], "{r}");
+    let e = entry(&r, &s.done);
+    assert!(
+        e["error"].as_str().unwrap().contains("no answer within 1 s"),
+        "{e}"
+    );
+    assert_eq!(snapshot(&url, &s), before);
+    let left = pids(&pid_file);
+    assert_eq!(left.len(), 1);
+    all_dead(&left);
+}
+
+/// Ctrl-C (SIGINT) stops a run and kills the check being asked with its
+/// children (in a group of their own, the terminal's Ctrl-C no longer
+/// reaches them).
+#[test]
+fn an_interrupted_run_kills_the_check_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = sqlite_url(dir.path());
+    let s = seed(&url);
+    let (check, pid_file) = background_script(dir.path(), "wait\necho not-done");
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_oncely"))
+        .args([
+            "reconcile",
+            "--tenant",
+            s.tenant.as_str(),
+            "--check",
+            &check,
+            "--check-timeout",
+            "5m",
+            "--database-url",
+            &url,
+        ])
+        .env_remove("ONCELY_DATABASE_URL")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while pids(&pid_file).is_empty() {
+        assert!(Instant::now() < deadline, "the check never ran");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let sent = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130), "{}", stderr(&out));
+    assert!(stderr(&out).contains("interrupted"), "{}", stderr(&out));
+    all_dead(&pids(&pid_file));
+}
+
 /// Listed in --help, with the protocol in the command's long help.
 #[test]
 fn help_documents_the_protocol() {

@@ -612,6 +612,79 @@ async fn every_view_on_postgres() {
     assert!(page.contains(&format!("tenant {t} (of all tenants)")), "{page}");
 }
 
+/// A fake exporter on a free port: `GET /PATH` answers `scrapes[PATH]`.
+fn fake_exporter(scrapes: Vec<(&'static str, String)>) -> SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { continue };
+            let mut head = String::new();
+            let mut r = BufReader::new(&s);
+            while r.read_line(&mut head).is_ok_and(|n| n > 0) && !head.ends_with("\r\n\r\n") {}
+            let path = head.split_whitespace().nth(1).unwrap_or_default().to_owned();
+            let body = scrapes
+                .iter()
+                .find(|(p, _)| *p == path)
+                .map_or("", |(_, b)| b.as_str());
+            let _ = write!(s, "HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n{body}");
+        }
+    });
+    addr
+}
+
+/// A scrape whose bucket bounds are no duration (NaN, negative, past what
+/// a duration holds) gets the gap page with the reason, not a dropped
+/// connection; a sane one next to it is drawn.
+#[test]
+fn the_gap_page_refuses_bounds_that_are_no_duration() {
+    let scrape = |le: &str| {
+        format!(
+            "# TYPE oncely_redelivery_gap_seconds histogram\n\
+             oncely_redelivery_gap_seconds_bucket{{kind=\"capture\",le=\"1\"}} 2\n\
+             oncely_redelivery_gap_seconds_bucket{{kind=\"capture\",le=\"{le}\"}} 3\n\
+             oncely_redelivery_gap_seconds_bucket{{kind=\"capture\",le=\"+Inf\"}} 3\n"
+        )
+    };
+    let exporter = fake_exporter(vec![
+        ("/nan", scrape("NaN")),
+        ("/negative", scrape("-1")),
+        ("/huge", scrape("1e300")),
+        ("/sane", scrape("60")),
+    ]);
+    for (path, says) in [
+        ("/nan", r#"le="NaN" in the scrape: not a number"#),
+        ("/negative", r#"le="-1" in the scrape: negative"#),
+        ("/huge", r#"le="1e300" in the scrape: too large"#),
+    ] {
+        let metrics = format!("http://{exporter}{path}");
+        let s = serve(&[
+            "--database-url",
+            "memory:",
+            "--all-tenants",
+            "--metrics-url",
+            &metrics,
+        ]);
+        let (code, page) = request(&s.base, "GET", "/gaps", &[], "");
+        assert_eq!(code, 502, "{path}: {page}");
+        assert!(page.contains(says), "{path}: wanted {says:?} in {page}");
+    }
+    let metrics = format!("http://{exporter}/sane");
+    let s = serve(&[
+        "--database-url",
+        "memory:",
+        "--all-tenants",
+        "--metrics-url",
+        &metrics,
+    ]);
+    let (code, page) = request(&s.base, "GET", "/gaps", &[], "");
+    assert_eq!(code, 200, "{page}");
+    assert!(
+        page.contains("3 gaps observed; the longest is at most 1m"),
+        "{page}"
+    );
+}
+
 /// What `serve` refuses before it listens: a non-loopback address, an
 /// unknown database or metrics URL scheme, a backend without listings.
 #[test]

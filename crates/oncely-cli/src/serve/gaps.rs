@@ -184,7 +184,10 @@ impl GapHistogram {
 
 /// The `oncely_redelivery_gap_seconds_bucket` series of a Prometheus text
 /// scrape, one histogram per `kind`, sorted by kind. Lines that are not
-/// that metric's buckets are skipped; a bucket line it cannot read fails.
+/// that metric's buckets are skipped; a bucket line it cannot read fails,
+/// as does one whose bound is no duration (NaN, negative, too large; `+Inf`
+/// is the last bucket's) or whose count is no count (NaN, negative, past
+/// `u64`), with [`Error::Config`] quoting the line.
 pub fn parse_gap_histograms(scrape: &str) -> Result<Vec<GapHistogram>> {
     let metric = format!("{REDELIVERY_GAP_SECONDS}_bucket");
     let mut by_kind: std::collections::BTreeMap<String, Vec<(f64, u64)>> = Default::default();
@@ -202,19 +205,34 @@ pub fn parse_gap_histograms(scrape: &str) -> Result<Vec<GapHistogram>> {
             None => continue, // another metric with this prefix
         };
         let value = value.split_whitespace().next().ok_or_else(bad)?;
-        let count = value.parse::<f64>().map_err(|_| bad())? as u64;
-        let le = labels.iter().find(|(k, _)| k == "le").ok_or_else(bad)?;
-        let le: f64 = match le.1.as_str() {
-            "+Inf" | "Inf" | "inf" => f64::INFINITY,
-            v => v.parse().map_err(|_| bad())?,
-        };
+        let count = bucket_count(value).ok_or_else(|| {
+            Error::Config(format!(
+                "unusable histogram bucket count {value:?} in the scrape: not a count (0 up to \
+                 2^64 - 1): {line:?}"
+            ))
+        })?;
+        let le = &labels.iter().find(|(k, _)| k == "le").ok_or_else(bad)?.1;
+        let le = bucket_bound(le).map_err(|why| {
+            Error::Config(format!(
+                "unusable histogram bucket bound le={le:?} in the scrape: {why} (a bound is \
+                 0 or more seconds, or +Inf): {line:?}"
+            ))
+        })?;
         let kind = labels
             .iter()
             .find(|(k, _)| k == "kind")
             .map_or_else(|| "(no kind)".to_owned(), |(_, v)| v.clone());
         let buckets = by_kind.entry(kind).or_default();
         match buckets.iter_mut().find(|(b, _)| *b == le) {
-            Some(slot) => slot.1 += count,
+            // Several instances' series of one bucket are summed.
+            Some(slot) => {
+                slot.1 = slot.1.checked_add(count).ok_or_else(|| {
+                    Error::Config(format!(
+                        "the histogram bucket counts at le={le} in the scrape add up past \
+                         2^64 - 1: {line:?}"
+                    ))
+                })?
+            }
             None => buckets.push((le, count)),
         }
     }
@@ -225,6 +243,31 @@ pub fn parse_gap_histograms(scrape: &str) -> Result<Vec<GapHistogram>> {
             GapHistogram { kind, buckets }
         })
         .collect())
+}
+
+/// A bucket's upper bound in seconds: `+Inf` (the last bucket), or a
+/// number a [`Duration`] holds, so that drawing it cannot fail.
+fn bucket_bound(le: &str) -> std::result::Result<f64, &'static str> {
+    let secs: f64 = le.parse().map_err(|_| "not a number")?;
+    if secs == f64::INFINITY {
+        return Ok(secs);
+    }
+    match Duration::try_from_secs_f64(secs) {
+        Ok(_) => Ok(secs),
+        Err(_) if secs.is_nan() => Err("not a number"),
+        Err(_) if secs < 0.0 => Err("negative"),
+        Err(_) => Err("too large for a duration"),
+    }
+}
+
+/// A bucket's count: Prometheus writes it as a float; the fraction, which
+/// only a scaled count has, is dropped.
+fn bucket_count(value: &str) -> Option<u64> {
+    let n: f64 = value.parse().ok()?;
+    // 2^64 is exact as an f64; `as` then cannot saturate.
+    (0.0..18_446_744_073_709_551_616.0)
+        .contains(&n)
+        .then_some(n as u64)
 }
 
 /// Where the `}` closing a label set is (label values may hold an escaped
@@ -294,12 +337,15 @@ pub(crate) fn verdict(h: &GapHistogram, retention: Duration) -> Verdict {
             continue;
         }
         longest = Some(bound_label(upper));
+        // Saturating: bars of a histogram whose buckets are not cumulative
+        // (a scrape's sum over series that lack some buckets) can add up
+        // past its total.
         if upper <= r {
-            within += n;
+            within = n.saturating_add(within);
         } else if lower >= r {
-            beyond += n;
+            beyond = n.saturating_add(beyond);
         } else {
-            straddling += n;
+            straddling = n.saturating_add(straddling);
         }
     }
     Verdict {
@@ -313,11 +359,13 @@ pub(crate) fn verdict(h: &GapHistogram, retention: Duration) -> Verdict {
     }
 }
 
+/// A bound as a duration. The parser lets through only bounds a duration
+/// holds (and +Inf); a histogram built otherwise is labelled, not a panic.
 fn bound_label(upper: f64) -> String {
-    if upper.is_infinite() {
-        "∞".to_owned()
-    } else {
-        format_duration(Duration::from_secs_f64(upper))
+    match Duration::try_from_secs_f64(upper) {
+        Ok(d) => format_duration(d),
+        Err(_) if upper == f64::INFINITY => "∞".to_owned(),
+        Err(_) => format!("{upper}s"),
     }
 }
 
@@ -410,6 +458,10 @@ fn retention_position(bars: &[(f64, f64, u64)], r: f64) -> f64 {
             if upper.is_infinite() {
                 return i as f64 + 0.05;
             }
+            // A bound of 0 has no log: the line goes at its bar's left.
+            if upper <= 0.0 {
+                return i as f64;
+            }
             let lower = if lower > 0.0 { lower } else { upper / 2.0 };
             let f = ((r.max(lower)).ln() - lower.ln()) / (upper.ln() - lower.ln());
             return i as f64 + f.clamp(0.0, 1.0);
@@ -477,6 +529,81 @@ oncely_claims_total{kind="capture",result="acquired"} 12
         let v = verdict(&hs[1], Duration::from_secs(60));
         assert_eq!((v.within, v.straddling, v.beyond), (1, 1, 0));
         assert!(v.svg.contains("mail, &quot;quoted&quot; }"), "{}", v.svg);
+    }
+
+    fn bucket(le: &str, count: &str) -> String {
+        format!("oncely_redelivery_gap_seconds_bucket{{kind=\"capture\",le=\"{le}\"}} {count}\n")
+    }
+
+    #[test]
+    fn bounds_that_are_no_duration_are_refused() {
+        for (le, says) in [
+            ("NaN", "not a number"),
+            ("nan", "not a number"),
+            ("-Inf", "negative"),
+            ("-1", "negative"),
+            ("-0.001", "negative"),
+            ("1e300", "too large"),
+            ("1.9e19", "too large"),
+        ] {
+            let scrape = bucket("1", "1") + &bucket(le, "1") + &bucket("+Inf", "1");
+            let err = parse_gap_histograms(&scrape).unwrap_err().to_string();
+            assert!(err.contains(&format!("le={le:?}")), "{le}: {err}");
+            assert!(err.contains(says), "{le}: {err}");
+        }
+        for (le, secs) in [
+            ("+Inf", f64::INFINITY),
+            ("Inf", f64::INFINITY),
+            ("0", 0.0),
+            ("-0", 0.0),
+            ("1e6", 1e6),
+        ] {
+            let hs = parse_gap_histograms(&bucket(le, "3")).unwrap();
+            assert_eq!(hs[0].buckets, vec![(secs, 3)], "{le}");
+        }
+    }
+
+    #[test]
+    fn counts_that_are_no_count_are_refused() {
+        for count in ["NaN", "-1", "+Inf", "-Inf", "1e20", "x"] {
+            let err = parse_gap_histograms(&bucket("1", count)).unwrap_err().to_string();
+            assert!(err.contains("count"), "{count}: {err}");
+        }
+        assert_eq!(
+            parse_gap_histograms(&bucket("1", "7e3")).unwrap()[0].buckets,
+            vec![(1.0, 7000)]
+        );
+        // Two instances' series of one bucket add up past u64.
+        let scrape = bucket("1", "1.8e19") + &bucket("1", "1.8e19");
+        let err = parse_gap_histograms(&scrape).unwrap_err().to_string();
+        assert!(err.contains("add up"), "{err}");
+    }
+
+    #[test]
+    fn any_histogram_is_drawn_without_a_panic() {
+        // Built by hand, past the parser's checks, and not cumulative.
+        let odd = GapHistogram {
+            kind: "odd".to_owned(),
+            buckets: vec![
+                (f64::NAN, 1),
+                (-1.0, 2),
+                (1.0, u64::MAX),
+                (2.0, 0),
+                (3.0, u64::MAX),
+                (1e300, u64::MAX),
+                (f64::INFINITY, u64::MAX),
+            ],
+        };
+        let v = verdict(&odd, Duration::from_secs(60));
+        assert_eq!(v.within, u64::MAX, "saturated");
+        assert!(v.svg.contains("NaNs") && v.svg.contains("-1s"), "{}", v.svg);
+        // A bound of 0 and a retention of 0: the line at the first bar.
+        let zero = GapHistogram {
+            kind: "zero".to_owned(),
+            buckets: vec![(0.0, 1), (f64::INFINITY, 2)],
+        };
+        let v = verdict(&zero, Duration::ZERO);
+        assert!(!v.svg.contains("NaN"), "{}", v.svg);
     }
 
     #[test]
