@@ -468,6 +468,26 @@ pub enum Resolution {
     Released,
 }
 
+/// What must happen after a doubtful record (`was`: `stuck` or
+/// `abandoned`) was released, for its step to be performed: a release only
+/// lets the next delivery run it, and says nothing of whether one is left.
+pub fn after_release(was: &str) -> Option<&'static str> {
+    match was {
+        "abandoned" => Some(
+            "the step is performed by the next delivery of its message. An oncely consumer holds \
+             that delivery while the step is abandoned (redelivered every abandoned_delay) and \
+             dead-letters it with the reason `abandoned` and this key after its last allowed \
+             delivery: if it is in the dead-letter destination, replay it. If no delivery of it \
+             is left anywhere, the step is never performed.",
+        ),
+        "stuck" => Some(
+            "the step runs again on the next delivery of its message, with the same provider key. \
+             If no delivery of it is left (dead-lettered, or its consumer gone), replay the message.",
+        ),
+        _ => None,
+    }
+}
+
 /// What `resolve` or `forget` did.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ActionReport {
@@ -488,6 +508,10 @@ pub struct ActionReport {
     pub audit_key: String,
     /// The backend's clock at the change.
     pub at: String,
+    /// What must happen next for the step to be performed (a released
+    /// stuck lease or abandoned step: [`after_release`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next: Option<&'static str>,
 }
 
 /// Resolves a stuck lease or an abandoned at-most-once step.
@@ -598,6 +622,7 @@ async fn resolve_on(
         },
         audit_key: audit_key.to_string(),
         at: rfc3339(at),
+        next: outcome.is_none().then(|| after_release(was)).flatten(),
     })
 }
 
@@ -634,6 +659,7 @@ pub async fn forget(database_url: &str, key: &str, expected_fence: Option<u64>) 
             now: "released",
             audit_key: audit_key.to_string(),
             at: rfc3339(at),
+            next: None,
         })
     }
     .await;

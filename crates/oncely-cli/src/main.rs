@@ -226,8 +226,9 @@ enum Command {
         db: DbArgs,
     },
     /// Resolve a stuck lease or an abandoned at-most-once step by hand:
-    /// complete it with an outcome, or release it so the next delivery
-    /// runs it.
+    /// complete it with an outcome, or release it so the next delivery of
+    /// its message runs it (an oncely consumer holds an abandoned step's
+    /// delivery until then; what to replay if none is left is printed).
     ///
     /// A stuck lease is taken over atomically by a claim (granted only if
     /// its lease is still ended; fence + 1), then completed or released
@@ -282,7 +283,11 @@ enum Command {
     ///                 for a step that returns nothing);
     ///
     ///   not-done      it certainly did not happen: release the record, the
-    ///                 next delivery runs the step;
+    ///                 next delivery of its message runs the step (an oncely
+    ///                 consumer holds an abandoned step's delivery until
+    ///                 then, and dead-letters it with the reason abandoned
+    ///                 after its last allowed delivery: replay it from
+    ///                 there); the released keys are listed at the end;
     ///
     ///   unknown       the provider cannot tell: write nothing, the record
     ///                 stays listed.
@@ -895,6 +900,19 @@ fn print_reconcile(r: &ReconcileReport) {
             ""
         }
     );
+    // Released records need a delivery to be performed: say so once per
+    // kind of doubt, with the keys.
+    for doubt in ["stuck", "abandoned"] {
+        let released: Vec<&str> = r
+            .entries
+            .iter()
+            .filter(|e| e.doubt == Some(doubt) && e.next.is_some())
+            .map(|e| e.key.as_str())
+            .collect();
+        if let Some(next) = admin::after_release(doubt).filter(|_| !released.is_empty()) {
+            println!("released {doubt} ({}): {next}", released.join(", "));
+        }
+    }
 }
 
 fn print_table(r: &DemoReport, kept: bool) {
@@ -1171,6 +1189,9 @@ fn print_action(r: &ActionReport, json: bool) -> ExitCode {
         "{}: {} was {} at fence {}, now {} (fence {}); recorded as {}",
         r.action, r.key, r.was, r.fence, r.now, r.new_fence, r.audit_key
     );
+    if let Some(next) = r.next {
+        println!("next: {next}");
+    }
     ExitCode::SUCCESS
 }
 

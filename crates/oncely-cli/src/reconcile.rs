@@ -19,7 +19,7 @@
 //! | line | verdict | what is written |
 //! | --- | --- | --- |
 //! | `done <JSON>` | [`Verdict::Done`] with [`Outcome::value`] of the JSON | the record completes with `{"ok": JSON}`, as a runner stores a handler's value, so duplicates replay it (`done null` for a step that returns nothing) |
-//! | `not-done` | [`Verdict::NotDone`] | the record is released: the next delivery runs the step |
+//! | `not-done` | [`Verdict::NotDone`] | the record is released: the next delivery of its message runs the step (an oncely consumer holds an abandoned step's delivery until then); the report says what to replay if none is left |
 //! | `unknown` | [`Verdict::Unknown`] | nothing: the record stays listed |
 //!
 //! Anything else (another line, several lines, JSON that does not parse), a
@@ -172,6 +172,10 @@ pub struct EntryView {
     pub outcome: Option<serde_json::Value>,
     /// What failed.
     pub error: Option<String>,
+    /// What must happen next for a released record's step to be performed
+    /// ([`after_release`](crate::admin::after_release)).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next: Option<&'static str>,
 }
 
 /// Reconciles the doubtful records of a tenant (or of every tenant):
@@ -226,6 +230,12 @@ pub async fn reconcile(database_url: &str, config: &ReconcileConfig) -> Result<R
                 outcome: answer.and_then(|a| a.outcome.clone()),
                 error: match &e.resolution {
                     Resolution::Error(m) => Some(m.clone()),
+                    _ => None,
+                },
+                next: match (&e.resolution, e.doubt) {
+                    (Resolution::Released, Some(doubt)) if !report.dry_run => {
+                        crate::admin::after_release(doubt.as_str())
+                    }
                     _ => None,
                 },
             }

@@ -281,7 +281,7 @@ async fn exercise(
             assert_eq!((report.examined, report.released), (1, 1), "{report:?}");
         }
         Resolve::CliReconcile => {
-            let (tenant, pg_url) = (tenant.to_string(), pg_url.to_owned());
+            let (tenant, pg_url, key) = (tenant.to_string(), pg_url.to_owned(), key.to_string());
             let out = tokio::task::spawn_blocking(move || {
                 oncely(&[
                     "reconcile",
@@ -296,16 +296,29 @@ async fn exercise(
             .await
             .unwrap();
             assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
-            assert!(stdout(&out).contains("released"), "{}", stdout(&out));
+            // The operator is told the step needs a delivery, and which.
+            let printed = stdout(&out);
+            assert!(
+                printed.contains(&format!("released abandoned ({key})")),
+                "{printed}"
+            );
+            assert!(printed.contains("dead-letter"), "{printed}");
         }
         Resolve::CliResolve => {
             let (key, pg_url) = (key.to_string(), pg_url.to_owned());
             let out = tokio::task::spawn_blocking(move || {
-                oncely(&["resolve", &key, "--released", "--database-url", &pg_url])
+                oncely(&["resolve", &key, "--released", "--json", "--database-url", &pg_url])
             })
             .await
             .unwrap();
             assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+            let printed: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+            assert_eq!(printed["was"], "abandoned", "{printed}");
+            let next = printed["next"].as_str().expect("what happens next is said");
+            assert!(
+                next.contains("next delivery") && next.contains("dead-letter"),
+                "{next}"
+            );
         }
     }
 

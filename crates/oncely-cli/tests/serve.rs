@@ -399,7 +399,7 @@ async fn resolve_the_abandoned_step(chromium: &Path, s: &Serve, seeded: &Seeded)
     );
     let html = tokio::task::spawn_blocking(move || dom(&c, &url)).await.unwrap();
     assert!(
-        text(&html).contains("Release: the next delivery runs it again"),
+        text(&html).contains("Release: the next delivery of its message runs it again"),
         "{html}"
     );
     let field = |name: &str| {
@@ -444,6 +444,13 @@ async fn resolve_the_abandoned_step(chromium: &Path, s: &Serve, seeded: &Seeded)
     assert!(page.contains(&format!("Resolved {key}")), "{page}");
     assert!(page.contains("Was abandoned"), "{page}");
     assert!(page.contains("Now released"), "{page}");
+    // The operator is told that the release needs a delivery of the
+    // message, and where a held one ends up.
+    assert!(
+        page.contains("Next the step is performed by the next delivery"),
+        "{page}"
+    );
+    assert!(page.contains("dead-letter"), "{page}");
     let (c, url) = (
         chromium.to_owned(),
         format!("{}/record/{}", s.base, seeded.abandoned),

@@ -20,8 +20,17 @@
 //! | verdict | abandoned step | stuck lease |
 //! | --- | --- | --- |
 //! | [`Verdict::Done`] | complete with the provider's outcome, fenced by [`Record::reconciliation_lease`] | take the lease over with [`Ledger::claim`] (fence + 1), then complete with the provider's outcome |
-//! | [`Verdict::NotDone`] | release: the next delivery runs the step | take the lease over, then release it: the next delivery runs the step (with the same provider key) |
+//! | [`Verdict::NotDone`] | release: the next delivery of its message runs the step | take the lease over, then release it: the next delivery runs the step (with the same provider key) |
 //! | [`Verdict::Unknown`] | nothing is written: the step stays listed | nothing is written: the lease stays as it was |
+//!
+//! A release only lets the *next delivery* perform the step: one must still
+//! be coming. A consumer must therefore never ack a delivery whose step is
+//! abandoned, but hold it (redeliver it later) until the step is settled;
+//! `oncely-consumer` does (its `abandoned_delay`), and dead-letters it with
+//! the reason `abandoned` and the key once it has been delivered as often
+//! as it allows, for a person to replay. A released record is listed in
+//! the [`Report`] ([`Resolution::Released`]) so that whoever runs the
+//! reconciliation can replay the messages of those with no delivery left.
 //!
 //! No write is ever made with a guessed lease. An abandoned step is written
 //! at the fence the listing read, so if anyone moved it on meanwhile the
@@ -207,7 +216,8 @@ pub enum Verdict {
     /// provider reported).
     Done(Outcome),
     /// The effect certainly did not happen: release the record so the next
-    /// delivery runs it.
+    /// delivery of its message runs it (see the [module docs](self) on why
+    /// an abandoned step's delivery must be held, not acked, until then).
     NotDone,
     /// The provider cannot tell (yet): write nothing; the record stays listed.
     Unknown,

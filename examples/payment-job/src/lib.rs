@@ -410,8 +410,11 @@ impl<D: Db> Pipeline<D> {
             .await;
         let receipt_abandoned = match receipt {
             Ok(()) => false,
-            // Not an error of this delivery: the step is listed for
-            // reconciliation, and redelivering would change nothing.
+            // Listed for reconciliation. A broker consumer must hold such a
+            // delivery, not ack it, until the step is reconciled (a step
+            // found not sent is released, and only a delivery sends it);
+            // oncely-consumer does. This simulation reports it and
+            // redelivers by hand.
             Err(Error::Abandoned { .. }) => true,
             Err(e) => return Err(("receipt", e)),
         };
