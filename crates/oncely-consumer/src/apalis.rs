@@ -12,14 +12,21 @@
 //! | what happened | apalis sees |
 //! | --- | --- |
 //! | the handler failed | its error: apalis retries (the claim was released) |
-//! | the effect is in progress on another worker, or the lease was lost | [`RetryAfterError`] after `in_progress_delay` |
+//! | the effect is in progress on another worker, or the lease was lost | a failed attempt after `in_progress_delay`, which apalis retries |
+//! | an at-most-once effect abandoned by a crashed worker | a failed attempt after `abandoned_delay`: held, retried until it is reconciled, then performed (not done) or replayed (done) |
 //! | a key that cannot be derived, a stored terminal failure, any other oncely error | [`AbortError`]: never retried |
 //!
 //! A task answered by the layer without reaching the handler (a replay, an
 //! abort, an in-progress retry) never reaches apalis's own lifecycle
 //! service either, which sits inside user layers: the layer sets its status
-//! itself (`Done`, `Killed`, `Pending`, `Failed`), but apalis does not count
-//! an attempt for it.
+//! itself (`Done`, `Killed`, `Failed`), but apalis does not count an
+//! attempt for it, so a held task is retried for as long as it is held.
+//!
+//! The delay before such a retry is spent in the layer (the task keeps its
+//! worker slot meanwhile), and the task then fails to be fetched again:
+//! apalis 1.0 turns a `RetryAfterError` into the `Pending` status, and
+//! apalis-sqlite 1.0 never fetches a `Pending` task that a worker has
+//! locked, so a task answered that way would never run again.
 //!
 //! ```no_run
 //! # use std::sync::Arc;
@@ -41,7 +48,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use apalis_core::error::{AbortError, BoxDynError, RetryAfterError};
+use apalis_core::error::{AbortError, BoxDynError};
 use apalis_core::task::Task;
 use apalis_core::task::status::Status;
 use futures_util::future::BoxFuture;
@@ -59,6 +66,7 @@ pub struct IdempotentLayer<L, K> {
     key: Arc<K>,
     opts: ClaimOptions,
     in_progress_delay: Duration,
+    abandoned_delay: Duration,
 }
 
 impl<L, K> Clone for IdempotentLayer<L, K> {
@@ -68,6 +76,7 @@ impl<L, K> Clone for IdempotentLayer<L, K> {
             key: self.key.clone(),
             opts: self.opts.clone(),
             in_progress_delay: self.in_progress_delay,
+            abandoned_delay: self.abandoned_delay,
         }
     }
 }
@@ -77,6 +86,7 @@ impl<L, K> fmt::Debug for IdempotentLayer<L, K> {
         f.debug_struct("IdempotentLayer")
             .field("opts", &self.opts)
             .field("in_progress_delay", &self.in_progress_delay)
+            .field("abandoned_delay", &self.abandoned_delay)
             .finish_non_exhaustive()
     }
 }
@@ -93,6 +103,7 @@ impl<L, K> IdempotentLayer<L, K> {
                 max: Duration::from_secs(1),
             }),
             in_progress_delay: Duration::from_secs(1),
+            abandoned_delay: Duration::from_secs(60),
         }
     }
 
@@ -107,6 +118,15 @@ impl<L, K> IdempotentLayer<L, K> {
     /// progress elsewhere.
     pub fn in_progress_delay(mut self, d: Duration) -> Self {
         self.in_progress_delay = d;
+        self
+    }
+
+    /// How long apalis waits before retrying a task whose at-most-once
+    /// effect is abandoned (default 60 s). The task is held, not killed,
+    /// so that once reconciliation releases the effect (it did not happen)
+    /// a retry performs it; one resolved as done is replayed.
+    pub fn abandoned_delay(mut self, d: Duration) -> Self {
+        self.abandoned_delay = d;
         self
     }
 }
@@ -199,16 +219,20 @@ where
                         }
                     })
                     .await;
-                settle(&key, ran, layer.in_progress_delay)
+                settle(&key, ran, layer.in_progress_delay, layer.abandoned_delay)
             }
             .await;
+            if let Err(held) = &result
+                && let Some(held) = held.downcast_ref::<Held>()
+            {
+                tokio::time::sleep(held.delay).await;
+            }
             if !called.load(Ordering::Relaxed) {
                 // apalis records a task's status in a service inside this
                 // layer; a task answered here never reaches it.
                 status.store(match &result {
                     Ok(_) => Status::Done,
                     Err(e) if e.downcast_ref::<AbortError>().is_some() => Status::Killed,
-                    Err(e) if e.downcast_ref::<RetryAfterError>().is_some() => Status::Pending,
                     Err(_) => Status::Failed,
                 });
             }
@@ -217,11 +241,20 @@ where
     }
 }
 
+/// A task to retry after `delay` (spent in the layer, see the module docs).
+#[derive(Debug, thiserror::Error)]
+#[error("{error}; retried after {delay:?}")]
+struct Held {
+    error: Error,
+    delay: Duration,
+}
+
 /// What a run's result is for apalis.
 fn settle<T>(
     key: &EffectKey,
     ran: Result<oncely::Ran<T>, Error>,
     in_progress_delay: Duration,
+    abandoned_delay: Duration,
 ) -> Result<T, BoxDynError> {
     match ran {
         Ok(ran) => {
@@ -232,9 +265,16 @@ fn settle<T>(
             Ok(failed) => failed.0,
             Err(other) => other,
         }),
-        Err(e @ (Error::InProgress { .. } | Error::LeaseLost { .. })) => {
-            Err(Box::new(RetryAfterError::new(e, in_progress_delay)) as BoxDynError)
-        }
+        Err(e @ (Error::InProgress { .. } | Error::LeaseLost { .. })) => Err(Box::new(Held {
+            error: e,
+            delay: in_progress_delay,
+        }) as BoxDynError),
+        // Held, not killed: a killed task leaves no retry to perform an
+        // effect that reconciliation finds not done.
+        Err(e @ Error::Abandoned { .. }) => Err(Box::new(Held {
+            error: e,
+            delay: abandoned_delay,
+        }) as BoxDynError),
         Err(e) if e.is_retryable() => Err(Box::new(e) as BoxDynError),
         Err(e) => Err(Box::new(AbortError::new(e)) as BoxDynError),
     }

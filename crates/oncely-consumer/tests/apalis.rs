@@ -204,3 +204,194 @@ async fn apalis_with_the_postgres_ledger() {
     };
     apalis_worker_runs_each_job_once(ledger).await;
 }
+
+/// A task whose at-most-once effect a crashed worker abandoned is held
+/// (retried after `abandoned_delay`), not killed: the handler does not run
+/// while the effect is in doubt, and once reconciliation finds it not done
+/// and releases it, apalis's next retry performs it, once.
+async fn apalis_holds_an_abandoned_task_until_it_is_reconciled<L: Ledger + Clone + 'static>(ledger: L) {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = SqlitePool::connect(&format!(
+        "sqlite:{}?mode=rwc",
+        dir.path().join("jobs.db").display()
+    ))
+    .await
+    .unwrap();
+    SqliteStorage::setup(&pool).await.unwrap();
+    let mut storage: SqliteStorage<Capture> = SqliteStorage::new(&pool);
+    let tenant = fresh_tenant();
+    let key = EffectKey::new(&tenant, "notify", "order-1").unwrap();
+    // A worker marked the effect and died: its lease ends, the effect is
+    // abandoned.
+    let amo = oncely::ClaimOptions::default()
+        .at_most_once(true)
+        .lease(Duration::from_millis(200));
+    assert!(matches!(
+        ledger.claim(&key, &amo).await.unwrap(),
+        oncely::Claim::Acquired(_)
+    ));
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    storage
+        .push(Capture {
+            order_id: Some("order-1".into()),
+            amount: 1,
+            fail_first: false,
+        })
+        .await
+        .unwrap();
+
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let handler = {
+        let calls = calls.clone();
+        move |_job: Capture| {
+            let calls = calls.clone();
+            async move {
+                calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                Ok::<_, apalis_core::error::BoxDynError>("sent".to_owned())
+            }
+        }
+    };
+    let (t, k) = (tenant.clone(), key.clone());
+    let layer = IdempotentLayer::new(Arc::new(Effects::new(ledger.clone())), move |job: &Capture| {
+        EffectKey::new(&t, "notify", job.order_id.as_deref().unwrap_or_default())
+    })
+    .options(amo.lease(Duration::from_secs(10)))
+    .abandoned_delay(Duration::from_millis(100));
+    let worker = WorkerBuilder::new("notify")
+        .backend(storage)
+        .layer(layer)
+        .build(handler);
+
+    let (watch_pool, ledger2, calls2) = (pool.clone(), ledger.clone(), calls.clone());
+    let done = async move {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        // Held for a while: never killed, never run.
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let counts = status_counts(&watch_pool).await;
+        if counts.contains_key("Killed") || calls2.load(std::sync::atomic::Ordering::SeqCst) != 0 {
+            return Err(std::io::Error::other(format!("not held: {counts:?}")));
+        }
+        // Reconciliation: not done.
+        let record = ledger2.get(&k).await.unwrap().unwrap();
+        assert_eq!(record.state, oncely::RecordState::Abandoned);
+        ledger2.release(&record.reconciliation_lease()).await.unwrap();
+        loop {
+            let counts = status_counts(&watch_pool).await;
+            if counts.get("Done") == Some(&1) {
+                return Ok::<(), std::io::Error>(());
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(std::io::Error::other(format!(
+                    "never performed after the release: {counts:?}"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    worker.run_until(done).await.unwrap();
+    assert_eq!(
+        calls.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "performed once"
+    );
+    let record = ledger.get(&key).await.unwrap().unwrap();
+    assert_eq!(record.state, oncely::RecordState::Completed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apalis_holds_an_abandoned_task_on_sqlite() {
+    let (ledger, _dir) = common::sqlite().await;
+    apalis_holds_an_abandoned_task_until_it_is_reconciled(ledger).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apalis_holds_an_abandoned_task_on_postgres() {
+    let Some(ledger) = common::postgres().await else {
+        return;
+    };
+    apalis_holds_an_abandoned_task_until_it_is_reconciled(ledger).await;
+}
+
+/// A task whose effect another worker holds is retried after
+/// `in_progress_delay` until the holder gives it back, then runs once.
+/// (apalis 1.0 leaves a task answered with `RetryAfterError` `Pending` and
+/// locked, which apalis-sqlite never fetches again: the layer must not
+/// answer that way.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apalis_retries_a_task_whose_effect_is_in_progress_elsewhere() {
+    let (ledger, _dir) = common::sqlite().await;
+    let dir = tempfile::tempdir().unwrap();
+    let pool = SqlitePool::connect(&format!(
+        "sqlite:{}?mode=rwc",
+        dir.path().join("jobs.db").display()
+    ))
+    .await
+    .unwrap();
+    SqliteStorage::setup(&pool).await.unwrap();
+    let mut storage: SqliteStorage<Capture> = SqliteStorage::new(&pool);
+    let tenant = fresh_tenant();
+    let key = EffectKey::new(&tenant, "capture", "order-1").unwrap();
+    let holder = match ledger
+        .claim(
+            &key,
+            &oncely::ClaimOptions::default().lease(Duration::from_secs(30)),
+        )
+        .await
+        .unwrap()
+    {
+        oncely::Claim::Acquired(l) => l,
+        other => panic!("{other:?}"),
+    };
+    storage
+        .push(Capture {
+            order_id: Some("order-1".into()),
+            amount: 1,
+            fail_first: false,
+        })
+        .await
+        .unwrap();
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let handler = {
+        let calls = calls.clone();
+        move |_job: Capture| {
+            let calls = calls.clone();
+            async move {
+                calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                Ok::<_, apalis_core::error::BoxDynError>("charged".to_owned())
+            }
+        }
+    };
+    let t = tenant.clone();
+    let layer = IdempotentLayer::new(Arc::new(Effects::new(ledger.clone())), move |job: &Capture| {
+        EffectKey::new(&t, "capture", job.order_id.as_deref().unwrap_or_default())
+    })
+    .options(oncely::ClaimOptions::default().on_in_progress(oncely::OnInProgress::Reject))
+    .in_progress_delay(Duration::from_millis(100));
+    let worker = WorkerBuilder::new("capture")
+        .backend(storage)
+        .layer(layer)
+        .build(handler);
+    let (watch_pool, ledger2, calls2) = (pool.clone(), ledger.clone(), calls.clone());
+    let done = async move {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        if calls2.load(std::sync::atomic::Ordering::SeqCst) != 0 {
+            return Err(std::io::Error::other("ran while another worker held the effect"));
+        }
+        ledger2.release(&holder).await.unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let counts = status_counts(&watch_pool).await;
+            if counts.get("Done") == Some(&1) {
+                return Ok::<(), std::io::Error>(());
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(std::io::Error::other(format!(
+                    "never retried after the holder let go: {counts:?}"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    worker.run_until(done).await.unwrap();
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
