@@ -84,7 +84,9 @@ impl Probe {
     /// link, a `file:` URI), unless `ephemeral` accepts it or the ledger
     /// only reads.
     pub(crate) fn opened(&self, url: &str, ephemeral: bool, read_only: bool) -> Result<&'static str> {
-        if ephemeral && self.memory_fs.is_none() {
+        // An ephemeral file (on a memory file system) is reported as the
+        // file it is.
+        if ephemeral && !self.is_file() {
             return Ok(DURABLE_EPHEMERAL);
         }
         if !self.is_file() {
