@@ -6,8 +6,8 @@
 //! | `sqlite:path`, `sqlite://path` (a file; in-memory databases are refused) | `oncely-sqlite` | `sqlite` (default) |
 //! | `postgres://…`, `postgresql://…` | `oncely-postgres` | `postgres` (default) |
 //! | `mysql://…`, `mariadb://…` | `oncely-mysql` | `mysql` (default) |
-//! | `redis://host:port[/db]` | `oncely-redis`, one server | `redis` (default) |
-//! | `redis+cluster://h1:p1,h2:p2,…` | `oncely-redis`, Redis Cluster | `redis` (default) |
+//! | `redis://host:port[/db][?ephemeral=true]` | `oncely-redis`, one server (`ephemeral=true` accepts one that persists nothing) | `redis` (default) |
+//! | `redis+cluster://h1:p1,h2:p2,…[?ephemeral=true]` | `oncely-redis`, Redis Cluster | `redis` (default) |
 //! | `nats://h1:p1[,h2:p2,…][?bucket=B&replicas=R]` | `oncely-nats` | `nats` (default) |
 //! | `memory:` | the core's [`MemoryLedger`] (a fresh, empty ledger per connect) | always |
 //!

@@ -77,7 +77,14 @@
 //! | `nats://h1:p1[,h2:p2,…][?bucket=B&replicas=1\|3]` | `oncely-nats` (JetStream KV) | `nats` (default) |
 //! | `memory:` | the core's in-process ledger, empty on every connect | always |
 //!
-//! See [`any`] for the multi-node syntax. The demo keeps its orders table in
+//! See [`any`] for the multi-node syntax. A Redis server (or cluster) that
+//! persists nothing (`appendonly no`, no `save` points) is refused by the
+//! commands that write, `demo`, `bench` and `migrate` included, unless the
+//! URL accepts it with `?ephemeral=true`
+//! (`redis://127.0.0.1:6379?ephemeral=true`): a restart would forget every
+//! record. The commands that only read (`get`, `inspect`, `abandoned`,
+//! `serve`, …) open it without. `oncely migrate` prints what the server
+//! keeps (durability), for every backend. The demo keeps its orders table in
 //! the ledger's database on SQLite, PostgreSQL and MySQL, and in a scratch
 //! SQLite file on Redis, NATS and `memory:`. A backend left out of the build
 //! (`--no-default-features --features sqlite`) is a clear usage error when

@@ -31,7 +31,8 @@ use oncely_cli::serve::{self, ServeArgs};
 /// Database URLs: sqlite:PATH or sqlite://PATH (add ?mode=rwc to create the
 /// file), postgres://USER@HOST/DB, mysql://USER@HOST/DB or mariadb://USER@HOST/DB,
 /// redis://HOST:PORT[/DB] (one server), redis+cluster://HOST:PORT,HOST:PORT,...
-/// (a Redis Cluster's seed nodes), nats://HOST:PORT[,HOST:PORT...] with
+/// (a Redis Cluster's seed nodes; add ?ephemeral=true to write to a server
+/// that persists nothing), nats://HOST:PORT[,HOST:PORT...] with
 /// optional ?bucket=NAME&replicas=1|3 (JetStream KV), memory: (an empty
 /// in-process ledger).
 ///

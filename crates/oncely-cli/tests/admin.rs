@@ -851,7 +851,7 @@ fn help_lists_the_operator_commands() {
 #[cfg(feature = "redis")]
 #[test]
 fn redis_offers_inspect_and_resolve_and_refuses_the_rest() {
-    let Some(url) = reachable("ONCELY_REDIS_URL", "redis://127.0.0.1:6379", "Redis") else {
+    let Some(url) = common::redis_url() else {
         return;
     };
     let t = oncely::conformance::fresh_tenant();

@@ -65,6 +65,38 @@ fn demo_on_the_default_sqlite_file() {
     assert_eq!(v["backend"], "sqlite");
 }
 
+/// With the temporary directory on a memory file system (TMPDIR under
+/// /dev/shm, as on systems whose /tmp is a tmpfs), where a ledger refuses a
+/// file by default, the demo and the bench still run on their scratch
+/// SQLite file: it goes with the run.
+#[cfg(target_os = "linux")]
+#[test]
+fn demo_and_bench_run_with_the_temp_dir_on_a_memory_file_system() {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    if !mounts
+        .lines()
+        .any(|l| l.split(' ').nth(1) == Some("/dev/shm") && l.split(' ').nth(2) == Some("tmpfs"))
+    {
+        eprintln!("skipped: /dev/shm is not a tmpfs here");
+        return;
+    }
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    for args in [
+        &["demo", "--json", "--orders", "20"][..],
+        &["bench", "--json", "--jobs", "20", "--batch", "10"][..],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_oncely"))
+            .args(args)
+            .env("TMPDIR", dir.path())
+            .env_remove("ONCELY_DATABASE_URL")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+        let v: Value = serde_json::from_str(&stdout(&out)).expect("stdout is JSON");
+        assert_eq!(v["backend"], "sqlite", "{v}");
+    }
+}
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -192,13 +224,66 @@ fn demo_on_mysql() {
     }
 }
 
+/// The machine's Redis (ONCELY_REDIS_URL) with `?ephemeral=true`: the test
+/// server persists nothing (`--save "" --appendonly no`), and the commands
+/// that write refuse such a server unless the URL accepts it.
+#[cfg(feature = "redis")]
+fn redis_url() -> Option<String> {
+    let url = oncely::conformance::service_url("ONCELY_REDIS_URL", Some("redis://127.0.0.1:6379"))?;
+    let sep = if url.contains('?') { '&' } else { '?' };
+    server_at(format!("{url}{sep}ephemeral=true"), "Redis")
+}
+
 #[cfg(feature = "redis")]
 #[test]
 fn demo_on_redis() {
-    let Some(url) = reachable("ONCELY_REDIS_URL", "redis://127.0.0.1:6379", "Redis") else {
+    let Some(url) = redis_url() else {
         return;
     };
     demo_on(&url, "redis");
+}
+
+/// A Redis server that persists nothing: the commands that write (and
+/// `migrate`, which reports what the server keeps) are refused with a
+/// message that names `?ephemeral=true`; the commands that only read open
+/// it; with the parameter, `migrate` reports durability none.
+#[cfg(feature = "redis")]
+#[test]
+fn redis_that_persists_nothing_is_refused_for_writes_unless_the_url_accepts_it() {
+    let Some(accepted) = redis_url() else {
+        return;
+    };
+    let plain = accepted
+        .replace("?ephemeral=true", "")
+        .replace("&ephemeral=true", "");
+    let key = format!("{}/capture:order-1", oncely::conformance::fresh_tenant());
+    for args in [
+        vec!["migrate"],
+        vec!["demo", "--orders", "5"],
+        vec!["prune"],
+        vec!["resolve", &key, "--released"],
+    ] {
+        let mut all = args.clone();
+        all.extend(["--database-url", &plain]);
+        let out = oncely(&all);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("persists nothing") && stderr(&out).contains("?ephemeral=true"),
+            "{args:?}: {}",
+            stderr(&out)
+        );
+    }
+    // A read opens it: the key is simply not there.
+    let out = oncely(&["get", &key, "--database-url", &plain]);
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    assert!(stderr(&out).contains("no record"), "{}", stderr(&out));
+    let out = oncely(&["migrate", "--database-url", &accepted]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("durability:           none: the Redis server persists nothing"),
+        "{}",
+        stdout(&out)
+    );
 }
 
 /// The seed nodes of a Redis Cluster as a `redis+cluster://` URL:
@@ -233,7 +318,11 @@ fn redis_cluster_url() -> Option<String> {
         .iter()
         .map(|n| n.strip_prefix("redis://").unwrap_or(n))
         .collect();
-    server_at(format!("redis+cluster://{}", list.join(",")), "Redis Cluster")
+    // The test cluster persists nothing either.
+    server_at(
+        format!("redis+cluster://{}?ephemeral=true", list.join(",")),
+        "Redis Cluster",
+    )
 }
 
 #[cfg(feature = "redis")]
@@ -724,7 +813,7 @@ fn bench_on_mysql() {
 #[cfg(feature = "redis")]
 #[test]
 fn bench_on_redis() {
-    let Some(url) = reachable("ONCELY_REDIS_URL", "redis://127.0.0.1:6379", "Redis") else {
+    let Some(url) = redis_url() else {
         return;
     };
     bench_on(Some(&url), "redis");

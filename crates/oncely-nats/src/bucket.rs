@@ -154,6 +154,53 @@ async fn existing(js: &jetstream::Context, opts: &NatsKvOptions) -> Result<Optio
         .map_err(|e| backend_err("open bucket", e))
 }
 
+/// What an acknowledged write survives on a bucket of `replicas` (file
+/// storage, the only kind [`check`] accepts), served by nats-server
+/// `version` (the server this client is connected to, as it announced
+/// itself), for [`Capabilities::durability`](oncely::Capabilities::durability).
+///
+/// JetStream acknowledges a write once the stream's leader (R=1) or a
+/// quorum of its replicas (R=3) has written it to the operating system,
+/// and fsyncs its files on a timer: a crash of the server process loses
+/// nothing acknowledged, an OS crash or a power loss may lose what was
+/// written since the last sync. nats-server 2.9 syncs streams every 2
+/// minutes and has no setting for it; from 2.10, `jetstream { sync_interval
+/// }` sets the period (default 2 minutes), and `sync_interval: always`
+/// syncs every write before its acknowledgement. A client cannot read that
+/// setting (the monitoring endpoint `/varz` shows it), so on 2.10 and later
+/// the report says what each setting gives.
+pub(crate) fn durability(replicas: usize, version: &str) -> &'static str {
+    let mut parts = version.trim_start_matches('v').split(['.', '-']);
+    let major: Option<u32> = parts.next().and_then(|p| p.parse().ok());
+    let minor: Option<u32> = parts.next().and_then(|p| p.parse().ok());
+    let fixed_interval = matches!((major, minor), (Some(2), Some(m)) if m < 10);
+    match (replicas > 1, fixed_interval) {
+        (false, true) => {
+            "JetStream file storage, R=1: a write is acknowledged once the server has handed it to the OS; \
+             nats-server 2.9 fsyncs streams every 2 min (not configurable), so an OS crash or a power loss \
+             can lose up to 2 min of acknowledged claims and completions (a crash of nats-server alone loses none)"
+        }
+        (false, false) => {
+            "JetStream file storage, R=1: a write is acknowledged once the server has handed it to the OS; \
+             it fsyncs every sync_interval (2 min unless configured; not readable by a client), so an OS \
+             crash or a power loss can lose that long of acknowledged claims and completions, unless the \
+             server runs with sync_interval: always (a crash of nats-server alone loses none)"
+        }
+        (true, true) => {
+            "JetStream file storage, R=3: a write is acknowledged once a quorum (2 of 3) has handed it to \
+             the OS; a crash or power loss of one node loses nothing acknowledged, but nats-server 2.9 \
+             fsyncs only every 2 min (not configurable), so an OS crash or power loss of two nodes within \
+             that window can lose acknowledged writes"
+        }
+        (true, false) => {
+            "JetStream file storage, R=3: a write is acknowledged once a quorum (2 of 3) has handed it to \
+             the OS; a crash or power loss of one node loses nothing acknowledged, but an OS crash or power \
+             loss of two nodes within sync_interval (2 min unless configured; not readable by a client) can \
+             lose acknowledged writes, unless the servers run with sync_interval: always"
+        }
+    }
+}
+
 /// Refuses a bucket whose settings could lose or drop records.
 pub(crate) fn check(c: &stream::Config, opts: &NatsKvOptions) -> Result<()> {
     let mut problems = Vec::new();
@@ -204,5 +251,30 @@ pub(crate) fn check(c: &stream::Config, opts: &NatsKvOptions) -> Result<()> {
             opts.bucket,
             problems.join("; ")
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// nats-server 2.9 syncs on a fixed 2-minute timer; 2.10 and later on
+    /// `sync_interval`, which `always` turns into a sync per write.
+    #[test]
+    fn durability_names_the_sync_policy_of_the_server_version() {
+        for (replicas, version, says) in [
+            (1, "2.9.10", "R=1"),
+            (1, "v2.9.25", "nats-server 2.9 fsyncs streams every 2 min"),
+            (3, "2.9.10", "2.9 fsyncs only every 2 min"),
+            (1, "2.10.0", "sync_interval: always"),
+            (1, "2.12.1-beta.2", "sync_interval: always"),
+            (3, "2.11.4", "R=3"),
+            (3, "3.0.0", "sync_interval: always"),
+            (1, "", "sync_interval: always"),
+        ] {
+            let d = durability(replicas, version);
+            assert!(d.contains(says), "{replicas} {version}: {d}");
+        }
+        assert!(!durability(1, "2.10.0").contains("2.9"));
     }
 }

@@ -50,6 +50,8 @@ pub(crate) struct Inner {
     in_progress: Mutex<HashSet<String>>,
     /// Wakes waiting duplicates (`notify.rs`).
     pub(crate) notifications: Notifications,
+    /// What an acknowledged write survives ([`bucket::durability`]).
+    durability: &'static str,
 }
 
 /// An effect ledger on a NATS JetStream KV bucket. Cheap to clone (shares the
@@ -143,6 +145,7 @@ impl NatsKvLedger {
         deadline: Deadline,
     ) -> Result<Self> {
         let bucket_max_age = Some(store.stream.cached_info().config.max_age).filter(|a| !a.is_zero());
+        let durability = bucket::durability(opts.replicas, &client.server_info().version);
         // A read-only ledger never ends a lease and never waits for one (its
         // claims are refused): it needs no subscription.
         let notifications = if opts.read_only {
@@ -159,6 +162,7 @@ impl NatsKvLedger {
                 revisions: Mutex::new(HashMap::new()),
                 in_progress: Mutex::new(HashSet::new()),
                 notifications,
+                durability,
             }),
         };
         // A replicated bucket just created answers only once its stream has
@@ -356,7 +360,7 @@ impl Ledger for NatsKvLedger {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new("JetStream file storage", "NATS server timestamps")
+        Capabilities::new(self.inner.durability, "NATS server timestamps")
             .replicated(self.inner.opts.replicas > 1)
     }
 

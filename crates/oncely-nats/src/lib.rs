@@ -3,7 +3,8 @@
 //! An [`oncely`] effect ledger on a NATS JetStream key-value bucket: claims
 //! are `create` (insert if absent) and revision-checked `update`s, so the
 //! check and the claim are one atomic operation on the stream leader, and
-//! with `replicas = 3` every acknowledged write is on a Raft quorum.
+//! with `replicas = 3` every acknowledged write is on a Raft quorum (in its
+//! servers' OS caches: see Durability for when it reaches their disks).
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -57,8 +58,8 @@
 //! | --- | --- |
 //! | atomic claim | `create` (expected last subject sequence 0) for an absent key; takeover of an expired or released record by `update` expecting the revision just read. A lost race re-reads and decides again. |
 //! | caller's transaction | no: NATS has none. Use `ProviderKeyed` or `AtMostOnce` steps. |
-//! | durability | JetStream file storage; a write is acknowledged once stored. |
-//! | replication | `replicas = 3`: Raft, acknowledged after a quorum has it; survives the loss of one node. `replicas = 1`: none. |
+//! | durability | JetStream file storage (a memory-backed bucket is refused). A write is acknowledged once the leader (R=1) or a quorum (R=3) has handed it to the OS, **not once it is on disk**: the server fsyncs on a timer (every 2 minutes by default). A crash of nats-server loses nothing acknowledged; an OS crash or a power loss of an R=1 server can lose up to 2 minutes of acknowledged claims and completions, unless the server runs with `sync_interval: always` (nats-server 2.10 and later; 2.9 has no such setting). [`Capabilities::durability`](oncely::Capabilities::durability) reports it for the replica count and the server version. See Durability. |
+//! | replication | `replicas = 3`: Raft, acknowledged after a quorum has it; survives the loss of one node (its crash, OS crash or power loss). `replicas = 1`: none. |
 //! | clock | NATS server timestamps of each revision; "now" is a lower bound of the server's clock (see below), never the worker's wall clock. |
 //! | max key | [`oncely::MAX_KEY_BYTES`] (the displayed key is stored in the value; the KV key is `<tenant>.<blake3 hex>`). |
 //! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] (stored base64, far below JetStream's 1 MiB message limit). |
@@ -70,6 +71,34 @@
 //! | prune / abandoned | read the latest revision of every key (the whole bucket / one tenant's keys) through an ordered consumer: cost grows with the keys kept, so prune in batches off the hot path. Prune also writes each pruned tenant and kind's watermark once per call (2 round trips each). |
 //! | retention | per claim, enforced by [`oncely::Ledger::prune`]; the bucket's `max_age` is the hard ceiling (a longer retention is refused). |
 //! | operator view | not offered: this crate does not implement [`oncely::Admin`] (listing and counting records by tenant and kind, `forget`, a prune dry run): the bucket has no secondary index, so it would read every key. `oncely inspect`, `resolve` and tenant-scoped `abandoned` work; the other operator commands say they are not available here. |
+//!
+//! ### Durability
+//!
+//! JetStream writes each acknowledged message to its files before the
+//! acknowledgement, but leaves them in the OS's cache and fsyncs them on a
+//! timer. What an acknowledged claim or completion survives:
+//!
+//! | configuration | a crash of nats-server | an OS crash or power loss of one server | of two or more at once |
+//! | --- | --- | --- | --- |
+//! | R=1, the default sync (2 min) | nothing lost | up to 2 min of acknowledged writes lost | (one server) |
+//! | R=1, `sync_interval: always` (2.10+) | nothing lost | nothing lost | (one server) |
+//! | R=3, the default sync | nothing lost | nothing lost: the other two have it, and the node catches up | writes acknowledged within the sync period can be lost |
+//! | R=3, `sync_interval: always` (2.10+) | nothing lost | nothing lost | nothing lost, as long as the disks keep what was synced |
+//!
+//! nats-server 2.9 fsyncs streams every 2 minutes and has no setting for
+//! it (its configuration refuses `sync_interval`); 2.10 added `jetstream {
+//! sync_interval: <duration> | always }`, which applies to every stream of
+//! the server and costs write throughput with `always`. A client cannot
+//! read that setting (only the monitoring endpoint `/varz` shows it), so
+//! [`Capabilities::durability`](oncely::Capabilities::durability) names the
+//! replica count, the server version it connected to and what each
+//! setting gives. Jepsen's analysis of nats-server 2.12.1 (2025) found that
+//! the default sync can also lose acknowledged writes at R=3 when one
+//! node's OS crash coincides with a partition or a process pause, and that
+//! file corruption on a minority of nodes can lose writes; `sync_interval:
+//! always` removes the first. A lost write lets an effect run again, as
+//! with any backend that forgets a record: provider keys and fenced writes
+//! bound what that does.
 //!
 //! ### Clocks
 //!

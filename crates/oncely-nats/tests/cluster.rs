@@ -17,3 +17,18 @@ async fn ledger() -> Option<NatsKvLedger> {
 }
 
 oncely::conformance_tests!(ledger);
+
+/// An R=3 bucket reports what a quorum's acknowledgement gives: one node's
+/// crash loses nothing acknowledged, two nodes' OS crashes within the sync
+/// period can.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replicated_bucket_reports_quorum_durability() {
+    let Some(ledger) = ledger().await else { return };
+    let caps = oncely::Ledger::capabilities(&ledger);
+    assert!(caps.replicated);
+    let d = caps.durability;
+    assert!(d.starts_with("JetStream file storage, R=3"), "{d}");
+    assert!(d.contains("quorum (2 of 3)"), "{d}");
+    assert!(d.contains("one node loses nothing acknowledged"), "{d}");
+    assert!(d.contains("two nodes"), "{d}");
+}

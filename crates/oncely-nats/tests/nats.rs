@@ -754,6 +754,40 @@ async fn without_migrate_a_missing_bucket_is_not_created() {
     js.delete_stream(format!("KV_{bucket}")).await.unwrap();
 }
 
+/// The durability a single server's R=1 bucket reports says what an
+/// acknowledgement means there: handed to the OS, synced on a timer, so an
+/// OS crash or a power loss can lose acknowledged writes (not "once
+/// stored").
+#[tokio::test]
+async fn durability_says_an_r1_ack_is_not_yet_on_disk() {
+    let Some((url, js)) = js().await else { return };
+    let bucket = unique("oncely_durability_r1");
+    let ledger = NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket(&bucket))
+        .await
+        .unwrap();
+    let caps = ledger.capabilities();
+    assert!(!caps.replicated);
+    let d = caps.durability;
+    assert!(d.starts_with("JetStream file storage, R=1"), "{d}");
+    assert!(d.contains("OS crash or a power loss can lose"), "{d}");
+    // The server names its version on connect: 2.9 has no sync setting,
+    // later versions have sync_interval.
+    let version = async_nats::connect(url.as_str())
+        .await
+        .unwrap()
+        .server_info()
+        .version;
+    if version.starts_with("2.9.") {
+        assert!(
+            d.contains("2.9 fsyncs streams every 2 min (not configurable)"),
+            "{d}"
+        );
+    } else {
+        assert!(d.contains("sync_interval: always"), "{version}: {d}");
+    }
+    drop_bucket(&js, &bucket).await;
+}
+
 /// The URL's query names the bucket (and replicas), over the options'.
 #[tokio::test]
 async fn the_url_names_the_bucket() {

@@ -47,7 +47,12 @@ struct Setup {
 
 async fn setup() -> Setup {
     let url = std::env::var("ONCELY_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
-    let ledger = RedisLedger::connect_with(&url, RedisLedgerOptions::default().prefix("oncely-bench:"))
+    // What the ledger costs, whatever the server keeps: a test server that
+    // persists nothing is accepted.
+    let options = RedisLedgerOptions::default()
+        .prefix("oncely-bench:")
+        .ephemeral(true);
+    let ledger = RedisLedger::connect_with(&url, options)
         .await
         .expect("Redis for the bench");
     let raw = ConnectionManager::new(redis::Client::open(url).unwrap())

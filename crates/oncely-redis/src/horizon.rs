@@ -272,6 +272,7 @@ impl RedisLedger {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::RedisLedgerOptions;
     use crate::lua::ClaimItem;
     use crate::reply::grant;
     use oncely::backend::Grant;
@@ -324,10 +325,12 @@ mod tests {
         let Some(url) = service_url("ONCELY_REDIS_URL", Some("redis://127.0.0.1:6379")) else {
             return;
         };
-        let ledger = match RedisLedger::connect(&url).await {
-            Ok(l) => l,
-            Err(e) => return skip_or_fail(&format!("redis at {url}: {e}")).unwrap_or(()),
-        };
+        // The test server persists nothing: accepted explicitly.
+        let ledger =
+            match RedisLedger::connect_with(&url, RedisLedgerOptions::default().ephemeral(true)).await {
+                Ok(l) => l,
+                Err(e) => return skip_or_fail(&format!("redis at {url}: {e}")).unwrap_or(()),
+            };
         let t = fresh_tenant();
         let acquire = |c: Claim| match c {
             Claim::Acquired(l) => l,

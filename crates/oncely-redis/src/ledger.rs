@@ -17,11 +17,12 @@ use redis::aio::ConnectionLike;
 use redis::{Cmd, Script, Value};
 
 use crate::conn::Conn;
+use crate::durability;
 use crate::error::{BACKEND, copy_error, corrupt, map_err, task_failed, unexpected};
 use crate::keys::{horizon_key, record_key, record_pattern, slot};
 use crate::lua::{self, CLAIM, ClaimItem, FENCED, FencedItem, GET};
 use crate::notify::Notifications;
-use crate::options::{RedisLedgerOptions, Target, check_scheme, parse_url};
+use crate::options::{RedisLedgerOptions, Target, check_scheme, ledger_params, parse_url};
 use crate::reply::{array, grant, in_progress, int, record, tag, text, uint};
 
 /// How many times one claim runs the claim script. It runs again only after
@@ -39,6 +40,8 @@ pub struct RedisLedger {
     pub(crate) conn: Conn,
     pub(crate) opts: Arc<RedisLedgerOptions>,
     pub(crate) notes: Arc<Notifications>,
+    /// What the masters' persistence settings keep, read on connect.
+    durability: &'static str,
 }
 
 /// What one record's claim script reply means to the worker.
@@ -81,8 +84,15 @@ impl RedisLedger {
     ///
     /// A malformed URL is [`Error::Config`] before anything connects (a
     /// comma in a `redis://` host points to `redis+cluster://`), and no
-    /// message quotes the URL. Connecting reads `maxmemory-policy` on every
-    /// master (see the crate docs' Durability) and subscribes to change
+    /// message quotes the URL. Connecting reads `maxmemory-policy` and the
+    /// persistence settings (`appendonly`, `appendfsync`, `save`) on every
+    /// master (see the crate docs' Durability): a server that persists
+    /// nothing is refused with [`Error::Config`] unless the URL says
+    /// `?ephemeral=true` (taken out before the client sees the URL) or
+    /// [`RedisLedgerOptions::ephemeral`] accepts it, and what the weakest
+    /// master keeps is reported in
+    /// [`Capabilities::durability`](oncely::Capabilities::durability).
+    /// Connecting then subscribes to change
     /// notifications (see the crate docs' Waiting; a subscription that fails
     /// is logged and retried in the background, and does not fail `connect`).
     /// There is nothing to create or migrate on Redis.
@@ -91,11 +101,16 @@ impl RedisLedger {
     }
 
     /// [`RedisLedger::connect`] with options.
-    pub async fn connect_with(url: &str, options: RedisLedgerOptions) -> Result<RedisLedger> {
+    pub async fn connect_with(url: &str, mut options: RedisLedgerOptions) -> Result<RedisLedger> {
         options.check()?;
-        let target = parse_url(url)?;
+        let (url, ephemeral) = ledger_params(url)?;
+        if let Some(yes) = ephemeral {
+            options.ephemeral = yes;
+        }
+        let target = parse_url(&url)?;
         let mut conn = Conn::open(target.clone(), &options).await?;
         conn.check_eviction(options.require_noeviction).await?;
+        let durability = durability::check(&mut conn, &options).await?;
         // Pub/sub ignores databases: the channel names the ledger's.
         let channel = format!("{}#changes@{}", options.prefix, conn.get_db());
         let notes = if options.read_only || !options.notifications {
@@ -111,6 +126,7 @@ impl RedisLedger {
             conn,
             opts: Arc::new(options),
             notes: Arc::new(notes),
+            durability,
         })
     }
 
@@ -318,10 +334,7 @@ impl Ledger for RedisLedger {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new(
-            "as the Redis server is configured: AOF with appendfsync always/everysec, or none",
-            "Redis server TIME",
-        )
+        Capabilities::new(self.durability, "Redis server TIME")
     }
 
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
@@ -741,7 +754,9 @@ impl FromUrl for RedisLedger {
     /// [`RedisLedger::connect`] does; any other scheme is [`Error::Config`].
     ///
     /// Redis has nothing to create or migrate, so every [`Access`] opens the
-    /// same way (the same connection, the same eviction-policy check).
+    /// same way (the same connection, the same eviction-policy and
+    /// persistence checks; a URL's `?ephemeral=true` accepts a server that
+    /// persists nothing, which [`Access::ReadOnly`] accepts anyway).
     /// [`Access::Migrate`] and [`Access::Existing`] give a ledger that writes;
     /// [`Access::ReadOnly`] gives one whose writes (`claim`, `complete`,
     /// `release`, `renew`, `prune`) fail with [`Error::Config`] before any

@@ -14,6 +14,8 @@
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> oncely::Result<()> {
+//! // A server that persists (appendonly yes); one that does not is
+//! // refused unless the URL says ?ephemeral=true (see Durability).
 //! let ledger = RedisLedger::connect("redis://127.0.0.1:6379").await?;
 //! // A Redis Cluster, through any of its nodes:
 //! // RedisLedger::connect("redis+cluster://10.0.0.1:7000,10.0.0.2:7000").await?;
@@ -41,6 +43,11 @@
 //!   carry none, and a query string applies to every node. A comma inside
 //!   credentials is written `%2C`.
 //!
+//! One query parameter is the ledger's own, taken out before the redis
+//! client sees the URL: `ephemeral=true` (or `false`) accepts a server that
+//! persists nothing, as [`RedisLedgerOptions::ephemeral`] does, and wins
+//! over that option (see Durability). The others go to the client.
+//!
 //! A malformed URL, or a comma in a `redis://` host (pointing to
 //! `redis+cluster://`), is [`Error::Config`] before anything connects, and
 //! no message quotes the URL (it may hold a password).
@@ -61,7 +68,7 @@
 //! | --- | --- |
 //! | atomic claim | one Lua script per operation (create, take over an expired lease, or answer with the record); `EVALSHA`, loaded on `NOSCRIPT` |
 //! | caller's transaction | no: Redis cannot join a SQL transaction |
-//! | durability | as the server is configured (see below); none at all with `--save "" --appendonly no` |
+//! | durability | as the server is configured, read on every master at connect (`appendonly`, `appendfsync`, `save`; `INFO persistence` where `CONFIG` is not allowed) and reported by the weakest in [`Capabilities::durability`](oncely::Capabilities::durability): `appendfsync always` loses nothing acknowledged on a crash, `everysec` up to about 1 s, snapshots only everything since the last one. A server that persists nothing (`--save "" --appendonly no`) is refused with [`Error::Config`] unless accepted (`?ephemeral=true`, [`RedisLedgerOptions::ephemeral`]); a read-only ledger is never refused for it. A failover can lose acknowledged writes whatever the setting (see below) |
 //! | replication | asynchronous: a claim returns before any replica has it ([`Capabilities::replicated`](oncely::Capabilities) is `false`) |
 //! | clock | the Redis server's `TIME`, read inside each script, so at the moment its write takes effect (per master in a cluster; each record lives on one master) |
 //! | fences | the server's clock in µs at the grant, or the previous fence + 1 if higher ([`next_fence`](oncely::backend::next_fence)): never repeated for a key, prunes included, as long as a master's clock never steps back by more than the shortest retention in use (or a failover promotes a replica whose clock is that far behind) |
@@ -163,23 +170,51 @@
 //!
 //! ## Durability: what the server configuration gives
 //!
-//! - `appendonly no` and no snapshots (how this project's test server runs):
-//!   nothing survives a restart. A restart forgets every claim, every
-//!   outcome and every horizon, and redeliveries then run their effects again.
-//! - `appendonly yes` with `appendfsync everysec`: a crash of the machine can
-//!   lose about the last second of acknowledged claims and completions.
-//!   `appendfsync always` fsyncs each write before the reply; then a single
-//!   node loses nothing it acknowledged, at a large cost in latency.
+//! [`RedisLedger::connect`] reads `CONFIG GET appendonly`, `appendfsync` and
+//! `save` on every master, and reports what the weakest keeps in
+//! [`Capabilities::durability`](oncely::Capabilities::durability) (what
+//! `oncely migrate` prints). Where `CONFIG` is renamed or not allowed
+//! (managed services), `INFO persistence` tells whether AOF is on, not its
+//! fsync policy nor the snapshots; where neither answers, the durability
+//! is "unknown". Those cases, and snapshots only, are accepted with a
+//! warning in the log.
+//!
+//! - `appendonly no` and no `save` points (how this project's test servers
+//!   run): nothing survives a restart. A restart forgets every claim, every
+//!   outcome and every horizon, and redeliveries then run their effects
+//!   again. Such a server is refused with [`Error::Config`] unless the
+//!   ledger accepts it: `?ephemeral=true` in the URL (the way for the
+//!   `oncely` command: `oncely demo --database-url
+//!   'redis://127.0.0.1:6379?ephemeral=true'`) or
+//!   [`RedisLedgerOptions::ephemeral`]`(true)`, for tests and throwaway
+//!   servers. A read-only ledger ([`RedisLedgerOptions::read_only`], the
+//!   `oncely` commands that only read) opens it without: it writes nothing,
+//!   and durability says what the server keeps.
+//! - `save` points and `appendonly no` (RDB snapshots only): a crash or a
+//!   restart loses every write since the last snapshot, minutes of claims
+//!   and completions.
+//! - `appendonly yes` with `appendfsync everysec` (the default once AOF is
+//!   on): a crash can lose about the last second of acknowledged claims and
+//!   completions (two when the disk is slow, as Redis then delays its
+//!   write). `appendfsync no` writes each command to the file before the
+//!   reply but leaves the flush to the OS: a crash of Redis alone loses
+//!   nothing, an OS crash or a power loss what the OS had not written
+//!   (typically up to 30 s). `appendfsync always` fsyncs each write before
+//!   the reply; then a single node loses nothing it acknowledged, at a
+//!   large cost in latency.
 //! - Replication is asynchronous. `WAIT numreplicas timeout` after a write
 //!   tells you how many replicas have it, but it is not consensus: a failover
 //!   can still promote a replica that missed the write, and Redis never
 //!   rolls back a write that `WAIT` failed to replicate. This crate does not
 //!   issue `WAIT`.
-//! - A failover can lose what the old master acknowledged but had not yet
-//!   replicated: a claim (and the next delivery acquires the key again), a
-//!   completion (and the next delivery finds the lease, later takes it over
-//!   and runs the effect again) or a raise of the horizon. Either way a
-//!   duplicate effect is possible.
+//! - A failover (Sentinel, or a Cluster replica promoted) can lose what the
+//!   old master acknowledged but had not yet replicated, whatever its
+//!   `appendfsync`: the master's own disk is not read again. Lost: a claim
+//!   (and the next delivery acquires the key again), a completion (and the
+//!   next delivery finds the lease, later takes it over and runs the effect
+//!   again) or a raise of the horizon. Either way a duplicate effect is
+//!   possible. The durability reported is the masters' only; the replicas'
+//!   settings are not read.
 //!   Provider-keyed steps stay safe because the provider deduplicates by
 //!   [`Lease::provider_key`](oncely::Lease::provider_key); at-most-once steps
 //!   may be sent twice. Where that is not acceptable, use a consensus
@@ -293,6 +328,7 @@
 #![deny(missing_docs)]
 
 mod conn;
+mod durability;
 mod error;
 mod horizon;
 mod keys;

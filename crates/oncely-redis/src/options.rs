@@ -19,13 +19,15 @@ const FORMS: &str = "redis://host:port[/db] or redis+cluster://host:port,host:po
 /// Options of a [`RedisLedger`](crate::RedisLedger).
 /// `RedisLedgerOptions::default()` gives the prefix `oncely:`, a 2 s
 /// connection timeout, a 5 s response timeout, a required `noeviction`
-/// policy, change notifications, and a ledger that writes.
+/// policy, a server that must persist (not ephemeral), change
+/// notifications, and a ledger that writes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisLedgerOptions {
     pub(crate) prefix: String,
     pub(crate) connection_timeout: Duration,
     pub(crate) response_timeout: Duration,
     pub(crate) require_noeviction: bool,
+    pub(crate) ephemeral: bool,
     pub(crate) read_only: bool,
     pub(crate) notifications: bool,
 }
@@ -37,6 +39,7 @@ impl Default for RedisLedgerOptions {
             connection_timeout: Duration::from_secs(2),
             response_timeout: Duration::from_secs(5),
             require_noeviction: true,
+            ephemeral: false,
             read_only: false,
             notifications: true,
         }
@@ -71,6 +74,23 @@ impl RedisLedgerOptions {
     /// memory can never fill up.
     pub fn require_noeviction(mut self, yes: bool) -> Self {
         self.require_noeviction = yes;
+        self
+    }
+
+    /// Whether the ledger accepts a server that persists nothing (default
+    /// `false`): `appendonly no` and no `save` points, as a test server
+    /// often runs. Connecting reads each master's persistence settings
+    /// (see the crate docs, Durability) and refuses such a server with
+    /// [`Error::Config`], since a restart would lose every claim and
+    /// outcome and let redelivered effects run again; with `true` it is
+    /// accepted and [`Capabilities::durability`](oncely::Capabilities::durability)
+    /// says none. The URL parameter `?ephemeral=true` sets it too, and wins
+    /// over this option (`?ephemeral=false` turns it off). Nothing else
+    /// changes: the ledger writes as it always does. A read-only ledger
+    /// ([`RedisLedgerOptions::read_only`]) is never refused for this: it
+    /// writes nothing, and what it reads is there until the server stops.
+    pub fn ephemeral(mut self, yes: bool) -> Self {
+        self.ephemeral = yes;
         self
     }
 
@@ -120,6 +140,54 @@ pub(crate) enum Target {
     Single(String),
     /// A cluster's seed nodes, each a `redis://` URL; never empty.
     Cluster(Vec<String>),
+}
+
+/// Takes this ledger's own parameter out of a URL's query, before the
+/// redis client sees the URL: the URL without it, and `ephemeral` if given
+/// (`true` or `false`). Every other parameter stays, for the client.
+/// Messages never quote the URL.
+pub(crate) fn ledger_params(url: &str) -> Result<(String, Option<bool>)> {
+    let url = url.trim();
+    let Some((base, query)) = url.split_once('?') else {
+        return Ok((url.to_owned(), None));
+    };
+    let (query, fragment) = match query.split_once('#') {
+        Some((q, f)) => (q, Some(f)),
+        None => (query, None),
+    };
+    let mut ephemeral = None;
+    let mut rest = Vec::new();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        if name != "ephemeral" {
+            rest.push(pair);
+            continue;
+        }
+        let yes = match value {
+            "true" => true,
+            "false" => false,
+            _ => {
+                return Err(Error::Config(
+                    "Redis URL parameter ephemeral must be true or false".to_owned(),
+                ));
+            }
+        };
+        if ephemeral.replace(yes).is_some() {
+            return Err(Error::Config(
+                "Redis URL parameter ephemeral is given twice".to_owned(),
+            ));
+        }
+    }
+    let mut out = base.to_owned();
+    if !rest.is_empty() {
+        out.push('?');
+        out.push_str(&rest.join("&"));
+    }
+    if let Some(f) = fragment {
+        out.push('#');
+        out.push_str(f);
+    }
+    Ok((out, ephemeral))
 }
 
 /// Refuses a URL whose scheme is not one of [`SCHEMES`] (case aside).
@@ -298,6 +366,44 @@ mod tests {
             };
             assert!(m.contains(says), "{url}: {m}");
             assert!(!m.contains("hunter2"), "{url}: {m}");
+        }
+    }
+
+    /// `?ephemeral=` is the ledger's, taken out of the URL before the
+    /// client sees it; the client's own parameters stay.
+    #[test]
+    fn ephemeral_is_a_ledger_parameter() {
+        for (url, rest, ephemeral) in [
+            ("redis://h:1", "redis://h:1", None),
+            ("redis://h:1/2?ephemeral=true", "redis://h:1/2", Some(true)),
+            ("redis://h:1?ephemeral=false", "redis://h:1", Some(false)),
+            (
+                "redis://h:1?protocol=resp3&ephemeral=true",
+                "redis://h:1?protocol=resp3",
+                Some(true),
+            ),
+            (
+                "redis+cluster://a:1,b:2?ephemeral=true&protocol=resp3",
+                "redis+cluster://a:1,b:2?protocol=resp3",
+                Some(true),
+            ),
+            ("redis://h:1?protocol=resp3", "redis://h:1?protocol=resp3", None),
+        ] {
+            assert_eq!(ledger_params(url).unwrap(), (rest.to_owned(), ephemeral), "{url}");
+        }
+        for (url, says) in [
+            ("redis://:hunter2@h:1?ephemeral=yes", "must be true or false"),
+            ("redis://:hunter2@h:1?ephemeral", "must be true or false"),
+            (
+                "redis://:hunter2@h:1?ephemeral=true&ephemeral=false",
+                "given twice",
+            ),
+        ] {
+            let m = match ledger_params(url) {
+                Err(Error::Config(m)) => m,
+                other => panic!("{url}: expected Error::Config, got {other:?}"),
+            };
+            assert!(m.contains(says) && !m.contains("hunter2"), "{url}: {m}");
         }
     }
 

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime};
 
-use common::{TempRedis, cluster, cluster_url, cluster_urls, raw, single, single_with};
+use common::{TempRedis, cluster, cluster_url, cluster_urls, ephemeral, raw, single, single_with};
 use oncely::backend::{Access, FromUrl, Grant, OpenOptions, to_micros};
 use oncely::conformance::{SHORT_LEASE, SHORT_LEASE_WAIT, fresh_tenant, prune_until_gone};
 use oncely::{Claim, ClaimOptions, EffectKey, Effects, Error, Ledger, Outcome, RecordState};
@@ -473,7 +473,7 @@ async fn server_going_down_fails_closed() {
     let Some(mut server) = TempRedis::start(&[]).await else {
         return;
     };
-    let ledger = RedisLedger::connect(&server.url()).await.unwrap();
+    let ledger = RedisLedger::connect(&server.ledger_url()).await.unwrap();
     let effects = Effects::new(ledger.clone());
     let t = fresh_tenant();
     let ran = AtomicUsize::new(0);
@@ -514,7 +514,9 @@ async fn slow_server_is_a_retryable_timeout() {
         return;
     };
     let opts = RedisLedgerOptions::default().response_timeout(Duration::from_millis(200));
-    let ledger = RedisLedger::connect_with(&server.url(), opts).await.unwrap();
+    let ledger = RedisLedger::connect_with(&server.ledger_url(), opts)
+        .await
+        .unwrap();
     let k = EffectKey::new(&fresh_tenant(), "capture", "paused").unwrap();
     let mut admin = raw(&server.url()).await;
     let _: () = redis::cmd("CLIENT")
@@ -551,6 +553,151 @@ async fn slow_server_is_a_retryable_timeout() {
     assert_eq!(ledger.get(&k).await.unwrap().unwrap().fence, fence);
 }
 
+fn config_error(e: Error, wanted: &[&str]) {
+    match &e {
+        Error::Config(m) if wanted.iter().all(|w| m.contains(w)) => {}
+        _ => panic!("expected Error::Config mentioning {wanted:?}, got {e:?}"),
+    }
+}
+
+/// What a ledger reports its records survive.
+fn durability(ledger: &RedisLedger) -> &'static str {
+    ledger.capabilities().durability
+}
+
+/// A server that persists nothing (`--save "" --appendonly no`, how the
+/// test servers run) is refused unless the ledger is told to accept it:
+/// `RedisLedgerOptions::ephemeral(true)` or `?ephemeral=true` in the URL,
+/// which wins over the option either way. A read-only ledger is not
+/// refused. Durability reports what the server keeps, read again on each
+/// connect: snapshots, AOF and its fsync policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_persists_nothing_is_refused_unless_accepted() {
+    let Some(server) = TempRedis::start(&[]).await else {
+        return;
+    };
+    let url = server.url();
+    let refused = ["persists nothing", "ephemeral=true", "ephemeral(true)"];
+    config_error(RedisLedger::connect(&url).await.unwrap_err(), &refused);
+    for access in [Access::Migrate, Access::Existing] {
+        let e = RedisLedger::from_url(&url, OpenOptions::new(access))
+            .await
+            .unwrap_err();
+        config_error(e, &refused);
+    }
+    let e = RedisLedger::connect_with(
+        &format!("{url}?ephemeral=false"),
+        RedisLedgerOptions::default().ephemeral(true),
+    )
+    .await
+    .unwrap_err();
+    config_error(e, &refused);
+
+    let accepted = [
+        RedisLedger::connect(&format!("{url}?ephemeral=true"))
+            .await
+            .unwrap(),
+        RedisLedger::connect_with(&url, RedisLedgerOptions::default().ephemeral(true))
+            .await
+            .unwrap(),
+        RedisLedger::from_url(
+            &format!("{url}/0?ephemeral=true"),
+            OpenOptions::new(Access::Migrate),
+        )
+        .await
+        .unwrap(),
+        RedisLedger::from_url(&url, OpenOptions::new(Access::ReadOnly))
+            .await
+            .unwrap(),
+    ];
+    for ledger in &accepted {
+        assert!(durability(ledger).starts_with("none"), "{}", durability(ledger));
+    }
+    // The accepted ledger writes as any other.
+    let k = EffectKey::new(&fresh_tenant(), "capture", "unpersisted").unwrap();
+    acquired(accepted[0].claim(&k, &ClaimOptions::default()).await.unwrap());
+    assert_eq!(
+        accepted[0].options(),
+        &RedisLedgerOptions::default().ephemeral(true)
+    );
+
+    // Persisting servers are accepted without it, and reported as they are.
+    let mut admin = raw(&url).await;
+    for (param, value, reported) in [
+        ("save", "3600 1", "RDB snapshots only"),
+        ("appendonly", "yes", "AOF, appendfsync everysec"),
+        ("appendfsync", "always", "AOF, appendfsync always"),
+        ("appendfsync", "no", "AOF, appendfsync no"),
+    ] {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(param)
+            .arg(value)
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        let ledger = RedisLedger::connect(&url).await.unwrap();
+        assert!(
+            durability(&ledger).starts_with(reported),
+            "{}",
+            durability(&ledger)
+        );
+        assert_eq!(ledger.options(), &RedisLedgerOptions::default());
+    }
+    let Some(aof) = TempRedis::start(&["--appendonly", "yes", "--appendfsync", "always"]).await else {
+        return;
+    };
+    let ledger = RedisLedger::connect(&aof.url()).await.unwrap();
+    assert!(
+        durability(&ledger).starts_with("AOF, appendfsync always"),
+        "{}",
+        durability(&ledger)
+    );
+}
+
+/// Where `CONFIG` is not allowed (managed services rename or disable it),
+/// `INFO persistence` says whether AOF is on; where neither answers, the
+/// durability is reported as unknown and the ledger opens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn persistence_without_config_falls_back_to_info_then_unknown() {
+    for (extra, reported) in [
+        (
+            &["--rename-command", "CONFIG", ""][..],
+            "no AOF (from INFO persistence",
+        ),
+        (
+            &["--appendonly", "yes", "--rename-command", "CONFIG", ""][..],
+            "AOF (from INFO persistence",
+        ),
+        (
+            &["--rename-command", "CONFIG", "", "--rename-command", "INFO", ""][..],
+            "unknown",
+        ),
+    ] {
+        let Some(server) = TempRedis::start(extra).await else {
+            return;
+        };
+        let ledger = RedisLedger::connect(&server.url()).await.unwrap();
+        assert!(
+            durability(&ledger).starts_with(reported),
+            "{extra:?}: {}",
+            durability(&ledger)
+        );
+    }
+}
+
+/// The test cluster persists nothing either: refused, naming a master,
+/// unless accepted; then reported by its weakest master.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_that_persists_nothing_is_refused_unless_accepted() {
+    let Some(url) = cluster_url() else { return };
+    let e = RedisLedger::connect(&url).await.unwrap_err();
+    config_error(e, &["the Redis master ", "persists nothing"]);
+    let ledger = RedisLedger::connect(&ephemeral(&url)).await.unwrap();
+    assert!(ledger.is_cluster());
+    assert!(durability(&ledger).starts_with("none"), "{}", durability(&ledger));
+}
+
 /// A server that may evict keys is refused unless the caller opts out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eviction_policy_is_checked() {
@@ -558,10 +705,10 @@ async fn eviction_policy_is_checked() {
         let Some(server) = TempRedis::start(&["--maxmemory-policy", policy]).await else {
             return;
         };
-        let e = RedisLedger::connect(&server.url()).await.unwrap_err();
+        let e = RedisLedger::connect(&server.ledger_url()).await.unwrap_err();
         assert!(matches!(&e, Error::Config(m) if m.contains(policy)), "{e:?}");
         let ok = RedisLedger::connect_with(
-            &server.url(),
+            &server.ledger_url(),
             RedisLedgerOptions::default().require_noeviction(false),
         )
         .await;
@@ -1134,11 +1281,15 @@ async fn from_url_opens_a_server_or_a_cluster() {
     let t = fresh_tenant();
     let o = Outcome::from_json(&1).unwrap();
     for access in [Access::Migrate, Access::Existing] {
-        let ledger = RedisLedger::from_url(&single_url(), OpenOptions::new(access))
+        let ledger = RedisLedger::from_url(&ephemeral(&single_url()), OpenOptions::new(access))
             .await
             .unwrap();
         assert!(!ledger.is_cluster() && !ledger.is_read_only(), "{access:?}");
-        assert_eq!(ledger.options(), &RedisLedgerOptions::default(), "{access:?}");
+        assert_eq!(
+            ledger.options(),
+            &RedisLedgerOptions::default().ephemeral(true),
+            "{access:?}"
+        );
         let k = EffectKey::new(&t, "capture", format!("single-{access:?}")).unwrap();
         let l = acquired(ledger.claim(&k, &ClaimOptions::default()).await.unwrap());
         ledger.complete(&l, &o).await.unwrap();
@@ -1161,7 +1312,7 @@ async fn from_url_opens_a_server_or_a_cluster() {
     let Some(url) = cluster_url() else { return };
     assert!(url.starts_with("redis+cluster://") && url.contains(','), "{url}");
     for access in [Access::Migrate, Access::Existing] {
-        let ledger = RedisLedger::from_url(&url, OpenOptions::new(access))
+        let ledger = RedisLedger::from_url(&ephemeral(&url), OpenOptions::new(access))
             .await
             .unwrap();
         assert!(ledger.is_cluster() && !ledger.is_read_only(), "{access:?}");
@@ -1227,7 +1378,7 @@ async fn read_only_ledger_refuses_writes_before_any_round_trip() {
     let Some(mut server) = TempRedis::start(&[]).await else {
         return;
     };
-    let writer = RedisLedger::connect(&server.url()).await.unwrap();
+    let writer = RedisLedger::connect(&server.ledger_url()).await.unwrap();
     let reader = RedisLedger::from_url(&server.url(), OpenOptions::new(Access::ReadOnly))
         .await
         .unwrap();
@@ -1431,8 +1582,8 @@ async fn a_killed_subscription_costs_latency_not_answers() {
         return;
     };
     let url = server.url();
-    let a = RedisLedger::connect(&url).await.unwrap();
-    let b = RedisLedger::connect(&url).await.unwrap();
+    let a = RedisLedger::connect(&ephemeral(&url)).await.unwrap();
+    let b = RedisLedger::connect(&ephemeral(&url)).await.unwrap();
     assert!(b.is_subscribed());
     let mut admin = raw(&url).await;
     let t = fresh_tenant();
@@ -1478,7 +1629,7 @@ async fn without_channel_permissions_waiters_poll_and_writes_succeed() {
         .query_async(&mut admin)
         .await
         .unwrap();
-    let url = format!("redis://nochan:pw@127.0.0.1:{}", server.port);
+    let url = format!("redis://nochan:pw@127.0.0.1:{}?ephemeral=true", server.port);
     let a = RedisLedger::connect(&url).await.unwrap();
     let b = RedisLedger::connect(&url).await.unwrap();
     assert!(!b.is_subscribed(), "SUBSCRIBE is refused");
@@ -1522,8 +1673,8 @@ async fn only_completions_that_someone_waits_for_publish() {
         return;
     };
     let url = server.url();
-    let a = RedisLedger::connect(&url).await.unwrap();
-    let b = RedisLedger::connect(&url).await.unwrap();
+    let a = RedisLedger::connect(&ephemeral(&url)).await.unwrap();
+    let b = RedisLedger::connect(&ephemeral(&url)).await.unwrap();
     let mut admin = raw(&url).await;
     let t = fresh_tenant();
     let done = |s: &str| Outcome::value(&s).unwrap();
@@ -1576,7 +1727,7 @@ async fn a_batch_is_one_script_call_on_one_server() {
     let Some(server) = TempRedis::start(&[]).await else {
         return;
     };
-    let ledger = RedisLedger::connect(&server.url()).await.unwrap();
+    let ledger = RedisLedger::connect(&server.ledger_url()).await.unwrap();
     let mut admin = raw(&server.url()).await;
     let t = fresh_tenant();
     let keys: Vec<EffectKey> = (0..100)

@@ -70,7 +70,8 @@ impl SqliteLedger {
     /// Accepts `sqlite:path`, `sqlite://path` and a bare file path. A file
     /// that cannot be opened (missing directory, permissions) fails with
     /// [`Error::Unavailable`]; storage that would not survive (in memory, an
-    /// empty path) with [`Error::Config`].
+    /// empty path, a file on a memory file system such as `/dev/shm`) with
+    /// [`Error::Config`].
     pub async fn connect(url: &str) -> Result<SqliteLedger> {
         Self::connect_with(url, SqliteLedgerOptions::default()).await
     }
@@ -85,8 +86,9 @@ impl SqliteLedger {
             connect,
             read_only,
             migrate,
+            memory,
         } = options::open(url, &options)?;
-        let keep_alive = if options.ephemeral {
+        let keep_alive = if memory {
             let conn = SqliteConnection::connect_with(&connect)
                 .await
                 .map_err(map_connect)?;
@@ -97,7 +99,7 @@ impl SqliteLedger {
         let mut pool = SqlitePoolOptions::new()
             .max_connections(options.max_connections)
             .acquire_timeout(options.acquire_timeout);
-        if options.ephemeral {
+        if memory {
             // Nothing to gain from recycling connections to memory.
             pool = pool.idle_timeout(None).max_lifetime(None);
         }

@@ -2,7 +2,7 @@
 //! URL names (a file, or storage that does not survive), and from both, the
 //! connect options of the pool ([`open`]). Nothing here touches a database.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -10,6 +10,7 @@ use std::time::Duration;
 use oncely::{Error, Result};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
 
+use crate::durability::{memory_fs, on_memory_fs};
 use crate::sql;
 
 /// How [`SqliteLedger::connect_with`](crate::SqliteLedger::connect_with)
@@ -44,13 +45,19 @@ pub struct SqliteLedgerOptions {
     /// [`Error::Config`] before it reaches the database. For operator
     /// commands that only read (`get`, `abandoned`, `horizon`).
     pub read_only: bool,
-    /// Accept a database that does not survive the ledger (default `false`):
-    /// `sqlite::memory:`, `mode=memory`, `vfs=memdb`, or an empty path
-    /// (`sqlite:`). Without it such URLs fail with [`Error::Config`]. With it,
-    /// the ledger opens one in-memory database shared by its whole pool (not
-    /// one per connection), kept alive as long as any clone of the ledger
-    /// exists, and reports `durability` as none. A URL that names a file is
-    /// refused with `ephemeral(true)`: the two requests contradict.
+    /// Accept a database that does not survive (default `false`):
+    /// `sqlite::memory:`, `mode=memory`, `vfs=memdb`, an empty path
+    /// (`sqlite:`), or a file on a memory file system (`tmpfs` or `ramfs`,
+    /// such as `/dev/shm`; checked on Linux and Android). Without it such
+    /// URLs fail with [`Error::Config`] (a read-only ledger may open a file
+    /// on a memory file system: it writes nothing). With it, an in-memory
+    /// URL opens one in-memory database shared by the ledger's whole pool
+    /// (not one per connection), kept alive as long as any clone of the
+    /// ledger exists, and reported as `durability` none; a file on a memory
+    /// file system is opened as a file (shared with other processes, kept
+    /// until the machine stops) and reported as such. A URL that names a
+    /// file on a disk is refused with `ephemeral(true)`: the two requests
+    /// contradict.
     pub ephemeral: bool,
     /// Other processes claim and complete in this file too (default
     /// `false`). A duplicate that finds the effect in progress is woken by
@@ -286,6 +293,9 @@ pub(crate) struct Opening {
     pub(crate) read_only: bool,
     /// Create the file and migrate (never when read-only).
     pub(crate) migrate: bool,
+    /// An in-memory database, which lives only while a connection to it
+    /// is open (not a file, even one on a memory file system).
+    pub(crate) memory: bool,
 }
 
 /// Decides what to open and how. Options that contradict each other or the
@@ -298,8 +308,25 @@ pub(crate) fn open(url: &str, options: &SqliteLedgerOptions) -> Result<Opening> 
     let target = parse(url)?;
     let read_only = options.read_only || target.read_only;
     let migrate = options.migrate && !read_only;
+    let memory = !matches!(target.storage, Storage::File(_));
     let connect = match (&target.storage, options.ephemeral) {
-        (Storage::File(path), false) => {
+        (Storage::File(path), ephemeral) => {
+            // Checked before anything opens, so that a refused path is not
+            // left with a new database file in it.
+            let fs = memory_fs(directory_of(path));
+            match fs {
+                Some(fs) if !ephemeral && !read_only => {
+                    return Err(on_memory_fs(url, path.display(), fs));
+                }
+                None if ephemeral => {
+                    return Err(Error::Config(format!(
+                        "{url}: ephemeral(true) asks for an in-memory database, but this names the file {} \
+                         on a disk; drop ephemeral(true) to keep records in it, or use sqlite::memory:",
+                        path.display()
+                    )));
+                }
+                _ => {}
+            }
             // Only a migrating ledger creates the file: a mistyped path
             // in a read command must not become an empty new database.
             // (A `file:` URI filename is SQLite's to resolve; opening it
@@ -319,13 +346,6 @@ pub(crate) fn open(url: &str, options: &SqliteLedgerOptions) -> Result<Opening> 
             }
             connect
         }
-        (Storage::File(path), true) => {
-            return Err(Error::Config(format!(
-                "{url}: ephemeral(true) asks for an in-memory database, but this names the file {}; \
-                 drop ephemeral(true) to keep records in it, or use sqlite::memory:",
-                path.display()
-            )));
-        }
         (storage, false) => return Err(not_durable(url, storage)),
         (_, true) if read_only => {
             return Err(Error::Config(format!(
@@ -341,7 +361,16 @@ pub(crate) fn open(url: &str, options: &SqliteLedgerOptions) -> Result<Opening> 
         connect,
         read_only,
         migrate,
+        memory,
     })
+}
+
+/// The directory a database file is (or would be) created in.
+fn directory_of(path: &Path) -> &Path {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    }
 }
 
 #[cfg(test)]

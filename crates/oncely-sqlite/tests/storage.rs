@@ -157,7 +157,7 @@ async fn ephemeral_contradictions_are_refused() {
     )
     .await
     .unwrap_err();
-    config(e, "names the file");
+    config(e, "on a disk");
     assert!(!path.exists());
     let e = SqliteLedger::connect_with(
         "sqlite::memory:",
@@ -166,6 +166,100 @@ async fn ephemeral_contradictions_are_refused() {
     .await
     .unwrap_err();
     config(e, "read-only");
+}
+
+#[cfg(any(target_os = "linux", target_os = "android"))]
+/// A directory on a memory file system (`/dev/shm` on Linux), if this
+/// machine has one: the mount table says it is a tmpfs.
+fn memory_fs_dir() -> Option<tempfile::TempDir> {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let tmpfs = mounts.lines().any(|l| {
+        let mut fields = l.split(' ').skip(1);
+        fields.next() == Some("/dev/shm") && fields.next() == Some("tmpfs")
+    });
+    if !tmpfs {
+        eprintln!("skipped: /dev/shm is not a tmpfs here");
+        return None;
+    }
+    Some(tempfile::tempdir_in("/dev/shm").unwrap())
+}
+
+/// A file on a memory file system looks like any file to SQLite (WAL,
+/// `synchronous=FULL`) but is gone at reboot: refused before anything is
+/// created unless `ephemeral(true)` accepts it, and then reported as what
+/// it is. A read-only open (it writes nothing) and a caller's pool are
+/// accepted and reported.
+#[cfg(any(target_os = "linux", target_os = "android"))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_file_systems_are_refused_unless_ephemeral() {
+    let Some(dir) = memory_fs_dir() else { return };
+    let path = dir.path().join("ledger.db");
+    let url = format!("sqlite:{}", path.display());
+    for options in [
+        SqliteLedgerOptions::default(),
+        SqliteLedgerOptions::default().migrate(false),
+    ] {
+        let e = SqliteLedger::connect_with(&url, options).await.unwrap_err();
+        config(e, "memory file system (tmpfs)");
+    }
+    let e = SqliteLedger::connect(&path.display().to_string())
+        .await
+        .unwrap_err();
+    config(e, "ephemeral(true)");
+    assert!(!path.exists(), "a refused open created the file");
+    // A `file:` URI is SQLite's to resolve: refused once SQLite says
+    // which file it opened.
+    let uri = dir.path().join("uri.db");
+    let e = SqliteLedger::connect(&format!("file:{}", uri.display()))
+        .await
+        .unwrap_err();
+    config(e, "memory file system (tmpfs)");
+
+    let ledger = SqliteLedger::connect_with(&url, SqliteLedgerOptions::default().ephemeral(true))
+        .await
+        .unwrap();
+    let durability = ledger.capabilities().durability;
+    assert!(
+        durability.contains("memory file system") && durability.contains("reboot"),
+        "{durability}"
+    );
+    let k = key("order-tmpfs");
+    let Claim::Acquired(l) = ledger.claim(&k, &ClaimOptions::default()).await.unwrap() else {
+        panic!("fresh key not acquired")
+    };
+    ledger
+        .complete(&l, &Outcome::from_json(&"done").unwrap())
+        .await
+        .unwrap();
+    // A file, not a private in-memory database: another ledger on it sees
+    // the record.
+    assert!(path.exists());
+    let other = SqliteLedger::connect_with(&url, SqliteLedgerOptions::default().ephemeral(true))
+        .await
+        .unwrap();
+    assert_eq!(
+        other.get(&k).await.unwrap().map(|r| r.state),
+        Some(RecordState::Completed)
+    );
+    // Reading needs no opt-in; the report says where the file is.
+    let reader = SqliteLedger::connect_with(&url, SqliteLedgerOptions::default().read_only(true))
+        .await
+        .unwrap();
+    let durability = reader.capabilities().durability;
+    assert!(
+        durability.contains("memory file system") && durability.contains("read-only"),
+        "{durability}"
+    );
+    assert!(reader.get(&k).await.unwrap().is_some());
+    // A caller's pool is not refused, and reported once checked.
+    let pool = SqlitePoolOptions::new()
+        .connect_with(SqliteConnectOptions::new().filename(&path))
+        .await
+        .unwrap();
+    let mine = SqliteLedger::from_pool(pool);
+    mine.verify().await.unwrap();
+    let durability = mine.capabilities().durability;
+    assert!(durability.contains("memory file system"), "{durability}");
 }
 
 /// `capabilities().durability` reports the journal mode and `synchronous`

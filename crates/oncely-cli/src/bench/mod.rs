@@ -44,7 +44,7 @@ use oncely::{Error, Ledger, Result, Tenant};
 use serde::Serialize;
 
 use crate::any::AnyLedger;
-use crate::demo::{run_id, scratch_dir, sqlite_url};
+use crate::demo::{run_id, scratch_dir, scratch_ledger, sqlite_url};
 
 mod baseline;
 mod report;
@@ -264,7 +264,7 @@ pub async fn run(config: &BenchConfig, progress: Arc<dyn Progress>) -> Result<Be
     let run_id = run_id();
     // The temporary directory lives until the end of this function and is
     // removed on drop, after the pools are closed.
-    let (url, _scratch) = match &config.database_url {
+    let (url, scratch) = match &config.database_url {
         Some(url) => (url.clone(), None),
         None => {
             let dir = scratch_dir("oncely-bench-")?;
@@ -272,7 +272,10 @@ pub async fn run(config: &BenchConfig, progress: Arc<dyn Progress>) -> Result<Be
             (url, Some(dir))
         }
     };
-    let ledger = AnyLedger::connect(&url).await?;
+    let ledger = match &scratch {
+        Some(_) => scratch_ledger(&url).await?,
+        None => AnyLedger::connect(&url).await?,
+    };
     let result = match Baseline::open(&ledger, &url, &run_id).await {
         Ok(baseline) => {
             let baseline = Arc::new(baseline);

@@ -142,7 +142,7 @@ pub async fn run(config: &DemoConfig, progress: Arc<dyn Progress>) -> Result<Dem
     let run_id = run_id();
     // The temporary directory lives until the end of this function and is
     // removed on drop, after the pools are closed.
-    let (url, _scratch) = match &config.database_url {
+    let (url, scratch) = match &config.database_url {
         Some(url) => (url.clone(), None),
         None => {
             let dir = scratch_dir("oncely-demo-")?;
@@ -150,7 +150,10 @@ pub async fn run(config: &DemoConfig, progress: Arc<dyn Progress>) -> Result<Dem
             (url, Some(dir))
         }
     };
-    let ledger = AnyLedger::connect(&url).await?;
+    let ledger = match &scratch {
+        Some(_) => scratch_ledger(&url).await?,
+        None => AnyLedger::connect(&url).await?,
+    };
     let (pool, _orders_scratch) = match ledger.pool() {
         Some(pool) => (pool, None),
         // Redis, NATS and memory ledgers have no SQL database: keep the
@@ -230,6 +233,26 @@ pub(crate) fn scratch_dir(prefix: &str) -> Result<tempfile::TempDir> {
         .prefix(prefix)
         .tempdir()
         .map_err(|e| Error::Config(format!("cannot create a temporary directory: {e}")))
+}
+
+/// Opens the ledger of a scratch SQLite file (in a [`scratch_dir`]). The
+/// file goes with the run, so a temporary directory on a memory file
+/// system (a tmpfs `/tmp`), which a ledger refuses by default, is accepted:
+/// `ephemeral(true)` accepts a file there and nowhere else, so the second
+/// attempt succeeds exactly when that was the refusal.
+pub(crate) async fn scratch_ledger(url: &str) -> Result<AnyLedger> {
+    let refused = match AnyLedger::connect(url).await {
+        Err(e @ Error::Config(_)) => e,
+        other => return other,
+    };
+    #[cfg(feature = "sqlite")]
+    {
+        let ephemeral = oncely_sqlite::SqliteLedgerOptions::default().ephemeral(true);
+        if let Ok(l) = oncely_sqlite::SqliteLedger::connect_with(url, ephemeral).await {
+            return Ok(AnyLedger::Sqlite(l));
+        }
+    }
+    Err(refused)
 }
 
 /// The URL of a SQLite file, created if missing.

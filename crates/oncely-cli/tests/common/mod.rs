@@ -47,6 +47,19 @@ pub fn runtime() -> tokio::runtime::Runtime {
 /// the test is skipped, or fails under `ONCELY_REQUIRE_SERVICES=1`.
 pub fn reachable(var: &str, default: &str, what: &str) -> Option<String> {
     let url = oncely::conformance::service_url(var, Some(default))?;
+    connects(url, what)
+}
+
+/// The machine's Redis (ONCELY_REDIS_URL) with `?ephemeral=true`: the test
+/// server persists nothing (`--save "" --appendonly no`), and the commands
+/// that write refuse such a server unless the URL accepts it.
+pub fn redis_url() -> Option<String> {
+    let url = oncely::conformance::service_url("ONCELY_REDIS_URL", Some("redis://127.0.0.1:6379"))?;
+    let sep = if url.contains('?') { '&' } else { '?' };
+    connects(format!("{url}{sep}ephemeral=true"), "Redis")
+}
+
+fn connects(url: String, what: &str) -> Option<String> {
     let rt = runtime();
     match rt.block_on(AnyLedger::connect(&url)) {
         Ok(l) => {

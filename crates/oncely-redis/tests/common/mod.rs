@@ -14,9 +14,17 @@ pub async fn single() -> Option<RedisLedger> {
     single_with(RedisLedgerOptions::default()).await
 }
 
+/// `url` with `?ephemeral=true`: the test servers persist nothing
+/// (`--save "" --appendonly no`), which a ledger refuses unless told.
+pub fn ephemeral(url: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}ephemeral=true")
+}
+
+/// `opts` on the machine's Redis, accepting that it persists nothing.
 pub async fn single_with(opts: RedisLedgerOptions) -> Option<RedisLedger> {
     let url = service_url("ONCELY_REDIS_URL", Some("redis://127.0.0.1:6379"))?;
-    match RedisLedger::connect_with(&url, opts).await {
+    match RedisLedger::connect_with(&url, opts.ephemeral(true)).await {
         Ok(l) => Some(l),
         Err(e) => skip_or_fail(&format!("redis at {url}: {e}")),
     }
@@ -66,9 +74,10 @@ pub fn cluster_url() -> Option<String> {
     Some(format!("redis+cluster://{}", cluster_urls()?.join(",")))
 }
 
+/// `opts` on the test cluster, accepting that it persists nothing.
 pub async fn cluster_with(opts: RedisLedgerOptions) -> Option<RedisLedger> {
     let url = cluster_url()?;
-    match RedisLedger::connect_with(&url, opts).await {
+    match RedisLedger::connect_with(&url, opts.ephemeral(true)).await {
         Ok(l) => Some(l),
         Err(e) => skip_or_fail(&format!("redis cluster at {url}: {e}")),
     }
@@ -136,6 +145,12 @@ impl TempRedis {
 
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// [`TempRedis::url`] for a ledger: it persists nothing unless `extra`
+    /// said otherwise, so the URL accepts that.
+    pub fn ledger_url(&self) -> String {
+        ephemeral(&self.url())
     }
 
     /// Kills the server at once (no shutdown handshake) and waits for it.
