@@ -27,6 +27,20 @@ mod detected {
     oncely::conformance_tests!(ledger);
     oncely::transactional_conformance_tests!(ledger);
     oncely::admin_conformance_tests!(ledger);
+
+    /// Three ledgers with pools of their own on the one server, as three
+    /// processes would have (a waiter in one sees a completion in another by
+    /// its poll).
+    async fn processes() -> Option<Vec<MySqlLedger>> {
+        let mut nodes = Vec::new();
+        for _ in 0..3 {
+            nodes.push(ledger().await?);
+        }
+        Some(nodes)
+    }
+
+    oncely::nodes_conformance_tests!(processes);
+    oncely::transactional_nodes_conformance_tests!(processes);
 }
 
 mod two_statement {

@@ -38,3 +38,17 @@ async fn ledger() -> Option<PgLedger> {
 oncely::conformance_tests!(ledger);
 oncely::transactional_conformance_tests!(ledger);
 oncely::admin_conformance_tests!(ledger);
+
+/// Three ledgers with pools of their own on the one server, as three
+/// processes would have: the multi-node suite's cases hold for them too (a
+/// waiter in one is woken by a completion in another through NOTIFY).
+async fn processes() -> Option<Vec<PgLedger>> {
+    let mut nodes = Vec::new();
+    for _ in 0..3 {
+        nodes.push(ledger().await?);
+    }
+    Some(nodes)
+}
+
+oncely::nodes_conformance_tests!(processes);
+oncely::transactional_nodes_conformance_tests!(processes);

@@ -10,3 +10,12 @@ async fn ledger() -> Option<Arc<MemoryLedger>> {
 
 oncely::conformance_tests!(ledger);
 oncely::admin_conformance_tests!(ledger);
+
+/// The multi-node suite where every "node" is the same ledger: what a
+/// single store serialises, the cases must accept.
+async fn nodes() -> Option<Vec<Arc<MemoryLedger>>> {
+    let ledger = Arc::new(MemoryLedger::new());
+    Some(vec![ledger.clone(), ledger.clone(), ledger])
+}
+
+oncely::nodes_conformance_tests!(nodes);

@@ -109,6 +109,47 @@ pub async fn expired_lease_is_taken_over<L: Ledger>(ledger: L) {
     assert_eq!(ledger.get(&k).await.unwrap().unwrap().fence, l2.fence);
 }
 
+/// [`RACERS`] tasks race to take over one expired lease: exactly one takes
+/// it over, above the old fence, and every other one sees it in progress at
+/// the new holder's fence.
+pub async fn concurrent_takeovers_one_winner<L: Ledger + Clone + 'static>(ledger: L) {
+    let t = fresh_tenant();
+    let short = opts().lease(SHORT_LEASE);
+    for round in 0..3 {
+        let k = key(&t, "capture", &format!("takeover-race-{round}"));
+        let first = acquired(ledger.claim(&k, &short).await.unwrap());
+        tokio::time::sleep(SHORT_LEASE_WAIT).await;
+        let barrier = Arc::new(tokio::sync::Barrier::new(RACERS));
+        let mut tasks = Vec::new();
+        for _ in 0..RACERS {
+            let (ledger, k, barrier) = (ledger.clone(), k.clone(), barrier.clone());
+            tasks.push(tokio::spawn(async move {
+                barrier.wait().await;
+                ledger.claim(&k, &opts()).await.unwrap()
+            }));
+        }
+        let (mut won, mut busy) = (Vec::new(), Vec::new());
+        for t in tasks {
+            match t.await.unwrap() {
+                Claim::Acquired(l) => won.push(l),
+                Claim::InProgress { fence, .. } => busy.push(fence),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        let fences: Vec<u64> = won.iter().map(|l| l.fence).collect();
+        assert_eq!(
+            won.len(),
+            1,
+            "exactly one of {RACERS} may take the lease over: {fences:?}"
+        );
+        assert!(won[0].taken_over && won[0].fence > first.fence);
+        assert!(
+            busy.iter().all(|f| *f == won[0].fence),
+            "every loser saw the new holder"
+        );
+    }
+}
+
 /// Complete, renew and release with a stale fence fail with `LeaseLost` and
 /// leave the record as the new holder has it.
 pub async fn stale_fence_is_rejected<L: Ledger>(ledger: L) {

@@ -24,6 +24,10 @@
 //!   forget) ([`admin_conformance_tests!`](crate::admin_conformance_tests));
 //! - `transactional.rs`: claims on the caller's transaction
 //!   ([`transactional_conformance_tests!`](crate::transactional_conformance_tests));
+//! - `nodes.rs`: several ledgers on different nodes of one replicated
+//!   deployment racing for the same keys
+//!   ([`nodes_conformance_tests!`](crate::nodes_conformance_tests),
+//!   [`transactional_nodes_conformance_tests!`](crate::transactional_nodes_conformance_tests));
 //! - [`model`]: a model of the contract, checked against a ledger under
 //!   random operation sequences (proptest);
 //! - `pruner.rs`: the background [`Pruner`](crate::Pruner) on the backend
@@ -42,6 +46,7 @@ mod faulty;
 mod ledger;
 mod metrics;
 pub mod model;
+mod nodes;
 mod pruner;
 mod runner;
 mod transactional;
@@ -50,6 +55,7 @@ pub use admin::*;
 pub use faulty::{Faulty, InjectedUniqueViolation};
 pub use ledger::*;
 pub use metrics::{counter, metrics_snapshotter};
+pub use nodes::*;
 pub use pruner::*;
 pub use runner::*;
 pub use transactional::*;
@@ -194,6 +200,7 @@ macro_rules! conformance_tests {
             concurrent_claims_one_winner,
             release_then_claim_acquires,
             expired_lease_is_taken_over,
+            concurrent_takeovers_one_winner,
             stale_fence_is_rejected,
             renew_extends_the_lease,
             fingerprint_mismatch_changes_nothing,
@@ -250,6 +257,33 @@ macro_rules! transactional_conformance_tests {
             claim_in_late_in_a_transaction_gets_a_live_lease,
             claim_in_commits_and_rolls_back_with_the_transaction,
             duplicate_waits_for_the_transaction_and_sees_its_outcome,
+        );
+    };
+}
+
+/// Generates the multi-node suite: one `#[tokio::test]` per function, each
+/// calling `$make().await` (an `async fn() -> Option<Vec<L>>`: one ledger
+/// per node of one deployment, at least two; `None` skips).
+#[macro_export]
+macro_rules! nodes_conformance_tests {
+    ($make:path) => {
+        $crate::conformance_tests!(@each $make;
+            nodes_concurrent_claims_one_winner,
+            nodes_expired_lease_has_one_new_holder,
+            nodes_duplicate_after_completion_is_never_granted,
+            nodes_waiter_is_answered_when_another_node_completes,
+            nodes_prune_then_replay_is_beyond_horizon,
+        );
+    };
+}
+
+/// The multi-node cases for a [`TransactionalLedger`](crate::TransactionalLedger),
+/// next to [`nodes_conformance_tests!`].
+#[macro_export]
+macro_rules! transactional_nodes_conformance_tests {
+    ($make:path) => {
+        $crate::conformance_tests!(@each $make;
+            nodes_claim_in_transactions_on_two_nodes,
         );
     };
 }
