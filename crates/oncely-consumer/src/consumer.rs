@@ -338,7 +338,7 @@ impl Counters {
 /// | `Ok(How::Ran)` / `Ok(How::Replayed)` | ack |
 /// | an abandoned at-most-once step | held: redeliver after [`ConsumerOptions::abandoned_delay`] until the step is reconciled (then the delivery performs or replays it); dead-letter `abandoned` on the last allowed delivery |
 /// | in progress elsewhere, lease lost | redeliver after [`ConsumerOptions::in_progress_delay`] |
-/// | retryable failure | redeliver after backoff; dead-letter `max_deliveries` on the last allowed delivery |
+/// | retryable failure, or an effect that ran with its completion not recorded ([`Error::OutcomeUnknown`]: the redelivery replays it or takes it over) | redeliver after backoff; dead-letter `max_deliveries` on the last allowed delivery |
 /// | missing key field, poison, stored terminal failure, any other oncely error | dead-letter with the reason |
 ///
 /// While the handler runs, oncely renews its lease and the loop calls

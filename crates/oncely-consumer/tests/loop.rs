@@ -280,6 +280,20 @@ fn each_result_maps_to_its_broker_action() {
             ..
         }
     ));
+    // The effect ran, its completion was not recorded: redelivered (it
+    // replays, or is taken over once the lease ends), never acked.
+    let unknown = oncely::Error::OutcomeUnknown {
+        key: key.clone(),
+        fence: 3,
+        source: Box::new(oncely::Error::Unavailable {
+            backend: "test",
+            message: "connection reset".into(),
+        }),
+    };
+    assert!(matches!(
+        decide(Err(unknown.into()), 1),
+        Action::Redeliver { result: "retry", .. }
+    ));
     let abandoned = oncely::Error::Abandoned { key: key.clone() };
     assert!(matches!(
         decide(Err(abandoned.into()), 1),

@@ -37,6 +37,7 @@
 //! | the same key with another method, path + query, [fingerprinted header](IdempotencyLayer::fingerprint_headers) or body | 422 `key-reused`; nothing runs |
 //! | the same key while the first is still running | 409 `in-flight` with `Retry-After: 1`, or a wait of up to a bound ([`on_in_flight`](IdempotencyLayer::on_in_flight)) |
 //! | the ledger cannot be reached | 503 `ledger-unavailable` (fail closed: the handler does not run) |
+//! | the handler ran, and the ledger failed to store its response ([`oncely::Error::OutcomeUnknown`]) | the handler's response, unstored: the key stays held until its lease ends, then a retry runs the handler again (send provider keys from it) |
 //!
 //! Error bodies are `application/problem+json` (RFC 9457,
 //! [`Rejection::problem`]); [`IdempotencyLayer::rejection_response`] replaces them.

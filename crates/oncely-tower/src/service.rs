@@ -220,6 +220,18 @@ where
         }),
         Err(Error::FingerprintMismatch { .. }) => Ok(shared.reject(&Rejection::KeyReused)),
         Err(Error::InProgress { .. }) => Ok(shared.reject(&Rejection::InFlight)),
+        // The handler ran and answered; only its record is missing. The
+        // caller gets the answer (a 503 would make it retry, and a retry
+        // after the lease ends runs the handler again).
+        Err(e @ Error::OutcomeUnknown { .. }) if side.first.is_some() => {
+            tracing::warn!(effect_key = %key, error = %e,
+                "the handler's response was not stored; a retry after the lease ends runs it again");
+            Ok(side
+                .first
+                .take()
+                .map(|first| first.map(ResB::from))
+                .expect("checked"))
+        }
         Err(e) => {
             if let Some(response) = side.released.take() {
                 return Ok(response);

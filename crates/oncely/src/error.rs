@@ -126,7 +126,28 @@ pub enum Error {
     /// A configuration or URL that cannot be used.
     #[error("configuration: {0}")]
     Config(String),
-    /// The backend cannot be reached. No effect ran (fail closed).
+    /// The handler ran, so its effect may have happened, but its completion
+    /// could not be recorded: the backend failed or could not be reached
+    /// while completing, or a connection died during the completion's
+    /// commit. Unlike [`Error::Unavailable`], this is not "nothing ran".
+    /// Retryable: the next delivery replays the outcome if the completion
+    /// landed after all, or, once the lease ends, takes the effect over at a
+    /// higher fence and runs it again. That repeat is why effects carry a
+    /// provider key ([`EffectKey::provider_key`](crate::EffectKey::provider_key))
+    /// and fenced writes: they make it harmless. An at-most-once step is
+    /// abandoned instead, and reconciled.
+    #[error("{key}: the effect ran (fence {fence}) but its completion was not recorded: {source}")]
+    OutcomeUnknown {
+        /// The displayed effect key.
+        key: String,
+        /// The fence the handler ran under.
+        fence: u64,
+        /// Why the completion failed.
+        #[source]
+        source: Box<Error>,
+    },
+    /// The backend cannot be reached. No effect ran (fail closed): where a
+    /// handler had run, the runners answer [`Error::OutcomeUnknown`].
     #[error("{backend} unavailable: {message}")]
     Unavailable {
         /// Which backend.
@@ -168,7 +189,10 @@ impl Error {
     /// Whether the same operation may succeed if the delivery is retried later.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::InProgress { .. } | Error::Unavailable { .. } | Error::Handler(_) => true,
+            Error::InProgress { .. }
+            | Error::Unavailable { .. }
+            | Error::Handler(_)
+            | Error::OutcomeUnknown { .. } => true,
             Error::Backend { retryable, .. } => *retryable,
             _ => false,
         }
@@ -177,6 +201,12 @@ impl Error {
     /// Whether this is [`Error::LeaseLost`].
     pub fn is_lease_lost(&self) -> bool {
         matches!(self, Error::LeaseLost { .. })
+    }
+
+    /// Whether this is [`Error::OutcomeUnknown`]: the handler ran, and its
+    /// completion may or may not have been recorded.
+    pub fn is_outcome_unknown(&self) -> bool {
+        matches!(self, Error::OutcomeUnknown { .. })
     }
 
     /// Whether this is [`Error::InProgress`].

@@ -317,14 +317,26 @@ pub(crate) fn settlement<L: Ledger, T: Serialize>(
     }
 }
 
-/// Applies a [`Settlement`] through the ledger's own connections.
+/// Applies a [`Settlement`] through the ledger's own connections. A
+/// completion that fails for any reason but a lost lease leaves the effect
+/// done and unrecorded: [`Error::OutcomeUnknown`], never the backend's error
+/// alone (which says nothing ran).
 pub(crate) async fn settle<L: Ledger, T>(ledger: &L, lease: &Lease, settlement: Settlement<T>) -> Result<T> {
     match settlement {
         Settlement::Complete(outcome, result) => {
-            ledger
-                .complete(lease, &outcome)
-                .await
-                .inspect_err(|e| fence_check(lease, e))?;
+            ledger.complete(lease, &outcome).await.map_err(|e| {
+                fence_check(lease, &e);
+                if e.is_lease_lost() {
+                    return e;
+                }
+                tracing::warn!(effect_key = %lease.key, fence = lease.fence, error = %e,
+                    "the effect ran but its completion was not recorded");
+                Error::OutcomeUnknown {
+                    key: lease.key.to_string(),
+                    fence: lease.fence,
+                    source: Box::new(e),
+                }
+            })?;
             result
         }
         Settlement::Release(e) => {

@@ -41,6 +41,7 @@ macro_rules! layer_tests {
             server_error_releases_the_key,
             a_failing_response_body_is_the_handlers_result,
             a_panicking_response_body_is_caught,
+            an_unrecorded_response_is_still_the_answer,
             released_key_stays_bound_to_its_fingerprint,
             oversized_request_is_refused_unread,
             oversized_response_is_stored_as_the_chosen_error,
@@ -624,6 +625,27 @@ pub async fn a_failing_response_body_is_the_handlers_result<L: Ledger + Clone + 
         assert!(!a.replayed(), "{a:?}");
         assert_eq!(c.broken.load(Ordering::SeqCst), run);
     }
+}
+
+pub async fn an_unrecorded_response_is_still_the_answer<L: Ledger + Clone + 'static>(ledger: L) {
+    // The handler ran (it charged) and the ledger failed to record its
+    // response: the client gets the handler's answer, not a 503 that would
+    // have it retry and, once the lease ends, charge again.
+    let faulty = oncely::conformance::Faulty::new(ledger).fail_completions(1);
+    let (app, c) = app(faulty, |l| l);
+    let key = new_key();
+    let first = post_req("/charges", "alice", &key, "{}").send(&app).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert!(
+        String::from_utf8_lossy(&first.body).contains(r#""charge":"ch_1""#),
+        "{first:?}"
+    );
+    assert!(!first.replayed());
+    assert_eq!(counts(&c).0, 1);
+    // The lease is still held: a retry meanwhile is told it is in flight.
+    let retry = post_req("/charges", "alice", &key, "{}").send(&app).await;
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{retry:?}");
+    assert_eq!(counts(&c).0, 1);
 }
 
 pub async fn a_panicking_response_body_is_caught<L: Ledger + Clone + 'static>(ledger: L) {

@@ -22,6 +22,10 @@ pub struct Faulty<L> {
     deaf: Option<Arc<crate::watch::Notifier>>,
     /// Whether [`InjectedUniqueViolation`] is reported as a unique violation.
     unique_violations: bool,
+    /// Completions to fail before they reach the backend.
+    complete_failures: Arc<AtomicU64>,
+    /// Completions whose answer to lose after the backend applied them.
+    complete_answers_lost: Arc<AtomicU64>,
 }
 
 /// A handler error that a [`Faulty::unique_violations`] ledger reports as a
@@ -42,7 +46,24 @@ impl<L: Ledger> Faulty<L> {
             renewals_failed: Arc::new(AtomicU64::new(0)),
             deaf: None,
             unique_violations: false,
+            complete_failures: Arc::new(AtomicU64::new(0)),
+            complete_answers_lost: Arc::new(AtomicU64::new(0)),
         }
+    }
+
+    /// Fails the next `n` completions with `Error::Unavailable` before they
+    /// reach the backend (a connection that died before the write).
+    pub fn fail_completions(self, n: u64) -> Self {
+        self.complete_failures.store(n, Ordering::SeqCst);
+        self
+    }
+
+    /// Applies the next `n` completions on the backend, then answers them
+    /// with `Error::Unavailable` (a connection that died during the
+    /// commit's acknowledgement).
+    pub fn lose_completion_answers(self, n: u64) -> Self {
+        self.complete_answers_lost.store(n, Ordering::SeqCst);
+        self
     }
 
     /// Delivers every claim's answer `delay` after the backend gave it.
@@ -78,6 +99,16 @@ impl<L: Ledger> Faulty<L> {
     }
 }
 
+/// Takes one from a countdown of injected faults (`u64::MAX`: forever).
+fn take_one(n: &AtomicU64) -> bool {
+    n.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| match n {
+        0 => None,
+        u64::MAX => Some(u64::MAX),
+        n => Some(n - 1),
+    })
+    .is_ok()
+}
+
 impl<L: Ledger> Ledger for Faulty<L> {
     fn backend(&self) -> &'static str {
         self.inner.backend()
@@ -94,7 +125,18 @@ impl<L: Ledger> Ledger for Faulty<L> {
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
-        self.inner.complete(lease, outcome).await
+        let unavailable = |what: &str| Error::Unavailable {
+            backend: self.inner.backend(),
+            message: format!("{what} on purpose (conformance::Faulty)"),
+        };
+        if take_one(&self.complete_failures) {
+            return Err(unavailable("completion failed"));
+        }
+        self.inner.complete(lease, outcome).await?;
+        if take_one(&self.complete_answers_lost) {
+            return Err(unavailable("completion's answer lost"));
+        }
+        Ok(())
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
@@ -102,15 +144,7 @@ impl<L: Ledger> Ledger for Faulty<L> {
     }
 
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
-        let fail = self
-            .renew_failures
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| match n {
-                0 => None,
-                u64::MAX => Some(u64::MAX),
-                n => Some(n - 1),
-            })
-            .is_ok();
-        if fail {
+        if take_one(&self.renew_failures) {
             self.renewals_failed.fetch_add(1, Ordering::SeqCst);
             return Err(Error::Unavailable {
                 backend: self.inner.backend(),

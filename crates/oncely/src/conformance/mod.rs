@@ -227,6 +227,7 @@ macro_rules! conformance_tests {
             run_at_most_once_unstorable_outcome_is_not_repeated,
             run_at_most_once_constraint_violation_is_not_repeated,
             run_at_most_once_uncached_terminal_failure_is_not_repeated,
+            run_completion_failure_is_outcome_unknown,
             telemetry_counts_each_claim_once,
             run_waiter_is_answered_when_the_holder_finishes,
             run_waiter_survives_a_lost_notification,

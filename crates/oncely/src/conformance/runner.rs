@@ -390,6 +390,64 @@ pub async fn run_at_most_once_uncached_terminal_failure_is_not_repeated<L: Ledge
     .await;
 }
 
+/// A completion that fails after the handler ran is
+/// [`Error::OutcomeUnknown`] (retryable), never the backend's "nothing
+/// ran": when it never reached the backend, the next delivery takes the
+/// effect over once the lease ends, at a higher fence, and runs it again
+/// (why effects carry provider keys); when it was applied and only its
+/// answer was lost, the next delivery replays the outcome.
+pub async fn run_completion_failure_is_outcome_unknown<L: Ledger + Clone>(ledger: L) {
+    let t = fresh_tenant();
+    let short = opts().lease(SHORT_LEASE);
+    let runs = AtomicUsize::new(0);
+    // Never reached the backend.
+    let failing = Effects::new(super::Faulty::new(ledger.clone()).fail_completions(1));
+    let k = key(&t, "capture", "order-1");
+    let first = failing
+        .run::<u32, _, _>(&k, &short, |l| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            let fence = l.fence;
+            async move { Ok(u32::try_from(fence % 1000).unwrap()) }
+        })
+        .await
+        .unwrap_err();
+    let Error::OutcomeUnknown { fence, source, .. } = &first else {
+        panic!("expected OutcomeUnknown, got {first:?}");
+    };
+    assert!(first.is_retryable() && first.is_outcome_unknown());
+    assert!(matches!(**source, Error::Unavailable { .. }), "{source:?}");
+    let r = failing.ledger().get(&k).await.unwrap().unwrap();
+    assert_eq!((r.state, r.fence), (RecordState::InProgress, *fence));
+    tokio::time::sleep(SHORT_LEASE_WAIT).await;
+    failing
+        .run::<u32, _, _>(&k, &short, |l| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            assert!(l.fence > *fence, "the repeat runs at a higher fence");
+            async { Ok(2) }
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "the unrecorded effect was taken over and run again"
+    );
+
+    // Applied, its answer lost.
+    let k = key(&t, "capture", "order-2");
+    let lost = Effects::new(super::Faulty::new(ledger).lose_completion_answers(1));
+    let e = lost
+        .run::<u32, _, _>(&k, &short, |_| async { Ok(7) })
+        .await
+        .unwrap_err();
+    assert!(e.is_outcome_unknown(), "{e:?}");
+    let replayed: u32 = lost
+        .run(&k, &short, |_| async { Ok::<u32, Failure>(8) })
+        .await
+        .unwrap();
+    assert_eq!(replayed, 7, "the completion had landed: replayed, not run again");
+}
+
 /// Telemetry is recorded once per claim, by the runner: a scripted run gives
 /// exactly the documented counts (a backend that records its own would
 /// double them).
