@@ -126,7 +126,8 @@ pub struct UrlParams {
 }
 
 impl UrlParams {
-    /// Reads the query string of `url` (after the first `?`, up to a `#`).
+    /// Reads the query string of `url` (after the first `?`, up to a `#`
+    /// after it).
     /// `what` names the backend in messages (`PostgreSQL`); `own` lists the
     /// parameters the backend reads; `driver` those its driver reads, where
     /// an entry ending in `[…]` (`options[…]`) stands for any name with that
@@ -137,11 +138,13 @@ impl UrlParams {
     /// credential, and messages never quote a URL), and on one of the
     /// backend's own given twice. Empty pairs (`?&a=1&`) are skipped.
     pub fn parse(url: &str, what: &str, own: &[&str], driver: &[&str]) -> Result<UrlParams> {
-        let (before_fragment, fragment) = match url.split_once('#') {
-            Some((b, f)) => (b, Some(f)),
-            None => (url, None),
+        // The first `?` starts the query wherever a `#` is: SQLite's driver
+        // reads a `#` before it as part of the file name.
+        let (base, query) = url.split_once('?').unwrap_or((url, ""));
+        let (query, fragment) = match query.split_once('#') {
+            Some((q, f)) => (q, Some(f)),
+            None => (query, None),
         };
-        let (base, query) = before_fragment.split_once('?').unwrap_or((before_fragment, ""));
         let mut params = UrlParams {
             own: Vec::new(),
             driver_url: base.to_owned(),
