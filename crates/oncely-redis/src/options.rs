@@ -171,7 +171,10 @@ impl RedisUrl {
     pub(crate) fn parse(url: &str) -> Result<RedisUrl> {
         let url = url.trim();
         let scheme = url.split_once("://").map_or("", |(s, _)| s);
-        let driver = if ["unix", "redis+unix"].iter().any(|u| scheme.eq_ignore_ascii_case(u)) {
+        let driver = if ["unix", "redis+unix"]
+            .iter()
+            .any(|u| scheme.eq_ignore_ascii_case(u))
+        {
             UNIX_DRIVER_PARAMS
         } else {
             DRIVER_PARAMS
@@ -375,7 +378,10 @@ mod tests {
     #[test]
     fn the_url_names_the_prefix_and_nothing_unknown() {
         let u = RedisUrl::parse("redis://:pw@h:1/2?prefix=billing%3A&protocol=resp3").unwrap();
-        assert_eq!(u.target, Target::Single("redis://:pw@h:1/2?protocol=resp3".to_owned()));
+        assert_eq!(
+            u.target,
+            Target::Single("redis://:pw@h:1/2?protocol=resp3".to_owned())
+        );
         assert_eq!(u.prefix.as_deref(), Some("billing:"));
         assert_eq!(u.target.servers(), "h:1");
         let opts = u.apply(RedisLedgerOptions::default().prefix("from_code:"));
@@ -383,7 +389,10 @@ mod tests {
         let u = RedisUrl::parse("redis+cluster://u:pw@a:7000,b:7001?prefix=p:").unwrap();
         assert_eq!(
             u.target,
-            Target::Cluster(vec!["redis://u:pw@a:7000".to_owned(), "redis://u:pw@b:7001".to_owned()])
+            Target::Cluster(vec![
+                "redis://u:pw@a:7000".to_owned(),
+                "redis://u:pw@b:7001".to_owned()
+            ])
         );
         assert_eq!(u.target.servers(), "a:7000,b:7001");
         let u = RedisUrl::parse("redis://h:1").unwrap();
@@ -395,7 +404,10 @@ mod tests {
                 "unknown Redis URL parameter 'prefx' (expected prefix, or one its driver reads: protocol)",
             ),
             ("redis+cluster://a:1,b:2?db=3", "unknown Redis URL parameter 'db'"),
-            ("redis://h:1?prefix=a&prefix=b", "Redis URL parameter prefix is given twice"),
+            (
+                "redis://h:1?prefix=a&prefix=b",
+                "Redis URL parameter prefix is given twice",
+            ),
             ("redis://h:1?hunter2:x", "unknown Redis URL parameter (expected"),
         ] {
             let m = match RedisUrl::parse(url) {

@@ -41,9 +41,15 @@ async fn the_url_names_the_prefix() {
         with_query(&url, &format!("prefix={}", prefix.replace(':', "%3A"))),
     ] {
         for access in [Access::ReadOnly, Access::Existing, Access::Migrate] {
-            let l = RedisLedger::from_url(&named, OpenOptions::new(access)).await.unwrap();
+            let l = RedisLedger::from_url(&named, OpenOptions::new(access))
+                .await
+                .unwrap();
             let r = l.get(&done).await.unwrap();
-            assert_eq!(r.map(|r| r.state), Some(RecordState::Completed), "{named} {access:?}");
+            assert_eq!(
+                r.map(|r| r.state),
+                Some(RecordState::Completed),
+                "{named} {access:?}"
+            );
             let shown = l.to_string();
             assert!(shown.starts_with("redis "), "{shown}");
             assert!(shown.ends_with(&format!(", prefix {prefix}")), "{shown}");
@@ -83,12 +89,18 @@ async fn unknown_url_parameters_are_refused_before_connecting() {
             "redis://:hunter2@127.0.0.1:1?prefx=app:",
             "unknown Redis URL parameter 'prefx' (expected prefix, or one its driver reads: protocol)",
         ),
-        ("redis://127.0.0.1:1/0?table=x", "unknown Redis URL parameter 'table'"),
+        (
+            "redis://127.0.0.1:1/0?table=x",
+            "unknown Redis URL parameter 'table'",
+        ),
         (
             "redis+cluster://:hunter2@127.0.0.1:1,127.0.0.1:2?bucket=x",
             "unknown Redis URL parameter 'bucket'",
         ),
-        ("redis://127.0.0.1:1?prefix=a:&prefix=b:", "Redis URL parameter prefix is given twice"),
+        (
+            "redis://127.0.0.1:1?prefix=a:&prefix=b:",
+            "Redis URL parameter prefix is given twice",
+        ),
         ("redis://127.0.0.1:1?prefix=a%7Bb", "redis key prefix \"a{b\""),
     ] {
         for access in [Access::Migrate, Access::Existing, Access::ReadOnly] {

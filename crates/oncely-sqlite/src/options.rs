@@ -414,7 +414,10 @@ mod tests {
                 "sqlite:x.db?tabel=effects",
                 "unknown SQLite URL parameter 'tabel' (expected table, or one its driver reads: mode, cache, immutable, vfs)",
             ),
-            ("sqlite:x.db?table=a&table=b", "SQLite URL parameter table is given twice"),
+            (
+                "sqlite:x.db?table=a&table=b",
+                "SQLite URL parameter table is given twice",
+            ),
         ] {
             match parse(bad) {
                 Err(Error::Config(m)) => assert!(m.contains(says), "{bad}: {m}"),

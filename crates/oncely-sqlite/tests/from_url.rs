@@ -32,11 +32,20 @@ async fn the_url_names_the_table() {
         (format!("{url}?table=billing_effects"), Access::ReadOnly),
         (format!("{url}?mode=ro&table=billing_effects"), Access::ReadOnly),
         (format!("{url}?table=billing_effects"), Access::Existing),
-        (format!("sqlite://{}?table=billing_effects&mode=rwc", path.display()), Access::Migrate),
+        (
+            format!("sqlite://{}?table=billing_effects&mode=rwc", path.display()),
+            Access::Migrate,
+        ),
     ] {
-        let l = SqliteLedger::from_url(&named, OpenOptions::new(access)).await.unwrap();
+        let l = SqliteLedger::from_url(&named, OpenOptions::new(access))
+            .await
+            .unwrap();
         let r = l.get(&done).await.unwrap();
-        assert_eq!(r.map(|r| r.state), Some(RecordState::Completed), "{named} {access:?}");
+        assert_eq!(
+            r.map(|r| r.state),
+            Some(RecordState::Completed),
+            "{named} {access:?}"
+        );
         let shown = l.to_string();
         assert!(shown.starts_with("sqlite "), "{shown}");
         assert!(shown.contains("app.db"), "{shown}");
@@ -54,7 +63,10 @@ async fn the_url_names_the_table() {
         .await
         .unwrap();
     assert!(default.get(&done).await.unwrap().is_none());
-    assert!(default.to_string().ends_with(", table oncely_effects"), "{default}");
+    assert!(
+        default.to_string().ends_with(", table oncely_effects"),
+        "{default}"
+    );
 }
 
 /// A mistyped or unknown parameter, a duplicate one and a table name that
