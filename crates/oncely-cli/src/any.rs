@@ -634,7 +634,7 @@ mod tests {
                 match AnyLedger::open(&url, access).await {
                     Err(Error::Config(m)) => {
                         assert!(
-                            m.contains(&format!("unknown {what} URL parameter 'tabel' (expected")),
+                            m.contains(&format!("unknown {what} URL parameter 'tabel' (")),
                             "{url}: {m}"
                         );
                         assert!(!m.contains("hunter2"), "{url}: {m}");
