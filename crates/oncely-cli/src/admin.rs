@@ -28,7 +28,7 @@ use oncely::{Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, Record, Rec
 use serde::Serialize;
 
 use crate::any::AnyLedger;
-use crate::ops::{RecordView, rfc3339};
+use crate::ops::{Read, RecordView, rfc3339};
 
 /// The kind of the audit records that `resolve` and `forget` write, in the
 /// tenant of the key they changed.
@@ -152,13 +152,16 @@ impl From<&Record> for Inspection {
 }
 
 /// Reads one record for `inspect` (read-only, every backend). `None`: no
-/// record.
-pub async fn inspect(database_url: &str, key: &str) -> Result<Option<Inspection>> {
+/// record (in the ledger [`Read::ledger`] names).
+pub async fn inspect(database_url: &str, key: &str) -> Result<Read<Option<Inspection>>> {
     let key = EffectKey::parse(key)?;
     let ledger = AnyLedger::open(database_url, Access::ReadOnly).await?;
     let found = ledger.get(&key).await;
     ledger.close().await;
-    Ok(found?.as_ref().map(Inspection::from))
+    Ok(Read {
+        ledger: ledger.to_string(),
+        value: found?.as_ref().map(Inspection::from),
+    })
 }
 
 /// An audit record as `history` shows it.
@@ -200,7 +203,7 @@ pub struct HistoryQuery {
 
 /// The records of a subject (or a tenant's kind), every page of them, with
 /// the audit records of the ones listed and a verdict. Read-only.
-pub async fn history(database_url: &str, q: &HistoryQuery) -> Result<History> {
+pub async fn history(database_url: &str, q: &HistoryQuery) -> Result<Read<History>> {
     let tenant = Tenant::parse(&q.tenant)?;
     if let Some(k) = &q.kind {
         // Validates the kind (and the subject) as a key would.
@@ -238,11 +241,14 @@ pub async fn history(database_url: &str, q: &HistoryQuery) -> Result<History> {
     ledger.close().await;
     let (records, audits) = result?;
     let (claimed_more_than_once, verdict) = verdict(&records, &audits);
-    Ok(History {
-        records,
-        audits,
-        claimed_more_than_once,
-        verdict,
+    Ok(Read {
+        ledger: ledger.to_string(),
+        value: History {
+            records,
+            audits,
+            claimed_more_than_once,
+            verdict,
+        },
     })
 }
 
@@ -401,13 +407,16 @@ impl From<&KindStats> for KindStatsView {
 }
 
 /// Counts records per tenant and kind (`None`: every tenant). Read-only.
-pub async fn stats(database_url: &str, tenant: Option<&Tenant>) -> Result<StatsReport> {
+pub async fn stats(database_url: &str, tenant: Option<&Tenant>) -> Result<Read<StatsReport>> {
     let ledger = open_admin(database_url, Access::ReadOnly).await?;
     let result = ledger.stats(tenant).await;
     ledger.close().await;
-    Ok(StatsReport {
-        kinds: result?.iter().map(KindStatsView::from).collect(),
-        note: DUPLICATES_NOT_STORED,
+    Ok(Read {
+        ledger: ledger.to_string(),
+        value: StatsReport {
+            kinds: result?.iter().map(KindStatsView::from).collect(),
+            note: DUPLICATES_NOT_STORED,
+        },
     })
 }
 
@@ -426,16 +435,14 @@ pub struct Listing {
 
 /// Lists records of a class, oldest first (read-only), as `inspect` shows
 /// them.
-pub async fn list(database_url: &str, filter: Filter, l: &Listing) -> Result<Vec<Inspection>> {
+pub async fn list(database_url: &str, filter: Filter, l: &Listing) -> Result<Read<Vec<Inspection>>> {
     Ok(list_records(database_url, filter, l)
         .await?
-        .iter()
-        .map(Inspection::from)
-        .collect())
+        .map(|records| records.iter().map(Inspection::from).collect()))
 }
 
 /// Lists records of a class, oldest first (read-only).
-pub async fn list_records(database_url: &str, filter: Filter, l: &Listing) -> Result<Vec<Record>> {
+pub async fn list_records(database_url: &str, filter: Filter, l: &Listing) -> Result<Read<Vec<Record>>> {
     if let Some(k) = &l.kind {
         // Validates the kind as a key would, before connecting.
         EffectKey::new(&Tenant::global(), k, "x")?;
@@ -455,7 +462,10 @@ pub async fn list_records(database_url: &str, filter: Filter, l: &Listing) -> Re
     let ledger = open_admin(database_url, Access::ReadOnly).await?;
     let result = ledger.records(&query).await;
     ledger.close().await;
-    result
+    Ok(Read {
+        ledger: ledger.to_string(),
+        value: result?,
+    })
 }
 
 /// What `resolve` writes.
@@ -523,13 +533,14 @@ pub struct ActionReport {
 /// released with [`Record::reconciliation_lease`], a write fenced at the
 /// fence read. A live lease, a completed or released record, or a fence
 /// other than `expected_fence` is refused, changing nothing. Recorded (see
-/// the module docs).
+/// the module docs). `None`: the key has no record in the ledger
+/// [`Read::ledger`] names; nothing was written.
 pub async fn resolve(
     database_url: &str,
     key: &str,
     resolution: &Resolution,
     expected_fence: Option<u64>,
-) -> Result<ActionReport> {
+) -> Result<Read<Option<ActionReport>>> {
     let key = EffectKey::parse(key)?;
     let outcome = match resolution {
         Resolution::Completed(v) => Some(Outcome::value(v)?),
@@ -538,7 +549,10 @@ pub async fn resolve(
     let ledger = AnyLedger::open(database_url, Access::Existing).await?;
     let result = resolve_on(&ledger, &key, outcome.as_ref(), expected_fence).await;
     ledger.close().await;
-    result
+    Ok(Read {
+        ledger: ledger.to_string(),
+        value: result?,
+    })
 }
 
 async fn resolve_on(
@@ -546,11 +560,10 @@ async fn resolve_on(
     key: &EffectKey,
     outcome: Option<&Outcome>,
     expected_fence: Option<u64>,
-) -> Result<ActionReport> {
-    let record = ledger
-        .get(key)
-        .await?
-        .ok_or_else(|| Error::NotFound { key: key.to_string() })?;
+) -> Result<Option<ActionReport>> {
+    let Some(record) = ledger.get(key).await? else {
+        return Ok(None);
+    };
     if let Some(f) = expected_fence
         && f != record.fence
     {
@@ -609,7 +622,7 @@ async fn resolve_on(
     let now = ledger.get(key).await?;
     let at = now.as_ref().map_or(lease.acquired_at(), |r| r.updated_at);
     let audit_key = audit(ledger, key, action, record.fence, lease.fence(), at).await?;
-    Ok(ActionReport {
+    Ok(Some(ActionReport {
         action,
         key: key.to_string(),
         was,
@@ -623,7 +636,7 @@ async fn resolve_on(
         audit_key: audit_key.to_string(),
         at: rfc3339(at),
         next: outcome.is_none().then(|| after_release(was)).flatten(),
-    })
+    }))
 }
 
 /// The retention a record was claimed with, as far as it is stored
@@ -638,19 +651,24 @@ fn retention_of(r: &Record) -> Duration {
 
 /// Lets a completed effect run again on purpose ([`Admin::forget`]), at the
 /// fence read (or `expected_fence`, refused if the record moved). Recorded.
-pub async fn forget(database_url: &str, key: &str, expected_fence: Option<u64>) -> Result<ActionReport> {
+/// `None`: the key has no record in the ledger [`Read::ledger`] names;
+/// nothing was written.
+pub async fn forget(
+    database_url: &str,
+    key: &str,
+    expected_fence: Option<u64>,
+) -> Result<Read<Option<ActionReport>>> {
     let key = EffectKey::parse(key)?;
     let ledger = open_admin(database_url, Access::Existing).await?;
     let result = async {
-        let record = ledger
-            .get(&key)
-            .await?
-            .ok_or_else(|| Error::NotFound { key: key.to_string() })?;
+        let Some(record) = ledger.get(&key).await? else {
+            return Ok::<_, Error>(None);
+        };
         let fence = expected_fence.unwrap_or(record.fence);
         ledger.forget(&key, fence).await?;
         let at = ledger.get(&key).await?.map_or(record.read_at, |r| r.updated_at);
         let audit_key = audit(&ledger, &key, "forget", fence, fence, at).await?;
-        Ok(ActionReport {
+        Ok(Some(ActionReport {
             action: "forget",
             key: key.to_string(),
             was: class_of(&record),
@@ -660,11 +678,14 @@ pub async fn forget(database_url: &str, key: &str, expected_fence: Option<u64>) 
             audit_key: audit_key.to_string(),
             at: rfc3339(at),
             next: None,
-        })
+        }))
     }
     .await;
     ledger.close().await;
-    result
+    Ok(Read {
+        ledger: ledger.to_string(),
+        value: result?,
+    })
 }
 
 /// Writes the audit record of an operator action and emits its tracing

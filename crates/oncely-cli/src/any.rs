@@ -3,17 +3,23 @@
 //!
 //! | URL | backend | cargo feature |
 //! | --- | --- | --- |
-//! | `sqlite:path`, `sqlite://path` (a file; in-memory databases are refused) | `oncely-sqlite` | `sqlite` (default) |
-//! | `postgres://…`, `postgresql://…` | `oncely-postgres` | `postgres` (default) |
-//! | `mysql://…`, `mariadb://…` | `oncely-mysql` | `mysql` (default) |
-//! | `redis://host:port[/db][?ephemeral=true]` | `oncely-redis`, one server (`ephemeral=true` accepts one that persists nothing) | `redis` (default) |
-//! | `redis+cluster://h1:p1,h2:p2,…[?ephemeral=true]` | `oncely-redis`, Redis Cluster | `redis` (default) |
+//! | `sqlite:path[?table=T]`, `sqlite://path` (a file; in-memory databases are refused) | `oncely-sqlite` | `sqlite` (default) |
+//! | `postgres://…[?schema=S&table=T]`, `postgresql://…` | `oncely-postgres` | `postgres` (default) |
+//! | `mysql://…/db[?table=T]`, `mariadb://…` | `oncely-mysql` | `mysql` (default) |
+//! | `redis://host:port[/db][?prefix=P&ephemeral=true]` | `oncely-redis`, one server (`ephemeral=true` accepts one that persists nothing) | `redis` (default) |
+//! | `redis+cluster://h1:p1,h2:p2,…[?prefix=P&ephemeral=true]` | `oncely-redis`, Redis Cluster | `redis` (default) |
 //! | `nats://h1:p1[,h2:p2,…][?bucket=B&replicas=R]` | `oncely-nats` | `nats` (default) |
 //! | `memory:` | the core's [`MemoryLedger`] (a fresh, empty ledger per connect) | always |
 //!
 //! Each backend crate parses its own URLs
 //! ([`FromUrl`]); see its docs for the multi-node
 //! forms (`redis+cluster://`, a NATS server list with `?bucket=&replicas=`).
+//! The URL names the whole ledger: its table (schema, key prefix, bucket)
+//! is a query parameter, and any parameter neither the backend nor its
+//! driver reads is [`Error::Config`] before anything connects
+//! ([`oncely::backend::UrlParams`]). An [`AnyLedger`]'s `Display` says
+//! which ledger it is (`postgres db:5432/app, table billing.effects`),
+//! never a credential; the commands print it with what they read.
 //!
 //! Adding a backend is one line in [`with_backends!`](crate::with_backends)
 //! (and its cargo feature): the [`Scheme`] and [`AnyLedger`] variants, the
@@ -174,6 +180,16 @@ macro_rules! define_any {
                     )+
                     AnyLedger::Memory(_) => Scheme::Memory,
                 }
+            }
+        }
+
+        /// What the ledger reads, as its backend says it (`postgres
+        /// db:5432/app, table billing.effects`; see [`FromUrl`]): never a
+        /// credential. Every command prints it with what it read, so that
+        /// "no record" is never taken for an answer about another ledger.
+        impl fmt::Display for AnyLedger {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                any_match!(self, l => fmt::Display::fmt(l, f); $($variant $feature),+)
             }
         }
 
@@ -579,6 +595,56 @@ mod tests {
             let err = AnyLedger::connect(url).await.unwrap_err();
             assert!(matches!(err, Error::Config(_)), "{url}: {err:?}");
         }
+    }
+
+    /// A query parameter that neither the backend nor its driver reads is
+    /// refused on every backend, naming it, before anything connects (port
+    /// 1: a connection attempt would be `Unavailable`), without the
+    /// password; the parameters that name the ledger are accepted.
+    #[tokio::test]
+    async fn unknown_url_parameters_are_refused_on_every_backend() {
+        let dir = std::env::temp_dir().join(format!("oncely-any-{}", std::process::id()));
+        let sqlite = format!("sqlite://{}/never.db", dir.display());
+        let cases: Vec<(String, &str)> = vec![
+            (format!("{sqlite}?mode=rwc&tabel=x"), "SQLite"),
+            (
+                "postgres://u:hunter2@127.0.0.1:1/db?schema=s&tabel=x".to_owned(),
+                "PostgreSQL",
+            ),
+            (
+                "mysql://u:hunter2@127.0.0.1:1/db?table=t&tabel=x".to_owned(),
+                "MySQL",
+            ),
+            (
+                "redis://:hunter2@127.0.0.1:1?prefix=p:&tabel=x".to_owned(),
+                "Redis",
+            ),
+            (
+                "redis+cluster://:hunter2@127.0.0.1:1,127.0.0.1:2?tabel=x".to_owned(),
+                "Redis",
+            ),
+            ("nats://u:hunter2@127.0.0.1:1?bucket=b&tabel=x".to_owned(), "NATS"),
+            ("memory:?tabel=x".to_owned(), "memory"),
+        ];
+        for (url, what) in cases {
+            let Ok(scheme) = Scheme::of_url(&url) else {
+                continue;
+            };
+            for access in [Access::Migrate, Access::Existing, Access::ReadOnly] {
+                match AnyLedger::open(&url, access).await {
+                    Err(Error::Config(m)) => {
+                        assert!(
+                            m.contains(&format!("unknown {what} URL parameter 'tabel' (")),
+                            "{url}: {m}"
+                        );
+                        assert!(!m.contains("hunter2"), "{url}: {m}");
+                    }
+                    Err(e) => panic!("{scheme} {url} {access:?}: {e:?}"),
+                    Ok(_) => panic!("{scheme} {url} {access:?} opened"),
+                }
+            }
+        }
+        assert!(!dir.exists(), "nothing was created");
     }
 
     #[test]

@@ -69,14 +69,18 @@
 //!
 //! | URL | backend | cargo feature |
 //! | --- | --- | --- |
-//! | `sqlite:path`, `sqlite://path` | `oncely-sqlite` | `sqlite` (default) |
-//! | `postgres://…`, `postgresql://…` | `oncely-postgres` | `postgres` (default) |
-//! | `mysql://…`, `mariadb://…` | `oncely-mysql` | `mysql` (default) |
-//! | `redis://host:port[/db]` | `oncely-redis`, one server | `redis` (default) |
-//! | `redis+cluster://h1:p1,h2:p2,…` | `oncely-redis`, Redis Cluster (seed nodes) | `redis` (default) |
+//! | `sqlite:path[?table=T]`, `sqlite://path` | `oncely-sqlite` | `sqlite` (default) |
+//! | `postgres://…[?schema=S&table=T]`, `postgresql://…` | `oncely-postgres` | `postgres` (default) |
+//! | `mysql://…/db[?table=T]`, `mariadb://…` | `oncely-mysql` | `mysql` (default) |
+//! | `redis://host:port[/db][?prefix=P]` | `oncely-redis`, one server | `redis` (default) |
+//! | `redis+cluster://h1:p1,h2:p2,…[?prefix=P]` | `oncely-redis`, Redis Cluster (seed nodes) | `redis` (default) |
 //! | `nats://h1:p1[,h2:p2,…][?bucket=B&replicas=1\|3]` | `oncely-nats` (JetStream KV) | `nats` (default) |
 //! | `memory:` | the core's in-process ledger, empty on every connect | always |
 //!
+//! The URL names the whole ledger (its table, key prefix or bucket); an
+//! unknown query parameter is a usage error naming it. Every command's
+//! answer says which ledger it read ([`ops::Read`]): a `ledger: …` line
+//! above a listing, `no record for KEY in …`, a `ledger` field in `--json`.
 //! See [`any`] for the multi-node syntax. A Redis server (or cluster) that
 //! persists nothing (`appendonly no`, no `save` points) is refused by the
 //! commands that write, `demo`, `bench` and `migrate` included, unless the

@@ -16,7 +16,7 @@ use oncely::admin::Filter;
 use oncely_cli::admin::{self, ActionReport, History, Inspection, StatsReport};
 use oncely_cli::bench::{self, BenchConfig, BenchReport};
 use oncely_cli::demo::{self, DemoConfig, DemoReport, Guard, Progress};
-use oncely_cli::ops::{self, RecordView};
+use oncely_cli::ops::{self, Read, RecordView};
 use oncely_cli::reconcile::{self, ReconcileConfig, ReconcileReport};
 use oncely_cli::serve::{self, ServeArgs};
 
@@ -34,7 +34,10 @@ use oncely_cli::serve::{self, ServeArgs};
 /// (a Redis Cluster's seed nodes; add ?ephemeral=true to write to a server
 /// that persists nothing), nats://HOST:PORT[,HOST:PORT...] with
 /// optional ?bucket=NAME&replicas=1|3 (JetStream KV), memory: (an empty
-/// in-process ledger).
+/// in-process ledger). The URL names the ledger's table too: ?table=T on
+/// SQLite and MySQL (whose schema is the URL's database), ?schema=S&table=T
+/// on PostgreSQL, ?prefix=P on Redis, ?bucket=B on NATS; an unknown
+/// parameter is a usage error. Every answer names the ledger it read.
 ///
 /// Exit codes: 0 success; 1 runtime failure (database unreachable, backend
 /// error, oncely charged twice in the demo, an effect ran twice in the
@@ -385,8 +388,9 @@ enum Command {
 
 #[derive(Debug, Args)]
 struct DbArgs {
-    /// The ledger's database: sqlite:PATH, postgres://USER@HOST/DB,
-    /// mysql://USER@HOST/DB (or mariadb://), redis://HOST:PORT,
+    /// The ledger's database: sqlite:PATH[?table=T],
+    /// postgres://USER@HOST/DB[?schema=S&table=T], mysql://USER@HOST/DB[?table=T]
+    /// (or mariadb://), redis://HOST:PORT[?prefix=P],
     /// redis+cluster://HOST:PORT,HOST:PORT,...,
     /// nats://HOST:PORT[,HOST:PORT...][?bucket=NAME&replicas=1|3] or memory:.
     #[arg(long, env = "ONCELY_DATABASE_URL")]
@@ -521,26 +525,33 @@ async fn run(command: Command) -> ExitCode {
         Command::Demo(args) => run_demo(args).await,
         Command::Bench(args) => run_bench(args).await,
         Command::Get { key, db } => match ops::get(&db.database_url, &key).await {
-            Ok(Some(record)) => print_json(&RecordView::from(&record)),
-            Ok(None) => {
+            Ok(Read {
+                ledger,
+                value: Some(record),
+            }) => print_json(&Read {
+                ledger,
+                value: RecordView::from(&record),
+            }),
+            Ok(Read { ledger, value: None }) => {
                 println!("null");
-                eprintln!("no record for {key}");
-                ExitCode::from(3)
+                no_record(&key, &ledger)
             }
             Err(e) => fail(&e),
         },
         Command::Inspect { key, json, db } => match admin::inspect(&db.database_url, &key).await {
-            Ok(Some(i)) if json => print_json(&i),
-            Ok(Some(i)) => {
-                print_inspection(&i);
+            Ok(r @ Read { value: Some(_), .. }) if json => print_json(&r),
+            Ok(Read {
+                ledger,
+                value: Some(i),
+            }) => {
+                print_inspection(&i, &ledger);
                 ExitCode::SUCCESS
             }
-            Ok(None) => {
+            Ok(Read { ledger, value: None }) => {
                 if json {
                     println!("null");
                 }
-                eprintln!("no record for {key}");
-                ExitCode::from(3)
+                no_record(&key, &ledger)
             }
             Err(e) => fail(&e),
         },
@@ -600,10 +611,15 @@ async fn run(command: Command) -> ExitCode {
                 limit,
             };
             match admin::list(&db.database_url, Filter::Stuck, &listing).await {
-                Ok(list) if json => print_json(&list),
+                Ok(list) if json => {
+                    if list.value.is_empty() {
+                        eprintln!("no stuck records in {}", list.ledger);
+                    }
+                    print_json(&list)
+                }
                 Ok(list) => {
                     print_listing(&list, "stuck");
-                    if list.len() == limit as usize {
+                    if list.value.len() == limit as usize {
                         eprintln!(
                             "showing the oldest {limit}; there may be more (narrow with --kind or \
                              --since, or raise --limit up to 1000)"
@@ -635,7 +651,12 @@ async fn run(command: Command) -> ExitCode {
             )
             .await
             {
-                Ok(records) => print_json(&records.iter().map(RecordView::from).collect::<Vec<_>>()),
+                Ok(records) => {
+                    if records.value.is_empty() {
+                        eprintln!("no abandoned records in {}", records.ledger);
+                    }
+                    print_json(&records.map(|r| r.iter().map(RecordView::from).collect::<Vec<_>>()))
+                }
                 Err(e) => fail(&e),
             }
         }
@@ -659,14 +680,14 @@ async fn run(command: Command) -> ExitCode {
                 None => admin::Resolution::Released,
             };
             match admin::resolve(&db.database_url, &key, &resolution, fence).await {
-                Ok(r) => print_action(&r, json),
+                Ok(r) => print_action(r, &key, json),
                 Err(e) => fail(&e),
             }
         }
         Command::Reconcile(args) => run_reconcile(args).await,
         Command::Forget { key, fence, json, db } => {
             match admin::forget(&db.database_url, &key, fence).await {
-                Ok(r) => print_action(&r, json),
+                Ok(r) => print_action(r, &key, json),
                 Err(e) => fail(&e),
             }
         }
@@ -676,10 +697,10 @@ async fn run(command: Command) -> ExitCode {
             db,
             ..
         } => match ops::prune_dry_run(&db.database_url).await {
-            Ok(n) if json => print_json(&serde_json::json!({ "would_prune": n, "dry_run": true })),
-            Ok(n) => {
+            Ok(n) if json => print_json(&n.map(|n| serde_json::json!({ "would_prune": n, "dry_run": true }))),
+            Ok(Read { ledger, value: n }) => {
                 println!(
-                    "would prune {n} record{} (dry run: nothing deleted)",
+                    "would prune {n} record{} in {ledger} (dry run: nothing deleted)",
                     if n == 1 { "" } else { "s" }
                 );
                 ExitCode::SUCCESS
@@ -713,17 +734,21 @@ async fn run(command: Command) -> ExitCode {
             let pruned = ops::prune(&db.database_url, plan, |rows| bar.inc(rows)).await;
             bar.finish_and_clear();
             match pruned {
-                Ok(n) if json => print_json(&serde_json::json!({ "pruned": n })),
-                Ok(n) => {
-                    println!("pruned {n} record{}", if n == 1 { "" } else { "s" });
+                Ok(n) if json => print_json(&n.map(|n| serde_json::json!({ "pruned": n }))),
+                Ok(Read { ledger, value: n }) => {
+                    println!("pruned {n} record{} from {ledger}", if n == 1 { "" } else { "s" });
                     ExitCode::SUCCESS
                 }
                 Err(e) => fail(&e),
             }
         }
         Command::Migrate { db } => match ops::migrate(&db.database_url).await {
-            Ok(report) => {
+            Ok(Read {
+                ledger,
+                value: report,
+            }) => {
                 println!("{} ledger schema is up to date", report.backend);
+                println!("  ledger:               {ledger}");
                 println!(
                     "  caller's transaction: {}",
                     if report.caller_transaction { "yes" } else { "no" }
@@ -750,8 +775,8 @@ async fn run_serve(args: ServeArgs) -> ExitCode {
     };
     match server.local_addr() {
         Ok(addr) => println!(
-            "oncely serve: http://{addr}/ ({} ledger, {scope}, {}); Ctrl-C stops it",
-            server.backend(),
+            "oncely serve: http://{addr}/ ({}, {scope}, {}); Ctrl-C stops it",
+            server.ledger(),
             if server.resolves() {
                 "resolve allowed"
             } else {
@@ -846,6 +871,7 @@ async fn run_reconcile(args: ReconcileArgs) -> ExitCode {
     } else {
         print_reconcile(&report);
     }
+    let report = &report.value;
     if let Some(why) = &report.aborted {
         eprintln!("error: the run stopped early: {why}");
     }
@@ -863,10 +889,12 @@ async fn run_reconcile(args: ReconcileArgs) -> ExitCode {
     }
 }
 
-fn print_reconcile(r: &ReconcileReport) {
+fn print_reconcile(read: &Read<ReconcileReport>) {
+    let r = &read.value;
     if r.entries.is_empty() {
-        println!("no doubtful records");
+        println!("no doubtful records in {}", read.ledger);
     } else {
+        println!("ledger: {}", read.ledger);
         let mut t = plain_table();
         t.set_header(["key", "doubt", "fence", "verdict", "result", "detail"]);
         for e in &r.entries {
@@ -1053,7 +1081,14 @@ fn or_dash(v: Option<&str>) -> String {
     v.unwrap_or("-").to_owned()
 }
 
-fn print_inspection(i: &Inspection) {
+/// "No record" for `key` in `ledger`: the answer of `get`, `inspect`,
+/// `resolve` and `forget` (exit 3).
+fn no_record(key: &str, ledger: &str) -> ExitCode {
+    eprintln!("no record for {key} in {ledger}");
+    ExitCode::from(3)
+}
+
+fn print_inspection(i: &Inspection, ledger: &str) {
     let r = &i.record;
     let mut t = plain_table();
     let lease = match i.lease_left_seconds {
@@ -1070,6 +1105,7 @@ fn print_inspection(i: &Inspection) {
         None => format!("{} (derived from the fence)", i.claims.grants),
     };
     for (k, v) in [
+        ("ledger", ledger.to_owned()),
         ("key", r.key.clone()),
         ("state", format!("{} (stored {})", i.class, r.state)),
         ("fence", r.fence.to_string()),
@@ -1095,11 +1131,13 @@ fn print_inspection(i: &Inspection) {
     println!("{}", padded(t));
 }
 
-fn print_listing(list: &[Inspection], what: &str) {
+fn print_listing(read: &Read<Vec<Inspection>>, what: &str) {
+    let list = &read.value;
     if list.is_empty() {
-        println!("no {what} records");
+        println!("no {what} records in {}", read.ledger);
         return;
     }
+    println!("ledger: {}", read.ledger);
     let mut t = plain_table();
     t.set_header(["key", "state", "fence", "granted", "created", "lease ended"]);
     for i in list {
@@ -1115,7 +1153,9 @@ fn print_listing(list: &[Inspection], what: &str) {
     println!("{}", padded(t));
 }
 
-fn print_history(h: &History) {
+fn print_history(read: &Read<History>) {
+    let h = &read.value;
+    println!("ledger: {}", read.ledger);
     if !h.records.is_empty() {
         let mut t = plain_table();
         t.set_header([
@@ -1146,10 +1186,12 @@ fn print_history(h: &History) {
     println!("verdict: {}", h.verdict);
 }
 
-fn print_stats(r: &StatsReport) {
+fn print_stats(read: &Read<StatsReport>) {
+    let r = &read.value;
     if r.kinds.is_empty() {
-        println!("no records");
+        println!("no records in {}", read.ledger);
     } else {
+        println!("ledger: {}", read.ledger);
         let mut t = plain_table();
         t.set_header([
             "tenant",
@@ -1182,13 +1224,23 @@ fn print_stats(r: &StatsReport) {
     println!("note: {}", r.note);
 }
 
-fn print_action(r: &ActionReport, json: bool) -> ExitCode {
+/// What `resolve` or `forget` did, or "no record" (nothing written).
+fn print_action(read: Read<Option<ActionReport>>, key: &str, json: bool) -> ExitCode {
+    let Some(r) = read.value else {
+        if json {
+            println!("null");
+        }
+        return no_record(key, &read.ledger);
+    };
     if json {
-        return print_json(r);
+        return print_json(&Read {
+            ledger: read.ledger,
+            value: r,
+        });
     }
     println!(
-        "{}: {} was {} at fence {}, now {} (fence {}); recorded as {}",
-        r.action, r.key, r.was, r.fence, r.now, r.new_fence, r.audit_key
+        "{}: {} in {} was {} at fence {}, now {} (fence {}); recorded as {}",
+        r.action, r.key, read.ledger, r.was, r.fence, r.now, r.new_fence, r.audit_key
     );
     if let Some(next) = r.next {
         println!("next: {next}");

@@ -1,17 +1,64 @@
 //! The operator commands' logic: read a record, list abandoned steps, prune,
-//! migrate. Each validates its input before connecting and returns data; the
-//! binary prints it.
+//! migrate. Each validates its input before connecting and returns data
+//! ([`Read`]: what it read, and from which ledger); the binary prints it.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use oncely::{EffectKey, Error, Ledger, Record, Result, Tenant};
-use serde::Serialize;
+use serde::{Serialize, Serializer};
 
 use crate::any::{Access, AnyLedger};
 
+/// What a command read, and the ledger it read it from, so that every
+/// answer (a "no record" above all) says which ledger it is about: a URL
+/// that names another table than the application's reads another ledger.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Read<T> {
+    /// The ledger, as [`AnyLedger`]'s `Display` says it (backend, server
+    /// and database, table): `postgres db:5432/app, table
+    /// billing.effects`. Never a credential.
+    pub ledger: String,
+    /// What was read.
+    pub value: T,
+}
+
+impl<T> Read<T> {
+    /// `f` of the value, from the same ledger.
+    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Read<U> {
+        Read {
+            ledger: self.ledger,
+            value: f(self.value),
+        }
+    }
+}
+
+/// As JSON: the value with a `ledger` field added, to the object or to each
+/// object of an array (the formats the commands have always printed stay
+/// as they were); any other value (`null`) as it is.
+impl<T: Serialize> Serialize for Read<T> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        let mut value = serde_json::to_value(&self.value).map_err(serde::ser::Error::custom)?;
+        let ledger = serde_json::Value::String(self.ledger.clone());
+        match &mut value {
+            serde_json::Value::Object(map) => {
+                map.insert("ledger".to_owned(), ledger);
+            }
+            serde_json::Value::Array(items) => {
+                for item in items {
+                    if let serde_json::Value::Object(map) = item {
+                        map.insert("ledger".to_owned(), ledger.clone());
+                    }
+                }
+            }
+            _ => {}
+        }
+        value.serialize(serializer)
+    }
+}
+
 /// Reads the record of a displayed key (`tenant/kind:subject`). An invalid
 /// key fails with [`oncely::Error::InvalidKey`] before anything connects.
-pub async fn get(database_url: &str, key: &str) -> Result<Option<Record>> {
+pub async fn get(database_url: &str, key: &str) -> Result<Read<Option<Record>>> {
     let key = EffectKey::parse(key)?;
     with_ledger(
         database_url,
@@ -22,7 +69,7 @@ pub async fn get(database_url: &str, key: &str) -> Result<Option<Record>> {
 }
 
 /// Lists up to `limit` abandoned at-most-once steps of `tenant`, oldest first.
-pub async fn abandoned(database_url: &str, tenant: &str, limit: u64) -> Result<Vec<Record>> {
+pub async fn abandoned(database_url: &str, tenant: &str, limit: u64) -> Result<Read<Vec<Record>>> {
     let tenant = Tenant::parse(tenant)?;
     with_ledger(database_url, Access::ReadOnly, |l| async move {
         l.abandoned(&tenant, limit).await
@@ -40,7 +87,7 @@ pub async fn abandoned_in(
     kind: Option<&str>,
     since: Option<&str>,
     limit: u64,
-) -> Result<Vec<Record>> {
+) -> Result<Read<Vec<Record>>> {
     match (tenant, kind, since) {
         (Some(t), None, None) => abandoned(database_url, t.as_str(), limit).await,
         _ => {
@@ -57,7 +104,7 @@ pub async fn abandoned_in(
 
 /// How many records `prune` would delete now, deleting nothing (a dry run,
 /// read-only). Needs [`oncely::Admin`] (the SQL backends).
-pub async fn prune_dry_run(database_url: &str) -> Result<u64> {
+pub async fn prune_dry_run(database_url: &str) -> Result<Read<u64>> {
     let scheme = crate::any::Scheme::of_url(database_url)?;
     if !scheme.has_admin() {
         return Err(Error::Config(format!(
@@ -89,7 +136,11 @@ pub struct PrunePlan {
 /// [`oncely::Pruner::drain`], in bounded batches at the plan's rate, calling
 /// `on_batch` with each batch's count; returns how many went. A failed batch
 /// ends the call with its error; the batches before it stay deleted.
-pub async fn prune(database_url: &str, plan: PrunePlan, on_batch: impl FnMut(u64) + Send) -> Result<u64> {
+pub async fn prune(
+    database_url: &str,
+    plan: PrunePlan,
+    on_batch: impl FnMut(u64) + Send,
+) -> Result<Read<u64>> {
     if plan.batch == 0 || plan.rows_per_second == Some(0) {
         return Err(Error::InvalidInput(
             "prune: --batch and --rate must be at least 1".to_owned(),
@@ -125,7 +176,7 @@ pub struct MigrateReport {
 /// Creates or upgrades the ledger's schema (or NATS bucket), checks it, and
 /// reports the backend's capabilities. The only command (with `demo`) that
 /// creates anything.
-pub async fn migrate(database_url: &str) -> Result<MigrateReport> {
+pub async fn migrate(database_url: &str) -> Result<Read<MigrateReport>> {
     with_ledger(database_url, Access::Migrate, |l| async move {
         let caps = l.capabilities();
         Ok(MigrateReport {
@@ -138,7 +189,7 @@ pub async fn migrate(database_url: &str) -> Result<MigrateReport> {
     .await
 }
 
-async fn with_ledger<T, F, Fut>(database_url: &str, access: Access, f: F) -> Result<T>
+async fn with_ledger<T, F, Fut>(database_url: &str, access: Access, f: F) -> Result<Read<T>>
 where
     F: FnOnce(AnyLedger) -> Fut,
     Fut: std::future::Future<Output = Result<T>>,
@@ -146,7 +197,10 @@ where
     let ledger = AnyLedger::open(database_url, access).await?;
     let result = f(ledger.clone()).await;
     ledger.close().await;
-    result
+    Ok(Read {
+        ledger: ledger.to_string(),
+        value: result?,
+    })
 }
 
 /// A [`Record`] as the commands print it: JSON-friendly, timestamps in RFC

@@ -54,7 +54,7 @@ use serde::Serialize;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 use crate::admin::open_admin;
-use crate::ops::rfc3339;
+use crate::ops::{Read, rfc3339};
 
 /// How much of the command's stderr an error quotes (its end).
 const STDERR_TAIL: usize = 300;
@@ -183,7 +183,7 @@ pub struct EntryView {
 /// Bad input fails before anything connects; a ledger without
 /// [`oncely::admin::Admin`] fails with [`Error::Config`]. Record failures
 /// are in the report, not an `Err`.
-pub async fn reconcile(database_url: &str, config: &ReconcileConfig) -> Result<ReconcileReport> {
+pub async fn reconcile(database_url: &str, config: &ReconcileConfig) -> Result<Read<ReconcileReport>> {
     config.validate()?;
     let access = if config.dry_run {
         Access::ReadOnly
@@ -241,7 +241,7 @@ pub async fn reconcile(database_url: &str, config: &ReconcileConfig) -> Result<R
             }
         })
         .collect();
-    Ok(ReconcileReport {
+    let report = ReconcileReport {
         dry_run: report.dry_run,
         examined: report.examined,
         completed: report.completed,
@@ -252,6 +252,10 @@ pub async fn reconcile(database_url: &str, config: &ReconcileConfig) -> Result<R
         errors: report.errors,
         aborted: report.aborted,
         entries,
+    };
+    Ok(Read {
+        ledger: ledger.to_string(),
+        value: report,
     })
 }
 

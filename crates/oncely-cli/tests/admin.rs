@@ -107,6 +107,17 @@ fn seed(url: &str) -> Seeded {
     s
 }
 
+/// What the library says the URL's ledger is (what every command names).
+fn described(url: &str) -> String {
+    runtime().block_on(async {
+        let l = AnyLedger::open(url, oncely::backend::Access::ReadOnly)
+            .await
+            .unwrap();
+        l.close().await;
+        l.to_string()
+    })
+}
+
 /// What a record is now, through the library.
 fn record(url: &str, key: &EffectKey) -> Option<oncely::Record> {
     runtime().block_on(async {
@@ -187,7 +198,14 @@ fn operate_on(url: &str) {
     let out = oncely(&["stats", "--tenant", t, "--database-url", url]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
-    assert!(text.lines().next().unwrap().starts_with("tenant"), "{text}");
+    let mut lines = text.lines();
+    assert_eq!(
+        lines.next(),
+        Some(format!("ledger: {}", described(url)).as_str()),
+        "{text}"
+    );
+    assert!(lines.next().unwrap().starts_with("tenant"), "{text}");
+    assert_eq!(stats["ledger"], described(url), "{stats}");
     assert!(
         text.contains("note: duplicates suppressed are not stored"),
         "{text}"
@@ -614,23 +632,27 @@ fn prune_dry_run_counts_exactly_and_deletes_nothing_on_sqlite() {
         l.close().await;
     });
     std::thread::sleep(Duration::from_millis(300));
+    let ledger = described(&url);
     for _ in 0..2 {
         let out = oncely(&["prune", "--dry-run", "--database-url", &url]);
         assert!(out.status.success(), "{}", stderr(&out));
         assert_eq!(
             stdout(&out).trim(),
-            "would prune 1 record (dry run: nothing deleted)"
+            format!("would prune 1 record in {ledger} (dry run: nothing deleted)")
         );
         assert!(record(&url, &key).is_some());
     }
     let v = json(&["prune", "--dry-run", "--json"], &url);
-    assert_eq!(v, serde_json::json!({"would_prune": 1, "dry_run": true}));
+    assert_eq!(
+        v,
+        serde_json::json!({"would_prune": 1, "dry_run": true, "ledger": ledger})
+    );
     let v = json(&["prune", "--json"], &url);
-    assert_eq!(v, serde_json::json!({"pruned": 1}));
+    assert_eq!(v, serde_json::json!({"pruned": 1, "ledger": ledger}));
     let out = oncely(&["prune", "--dry-run", "--database-url", &url]);
     assert_eq!(
         stdout(&out).trim(),
-        "would prune 0 records (dry run: nothing deleted)"
+        format!("would prune 0 records in {ledger} (dry run: nothing deleted)")
     );
     assert!(record(&url, &kept).is_some());
 }
@@ -673,10 +695,10 @@ fn prune_is_bounded_batched_and_paced_on_sqlite() {
         ],
         &url,
     );
-    assert_eq!(v, serde_json::json!({"pruned": 5}));
+    assert_eq!(v["pruned"], 5, "{v}");
     assert_eq!(gone(&url), 5);
     let v = json(&["prune", "--batch", "2", "--json"], &url);
-    assert_eq!(v, serde_json::json!({"pruned": 2}));
+    assert_eq!(v["pruned"], 2, "{v}");
     assert_eq!(gone(&url), 7);
     assert!(record(&url, &kept).is_some(), "not due: kept");
 }
@@ -895,4 +917,240 @@ fn redis_offers_inspect_and_resolve_and_refuses_the_rest() {
     assert_eq!(record(&url, &step).unwrap().state, oncely::RecordState::Released);
     let audit = json(&["get", resolved["audit_key"].as_str().unwrap()], &url);
     assert_eq!(audit["outcome"]["ok"]["action"], "resolve-released", "{audit}");
+}
+
+/// `url` with `query` appended (after its own query, if any).
+fn with_query(url: &str, query: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}{query}")
+}
+
+/// One completed record in a fresh tenant, written by the application's own
+/// ledger (opened through the library with a table of its own).
+async fn completed_in<L: Ledger>(l: &L) -> EffectKey {
+    let key = EffectKey::new(&oncely::conformance::fresh_tenant(), "capture", "o-1").unwrap();
+    let lease = acquired(l.claim(&key, &ClaimOptions::default()).await.unwrap());
+    l.complete(&lease, &Outcome::value(&"ch_1").unwrap())
+        .await
+        .unwrap();
+    key
+}
+
+/// The operator commands read the ledger the URL names: given the table the
+/// application set (`named`), `inspect`, `get`, `stats`, `history`,
+/// `stuck`, `prune --dry-run` and `forget` find its record; given the
+/// default URL, they answer "no record" (or "no records") naming the table
+/// they read (`default_table`), in text and in `--json` (a `ledger`
+/// field); and a mistyped parameter is a usage error naming it.
+fn commands_read_the_named_table(
+    default: &str,
+    named: &str,
+    key: &EffectKey,
+    named_table: &str,
+    default_table: &str,
+) {
+    let t = key.tenant().as_str();
+    let ledger = described(named);
+    assert!(ledger.ends_with(named_table), "{ledger}");
+    let elsewhere = described(default);
+    assert!(elsewhere.ends_with(default_table), "{elsewhere}");
+
+    // inspect and get find it in the named table, and say where.
+    let found = json(&["inspect", key.as_str(), "--json"], named);
+    assert_eq!(
+        (&found["class"], &found["ledger"]),
+        (&"completed".into(), &ledger.clone().into()),
+        "{found}"
+    );
+    let out = oncely(&["inspect", key.as_str(), "--database-url", named]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).starts_with(&format!("ledger        {ledger}")),
+        "{}",
+        stdout(&out)
+    );
+    let got = json(&["get", key.as_str()], named);
+    assert_eq!(
+        (&got["state"], &got["ledger"]),
+        (&"completed".into(), &ledger.clone().into()),
+        "{got}"
+    );
+    // The default table has no such record, and says which table it read.
+    let no_record = format!("no record for {key} in {elsewhere}");
+    for args in [
+        vec!["inspect", key.as_str()],
+        vec!["inspect", key.as_str(), "--json"],
+        vec!["get", key.as_str()],
+    ] {
+        refused(&args, default, 3, &no_record);
+    }
+
+    // stats and history count and list it there, and nothing here.
+    let stats = json(&["stats", "--tenant", t, "--json"], named);
+    assert_eq!(stats["kinds"][0]["completed"], 1, "{stats}");
+    assert_eq!(stats["ledger"], ledger, "{stats}");
+    let out = oncely(&["stats", "--tenant", t, "--database-url", default]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).starts_with(&format!("no records in {elsewhere}\n")),
+        "{}",
+        stdout(&out)
+    );
+    let stats = json(&["stats", "--tenant", t, "--json"], default);
+    assert_eq!(
+        (&stats["kinds"], &stats["ledger"]),
+        (&serde_json::json!([]), &elsewhere.clone().into()),
+        "{stats}"
+    );
+    let h = json(&["history", "--tenant", t, "--json"], named);
+    assert_eq!(h["records"][0]["key"], key.as_str(), "{h}");
+    assert_eq!(h["ledger"], ledger, "{h}");
+    let out = oncely(&["history", "--tenant", t, "--database-url", default]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.starts_with(&format!("ledger: {elsewhere}\n")), "{text}");
+    assert!(text.contains("verdict: no record"), "{text}");
+    let out = oncely(&["stuck", "--tenant", t, "--database-url", named]);
+    assert_eq!(
+        stdout(&out).trim(),
+        format!("no stuck records in {ledger}"),
+        "{}",
+        stderr(&out)
+    );
+    let out = oncely(&["prune", "--dry-run", "--database-url", named]);
+    assert!(
+        stdout(&out).starts_with(&format!("would prune 0 records in {ledger} ")),
+        "{}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+
+    // forget: "no record" in the default table, done in the named one.
+    refused(&["forget", key.as_str()], default, 3, &no_record);
+    let forgot = json(&["forget", key.as_str(), "--json"], named);
+    assert_eq!(
+        (&forgot["now"], &forgot["ledger"]),
+        (&"released".into(), &ledger.clone().into()),
+        "{forgot}"
+    );
+    assert_eq!(record(named, key).unwrap().state, oncely::RecordState::Released);
+
+    // A mistyped parameter is refused, naming it, before anything is read.
+    let typo = with_query(named, "tabel=effects");
+    refused(&["inspect", key.as_str()], &typo, 2, "URL parameter 'tabel'");
+}
+
+/// An application's ledger in `billing_effects` of its SQLite file.
+#[test]
+fn commands_read_the_table_the_url_names_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = sqlite_url(dir.path());
+    let key = runtime().block_on(async {
+        let l = oncely_sqlite::SqliteLedger::connect_with(
+            &url,
+            oncely_sqlite::SqliteLedgerOptions::default().table("billing_effects"),
+        )
+        .await
+        .unwrap();
+        let key = completed_in(&l).await;
+        // The default table exists too (as `oncely migrate` would leave it).
+        oncely_sqlite::SqliteLedger::connect(&url).await.unwrap();
+        key
+    });
+    let named = with_query(&url, "table=billing_effects");
+    commands_read_the_named_table(
+        &url,
+        &named,
+        &key,
+        ", table billing_effects",
+        ", table oncely_effects",
+    );
+}
+
+/// An application's ledger in `<its own schema>.effects`, opened with
+/// `PgLedgerOptions::schema(..).table(..)`.
+#[test]
+fn commands_read_the_table_the_url_names_on_postgres() {
+    let Some(url) = reachable(
+        "ONCELY_POSTGRES_URL",
+        "postgres://postgres@127.0.0.1:5432/test",
+        "PostgreSQL",
+    ) else {
+        return;
+    };
+    let schema = format!("oncely_cli_{}", std::process::id());
+    let drop = format!("DROP SCHEMA IF EXISTS {schema} CASCADE");
+    let key = runtime().block_on(async {
+        let l = oncely_postgres::PgLedger::connect_with(
+            &url,
+            oncely_postgres::PgLedgerOptions::default()
+                .schema(schema.clone())
+                .table("effects"),
+        )
+        .await
+        .unwrap();
+        let key = completed_in(&l).await;
+        l.pool().close().await;
+        key
+    });
+    let named = with_query(&url, &format!("schema={schema}&table=effects"));
+    commands_read_the_named_table(
+        &url,
+        &named,
+        &key,
+        &format!(", table {schema}.effects"),
+        ", table public.oncely_effects",
+    );
+    runtime().block_on(async {
+        let l = oncely_postgres::PgLedger::connect(&url).await.unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
+            .execute(l.pool())
+            .await
+            .unwrap();
+        l.pool().close().await;
+    });
+}
+
+/// An application's ledger in a table of its own of the URL's database,
+/// opened with `MySqlLedgerOptions::table(..)`.
+#[cfg(feature = "mysql")]
+#[test]
+fn commands_read_the_table_the_url_names_on_mysql() {
+    let Some(url) = reachable(
+        "ONCELY_MYSQL_URL",
+        "mysql://root@127.0.0.1:3306/test",
+        "MySQL/MariaDB",
+    ) else {
+        return;
+    };
+    let table = format!("oncely_cli_{}", std::process::id());
+    let key = runtime().block_on(async {
+        let l = oncely_mysql::MySqlLedger::connect_with(
+            &url,
+            oncely_mysql::MySqlLedgerOptions::default().table(&table),
+        )
+        .await
+        .unwrap();
+        let key = completed_in(&l).await;
+        l.pool().close().await;
+        key
+    });
+    let named = with_query(&url, &format!("table={table}"));
+    commands_read_the_named_table(
+        &url,
+        &named,
+        &key,
+        &format!(", table {table}"),
+        ", table oncely_effects",
+    );
+    runtime().block_on(async {
+        let l = oncely_mysql::MySqlLedger::connect(&url).await.unwrap();
+        for t in [format!("{table}_horizon"), table.clone()] {
+            sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS `{t}`")))
+                .execute(l.pool())
+                .await
+                .unwrap();
+        }
+        l.pool().close().await;
+    });
 }

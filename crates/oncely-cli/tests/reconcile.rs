@@ -290,7 +290,9 @@ fn reconcile_on(url: &str) {
     );
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     let text = stdout(&out);
-    assert!(text.lines().next().unwrap().starts_with("key"), "{text}");
+    let mut lines = text.lines();
+    assert!(lines.next().unwrap().starts_with("ledger: "), "{text}");
+    assert!(lines.next().unwrap().starts_with("key"), "{text}");
     assert!(
         text.contains("examined 6: completed 1, released 1, unknown 1, moved 0, skipped 0, errors 3 (dry run: nothing written)"),
         "{text}"

@@ -75,6 +75,25 @@ impl std::fmt::Debug for MySqlLedger {
     }
 }
 
+/// What the ledger reads, for an operator: `mysql HOST:PORT/DATABASE,
+/// table TABLE` (a socket's path for `HOST:PORT`), from the pool's
+/// connection options, never the password.
+impl std::fmt::Display for MySqlLedger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let c = self.inner.pool.connect_options();
+        match c.get_socket() {
+            Some(socket) => write!(f, "mysql {}", socket.display())?,
+            None if c.get_host().contains(':') => write!(f, "mysql [{}]:{}", c.get_host(), c.get_port())?,
+            None => write!(f, "mysql {}:{}", c.get_host(), c.get_port())?,
+        }
+        match c.get_database() {
+            Some(database) => write!(f, "/{database}")?,
+            None => f.write_str(" (no database)")?,
+        }
+        write!(f, ", table {}", self.inner.table)
+    }
+}
+
 impl MySqlLedger {
     /// Connects with default options ([`MySqlLedgerOptions::default`]),
     /// creates or upgrades the tables and checks them. A server that cannot
@@ -87,9 +106,14 @@ impl MySqlLedger {
     /// Connects with `options`: migrates unless told not to
     /// ([`MySqlLedgerOptions::migrate`], [`MySqlLedgerOptions::read_only`]),
     /// then checks the server and the tables.
+    ///
+    /// The URL's `?table=` sets the table, over `options`' (so one URL names
+    /// the whole ledger, for the application and the `oncely` command
+    /// alike); the tables live in the URL's database. Any query parameter
+    /// neither `table` nor sqlx's is [`Error::Config`], before any round
+    /// trip.
     pub async fn connect_with(url: &str, options: MySqlLedgerOptions) -> Result<Self> {
-        check_table(&options.table)?;
-        let connect = options::connect_options(url)?;
+        let (options, connect) = options.with_url(url)?;
         let read_only = options.read_only;
         let pool = MySqlPoolOptions::new()
             .max_connections(options.max_connections)
@@ -575,7 +599,9 @@ impl FromUrl for MySqlLedger {
     /// [`MySqlLedger::connect_with`]: [`Access`](oncely::backend::Access)
     /// `Migrate` creates and upgrades the tables, `Existing` checks them and
     /// creates nothing, `ReadOnly` also opens read-only sessions and refuses
-    /// writes; `connect_timeout` is the pool's acquire timeout.
+    /// writes; `connect_timeout` is the pool's acquire timeout. The table is
+    /// the URL's `?table=` (default [`DEFAULT_TABLE`](crate::DEFAULT_TABLE)),
+    /// in the URL's database.
     async fn from_url(url: &str, options: OpenOptions) -> Result<Self> {
         let url = url.trim();
         options::check_scheme(url)?;

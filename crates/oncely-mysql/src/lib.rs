@@ -31,11 +31,27 @@
 //! # Ok(()) }
 //! ```
 //!
+//! ## URL forms
+//!
+//! The URL names the whole ledger, table included, so that the application
+//! and the `oncely` command open the same one:
+//!
+//! | URL part | what it sets |
+//! | --- | --- |
+//! | `mysql://` or `mariadb://` `user:password@host:port/database` | the server, and the database the ledger's tables live in (MySQL's schema: there is no separate `?schema=`) |
+//! | `?table=effects` | [`MySqlLedgerOptions::table`] (default [`DEFAULT_TABLE`]); its horizon table is `<table>_horizon` |
+//! | `?ssl-mode=`, `?charset=`, `?socket=`, `?timezone=` … | sqlx's own parameters, handed to it |
+//! | any other parameter (`?tabel=x`, `?schema=x`) | refused: [`oncely::Error::Config`] naming it and the accepted ones, before anything connects |
+//!
+//! [`MySqlLedger::connect_with`] reads `?table=` too, over its options'. A
+//! ledger's [`Display`](std::fmt::Display) says what it reads (`mysql
+//! db:3306/billing, table effects`), never the password.
+//!
 //! ## Guarantees and limits
 //!
 //! | | |
 //! | --- | --- |
-//! | URL | `mysql://user:password@host:port/database` or `mariadb://…`, with sqlx's parameters (`ssl-mode`, …): [`MySqlLedger::connect`], or [`FromUrl`](oncely::backend::FromUrl) with an [`Access`](oncely::backend::Access) and a connect timeout (the pool's acquire timeout) |
+//! | URL | `mysql://user:password@host:port/database[?table=T]` or `mariadb://…`, with sqlx's parameters (`ssl-mode`, …): [`MySqlLedger::connect`], or [`FromUrl`](oncely::backend::FromUrl) with an [`Access`](oncely::backend::Access) and a connect timeout (the pool's acquire timeout). See "URL forms" |
 //! | atomic claim | a plain read of the key first (a duplicate is answered by it: no lock, no write); then, for an absent, released or expired key only, one `INSERT … ON DUPLICATE KEY UPDATE` on the primary key, which decides again on its own: the insert, or the takeover of an expired lease or a released record, in the same statement |
 //! | caller's transaction | yes: [`TransactionalLedger`](oncely::TransactionalLedger) on `&mut` [`MySqlConnection`]; a concurrent duplicate blocks on the row lock until the first commits. When several wait on one that rolls back, InnoDB may make one of them a deadlock victim (each held a share lock on the duplicate): a retryable [`oncely::Error::Backend`]; redo the transaction |
 //! | durability | what the server's InnoDB settings give (`innodb_flush_log_at_trx_commit = 1`: committed claims survive a crash) |

@@ -1,9 +1,10 @@
 //! [`MySqlLedgerOptions`]: pool, table and schema settings, and this
-//! backend's URLs (`mysql://`, `mariadb://`).
+//! backend's URLs (`mysql://`, `mariadb://`; `?table=` is the ledger's own
+//! and taken off before sqlx parses the rest).
 
 use std::time::Duration;
 
-use oncely::backend::{Access, OpenOptions};
+use oncely::backend::{Access, OpenOptions, UrlParams};
 use oncely::{Error, Result};
 use sqlx::mysql::MySqlConnectOptions;
 
@@ -123,6 +124,47 @@ impl MySqlLedgerOptions {
 /// MySQL's protocol, and `mariadb://` lets a URL say which server it names.
 pub(crate) const SCHEMES: &[&str] = &["mysql", "mariadb"];
 
+/// The query parameters a URL may set on the ledger itself
+/// ([`MySqlLedgerOptions::table`]). There is no `schema`: in MySQL a schema
+/// is a database, the URL's path, which the ledger's tables live in.
+const OWN_PARAMS: &[&str] = &["table"];
+
+/// The query parameters sqlx reads (sqlx-mysql 0.9,
+/// `MySqlConnectOptions::parse_from_url`); it silently ignores any other, so
+/// a mistyped one is refused here instead.
+const DRIVER_PARAMS: &[&str] = &[
+    "sslmode",
+    "ssl-mode",
+    "sslca",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "charset",
+    "collation",
+    "statement-cache-capacity",
+    "socket",
+    "timezone",
+    "time-zone",
+];
+
+impl MySqlLedgerOptions {
+    /// These options with what `url`'s query sets (`?table=`: the URL wins,
+    /// as it is what a deployment configures), the table checked, and the
+    /// connection options of the rest of the URL. A parameter neither the
+    /// ledger nor sqlx reads is [`Error::Config`], before any round trip.
+    pub(crate) fn with_url(mut self, url: &str) -> Result<(Self, MySqlConnectOptions)> {
+        let params = UrlParams::parse(url, "MySQL", OWN_PARAMS, DRIVER_PARAMS)?;
+        if let Some(table) = params.get("table") {
+            self.table = table.to_owned();
+        }
+        check_table(&self.table)?;
+        let connect = connect_options(params.driver_url())?;
+        Ok((self, connect))
+    }
+}
+
 /// Parses a MySQL URL (`mysql://user:password@host:port/database?ssl-mode=…`,
 /// sqlx's forms) before anything connects. The message never quotes the URL:
 /// it may carry a password.
@@ -220,6 +262,46 @@ mod tests {
             let e = connect_options(bad).unwrap_err();
             assert!(matches!(e, Error::Config(_)), "{bad:?}: {e:?}");
             assert!(!e.to_string().contains("s3cret"), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_url_names_the_table_and_nothing_unknown() {
+        let (o, connect) = MySqlLedgerOptions::default()
+            .table("from_code")
+            .with_url("mysql://root:s3cret@h:3307/billing?ssl-mode=disabled&table=effects")
+            .unwrap();
+        assert_eq!(o.table, "effects");
+        assert_eq!((connect.get_host(), connect.get_port()), ("h", 3307));
+        assert_eq!(connect.get_database(), Some("billing"));
+        let (o, _) = MySqlLedgerOptions::default()
+            .table("from_code")
+            .with_url("mariadb://root@h/billing")
+            .unwrap();
+        assert_eq!(o.table, "from_code");
+        for (bad, says) in [
+            (
+                "mysql://root:s3cret@h/db?tabel=x",
+                "unknown MySQL URL parameter 'tabel' (expected table, or one its driver reads: sslmode",
+            ),
+            // A MySQL schema is the database: the URL's path.
+            (
+                "mysql://root:s3cret@h/db?schema=billing",
+                "unknown MySQL URL parameter 'schema'",
+            ),
+            (
+                "mysql://root:s3cret@h/db?table=a-b",
+                "table name \"a-b\" must be an identifier",
+            ),
+            ("mysql://root:s3cret@h/db?table=a&table=b", "table is given twice"),
+        ] {
+            match MySqlLedgerOptions::default().with_url(bad) {
+                Err(Error::Config(m)) => {
+                    assert!(m.contains(says), "{bad}: {m}");
+                    assert!(!m.contains("s3cret"), "{bad}: {m}");
+                }
+                other => panic!("{bad}: {other:?}"),
+            }
         }
     }
 

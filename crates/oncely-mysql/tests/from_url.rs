@@ -1,8 +1,9 @@
 //! `FromUrl`: the one way a tool opens this backend from a URL. Each
 //! `Access` does what it says to the tables (on a database of its own, so
 //! "nothing created" can be checked), the connect timeout becomes the pool's
-//! acquire timeout, and a malformed URL is `Error::Config` before anything
-//! connects, without quoting the URL.
+//! acquire timeout, the URL's `?table=` names the table, and a malformed
+//! URL or an unknown parameter is `Error::Config` before anything connects,
+//! without quoting the URL.
 
 use std::time::Duration;
 
@@ -168,4 +169,123 @@ async fn malformed_url_is_config() {
             assert!(!e.to_string().contains("s3cret"), "{e}");
         }
     }
+}
+
+/// `url` with `query` appended (after its own query, if any).
+fn with_query(url: &str, query: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}{query}")
+}
+
+/// The URL names the table: a ledger the application opened with
+/// `MySqlLedgerOptions::table(..)` is the one `?table=` opens, for every
+/// access, in the URL's database (MySQL's schema), and the default URL
+/// opens another (the default table, without the record). `connect_with`
+/// reads it too, over its options'. The ledger says what it reads, without
+/// the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_url_names_the_table() {
+    let Some(url) = url() else { return };
+    let table = format!("oncely_url_{}", std::process::id());
+    let app = match MySqlLedger::connect_with(&url, oncely_mysql::MySqlLedgerOptions::default().table(&table))
+        .await
+    {
+        Ok(l) => l,
+        Err(e) => return skip_or_fail(&format!("MySQL at {url}: {e}")).unwrap_or(()),
+    };
+    let done = EffectKey::new(&fresh_tenant(), "capture", "in-table").unwrap();
+    let Claim::Acquired(lease) = app.claim(&done, &ClaimOptions::default()).await.unwrap() else {
+        panic!("a fresh key")
+    };
+    app.complete(&lease, &Outcome::from_json(&"ch_1").unwrap())
+        .await
+        .unwrap();
+
+    let named = with_query(&url, &format!("table={table}"));
+    for access in [Access::ReadOnly, Access::Existing, Access::Migrate] {
+        let l = MySqlLedger::from_url(&named, OpenOptions::new(access))
+            .await
+            .unwrap();
+        let r = l.get(&done).await.unwrap();
+        assert_eq!(r.map(|r| r.state), Some(RecordState::Completed), "{access:?}");
+        let shown = l.to_string();
+        assert!(shown.starts_with("mysql "), "{shown}");
+        assert!(shown.ends_with(&format!(", table {table}")), "{shown}");
+        l.pool().close().await;
+    }
+    // The URL wins over the options of connect_with.
+    let l = MySqlLedger::connect_with(
+        &named,
+        oncely_mysql::MySqlLedgerOptions::default()
+            .table("from_code")
+            .read_only(true),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        l.get(&done).await.unwrap().map(|r| r.state),
+        Some(RecordState::Completed)
+    );
+    l.pool().close().await;
+
+    let default = MySqlLedger::from_url(&url, OpenOptions::new(Access::Migrate))
+        .await
+        .unwrap();
+    assert!(default.get(&done).await.unwrap().is_none());
+    let shown = default.to_string();
+    assert!(
+        shown.ends_with(&format!(", table {}", oncely_mysql::DEFAULT_TABLE)),
+        "{shown}"
+    );
+    assert!(!shown.contains('@'), "{shown}");
+    default.pool().close().await;
+
+    for t in [format!("{table}_horizon"), table.clone()] {
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS `{t}`")))
+            .execute(app.pool())
+            .await
+            .unwrap();
+    }
+    app.pool().close().await;
+}
+
+/// A query parameter neither the ledger nor sqlx reads (sqlx alone would
+/// ignore it and open the default table; `?schema=` included: the schema is
+/// the URL's database), a duplicate one, and a table that is not an
+/// identifier are configuration errors naming the parameter, before
+/// anything connects (port 1 is closed), without the password.
+#[tokio::test]
+async fn unknown_or_bad_url_parameters_are_refused_before_connecting() {
+    let base = "mysql://root:s3cret@127.0.0.1:1/test";
+    for (query, says) in [
+        (
+            "tabel=effects",
+            "unknown MySQL URL parameter 'tabel' (expected table, or one its driver reads: sslmode,",
+        ),
+        ("schema=billing", "unknown MySQL URL parameter 'schema'"),
+        ("ssl-mod=disabled", "unknown MySQL URL parameter 'ssl-mod'"),
+        ("table=a&table=b", "MySQL URL parameter table is given twice"),
+        ("table=a-b", "table name \"a-b\" must be an identifier"),
+        ("table=", "table name \"\" must be an identifier"),
+    ] {
+        let url = format!("{base}?{query}");
+        for access in [Access::Migrate, Access::Existing, Access::ReadOnly] {
+            match MySqlLedger::from_url(&url, OpenOptions::new(access)).await {
+                Err(Error::Config(m)) => {
+                    assert!(m.contains(says), "{query} {access:?}: {m}");
+                    assert!(!m.contains("s3cret"), "{query} {access:?}: {m}");
+                }
+                Err(e) => panic!("{query} {access:?}: {e:?}"),
+                Ok(_) => panic!("{query} {access:?} opened"),
+            }
+        }
+    }
+    // sqlx's own parameters still reach it (and port 1 is then tried).
+    let e = MySqlLedger::from_url(
+        &format!("{base}?ssl-mode=disabled&table=effects"),
+        OpenOptions::new(Access::ReadOnly).connect_timeout(Duration::from_secs(2)),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(e, Error::Unavailable { .. }), "{e:?}");
 }

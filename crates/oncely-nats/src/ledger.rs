@@ -52,6 +52,9 @@ pub(crate) struct Inner {
     pub(crate) notifications: Notifications,
     /// What an acknowledged write survives ([`bucket::durability`]).
     durability: &'static str,
+    /// The servers of the URL (`host:port`, comma-separated), as the
+    /// ledger shows them; `None` on a caller's connection.
+    servers: Option<String>,
 }
 
 /// An effect ledger on a NATS JetStream KV bucket. Cheap to clone (shares the
@@ -96,6 +99,11 @@ impl NatsKvLedger {
         let opts = target.apply(options);
         opts.validate()?;
         let addrs = target.addrs()?;
+        let servers = addrs
+            .iter()
+            .map(|a| format!("{}:{}", a.host(), a.port()))
+            .collect::<Vec<_>>()
+            .join(",");
         let client = async_nats::ConnectOptions::new()
             .connection_timeout(opts.connect_timeout)
             .request_timeout(Some(opts.request_timeout))
@@ -112,7 +120,7 @@ impl NatsKvLedger {
         // One deadline for opening the bucket and the first clock probe.
         let deadline = Deadline::after(opts.open_timeout);
         let store = bucket::open(&js, &opts, deadline).await?;
-        Self::with_store(client, store, opts, deadline).await
+        Self::with_store(client, store, opts, deadline, Some(servers)).await
     }
 
     /// Uses a bucket the caller opened. Its settings are checked as by
@@ -135,7 +143,7 @@ impl NatsKvLedger {
         opts.validate()?;
         bucket::check(&store.stream.cached_info().config, &opts)?;
         let deadline = Deadline::after(opts.open_timeout);
-        Self::with_store(client, store, opts, deadline).await
+        Self::with_store(client, store, opts, deadline, None).await
     }
 
     async fn with_store(
@@ -143,6 +151,7 @@ impl NatsKvLedger {
         store: kv::Store,
         opts: NatsKvOptions,
         deadline: Deadline,
+        servers: Option<String>,
     ) -> Result<Self> {
         let bucket_max_age = Some(store.stream.cached_info().config.max_age).filter(|a| !a.is_zero());
         let durability = bucket::durability(opts.replicas, &client.server_info().version);
@@ -163,6 +172,7 @@ impl NatsKvLedger {
                 in_progress: Mutex::new(HashSet::new()),
                 notifications,
                 durability,
+                servers,
             }),
         };
         // A replicated bucket just created answers only once its stream has
@@ -326,6 +336,18 @@ impl NatsKvLedger {
             }
         }
         Err(gave_up("fenced write", lease.key(), "lost races"))
+    }
+}
+
+/// What the ledger reads, for an operator: `nats HOST:PORT,…, bucket B`;
+/// never a credential.
+impl std::fmt::Display for NatsKvLedger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.inner.servers {
+            Some(servers) => write!(f, "nats {servers}")?,
+            None => f.write_str("nats (the caller's connection)")?,
+        }
+        write!(f, ", bucket {}", self.inner.store.name)
     }
 }
 

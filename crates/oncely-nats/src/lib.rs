@@ -52,6 +52,16 @@
 //!   (`migrate(false)`) or `ReadOnly` (`read_only(true)`); its
 //!   `connect_timeout` bounds the connection and the wait for the bucket.
 //!
+//! | URL part | what it sets |
+//! | --- | --- |
+//! | `nats://user:password@h1:p1,h2:p2,…` | the servers (each entry `host:port` or a full `nats://` URL) |
+//! | `?bucket=payments` | [`NatsKvOptions::bucket`] (default `oncely_effects`) |
+//! | `?replicas=3` | [`NatsKvOptions::replicas`] (1 or 3, default 1) |
+//! | any other parameter (`?buckt=x`) | refused: [`oncely::Error::Config`] naming it and the accepted ones, before anything connects (the rule every backend shares, [`oncely::backend::UrlParams`]) |
+//!
+//! A ledger's [`Display`](std::fmt::Display) says what it reads (`nats
+//! n1:4222,n2:4222, bucket payments`), never a credential.
+//!
 //! ## Guarantees and limits
 //!
 //! | | |

@@ -10,6 +10,7 @@
 use std::time::Duration;
 
 use async_nats::ServerAddr;
+use oncely::backend::UrlParams;
 use oncely::{Error, Result};
 
 /// The longest lease [`oncely::ClaimOptions::validate`] allows.
@@ -17,6 +18,9 @@ pub(crate) const MAX_LEASE: Duration = Duration::from_secs(86_400);
 
 /// The URL forms, for messages.
 const FORMS: &str = "nats://host:port[,host:port…][?bucket=NAME&replicas=1|3]";
+
+/// The query parameters a URL may set on the ledger (the client reads none).
+const OWN_PARAMS: &[&str] = &["bucket", "replicas"];
 
 /// Options of [`NatsKvLedger::connect_with`](crate::NatsKvLedger::connect_with)
 /// and [`NatsKvLedger::from_store`](crate::NatsKvLedger::from_store).
@@ -181,40 +185,19 @@ impl NatsUrl {
             Some((scheme, _)) if scheme.eq_ignore_ascii_case("nats") => {}
             _ => return Err(Error::Config(format!("a NATS URL is {FORMS}"))),
         }
-        let (servers, query) = url.split_once('?').unwrap_or((url, ""));
-        let mut target = NatsUrl {
-            servers: servers.to_owned(),
-            bucket: None,
-            replicas: None,
-        };
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-            let duplicate = match name {
-                "bucket" => target.bucket.replace(value.to_owned()).is_some(),
-                "replicas" => {
-                    let n = value.parse().map_err(|_| {
-                        Error::Config("NATS URL parameter replicas must be 1 or 3".to_owned())
-                    })?;
-                    target.replicas.replace(n).is_some()
-                }
-                _ => {
-                    // Quote the name only if it is plainly a name: the pair
-                    // may be a mistyped credential.
-                    let shown = if name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
-                        format!(" '{name}'")
-                    } else {
-                        String::new()
-                    };
-                    return Err(Error::Config(format!(
-                        "unknown NATS URL parameter{shown} (expected bucket, replicas)"
-                    )));
-                }
-            };
-            if duplicate {
-                return Err(Error::Config(format!("NATS URL parameter {name} is given twice")));
-            }
-        }
-        Ok(target)
+        let params = UrlParams::parse(url, "NATS", OWN_PARAMS, &[])?;
+        let replicas = params
+            .get("replicas")
+            .map(|n| {
+                n.parse()
+                    .map_err(|_| Error::Config("NATS URL parameter replicas must be 1 or 3".to_owned()))
+            })
+            .transpose()?;
+        Ok(NatsUrl {
+            servers: params.driver_url().to_owned(),
+            bucket: params.get("bucket").map(str::to_owned),
+            replicas,
+        })
     }
 
     /// `options` with what the URL sets. The URL's parameters win over the

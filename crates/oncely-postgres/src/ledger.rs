@@ -76,9 +76,13 @@ impl PgLedger {
     /// [read-only](PgLedgerOptions::read_only)) and checks the schema
     /// ([`PgLedger::verify`]). The options and the URL are validated before
     /// any round trip.
+    ///
+    /// The URL's `?schema=` and `?table=` set the schema and table, over
+    /// `options`' (so one URL names the whole ledger, for the application
+    /// and the `oncely` command alike); any query parameter neither they
+    /// nor sqlx read is [`Error::Config`].
     pub async fn connect_with(url: &str, options: PgLedgerOptions) -> Result<PgLedger> {
-        options.validate()?;
-        let connect = options.connect_options(url)?;
+        let (options, connect) = options.with_url(url)?;
         let pool = options.pool_options().connect_with(connect).await.map_err(map)?;
         let migrate = options.migrates();
         let ledger = PgLedger::from_pool_with(pool, options)?;
@@ -794,6 +798,23 @@ impl TransactionalLedger for PgLedger {
     }
 }
 
+/// What the ledger reads, for an operator: `postgres HOST:PORT/DATABASE,
+/// table SCHEMA.TABLE` (a socket's path for `HOST:PORT`), from the pool's
+/// connection options, never the password.
+impl std::fmt::Display for PgLedger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let c = self.pool.connect_options();
+        match c.get_socket() {
+            Some(socket) => write!(f, "postgres {}", socket.display())?,
+            None if c.get_host().contains(':') => write!(f, "postgres [{}]:{}", c.get_host(), c.get_port())?,
+            None => write!(f, "postgres {}:{}", c.get_host(), c.get_port())?,
+        }
+        // Without a database, the server opens the one named after the user.
+        let database = c.get_database().unwrap_or(c.get_username());
+        write!(f, "/{database}, table {}.{}", self.inner.schema, self.inner.table)
+    }
+}
+
 impl FromUrl for PgLedger {
     const SCHEMES: &'static [&'static str] = SCHEMES;
 
@@ -804,7 +825,8 @@ impl FromUrl for PgLedger {
     /// [`PgLedgerOptions::read_only`]`(true)`, and a
     /// [`connect_timeout`](field@OpenOptions::connect_timeout) is the
     /// [`acquire_timeout`](PgLedgerOptions::acquire_timeout) (which bounds
-    /// connecting too).
+    /// connecting too). The table is the URL's `?schema=` and `?table=`
+    /// (default `public.oncely_effects`).
     async fn from_url(url: &str, options: OpenOptions) -> Result<Self> {
         PgLedger::connect_with(url, PgLedgerOptions::for_open(options)).await
     }

@@ -82,9 +82,25 @@
 //! ## Opening from a URL
 //!
 //! [`PgLedger`] implements [`FromUrl`] for `postgres://` and
-//! `postgresql://` URLs (sqlx's URL form: host, port, user, password,
-//! database, `sslmode` and the other sqlx parameters), so a tool can open
-//! whichever backend a URL names. [`Access::Migrate`] is
+//! `postgresql://` URLs, so a tool can open whichever backend a URL names.
+//! The URL names the whole ledger, table included:
+//!
+//! | URL part | what it sets |
+//! | --- | --- |
+//! | `postgres://` or `postgresql://` `user:password@host:port/database` | the server and database (sqlx's form; a Unix socket as `?host=/run/postgresql`) |
+//! | `?schema=billing` | [`PgLedgerOptions::schema`] (default `public`) |
+//! | `?table=effects` | [`PgLedgerOptions::table`] (default `oncely_effects`) |
+//! | `?sslmode=`, `?application_name=`, `?options=` … | sqlx's own parameters, handed to it |
+//! | any other parameter (`?tabel=x`) | refused: [`Error::Config`] naming it and the accepted ones, before anything connects |
+//!
+//! `postgres://app@db/app?schema=billing&table=effects` is the ledger an
+//! application opened with `.schema("billing").table("effects")`, and what
+//! `oncely stats` must be given to read it. [`PgLedger::connect_with`]
+//! reads the same parameters, over its options'. A ledger's
+//! [`Display`](std::fmt::Display) says what it reads (`postgres
+//! db:5432/app, table billing.effects`), never the password.
+//!
+//! [`Access::Migrate`] is
 //! [`PgLedger::connect`]; [`Access::Existing`] is
 //! [`PgLedgerOptions::migrate`]`(false)`; [`Access::ReadOnly`] is
 //! [`PgLedgerOptions::read_only`]`(true)`. A

@@ -1,9 +1,10 @@
 //! [`PgLedgerOptions`], the builder of a ledger, and the PostgreSQL URL
-//! forms it opens (`postgres://…` and `postgresql://…`, parsed by sqlx).
+//! forms it opens (`postgres://…` and `postgresql://…`, parsed by sqlx;
+//! `?schema=` and `?table=` are the ledger's own and taken off first).
 
 use std::time::Duration;
 
-use oncely::backend::{Access, OpenOptions};
+use oncely::backend::{Access, OpenOptions, UrlParams};
 use oncely::{Error, Result};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
@@ -18,6 +19,35 @@ pub(crate) const SCHEMES: &[&str] = &["postgres", "postgresql"];
 /// table name).
 const MAX_SCHEMA_BYTES: usize = 63;
 const MAX_TABLE_BYTES: usize = 48;
+
+/// The query parameters a URL may set on the ledger itself
+/// ([`PgLedgerOptions::schema`], [`PgLedgerOptions::table`]).
+const OWN_PARAMS: &[&str] = &["schema", "table"];
+
+/// The query parameters sqlx reads (sqlx-postgres 0.9,
+/// `PgConnectOptions::parse_from_url`); it ignores any other with a log
+/// line only, so a mistyped one is refused here instead.
+const DRIVER_PARAMS: &[&str] = &[
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "application_name",
+    "options",
+    "options[…]",
+];
 
 /// Options of [`PgLedger::connect_with`](crate::PgLedger::connect_with) and
 /// [`PgLedger::from_pool_with`](crate::PgLedger::from_pool_with).
@@ -151,8 +181,28 @@ impl PgLedgerOptions {
         self.migrate && !self.read_only
     }
 
-    /// The connection options of `url` under these options.
-    pub(crate) fn connect_options(&self, url: &str) -> Result<PgConnectOptions> {
+    /// These options with what `url`'s query sets (`?schema=`, `?table=`:
+    /// the URL wins, as it is what a deployment configures), validated, and
+    /// the connection options of the rest of the URL. A parameter neither
+    /// the ledger nor sqlx reads is [`Error::Config`], before any round
+    /// trip.
+    pub(crate) fn with_url(mut self, url: &str) -> Result<(Self, PgConnectOptions)> {
+        check_scheme(url)?;
+        let params = UrlParams::parse(url, "PostgreSQL", OWN_PARAMS, DRIVER_PARAMS)?;
+        if let Some(schema) = params.get("schema") {
+            self.schema = schema.to_owned();
+        }
+        if let Some(table) = params.get("table") {
+            self.table = table.to_owned();
+        }
+        self.validate()?;
+        let connect = self.connect_options(params.driver_url())?;
+        Ok((self, connect))
+    }
+
+    /// The connection options of `url` (without the ledger's parameters)
+    /// under these options.
+    fn connect_options(&self, url: &str) -> Result<PgConnectOptions> {
         let mut connect = parse_url(url)?;
         if self.read_only {
             // The server refuses writes too, whatever the role may do.
@@ -176,13 +226,18 @@ impl PgLedgerOptions {
 /// server on port 3306. Messages never quote the URL (it may carry a
 /// password).
 fn parse_url(url: &str) -> Result<PgConnectOptions> {
+    check_scheme(url)?;
+    url.parse().map_err(map)
+}
+
+fn check_scheme(url: &str) -> Result<()> {
     let scheme = url.split_once(':').map(|(s, _)| s.to_ascii_lowercase());
     if !scheme.is_some_and(|s| SCHEMES.contains(&s.as_str())) {
         return Err(Error::Config(
             "not a PostgreSQL URL: it starts with postgres:// or postgresql://".into(),
         ));
     }
-    url.parse().map_err(map)
+    Ok(())
 }
 
 fn identifier(what: &str, s: &str, max: usize) -> Result<()> {
@@ -228,6 +283,58 @@ mod tests {
                 other => panic!("{bad}: {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn the_url_names_the_schema_and_table_and_nothing_unknown() {
+        let (o, connect) = PgLedgerOptions::default()
+            .table("from_code")
+            .with_url("postgres://app:s3cret@db:5433/app?sslmode=disable&schema=billing&table=effects")
+            .unwrap();
+        assert_eq!((o.schema.as_str(), o.table.as_str()), ("billing", "effects"));
+        assert_eq!((connect.get_host(), connect.get_port()), ("db", 5433));
+        assert_eq!(connect.get_database(), Some("app"));
+        // What the URL does not name stays as the code set it.
+        let (o, _) = PgLedgerOptions::default()
+            .table("from_code")
+            .with_url("postgres://app@db/app")
+            .unwrap();
+        assert_eq!((o.schema.as_str(), o.table.as_str()), ("public", "from_code"));
+        for (bad, says) in [
+            (
+                "postgres://app:s3cret@db/app?tabel=x",
+                "unknown PostgreSQL URL parameter 'tabel' (expected schema, table, or one its driver reads: sslmode",
+            ),
+            (
+                "postgres://app:s3cret@db/app?table=Effects",
+                "table name \"Effects\" is not a plain identifier",
+            ),
+            (
+                "postgres://app:s3cret@db/app?schema=a-b",
+                "schema name \"a-b\" is not a plain identifier",
+            ),
+            (
+                "postgres://app:s3cret@db/app?table=",
+                "table name \"\" is not a plain identifier",
+            ),
+            (
+                "postgres://app:s3cret@db/app?table=a&table=b",
+                "table is given twice",
+            ),
+            ("mysql://app:s3cret@db/app?table=x", "not a PostgreSQL URL"),
+        ] {
+            match PgLedgerOptions::default().with_url(bad) {
+                Err(Error::Config(m)) => {
+                    assert!(m.contains(says), "{bad}: {m}");
+                    assert!(!m.contains("s3cret"), "{bad}: {m}");
+                }
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+        // sqlx's own parameters pass, the bracketed options included.
+        PgLedgerOptions::default()
+            .with_url("postgres://app@db/app?options[search_path]=x&application_name=a&table=t")
+            .unwrap();
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! `PgLedger::from_url` (`oncely::backend::FromUrl`): each `Access`, the
-//! connect timeout, and URLs refused before anything connects.
+//! connect timeout, the table the URL names (`?schema=&table=`), and URLs
+//! refused before anything connects.
 //!
 //! `from_url` opens the default table, `public.oncely_effects`; the test
 //! works in a database of its own (created and dropped here) so that the
@@ -187,4 +188,133 @@ async fn from_url_refuses_a_malformed_url() {
             }
         }
     }
+}
+
+/// `url` with `query` appended (after its own query, if any).
+fn with_query(url: &str, query: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}{query}")
+}
+
+/// The URL names the table: a ledger the application opened with
+/// `PgLedgerOptions::schema(..).table(..)` is the one `?schema=&table=`
+/// opens, for every access, and the default URL opens another (the default
+/// table, without the record). `connect_with` reads them too, over its
+/// options'. The ledger says what it reads, without the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_url_names_the_schema_and_the_table() {
+    let Some(url) = url() else { return };
+    let Some(admin) = pool(&url).await else { return };
+    let schema = format!("oncely_url_{}", std::process::id());
+    let drop_schema = format!("DROP SCHEMA IF EXISTS {schema} CASCADE");
+    sqlx::raw_sql(AssertSqlSafe(drop_schema.clone()))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let app = PgLedger::connect_with(
+        &url,
+        oncely_postgres::PgLedgerOptions::default()
+            .schema(schema.clone())
+            .table("effects"),
+    )
+    .await
+    .unwrap();
+    let done = key("in-billing");
+    match app.claim(&done, &ClaimOptions::default()).await.unwrap() {
+        Claim::Acquired(l) => app
+            .complete(&l, &Outcome::from_json(&"ch_1").unwrap())
+            .await
+            .unwrap(),
+        other => panic!("{other:?}"),
+    }
+
+    let named = with_query(&url, &format!("schema={schema}&table=effects"));
+    for access in [Access::ReadOnly, Access::Existing, Access::Migrate] {
+        let l = PgLedger::from_url(&named, OpenOptions::new(access))
+            .await
+            .unwrap();
+        assert_eq!(l.table(), (schema.as_str(), "effects"), "{access:?}");
+        let r = l.get(&done).await.unwrap();
+        assert_eq!(r.map(|r| r.state), Some(RecordState::Completed), "{access:?}");
+        let shown = l.to_string();
+        assert!(shown.starts_with("postgres "), "{shown}");
+        assert!(shown.ends_with(&format!(", table {schema}.effects")), "{shown}");
+        l.pool().close().await;
+    }
+    // The URL wins over the options of connect_with.
+    let l = PgLedger::connect_with(
+        &named,
+        oncely_postgres::PgLedgerOptions::default()
+            .table("from_code")
+            .read_only(true),
+    )
+    .await
+    .unwrap();
+    assert_eq!(l.table(), (schema.as_str(), "effects"));
+    l.pool().close().await;
+
+    let default = PgLedger::from_url(&url, OpenOptions::new(Access::Migrate))
+        .await
+        .unwrap();
+    assert_eq!(default.table(), ("public", "oncely_effects"));
+    assert!(default.get(&done).await.unwrap().is_none());
+    assert!(
+        default.to_string().ends_with(", table public.oncely_effects"),
+        "{default}"
+    );
+    default.pool().close().await;
+
+    app.pool().close().await;
+    sqlx::raw_sql(AssertSqlSafe(drop_schema))
+        .execute(&admin)
+        .await
+        .unwrap();
+}
+
+/// A query parameter neither the ledger nor sqlx reads (sqlx alone would
+/// log it and open the default table), a duplicate one, and a table or
+/// schema that is not a plain identifier are configuration errors naming
+/// the parameter, before anything connects (port 1 is closed), without the
+/// password.
+#[tokio::test]
+async fn unknown_or_bad_url_parameters_are_refused_before_connecting() {
+    let base = "postgres://app:s3cret@127.0.0.1:1/test";
+    for (query, says) in [
+        (
+            "tabel=effects",
+            "unknown PostgreSQL URL parameter 'tabel' (expected schema, table, or one its driver reads: sslmode,",
+        ),
+        ("schema=billing&tabel=effects", "parameter 'tabel'"),
+        ("sslmod=disable", "unknown PostgreSQL URL parameter 'sslmod'"),
+        ("table=a&table=b", "PostgreSQL URL parameter table is given twice"),
+        (
+            "table=Effects",
+            "table name \"Effects\" is not a plain identifier",
+        ),
+        (
+            "schema=bill-ing",
+            "schema name \"bill-ing\" is not a plain identifier",
+        ),
+        ("table=a;drop", "table name \"a;drop\" is not a plain identifier"),
+    ] {
+        let url = format!("{base}?{query}");
+        for access in [Access::Migrate, Access::Existing, Access::ReadOnly] {
+            match PgLedger::from_url(&url, OpenOptions::new(access)).await {
+                Err(Error::Config(m)) => {
+                    assert!(m.contains(says), "{query} {access:?}: {m}");
+                    assert!(!m.contains("s3cret"), "{query} {access:?}: {m}");
+                }
+                Err(e) => panic!("{query} {access:?}: {e:?}"),
+                Ok(_) => panic!("{query} {access:?} opened"),
+            }
+        }
+    }
+    // sqlx's own parameters still reach it (and port 1 is then tried).
+    let e = PgLedger::from_url(
+        &format!("{base}?sslmode=disable&application_name=oncely&table=effects"),
+        OpenOptions::new(Access::ReadOnly).connect_timeout(Duration::from_secs(2)),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(e, Error::Unavailable { .. }), "{e:?}");
 }

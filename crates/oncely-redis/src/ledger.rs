@@ -22,7 +22,7 @@ use crate::error::{BACKEND, copy_error, corrupt, map_err, task_failed, unexpecte
 use crate::keys::{horizon_key, record_key, record_pattern, slot};
 use crate::lua::{self, CLAIM, ClaimItem, FENCED, FencedItem, GET};
 use crate::notify::Notifications;
-use crate::options::{RedisLedgerOptions, Target, check_scheme, ledger_params, parse_url};
+use crate::options::{RedisLedgerOptions, RedisUrl, Target, check_scheme};
 use crate::reply::{array, grant, in_progress, int, record, tag, text, uint};
 
 /// How many times one claim runs the claim script. It runs again only after
@@ -42,6 +42,8 @@ pub struct RedisLedger {
     pub(crate) notes: Arc<Notifications>,
     /// What the masters' persistence settings keep, read on connect.
     durability: &'static str,
+    /// The servers, as [`Target::servers`] shows them.
+    servers: Arc<str>,
 }
 
 /// What one record's claim script reply means to the worker.
@@ -101,13 +103,18 @@ impl RedisLedger {
     }
 
     /// [`RedisLedger::connect`] with options.
-    pub async fn connect_with(url: &str, mut options: RedisLedgerOptions) -> Result<RedisLedger> {
+    ///
+    /// The URL's `?prefix=` sets the key prefix, and `?ephemeral=true|false`
+    /// accepts (or refuses) a server that persists nothing, both over
+    /// `options`' (so one URL names the whole ledger, for the application
+    /// and the `oncely` command alike); any other query parameter but the
+    /// client's `protocol` is [`Error::Config`].
+    pub async fn connect_with(url: &str, options: RedisLedgerOptions) -> Result<RedisLedger> {
+        let url = RedisUrl::parse(url)?;
+        let options = url.apply(options);
         options.check()?;
-        let (url, ephemeral) = ledger_params(url)?;
-        if let Some(yes) = ephemeral {
-            options.ephemeral = yes;
-        }
-        let target = parse_url(&url)?;
+        let target = url.target;
+        let servers = target.servers().into();
         let mut conn = Conn::open(target.clone(), &options).await?;
         conn.check_eviction(options.require_noeviction).await?;
         let durability = durability::check(&mut conn, &options).await?;
@@ -127,6 +134,7 @@ impl RedisLedger {
             opts: Arc::new(options),
             notes: Arc::new(notes),
             durability,
+            servers,
         })
     }
 
@@ -746,6 +754,18 @@ fn fenced_answer(key: &EffectKey, fence: u64, rkey: &str, parts: Vec<Value>) -> 
     }
 }
 
+/// What the ledger reads, for an operator: `redis HOST:PORT/DB, prefix P`,
+/// or `redis cluster HOST:PORT,…, prefix P`; never a credential.
+impl std::fmt::Display for RedisLedger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.conn {
+            Conn::Single(_) => write!(f, "redis {}/{}", self.servers, self.conn.get_db())?,
+            Conn::Cluster(_) => write!(f, "redis cluster {}", self.servers)?,
+        }
+        write!(f, ", prefix {}", self.opts.prefix)
+    }
+}
+
 impl FromUrl for RedisLedger {
     const SCHEMES: &'static [&'static str] = crate::options::SCHEMES;
 
@@ -762,7 +782,8 @@ impl FromUrl for RedisLedger {
     /// `release`, `renew`, `prune`) fail with [`Error::Config`] before any
     /// round trip ([`RedisLedgerOptions::read_only`]), as the SQL backends'
     /// read-only ledgers do. [`OpenOptions::connect_timeout`] sets
-    /// [`RedisLedgerOptions::connection_timeout`].
+    /// [`RedisLedgerOptions::connection_timeout`]. The key prefix is the
+    /// URL's `?prefix=` (default `oncely:`).
     async fn from_url(url: &str, options: OpenOptions) -> Result<Self> {
         // Stricter than `connect`, which also hands `unix://` and the like
         // to the client: a caller that picks the backend by scheme (the

@@ -52,6 +52,21 @@
 //! `redis+cluster://`), is [`Error::Config`] before anything connects, and
 //! no message quotes the URL (it may hold a password).
 //!
+//! The URL names the whole ledger, key prefix included, so that the
+//! application and the `oncely` command open the same one:
+//!
+//! | URL part | what it sets |
+//! | --- | --- |
+//! | `redis://user:password@host:port/db` | one server, and its database number |
+//! | `redis+cluster://user:password@h1:p1,h2:p2,…` | a cluster's seed nodes |
+//! | `?prefix=billing:` | [`RedisLedgerOptions::prefix`] (default `oncely:`; `%XX` escapes for what a query cannot hold) |
+//! | `?protocol=resp3` | the redis client's own parameter, handed to it (every node of a cluster) |
+//! | any other parameter (`?prefx=x`) | refused: [`Error::Config`] naming it and the accepted ones, before anything connects |
+//!
+//! [`RedisLedger::connect_with`] reads `?prefix=` too, over its options'.
+//! A ledger's [`Display`](std::fmt::Display) says what it reads (`redis
+//! 10.0.0.5:6379/0, prefix billing:`), never a credential.
+//!
 //! [`RedisLedger`] implements [`FromUrl`](oncely::backend::FromUrl) with the
 //! schemes `redis` and `redis+cluster`, the one way a tool opens any backend
 //! from a URL. Redis has no tables or buckets: there is nothing to create

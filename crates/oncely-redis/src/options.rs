@@ -5,7 +5,9 @@
 
 use std::time::Duration;
 
+use oncely::backend::UrlParams;
 use oncely::{Error, Result};
+use redis::IntoConnectionInfo;
 
 /// The schemes of [`FromUrl`](oncely::backend::FromUrl): one server, or a
 /// cluster's seed nodes.
@@ -15,6 +17,17 @@ const DEFAULT_PREFIX: &str = "oncely:";
 
 /// What the messages of a malformed URL point to.
 const FORMS: &str = "redis://host:port[/db] or redis+cluster://host:port,host:port,…";
+
+/// The query parameters a URL may set on the ledger itself
+/// ([`RedisLedgerOptions::prefix`]); the redis client never sees them.
+const OWN_PARAMS: &[&str] = &["prefix", "ephemeral"];
+
+/// The query parameters the redis client reads (redis 1.x) on a TCP URL
+/// (`redis://`, each node of `redis+cluster://`); it ignores any other.
+const DRIVER_PARAMS: &[&str] = &["protocol"];
+
+/// The ones it reads on a Unix socket's URL (`unix://`, `redis+unix://`).
+const UNIX_DRIVER_PARAMS: &[&str] = &["db", "user", "pass", "protocol"];
 
 /// Options of a [`RedisLedger`](crate::RedisLedger).
 /// `RedisLedgerOptions::default()` gives the prefix `oncely:`, a 2 s
@@ -142,52 +155,81 @@ pub(crate) enum Target {
     Cluster(Vec<String>),
 }
 
-/// Takes this ledger's own parameter out of a URL's query, before the
-/// redis client sees the URL: the URL without it, and `ephemeral` if given
-/// (`true` or `false`). Every other parameter stays, for the client.
-/// Messages never quote the URL.
-pub(crate) fn ledger_params(url: &str) -> Result<(String, Option<bool>)> {
-    let url = url.trim();
-    let Some((base, query)) = url.split_once('?') else {
-        return Ok((url.to_owned(), None));
-    };
-    let (query, fragment) = match query.split_once('#') {
-        Some((q, f)) => (q, Some(f)),
-        None => (query, None),
-    };
-    let mut ephemeral = None;
-    let mut rest = Vec::new();
-    for pair in query.split('&').filter(|p| !p.is_empty()) {
-        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-        if name != "ephemeral" {
-            rest.push(pair);
-            continue;
-        }
-        let yes = match value {
-            "true" => true,
-            "false" => false,
-            _ => {
+impl Target {
+    /// The servers as an operator reads them (`host:port` each, or a
+    /// socket's path), as the redis client reads each URL: never a
+    /// credential or a parameter.
+    pub(crate) fn servers(&self) -> String {
+        let nodes = match self {
+            Target::Single(url) => std::slice::from_ref(url),
+            Target::Cluster(nodes) => nodes.as_slice(),
+        };
+        nodes
+            .iter()
+            .map(|n| {
+                n.as_str()
+                    .into_connection_info()
+                    .map_or_else(|_| "?".to_owned(), |i| i.addr().to_string())
+            })
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+/// What a URL names: the server(s), and the ledger options its query sets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RedisUrl {
+    /// The server(s), the ledger's own parameters taken off.
+    pub(crate) target: Target,
+    /// `?prefix=`.
+    pub(crate) prefix: Option<String>,
+    /// `?ephemeral=true|false`.
+    pub(crate) ephemeral: Option<bool>,
+}
+
+impl RedisUrl {
+    /// Reads a URL ([`parse_url`] for the servers): a query parameter
+    /// neither the ledger nor the redis client reads is [`Error::Config`].
+    pub(crate) fn parse(url: &str) -> Result<RedisUrl> {
+        let url = url.trim();
+        let scheme = url.split_once("://").map_or("", |(s, _)| s);
+        let driver = if ["unix", "redis+unix"]
+            .iter()
+            .any(|u| scheme.eq_ignore_ascii_case(u))
+        {
+            UNIX_DRIVER_PARAMS
+        } else {
+            DRIVER_PARAMS
+        };
+        let params = UrlParams::parse(url, "Redis", OWN_PARAMS, driver)?;
+        let ephemeral = match params.get("ephemeral") {
+            None => None,
+            Some("true") => Some(true),
+            Some("false") => Some(false),
+            Some(_) => {
                 return Err(Error::Config(
                     "Redis URL parameter ephemeral must be true or false".to_owned(),
                 ));
             }
         };
-        if ephemeral.replace(yes).is_some() {
-            return Err(Error::Config(
-                "Redis URL parameter ephemeral is given twice".to_owned(),
-            ));
+        Ok(RedisUrl {
+            target: parse_url(params.driver_url())?,
+            prefix: params.get("prefix").map(str::to_owned),
+            ephemeral,
+        })
+    }
+
+    /// `options` with what the URL sets. The URL's parameters win over the
+    /// options': the URL is what a deployment configures.
+    pub(crate) fn apply(&self, mut options: RedisLedgerOptions) -> RedisLedgerOptions {
+        if let Some(prefix) = &self.prefix {
+            options.prefix = prefix.clone();
         }
+        if let Some(yes) = self.ephemeral {
+            options.ephemeral = yes;
+        }
+        options
     }
-    let mut out = base.to_owned();
-    if !rest.is_empty() {
-        out.push('?');
-        out.push_str(&rest.join("&"));
-    }
-    if let Some(f) = fragment {
-        out.push('#');
-        out.push_str(f);
-    }
-    Ok((out, ephemeral))
 }
 
 /// Refuses a URL whose scheme is not one of [`SCHEMES`] (case aside).
@@ -369,6 +411,50 @@ mod tests {
         }
     }
 
+    #[test]
+    fn the_url_names_the_prefix_and_nothing_unknown() {
+        let u = RedisUrl::parse("redis://:pw@h:1/2?prefix=billing%3A&protocol=resp3").unwrap();
+        assert_eq!(
+            u.target,
+            Target::Single("redis://:pw@h:1/2?protocol=resp3".to_owned())
+        );
+        assert_eq!(u.prefix.as_deref(), Some("billing:"));
+        assert_eq!(u.target.servers(), "h:1");
+        let opts = u.apply(RedisLedgerOptions::default().prefix("from_code:"));
+        assert_eq!(opts.prefix, "billing:");
+        let u = RedisUrl::parse("redis+cluster://u:pw@a:7000,b:7001?prefix=p:").unwrap();
+        assert_eq!(
+            u.target,
+            Target::Cluster(vec![
+                "redis://u:pw@a:7000".to_owned(),
+                "redis://u:pw@b:7001".to_owned()
+            ])
+        );
+        assert_eq!(u.target.servers(), "a:7000,b:7001");
+        let u = RedisUrl::parse("redis://h:1").unwrap();
+        assert_eq!(u.prefix, None);
+        assert_eq!(u.apply(RedisLedgerOptions::default()).prefix, "oncely:");
+        for (url, says) in [
+            (
+                "redis://:hunter2@h:1?prefx=a:",
+                "unknown Redis URL parameter 'prefx' (expected prefix, ephemeral, or one its driver reads: protocol)",
+            ),
+            ("redis+cluster://a:1,b:2?db=3", "unknown Redis URL parameter 'db'"),
+            (
+                "redis://h:1?prefix=a&prefix=b",
+                "Redis URL parameter prefix is given twice",
+            ),
+            ("redis://h:1?hunter2:x", "unknown Redis URL parameter (expected"),
+        ] {
+            let m = match RedisUrl::parse(url) {
+                Err(Error::Config(m)) => m,
+                other => panic!("{url}: expected Error::Config, got {other:?}"),
+            };
+            assert!(m.contains(says), "{url}: {m}");
+            assert!(!m.contains("hunter2"), "{url}: {m}");
+        }
+    }
+
     /// `?ephemeral=` is the ledger's, taken out of the URL before the
     /// client sees it; the client's own parameters stay.
     #[test]
@@ -389,7 +475,12 @@ mod tests {
             ),
             ("redis://h:1?protocol=resp3", "redis://h:1?protocol=resp3", None),
         ] {
-            assert_eq!(ledger_params(url).unwrap(), (rest.to_owned(), ephemeral), "{url}");
+            let u = RedisUrl::parse(url).unwrap();
+            assert_eq!(
+                (u.target, u.ephemeral),
+                (parse_url(rest).unwrap(), ephemeral),
+                "{url}"
+            );
         }
         for (url, says) in [
             ("redis://:hunter2@h:1?ephemeral=yes", "must be true or false"),
@@ -399,7 +490,7 @@ mod tests {
                 "given twice",
             ),
         ] {
-            let m = match ledger_params(url) {
+            let m = match RedisUrl::parse(url) {
                 Err(Error::Config(m)) => m,
                 other => panic!("{url}: expected Error::Config, got {other:?}"),
             };

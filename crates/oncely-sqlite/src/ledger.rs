@@ -80,14 +80,20 @@ impl SqliteLedger {
     /// (`get`, `abandoned`, `horizon`), [`SqliteLedgerOptions::read_only`]:
     /// creates nothing, migrates nothing, verifies the schema; a path with no
     /// database is [`Error::Config`] naming it.
+    ///
+    /// A `sqlite:` URL's `?table=` sets the table, over `options`' (so one
+    /// URL names the whole ledger, for the application and the `oncely`
+    /// command alike); any query parameter neither it nor sqlx's is
+    /// [`Error::Config`].
     pub async fn connect_with(url: &str, options: SqliteLedgerOptions) -> Result<SqliteLedger> {
-        let q = Arc::new(Queries::new(&options.table)?);
         let Opening {
             connect,
             read_only,
             migrate,
             memory,
+            table,
         } = options::open(url, &options)?;
+        let q = Arc::new(Queries::new(&table)?);
         let keep_alive = if memory {
             let conn = SqliteConnection::connect_with(&connect)
                 .await
@@ -652,6 +658,23 @@ impl TransactionalLedger for SqliteLedger {
 ///
 /// Messages may name the file: a SQLite URL is a path and carries no
 /// credentials.
+/// What the ledger reads, for an operator: `sqlite FILE, table TABLE` (the
+/// file SQLite opened, once known), or an ephemeral in-memory database.
+impl fmt::Display for SqliteLedger {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.file {
+            _ if self._keep_alive.is_some() => f.write_str("sqlite in memory (ephemeral)")?,
+            Some(file) if !file.is_empty() => write!(f, "sqlite {file}")?,
+            _ => write!(
+                f,
+                "sqlite {}",
+                self.pool.connect_options().get_filename().display()
+            )?,
+        }
+        write!(f, ", table {}", self.q.table)
+    }
+}
+
 impl FromUrl for SqliteLedger {
     const SCHEMES: &'static [&'static str] = &["sqlite"];
 

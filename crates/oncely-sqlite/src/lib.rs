@@ -103,6 +103,22 @@
 //! needs: [`Access::Migrate`](oncely::backend::Access::Migrate) is `connect`,
 //! `Existing` is `migrate(false)`, `ReadOnly` is `read_only(true)`.
 //!
+//! ### URL forms
+//!
+//! The URL names the whole ledger, table included, so that the application
+//! and the `oncely` command open the same one:
+//!
+//! | URL part | what it sets |
+//! | --- | --- |
+//! | `sqlite:PATH`, `sqlite://PATH`, or a bare path | the database file (`sqlite::memory:` and an empty path only with [`SqliteLedgerOptions::ephemeral`]) |
+//! | `?table=effects` | [`SqliteLedgerOptions::table`] (default `oncely_effects`); its horizon table is `<table>_horizon` |
+//! | `?mode=ro\|rw\|rwc\|memory`, `?cache=`, `?immutable=`, `?vfs=` | SQLite's own parameters, handed to sqlx (`mode=ro`: read-only) |
+//! | any other parameter (`?tabel=x`) | refused: [`oncely::Error::Config`] naming it and the accepted ones, before anything opens |
+//!
+//! [`SqliteLedger::connect_with`] reads `?table=` too, over its options'. A
+//! ledger's [`Display`](std::fmt::Display) says what it reads (`sqlite
+//! /srv/app/ledger.db, table effects`).
+//!
 //! ## Guarantees and limits
 //!
 //! | property | SQLite backend |

@@ -7,6 +7,7 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use oncely::backend::UrlParams;
 use oncely::{Error, Result};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
 
@@ -196,12 +197,22 @@ enum Storage {
     Temporary,
 }
 
+/// The query parameters a `sqlite:` URL may set on the ledger itself
+/// ([`SqliteLedgerOptions::table`]); sqlx never sees them.
+const OWN_PARAMS: &[&str] = &["table"];
+
+/// The query parameters sqlx reads (sqlx-sqlite 0.9,
+/// `SqliteConnectOptions::from_db_and_params`).
+const DRIVER_PARAMS: &[&str] = &["mode", "cache", "immutable", "vfs"];
+
 /// A parsed URL.
 struct Target {
     connect: SqliteConnectOptions,
     storage: Storage,
     /// The URL itself says `mode=ro`.
     read_only: bool,
+    /// The URL's `?table=`.
+    table: Option<String>,
 }
 
 /// Parses `sqlite:path`, `sqlite://path` (with optional `?…` parameters) or
@@ -209,10 +220,15 @@ struct Target {
 fn parse(url: &str) -> Result<Target> {
     let config = |e: sqlx::Error| Error::Config(format!("{url}: {e}"));
     let lower = url.to_ascii_lowercase();
-    let (connect, database, params) = if lower.starts_with("sqlite:") {
+    let own = if lower.starts_with("sqlite:") {
+        Some(UrlParams::parse(url, "SQLite", OWN_PARAMS, DRIVER_PARAMS)?)
+    } else {
+        None
+    };
+    let (connect, database, params) = if let Some(own) = &own {
         // sqlx strips a lowercase scheme only, and splits off the parameters
         // the same way.
-        let rest = &url["sqlite:".len()..];
+        let rest = &own.driver_url()["sqlite:".len()..];
         let connect = SqliteConnectOptions::from_str(&format!("sqlite:{rest}")).map_err(config)?;
         let rest = rest.strip_prefix("//").unwrap_or(rest);
         let (database, params) = rest.split_once('?').unwrap_or((rest, ""));
@@ -249,6 +265,7 @@ fn parse(url: &str) -> Result<Target> {
         connect,
         storage,
         read_only: mode.as_deref() == Some("ro"),
+        table: own.as_ref().and_then(|p| p.get("table")).map(str::to_owned),
     })
 }
 
@@ -296,6 +313,8 @@ pub(crate) struct Opening {
     /// An in-memory database, which lives only while a connection to it
     /// is open (not a file, even one on a memory file system).
     pub(crate) memory: bool,
+    /// The ledger table: the URL's `?table=`, else the options'.
+    pub(crate) table: String,
 }
 
 /// Decides what to open and how. Options that contradict each other or the
@@ -306,6 +325,8 @@ pub(crate) fn open(url: &str, options: &SqliteLedgerOptions) -> Result<Opening> 
         return Err(Error::Config("max_connections must be at least 1".to_owned()));
     }
     let target = parse(url)?;
+    let table = target.table.unwrap_or_else(|| options.table.clone());
+    sql::check_table_name(&table)?;
     let read_only = options.read_only || target.read_only;
     let migrate = options.migrate && !read_only;
     let memory = !matches!(target.storage, Storage::File(_));
@@ -362,6 +383,7 @@ pub(crate) fn open(url: &str, options: &SqliteLedgerOptions) -> Result<Opening> 
         read_only,
         migrate,
         memory,
+        table,
     })
 }
 
@@ -405,5 +427,32 @@ mod tests {
         assert!(parse("sqlite:x.db?mode=ro").unwrap().read_only);
         assert!(!parse("sqlite:x.db").unwrap().read_only);
         assert!(matches!(parse("sqlite:x.db?mode=bogus"), Err(Error::Config(_))));
+    }
+
+    #[test]
+    fn the_url_names_the_table_and_nothing_unknown() {
+        let t = parse("sqlite://data/app.db?mode=rwc&table=effects").unwrap();
+        assert_eq!(t.storage, Storage::File("data/app.db".into()));
+        assert_eq!(t.table.as_deref(), Some("effects"));
+        assert_eq!(parse("sqlite:data/app.db").unwrap().table, None);
+        // A `#` before the query is the file's.
+        let t = parse("sqlite:data#1.db?table=effects").unwrap();
+        assert_eq!(t.storage, Storage::File("data#1.db".into()));
+        for (bad, says) in [
+            (
+                "sqlite:x.db?tabel=effects",
+                "unknown SQLite URL parameter 'tabel' (expected table, or one its driver reads: mode, cache, immutable, vfs)",
+            ),
+            (
+                "sqlite:x.db?table=a&table=b",
+                "SQLite URL parameter table is given twice",
+            ),
+        ] {
+            match parse(bad) {
+                Err(Error::Config(m)) => assert!(m.contains(says), "{bad}: {m}"),
+                Err(e) => panic!("{bad}: {e:?}"),
+                Ok(_) => panic!("{bad} parsed"),
+            }
+        }
     }
 }

@@ -6,7 +6,8 @@
 //! decided here, so that the backends cannot drift apart:
 //!
 //! - [`FromUrl`], [`OpenOptions`], [`Access`]: the one way every backend opens
-//!   from a URL;
+//!   from a URL; [`UrlParams`]: its query parameters, any the backend and
+//!   its driver do not read refused;
 //! - [`Grant`]: how a backend builds the [`Lease`] a claim returns;
 //! - [`answer_existing`]: what a claim answers when it finds a record it may
 //!   not take over (and whether it may take it over at all);
@@ -83,8 +84,14 @@ impl OpenOptions {
 
 /// A ledger that opens from a URL: the one shape every backend crate
 /// offers, so that a tool (the `oncely` command) can pick the backend from a
-/// URL with one line per backend. Each crate parses its own URLs.
-pub trait FromUrl: Ledger + Sized {
+/// URL with one line per backend. Each crate parses its own URLs, and its
+/// query parameters through [`UrlParams`].
+///
+/// Its [`Display`](std::fmt::Display) says what the ledger reads, for an
+/// operator: the backend, the server and database (or file), and the
+/// table, bucket or key prefix (`postgres 127.0.0.1:5432/app, table
+/// billing.effects`). It never shows a credential.
+pub trait FromUrl: Ledger + std::fmt::Display + Sized {
     /// The URL schemes it opens, lowercase (`postgres`, `postgresql`).
     const SCHEMES: &'static [&'static str];
 
@@ -100,6 +107,118 @@ impl<L: FromUrl> FromUrl for std::sync::Arc<L> {
     async fn from_url(url: &str, options: OpenOptions) -> Result<Self> {
         L::from_url(url, options).await.map(std::sync::Arc::new)
     }
+}
+
+/// The query parameters of a backend's URL (`?table=effects&sslmode=require`),
+/// split into the ones the backend reads itself and the ones its driver
+/// reads, so that a mistyped or unsupported parameter is refused with
+/// [`Error::Config`] before anything connects, on every backend, instead of
+/// being ignored (a driver that ignores `?tabel=x` would open the default
+/// table, and an operator would read the wrong ledger).
+///
+/// A backend lists its own parameters and its driver's; a parameter it adds
+/// joins its list. Its own parameters' values are percent-decoded as a
+/// query string is (`+` is a space); the driver's are handed on untouched.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UrlParams {
+    own: Vec<(String, String)>,
+    driver_url: String,
+}
+
+impl UrlParams {
+    /// Reads the query string of `url` (after the first `?`, up to a `#`
+    /// after it).
+    /// `what` names the backend in messages (`PostgreSQL`); `own` lists the
+    /// parameters the backend reads; `driver` those its driver reads, where
+    /// an entry ending in `[…]` (`options[…]`) stands for any name with that
+    /// stem and a bracketed part (`options[search_path]`).
+    ///
+    /// Fails with [`Error::Config`] on a parameter in neither list (naming
+    /// it, unless it does not look like a name: it may be a mistyped
+    /// credential, and messages never quote a URL), and on one of the
+    /// backend's own given twice. Empty pairs (`?&a=1&`) are skipped.
+    pub fn parse(url: &str, what: &str, own: &[&str], driver: &[&str]) -> Result<UrlParams> {
+        // The first `?` starts the query wherever a `#` is: SQLite's driver
+        // reads a `#` before it as part of the file name.
+        let (base, query) = url.split_once('?').unwrap_or((url, ""));
+        let (query, fragment) = match query.split_once('#') {
+            Some((q, f)) => (q, Some(f)),
+            None => (query, None),
+        };
+        let mut params = UrlParams {
+            own: Vec::new(),
+            driver_url: base.to_owned(),
+        };
+        let mut kept = Vec::new();
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let Some((name, value)) = form_urlencoded::parse(pair.as_bytes()).next() else {
+                continue;
+            };
+            if own.contains(&name.as_ref()) {
+                if params.get(&name).is_some() {
+                    return Err(Error::Config(format!(
+                        "{what} URL parameter {name} is given twice"
+                    )));
+                }
+                params.own.push((name.into_owned(), value.into_owned()));
+            } else if driver.iter().any(|d| matches_param(d, &name)) {
+                kept.push(pair);
+            } else {
+                return Err(unknown_param(what, &name, own, driver));
+            }
+        }
+        if !kept.is_empty() {
+            params.driver_url.push('?');
+            params.driver_url.push_str(&kept.join("&"));
+        }
+        if let Some(f) = fragment {
+            params.driver_url.push('#');
+            params.driver_url.push_str(f);
+        }
+        Ok(params)
+    }
+
+    /// The value of one of the backend's own parameters, if the URL gives it.
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.own.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+    }
+
+    /// The URL without the backend's own parameters: what its driver parses.
+    pub fn driver_url(&self) -> &str {
+        &self.driver_url
+    }
+}
+
+fn matches_param(accepted: &str, name: &str) -> bool {
+    match accepted.strip_suffix("[…]") {
+        Some(stem) => name
+            .strip_prefix(stem)
+            .is_some_and(|rest| rest.len() > 2 && rest.starts_with('[') && rest.ends_with(']')),
+        None => accepted == name,
+    }
+}
+
+fn unknown_param(what: &str, name: &str, own: &[&str], driver: &[&str]) -> Error {
+    let shown = if !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_-.".contains(&b))
+    {
+        format!(" '{name}'")
+    } else {
+        String::new()
+    };
+    let expected = match (own.is_empty(), driver.is_empty()) {
+        (true, true) => "it takes none".to_owned(),
+        (false, true) => format!("expected {}", own.join(", ")),
+        (true, false) => format!("expected one its driver reads: {}", driver.join(", ")),
+        (false, false) => format!(
+            "expected {}, or one its driver reads: {}",
+            own.join(", "),
+            driver.join(", ")
+        ),
+    };
+    Error::Config(format!("unknown {what} URL parameter{shown} ({expected})"))
 }
 
 /// The parts of a lease a backend has just granted. [`Grant::into_lease`]
@@ -400,6 +519,72 @@ mod tests {
         assert_eq!(next_fence(Some(1_000), 1_000), 1_001);
         assert_eq!(next_fence(Some(5), 1_000), 1_000);
         assert_eq!(next_fence(Some(u64::MAX), 1), u64::MAX);
+    }
+
+    #[test]
+    fn url_params_split_own_from_the_driver_s() {
+        let p = UrlParams::parse(
+            "postgres://u:pw@h/db?sslmode=disable&schema=billing&table=effects&options[search_path]=x#f",
+            "PostgreSQL",
+            &["schema", "table"],
+            &["sslmode", "options[…]"],
+        )
+        .unwrap();
+        assert_eq!(
+            (p.get("schema"), p.get("table")),
+            (Some("billing"), Some("effects"))
+        );
+        assert_eq!(p.get("sslmode"), None);
+        assert_eq!(
+            p.driver_url(),
+            "postgres://u:pw@h/db?sslmode=disable&options[search_path]=x#f"
+        );
+        // Only its own parameters: the driver gets the URL without a query.
+        let p = UrlParams::parse("nats://n1?&bucket=a%2Db+c&", "NATS", &["bucket"], &[]).unwrap();
+        assert_eq!((p.get("bucket"), p.driver_url()), (Some("a-b c"), "nats://n1"));
+        let p = UrlParams::parse("memory:", "memory", &[], &[]).unwrap();
+        assert_eq!(p.driver_url(), "memory:");
+    }
+
+    #[test]
+    fn url_params_nobody_reads_are_refused_without_quoting_the_url() {
+        for (url, says) in [
+            (
+                "postgres://u:s3cret@h/db?tabel=x",
+                "unknown PostgreSQL URL parameter 'tabel' (expected schema, table, or one its driver \
+                 reads: sslmode, options[…])",
+            ),
+            (
+                "postgres://u:s3cret@h/db?table=a&table=b",
+                "PostgreSQL URL parameter table is given twice",
+            ),
+            (
+                "postgres://u@h/db?token:s3cret",
+                "unknown PostgreSQL URL parameter (expected",
+            ),
+            (
+                "postgres://u@h/db?options[]=s3cret",
+                "unknown PostgreSQL URL parameter (expected",
+            ),
+        ] {
+            let e = UrlParams::parse(
+                url,
+                "PostgreSQL",
+                &["schema", "table"],
+                &["sslmode", "options[…]"],
+            )
+            .unwrap_err();
+            let Error::Config(m) = e else {
+                panic!("{url}: {e:?}")
+            };
+            assert!(m.contains(says), "{url}: {m}");
+            assert!(!m.contains("s3cret"), "{url}: {m}");
+        }
+        let e = UrlParams::parse("memory:?x=1", "memory", &[], &[]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "configuration: unknown memory URL parameter 'x' (it takes none)"
+        );
     }
 
     #[test]

@@ -98,14 +98,23 @@ fn clock_us(now: SystemTime) -> i64 {
 impl crate::backend::FromUrl for MemoryLedger {
     const SCHEMES: &'static [&'static str] = &["memory"];
 
-    /// `memory:` (nothing after the colon): a fresh, empty ledger.
+    /// `memory:` (nothing after the colon): a fresh, empty ledger. It takes
+    /// no query parameters: any is refused, as on every backend.
     async fn from_url(url: &str, _options: crate::backend::OpenOptions) -> Result<Self> {
-        match url.trim().split_once(':') {
+        let params = crate::backend::UrlParams::parse(url.trim(), "memory", &[], &[])?;
+        match params.driver_url().split_once(':') {
             Some((scheme, "")) if scheme.eq_ignore_ascii_case("memory") => Ok(MemoryLedger::new()),
             _ => Err(Error::Config(
                 "a memory ledger's URL is `memory:`, with nothing after the colon".into(),
             )),
         }
+    }
+}
+
+/// What an operator reads: this process's memory, gone with it.
+impl std::fmt::Display for MemoryLedger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("memory (this process only)")
     }
 }
 

@@ -634,7 +634,8 @@ async fn an_oncely_error_from_the_handler_keeps_its_kind() {
     assert_eq!(r.state, RecordState::Released);
 }
 
-/// `memory:` opens a fresh ledger; anything else after the colon is refused.
+/// `memory:` opens a fresh ledger; anything else after the colon is refused,
+/// a query parameter by name.
 #[tokio::test]
 async fn memory_ledger_opens_from_its_url() {
     use oncely::backend::{Access, FromUrl, OpenOptions};
@@ -648,4 +649,11 @@ async fn memory_ledger_opens_from_its_url() {
             Err(Error::Config(_))
         ));
     }
+    // A query parameter is refused as on every backend: by name.
+    let e = MemoryLedger::from_url("memory:?table=x", opts).await.unwrap_err();
+    assert!(
+        matches!(&e, Error::Config(m) if m.contains("unknown memory URL parameter 'table' (it takes none)")),
+        "{e:?}"
+    );
+    assert_eq!(MemoryLedger::new().to_string(), "memory (this process only)");
 }

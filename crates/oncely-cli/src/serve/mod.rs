@@ -167,6 +167,12 @@ impl Server {
         self.app.ledger.backend()
     }
 
+    /// What the page reads: the ledger's `Display` (backend, database,
+    /// table), never a credential.
+    pub fn ledger(&self) -> String {
+        self.app.ledger.to_string()
+    }
+
     /// Serves until `shutdown` resolves, then closes the ledger.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
         let ledger = self.app.ledger.clone();

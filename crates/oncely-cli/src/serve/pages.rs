@@ -113,7 +113,7 @@ impl App {
         Chrome {
             active,
             resolves: self.config.allow_resolve,
-            backend: self.ledger.backend(),
+            ledger: self.ledger.to_string(),
             scope: match &self.config.scope {
                 Scope::Tenant(t) => format!("tenant {t}"),
                 Scope::All => match tenant {
@@ -134,7 +134,9 @@ impl App {
 struct Chrome {
     active: &'static str,
     resolves: bool,
-    backend: &'static str,
+    /// What the page reads (the ledger's `Display`: backend, database,
+    /// table), on every page, so that "no records" names its ledger.
+    ledger: String,
     scope: String,
     /// `?tenant=…` for the navigation links when a tenant was picked among
     /// all tenants, else empty.
@@ -458,7 +460,9 @@ async fn record(State(app): State<Arc<App>>, Path(raw): Path<String>) -> Respons
             Failure {
                 status: StatusCode::NOT_FOUND,
                 message: format!(
-                    "No record for {key}: it was never claimed, or it was pruned after its retention."
+                    "No record for {key} in {}: it was never claimed there, or it was pruned after \
+                     its retention.",
+                    chrome.ledger
                 ),
             },
         );
@@ -689,9 +693,16 @@ async fn resolve(
                 )));
             }
         };
-        let report = crate::admin::resolve(&app.config.database_url, key.as_str(), &resolution, Some(fence))
+        let read = crate::admin::resolve(&app.config.database_url, key.as_str(), &resolution, Some(fence))
             .await
             .map_err(|e| refused(&key, fence, e))?;
+        let report = read.value.ok_or_else(|| Failure {
+            status: StatusCode::NOT_FOUND,
+            message: format!(
+                "No record for {key} any more in {}. Nothing was written.",
+                read.ledger
+            ),
+        })?;
         Ok((tenant, report))
     }
     .await;
