@@ -59,6 +59,30 @@ pub(crate) enum Write {
     Conflict,
 }
 
+/// Whether a revision-checked write was refused because the key's latest
+/// revision was not the one expected: a lost race, not a failure.
+/// async-nats 0.51 recognises the server's error code 10071; nats-server
+/// 2.11 and later answer some of those refusals with 10164 (the same
+/// refusal, without the sequence numbers), which it passes on as another
+/// error.
+fn wrong_last_revision(e: &kv::UpdateError) -> bool {
+    use async_nats::jetstream::ErrorCode;
+    if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
+        return true;
+    }
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(js) = s.downcast_ref::<async_nats::jetstream::Error>() {
+            return matches!(
+                js.error_code(),
+                ErrorCode::STREAM_WRONG_LAST_SEQUENCE | ErrorCode::STREAM_WRONG_LAST_SEQUENCE_CONSTANT
+            );
+        }
+        source = s.source();
+    }
+    false
+}
+
 /// Whether a message's headers mark a delete or a purge.
 fn is_delete(headers: Option<&async_nats::HeaderMap>) -> bool {
     headers
@@ -127,7 +151,7 @@ impl NatsKvLedger {
     pub(crate) async fn write_raw(&self, kv_key: &str, bytes: bytes::Bytes, revision: u64) -> Result<Write> {
         match self.inner.store.update(kv_key, bytes, revision).await {
             Ok(rev) => Ok(Write::Done(rev)),
-            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(Write::Conflict),
+            Err(e) if wrong_last_revision(&e) => Ok(Write::Conflict),
             Err(e) => Err(backend_err("write", e)),
         }
     }
@@ -144,7 +168,7 @@ impl NatsKvLedger {
             .await
         {
             Ok(()) => Ok(true),
-            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(false),
+            Err(e) if wrong_last_revision(&e) => Ok(false),
             Err(e) => Err(backend_err(what, e)),
         }
     }
