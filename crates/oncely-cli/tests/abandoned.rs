@@ -113,10 +113,13 @@ impl Reconciler for MailLog {
 
 /// How the "not done" verdict reaches the ledger.
 #[derive(Debug, Clone, Copy)]
-enum Resolve {
+enum Via {
+    /// `oncely::reconcile::Reconcile` in code.
     Library,
-    CliReconcile,
-    CliResolve,
+    /// `oncely reconcile --check`.
+    Reconcile,
+    /// `oncely resolve --released`.
+    Resolve,
 }
 
 async fn rabbitmq() -> Option<(String, Connection)> {
@@ -176,7 +179,7 @@ async fn start(
     (conn, stop, task)
 }
 
-async fn scenario(resolve: Resolve) {
+async fn scenario(via: Via) {
     let Some((pg_url, ledger)) = postgres().await else {
         return;
     };
@@ -184,15 +187,13 @@ async fn scenario(resolve: Resolve) {
         return;
     };
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos();
-    let queue = format!("oncely-abandoned-{resolve:?}-{}-{nanos:x}", std::process::id());
+    let queue = format!("oncely-abandoned-{via:?}-{}-{nanos:x}", std::process::id());
     let topology = RabbitTopology::for_queue(&queue);
     let admin = setup.create_channel().await.unwrap();
     topology.declare(&admin).await.unwrap();
-    let outcome = AssertUnwindSafe(exercise(
-        resolve, &pg_url, ledger, &url, &setup, &admin, &topology,
-    ))
-    .catch_unwind()
-    .await;
+    let outcome = AssertUnwindSafe(exercise(via, &pg_url, ledger, &url, &setup, &admin, &topology))
+        .catch_unwind()
+        .await;
     topology.delete(&admin).await.unwrap();
     let _ = setup.close(200, "done".into()).await;
     if let Err(panic) = outcome {
@@ -201,7 +202,7 @@ async fn scenario(resolve: Resolve) {
 }
 
 async fn exercise(
-    resolve: Resolve,
+    via: Via,
     pg_url: &str,
     ledger: PgLedger,
     url: &str,
@@ -272,15 +273,15 @@ async fn exercise(
     assert_eq!(record.state, RecordState::Abandoned, "{record:?}");
 
     // Reconciliation asks the mailer: not sent.
-    match resolve {
-        Resolve::Library => {
+    match via {
+        Via::Library => {
             let report = Reconcile::new(&ledger, &MailLog(mailer.clone()))
                 .abandoned(&tenant)
                 .await
                 .unwrap();
             assert_eq!((report.examined, report.released), (1, 1), "{report:?}");
         }
-        Resolve::CliReconcile => {
+        Via::Reconcile => {
             let (tenant, pg_url, key) = (tenant.to_string(), pg_url.to_owned(), key.to_string());
             let out = tokio::task::spawn_blocking(move || {
                 oncely(&[
@@ -304,7 +305,7 @@ async fn exercise(
             );
             assert!(printed.contains("dead-letter"), "{printed}");
         }
-        Resolve::CliResolve => {
+        Via::Resolve => {
             let (key, pg_url) = (key.to_string(), pg_url.to_owned());
             let out = tokio::task::spawn_blocking(move || {
                 oncely(&["resolve", &key, "--released", "--json", "--database-url", &pg_url])
@@ -355,15 +356,15 @@ async fn exercise(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abandoned_receipt_is_sent_once_after_reconcile_finds_it_not_done() {
-    scenario(Resolve::Library).await;
+    scenario(Via::Library).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abandoned_receipt_is_sent_once_after_oncely_reconcile_answers_not_done() {
-    scenario(Resolve::CliReconcile).await;
+    scenario(Via::Reconcile).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abandoned_receipt_is_sent_once_after_oncely_resolve_released() {
-    scenario(Resolve::CliResolve).await;
+    scenario(Via::Resolve).await;
 }
