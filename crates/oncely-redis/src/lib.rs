@@ -352,6 +352,7 @@ mod lua;
 mod notify;
 mod options;
 mod reply;
+mod sentinel;
 
 pub use ledger::RedisLedger;
 pub use options::RedisLedgerOptions;
