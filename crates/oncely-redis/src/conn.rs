@@ -118,8 +118,9 @@ impl Conn {
             Some("master") => Ok(()),
             Some(_) if read_only => Ok(()),
             Some(role) => Err(Error::Config(format!(
-                "the Redis server is a {role}, not a primary: it refuses every write (READONLY). Point the \
+                "the Redis server is a {}, not a primary: it refuses every write (READONLY). Point the \
                  ledger at the primary{}, or open it read-only (RedisLedgerOptions::read_only)",
+                if role == "slave" { "replica" } else { role },
                 if sentinel {
                     ""
                 } else {
@@ -127,7 +128,9 @@ impl Conn {
                 }
             ))),
             None => {
-                tracing::warn!("cannot read the redis server's role (ROLE, INFO replication); make sure it is a primary");
+                tracing::warn!(
+                    "cannot read the redis server's role (ROLE, INFO replication); make sure it is a primary"
+                );
                 Ok(())
             }
         }

@@ -232,7 +232,9 @@ impl RedisLedger {
         op: &str,
         args: &[&[u8]],
     ) -> Result<Vec<Value>> {
-        self.fenced_with(key, fence, op, args, false).await.map(|(parts, _)| parts)
+        self.fenced_with(key, fence, op, args, false)
+            .await
+            .map(|(parts, _)| parts)
     }
 
     /// [`RedisLedger::fenced`] for a lease holder's write (complete,
@@ -845,7 +847,8 @@ impl RedisLedger {
                         if done.is_ok() {
                             self.notes.notify(lease.key());
                         }
-                        answers[i] = Some(done.and_then(|()| self.replicated(acks, "completion", lease.key())));
+                        answers[i] =
+                            Some(done.and_then(|()| self.replicated(acks, "completion", lease.key())));
                     }
                 }
                 other => {
@@ -967,7 +970,13 @@ impl std::fmt::Display for RedisLedger {
         match &self.conn {
             Conn::Single(_) => write!(f, "redis {}/{}", self.servers, self.conn.get_db())?,
             Conn::Cluster(_) => write!(f, "redis cluster {}", self.servers)?,
-            Conn::Sentinel(_) => write!(f, "redis sentinel {} master {}/{}", self.servers, self.master, self.conn.get_db())?,
+            Conn::Sentinel(_) => write!(
+                f,
+                "redis sentinel {} master {}/{}",
+                self.servers,
+                self.master,
+                self.conn.get_db()
+            )?,
         }
         write!(f, ", prefix {}", self.opts.prefix)
     }

@@ -32,7 +32,8 @@ use oncely::watch::{Notifier, Watch};
 use oncely::{ClaimOptions, EffectKey, OnInProgress};
 use redis::aio::MultiplexedConnection;
 use redis::{
-    AsyncConnectionConfig, ConnectionInfo, IntoConnectionInfo, ProtocolVersion, PushInfo, PushKind, RedisResult, Value,
+    AsyncConnectionConfig, ConnectionInfo, IntoConnectionInfo, ProtocolVersion, PushInfo, PushKind,
+    RedisResult, Value,
 };
 use tokio::sync::{mpsc, oneshot};
 

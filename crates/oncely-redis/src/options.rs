@@ -18,8 +18,7 @@ pub(crate) const SCHEMES: &[&str] = &["redis", "redis+cluster", "redis+sentinel"
 const DEFAULT_PREFIX: &str = "oncely:";
 
 /// What the messages of a malformed URL point to.
-const FORMS: &str =
-    "redis://host:port[/db], redis+cluster://host:port,host:port,… or redis+sentinel://host:port,host:port,…/master[/db]";
+const FORMS: &str = "redis://host:port[/db], redis+cluster://host:port,host:port,… or redis+sentinel://host:port,host:port,…/master[/db]";
 
 /// The port of a Sentinel that a `redis+sentinel://` URL lists without one.
 const SENTINEL_PORT: u16 = 26379;
@@ -323,7 +322,8 @@ impl RedisUrl {
         };
         let wait_replicas = number("wait_replicas")?
             .map(|n| {
-                u32::try_from(n).map_err(|_| Error::Config("Redis URL parameter wait_replicas is too large".into()))
+                u32::try_from(n)
+                    .map_err(|_| Error::Config("Redis URL parameter wait_replicas is too large".into()))
             })
             .transpose()?;
         let wait_timeout = number("wait_timeout_ms")?.map(Duration::from_millis);
@@ -486,7 +486,12 @@ fn sentinel_target(rest: &str) -> Result<SentinelTarget> {
         query,
     };
     // The credentials and parameters must make a URL the client takes.
-    if target.node_url("127.0.0.1", 1).as_str().into_connection_info().is_err() {
+    if target
+        .node_url("127.0.0.1", 1)
+        .as_str()
+        .into_connection_info()
+        .is_err()
+    {
         return Err(Error::Config(format!(
             "redis+sentinel:// credentials or parameters are not valid (expected {FORM})"
         )));
@@ -678,7 +683,11 @@ mod tests {
         let s = target("redis+sentinel://127.0.0.1:26390, 127.0.0.1:26391 ,h3/mymaster");
         assert_eq!(
             s.sentinels,
-            ["redis://127.0.0.1:26390", "redis://127.0.0.1:26391", "redis://h3:26379"]
+            [
+                "redis://127.0.0.1:26390",
+                "redis://127.0.0.1:26391",
+                "redis://h3:26379"
+            ]
         );
         assert_eq!((s.master.as_str(), s.db), ("mymaster", 0));
         assert_eq!(s.node_url("10.0.0.5", 6379), "redis://10.0.0.5:6379/0");
@@ -700,8 +709,14 @@ mod tests {
             ("redis+sentinel://:hunter2@a:1/", "names no master"),
             ("redis+sentinel://:hunter2@a:1/m/x", "database must be a number"),
             ("redis+sentinel://:hunter2@a:1/m/-1", "database must be a number"),
-            ("redis+sentinel://:hunter2@a:1/m/1/2", "more than a master and a database"),
-            ("redis+sentinel://:hunter2@a:1,b:x/m", "Sentinel 2 is not host[:port]"),
+            (
+                "redis+sentinel://:hunter2@a:1/m/1/2",
+                "more than a master and a database",
+            ),
+            (
+                "redis+sentinel://:hunter2@a:1,b:x/m",
+                "Sentinel 2 is not host[:port]",
+            ),
         ] {
             let m = match parse_url(url) {
                 Err(Error::Config(m)) => m,
@@ -811,7 +826,10 @@ mod tests {
                 Err(Error::Config(m)) => m,
                 other => panic!("{url}: expected Error::Config, got {other:?}"),
             };
-            assert!(m.contains("redis+cluster://") && m.contains("redis+sentinel://"), "{url}: {m}");
+            assert!(
+                m.contains("redis+cluster://") && m.contains("redis+sentinel://"),
+                "{url}: {m}"
+            );
             assert!(!m.contains("hunter2"), "{url}: {m}");
         }
     }

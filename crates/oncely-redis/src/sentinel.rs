@@ -103,11 +103,7 @@ impl SentinelConn {
     }
 
     fn current(&self) -> Current {
-        self.0
-            .current
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.0.current.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// The database requests go to.
@@ -215,7 +211,9 @@ async fn primary(
             _ => Ok((addr, conn)),
         }
     };
-    tokio::time::timeout(bound, found).await.map_err(|_| timed_out())?
+    tokio::time::timeout(bound, found)
+        .await
+        .map_err(|_| timed_out())?
 }
 
 fn timed_out() -> RedisError {
@@ -240,7 +238,10 @@ fn no_primary(target: &SentinelTarget, e: &RedisError) -> Error {
 /// is [`not_applied`]'s question.
 fn moved_on(reply: &RedisResult<Value>) -> bool {
     match reply {
-        Ok(Value::ServerError(e)) => matches!(e.kind(), Some(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)),
+        Ok(Value::ServerError(e)) => matches!(
+            e.kind(),
+            Some(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)
+        ),
         Ok(_) => false,
         Err(e) => {
             e.is_io_error()
@@ -261,7 +262,10 @@ fn moved_on(reply: &RedisResult<Value>) -> bool {
 /// the new primary.
 fn not_applied(reply: &RedisResult<Value>) -> bool {
     match reply {
-        Ok(Value::ServerError(e)) => matches!(e.kind(), Some(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)),
+        Ok(Value::ServerError(e)) => matches!(
+            e.kind(),
+            Some(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)
+        ),
         Ok(_) => false,
         Err(e) => {
             e.is_connection_refusal()
