@@ -6,6 +6,11 @@
 #                                    already runs that way and is healthy; any
 #                                    other state, such as after a failover, is
 #                                    stopped and started afresh)
+#   scripts/redis-sentinel.sh rejoin PORT
+#                                    after a failover: stop the server on PORT
+#                                    (the old primary, killed or frozen) and
+#                                    start it again, with its data, as a
+#                                    replica of the primary Sentinel names now
 #   scripts/redis-sentinel.sh down   stop it and remove its files
 # The primary and the replica run appendonly yes (appendfsync everysec), so a
 # ledger opens them without ?ephemeral=true. Sentinels declare a master down
@@ -105,6 +110,25 @@ EOF
   redis-server "$conf" --sentinel 9>&-
 }
 
+rejoin() { # port
+  local port=$1 primary pid i
+  primary=$(cli "${SENTINELS[0]}" sentinel get-master-addr-by-name "$NAME" | tail -n1)
+  if [ -z "$primary" ] || [ "$primary" = "$port" ]; then
+    echo "Sentinel names no other primary than $port" >&2
+    return 1
+  fi
+  pid=$(cat "$DIR/$port.pid" 2>/dev/null || true)
+  if [ -n "$pid" ]; then
+    kill -CONT "$pid" 2>/dev/null || true
+    kill -KILL "$pid" 2>/dev/null || true
+  fi
+  for ((i = 0; i < 50; i++)); do
+    pings "$port" || break
+    sleep 0.1
+  done
+  start_server "$port" --replicaof 127.0.0.1 "$primary"
+}
+
 up() {
   healthy && return 0
   stop_all
@@ -120,7 +144,7 @@ up() {
 }
 
 case "${1:-}" in
-  up | down)
+  up | down | rejoin)
     command -v redis-server >/dev/null || {
       echo "redis-server is not installed (apt-get install redis-server)" >&2
       exit 1
@@ -128,10 +152,14 @@ case "${1:-}" in
     mkdir -p "$(dirname "$LOCK")"
     exec 9>"$LOCK"
     flock -w 180 9
-    if [ "$1" = up ]; then up; else stop_all; fi
+    case "$1" in
+      up) up ;;
+      down) stop_all ;;
+      rejoin) rejoin "${2:?usage: $0 rejoin PORT}" ;;
+    esac
     ;;
   *)
-    echo "usage: $0 up|down" >&2
+    echo "usage: $0 up|down|rejoin PORT" >&2
     exit 2
     ;;
 esac

@@ -229,6 +229,26 @@ pub fn sentinel_up() -> bool {
     }
 }
 
+/// Starts the fixture's server on `port` (the old primary, after a
+/// failover) again as a replica of the new primary, and waits until it
+/// replicates.
+pub async fn sentinel_rejoin(port: u16) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/redis-sentinel.sh");
+    let out = Command::new("bash")
+        .arg(script)
+        .arg("rejoin")
+        .arg(port.to_string())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{script} rejoin {port}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    replica_linked(&format!("redis://127.0.0.1:{port}")).await;
+}
+
 /// The pid of a fixture server (by port), from its pid file.
 pub fn fixture_pid(port: u16) -> u32 {
     let dir =
