@@ -217,7 +217,9 @@ fn not_replicated(e: &Error, what: &str) {
 /// With `wait_replicas(1, …)`, what the replica acknowledged is granted and
 /// answered; while it acknowledges nothing (stopped), a claim is not
 /// granted (and given back, so it is claimed at once when the replica is
-/// back), a completed record is not answered from, and a completion,
+/// back), a completed record is not answered from (even by a ledger that
+/// wrote nothing before: the claim writes to the record so that its `WAIT`
+/// covers it), and a completion,
 /// release or renewal fails (retryable): the primary applied it, and a
 /// failover may lose it. `Effects::run` runs no handler without a grant,
 /// and reports a completion that fell short as `OutcomeUnknown`.
@@ -253,6 +255,15 @@ async fn wait_replicas_acknowledges_only_what_a_replica_has() {
         .map(|c| acquired(c.unwrap()))
         .collect();
 
+    // Another process's ledger, which has written nothing yet: a WAIT on
+    // its connection alone would count nothing to wait for.
+    let reader = RedisLedger::connect_with(
+        &primary.ledger_url(),
+        RedisLedgerOptions::default().wait_replicas(1, WAIT),
+    )
+    .await
+    .unwrap();
+
     replica.signal("STOP");
     let fresh = key("fresh");
     let e = ledger.claim(&fresh, &opts).await.unwrap_err();
@@ -272,6 +283,11 @@ async fn wait_replicas_acknowledges_only_what_a_replica_has() {
         plain.get(&key("held")).await.unwrap().unwrap().state,
         RecordState::Completed,
         "the primary applied it"
+    );
+    // A completion no replica has is not answered from, by any ledger.
+    unavailable(
+        &reader.claim(&key("held"), &opts).await.unwrap_err(),
+        "not answered from",
     );
     not_replicated(&ledger.release(&held2).await.unwrap_err(), "release");
     not_replicated(

@@ -30,10 +30,12 @@
 -- (RedisLedgerOptions::wait_replicas) and answers a duplicate with a
 -- completed or abandoned record only once they have it. The record may
 -- have been written by another connection, whose writes a WAIT on this
--- one does not count, so the claim rewrites its 'k' to the value it holds:
--- nothing changes, but the write goes into the replication stream after
--- the record's own writes, and a replica that acknowledges this
--- connection's writes has the record.
+-- one need not count (Redis 7.2 and later count a connection's last
+-- command that propagated something; 7.0 moved the mark on every command),
+-- so the claim rewrites its 'k' to the value it holds: nothing changes,
+-- but the write goes into the replication stream after the record's own
+-- writes, and a replica that acknowledges this connection's writes has
+-- the record.
 --
 -- The decision restates oncely::backend: is_beyond_horizon for an absent
 -- key, answer_existing for a record, next_fence for the grant.

@@ -179,16 +179,24 @@ pub fn signal(pid: u32, sig: &str) {
     assert!(status.success() || sig == "CONT", "kill -{sig} {pid}");
 }
 
-/// Waits until the replica at `url` has its link to its primary up.
+/// Waits until the replica at `url` has its link to its primary up (a
+/// replica that just started may drop a connection while it syncs: each
+/// look takes a new one).
 pub async fn replica_linked(url: &str) {
-    let mut conn = raw(url).await;
-    for _ in 0..200 {
-        let info: String = redis::cmd("INFO")
-            .arg("replication")
-            .query_async(&mut conn)
+    for _ in 0..300 {
+        let info = async {
+            let mut conn = redis::Client::open(url)?
+                .get_multiplexed_async_connection()
+                .await?;
+            redis::cmd("INFO")
+                .arg("replication")
+                .query_async::<String>(&mut conn)
+                .await
+        };
+        if info
             .await
-            .unwrap();
-        if info.lines().any(|l| l.trim() == "master_link_status:up") {
+            .is_ok_and(|info| info.lines().any(|l| l.trim() == "master_link_status:up"))
+        {
             return;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
