@@ -182,6 +182,12 @@ impl RedisLedger {
         matches!(self.conn, Conn::Cluster(_))
     }
 
+    /// How many replicas each lease write waits for, and for how long
+    /// ([`RedisLedgerOptions::wait_replicas`]); `None` when it does not wait.
+    pub fn wait_replicas(&self) -> Option<(u32, Duration)> {
+        self.opts.wait.map(|w| (w.replicas, w.timeout))
+    }
+
     /// The primary a `redis+sentinel://` ledger writes to now (`host:port`,
     /// as the Sentinels name it), and how many times it has moved to
     /// another since it connected (see the crate docs, Replication); `None`

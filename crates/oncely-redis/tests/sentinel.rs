@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::{PRIMARY, REPLICA, TempRedis, raw, replica_linked, sentinel_url, sentinel_with};
+use oncely::backend::{Access, FromUrl, OpenOptions};
 use oncely::conformance::fresh_tenant;
 use oncely::{Claim, ClaimOptions, EffectKey, Effects, Error, Ledger, Outcome, RecordState};
 use oncely_redis::{RedisLedger, RedisLedgerOptions};
@@ -108,6 +109,17 @@ async fn a_sentinel_url_opens_the_primary() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(state, Some(RecordState::Completed), "replicated");
+
+    // `from_url` opens the scheme as `connect` does, every access.
+    let read_only = RedisLedger::from_url(&sentinel_url(), OpenOptions::new(Access::ReadOnly))
+        .await
+        .unwrap();
+    assert!(read_only.is_read_only());
+    assert_eq!(
+        read_only.get(&k).await.unwrap().map(|r| r.state),
+        Some(RecordState::Completed)
+    );
+    assert_eq!(read_only.to_string(), shown);
 
     // The URL's wait parameters go through the shared rule.
     let waits = RedisLedger::connect(&format!("{}?wait_replicas=1&wait_timeout_ms=500", sentinel_url()))
