@@ -94,11 +94,16 @@ impl RedisLedger {
     ///   the listed nodes (each `host:port` or `redis://host:port`); the
     ///   client learns the rest of the topology and follows `MOVED` and `ASK`
     ///   redirections. Credentials on the first node apply to the nodes that
-    ///   carry none; a query string applies to every node.
+    ///   carry none; a query string applies to every node;
+    /// - `redis+sentinel://s1:p1,s2:p2/master[/db][?…]`: the primary the
+    ///   Sentinels name for `master`, followed when they promote another
+    ///   (see the crate docs, Replication); credentials, database and query
+    ///   are the primary's.
     ///
     /// A malformed URL is [`Error::Config`] before anything connects (a
     /// comma in a `redis://` host points to `redis+cluster://`), and no
-    /// message quotes the URL. Connecting reads `maxmemory-policy` and the
+    /// message quotes the URL. Connecting checks the server's role (a
+    /// replica is [`Error::Config`] for a ledger that writes) and reads `maxmemory-policy` and the
     /// persistence settings (`appendonly`, `appendfsync`, `save`) on every
     /// master (see the crate docs' Durability): a server that persists
     /// nothing is refused with [`Error::Config`] unless the URL says
@@ -116,11 +121,13 @@ impl RedisLedger {
 
     /// [`RedisLedger::connect`] with options.
     ///
-    /// The URL's `?prefix=` sets the key prefix, and `?ephemeral=true|false`
-    /// accepts (or refuses) a server that persists nothing, both over
-    /// `options`' (so one URL names the whole ledger, for the application
-    /// and the `oncely` command alike); any other query parameter but the
-    /// client's `protocol` is [`Error::Config`].
+    /// The URL's `?prefix=` sets the key prefix, `?ephemeral=true|false`
+    /// accepts (or refuses) a server that persists nothing, and
+    /// `?wait_replicas=n&wait_timeout_ms=t` sets
+    /// [`RedisLedgerOptions::wait_replicas`], all over `options`' (so one
+    /// URL names the whole ledger, for the application and the `oncely`
+    /// command alike); any other query parameter but the client's
+    /// `protocol` is [`Error::Config`].
     pub async fn connect_with(url: &str, options: RedisLedgerOptions) -> Result<RedisLedger> {
         let url = RedisUrl::parse(url)?;
         let options = url.apply(options);
@@ -970,7 +977,8 @@ fn fenced_answer(key: &EffectKey, fence: u64, rkey: &str, parts: Vec<Value>) -> 
 }
 
 /// What the ledger reads, for an operator: `redis HOST:PORT/DB, prefix P`,
-/// or `redis cluster HOST:PORT,…, prefix P`; never a credential.
+/// `redis cluster HOST:PORT,…, prefix P`, or `redis sentinel HOST:PORT,…
+/// master NAME/DB, prefix P`; never a credential.
 impl std::fmt::Display for RedisLedger {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match &self.conn {
@@ -991,9 +999,11 @@ impl std::fmt::Display for RedisLedger {
 impl FromUrl for RedisLedger {
     const SCHEMES: &'static [&'static str] = crate::options::SCHEMES;
 
-    /// Opens `redis://host:port[/db]` (one server) or
-    /// `redis+cluster://h1:p1,h2:p2[?…]` (a cluster) as
-    /// [`RedisLedger::connect`] does; any other scheme is [`Error::Config`].
+    /// Opens `redis://host:port[/db]` (one server),
+    /// `redis+cluster://h1:p1,h2:p2[?…]` (a cluster) or
+    /// `redis+sentinel://s1:p1,s2:p2/master[/db]` (the primary Sentinel
+    /// names) as [`RedisLedger::connect`] does; any other scheme is
+    /// [`Error::Config`].
     ///
     /// Redis has nothing to create or migrate, so every [`Access`] opens the
     /// same way (the same connection, the same eviction-policy and
