@@ -8,12 +8,14 @@
 //! | `mysql://…/db[?table=T]`, `mariadb://…` | `oncely-mysql` | `mysql` (default) |
 //! | `redis://host:port[/db][?prefix=P&ephemeral=true]` | `oncely-redis`, one server (`ephemeral=true` accepts one that persists nothing) | `redis` (default) |
 //! | `redis+cluster://h1:p1,h2:p2,…[?prefix=P&ephemeral=true]` | `oncely-redis`, Redis Cluster | `redis` (default) |
+//! | `redis+sentinel://s1:p1,s2:p2,…/master[/db][?prefix=P&wait_replicas=N&wait_timeout_ms=T]` | `oncely-redis`, the primary Sentinel names (followed across failovers; `wait_replicas` acknowledges a write only once N replicas have it) | `redis` (default) |
 //! | `nats://h1:p1[,h2:p2,…][?bucket=B&replicas=R]` | `oncely-nats` | `nats` (default) |
 //! | `memory:` | the core's [`MemoryLedger`] (a fresh, empty ledger per connect) | always |
 //!
 //! Each backend crate parses its own URLs
 //! ([`FromUrl`]); see its docs for the multi-node
-//! forms (`redis+cluster://`, a NATS server list with `?bucket=&replicas=`).
+//! forms (`redis+cluster://`, `redis+sentinel://`, a NATS server list with
+//! `?bucket=&replicas=`).
 //! The URL names the whole ledger: its table (schema, key prefix, bucket)
 //! is a query parameter, and any parameter neither the backend nor its
 //! driver reads is [`Error::Config`] before anything connects
@@ -58,7 +60,7 @@ macro_rules! with_backends {
             Sqlite("sqlite", "sqlite", ["sqlite"], "sqlite:") => oncely_sqlite::SqliteLedger,
             Postgres("postgres", "postgres", ["postgres", "postgresql"], "postgres://") => oncely_postgres::PgLedger,
             MySql("mysql", "mysql", ["mysql", "mariadb"], "mysql://, mariadb://") => oncely_mysql::MySqlLedger,
-            Redis("redis", "redis", ["redis", "redis+cluster"], "redis://, redis+cluster://") => oncely_redis::RedisLedger,
+            Redis("redis", "redis", ["redis", "redis+cluster", "redis+sentinel"], "redis://, redis+cluster://, redis+sentinel://") => oncely_redis::RedisLedger,
             Nats("nats", "nats", ["nats"], "nats://") => oncely_nats::NatsKvLedger,
         }
     };
@@ -520,6 +522,7 @@ mod tests {
             "redis://127.0.0.1:6379",
             "redis://h/2",
             "redis+cluster://a:7000,b:7001",
+            "redis+sentinel://a:26379,b:26379/mymaster",
         ] {
             assert_eq!(Scheme::of_url(url).unwrap(), Scheme::Redis, "{url}");
         }
@@ -649,7 +652,8 @@ mod tests {
 
     #[test]
     fn unknown_scheme_is_a_config_error_naming_it() {
-        let all = "sqlite:, postgres://, mysql://, mariadb://, redis://, redis+cluster://, nats://, memory:";
+        let all = "sqlite:, postgres://, mysql://, mariadb://, redis://, redis+cluster://, redis+sentinel://, nats://, \
+                   memory:";
         for (url, scheme) in [
             ("mongodb://localhost/x", "mongodb"),
             ("x:whatever", "x"),

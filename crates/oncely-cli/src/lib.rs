@@ -74,6 +74,7 @@
 //! | `mysql://…/db[?table=T]`, `mariadb://…` | `oncely-mysql` | `mysql` (default) |
 //! | `redis://host:port[/db][?prefix=P]` | `oncely-redis`, one server | `redis` (default) |
 //! | `redis+cluster://h1:p1,h2:p2,…[?prefix=P]` | `oncely-redis`, Redis Cluster (seed nodes) | `redis` (default) |
+//! | `redis+sentinel://s1:p1,s2:p2,…/master[/db][?prefix=P&wait_replicas=N]` | `oncely-redis`, the primary Sentinel names | `redis` (default) |
 //! | `nats://h1:p1[,h2:p2,…][?bucket=B&replicas=1\|3]` | `oncely-nats` (JetStream KV) | `nats` (default) |
 //! | `memory:` | the core's in-process ledger, empty on every connect | always |
 //!

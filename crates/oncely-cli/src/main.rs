@@ -31,8 +31,10 @@ use oncely_cli::serve::{self, ServeArgs};
 /// Database URLs: sqlite:PATH or sqlite://PATH (add ?mode=rwc to create the
 /// file), postgres://USER@HOST/DB, mysql://USER@HOST/DB or mariadb://USER@HOST/DB,
 /// redis://HOST:PORT[/DB] (one server), redis+cluster://HOST:PORT,HOST:PORT,...
-/// (a Redis Cluster's seed nodes; add ?ephemeral=true to write to a server
-/// that persists nothing), nats://HOST:PORT[,HOST:PORT...] with
+/// (a Redis Cluster's seed nodes), redis+sentinel://HOST:PORT,...,/MASTER[/DB]
+/// (the primary Sentinel names; add ?wait_replicas=N to acknowledge writes only
+/// once N replicas have them; on any Redis URL, ?ephemeral=true writes to a
+/// server that persists nothing), nats://HOST:PORT[,HOST:PORT...] with
 /// optional ?bucket=NAME&replicas=1|3 (JetStream KV), memory: (an empty
 /// in-process ledger). The URL names the ledger's table too: ?table=T on
 /// SQLite and MySQL (whose schema is the URL's database), ?schema=S&table=T
@@ -391,7 +393,7 @@ struct DbArgs {
     /// The ledger's database: sqlite:PATH[?table=T],
     /// postgres://USER@HOST/DB[?schema=S&table=T], mysql://USER@HOST/DB[?table=T]
     /// (or mariadb://), redis://HOST:PORT[?prefix=P],
-    /// redis+cluster://HOST:PORT,HOST:PORT,...,
+    /// redis+cluster://HOST:PORT,HOST:PORT,..., redis+sentinel://HOST:PORT,.../MASTER,
     /// nats://HOST:PORT[,HOST:PORT...][?bucket=NAME&replicas=1|3] or memory:.
     #[arg(long, env = "ONCELY_DATABASE_URL")]
     database_url: String,
@@ -467,6 +469,7 @@ struct DemoArgs {
     /// Run against this database instead of a temporary SQLite file
     /// (sqlite:PATH?mode=rwc, postgres://USER@HOST/DB, mysql://USER@HOST/DB
     /// or mariadb://, redis://HOST:PORT, redis+cluster://HOST:PORT,HOST:PORT,...,
+    /// redis+sentinel://HOST:PORT,.../MASTER[?wait_replicas=N],
     /// nats://HOST:PORT[,HOST:PORT...][?bucket=NAME&replicas=1|3], memory:).
     /// Unlike the other commands, the demo ignores ONCELY_DATABASE_URL: it
     /// writes only where it is told to.
@@ -497,6 +500,7 @@ struct BenchArgs {
     /// Run against this database instead of a temporary SQLite file
     /// (sqlite:PATH?mode=rwc, postgres://USER@HOST/DB, mysql://USER@HOST/DB
     /// or mariadb://, redis://HOST:PORT, redis+cluster://HOST:PORT,HOST:PORT,...,
+    /// redis+sentinel://HOST:PORT,.../MASTER[?wait_replicas=N],
     /// nats://HOST:PORT[,HOST:PORT...][?bucket=NAME&replicas=1|3], memory:).
     /// Like the demo, the bench ignores ONCELY_DATABASE_URL: it writes only
     /// where it is told to.

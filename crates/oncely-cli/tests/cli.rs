@@ -431,7 +431,7 @@ fn unknown_scheme_is_a_usage_error() {
         assert!(
             stderr(&out).contains(
                 "unknown database URL scheme 'mongodb' (expected sqlite:, postgres://, mysql://, \
-                 mariadb://, redis://, redis+cluster://, nats://, memory:)"
+                 mariadb://, redis://, redis+cluster://, redis+sentinel://, nats://, memory:)"
             ),
             "{args:?}: {}",
             stderr(&out)

@@ -1,6 +1,8 @@
-//! One connection type over a single node and a cluster, so every ledger
-//! operation is written once: opening it (with the eviction-policy check),
-//! routing a command to one master, and walking every master's keyspace.
+//! One connection type over a single node, a cluster and a primary found
+//! through Sentinel, so every ledger operation is written once: opening it
+//! (with the role and eviction-policy checks), routing a command to one
+//! master, a write and its `WAIT` on one connection, and walking every
+//! master's keyspace.
 
 use std::time::Duration;
 
@@ -8,12 +10,13 @@ use oncely::{Error, Result};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
-use redis::{Cmd, RedisFuture, RedisResult, Value};
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
 
 use crate::error::map_err;
 use crate::options::{RedisLedgerOptions, Target};
-use crate::reply::{policy_of, scan_page};
+use crate::reply::{policy_of, scan_page, text};
+use crate::sentinel::SentinelConn;
 
 /// How many keys one `SCAN` call asks a master for.
 const SCAN_COUNT: usize = 500;
@@ -22,6 +25,7 @@ const SCAN_COUNT: usize = 500;
 pub(crate) enum Conn {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
+    Sentinel(SentinelConn),
 }
 
 impl ConnectionLike for Conn {
@@ -29,6 +33,7 @@ impl ConnectionLike for Conn {
         match self {
             Conn::Single(c) => c.req_packed_command(cmd),
             Conn::Cluster(c) => c.req_packed_command(cmd),
+            Conn::Sentinel(c) => c.req_packed_command(cmd),
         }
     }
 
@@ -41,6 +46,7 @@ impl ConnectionLike for Conn {
         match self {
             Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
             Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Sentinel(c) => c.req_packed_commands(pipeline, offset, count),
         }
     }
 
@@ -48,6 +54,7 @@ impl ConnectionLike for Conn {
         match self {
             Conn::Single(c) => c.get_db(),
             Conn::Cluster(c) => c.get_db(),
+            Conn::Sentinel(c) => c.get_db(),
         }
     }
 }
@@ -70,15 +77,16 @@ impl Conn {
             Target::Single(url) => {
                 let client =
                     redis::Client::open(url).map_err(|e| Error::Config(format!("redis url: {e}")))?;
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(opts.connection_timeout))
-                    .set_response_timeout(Some(opts.response_timeout))
-                    .set_number_of_retries(2)
-                    .set_max_delay(Duration::from_secs(1));
-                let manager = ConnectionManager::new_with_config(client, config)
+                let manager = ConnectionManager::new_with_config(client, manager_config(opts))
                     .await
                     .map_err(map_err)?;
                 Ok(Conn::Single(manager))
+            }
+            Target::Sentinel(target) => {
+                // One discovery: the Sentinels, then the primary they name.
+                let bound = opts.connection_timeout + opts.response_timeout;
+                let conn = SentinelConn::open(target, manager_config(opts), bound).await?;
+                Ok(Conn::Sentinel(conn))
             }
             Target::Cluster(nodes) => {
                 let client = ClusterClientBuilder::new(nodes)
@@ -90,6 +98,84 @@ impl Conn {
                 let conn = client.get_async_connection().await.map_err(map_err)?;
                 Ok(Conn::Cluster(conn))
             }
+        }
+    }
+
+    /// Checks that a single server (or the primary Sentinel named) is a
+    /// primary: a replica refuses every write with `READONLY`, so a ledger
+    /// that writes is refused there with [`Error::Config`] before its first
+    /// claim; a read-only one is accepted (it reads what the replica has,
+    /// which may lag behind). A cluster client routes to masters itself.
+    /// A server that answers neither `ROLE` nor `INFO replication` (an
+    /// ACL) is accepted with a warning.
+    pub(crate) async fn check_role(&mut self, read_only: bool) -> Result<()> {
+        let sentinel = match self {
+            Conn::Cluster(_) => return Ok(()),
+            Conn::Single(_) => false,
+            Conn::Sentinel(_) => true,
+        };
+        match role(self).await.as_deref() {
+            Some("master") => Ok(()),
+            Some(_) if read_only => Ok(()),
+            Some(role) => Err(Error::Config(format!(
+                "the Redis server is a {}, not a primary: it refuses every write (READONLY). Point the \
+                 ledger at the primary{}, or open it read-only (RedisLedgerOptions::read_only)",
+                if role == "slave" { "replica" } else { role },
+                if sentinel {
+                    ""
+                } else {
+                    ", or let Sentinel name it: redis+sentinel://host:26379,host:26379/<master name>"
+                }
+            ))),
+            None => {
+                tracing::warn!(
+                    "cannot read the redis server's role (ROLE, INFO replication); make sure it is a primary"
+                );
+                Ok(())
+            }
+        }
+    }
+
+    /// Sends `write` (one script call) and `WAIT replicas timeout` after it
+    /// as one pipeline, so both go over the same connection: `WAIT` counts
+    /// the replicas that have this connection's writes, and a connection
+    /// opened again in between (a reconnect, a failover) would have none and
+    /// answer at once. On a cluster the pipeline goes to the master of
+    /// `slot` (the write's). Server errors come back as
+    /// [`Value::ServerError`] in their place.
+    pub(crate) async fn write_and_wait(
+        &mut self,
+        write: &Cmd,
+        replicas: u32,
+        timeout_ms: u64,
+        slot: u16,
+    ) -> RedisResult<Vec<Value>> {
+        let mut pipe = Pipeline::with_capacity(2);
+        pipe.add_command(write.clone())
+            .cmd("WAIT")
+            .arg(replicas)
+            .arg(timeout_ms)
+            .ignore_errors();
+        match self {
+            Conn::Cluster(c) => {
+                c.route_pipeline(
+                    pipe,
+                    0,
+                    2,
+                    SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master)),
+                )
+                .await
+            }
+            conn => conn.req_packed_commands(&pipe, 0, 2).await,
+        }
+    }
+
+    /// The primary a Sentinel ledger writes to now, and how many times it
+    /// moved to another; `None` for a server or a cluster.
+    pub(crate) fn primary(&self) -> Option<(String, u64)> {
+        match self {
+            Conn::Sentinel(c) => Some((c.primary(), c.moves())),
+            _ => None,
         }
     }
 
@@ -190,6 +276,35 @@ impl Conn {
             (conn, _) => cmd.query_async(conn).await,
         }
     }
+}
+
+/// The connection settings of a single server, and of each primary a
+/// Sentinel ledger connects to.
+fn manager_config(opts: &RedisLedgerOptions) -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(opts.connection_timeout))
+        .set_response_timeout(Some(opts.response_timeout))
+        .set_number_of_retries(2)
+        .set_max_delay(Duration::from_secs(1))
+}
+
+/// The server's role (`master`, `slave`) from `ROLE`, else from `INFO
+/// replication`; `None` if neither answers.
+pub(crate) async fn role(conn: &mut impl ConnectionLike) -> Option<String> {
+    if let Ok(Value::Array(parts)) = redis::cmd("ROLE").query_async::<Value>(conn).await
+        && let Some(role) = parts.first().and_then(text)
+    {
+        return Some(role);
+    }
+    let info = redis::cmd("INFO")
+        .arg("replication")
+        .query_async::<Value>(conn)
+        .await
+        .ok()?;
+    text(&info)?
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("role:"))
+        .map(|r| r.trim().to_owned())
 }
 
 /// A walk over every master's keyspace ([`Conn::scan`]).

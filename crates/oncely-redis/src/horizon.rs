@@ -305,7 +305,7 @@ mod tests {
             horizon: None,
             floor: None,
         };
-        let mut replies = ledger
+        let (mut replies, _) = ledger
             .claim_script(&[item], &[], &opts, Some(sent_us))
             .await
             .unwrap();

@@ -21,7 +21,7 @@ use crate::durability;
 use crate::error::{BACKEND, copy_error, corrupt, map_err, task_failed, unexpected};
 use crate::keys::{horizon_key, record_key, record_pattern, slot};
 use crate::lua::{self, CLAIM, ClaimItem, FENCED, FencedItem, GET};
-use crate::notify::Notifications;
+use crate::notify::{Notifications, Source};
 use crate::options::{RedisLedgerOptions, RedisUrl, Target, check_scheme};
 use crate::reply::{array, grant, in_progress, int, record, tag, text, uint};
 
@@ -44,6 +44,17 @@ pub struct RedisLedger {
     durability: &'static str,
     /// The servers, as [`Target::servers`] shows them.
     servers: Arc<str>,
+    /// The master name a Sentinel ledger asks for (else empty).
+    master: Arc<str>,
+}
+
+/// What `WAIT` said after a write ([`RedisLedgerOptions::wait_replicas`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Acks {
+    /// The ledger does not wait for replicas.
+    NotAsked,
+    /// How many replicas acknowledged the write within the timeout.
+    Got(u64),
 }
 
 /// What one record's claim script reply means to the worker.
@@ -63,6 +74,7 @@ impl std::fmt::Debug for RedisLedger {
         let mode = match self.conn {
             Conn::Single(_) => "single",
             Conn::Cluster(_) => "cluster",
+            Conn::Sentinel(_) => "sentinel",
         };
         f.debug_struct("RedisLedger")
             .field("mode", &mode)
@@ -82,11 +94,16 @@ impl RedisLedger {
     ///   the listed nodes (each `host:port` or `redis://host:port`); the
     ///   client learns the rest of the topology and follows `MOVED` and `ASK`
     ///   redirections. Credentials on the first node apply to the nodes that
-    ///   carry none; a query string applies to every node.
+    ///   carry none; a query string applies to every node;
+    /// - `redis+sentinel://s1:p1,s2:p2/master[/db][?…]`: the primary the
+    ///   Sentinels name for `master`, followed when they promote another
+    ///   (see the crate docs, Replication); credentials, database and query
+    ///   are the primary's.
     ///
     /// A malformed URL is [`Error::Config`] before anything connects (a
     /// comma in a `redis://` host points to `redis+cluster://`), and no
-    /// message quotes the URL. Connecting reads `maxmemory-policy` and the
+    /// message quotes the URL. Connecting checks the server's role (a
+    /// replica is [`Error::Config`] for a ledger that writes) and reads `maxmemory-policy` and the
     /// persistence settings (`appendonly`, `appendfsync`, `save`) on every
     /// master (see the crate docs' Durability): a server that persists
     /// nothing is refused with [`Error::Config`] unless the URL says
@@ -104,18 +121,25 @@ impl RedisLedger {
 
     /// [`RedisLedger::connect`] with options.
     ///
-    /// The URL's `?prefix=` sets the key prefix, and `?ephemeral=true|false`
-    /// accepts (or refuses) a server that persists nothing, both over
-    /// `options`' (so one URL names the whole ledger, for the application
-    /// and the `oncely` command alike); any other query parameter but the
-    /// client's `protocol` is [`Error::Config`].
+    /// The URL's `?prefix=` sets the key prefix, `?ephemeral=true|false`
+    /// accepts (or refuses) a server that persists nothing, and
+    /// `?wait_replicas=n&wait_timeout_ms=t` sets
+    /// [`RedisLedgerOptions::wait_replicas`], all over `options`' (so one
+    /// URL names the whole ledger, for the application and the `oncely`
+    /// command alike); any other query parameter but the client's
+    /// `protocol` is [`Error::Config`].
     pub async fn connect_with(url: &str, options: RedisLedgerOptions) -> Result<RedisLedger> {
         let url = RedisUrl::parse(url)?;
         let options = url.apply(options);
         options.check()?;
         let target = url.target;
         let servers = target.servers().into();
+        let master = match &target {
+            Target::Sentinel(s) => s.master.as_str().into(),
+            _ => "".into(),
+        };
         let mut conn = Conn::open(target.clone(), &options).await?;
+        conn.check_role(options.read_only).await?;
         conn.check_eviction(options.require_noeviction).await?;
         let durability = durability::check(&mut conn, &options).await?;
         // Pub/sub ignores databases: the channel names the ledger's.
@@ -123,11 +147,13 @@ impl RedisLedger {
         let notes = if options.read_only || !options.notifications {
             Notifications::off(channel)
         } else {
-            let nodes = match target {
-                Target::Single(url) => vec![url],
-                Target::Cluster(nodes) => nodes,
+            let source = match (target, &conn) {
+                (_, Conn::Sentinel(s)) => Source::Sentinel(s.clone()),
+                (Target::Single(url), _) => Source::Nodes(vec![url]),
+                (Target::Cluster(nodes), _) => Source::Nodes(nodes),
+                (Target::Sentinel(_), _) => return Err(unexpected("a Sentinel URL without its connection")),
             };
-            Notifications::start(nodes, channel, options.connection_timeout).await
+            Notifications::start(source, channel, options.connection_timeout).await
         };
         Ok(RedisLedger {
             conn,
@@ -135,6 +161,7 @@ impl RedisLedger {
             notes: Arc::new(notes),
             durability,
             servers,
+            master,
         })
     }
 
@@ -160,6 +187,20 @@ impl RedisLedger {
     /// Whether this ledger talks to a cluster.
     pub fn is_cluster(&self) -> bool {
         matches!(self.conn, Conn::Cluster(_))
+    }
+
+    /// How many replicas each lease write waits for, and for how long
+    /// ([`RedisLedgerOptions::wait_replicas`]); `None` when it does not wait.
+    pub fn wait_replicas(&self) -> Option<(u32, Duration)> {
+        self.opts.wait.map(|w| (w.replicas, w.timeout))
+    }
+
+    /// The primary a `redis+sentinel://` ledger writes to now (`host:port`,
+    /// as the Sentinels name it), and how many times it has moved to
+    /// another since it connected (see the crate docs, Replication); `None`
+    /// for a server or a cluster. For diagnostics and tests.
+    pub fn primary(&self) -> Option<(String, u64)> {
+        self.conn.primary()
     }
 
     /// Whether this ledger only reads ([`RedisLedgerOptions::read_only`]).
@@ -195,7 +236,8 @@ impl RedisLedger {
 
     /// Runs fenced.lua: `op` on `key`'s record, only while it is in
     /// progress at `fence`; `args`: the operation's argument, and for
-    /// `undo` and `checked` the record's horizon mark.
+    /// `undo` and `checked` the record's horizon mark. Never waits for
+    /// replicas ([`RedisLedger::fenced_acked`] does).
     pub(crate) async fn fenced(
         &self,
         key: &EffectKey,
@@ -203,6 +245,32 @@ impl RedisLedger {
         op: &str,
         args: &[&[u8]],
     ) -> Result<Vec<Value>> {
+        self.fenced_with(key, fence, op, args, false)
+            .await
+            .map(|(parts, _)| parts)
+    }
+
+    /// [`RedisLedger::fenced`] for a lease holder's write (complete,
+    /// release, renew): followed by `WAIT` when the ledger waits for
+    /// replicas, whose answer [`RedisLedger::replicated`] reads.
+    async fn fenced_acked(
+        &self,
+        key: &EffectKey,
+        fence: u64,
+        op: &str,
+        args: &[&[u8]],
+    ) -> Result<(Vec<Value>, Acks)> {
+        self.fenced_with(key, fence, op, args, true).await
+    }
+
+    async fn fenced_with(
+        &self,
+        key: &EffectKey,
+        fence: u64,
+        op: &str,
+        args: &[&[u8]],
+        acked: bool,
+    ) -> Result<(Vec<Value>, Acks)> {
         let rkey = self.redis_key(key);
         let item = FencedItem {
             rkey: &rkey,
@@ -217,20 +285,126 @@ impl RedisLedger {
             self.notes.channel(),
             args.get(1).copied(),
         );
-        let parts = one(call(&self.conn, &FENCED, &cmd).await?)?;
-        fenced_answer(key, fence, &rkey, parts)
+        let (replies, acks) = if acked {
+            self.write(&FENCED, &cmd, &rkey).await?
+        } else {
+            (call(&self.conn, &FENCED, &cmd).await?, Acks::NotAsked)
+        };
+        Ok((fenced_answer(key, fence, &rkey, one(replies)?)?, acks))
     }
 
-    /// Runs claim.lua on `items`, one reply each.
+    /// Runs claim.lua on `items`, one reply each, and `WAIT` after it when
+    /// the ledger waits for replicas.
     pub(crate) async fn claim_script(
         &self,
         items: &[ClaimItem<'_>],
         horizons: &[&str],
         opts: &ClaimOptions,
         sent_at: Option<i64>,
-    ) -> Result<Vec<Vec<Value>>> {
-        let cmd = lua::claim(items, horizons, opts, sent_at, self.notes.waiter(opts));
-        call(&self.conn, &CLAIM, &cmd).await
+    ) -> Result<(Vec<Vec<Value>>, Acks)> {
+        let cmd = lua::claim(
+            items,
+            horizons,
+            opts,
+            sent_at,
+            self.notes.waiter(opts),
+            self.opts.wait.is_some(),
+        );
+        let rkey = items.first().map_or("", |i| i.rkey);
+        self.write(&CLAIM, &cmd, rkey).await
+    }
+
+    /// Sends a call of `script` on records of `rkey`'s slot; when the
+    /// ledger waits for replicas, `WAIT` after it on the same connection,
+    /// in the same round trip.
+    async fn write(&self, script: &'static Script, cmd: &Cmd, rkey: &str) -> Result<(Vec<Vec<Value>>, Acks)> {
+        match self.opts.wait {
+            None => Ok((call(&self.conn, script, cmd).await?, Acks::NotAsked)),
+            Some(wait) => {
+                let (reply, got) = lua::run_and_wait(&self.conn, script, cmd, wait, slot(rkey)).await?;
+                Ok((replies(reply)?, Acks::Got(got)))
+            }
+        }
+    }
+
+    /// How many replicas a write fell short by: `None` when it did not
+    /// (or the ledger does not wait), else what `WAIT` counted.
+    fn short(&self, acks: Acks) -> Option<u64> {
+        match (acks, self.opts.wait) {
+            (Acks::Got(got), Some(wait)) if got < u64::from(wait.replicas) => Some(got),
+            _ => None,
+        }
+    }
+
+    /// What `WAIT` counted, for messages: `1 of 2 replicas within 200ms`.
+    fn counted(&self, got: u64) -> String {
+        match self.opts.wait {
+            Some(w) => format!("{got} of {} replicas within {:?}", w.replicas, w.timeout),
+            None => format!("{got} replicas"),
+        }
+    }
+
+    /// A lease holder's write (`what`: completion, release, renewal) that
+    /// the primary applied: an error unless enough replicas acknowledged
+    /// it, since a failover may lose it. Retryable: the write may be sent
+    /// again (it is fenced), and a completion's caller learns that the
+    /// outcome is unknown.
+    fn replicated(&self, acks: Acks, what: &str, key: &EffectKey) -> Result<()> {
+        match self.short(acks) {
+            None => Ok(()),
+            Some(got) => Err(Error::Backend {
+                backend: BACKEND,
+                message: format!(
+                    "{key}: {what} applied on the primary but acknowledged by {}: a failover may lose it",
+                    self.counted(got)
+                ),
+                retryable: true,
+            }),
+        }
+    }
+
+    /// A claim's answer once `WAIT` has counted the replicas that have it.
+    /// Short of the count, a lease is not granted: it is given back
+    /// (released, without waiting, so the next delivery can claim at once;
+    /// if that fails too its lease simply ends), and a completed or
+    /// abandoned record found is not answered with, since a failover could
+    /// still lose it. Both fail with [`Error::Unavailable`]: no handler
+    /// runs, and a retry may succeed. A record in progress and errors are
+    /// answered as they are: neither lets the caller act.
+    async fn acked_claim(&self, answer: Result<Claim>, acks: Acks) -> Result<Claim> {
+        let Some(got) = self.short(acks) else {
+            return answer;
+        };
+        match answer {
+            Ok(Claim::Acquired(lease)) => {
+                let given_back = self.fenced(lease.key(), lease.fence(), "release", &[b""]).await;
+                let then = match given_back {
+                    Ok(_) => {
+                        self.notes.notify(lease.key());
+                        "it was released"
+                    }
+                    Err(_) => "its lease ends unused",
+                };
+                Err(Error::Unavailable {
+                    backend: BACKEND,
+                    message: format!(
+                        "{}: claim not granted: acknowledged by {}, so a failover may lose it; {then}",
+                        lease.key(),
+                        self.counted(got)
+                    ),
+                })
+            }
+            Ok(Claim::Completed(r) | Claim::Abandoned(r)) => Err(Error::Unavailable {
+                backend: BACKEND,
+                message: format!(
+                    "{}: its record is on the primary but acknowledged by {}: not answered from, since a \
+                     failover may lose it",
+                    r.key,
+                    self.counted(got)
+                ),
+            }),
+            other => other,
+        }
     }
 
     /// What one record's reply of claim.lua answers. `hkey`: the horizon key
@@ -307,14 +481,16 @@ impl RedisLedger {
                 horizon: in_script.map(|_| 0),
                 floor,
             };
-            let parts = one(self.claim_script(&[item], &horizons, opts, sent_at).await?)?;
+            let (replies, acks) = self.claim_script(&[item], &horizons, opts, sent_at).await?;
+            let parts = one(replies)?;
             match self.answer(key, &rkey, opts, hkey.as_deref(), in_script.is_some(), &parts) {
-                Answer::Done(answer) => return answer,
+                Answer::Done(answer) => return self.acked_claim(answer, acks).await,
                 Answer::Settle(lease) => {
                     let (Some(hkey), Some(us)) = (&hkey, sent_at) else {
                         return Err(unexpected("a horizon check without a sent_at"));
                     };
-                    return self.settle_horizon(lease, hkey, us).await.map(Claim::Acquired);
+                    let answer = self.settle_horizon(lease, hkey, us).await.map(Claim::Acquired);
+                    return self.acked_claim(answer, acks).await;
                 }
                 Answer::Unchecked { fence, created, hz } => {
                     self.recheck(key, fence, created, &hz).await?;
@@ -342,7 +518,9 @@ impl Ledger for RedisLedger {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new(self.durability, "Redis server TIME")
+        // With WAIT, a claim returns once that many replicas have it: the
+        // field's meaning, though WAIT is not consensus (crate docs).
+        Capabilities::new(self.durability, "Redis server TIME").replicated(self.opts.wait.is_some())
     }
 
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
@@ -366,19 +544,23 @@ impl Ledger for RedisLedger {
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
         self.writable("complete")?;
         check_outcome(outcome, oncely::MAX_OUTCOME_BYTES)?;
-        self.fenced(lease.key(), lease.fence(), "complete", &[outcome.as_bytes()])
+        let (_, acks) = self
+            .fenced_acked(lease.key(), lease.fence(), "complete", &[outcome.as_bytes()])
             .await?;
         // This process's waiters, at once; the script published for the
-        // others' if any waits.
+        // others' if any waits. (Short of replicas, a waiter that claims
+        // again is not answered from the record either.)
         self.notes.notify(lease.key());
-        Ok(())
+        self.replicated(acks, "completion", lease.key())
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
         self.writable("release")?;
-        self.fenced(lease.key(), lease.fence(), "release", &[b""]).await?;
+        let (_, acks) = self
+            .fenced_acked(lease.key(), lease.fence(), "release", &[b""])
+            .await?;
         self.notes.notify(lease.key());
-        Ok(())
+        self.replicated(acks, "release", lease.key())
     }
 
     async fn watch(&self, key: &EffectKey) -> Watch {
@@ -399,9 +581,12 @@ impl Ledger for RedisLedger {
         self.writable("renew")?;
         oncely::backend::check_extension(extend_by)?;
         let by = duration_micros(extend_by).to_string();
-        let parts = self
-            .fenced(lease.key(), lease.fence(), "renew", &[by.as_bytes()])
+        let (parts, acks) = self
+            .fenced_acked(lease.key(), lease.fence(), "renew", &[by.as_bytes()])
             .await?;
+        // A renewal a failover can lose would let the next claimant take the
+        // lease over while its holder counts on the extension.
+        self.replicated(acks, "renewal", lease.key())?;
         Ok(lease.renewed_until(from_micros(int(parts.get(2))?)))
     }
 
@@ -526,6 +711,7 @@ impl RedisLedger {
         let in_script = !self.is_cluster();
         let groups = self.groups(rkeys.iter().map(String::as_str));
         let waiter = self.notes.waiter(opts);
+        let touch = self.opts.wait.is_some();
         let cmds: Vec<Cmd> = groups
             .iter()
             .map(|group| {
@@ -545,16 +731,24 @@ impl RedisLedger {
                         floor: None,
                     })
                     .collect();
-                lua::claim(&items, &horizons, opts, sent_at, waiter)
+                lua::claim(&items, &horizons, opts, sent_at, waiter, touch)
             })
             .collect();
-        let replies = self.call_all(&CLAIM, cmds).await;
+        let slots = groups.iter().map(|g| slot(&rkeys[g[0]])).collect();
+        let replies = self.call_all(&CLAIM, cmds, slots).await;
         let mut answers: Vec<Option<Result<Claim>>> = keys.iter().map(|_| None).collect();
+        // What WAIT counted for each key's call.
+        let mut acks = vec![Acks::NotAsked; keys.len()];
         let mut settle = Vec::new();
         let mut unchecked = Vec::new();
         for (group, reply) in groups.iter().zip(replies) {
             let parts = match reply {
-                Ok(parts) if parts.len() == group.len() => parts,
+                Ok((parts, got)) if parts.len() == group.len() => {
+                    for &i in group {
+                        acks[i] = got;
+                    }
+                    parts
+                }
                 other => {
                     let e = other
                         .err()
@@ -596,6 +790,15 @@ impl RedisLedger {
                         Err(copy_error(e))
                     }
                 });
+            }
+        }
+        // Short of replicas: not granted, not answered from (rare; one
+        // give-back at a time).
+        if self.opts.wait.is_some() {
+            for (answer, acks) in answers.iter_mut().zip(&acks) {
+                if let Some(a) = answer.take() {
+                    *answer = Some(self.acked_claim(a, *acks).await);
+                }
             }
         }
         // Rare: records to check again first; one after the other, in order,
@@ -646,17 +849,19 @@ impl RedisLedger {
                 lua::fenced("complete", &fenced, self.notes.mark(), self.notes.channel(), None)
             })
             .collect();
-        let replies = self.call_all(&FENCED, cmds).await;
+        let slots = groups.iter().map(|g| slot(&rkeys[g[0]])).collect();
+        let replies = self.call_all(&FENCED, cmds, slots).await;
         for (group, reply) in groups.iter().zip(replies) {
             match reply {
-                Ok(parts) if parts.len() == group.len() => {
+                Ok((parts, acks)) if parts.len() == group.len() => {
                     for (&i, parts) in group.iter().zip(parts) {
                         let (lease, _) = &items[i];
                         let done = fenced_answer(lease.key(), lease.fence(), &rkeys[i], parts).map(drop);
                         if done.is_ok() {
                             self.notes.notify(lease.key());
                         }
-                        answers[i] = Some(done);
+                        answers[i] =
+                            Some(done.and_then(|()| self.replicated(acks, "completion", lease.key())));
                     }
                 }
                 other => {
@@ -690,24 +895,39 @@ impl RedisLedger {
         slots.into_values().collect()
     }
 
-    /// Sends `cmds` (calls of `script`) all at once, one reply each, in
-    /// order. On a cluster each goes to its slot's master as a task of its
-    /// own: the cluster connection pipelines those bound for one master, so
-    /// the batch costs one round trip per master, in parallel.
-    async fn call_all(&self, script: &'static Script, cmds: Vec<Cmd>) -> Vec<Result<Vec<Vec<Value>>>> {
+    /// Sends `cmds` (calls of `script`, on the records of `slots`) all at
+    /// once, one reply each, in order, each with what `WAIT` counted after
+    /// it when the ledger waits for replicas. On a cluster each goes to its
+    /// slot's master as a task of its own: the cluster connection pipelines
+    /// those bound for one master, so the batch costs one round trip per
+    /// master, in parallel.
+    async fn call_all(
+        &self,
+        script: &'static Script,
+        cmds: Vec<Cmd>,
+        slots: Vec<u16>,
+    ) -> Vec<Result<(Vec<Vec<Value>>, Acks)>> {
+        let wait = self.opts.wait;
+        let send = |conn: Conn, cmd: Cmd, slot: u16| async move {
+            match wait {
+                None => Ok((call(&conn, script, &cmd).await?, Acks::NotAsked)),
+                Some(wait) => {
+                    let (reply, got) = lua::run_and_wait(&conn, script, &cmd, wait, slot).await?;
+                    Ok((replies(reply)?, Acks::Got(got)))
+                }
+            }
+        };
         if cmds.len() <= 1 {
             let mut replies = Vec::with_capacity(1);
-            for cmd in &cmds {
-                replies.push(call(&self.conn, script, cmd).await);
+            for (cmd, slot) in cmds.into_iter().zip(slots) {
+                replies.push(send(self.conn.clone(), cmd, slot).await);
             }
             return replies;
         }
         let tasks: Vec<_> = cmds
             .into_iter()
-            .map(|cmd| {
-                let conn = self.conn.clone();
-                tokio::spawn(async move { call(&conn, script, &cmd).await })
-            })
+            .zip(slots)
+            .map(|(cmd, slot)| tokio::spawn(send(self.conn.clone(), cmd, slot)))
             .collect();
         let mut replies = Vec::with_capacity(tasks.len());
         for task in tasks {
@@ -726,10 +946,12 @@ fn read_only(what: &str) -> Error {
 
 /// Sends a call of a script that handles several records, one reply each.
 async fn call(conn: &Conn, script: &Script, cmd: &Cmd) -> Result<Vec<Vec<Value>>> {
-    array(lua::run(conn, script, cmd).await?)?
-        .into_iter()
-        .map(array)
-        .collect()
+    replies(lua::run(conn, script, cmd).await?)
+}
+
+/// The replies of a call of a script that handles several records.
+fn replies(reply: Value) -> Result<Vec<Vec<Value>>> {
+    array(reply)?.into_iter().map(array).collect()
 }
 
 /// The one reply of a call on one record.
@@ -755,12 +977,20 @@ fn fenced_answer(key: &EffectKey, fence: u64, rkey: &str, parts: Vec<Value>) -> 
 }
 
 /// What the ledger reads, for an operator: `redis HOST:PORT/DB, prefix P`,
-/// or `redis cluster HOST:PORT,…, prefix P`; never a credential.
+/// `redis cluster HOST:PORT,…, prefix P`, or `redis sentinel HOST:PORT,…
+/// master NAME/DB, prefix P`; never a credential.
 impl std::fmt::Display for RedisLedger {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.conn {
+        match &self.conn {
             Conn::Single(_) => write!(f, "redis {}/{}", self.servers, self.conn.get_db())?,
             Conn::Cluster(_) => write!(f, "redis cluster {}", self.servers)?,
+            Conn::Sentinel(_) => write!(
+                f,
+                "redis sentinel {} master {}/{}",
+                self.servers,
+                self.master,
+                self.conn.get_db()
+            )?,
         }
         write!(f, ", prefix {}", self.opts.prefix)
     }
@@ -769,9 +999,11 @@ impl std::fmt::Display for RedisLedger {
 impl FromUrl for RedisLedger {
     const SCHEMES: &'static [&'static str] = crate::options::SCHEMES;
 
-    /// Opens `redis://host:port[/db]` (one server) or
-    /// `redis+cluster://h1:p1,h2:p2[?…]` (a cluster) as
-    /// [`RedisLedger::connect`] does; any other scheme is [`Error::Config`].
+    /// Opens `redis://host:port[/db]` (one server),
+    /// `redis+cluster://h1:p1,h2:p2[?…]` (a cluster) or
+    /// `redis+sentinel://s1:p1,s2:p2/master[/db]` (the primary Sentinel
+    /// names) as [`RedisLedger::connect`] does; any other scheme is
+    /// [`Error::Config`].
     ///
     /// Redis has nothing to create or migrate, so every [`Access`] opens the
     /// same way (the same connection, the same eviction-policy and

@@ -19,6 +19,9 @@
 //! let ledger = RedisLedger::connect("redis://127.0.0.1:6379").await?;
 //! // A Redis Cluster, through any of its nodes:
 //! // RedisLedger::connect("redis+cluster://10.0.0.1:7000,10.0.0.2:7000").await?;
+//! // The primary Sentinel names, followed across failovers, each lease
+//! // write acknowledged only once a replica has it:
+//! // RedisLedger::connect("redis+sentinel://10.0.0.1:26379,10.0.0.2:26379/mymaster?wait_replicas=1").await?;
 //! let effects = Effects::new(Arc::new(ledger));
 //! let key = EffectKey::new(&Tenant::new("acme")?, "capture", "order-123")?;
 //! let charge: String = effects
@@ -42,11 +45,20 @@
 //!   (`redis+cluster://user:pw@h1:7000,h2:7000`) apply to the nodes that
 //!   carry none, and a query string applies to every node. A comma inside
 //!   credentials is written `%2C`.
+//! - `redis+sentinel://s1:p1,s2:p2/master[/db][?…]`: the primary that the
+//!   listed Sentinels (port 26379 when none is given) name for `master`,
+//!   followed when they promote another (see Replication). The credentials
+//!   (`redis+sentinel://user:pw@s1,s2/mymaster`), the database and the
+//!   query are the primary's; the Sentinels are asked without credentials,
+//!   so Sentinels that require a password are not supported yet.
 //!
-//! One query parameter is the ledger's own, taken out before the redis
+//! Some query parameters are the ledger's own, taken out before the redis
 //! client sees the URL: `ephemeral=true` (or `false`) accepts a server that
-//! persists nothing, as [`RedisLedgerOptions::ephemeral`] does, and wins
-//! over that option (see Durability). The others go to the client.
+//! persists nothing, as [`RedisLedgerOptions::ephemeral`] does (see
+//! Durability); `wait_replicas=n` and `wait_timeout_ms=t` set
+//! [`RedisLedgerOptions::wait_replicas`] (`t` defaults to the option's
+//! timeout, else 1000; `wait_replicas=0` turns it off; see Replication).
+//! They win over the options. The others go to the client.
 //!
 //! A malformed URL, or a comma in a `redis://` host (pointing to
 //! `redis+cluster://`), is [`Error::Config`] before anything connects, and
@@ -59,16 +71,26 @@
 //! | --- | --- |
 //! | `redis://user:password@host:port/db` | one server, and its database number |
 //! | `redis+cluster://user:password@h1:p1,h2:p2,…` | a cluster's seed nodes |
+//! | `redis+sentinel://user:password@s1:p1,s2:p2,…/master/db` | the Sentinels, the master name they monitor, the primary's credentials and database |
+//! | `?wait_replicas=1&wait_timeout_ms=500` | [`RedisLedgerOptions::wait_replicas`] |
 //! | `?prefix=billing:` | [`RedisLedgerOptions::prefix`] (default `oncely:`; `%XX` escapes for what a query cannot hold) |
 //! | `?protocol=resp3` | the redis client's own parameter, handed to it (every node of a cluster) |
 //! | any other parameter (`?prefx=x`) | refused: [`Error::Config`] naming it and the accepted ones, before anything connects |
 //!
 //! [`RedisLedger::connect_with`] reads `?prefix=` too, over its options'.
 //! A ledger's [`Display`](std::fmt::Display) says what it reads (`redis
-//! 10.0.0.5:6379/0, prefix billing:`), never a credential.
+//! 10.0.0.5:6379/0, prefix billing:`; `redis sentinel
+//! 10.0.0.1:26379,10.0.0.2:26379 master mymaster/0, prefix oncely:`),
+//! never a credential.
+//!
+//! Connecting checks the server's role (`ROLE`, else `INFO replication`):
+//! a replica refuses every write with `READONLY`, so a ledger that writes is
+//! refused there with [`Error::Config`] (pointing to the primary and to
+//! `redis+sentinel://`) instead of connecting and failing every claim; a
+//! read-only ledger opens a replica and reads what it has.
 //!
 //! [`RedisLedger`] implements [`FromUrl`](oncely::backend::FromUrl) with the
-//! schemes `redis` and `redis+cluster`, the one way a tool opens any backend
+//! schemes `redis`, `redis+cluster` and `redis+sentinel`, the one way a tool opens any backend
 //! from a URL. Redis has no tables or buckets: there is nothing to create
 //! or migrate, so [`Access::Migrate`](oncely::backend::Access::Migrate),
 //! [`Access::Existing`](oncely::backend::Access::Existing) and
@@ -84,7 +106,9 @@
 //! | atomic claim | one Lua script per operation (create, take over an expired lease, or answer with the record); `EVALSHA`, loaded on `NOSCRIPT` |
 //! | caller's transaction | no: Redis cannot join a SQL transaction |
 //! | durability | as the server is configured, read on every master at connect (`appendonly`, `appendfsync`, `save`; `INFO persistence` where `CONFIG` is not allowed) and reported by the weakest in [`Capabilities::durability`](oncely::Capabilities::durability): `appendfsync always` loses nothing acknowledged on a crash, `everysec` up to about 1 s, snapshots only everything since the last one. A server that persists nothing (`--save "" --appendonly no`) is refused with [`Error::Config`] unless accepted (`?ephemeral=true`, [`RedisLedgerOptions::ephemeral`]); a read-only ledger is never refused for it. A failover can lose acknowledged writes whatever the setting (see below) |
-//! | replication | asynchronous: a claim returns before any replica has it ([`Capabilities::replicated`](oncely::Capabilities) is `false`) |
+//! | replication | asynchronous: a claim returns before any replica has it ([`Capabilities::replicated`](oncely::Capabilities) is `false`), unless [`RedisLedgerOptions::wait_replicas`]: then a lease write counts only once that many replicas acknowledged it (`WAIT`), and `replicated` is `true`; `WAIT` is not consensus (see Replication) |
+//! | failover | `redis+sentinel://`: the ledger and its notification subscriber follow the primary Sentinel promotes; a `redis://` ledger does not (its writes fail with `READONLY`, retryable, until it is pointed elsewhere) |
+//! | role | checked at connect: a writing ledger is refused on a replica |
 //! | clock | the Redis server's `TIME`, read inside each script, so at the moment its write takes effect (per master in a cluster; each record lives on one master) |
 //! | fences | the server's clock in µs at the grant, or the previous fence + 1 if higher ([`next_fence`](oncely::backend::next_fence)): never repeated for a key, prunes included, as long as a master's clock never steps back by more than the shortest retention in use (or a failover promotes a replica whose clock is that far behind) |
 //! | expiry | none: records carry no TTL, and only [`prune`](oncely::Ledger::prune) deletes them, so **prune must be scheduled** (see Records) |
@@ -217,23 +241,13 @@
 //!   (typically up to 30 s). `appendfsync always` fsyncs each write before
 //!   the reply; then a single node loses nothing it acknowledged, at a
 //!   large cost in latency.
-//! - Replication is asynchronous. `WAIT numreplicas timeout` after a write
-//!   tells you how many replicas have it, but it is not consensus: a failover
-//!   can still promote a replica that missed the write, and Redis never
-//!   rolls back a write that `WAIT` failed to replicate. This crate does not
-//!   issue `WAIT`.
-//! - A failover (Sentinel, or a Cluster replica promoted) can lose what the
-//!   old master acknowledged but had not yet replicated, whatever its
-//!   `appendfsync`: the master's own disk is not read again. Lost: a claim
-//!   (and the next delivery acquires the key again), a completion (and the
-//!   next delivery finds the lease, later takes it over and runs the effect
-//!   again) or a raise of the horizon. Either way a duplicate effect is
-//!   possible. The durability reported is the masters' only; the replicas'
-//!   settings are not read.
-//!   Provider-keyed steps stay safe because the provider deduplicates by
-//!   [`Lease::provider_key`](oncely::Lease::provider_key); at-most-once steps
-//!   may be sent twice. Where that is not acceptable, use a consensus
-//!   replicated backend (oncely-nats with R=3) or PostgreSQL.
+//! - Replication is asynchronous, and a failover (Sentinel, or a Cluster
+//!   replica promoted) can lose what the old primary acknowledged but had
+//!   not yet replicated, whatever its `appendfsync`: the primary's own disk
+//!   is not read again. [`RedisLedgerOptions::wait_replicas`] acknowledges a
+//!   lease write only once replicas have it; what that does and does not
+//!   promise is in Replication below. The durability reported is the
+//!   primaries' only; the replicas' settings are not read.
 //! - Eviction: the server must run `maxmemory-policy noeviction`. Under
 //!   `allkeys-*` Redis may evict a live lease, an abandoned step, a
 //!   completed record before its retention ends (a redelivery would run the
@@ -245,6 +259,95 @@
 //!   master and refuses any other policy unless
 //!   [`RedisLedgerOptions::require_noeviction`] is turned off; where `CONFIG`
 //!   is not allowed (managed services) it logs a warning and goes on.
+//!
+//! ## Replication: Sentinel and `WAIT`
+//!
+//! **Following the primary.** A `redis+sentinel://` ledger asks the
+//! Sentinels for the primary of its master name (they check it with
+//! `ROLE`, and so does the ledger on its own connection), and sends every
+//! request there. A request that meets what a failover looks like from a
+//! client (`READONLY` from a demoted primary, `MASTERDOWN`, a connection
+//! refused, dropped or timed out) makes the ledger ask the Sentinels
+//! again, one discovery at a time and at most one every 200 ms per ledger;
+//! when they name another primary, it connects there
+//! ([`RedisLedger::primary`] says which, and how many times it moved). That
+//! request is sent again on the new primary only when the old one cannot
+//! have applied it (`READONLY`, `MASTERDOWN`, refused); one that timed out
+//! or lost its connection may have been applied, and its caller gets the
+//! error, retryable, as on a single server (a completion's becomes
+//! [`Error::OutcomeUnknown`](oncely::Error::OutcomeUnknown) in
+//! [`Effects::run`](oncely::Effects::run)). The change-notification
+//! subscriber asks the Sentinels each time it subscribes, so once its
+//! connection to the old primary is lost (or stops answering its `PING`s,
+//! within 5 s), it subscribes on the new one. During the failover itself
+//! (Sentinel's `down-after-milliseconds` plus the election) operations fail
+//! with [`Error::Unavailable`] or a retryable [`Error::Backend`]; a frozen
+//! primary costs each request its response timeout, never a hang.
+//!
+//! **What a failover loses without `WAIT`.** The tests make it visible on
+//! purpose (`tests/failover.rs`: the replica's replication link held back,
+//! then the primary killed or frozen): everything the primary acknowledged
+//! while the link was held is gone after the promotion. A lost completion:
+//! the next delivery finds the key absent (or its lease in progress, then
+//! expired) and runs the effect again, at a higher fence. A lost claim: a
+//! holder still running its handler has a duplicate granted beside it (two
+//! holders at once); the old holder's completion is then refused by its
+//! fence ([`Error::LeaseLost`](oncely::Error::LeaseLost)). A lost raise of
+//! the horizon lets a replay of a pruned message run again. Provider-keyed
+//! steps stay safe (the provider deduplicates by
+//! [`Lease::provider_key`](oncely::Lease::provider_key)); at-most-once steps
+//! may be sent twice.
+//!
+//! **[`RedisLedgerOptions::wait_replicas`]`(n, timeout)`** sends
+//! `WAIT n timeout` after each lease write, pipelined with it on the same
+//! connection (one round trip; `WAIT` counts what the connection wrote, so
+//! a reconnect in between would count nothing), and counts the write only
+//! if `n` replicas acknowledged it: a claim short of them is not granted
+//! (given back, [`Error::Unavailable`], no handler runs); a completion,
+//! release or renewal short of them fails with a retryable
+//! [`Error::Backend`] (a completion's is an unknown outcome to the runner);
+//! a duplicate is answered from a completed or abandoned record only once
+//! `n` replicas have it (the claim writes the record's key field to itself
+//! so that its `WAIT` covers a record another connection wrote). On a
+//! cluster the `WAIT` goes to the master of the record's slot. In the
+//! failover tests, with `wait_replicas(1, …)` no acknowledged completion
+//! was lost and no two holders overlapped: what the primary applied during
+//! the held link was never acknowledged.
+//!
+//! **What `WAIT` still does not promise.** It is not consensus:
+//!
+//! - it counts replicas that *received* the write, not replicas that will
+//!   be promoted: Sentinel may promote one that did not acknowledge it (with
+//!   two replicas and `n = 1`, the one that acknowledged may be the one that
+//!   is lost, or rank below the other), and the write is gone. Ask for as
+//!   many replicas as a failover may skip over, or rank them
+//!   (`replica-priority`) so that Sentinel prefers the ones that keep up;
+//! - a replica that received a write has it in memory: if it restarts
+//!   before it is promoted, it has what its own persistence kept;
+//! - a write `WAIT` found short was still applied on the primary and is not
+//!   rolled back: it may survive the failover or not. The ledger reports
+//!   it as not granted or not acknowledged, which is safe either way (an
+//!   ungranted claim's lease ends unused, an unacknowledged completion is
+//!   resolved by the next delivery);
+//! - a primary cut off from its Sentinels but not from its clients keeps
+//!   accepting writes until it learns it was demoted: with `WAIT`, the
+//!   ledger acknowledges none of them once its replicas follow the new
+//!   primary (they no longer acknowledge it), so what is lost is bounded by
+//!   what was acknowledged before they moved; without it, set
+//!   `min-replicas-to-write` on the server;
+//! - after a failover the new primary needs `n` replicas of its own before
+//!   anything is granted: with one replica and `n = 1`, nothing is until the
+//!   old primary rejoins as a replica. Run `n + 1` replicas at least;
+//! - prune, the horizon's raise and reads do not wait: a failover can undo a
+//!   prune (the records come back, harmless) or a raise of the horizon (a
+//!   replay of a pruned message may then run again, as without `WAIT`);
+//! - each `WAIT` blocks the ledger's connection on the server until the
+//!   replicas answer: throughput under concurrency drops (see the
+//!   benchmarks), and a replica that falls behind delays every write up to
+//!   the timeout.
+//!
+//! Where a lost write is not acceptable at all, use a consensus-replicated
+//! backend (oncely-nats with R=3) or PostgreSQL with a synchronous standby.
 //!
 //! ## Waiting
 //!
@@ -299,7 +402,8 @@
 //!
 //! A refused or dropped connection is [`Error::Unavailable`] (fail closed:
 //! [`Effects::run`](oncely::Effects::run) does not run the handler); a timeout
-//! or a cluster in transition (`TRYAGAIN`, `CLUSTERDOWN`, `LOADING`) is
+//! or a cluster in transition (`TRYAGAIN`, `CLUSTERDOWN`, `LOADING`) or a
+//! primary demoted under a `redis://` ledger (`READONLY`) is
 //! [`Error::Backend`] with `retryable: true`. `MOVED` and `ASK` are followed by
 //! the cluster client. A key holding something oncely did not write (a
 //! string, a foreign hash) is [`Error::Corrupt`] and is never overwritten;
@@ -327,8 +431,10 @@
 //! are read by name). `keys.rs`: the keys of records and watermarks and the
 //! `SCAN` pattern. `horizon.rs`: prune's raise-then-delete and the cluster
 //! claim's check after its insert. `notify.rs`: the change-notification
-//! subscription and the relay that wakes waiters. `conn.rs`: one connection over a server
-//! or a cluster, and the walk over every master. `error.rs`: driver errors
+//! subscription and the relay that wakes waiters. `conn.rs`: one connection over a server,
+//! a cluster or a Sentinel primary, the role check, a write and its `WAIT`,
+//! and the walk over every master. `sentinel.rs`: finding the primary
+//! through Sentinel and following it. `error.rs`: driver errors
 //! mapped to [`oncely::Error`].
 //!
 //! [`Error::Backend`]: oncely::Error::Backend
@@ -352,6 +458,7 @@ mod lua;
 mod notify;
 mod options;
 mod reply;
+mod sentinel;
 
 pub use ledger::RedisLedger;
 pub use options::RedisLedgerOptions;

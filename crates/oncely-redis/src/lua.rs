@@ -10,6 +10,7 @@ use redis::{Cmd, ErrorKind, Script, ServerErrorKind, Value};
 
 use crate::conn::Conn;
 use crate::error::map_err;
+use crate::options::Wait;
 
 /// A script: the shared prelude (record format, clock, `load`, `wake`) and
 /// its file.
@@ -57,13 +58,16 @@ pub(crate) struct ClaimItem<'a> {
 /// A call of claim.lua on `items` (one slot; on one server, any keys).
 /// `horizons`: the watermark keys the items name; `sent_at`: the message's
 /// production time (µs); `waiter`: the mark left on a record in progress,
-/// or `""`.
+/// or `""`; `touch`: whether a record the claim answers with (completed,
+/// abandoned) is written to as well, so that a `WAIT` after the call
+/// covers it (RedisLedgerOptions::wait_replicas).
 pub(crate) fn claim(
     items: &[ClaimItem<'_>],
     horizons: &[&str],
     opts: &ClaimOptions,
     sent_at: Option<i64>,
     waiter: &str,
+    touch: bool,
 ) -> Cmd {
     let mut cmd = evalsha(&CLAIM, items.len() + horizons.len());
     for item in items {
@@ -84,7 +88,7 @@ pub(crate) fn claim(
         Some(us) => cmd.arg(us),
         None => cmd.arg(""),
     };
-    cmd.arg(waiter);
+    cmd.arg(waiter).arg(if touch { "1" } else { "" });
     for item in items {
         cmd.arg(item.key.as_str());
         match item.horizon {
@@ -152,5 +156,43 @@ pub(crate) async fn run(conn: &Conn, script: &Script, cmd: &Cmd) -> Result<Value
             cmd.query_async(&mut conn).await.map_err(map_err)
         }
         reply => reply.map_err(map_err),
+    }
+}
+
+/// [`run`], and `WAIT wait.replicas wait.timeout` after it on the same
+/// connection ([`Conn::write_and_wait`]; `slot`: the script's keys'):
+/// the script's reply, and how many replicas acknowledged it.
+pub(crate) async fn run_and_wait(
+    conn: &Conn,
+    script: &Script,
+    cmd: &Cmd,
+    wait: Wait,
+    slot: u16,
+) -> Result<(Value, u64)> {
+    let mut conn = conn.clone();
+    let timeout_ms = u64::try_from(wait.timeout.as_millis()).unwrap_or(u64::MAX);
+    let mut loaded = false;
+    loop {
+        let replies = conn
+            .write_and_wait(cmd, wait.replicas, timeout_ms, slot)
+            .await
+            .map_err(map_err)?;
+        let [reply, acks]: [Value; 2] = replies
+            .try_into()
+            .map_err(|_| crate::error::unexpected("a WAIT pipeline of another length"))?;
+        match reply.extract_error() {
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) && !loaded => {
+                script.load_async(&mut conn).await.map_err(map_err)?;
+                loaded = true;
+            }
+            Err(e) => return Err(map_err(e)),
+            Ok(reply) => {
+                let acks = match acks.extract_error().map_err(map_err)? {
+                    Value::Int(n) => u64::try_from(n).unwrap_or(0),
+                    other => return Err(crate::error::unexpected(&format!("WAIT answered {other:?}"))),
+                };
+                return Ok((reply, acks));
+            }
+        }
     }
 }

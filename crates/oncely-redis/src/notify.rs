@@ -31,13 +31,38 @@ use oncely::backend::Backoff;
 use oncely::watch::{Notifier, Watch};
 use oncely::{ClaimOptions, EffectKey, OnInProgress};
 use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, IntoConnectionInfo, ProtocolVersion, PushInfo, PushKind, Value};
+use redis::{
+    AsyncConnectionConfig, ConnectionInfo, IntoConnectionInfo, ProtocolVersion, PushInfo, PushKind,
+    RedisResult, Value,
+};
 use tokio::sync::{mpsc, oneshot};
+
+use crate::sentinel::SentinelConn;
 
 /// How often the subscriber checks that its connection still answers: a
 /// connection that died without a word (a network partition) is noticed
 /// within this, plus the response timeout.
 const PING_EVERY: Duration = Duration::from_secs(5);
+
+/// Where the subscriber subscribes.
+pub(crate) enum Source {
+    /// A server, or a cluster's seed nodes, tried in turn.
+    Nodes(Vec<String>),
+    /// The primary the Sentinels name at each attempt: after a failover the
+    /// subscription is lost with the old primary (or stops answering its
+    /// `PING`s), and the next attempt subscribes on the new one.
+    Sentinel(SentinelConn),
+}
+
+impl Source {
+    /// The node of attempt `turn`.
+    async fn node(&self, turn: usize) -> RedisResult<ConnectionInfo> {
+        match self {
+            Source::Nodes(nodes) => nodes[turn % nodes.len()].as_str().into_connection_info(),
+            Source::Sentinel(s) => s.primary_url().await,
+        }
+    }
+}
 
 /// A ledger's notifications; see the module docs.
 #[derive(Debug)]
@@ -73,16 +98,17 @@ impl Notifications {
         }
     }
 
-    /// Starts the subscriber on `nodes` (a server, or a cluster's seed
-    /// nodes, tried in turn) and waits for its first attempt, so that a
-    /// ledger returned by `connect` is subscribed unless that failed (then
-    /// logged; the subscriber keeps trying in the background).
-    pub(crate) async fn start(nodes: Vec<String>, channel: String, timeout: Duration) -> Self {
+    /// Starts the subscriber on `source` (a server, a cluster's seed
+    /// nodes tried in turn, or the primary Sentinel names) and waits for its
+    /// first attempt, so that a ledger returned by `connect` is subscribed
+    /// unless that failed (then logged; the subscriber keeps trying in the
+    /// background).
+    pub(crate) async fn start(source: Source, channel: String, timeout: Duration) -> Self {
         let mut n = Notifications::off(channel);
         let (stop, stopped) = oneshot::channel();
         let (first, first_done) = oneshot::channel();
         tokio::spawn(subscriber(
-            nodes,
+            source,
             n.channel.clone(),
             n.notifier.clone(),
             n.state.clone(),
@@ -155,12 +181,12 @@ fn mark() -> String {
     h.finalize().to_hex()[..16].to_owned()
 }
 
-/// The subscriber: subscribes to `channel` on one of `nodes` and relays each
-/// message (an effect key) to `notifier`, reconnecting with a backoff when
-/// the connection is lost, until `stop` resolves (the ledger is gone).
+/// The subscriber: subscribes to `channel` on a node of `source` and relays
+/// each message (an effect key) to `notifier`, reconnecting with a backoff
+/// when the connection is lost, until `stop` resolves (the ledger is gone).
 /// `first` is told when the first attempt has succeeded or failed.
 async fn subscriber(
-    nodes: Vec<String>,
+    source: Source,
     channel: String,
     notifier: Arc<Notifier>,
     state: Arc<State>,
@@ -171,10 +197,16 @@ async fn subscriber(
     let mut first = Some(first);
     let mut backoff = retry_backoff();
     let mut warned = false;
-    for node in nodes.iter().cycle() {
+    for turn in 0.. {
         let attempt = tokio::select! {
             _ = &mut stop => return,
-            r = tokio::time::timeout(timeout, subscribe(node, &channel, timeout)) => r,
+            node = source.node(turn) => match node {
+                Ok(node) => tokio::select! {
+                    _ = &mut stop => return,
+                    r = tokio::time::timeout(timeout, subscribe(node, &channel, timeout)) => r,
+                },
+                Err(e) => Ok(Err(e)),
+            },
         };
         match attempt {
             Ok(Ok((conn, pushes))) => {
@@ -235,11 +267,10 @@ fn retry_backoff() -> Backoff {
 /// connection's pushes arrive on a plain channel and the same connection
 /// still answers `PING`.
 async fn subscribe(
-    node: &str,
+    info: ConnectionInfo,
     channel: &str,
     timeout: Duration,
 ) -> redis::RedisResult<(MultiplexedConnection, mpsc::UnboundedReceiver<PushInfo>)> {
-    let info = node.into_connection_info()?;
     let settings = info.redis_settings().clone().set_protocol(ProtocolVersion::RESP3);
     let client = redis::Client::open(info.set_redis_settings(settings))?;
     let (tx, rx) = mpsc::unbounded_channel();

@@ -1,7 +1,9 @@
 //! How a ledger opens: [`RedisLedgerOptions`], and the URL forms of this
 //! backend (`redis://host:port[/db]` for one server,
-//! `redis+cluster://h1:p1,h2:p2[?…]` for a cluster) turned into what the
-//! redis client connects to ([`parse_url`]). Nothing here touches a server.
+//! `redis+cluster://h1:p1,h2:p2[?…]` for a cluster,
+//! `redis+sentinel://s1:p1,s2:p2/master[/db]` for a primary found through
+//! Sentinel) turned into what the redis client connects to ([`parse_url`]).
+//! Nothing here touches a server.
 
 use std::time::Duration;
 
@@ -9,18 +11,26 @@ use oncely::backend::UrlParams;
 use oncely::{Error, Result};
 use redis::IntoConnectionInfo;
 
-/// The schemes of [`FromUrl`](oncely::backend::FromUrl): one server, or a
-/// cluster's seed nodes.
-pub(crate) const SCHEMES: &[&str] = &["redis", "redis+cluster"];
+/// The schemes of [`FromUrl`](oncely::backend::FromUrl): one server, a
+/// cluster's seed nodes, or the Sentinels that name a primary.
+pub(crate) const SCHEMES: &[&str] = &["redis", "redis+cluster", "redis+sentinel"];
 
 const DEFAULT_PREFIX: &str = "oncely:";
 
 /// What the messages of a malformed URL point to.
-const FORMS: &str = "redis://host:port[/db] or redis+cluster://host:port,host:port,…";
+const FORMS: &str = "redis://host:port[/db], redis+cluster://host:port,host:port,… or redis+sentinel://host:port,host:port,…/master[/db]";
+
+/// The port of a Sentinel that a `redis+sentinel://` URL lists without one.
+const SENTINEL_PORT: u16 = 26379;
+
+/// How long a `WAIT` waits when the URL sets `?wait_replicas=` and neither
+/// it nor the options say how long.
+const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// The query parameters a URL may set on the ledger itself
-/// ([`RedisLedgerOptions::prefix`]); the redis client never sees them.
-const OWN_PARAMS: &[&str] = &["prefix", "ephemeral"];
+/// ([`RedisLedgerOptions::prefix`], [`RedisLedgerOptions::ephemeral`],
+/// [`RedisLedgerOptions::wait_replicas`]); the redis client never sees them.
+const OWN_PARAMS: &[&str] = &["prefix", "ephemeral", "wait_replicas", "wait_timeout_ms"];
 
 /// The query parameters the redis client reads (redis 1.x) on a TCP URL
 /// (`redis://`, each node of `redis+cluster://`); it ignores any other.
@@ -33,7 +43,7 @@ const UNIX_DRIVER_PARAMS: &[&str] = &["db", "user", "pass", "protocol"];
 /// `RedisLedgerOptions::default()` gives the prefix `oncely:`, a 2 s
 /// connection timeout, a 5 s response timeout, a required `noeviction`
 /// policy, a server that must persist (not ephemeral), change
-/// notifications, and a ledger that writes.
+/// notifications, a ledger that writes, and no waiting for replicas.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisLedgerOptions {
     pub(crate) prefix: String,
@@ -43,6 +53,15 @@ pub struct RedisLedgerOptions {
     pub(crate) ephemeral: bool,
     pub(crate) read_only: bool,
     pub(crate) notifications: bool,
+    pub(crate) wait: Option<Wait>,
+}
+
+/// `WAIT replicas timeout` after each lease write
+/// ([`RedisLedgerOptions::wait_replicas`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Wait {
+    pub(crate) replicas: u32,
+    pub(crate) timeout: Duration,
 }
 
 impl Default for RedisLedgerOptions {
@@ -55,6 +74,7 @@ impl Default for RedisLedgerOptions {
             ephemeral: false,
             read_only: false,
             notifications: true,
+            wait: None,
         }
     }
 }
@@ -131,7 +151,51 @@ impl RedisLedgerOptions {
         self
     }
 
+    /// Whether a lease write is acknowledged only once `replicas` replicas
+    /// have it (default: not asked, `0`). With `n` ≥ 1, each claim that
+    /// acquires, each completion, release and renewal is followed by
+    /// `WAIT n timeout` on the same connection, in the same round trip
+    /// (pipelined), and counts only if at least `n` replicas acknowledged
+    /// it within `timeout`:
+    ///
+    /// - a claim that acquired but fell short is *not granted*: it is given
+    ///   back (released, so the next delivery can claim at once) and the
+    ///   claim fails with [`Error::Unavailable`], retryable, before any
+    ///   handler runs. The primary applied it and a replica may still get
+    ///   it, so it may or may not survive a failover; not granting it is
+    ///   the answer that is safe either way;
+    /// - a claim that found the effect completed (or abandoned) answers so
+    ///   only once `n` replicas have the record (the script rewrites one of
+    ///   its fields to itself, so that the `WAIT` covers it): a duplicate is
+    ///   never told "done" from a completion that a failover can still lose;
+    /// - a completion, release or renewal that fell short fails with a
+    ///   retryable [`Error::Backend`]: it was applied on the primary and a
+    ///   failover may lose it. [`Effects::run`](oncely::Effects::run) turns a
+    ///   completion's into [`Error::OutcomeUnknown`](oncely::Error::OutcomeUnknown).
+    ///
+    /// `timeout` must be at least 1 ms and shorter than the response timeout
+    /// ([`Error::Config`] when connecting otherwise): a `WAIT` without a
+    /// timeout blocks forever. Prune, the horizon and reads do not wait. The
+    /// URL parameters `?wait_replicas=n` and `?wait_timeout_ms=t` set it too
+    /// and win over this option (`?wait_replicas=0` turns it off). See the
+    /// crate docs, Replication, for what `WAIT` still does not promise: it
+    /// is not consensus.
+    pub fn wait_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.wait = (replicas > 0).then_some(Wait { replicas, timeout });
+        self
+    }
+
     pub(crate) fn check(&self) -> Result<()> {
+        if let Some(w) = self.wait
+            && (w.timeout < Duration::from_millis(1) || w.timeout >= self.response_timeout)
+        {
+            return Err(Error::Config(format!(
+                "RedisLedgerOptions::wait_replicas: the WAIT timeout ({:?}) must be at least 1 ms and shorter \
+                 than the response timeout ({:?}), or a replica that falls behind would end every write as a \
+                 response timeout",
+                w.timeout, self.response_timeout
+            )));
+        }
         let ok = self.prefix.len() <= 64
             && self.prefix.bytes().all(|b| {
                 b.is_ascii_graphic() && !matches!(b, b'{' | b'}' | b'*' | b'?' | b'[' | b']' | b'\\')
@@ -153,16 +217,47 @@ pub(crate) enum Target {
     Single(String),
     /// A cluster's seed nodes, each a `redis://` URL; never empty.
     Cluster(Vec<String>),
+    /// A primary named by Sentinels.
+    Sentinel(SentinelTarget),
+}
+
+/// What a `redis+sentinel://` URL names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SentinelTarget {
+    /// The Sentinels, each `redis://host:port`; never empty.
+    pub(crate) sentinels: Vec<String>,
+    /// The name they monitor the primary under.
+    pub(crate) master: String,
+    /// `user:password@` or nothing: the primary's credentials.
+    auth: String,
+    /// The database on the primary.
+    pub(crate) db: i64,
+    /// `?protocol=…` or nothing: the client's parameters for the primary.
+    query: String,
+}
+
+impl SentinelTarget {
+    /// The URL of the primary (or a replica) the Sentinels name at
+    /// `host:port`, with the URL's credentials, database and parameters.
+    pub(crate) fn node_url(&self, host: &str, port: u16) -> String {
+        let host = if host.contains(':') {
+            format!("[{host}]")
+        } else {
+            host.to_owned()
+        };
+        format!("redis://{}{host}:{port}/{}{}", self.auth, self.db, self.query)
+    }
 }
 
 impl Target {
     /// The servers as an operator reads them (`host:port` each, or a
     /// socket's path), as the redis client reads each URL: never a
-    /// credential or a parameter.
+    /// credential or a parameter. For Sentinel, the Sentinels.
     pub(crate) fn servers(&self) -> String {
         let nodes = match self {
             Target::Single(url) => std::slice::from_ref(url),
             Target::Cluster(nodes) => nodes.as_slice(),
+            Target::Sentinel(s) => s.sentinels.as_slice(),
         };
         nodes
             .iter()
@@ -185,6 +280,9 @@ pub(crate) struct RedisUrl {
     pub(crate) prefix: Option<String>,
     /// `?ephemeral=true|false`.
     pub(crate) ephemeral: Option<bool>,
+    /// `?wait_replicas=n`, with `?wait_timeout_ms=t` if given.
+    pub(crate) wait_replicas: Option<u32>,
+    pub(crate) wait_timeout: Option<Duration>,
 }
 
 impl RedisUrl {
@@ -212,10 +310,35 @@ impl RedisUrl {
                 ));
             }
         };
+        let number = |name: &str| -> Result<Option<u64>> {
+            params
+                .get(name)
+                .map(|v| {
+                    v.parse::<u64>().map_err(|_| {
+                        Error::Config(format!("Redis URL parameter {name} must be a whole number"))
+                    })
+                })
+                .transpose()
+        };
+        let wait_replicas = number("wait_replicas")?
+            .map(|n| {
+                u32::try_from(n)
+                    .map_err(|_| Error::Config("Redis URL parameter wait_replicas is too large".into()))
+            })
+            .transpose()?;
+        let wait_timeout = number("wait_timeout_ms")?.map(Duration::from_millis);
+        if wait_timeout.is_some() && wait_replicas.is_none() {
+            return Err(Error::Config(
+                "Redis URL parameter wait_timeout_ms goes with wait_replicas (how many replicas to wait for)"
+                    .to_owned(),
+            ));
+        }
         Ok(RedisUrl {
             target: parse_url(params.driver_url())?,
             prefix: params.get("prefix").map(str::to_owned),
             ephemeral,
+            wait_replicas,
+            wait_timeout,
         })
     }
 
@@ -227,6 +350,13 @@ impl RedisUrl {
         }
         if let Some(yes) = self.ephemeral {
             options.ephemeral = yes;
+        }
+        if let Some(n) = self.wait_replicas {
+            let timeout = self
+                .wait_timeout
+                .or(options.wait.map(|w| w.timeout))
+                .unwrap_or(DEFAULT_WAIT_TIMEOUT);
+            options = options.wait_replicas(n, timeout);
         }
         options
     }
@@ -247,6 +377,9 @@ pub(crate) fn check_scheme(url: &str) -> Result<()> {
 ///   (`redis+cluster://user:pw@h1:7000,h2:7000`) apply to the nodes that
 ///   carry none (every node of one cluster takes the same ones), and a query
 ///   string (`?protocol=resp3`) applies to every node.
+/// - `redis+sentinel://` followed by the Sentinels (as a cluster's seeds,
+///   port 26379 by default), `/`, the master's name and optionally `/db`
+///   ([`SentinelTarget`]).
 /// - `redis://host:port[/db]`: one server. A comma in its host part is
 ///   refused with a pointer to `redis+cluster://`, rather than handed to the
 ///   client as a host name that can never resolve. (Only the host part: a
@@ -265,6 +398,9 @@ pub(crate) fn parse_url(url: &str) -> Result<Target> {
     if scheme.eq_ignore_ascii_case("redis+cluster") {
         return cluster_nodes(rest).map(Target::Cluster);
     }
+    if scheme.eq_ignore_ascii_case("redis+sentinel") {
+        return sentinel_target(rest).map(Target::Sentinel);
+    }
     if !scheme.eq_ignore_ascii_case("redis") {
         return Ok(Target::Single(url.to_owned()));
     }
@@ -278,6 +414,89 @@ pub(crate) fn parse_url(url: &str) -> Result<Target> {
         ));
     }
     Ok(Target::Single(format!("redis://{rest}")))
+}
+
+/// What a `redis+sentinel://` URL names, after its `://`:
+/// `[user:password@]host[:port],host[:port],…/master[/db][?…]`. The
+/// Sentinels are listed like a cluster's seeds (port 26379 when none is
+/// given); the credentials, the database and the query are the primary's:
+/// the Sentinels are asked without credentials.
+fn sentinel_target(rest: &str) -> Result<SentinelTarget> {
+    const FORM: &str = "redis+sentinel://host:port,host:port,…/master[/db]";
+    let (rest, query) = match rest.split_once('?') {
+        Some((rest, query)) => (rest, format!("?{query}")),
+        None => (rest, String::new()),
+    };
+    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let (auth, hosts) = match authority.rsplit_once('@') {
+        Some((auth, hosts)) => (format!("{auth}@"), hosts),
+        None => (String::new(), authority),
+    };
+    let mut sentinels = Vec::new();
+    for (i, item) in hosts.split(',').map(str::trim).enumerate() {
+        if item.is_empty() {
+            continue;
+        }
+        let has_port = item
+            .rsplit_once(':')
+            .is_some_and(|(host, port)| !host.is_empty() && !port.contains(']'));
+        let node = if has_port {
+            format!("redis://{item}")
+        } else {
+            format!("redis://{item}:{SENTINEL_PORT}")
+        };
+        if item.contains(['@', '/']) || node.as_str().into_connection_info().is_err() {
+            return Err(Error::Config(format!(
+                "redis+sentinel:// Sentinel {} is not host[:port] (expected {FORM})",
+                i + 1
+            )));
+        }
+        sentinels.push(node);
+    }
+    if sentinels.is_empty() {
+        return Err(Error::Config(format!(
+            "redis+sentinel:// lists no Sentinels (expected {FORM})"
+        )));
+    }
+    let mut segments = path.split('/');
+    let master = segments.next().unwrap_or_default();
+    if master.is_empty() || master.contains(|c: char| c.is_whitespace() || c.is_control()) {
+        return Err(Error::Config(format!(
+            "redis+sentinel:// names no master (expected {FORM})"
+        )));
+    }
+    let db = match segments.next() {
+        None | Some("") => 0,
+        Some(db) => db.parse::<i64>().ok().filter(|d| *d >= 0).ok_or_else(|| {
+            Error::Config(format!(
+                "redis+sentinel:// database must be a number (expected {FORM})"
+            ))
+        })?,
+    };
+    if segments.any(|s| !s.is_empty()) {
+        return Err(Error::Config(format!(
+            "redis+sentinel:// has more than a master and a database in its path (expected {FORM})"
+        )));
+    }
+    let target = SentinelTarget {
+        sentinels,
+        master: master.to_owned(),
+        auth,
+        db,
+        query,
+    };
+    // The credentials and parameters must make a URL the client takes.
+    if target
+        .node_url("127.0.0.1", 1)
+        .as_str()
+        .into_connection_info()
+        .is_err()
+    {
+        return Err(Error::Config(format!(
+            "redis+sentinel:// credentials or parameters are not valid (expected {FORM})"
+        )));
+    }
+    Ok(target)
 }
 
 /// The seed nodes of a `redis+cluster://` URL, after its `://`.
@@ -437,7 +656,7 @@ mod tests {
         for (url, says) in [
             (
                 "redis://:hunter2@h:1?prefx=a:",
-                "unknown Redis URL parameter 'prefx' (expected prefix, ephemeral, or one its driver reads: protocol)",
+                "unknown Redis URL parameter 'prefx' (expected prefix, ephemeral, wait_replicas, wait_timeout_ms, or one its driver reads: protocol)",
             ),
             ("redis+cluster://a:1,b:2?db=3", "unknown Redis URL parameter 'db'"),
             (
@@ -453,6 +672,91 @@ mod tests {
             assert!(m.contains(says), "{url}: {m}");
             assert!(!m.contains("hunter2"), "{url}: {m}");
         }
+    }
+
+    #[test]
+    fn sentinel_urls_name_the_sentinels_and_a_master() {
+        let target = |url: &str| match parse_url(url).unwrap() {
+            Target::Sentinel(s) => s,
+            other => panic!("{url}: {other:?}"),
+        };
+        let s = target("redis+sentinel://127.0.0.1:26390, 127.0.0.1:26391 ,h3/mymaster");
+        assert_eq!(
+            s.sentinels,
+            [
+                "redis://127.0.0.1:26390",
+                "redis://127.0.0.1:26391",
+                "redis://h3:26379"
+            ]
+        );
+        assert_eq!((s.master.as_str(), s.db), ("mymaster", 0));
+        assert_eq!(s.node_url("10.0.0.5", 6379), "redis://10.0.0.5:6379/0");
+        assert_eq!(s.node_url("::1", 6379), "redis://[::1]:6379/0");
+        // The credentials, the database and the client's parameters are the
+        // primary's; the Sentinels are asked without them.
+        let s = target("REDIS+SENTINEL://u:p%2Cw@a:1,[::1]:2/billing/3?protocol=resp3");
+        assert_eq!(s.sentinels, ["redis://a:1", "redis://[::1]:2"]);
+        assert_eq!((s.master.as_str(), s.db), ("billing", 3));
+        assert_eq!(s.node_url("h", 7), "redis://u:p%2Cw@h:7/3?protocol=resp3");
+        assert_eq!(target("redis+sentinel://a/m/").db, 0);
+        assert_eq!(
+            Target::Sentinel(target("redis+sentinel://:pw@a:1,b/m")).servers(),
+            "a:1,b:26379"
+        );
+        for (url, says) in [
+            ("redis+sentinel://:hunter2@/m", "lists no Sentinels"),
+            ("redis+sentinel://:hunter2@a:1", "names no master"),
+            ("redis+sentinel://:hunter2@a:1/", "names no master"),
+            ("redis+sentinel://:hunter2@a:1/m/x", "database must be a number"),
+            ("redis+sentinel://:hunter2@a:1/m/-1", "database must be a number"),
+            (
+                "redis+sentinel://:hunter2@a:1/m/1/2",
+                "more than a master and a database",
+            ),
+            (
+                "redis+sentinel://:hunter2@a:1,b:x/m",
+                "Sentinel 2 is not host[:port]",
+            ),
+        ] {
+            let m = match parse_url(url) {
+                Err(Error::Config(m)) => m,
+                other => panic!("{url}: expected Error::Config, got {other:?}"),
+            };
+            assert!(m.contains(says), "{url}: {m}");
+            assert!(!m.contains("hunter2"), "{url}: {m}");
+        }
+    }
+
+    /// `?wait_replicas=` and `?wait_timeout_ms=` are the ledger's and win
+    /// over the options'; `0` turns waiting off.
+    #[test]
+    fn wait_replicas_is_a_ledger_parameter() {
+        let wait = |url: &str, opts: RedisLedgerOptions| {
+            let u = RedisUrl::parse(url).unwrap();
+            assert_eq!(u.target, parse_url("redis://h:1").unwrap(), "{url}");
+            u.apply(opts).wait.map(|w| (w.replicas, w.timeout.as_millis()))
+        };
+        let none = RedisLedgerOptions::default;
+        let set = || RedisLedgerOptions::default().wait_replicas(2, Duration::from_millis(300));
+        assert_eq!(wait("redis://h:1", none()), None);
+        assert_eq!(wait("redis://h:1", set()), Some((2, 300)));
+        assert_eq!(wait("redis://h:1?wait_replicas=1", none()), Some((1, 1000)));
+        assert_eq!(wait("redis://h:1?wait_replicas=1", set()), Some((1, 300)));
+        assert_eq!(
+            wait("redis://h:1?wait_timeout_ms=50&wait_replicas=3", set()),
+            Some((3, 50))
+        );
+        assert_eq!(wait("redis://h:1?wait_replicas=0", set()), None);
+        assert_eq!(none().wait_replicas(0, Duration::from_secs(1)).wait, None);
+        assert!(set().check().is_ok());
+        for bad in [Duration::ZERO, Duration::from_secs(5), Duration::from_secs(9)] {
+            let e = none().wait_replicas(1, bad).check().unwrap_err();
+            assert!(matches!(e, Error::Config(_)), "{bad:?}");
+        }
+        let shorter = none()
+            .response_timeout(Duration::from_millis(500))
+            .wait_replicas(1, Duration::from_millis(499));
+        assert!(shorter.check().is_ok());
     }
 
     /// `?ephemeral=` is the ledger's, taken out of the URL before the
@@ -501,11 +805,12 @@ mod tests {
     /// `from_url` opens only its own schemes; `connect` also hands the other
     /// single-server forms to the client.
     #[test]
-    fn from_url_schemes_are_redis_and_redis_cluster() {
+    fn from_url_schemes_are_redis_redis_cluster_and_redis_sentinel() {
         for url in [
             "redis://h:1",
             "REDIS://h:1",
             "redis+cluster://a:1,b:2",
+            "Redis+Sentinel://a:1,b:2/m",
             " redis://h ",
         ] {
             assert!(check_scheme(url).is_ok(), "{url}");
@@ -521,7 +826,10 @@ mod tests {
                 Err(Error::Config(m)) => m,
                 other => panic!("{url}: expected Error::Config, got {other:?}"),
             };
-            assert!(m.contains("redis+cluster://"), "{url}: {m}");
+            assert!(
+                m.contains("redis+cluster://") && m.contains("redis+sentinel://"),
+                "{url}: {m}"
+            );
             assert!(!m.contains("hunter2"), "{url}: {m}");
         }
     }

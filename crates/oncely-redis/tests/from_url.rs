@@ -96,7 +96,7 @@ async fn unknown_url_parameters_are_refused_before_connecting() {
     for (url, says) in [
         (
             "redis://:hunter2@127.0.0.1:1?prefx=app:",
-            "unknown Redis URL parameter 'prefx' (expected prefix, ephemeral, or one its driver reads: protocol)",
+            "unknown Redis URL parameter 'prefx' (expected prefix, ephemeral, wait_replicas, wait_timeout_ms, or one its driver reads: protocol)",
         ),
         (
             "redis://127.0.0.1:1/0?table=x",
@@ -111,6 +111,28 @@ async fn unknown_url_parameters_are_refused_before_connecting() {
             "Redis URL parameter prefix is given twice",
         ),
         ("redis://127.0.0.1:1?prefix=a%7Bb", "redis key prefix \"a{b\""),
+        (
+            "redis+sentinel://:hunter2@127.0.0.1:1,127.0.0.1:2/mymaster?tabel=x",
+            "unknown Redis URL parameter 'tabel'",
+        ),
+        (
+            "redis://:hunter2@127.0.0.1:1?wait_replicas=one",
+            "wait_replicas must be a whole number",
+        ),
+        (
+            "redis://127.0.0.1:1?wait_timeout_ms=50",
+            "wait_timeout_ms goes with wait_replicas",
+        ),
+        // A WAIT without a timeout blocks forever; one as long as the
+        // response timeout ends every stalled write as a response timeout.
+        (
+            "redis://127.0.0.1:1?wait_replicas=1&wait_timeout_ms=0",
+            "must be at least 1 ms and shorter than the response timeout",
+        ),
+        (
+            "redis+sentinel://127.0.0.1:1/m?wait_replicas=1&wait_timeout_ms=5000",
+            "must be at least 1 ms and shorter than the response timeout",
+        ),
     ] {
         for access in [Access::Migrate, Access::Existing, Access::ReadOnly] {
             match RedisLedger::from_url(url, OpenOptions::new(access)).await {

@@ -1002,8 +1002,8 @@ async fn insert_unchecked(
     sent_at: SystemTime,
     at_most_once: bool,
 ) -> (u64, i64) {
-    // claim.lua's ARGV: the batch's size and options, then per record its
-    // key, horizon index and floor.
+    // claim.lua's ARGV: the batch's size and options (the waiter's mark and
+    // the touch flag last), then per record its key, horizon index and floor.
     let mut replies: Vec<Vec<redis::Value>> = CLAIM_SCRIPT
         .key(ledger.redis_key(key))
         .arg(1)
@@ -1012,6 +1012,7 @@ async fn insert_unchecked(
         .arg("")
         .arg(if at_most_once { "1" } else { "0" })
         .arg(to_micros(sent_at).unwrap())
+        .arg("")
         .arg("")
         .arg(key.as_str())
         .arg("")
@@ -1274,7 +1275,7 @@ async fn cluster_lease_holder_writes_clear_the_unchecked_mark() {
 /// connect timeout becomes the connection timeout; nothing else changes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn from_url_opens_a_server_or_a_cluster() {
-    assert_eq!(RedisLedger::SCHEMES, ["redis", "redis+cluster"]);
+    assert_eq!(RedisLedger::SCHEMES, ["redis", "redis+cluster", "redis+sentinel"]);
     if single().await.is_none() {
         return;
     }
@@ -1611,7 +1612,11 @@ async fn a_killed_subscription_costs_latency_not_answers() {
             .unwrap();
         assert_eq!(waiter.await.unwrap().unwrap(), "holder ran");
     }
-    eventually("b's subscription is back", || async { b.is_subscribed() }).await;
+    // The kill took a's subscription too.
+    eventually("both subscriptions are back", || async {
+        a.is_subscribed() && b.is_subscribed()
+    })
+    .await;
     woken_across_ledgers(a, b, &url).await;
 }
 

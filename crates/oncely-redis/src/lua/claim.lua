@@ -7,7 +7,8 @@
 -- KEYS: the n records, then the horizon watermarks they name (below).
 -- ARGV: 1 n, 2 lease (us), 3 retention (us), 4 fingerprint hex or '', 5
 -- at-most-once '1'/'0', 6 sent_at (us since epoch) or '', 7 the waiter's
--- mark or '' (see below); then three per record: its effect key, the index
+-- mark or '' (see below), 8 touch '1' or '' (see below); then three per
+-- record: its effect key, the index
 -- among the watermarks of its horizon key or '' (one server with a sent_at
 -- only), and a fence the key had that a new record's fence must exceed or ''
 -- (rare: RedisLedger::recheck removed the key's record).
@@ -25,9 +26,20 @@
 -- wakes them (prelude.lua, wake) and a completion nobody waits for costs
 -- no message.
 --
+-- Touch: the ledger waits for replicas after each write
+-- (RedisLedgerOptions::wait_replicas) and answers a duplicate with a
+-- completed or abandoned record only once they have it. The record may
+-- have been written by another connection, whose writes a WAIT on this
+-- one need not count (Redis 7.2 and later count a connection's last
+-- command that propagated something; 7.0 moved the mark on every command),
+-- so the claim rewrites its 'k' to the value it holds: nothing changes,
+-- but the write goes into the replication stream after the record's own
+-- writes, and a replica that acknowledges this connection's writes has
+-- the record.
+--
 -- The decision restates oncely::backend: is_beyond_horizon for an absent
 -- key, answer_existing for a record, next_fence for the grant.
-local function claim(hkey, lease, retention, fp, amo, sent, waiter, floor)
+local function claim(hkey, lease, retention, fp, amo, sent, waiter, touch, floor)
   local rec, err = load(true)
   if err then
     return { 'corrupt', err }
@@ -84,6 +96,9 @@ local function claim(hkey, lease, retention, fp, amo, sent, waiter, floor)
     return { 'mismatch' }
   end
   if rec.s == 'completed' then
+    if touch ~= '' then
+      redis.call('HSET', key, 'k', rec.k)
+    end
     return { 'record', now, rec.fields }
   end
   if rec.s == 'in_progress' then
@@ -97,6 +112,9 @@ local function claim(hkey, lease, retention, fp, amo, sent, waiter, floor)
     end
     if rec.amo then
       -- An attempted at-most-once step: never taken over, never expires.
+      if touch ~= '' then
+        redis.call('HSET', key, 'k', rec.k)
+      end
       return { 'record', now, rec.fields }
     end
     if rec.hz then
@@ -124,11 +142,13 @@ local function claim(hkey, lease, retention, fp, amo, sent, waiter, floor)
 end
 
 local n = tonumber(ARGV[1])
-local lease, retention, fp, amo, sent, waiter = tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
+local lease, retention, fp, amo, sent, waiter, touch = tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5], ARGV[6],
+  ARGV[7], ARGV[8]
 local replies = {}
 for i = 1, n do
-  key, ek = KEYS[i], ARGV[5 + 3 * i]
-  local h = ARGV[6 + 3 * i]
-  replies[i] = claim(h ~= '' and KEYS[n + tonumber(h)] or nil, lease, retention, fp, amo, sent, waiter, ARGV[7 + 3 * i])
+  key, ek = KEYS[i], ARGV[6 + 3 * i]
+  local h = ARGV[7 + 3 * i]
+  replies[i] = claim(h ~= '' and KEYS[n + tonumber(h)] or nil, lease, retention, fp, amo, sent, waiter, touch,
+    ARGV[8 + 3 * i])
 end
 return replies

@@ -1,5 +1,6 @@
-//! Shared by the test binaries: the single server, the test cluster, and a
-//! private throwaway server for tests that stop or pause it.
+//! Shared by the test binaries: the single server, the test cluster, the
+//! Sentinel fixture, and a private throwaway server for tests that stop or
+//! pause it.
 #![allow(dead_code)]
 
 use std::process::{Child, Command, Stdio};
@@ -155,8 +156,131 @@ impl TempRedis {
 
     /// Kills the server at once (no shutdown handshake) and waits for it.
     pub fn kill(&mut self) {
+        signal(self.child.id(), "CONT");
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    /// Sends the server a signal (`STOP`, `CONT`).
+    pub fn signal(&self, sig: &str) {
+        signal(self.child.id(), sig);
+    }
+}
+
+/// `kill -<sig> <pid>`.
+pub fn signal(pid: u32, sig: &str) {
+    let status = Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("kill");
+    assert!(status.success() || sig == "CONT", "kill -{sig} {pid}");
+}
+
+/// Waits until the replica at `url` has its link to its primary up (a
+/// replica that just started may drop a connection while it syncs: each
+/// look takes a new one).
+pub async fn replica_linked(url: &str) {
+    for _ in 0..300 {
+        let info = async {
+            let mut conn = redis::Client::open(url)?
+                .get_multiplexed_async_connection()
+                .await?;
+            redis::cmd("INFO")
+                .arg("replication")
+                .query_async::<String>(&mut conn)
+                .await
+        };
+        if info
+            .await
+            .is_ok_and(|info| info.lines().any(|l| l.trim() == "master_link_status:up"))
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the replica at {url} never linked to its primary");
+}
+
+/// The Sentinel fixture's master name, its Sentinels, and the URL that
+/// names its primary through them (scripts/redis-sentinel.sh).
+pub const MASTER: &str = "mymaster";
+pub const SENTINELS: [u16; 3] = [26390, 26391, 26392];
+pub const PRIMARY: u16 = 6390;
+pub const REPLICA: u16 = 6391;
+
+pub fn sentinel_url() -> String {
+    let list: Vec<String> = SENTINELS.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    format!("redis+sentinel://{}/{MASTER}", list.join(","))
+}
+
+/// Starts the Sentinel fixture (the primary on 6390, its replica, three
+/// Sentinels), or finds it healthy; `false` (or a failure, with
+/// ONCELY_REQUIRE_SERVICES=1) when it cannot.
+pub fn sentinel_up() -> bool {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/redis-sentinel.sh");
+    match Command::new("bash")
+        .arg(script)
+        .arg("up")
+        .stdin(Stdio::null())
+        .output()
+    {
+        Ok(out) if out.status.success() => true,
+        Ok(out) => skip_or_fail::<()>(&format!(
+            "{script} up failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+        .is_some(),
+        Err(e) => skip_or_fail::<()>(&format!("{script}: {e}")).is_some(),
+    }
+}
+
+/// Starts the fixture's server on `port` (the old primary, after a
+/// failover) again as a replica of the new primary, and waits until it
+/// replicates.
+pub async fn sentinel_rejoin(port: u16) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/redis-sentinel.sh");
+    let out = Command::new("bash")
+        .arg(script)
+        .arg("rejoin")
+        .arg(port.to_string())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{script} rejoin {port}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    replica_linked(&format!("redis://127.0.0.1:{port}")).await;
+}
+
+/// The pid of a fixture server (by port), from its pid file.
+pub fn fixture_pid(port: u16) -> u32 {
+    let dir =
+        std::env::var("ONCELY_REDIS_SENTINEL_DIR").unwrap_or_else(|_| "/tmp/oncely-redis-sentinel".into());
+    let file = format!("{dir}/{port}.pid");
+    std::fs::read_to_string(&file)
+        .unwrap_or_else(|e| panic!("{file}: {e}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// `opts` on the Sentinel fixture's primary, through its Sentinels: the
+/// fixture started (or found healthy) once per test binary, for tests that
+/// never fail it over.
+pub async fn sentinel_with(opts: RedisLedgerOptions) -> Option<RedisLedger> {
+    static UP: OnceLock<bool> = OnceLock::new();
+    if !*UP.get_or_init(sentinel_up) {
+        return None;
+    }
+    let url = sentinel_url();
+    match RedisLedger::connect_with(&url, opts).await {
+        Ok(l) => Some(l),
+        Err(e) => skip_or_fail(&format!("redis sentinel at {url}: {e}")),
     }
 }
 

@@ -57,7 +57,9 @@ impl Baseline {
         }
         match ledger {
             #[cfg(feature = "redis")]
-            AnyLedger::Redis(_) => Ok(Baseline::Redis(redis::RedisBaseline::connect(url, run_id).await?)),
+            AnyLedger::Redis(l) => Ok(Baseline::Redis(
+                redis::RedisBaseline::connect(url, l, run_id).await?,
+            )),
             #[cfg(feature = "nats")]
             AnyLedger::Nats(_) => Ok(Baseline::Nats(Box::new(
                 nats::NatsBaseline::create(url, run_id).await?,

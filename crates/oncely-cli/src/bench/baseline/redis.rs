@@ -1,9 +1,13 @@
 //! The hand-written baseline on Redis: `SET key outcome NX PX ttl`, then
 //! `GET` on a duplicate, on one multiplexed connection (a cluster
-//! connection for `redis+cluster://`). A batch sends its `SET`s at once
-//! (the connection pipelines them, routed per node on a cluster), then the
-//! duplicates' `GET`s. Keys `oncely-cli-bench:<run id>:<row>:<job>`, removed at
-//! the end and expiring after an hour anyway.
+//! connection for `redis+cluster://`; for `redis+sentinel://`, one to the
+//! primary the ledger found). A batch sends its `SET`s at once (the
+//! connection pipelines them, routed per node on a cluster), then the
+//! duplicates' `GET`s. When the ledger waits for replicas
+//! (`?wait_replicas=`), so does the baseline: `WAIT n timeout` after each
+//! claim (after each batch), an answer short of replicas an error. Keys
+//! `oncely-cli-bench:<run id>:<row>:<job>`, removed at the end and expiring
+//! after an hour anyway.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -41,19 +45,26 @@ fn error(e: RedisError) -> Error {
     backend_error("redis", e, retryable)
 }
 
-/// The baseline's connection and key prefix.
+/// The baseline's connection and key prefix, and the `WAIT` the ledger
+/// does (replicas, timeout in ms).
 pub(in crate::bench) struct RedisBaseline {
     conn: Conn,
     prefix: String,
+    wait: Option<(u32, u64)>,
 }
 
 impl RedisBaseline {
-    /// Connects to the server (or the cluster) the ledger's URL names. The
-    /// ledger has already parsed and opened the URL, so only its two forms
-    /// are split here.
-    pub(super) async fn connect(url: &str, run_id: &str) -> Result<RedisBaseline> {
+    /// Connects to the server (or the cluster) the ledger's URL names, or
+    /// to the primary a Sentinel ledger found. The ledger has already
+    /// parsed and opened the URL, so only its forms are split here.
+    pub(super) async fn connect(
+        url: &str,
+        ledger: &oncely_redis::RedisLedger,
+        run_id: &str,
+    ) -> Result<RedisBaseline> {
         let url = url.trim();
         let (scheme, rest) = url.split_once("://").unwrap_or(("redis", url));
+        let primary = ledger.primary().map(|(p, _)| sentinel_primary(rest, &p));
         let connecting = async {
             if scheme.eq_ignore_ascii_case("redis+cluster") {
                 let client = ClusterClient::new(cluster_nodes(rest)).map_err(error)?;
@@ -63,7 +74,7 @@ impl RedisBaseline {
                     .map(Conn::Cluster)
                     .map_err(error)
             } else {
-                let client = redis::Client::open(url).map_err(error)?;
+                let client = redis::Client::open(primary.as_deref().unwrap_or(url)).map_err(error)?;
                 client
                     .get_multiplexed_async_connection()
                     .await
@@ -80,11 +91,38 @@ impl RedisBaseline {
         Ok(RedisBaseline {
             conn,
             prefix: format!("oncely-cli-bench:{run_id}:"),
+            wait: ledger
+                .wait_replicas()
+                .map(|(n, t)| (n, u64::try_from(t.as_millis()).unwrap_or(u64::MAX))),
         })
     }
 
     pub(super) fn describe(&self) -> &'static str {
-        "SET NX PX with the outcome, GET on a duplicate (batches: the SETs, then the GETs, pipelined)"
+        if self.wait.is_some() {
+            "SET NX PX with the outcome, GET on a duplicate, then WAIT for the replicas (batches: the SETs, then \
+             the GETs, pipelined, then one WAIT)"
+        } else {
+            "SET NX PX with the outcome, GET on a duplicate (batches: the SETs, then the GETs, pipelined)"
+        }
+    }
+
+    /// `WAIT` after this connection's writes, when the ledger waits: fewer
+    /// replicas than asked is an error, as the ledger's claim is.
+    async fn replicated(&self) -> Result<()> {
+        let Some((n, ms)) = self.wait else {
+            return Ok(());
+        };
+        let mut cmd = redis::cmd("WAIT");
+        cmd.arg(n).arg(ms);
+        let got: i64 = self.conn.query(&cmd).await?;
+        if got < i64::from(n) {
+            return Err(backend_error(
+                "redis",
+                format!("WAIT: {got} of {n} replicas within {ms} ms"),
+                true,
+            ));
+        }
+        Ok(())
     }
 
     pub(super) fn key(&self, row: &str, job: usize) -> String {
@@ -110,9 +148,11 @@ impl RedisBaseline {
     pub(super) async fn claim(&self, key: &str, outcome: &str) -> Result<Answer> {
         let set: Option<String> = self.conn.query(&Self::set_nx(key, outcome)).await?;
         if set.is_some() {
+            self.replicated().await?;
             return Ok(Answer::Won);
         }
         let stored: Option<String> = self.conn.query(&Self::get(key)).await?;
+        self.replicated().await?;
         stored
             .map(Answer::Duplicate)
             .ok_or_else(|| backend_error("redis", format!("{key} was neither set nor found"), false))
@@ -140,6 +180,7 @@ impl RedisBaseline {
             .zip(got)
             .filter_map(|(k, v)| v.map(|v| ((*k).to_owned(), v)))
             .collect();
+        self.replicated().await?;
         let won: Vec<bool> = set.iter().map(Option::is_some).collect();
         let won: HashMap<&str, bool> = items.iter().map(|(k, _)| k.as_str()).zip(won).collect();
         merge(items, |k| won.get(k).copied().unwrap_or(false), stored, "redis")
@@ -163,6 +204,20 @@ impl RedisBaseline {
         }
         Ok(())
     }
+}
+
+/// The URL of the primary a Sentinel ledger found (`host:port`), with the
+/// credentials and database of its `redis+sentinel://` URL (after its
+/// `://`: `[auth@]sentinels/master[/db][?…]`).
+fn sentinel_primary(rest: &str, primary: &str) -> String {
+    let rest = rest.split(['?', '#']).next().unwrap_or_default();
+    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let auth = authority
+        .rsplit_once('@')
+        .map(|(a, _)| format!("{a}@"))
+        .unwrap_or_default();
+    let db = path.split('/').nth(1).filter(|d| !d.is_empty()).unwrap_or("0");
+    format!("redis://{auth}{primary}/{db}")
 }
 
 /// The seed nodes of a `redis+cluster://` URL (after its `://`) as
@@ -212,5 +267,17 @@ mod tests {
             ]
         );
         assert_eq!(cluster_nodes("a:1"), ["redis://a:1"]);
+    }
+
+    #[test]
+    fn a_sentinel_urls_primary_keeps_its_credentials_and_database() {
+        assert_eq!(
+            sentinel_primary(
+                "u:pw@s1:26379,s2:26379/mymaster/3?wait_replicas=1",
+                "10.0.0.5:6379"
+            ),
+            "redis://u:pw@10.0.0.5:6379/3"
+        );
+        assert_eq!(sentinel_primary("s1/m", "h:1"), "redis://h:1/0");
     }
 }
