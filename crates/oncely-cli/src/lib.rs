@@ -100,6 +100,7 @@
 pub mod admin;
 pub mod any;
 pub mod bench;
+pub mod chaos;
 pub mod demo;
 pub mod ops;
 pub mod reconcile;

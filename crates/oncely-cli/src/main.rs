@@ -15,6 +15,7 @@ use oncely::Error;
 use oncely::admin::Filter;
 use oncely_cli::admin::{self, ActionReport, History, Inspection, StatsReport};
 use oncely_cli::bench::{self, BenchConfig, BenchReport};
+use oncely_cli::chaos;
 use oncely_cli::demo::{self, DemoConfig, DemoReport, Guard, Progress};
 use oncely_cli::ops::{self, Read, RecordView};
 use oncely_cli::reconcile::{self, ReconcileConfig, ReconcileReport};
@@ -95,6 +96,20 @@ enum Command {
     /// end; the ledger's records stay under tenant bench-<run id>, kept one
     /// hour. Exits 1, naming the row, if any effect ran twice or never.
     Bench(BenchArgs),
+    /// Run the payment pipeline across the endpoints of one replicated
+    /// deployment while your scripts inject faults; print what happened.
+    ///
+    /// Each order is delivered twice at once; worker W starts on endpoint
+    /// W mod N and a delivery that fails retryably moves to the next one.
+    /// The job: a provider-keyed capture (a fake provider that deduplicates
+    /// by idempotency key), then an at-most-once receipt. Every completion
+    /// a worker saw acknowledged is read back at the end. Prints the
+    /// topology, the faults, the deliveries, the effects performed, the
+    /// duplicates (orders charged twice or sent two receipts: must be 0),
+    /// the acknowledged completions lost, the abandoned receipts and what
+    /// was retried. Exits 1 if any duplicate, any lost acknowledgement, or
+    /// any order unfinished by the deadline.
+    Chaos(ChaosArgs),
     /// Print one effect's record as JSON.
     ///
     /// The key is the displayed form tenant/kind:subject, e.g.
@@ -486,6 +501,40 @@ struct DemoArgs {
 }
 
 #[derive(Debug, Args)]
+struct ChaosArgs {
+    /// One endpoint (node) of the deployment, as a ledger URL; repeat for
+    /// each (--endpoint mysql://root@127.0.0.1:3311/test --endpoint …).
+    #[arg(long = "endpoint", required = true, value_name = "URL")]
+    endpoints: Vec<String>,
+    /// The topology's name in the report.
+    #[arg(long, default_value = "unnamed")]
+    topology: String,
+    /// How many orders (each delivered twice).
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    orders: u32,
+    /// How many concurrent workers.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    workers: u32,
+    /// The steps' lease.
+    #[arg(long, default_value = "2s", value_parser = duration_arg)]
+    lease: Duration,
+    /// A fault: AT=COMMAND, run through `sh -c` AT after the start
+    /// (--fault '2s=scripts/galera-cluster.sh kill 2'); repeat for more.
+    #[arg(long = "fault", value_name = "AT=COMMAND", value_parser = fault_arg)]
+    faults: Vec<chaos::Fault>,
+    /// Stop redelivering what has not acked this long after the start.
+    #[arg(long, default_value = "120s", value_parser = duration_arg)]
+    deadline: Duration,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn fault_arg(s: &str) -> Result<chaos::Fault, String> {
+    chaos::Fault::parse(s, duration_arg)
+}
+
+#[derive(Debug, Args)]
 struct BenchArgs {
     /// How many jobs; each is delivered twice.
     #[arg(long, default_value_t = 5_000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
@@ -528,6 +577,7 @@ async fn run(command: Command) -> ExitCode {
     match command {
         Command::Demo(args) => run_demo(args).await,
         Command::Bench(args) => run_bench(args).await,
+        Command::Chaos(args) => run_chaos(args).await,
         Command::Get { key, db } => match ops::get(&db.database_url, &key).await {
             Ok(Read {
                 ledger,
@@ -1006,6 +1056,76 @@ async fn run_bench(args: BenchArgs) -> ExitCode {
         print_bench_table(&report);
     }
     bench_verdict(&report)
+}
+
+async fn run_chaos(args: ChaosArgs) -> ExitCode {
+    let config = chaos::ChaosConfig {
+        endpoints: args.endpoints,
+        topology: args.topology,
+        orders: args.orders,
+        workers: args.workers as usize,
+        lease: args.lease,
+        faults: args.faults,
+        deadline: args.deadline,
+    };
+    let report = match chaos::run(&config).await {
+        Ok(r) => r,
+        Err(e) => return fail(&e),
+    };
+    if args.json {
+        let _ = print_json(&report);
+    } else {
+        let mut t = plain_table();
+        t.set_header([
+            "topology",
+            "faults",
+            "deliveries",
+            "charges",
+            "receipts",
+            "duplicates",
+            "acked",
+            "acked lost",
+            "abandoned",
+            "unfinished",
+        ]);
+        t.add_row([
+            report.topology.clone(),
+            report.faults.len().to_string(),
+            report.deliveries.to_string(),
+            format!("{} ({} calls)", report.charges, report.provider_calls),
+            report.receipts.to_string(),
+            report.duplicates.to_string(),
+            report.acknowledged.to_string(),
+            report.lost.to_string(),
+            report.abandoned.len().to_string(),
+            report.unfinished.to_string(),
+        ]);
+        println!("{}", padded(t));
+        for f in &report.faults {
+            println!(
+                "fault at {:.1}s: {} (exit {})",
+                f.at_seconds,
+                f.command,
+                f.exit.map_or("none".to_owned(), |c| c.to_string())
+            );
+        }
+        if !report.retried.is_empty() {
+            let retried: Vec<String> = report.retried.iter().map(|(k, n)| format!("{k} {n}")).collect();
+            println!("retried: {}", retried.join(", "));
+        }
+        for key in &report.abandoned {
+            println!("abandoned (reconcile it): {key}");
+        }
+    }
+    if report.failed() {
+        eprintln!(
+            "error: {} duplicate(s), {} acknowledged completion(s) lost, {} order(s) unfinished",
+            report.duplicates, report.lost, report.unfinished
+        );
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
 }
 
 /// Exit 1, naming each row, when an effect ran twice (or never) or a

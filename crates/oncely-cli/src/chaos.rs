@@ -1,0 +1,456 @@
+//! `oncely chaos`: the payment pipeline run across several endpoints of one
+//! replicated deployment while your scripts inject faults, and one table of
+//! what happened.
+//!
+//! Every order's payment message is delivered twice, at once, to workers
+//! spread over the endpoints (worker `w` starts on endpoint `w mod n`, and
+//! a delivery that fails retryably moves on to the next endpoint, as a load
+//! balancer would). Each delivery runs the reference job: a provider-keyed
+//! `capture` step (a fake provider that deduplicates by idempotency key, as
+//! real ones do, and counts every call and every distinct charge), then an
+//! at-most-once `receipt` step (a fake mailer nobody deduplicates). A
+//! delivery that fails retryably (in progress elsewhere, a node that went
+//! away, an outcome unknown) is redelivered after a short back-off until it
+//! acks or the deadline passes. Meanwhile each `--fault AT=COMMAND` runs
+//! through `sh -c` at its offset from the start.
+//!
+//! Every step whose completion a worker saw acknowledged is remembered with
+//! its fence; at the end each is read back (from the first endpoint that
+//! answers): a record that is not completed at that fence is an
+//! **acknowledged completion lost**. **Duplicates** are orders charged twice
+//! (two distinct charges) or sent two receipts: the guarantee says 0
+//! whatever the faults. An at-most-once receipt whose worker died mid-step is
+//! **abandoned** (listed, never sent again here): that is the documented
+//! window, not a duplicate.
+//!
+//! [`run`] returns a [`ChaosReport`]; it prints nothing (the binary does).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use oncely::{
+    ClaimOptions, Effects, Error, Failure, Ledger, OnInProgress, RecordState, Result, StepMode, Tenant,
+};
+use serde::Serialize;
+
+use crate::any::AnyLedger;
+
+/// A fault: a shell command run `at` after the start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fault {
+    /// When, from the start of the run.
+    pub at: Duration,
+    /// What, through `sh -c`.
+    pub command: String,
+}
+
+impl Fault {
+    /// Reads `AT=COMMAND` (`2s=scripts/galera-cluster.sh kill 2`), `AT` a
+    /// duration as `--lease` takes it.
+    pub fn parse(
+        s: &str,
+        duration: impl Fn(&str) -> std::result::Result<Duration, String>,
+    ) -> std::result::Result<Fault, String> {
+        let (at, command) = s.split_once('=').ok_or_else(|| {
+            format!("{s:?}: a fault is AT=COMMAND, e.g. 2s='scripts/galera-cluster.sh kill 2'")
+        })?;
+        let command = command.trim();
+        if command.is_empty() {
+            return Err(format!("{s:?}: the fault's command is empty"));
+        }
+        Ok(Fault {
+            at: duration(at.trim())?,
+            command: command.to_owned(),
+        })
+    }
+}
+
+/// What `oncely chaos` runs.
+#[derive(Debug, Clone)]
+pub struct ChaosConfig {
+    /// One URL per endpoint (node) of the deployment; at least one.
+    pub endpoints: Vec<String>,
+    /// The topology's name in the report (`galera-3`, `pg-sync-standby`).
+    pub topology: String,
+    /// How many orders.
+    pub orders: u32,
+    /// How many concurrent workers.
+    pub workers: usize,
+    /// The steps' lease (short, so a crashed holder is taken over within
+    /// the run).
+    pub lease: Duration,
+    /// The faults, in any order.
+    pub faults: Vec<Fault>,
+    /// When to stop redelivering what has not acked.
+    pub deadline: Duration,
+}
+
+impl Default for ChaosConfig {
+    fn default() -> Self {
+        ChaosConfig {
+            endpoints: Vec::new(),
+            topology: "unnamed".to_owned(),
+            orders: 300,
+            workers: 8,
+            lease: Duration::from_secs(2),
+            faults: Vec::new(),
+            deadline: Duration::from_secs(120),
+        }
+    }
+}
+
+impl ChaosConfig {
+    /// Refuses what cannot run, before anything connects.
+    pub fn validate(&self) -> Result<()> {
+        if self.endpoints.is_empty() {
+            return Err(Error::InvalidInput(
+                "chaos needs at least one --endpoint URL".to_owned(),
+            ));
+        }
+        if self.orders == 0 || self.workers == 0 {
+            return Err(Error::InvalidInput(
+                "--orders and --workers must be at least 1".to_owned(),
+            ));
+        }
+        if let Some(f) = self.faults.iter().find(|f| f.at >= self.deadline) {
+            return Err(Error::InvalidInput(format!(
+                "the fault at {:?} comes after the deadline ({:?})",
+                f.at, self.deadline
+            )));
+        }
+        ClaimOptions::default().lease(self.lease).validate()
+    }
+}
+
+/// One fault as it ran.
+#[derive(Debug, Clone, Serialize)]
+pub struct FaultRun {
+    /// When it was asked for, in seconds from the start.
+    pub at_seconds: f64,
+    /// The command.
+    pub command: String,
+    /// Its exit status (`None`: it could not be started, or was killed).
+    pub exit: Option<i32>,
+}
+
+/// What a chaos run did.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChaosReport {
+    /// The topology's name.
+    pub topology: String,
+    /// How many endpoints the workers used.
+    pub endpoints: usize,
+    /// The faults, as they ran.
+    pub faults: Vec<FaultRun>,
+    /// Orders (each delivered twice, at once).
+    pub orders: u32,
+    /// Deliveries, redeliveries included.
+    pub deliveries: u64,
+    /// Distinct charges the provider made.
+    pub charges: u64,
+    /// Calls to the provider (a repeat with the same key is deduplicated
+    /// by it: effectively once).
+    pub provider_calls: u64,
+    /// Receipts sent.
+    pub receipts: u64,
+    /// Orders charged twice plus orders sent two receipts: 0, always.
+    pub duplicates: u64,
+    /// Step completions whose workers saw them acknowledged.
+    pub acknowledged: u64,
+    /// Of those, the ones whose record was not completed at that fence
+    /// afterwards.
+    pub lost: u64,
+    /// Receipt steps left abandoned (a worker died mid-step): sent zero
+    /// times or once, for reconciliation.
+    pub abandoned: Vec<String>,
+    /// Orders that had not acked by the deadline.
+    pub unfinished: u64,
+    /// Retryable failures seen, by class, and the redeliveries they caused.
+    pub retried: BTreeMap<String, u64>,
+    /// Wall time.
+    pub seconds: f64,
+}
+
+impl ChaosReport {
+    /// Whether the run broke a guarantee: a duplicate, a lost
+    /// acknowledgement, or an order that never finished.
+    pub fn failed(&self) -> bool {
+        self.duplicates > 0 || self.lost > 0 || self.unfinished > 0
+    }
+}
+
+/// The provider: deduplicates by idempotency key, counts calls.
+#[derive(Default)]
+struct Provider {
+    charges: Mutex<HashMap<String, String>>,
+    per_order: Mutex<HashMap<u32, u64>>,
+    calls: AtomicU64,
+}
+
+impl Provider {
+    async fn capture(&self, key: &str, order: u32) -> String {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let mut charges = self.charges.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(id) = charges.get(key) {
+            return id.clone();
+        }
+        let id = format!("ch_{order}_{}", charges.len());
+        charges.insert(key.to_owned(), id.clone());
+        *self
+            .per_order
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(order)
+            .or_default() += 1;
+        id
+    }
+}
+
+/// What the workers share.
+struct Shared {
+    nodes: Vec<Effects<AnyLedger>>,
+    tenant: Tenant,
+    opts: ClaimOptions,
+    provider: Provider,
+    receipts: Mutex<HashMap<u32, u64>>,
+    acked: Mutex<Vec<(oncely::EffectKey, u64)>>,
+    retried: Mutex<BTreeMap<String, u64>>,
+    deliveries: AtomicU64,
+    abandoned: Mutex<Vec<String>>,
+}
+
+impl Shared {
+    /// One delivery of `order` through endpoint `node`.
+    async fn deliver(&self, order: u32, node: usize) -> Result<()> {
+        self.deliveries.fetch_add(1, Ordering::Relaxed);
+        let effects = &self.nodes[node];
+        let subject = format!("order-{order}");
+        let job = effects
+            .job(&self.tenant, "payment", &subject)
+            .options(self.opts.clone());
+        let ran = Mutex::new(None);
+        job.step("capture", StepMode::ProviderKeyed, |ctx| {
+            let ran = &ran;
+            async move {
+                *ran.lock().unwrap_or_else(|p| p.into_inner()) = Some((ctx.key().clone(), ctx.fence()));
+                Ok::<_, Failure>(self.provider.capture(&ctx.provider_key(), order).await)
+            }
+        })
+        .await?;
+        self.acknowledge(&ran);
+        let sent = job
+            .step("receipt", StepMode::AtMostOnce, |ctx| {
+                let ran = &ran;
+                async move {
+                    *ran.lock().unwrap_or_else(|p| p.into_inner()) = Some((ctx.key().clone(), ctx.fence()));
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    *self
+                        .receipts
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .entry(order)
+                        .or_default() += 1;
+                    Ok::<_, Failure>(())
+                }
+            })
+            .await;
+        match sent {
+            Ok(()) => {
+                self.acknowledge(&ran);
+                Ok(())
+            }
+            // The documented window: listed for reconciliation, not retried.
+            Err(Error::Abandoned { key }) => {
+                self.abandoned.lock().unwrap_or_else(|p| p.into_inner()).push(key);
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The step that just returned `Ok` ran here if it noted its key: its
+    /// completion was acknowledged.
+    fn acknowledge(&self, ran: &Mutex<Option<(oncely::EffectKey, u64)>>) {
+        if let Some(done) = ran.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            self.acked.lock().unwrap_or_else(|p| p.into_inner()).push(done);
+        }
+    }
+
+    fn retried(&self, e: &Error) {
+        let class = match e {
+            Error::InProgress { .. } => "in_progress",
+            Error::LeaseLost { .. } => "lease_lost",
+            Error::OutcomeUnknown { .. } => "outcome_unknown",
+            Error::Unavailable { .. } => "unavailable",
+            _ => "other",
+        };
+        *self
+            .retried
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(class.to_owned())
+            .or_default() += 1;
+    }
+}
+
+/// Runs the pipeline with the faults and reports.
+pub async fn run(config: &ChaosConfig) -> Result<ChaosReport> {
+    config.validate()?;
+    let mut nodes = Vec::new();
+    for url in &config.endpoints {
+        nodes.push(Effects::new(AnyLedger::connect(url).await?));
+    }
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    let tenant = Tenant::new(format!("chaos-{:x}", nanos & 0xffff_ffff_ffff))?;
+    let opts = ClaimOptions::default()
+        .lease(config.lease)
+        .on_in_progress(OnInProgress::Wait {
+            max: Duration::from_millis(200),
+        });
+    let shared = Arc::new(Shared {
+        nodes,
+        tenant,
+        opts,
+        provider: Provider::default(),
+        receipts: Mutex::default(),
+        acked: Mutex::default(),
+        retried: Mutex::default(),
+        deliveries: AtomicU64::new(0),
+        abandoned: Mutex::default(),
+    });
+    // Each order twice, next to each other: both copies are in flight at once.
+    let queue: Arc<Mutex<std::collections::VecDeque<u32>>> =
+        Arc::new(Mutex::new((0..config.orders).flat_map(|o| [o, o]).collect()));
+    let started = Instant::now();
+    let deadline = started + config.deadline;
+    let unfinished = Arc::new(AtomicU64::new(0));
+
+    let faults = {
+        let faults = config.faults.clone();
+        tokio::spawn(async move {
+            let mut faults = faults;
+            faults.sort_by_key(|f| f.at);
+            let mut runs = Vec::new();
+            for f in faults {
+                tokio::time::sleep_until((started + f.at).into()).await;
+                let exit = tokio::process::Command::new("sh")
+                    .arg("-c")
+                    .arg(&f.command)
+                    .stdin(std::process::Stdio::null())
+                    .status()
+                    .await
+                    .ok()
+                    .and_then(|s| s.code());
+                tracing::info!(command = f.command, ?exit, "chaos fault ran");
+                runs.push(FaultRun {
+                    at_seconds: f.at.as_secs_f64(),
+                    command: f.command,
+                    exit,
+                });
+            }
+            runs
+        })
+    };
+
+    let mut workers = tokio::task::JoinSet::new();
+    let endpoints = config.endpoints.len();
+    for w in 0..config.workers {
+        let (shared, queue, unfinished) = (shared.clone(), queue.clone(), unfinished.clone());
+        workers.spawn(async move {
+            loop {
+                let Some(order) = queue.lock().unwrap_or_else(|p| p.into_inner()).pop_front() else {
+                    return;
+                };
+                let mut attempt = 0usize;
+                let mut backoff = Duration::from_millis(5);
+                loop {
+                    let node = (w + attempt) % endpoints;
+                    match shared.deliver(order, node).await {
+                        Ok(()) => break,
+                        Err(e) if e.is_retryable() || e.is_lease_lost() => {
+                            shared.retried(&e);
+                            if Instant::now() >= deadline {
+                                unfinished.fetch_add(1, Ordering::Relaxed);
+                                break;
+                            }
+                            attempt += 1;
+                            tokio::time::sleep(backoff).await;
+                            backoff = (backoff * 2).min(Duration::from_millis(500));
+                        }
+                        Err(e) => {
+                            tracing::warn!(order, error = %e, "chaos delivery failed for good");
+                            shared.retried(&e);
+                            unfinished.fetch_add(1, Ordering::Relaxed);
+                            break;
+                        }
+                    }
+                }
+            }
+        });
+    }
+    while let Some(joined) = workers.join_next().await {
+        joined.map_err(|e| Error::Misuse(format!("a chaos worker panicked: {e}")))?;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let faults = faults
+        .await
+        .map_err(|e| Error::Misuse(format!("the fault runner panicked: {e}")))?;
+
+    // Read every acknowledged completion back from an endpoint that answers.
+    let acked = std::mem::take(&mut *shared.acked.lock().unwrap_or_else(|p| p.into_inner()));
+    let mut lost = 0;
+    for (key, fence) in &acked {
+        let mut record = None;
+        for effects in &shared.nodes {
+            if let Ok(r) = effects.ledger().get(key).await {
+                record = Some(r);
+                break;
+            }
+        }
+        let kept =
+            matches!(record, Some(Some(ref r)) if r.state == RecordState::Completed && r.fence == *fence);
+        if !kept {
+            tracing::warn!(effect_key = %key, fence, ?record, "acknowledged completion lost");
+            lost += 1;
+        }
+    }
+    let per_order = shared
+        .provider
+        .per_order
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    let receipts = shared.receipts.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let duplicates = per_order.values().filter(|&&n| n > 1).count() as u64
+        + receipts.values().filter(|&&n| n > 1).count() as u64;
+    let mut abandoned = shared.abandoned.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    abandoned.sort();
+    abandoned.dedup();
+    let report = ChaosReport {
+        topology: config.topology.clone(),
+        endpoints,
+        faults,
+        orders: config.orders,
+        deliveries: shared.deliveries.load(Ordering::Relaxed),
+        charges: per_order.values().sum(),
+        provider_calls: shared.provider.calls.load(Ordering::Relaxed),
+        receipts: receipts.values().sum(),
+        duplicates,
+        acknowledged: acked.len() as u64,
+        lost,
+        abandoned,
+        unfinished: unfinished.load(Ordering::Relaxed),
+        retried: shared.retried.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+        seconds,
+    };
+    for effects in &shared.nodes {
+        effects.ledger().close().await;
+    }
+    Ok(report)
+}
