@@ -4,7 +4,10 @@
 #   scripts/galera-cluster.sh up        start (idempotent) and wait until every node is synced
 #   scripts/galera-cluster.sh down      stop every node and remove the data directory
 #   scripts/galera-cluster.sh kill N    SIGKILL node N (1-3), keep its data (a crash)
-#   scripts/galera-cluster.sh start N   start node N again (it rejoins) and wait for the cluster
+#   scripts/galera-cluster.sh stop N    shut node N down cleanly (it rejoins by IST, in seconds)
+#   scripts/galera-cluster.sh start N   start node N again (it rejoins) and wait for the cluster;
+#                                       with ONCELY_GALERA_FAKETIME=OFFSET (libfaketime's form,
+#                                       e.g. +8 for 8 s ahead) its clock runs off by OFFSET
 #   scripts/galera-cluster.sh urls      print the client URLs (comma-separated)
 #   scripts/galera-cluster.sh status    print each node's pid or "down"
 #
@@ -37,12 +40,16 @@ need_packages() {
     command -v rsync >/dev/null || missing+=(rsync)
     [[ -x $MARIADBD ]] || missing+=(mariadb-server)
     ((${#missing[@]} == 0)) && return 0
+    install_packages "${missing[@]}"
+}
+
+install_packages() {
     if [[ $(id -u) != 0 ]]; then
-        echo "missing packages: ${missing[*]} (apt-get install them as root)" >&2
+        echo "missing packages: $* (apt-get install them as root)" >&2
         return 1
     fi
     apt-get update -qq >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >&2
 }
 
 pid_of() { # prints the pid of node $1 if it is running
@@ -86,7 +93,7 @@ wsrep_cluster_address = $PEERS
 wsrep_node_name = n$n
 wsrep_node_address = 127.0.0.1:457$n
 wsrep_node_incoming_address = 127.0.0.1:331$n
-wsrep_provider_options = "base_host=127.0.0.1; base_port=457$n; gmcast.listen_addr=tcp://127.0.0.1:457$n; ist.recv_addr=127.0.0.1:467$n; gcache.size=64M; evs.suspect_timeout=PT3S; evs.inactive_timeout=PT8S"
+wsrep_provider_options = "base_host=127.0.0.1; base_port=457$n; gmcast.listen_addr=tcp://127.0.0.1:457$n; ist.recv_addr=127.0.0.1:467$n; gcache.size=64M; evs.suspect_timeout=PT3S; evs.inactive_timeout=PT8S; repl.causal_read_timeout=PT5S"
 wsrep_sst_method = rsync
 wsrep_sst_receive_address = 127.0.0.1:477$n
 EOF
@@ -111,7 +118,11 @@ start_node() {
     if pid_of "$n" >/dev/null; then return 0; fi
     [[ -d $DIR/n$n/data ]] || init_node "$n"
     config "$n"
-    local extra=()
+    local extra=() wrap=()
+    if [[ -n ${ONCELY_GALERA_FAKETIME:-} ]]; then
+        command -v faketime >/dev/null || install_packages faketime
+        wrap=(faketime -f "$ONCELY_GALERA_FAKETIME")
+    fi
     if [[ $mode == new ]]; then
         extra+=(--wsrep-new-cluster)
         # A crashed cluster's last node may not be marked safe to bootstrap.
@@ -120,7 +131,7 @@ start_node() {
     fi
     rm -f "$DIR/n$n.pid"
     # setsid + nohup: the node outlives the test process that started it.
-    setsid nohup "$MARIADBD" --defaults-file="$DIR/n$n.cnf" "${extra[@]}" \
+    setsid nohup "${wrap[@]}" "$MARIADBD" --defaults-file="$DIR/n$n.cnf" "${extra[@]}" \
         </dev/null >>"$DIR/n$n.log" 2>&1 9>&- &
     local deadline=$((SECONDS + WAIT_SECS))
     while ((SECONDS < deadline)); do
@@ -142,6 +153,18 @@ kill_node() {
         sleep 0.1
     done
     echo "node n$n (pid $pid) did not exit" >&2
+    return 1
+}
+
+stop_node() {
+    local n=$1 pid
+    pid=$(pid_of "$n") || return 0
+    kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 1 600); do
+        kill -0 "$pid" 2>/dev/null || { rm -f "$DIR/n$n.pid"; return 0; }
+        sleep 0.1
+    done
+    echo "node n$n (pid $pid) did not shut down in 60s" >&2
     return 1
 }
 
@@ -169,11 +192,11 @@ wait_ready() {
 cmd=${1:-}
 node=${2:-}
 case $cmd in
-    up | down | kill | start | status) ;;
+    up | down | kill | stop | start | status) ;;
     urls) urls; exit 0 ;;
-    *) echo "usage: $0 up|down|kill N|start N|urls|status" >&2; exit 2 ;;
+    *) echo "usage: $0 up|down|kill N|stop N|start N|urls|status" >&2; exit 2 ;;
 esac
-if [[ $cmd == kill || $cmd == start ]] && [[ ! $node =~ ^[123]$ ]]; then
+if [[ $cmd == kill || $cmd == stop || $cmd == start ]] && [[ ! $node =~ ^[123]$ ]]; then
     echo "node must be 1, 2 or 3" >&2
     exit 2
 fi
@@ -209,6 +232,7 @@ case $cmd in
         rm -rf "$DIR"
         ;;
     kill) kill_node "$node" ;;
+    stop) stop_node "$node" ;;
     start)
         if (($(running_nodes) == 0)); then start_node "$node" new; else start_node "$node"; fi
         expected=$(running_nodes)

@@ -72,6 +72,14 @@ pub(crate) fn retry_on_lock(e: sqlx::Error) -> Retry {
     }
 }
 
+/// A Galera node outside the primary component.
+fn cut_off(e: sqlx::Error) -> Error {
+    Error::Unavailable {
+        backend: BACKEND,
+        message: format!("the Galera node is not in the primary component (wsrep_ready is not ON): {e}"),
+    }
+}
+
 /// How long the retry loop waits before attempt `n` (0-based): nothing
 /// before the first two, then `backoff`'s pauses.
 fn pause_before(n: u32, backoff: &mut Backoff) -> Duration {
@@ -124,6 +132,7 @@ impl MySqlLedger {
             match attempt(self, &mut conn).await {
                 Ok(v) => return Ok(v),
                 Err(Retry::Fail(e)) => return Err(e),
+                Err(Retry::Lock(e)) if self.cut_off(&mut conn, &e).await => return Err(cut_off(e)),
                 Err(other) => last = Some(other),
             }
         }
@@ -135,6 +144,46 @@ impl MySqlLedger {
             Some(Retry::Fail(e) | Retry::Behind(e)) => e,
             Some(Retry::Leaked) | None => corrupt("retries exhausted"),
         })
+    }
+
+    /// Whether `e`, a lock wait timeout (1205) on a Galera node, means the
+    /// node has left the cluster's primary component: a causal read there
+    /// waits `repl.causal_read_timeout` for a sync that cannot come, then
+    /// fails with 1205, which is no lock conflict to retry on this node.
+    /// (Other statements fail at once with 1047, `Unavailable`.) `SHOW
+    /// STATUS` still answers on such a node.
+    pub(crate) async fn cut_off(&self, conn: &mut MySqlConnection, e: &sqlx::Error) -> bool {
+        if !self.inner.galera.load(Ordering::Relaxed) || error::number(e) != Some(1205) {
+            return false;
+        }
+        let ready = sqlx::raw_sql(sql::WSREP_READY).fetch_all(&mut *conn).await;
+        let ready = ready
+            .ok()
+            .and_then(first)
+            .and_then(|r| r.try_get::<String, _>(1).ok());
+        ready.as_deref() != Some("ON")
+    }
+
+    /// A read on the pool failed: as [`map`], but a Galera node that has
+    /// left the primary component is [`Error::Unavailable`]
+    /// ([`MySqlLedger::cut_off`]).
+    pub(crate) async fn read_failed(&self, e: sqlx::Error) -> Error {
+        if self.inner.galera.load(Ordering::Relaxed)
+            && error::number(&e) == Some(1205)
+            && let Ok(mut conn) = self.inner.pool.acquire().await
+            && self.cut_off(&mut conn, &e).await
+        {
+            return cut_off(e);
+        }
+        map(e)
+    }
+
+    /// A read's result on the pool, its error as [`MySqlLedger::read_failed`].
+    pub(crate) async fn checked<T>(&self, r: std::result::Result<T, sqlx::Error>) -> Result<T> {
+        match r {
+            Ok(v) => Ok(v),
+            Err(e) => Err(self.read_failed(e).await),
+        }
     }
 
     /// A fenced write matched no row: the lease is lost, unless the pooled

@@ -490,8 +490,8 @@ impl Ledger for MySqlLedger {
         let row = sqlx::query(sqlx::AssertSqlSafe(self.sql().get.as_str()))
             .bind(key.as_str())
             .fetch_all(&self.inner.pool)
-            .await
-            .map_err(map)?;
+            .await;
+        let row = self.checked(row).await?;
         first(row)
             .map(|r| stored(&r, false, false)?.record(Some(key)))
             .transpose()
@@ -508,8 +508,8 @@ impl Ledger for MySqlLedger {
             .bind(tenant.as_str())
             .bind(limit)
             .fetch_all(&self.inner.pool)
-            .await
-            .map_err(map)?;
+            .await;
+        let rows = self.checked(rows).await?;
         rows.iter()
             .map(|r| stored(r, false, false)?.record(None))
             .collect()
@@ -517,13 +517,13 @@ impl Ledger for MySqlLedger {
 
     async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
         self.probe(None).await?;
-        let watermark: Vec<Option<i64>> =
-            sqlx::query_scalar(sqlx::AssertSqlSafe(self.sql().horizon.as_str()))
+        let watermark =
+            sqlx::query_scalar::<_, Option<i64>>(sqlx::AssertSqlSafe(self.sql().horizon.as_str()))
                 .bind(tenant.as_str())
                 .bind(kind)
                 .fetch_all(&self.inner.pool)
-                .await
-                .map_err(map)?;
+                .await;
+        let watermark = self.checked(watermark).await?;
         Ok(first(watermark).flatten().map(from_micros))
     }
 
@@ -627,8 +627,8 @@ impl Admin for MySqlLedger {
         let text = format!("{}{text}", self.sql().read);
         let rows = bind(sqlx::query(sqlx::AssertSqlSafe(text)), args)
             .fetch_all(&self.inner.pool)
-            .await
-            .map_err(map)?;
+            .await;
+        let rows = self.checked(rows).await?;
         rows.iter()
             .map(|r| stored(r, false, false)?.record(None))
             .collect()
@@ -640,8 +640,8 @@ impl Admin for MySqlLedger {
         let text = format!("{}{text}", self.sql().read);
         let rows = bind(sqlx::query(sqlx::AssertSqlSafe(text)), args)
             .fetch_all(&self.inner.pool)
-            .await
-            .map_err(map)?;
+            .await;
+        let rows = self.checked(rows).await?;
         rows.iter().map(crate::row::kind_stats).collect()
     }
 
@@ -678,11 +678,11 @@ impl Admin for MySqlLedger {
 
     async fn prunable(&self) -> Result<u64> {
         self.probe(None).await?;
-        let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(self.sql().prunable.as_str()))
+        let n = sqlx::query_scalar(sqlx::AssertSqlSafe(self.sql().prunable.as_str()))
             .fetch_all(&self.inner.pool)
             .await
-            .and_then(only)
-            .map_err(map)?;
+            .and_then(only);
+        let n: i64 = self.checked(n).await?;
         Ok(u64::try_from(n).unwrap_or(0))
     }
 }

@@ -101,6 +101,10 @@ pub(crate) const CAUSAL: &str = "SET STATEMENT wsrep_sync_wait = 1 FOR ";
 /// has no such variable (error 1193) (`server::probe`).
 pub(crate) const WSREP_ON: &str = "SELECT CAST(@@wsrep_on AS SIGNED)";
 
+/// Whether a Galera node serves (`ON`), in the text protocol: a node
+/// outside the primary component still answers `SHOW` (`guard::cut_off`).
+pub(crate) const WSREP_READY: &str = "SHOW STATUS LIKE 'wsrep_ready'";
+
 /// The schema versions applied to a table. Parameter: the table's name.
 pub(crate) const APPLIED_VERSIONS: &str = "SELECT version FROM oncely_schema_migrations WHERE table_name = ?";
 
