@@ -201,6 +201,11 @@ async fn a_node_killed_mid_run_loses_nothing() {
         .map(|(j, n)| (j, n.load(Ordering::SeqCst)))
         .filter(|(_, n)| *n > 1)
         .collect();
+    eprintln!(
+        "{} keys ran more than once, {} handler runs overlapped another on its key",
+        twice.len(),
+        overlaps.load(Ordering::SeqCst)
+    );
     assert_eq!(
         overlaps.load(Ordering::SeqCst),
         0,
