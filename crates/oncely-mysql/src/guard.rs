@@ -269,9 +269,6 @@ impl MySqlLedger {
 mod tests {
     use super::*;
 
-    /// The pauses the loop used before it took them from `Backoff`
-    /// (`2 << attempt` ms, attempt 1.., capped at attempt 6); the loop
-    /// takes them from the second retry on.
     /// A conflict's loser runs again at once: its next attempt reads the
     /// winner's row, with no sleep first.
     #[test]
@@ -283,6 +280,9 @@ mod tests {
         assert_eq!(pauses, [0, 0, 4, 8, 16, 32, 64, 128]);
     }
 
+    /// The pauses the loop used before it took them from `Backoff`
+    /// (`2 << attempt` ms, attempt 1.., capped at attempt 6); the loop
+    /// takes them from the second retry on.
     #[test]
     fn pauses_are_unchanged() {
         let mut b = Backoff::new(FIRST_PAUSE, MAX_PAUSE);

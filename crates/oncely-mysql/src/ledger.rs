@@ -208,7 +208,9 @@ impl MySqlLedger {
     }
 
     /// Creates or upgrades the tables, then checks them. Idempotent, and
-    /// safe to run from many processes at once (serialised by `GET_LOCK`).
+    /// safe to run from many processes at once (serialised by `GET_LOCK`;
+    /// on Galera that lock is one node's, and a step that conflicts with
+    /// another node's migrator runs again).
     /// A table that exists but cannot be used is refused with
     /// [`Error::Config`] before any DDL.
     pub async fn migrate(&self) -> Result<()> {
