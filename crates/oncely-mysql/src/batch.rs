@@ -38,7 +38,9 @@
 //! **`complete_many`**: one `UPDATE` per chunk, each row fenced by its own
 //! lease (`fence = CASE effect_key …`). When it matches every lease, that is
 //! the answer (one round trip); when it matches fewer, one plain read tells
-//! which rows this statement completed: each carries the call's token.
+//! which rows this statement completed: each carries the call's token. On
+//! a Galera node a lease that missed is completed on its own afterwards,
+//! which tells a lease lost from a grant this node had not yet applied.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
@@ -230,7 +232,7 @@ impl MySqlLedger {
                     Ok(claim) => Some(Ok(claim)),
                     Err(Retry::Fail(e)) => Some(Err(e)),
                     // Our writes are committed: never rerun the chunk from here.
-                    Err(Retry::Lock(_) | Retry::Moved(_) | Retry::Leaked) => None,
+                    Err(Retry::Lock(_) | Retry::Moved(_) | Retry::Leaked | Retry::Behind(_)) => None,
                 });
             }
         }
@@ -362,6 +364,12 @@ impl MySqlLedger {
             match done {
                 Ok(done) => {
                     for (&i, ok) in chunk.iter().zip(done) {
+                        if !ok && self.inner.causal.load(Ordering::Relaxed) {
+                            // On Galera the grant may not be applied here
+                            // yet: the lease's own completion decides.
+                            later.push(i);
+                            continue;
+                        }
                         // Either way the lease ended (or was already gone).
                         self.ended_here(&items[i].0);
                         answers[i] = Some(if ok { Ok(()) } else { Err(lease_lost(&items[i].0)) });

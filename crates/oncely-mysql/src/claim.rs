@@ -63,7 +63,7 @@ use sqlx::MySqlConnection;
 use crate::MySqlLedger;
 use crate::error::{self, corrupt, unexpected_violation};
 use crate::guard::{Retry, retry_on_lock};
-use crate::row::{Stored, stored};
+use crate::row::{Stored, first, stored};
 
 /// A fresh grant whose statement took longer than this from its start to
 /// its write waited on a lock, and is refreshed (new expiry, new fence), even
@@ -244,7 +244,9 @@ impl MySqlLedger {
                 .bind(sent_us);
         }
         if returning {
-            return match q.fetch_optional(&mut *conn).await {
+            // Read to the end: on Galera the certification failure of this
+            // autocommit statement comes after its row.
+            return match q.fetch_all(&mut *conn).await.map(first) {
                 Ok(Some(row)) => {
                     let row = stored(&row, true, horizon)?;
                     if !in_caller_tx && row.in_tx && self.heal_if_leaked(conn).await? {
@@ -278,8 +280,9 @@ impl MySqlLedger {
         let read = if horizon { &s.read_back_h } else { &s.read_back };
         let read = sqlx::query(sqlx::AssertSqlSafe(read.as_str()))
             .bind(key.as_str())
-            .fetch_optional(&mut *conn)
+            .fetch_all(&mut *conn)
             .await
+            .map(first)
             .map_err(retry_on_lock)?;
         let row = read.map(|r| stored(&r, true, horizon)).transpose()?;
         let leaked = row.as_ref().is_none_or(|r| r.in_tx);
@@ -300,8 +303,9 @@ impl MySqlLedger {
     ) -> Result<Option<Stored>, Retry> {
         let row = sqlx::query(sqlx::AssertSqlSafe(self.sql().peek.as_str()))
             .bind(key.as_str())
-            .fetch_optional(&mut *conn)
+            .fetch_all(&mut *conn)
             .await
+            .map(first)
             .map_err(retry_on_lock)?
             .map(|r| stored(&r, true, false))
             .transpose()?;
@@ -320,8 +324,9 @@ impl MySqlLedger {
     ) -> Result<Option<Stored>, Retry> {
         let row = sqlx::query(sqlx::AssertSqlSafe(self.sql().read_back.as_str()))
             .bind(key.as_str())
-            .fetch_optional(&mut *conn)
+            .fetch_all(&mut *conn)
             .await
+            .map(first)
             .map_err(retry_on_lock)?
             .map(|r| stored(&r, true, false))
             .transpose()?;

@@ -21,6 +21,9 @@ const ER_BAD_DB: u16 = 1049;
 const ER_SERVER_SHUTDOWN: u16 = 1053;
 const ER_TOO_MANY_USER_CONNECTIONS: u16 = 1203;
 const ER_QUERY_INTERRUPTED: u16 = 1317;
+/// On a Galera node, "WSREP has not yet prepared node for application use":
+/// the node is not in the primary component (joining, partitioned, leaving).
+const ER_UNKNOWN_COM_ERROR: u16 = 1047;
 
 /// The server's error number, if the error came from the server.
 pub(crate) fn number(e: &sqlx::Error) -> Option<u16> {
@@ -69,9 +72,13 @@ pub(crate) fn unique_violation(error: &(dyn std::error::Error + 'static)) -> Opt
 }
 
 /// Whether the statement (or, in a transaction, the transaction) was rolled
-/// back by a deadlock or lock wait timeout and may succeed if run again.
+/// back by a conflict and may succeed if run again: a deadlock, a lock wait
+/// timeout, or on Galera a write set that lost certification to another
+/// node's (1213, SQLSTATE 40001, which the server may report after the rows
+/// of a `RETURNING`, or at `COMMIT`).
 pub(crate) fn is_retryable(e: &sqlx::Error) -> bool {
     matches!(number(e), Some(ER_LOCK_DEADLOCK | ER_LOCK_WAIT_TIMEOUT))
+        || matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("40001"))
 }
 
 /// Maps a driver error. Anything that means "the server cannot be reached or
@@ -87,8 +94,13 @@ pub(crate) fn map(e: sqlx::Error) -> Error {
             backend: BACKEND,
             message: e.to_string(),
         },
+        sqlx::Error::Database(_) if is_retryable(&e) => Error::Backend {
+            backend: BACKEND,
+            message: e.to_string(),
+            retryable: true,
+        },
         sqlx::Error::Database(_) => match number(&e) {
-            Some(ER_LOCK_DEADLOCK | ER_LOCK_WAIT_TIMEOUT | ER_QUERY_INTERRUPTED) => Error::Backend {
+            Some(ER_QUERY_INTERRUPTED) => Error::Backend {
                 backend: BACKEND,
                 message: e.to_string(),
                 retryable: true,
@@ -99,7 +111,8 @@ pub(crate) fn map(e: sqlx::Error) -> Error {
                 | ER_DBACCESS_DENIED
                 | ER_ACCESS_DENIED
                 | ER_BAD_DB
-                | ER_SERVER_SHUTDOWN,
+                | ER_SERVER_SHUTDOWN
+                | ER_UNKNOWN_COM_ERROR,
             ) => Error::Unavailable {
                 backend: BACKEND,
                 message: e.to_string(),

@@ -22,7 +22,7 @@ use sqlx::{Executor, MySql, MySqlConnection, MySqlPool, Transaction};
 use crate::error::{self, BACKEND, corrupt, join_error, map};
 use crate::guard::{Retry, retry_on_lock};
 use crate::options::{self, MySqlLedgerOptions, check_table};
-use crate::row::stored;
+use crate::row::{first, only, stored};
 use crate::schema;
 use crate::sql::{self, Statements};
 
@@ -36,11 +36,17 @@ pub struct MySqlLedger {
 pub(crate) struct Inner {
     pub(crate) pool: MySqlPool,
     pub(crate) table: String,
-    /// Index 0: for servers without `@@in_transaction`; 1: guarded.
-    sql: [Statements; 2],
+    /// Index 0: for servers without `@@in_transaction`; 1: guarded; 2 and
+    /// 3: the same on a MariaDB Galera node (causal reads).
+    sql: [Statements; 4],
     /// Whether the server has `@@in_transaction` (the leaked-transaction
     /// guard is on).
     pub(crate) guarded: AtomicBool,
+    /// Whether the server is a Galera node (`wsrep_on`): the ledger's reads
+    /// are causal there (`server.rs`, `sql::CAUSAL`).
+    pub(crate) galera: AtomicBool,
+    /// Whether the causal statements are used (a MariaDB Galera node).
+    pub(crate) causal: AtomicBool,
     /// Current outcome limit: the configured one, lowered once the server's
     /// `max_allowed_packet` is known.
     pub(crate) max_outcome: AtomicUsize,
@@ -167,10 +173,14 @@ impl MySqlLedger {
         MySqlLedger {
             inner: Arc::new(Inner {
                 sql: [
-                    Statements::new(&options.table, false),
-                    Statements::new(&options.table, true),
+                    Statements::new(&options.table, false, false),
+                    Statements::new(&options.table, true, false),
+                    Statements::new(&options.table, false, true),
+                    Statements::new(&options.table, true, true),
                 ],
                 guarded: AtomicBool::new(false),
+                galera: AtomicBool::new(false),
+                causal: AtomicBool::new(false),
                 table: options.table,
                 pool,
                 max_outcome: AtomicUsize::new(options.max_outcome_bytes),
@@ -222,7 +232,9 @@ impl MySqlLedger {
     }
 
     /// Creates or upgrades the tables, then checks them. Idempotent, and
-    /// safe to run from many processes at once (serialised by `GET_LOCK`).
+    /// safe to run from many processes at once (serialised by `GET_LOCK`;
+    /// on Galera that lock is one node's, and a step that conflicts with
+    /// another node's migrator runs again).
     /// A table that exists but cannot be used is refused with
     /// [`Error::Config`] before any DDL.
     pub async fn migrate(&self) -> Result<()> {
@@ -244,7 +256,9 @@ impl MySqlLedger {
 
     /// The current statement set (guarded where the server allows).
     pub(crate) fn sql(&self) -> &Statements {
-        &self.inner.sql[usize::from(self.inner.guarded.load(Ordering::Relaxed))]
+        let guarded = usize::from(self.inner.guarded.load(Ordering::Relaxed));
+        let causal = usize::from(self.inner.causal.load(Ordering::Relaxed));
+        &self.inner.sql[guarded + 2 * causal]
     }
 
     /// Refuses a write on a read-only ledger before any round trip.
@@ -367,13 +381,27 @@ impl Ledger for MySqlLedger {
         BACKEND
     }
 
+    /// On a Galera node (detected at the first operation) the records are
+    /// replicated: a write returns once the cluster has certified it.
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new(
-            "InnoDB redo log, as the server flushes it (innodb_flush_log_at_trx_commit)",
-            "database server clock when each write takes effect (UTC_TIMESTAMP(6) + elapsed SYSDATE(6))",
-        )
-        .caller_transaction(true)
-        .max_outcome_bytes(self.max_outcome_bytes())
+        let galera = self.inner.galera.load(Ordering::Relaxed);
+        let (durability, clock) = if galera {
+            (
+                "Galera: certified by the cluster's primary component before each write returns, \
+                 and applied by every node; each node's InnoDB redo log as it flushes it",
+                "the clock of the Galera node that runs each write, when it takes effect \
+                 (UTC_TIMESTAMP(6) + elapsed SYSDATE(6)); node clocks must agree (crate docs, Galera)",
+            )
+        } else {
+            (
+                "InnoDB redo log, as the server flushes it (innodb_flush_log_at_trx_commit)",
+                "database server clock when each write takes effect (UTC_TIMESTAMP(6) + elapsed SYSDATE(6))",
+            )
+        };
+        Capabilities::new(durability, clock)
+            .replicated(galera)
+            .caller_transaction(true)
+            .max_outcome_bytes(self.max_outcome_bytes())
     }
 
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
@@ -487,10 +515,11 @@ impl Ledger for MySqlLedger {
         self.probe(None).await?;
         let row = sqlx::query(sqlx::AssertSqlSafe(self.sql().get.as_str()))
             .bind(key.as_str())
-            .fetch_optional(&self.inner.pool)
-            .await
-            .map_err(map)?;
-        row.map(|r| stored(&r, false, false)?.record(Some(key)))
+            .fetch_all(&self.inner.pool)
+            .await;
+        let row = self.checked(row).await?;
+        first(row)
+            .map(|r| stored(&r, false, false)?.record(Some(key)))
             .transpose()
     }
 
@@ -505,8 +534,8 @@ impl Ledger for MySqlLedger {
             .bind(tenant.as_str())
             .bind(limit)
             .fetch_all(&self.inner.pool)
-            .await
-            .map_err(map)?;
+            .await;
+        let rows = self.checked(rows).await?;
         rows.iter()
             .map(|r| stored(r, false, false)?.record(None))
             .collect()
@@ -514,14 +543,14 @@ impl Ledger for MySqlLedger {
 
     async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
         self.probe(None).await?;
-        let watermark: Option<Option<i64>> =
-            sqlx::query_scalar(sqlx::AssertSqlSafe(self.sql().horizon.as_str()))
+        let watermark =
+            sqlx::query_scalar::<_, Option<i64>>(sqlx::AssertSqlSafe(self.sql().horizon.as_str()))
                 .bind(tenant.as_str())
                 .bind(kind)
-                .fetch_optional(&self.inner.pool)
-                .await
-                .map_err(map)?;
-        Ok(watermark.flatten().map(from_micros))
+                .fetch_all(&self.inner.pool)
+                .await;
+        let watermark = self.checked(watermark).await?;
+        Ok(first(watermark).flatten().map(from_micros))
     }
 
     fn unique_violation(&self, error: &(dyn std::error::Error + 'static)) -> Option<String> {
@@ -560,7 +589,7 @@ impl TransactionalLedger for MySqlLedger {
         loop {
             match self.claim_on(conn, key, opts, true).await {
                 Ok(c) => return Ok(c),
-                Err(Retry::Fail(e)) => return Err(e),
+                Err(Retry::Fail(e) | Retry::Behind(e)) => return Err(e),
                 Err(Retry::Lock(e)) => return Err(map(e)),
                 Err(Retry::Leaked) => {
                     return Err(corrupt(
@@ -582,9 +611,16 @@ impl TransactionalLedger for MySqlLedger {
     async fn complete_in(&self, conn: &mut MySqlConnection, lease: &Lease, outcome: &Outcome) -> Result<()> {
         check_outcome(outcome, self.max_outcome_bytes())?;
         self.writable("complete_in")?;
-        match self.complete_on(conn, lease, outcome, true).await {
+        let mut done = self.complete_on(conn, lease, outcome, true).await;
+        if matches!(done, Err(Retry::Behind(_))) {
+            // A Galera node that had not yet applied the grant has now: the
+            // write's current read sees it (the caller's snapshot does not
+            // matter to an `UPDATE`).
+            done = self.complete_on(conn, lease, outcome, true).await;
+        }
+        match done {
             Ok(()) => Ok(()),
-            Err(Retry::Fail(e)) => Err(e),
+            Err(Retry::Fail(e) | Retry::Behind(e)) => Err(e),
             Err(Retry::Lock(e)) => Err(map(e)),
             Err(Retry::Leaked | Retry::Moved(_)) => Err(corrupt("complete_in: unexpected retry")),
         }
@@ -616,10 +652,11 @@ impl Admin for MySqlLedger {
     async fn records(&self, query: &RecordQuery) -> Result<Vec<Record>> {
         self.probe(None).await?;
         let (text, args) = sql::records(&self.inner.table, query)?;
+        let text = format!("{}{text}", self.sql().read);
         let rows = bind(sqlx::query(sqlx::AssertSqlSafe(text)), args)
             .fetch_all(&self.inner.pool)
-            .await
-            .map_err(map)?;
+            .await;
+        let rows = self.checked(rows).await?;
         rows.iter()
             .map(|r| stored(r, false, false)?.record(None))
             .collect()
@@ -628,10 +665,11 @@ impl Admin for MySqlLedger {
     async fn stats(&self, tenant: Option<&Tenant>) -> Result<Vec<KindStats>> {
         self.probe(None).await?;
         let (text, args) = sql::stats(&self.inner.table, tenant);
+        let text = format!("{}{text}", self.sql().read);
         let rows = bind(sqlx::query(sqlx::AssertSqlSafe(text)), args)
             .fetch_all(&self.inner.pool)
-            .await
-            .map_err(map)?;
+            .await;
+        let rows = self.checked(rows).await?;
         rows.iter().map(crate::row::kind_stats).collect()
     }
 
@@ -668,10 +706,11 @@ impl Admin for MySqlLedger {
 
     async fn prunable(&self) -> Result<u64> {
         self.probe(None).await?;
-        let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(self.sql().prunable.as_str()))
-            .fetch_one(&self.inner.pool)
+        let n = sqlx::query_scalar(sqlx::AssertSqlSafe(self.sql().prunable.as_str()))
+            .fetch_all(&self.inner.pool)
             .await
-            .map_err(map)?;
+            .and_then(only);
+        let n: i64 = self.checked(n).await?;
         Ok(u64::try_from(n).unwrap_or(0))
     }
 }

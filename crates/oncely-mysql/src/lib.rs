@@ -54,9 +54,9 @@
 //! | URL | `mysql://user:password@host:port/database[?table=T]` or `mariadb://…`, with sqlx's parameters (`ssl-mode`, …): [`MySqlLedger::connect`], or [`FromUrl`](oncely::backend::FromUrl) with an [`Access`](oncely::backend::Access) and a connect timeout (the pool's acquire timeout). See "URL forms" |
 //! | atomic claim | a plain read of the key first (a duplicate is answered by it: no lock, no write); then, for an absent, released or expired key only, one `INSERT … ON DUPLICATE KEY UPDATE` on the primary key, which decides again on its own: the insert, or the takeover of an expired lease or a released record, in the same statement |
 //! | caller's transaction | yes: [`TransactionalLedger`](oncely::TransactionalLedger) on `&mut` [`MySqlConnection`]; a concurrent duplicate blocks on the row lock until the first commits. When several wait on one that rolls back, InnoDB may make one of them a deadlock victim (each held a share lock on the duplicate): a retryable [`oncely::Error::Backend`]; redo the transaction |
-//! | durability | what the server's InnoDB settings give (`innodb_flush_log_at_trx_commit = 1`: committed claims survive a crash) |
-//! | replication | none before a claim returns (asynchronous replicas may lag; Galera / group replication as configured). Statements read `SYSDATE()`: use row-based or mixed binary logging, not `binlog_format = STATEMENT` |
-//! | clock | the database server's, read when each write takes effect (after any lock wait): `UTC_TIMESTAMP(6)` plus the time elapsed since, measured with `SYSDATE(6)`, independent of the session time zone (see below). A server started with `--sysdate-is-now` is refused |
+//! | durability | what the server's InnoDB settings give (`innodb_flush_log_at_trx_commit = 1`: committed claims survive a crash); on a MariaDB Galera node, also every other node of the primary component (a write returns once the cluster certified it): see "Galera" |
+//! | replication | MariaDB Galera: detected at the first operation (`@@wsrep_on`, [`Capabilities::replicated`](oncely::Capabilities)), one ledger per node, claims through any node: see "Galera". Otherwise none before a claim returns (asynchronous replicas lag: claim on the primary only). Statements read `SYSDATE()`: use row-based or mixed binary logging, not `binlog_format = STATEMENT` |
+//! | clock | the database server's, read when each write takes effect (after any lock wait): `UTC_TIMESTAMP(6)` plus the time elapsed since, measured with `SYSDATE(6)`, independent of the session time zone (see below). A server started with `--sysdate-is-now` is refused. On Galera, each write's node's clock: node clocks must differ by less than the runner's safety margin (see "Galera") |
 //! | fences | the server clock's µs at the grant, or the previous fence + 1, whichever is higher ([`oncely::backend::next_fence`]): never repeated for a key, prunes included (one caveat below) |
 //! | horizon | a watermark per tenant and kind in `<table>_horizon`, raised by `prune` in the transaction that deletes; a claim with `sent_at` at or before it fails with `BeyondHorizon` when its key is absent. A claim without `sent_at` cannot be told from new work |
 //! | schema | checked on connect (every mode) and after `migrate`: columns and types, a primary key or unique index on exactly `effect_key`, binary collations on `effect_key`, `tenant`, `kind`, InnoDB; anything else is [`oncely::Error::Config`] naming the table and the problem |
@@ -69,6 +69,94 @@
 //! | waiting duplicates | in-process: a duplicate waiting on a lease this ledger granted is woken the moment that lease is completed or released here (an [`oncely::watch::Notifier`]). Across processes (and for leases claimed with `claim_in`, whose commit the ledger does not see) waiters poll: 5 ms, doubling up to 250 ms. See "Waiting" |
 //! | leaked-transaction guard | MariaDB (`@@in_transaction`); not on MySQL 8 |
 //! | pool size | default 10; the conformance race (64 claimants) uses 70. MariaDB's default `max_connections` is 151 |
+//!
+//! ## Galera
+//!
+//! On a MariaDB Galera cluster, open one ledger per node (or one per
+//! process, each on its node): claims of one key through different nodes
+//! at the same instant still have one winner, every multi-node case of the
+//! conformance suite passes (`tests/galera.rs`, on a three-node cluster of
+//! `scripts/galera-cluster.sh`), and so does a node killed with `SIGKILL`
+//! mid-run (`tests/galera_faults.rs`). The ledger finds out at the first
+//! operation (`@@wsrep_on`) and says so in
+//! [`Capabilities`](oncely::Capabilities) (`replicated`, `durability`).
+//! What the cluster changes, and what the ledger does about it:
+//!
+//! - **Certification decides, at commit.** Each node runs a statement on
+//!   its own copy and the cluster certifies the written rows in one total
+//!   order: of two nodes' claims of one key, the second to certify fails
+//!   with 1213 (SQLSTATE 40001), for an autocommit `INSERT … RETURNING`
+//!   *after* its row was sent. The ledger reads every result to its end (a
+//!   claim that stopped at the first row would take the rolled-back insert
+//!   for a grant, and leave the error on the pooled connection), takes 1213
+//!   from any statement as a conflict, and claims again at once, without a
+//!   pause: its first read then answers from the winner's row.
+//! - **Reads are causal.** A node applies other nodes' write sets a few
+//!   milliseconds after they commit. Every read of the ledger's tables
+//!   (the claim's first read, `get`, the horizon, the operator's view) runs
+//!   as `SET STATEMENT wsrep_sync_wait = 1 FOR …`: it first applies what the
+//!   cluster committed before it began, so a duplicate right after another
+//!   node's completion is answered with the outcome, and a waiter's poll
+//!   sees it. Measured on three nodes on one machine: 25 to 30 µs more per
+//!   read at the median (one round of the group's messages); per delivery
+//!   within the noise of the same runs, and under `Reject` about half as
+//!   many duplicates on another node turned away as "in progress" (the
+//!   repository's docs/benchmarks.md, "Galera").
+//! - **Fenced writes through another node.** A lease granted through node
+//!   A may be completed, renewed or released through node B before B has
+//!   applied the grant. A fenced write that matches no row costs nothing
+//!   more on the usual path; on a miss the ledger asks with a causal read,
+//!   and if the lease is live after all it writes again, instead of
+//!   answering `LeaseLost` to the real holder. `complete_many` completes
+//!   its missed leases one by one for the same reason.
+//! - **No cluster-wide locks.** `GET_LOCK` (taken by migrations only) and
+//!   the locking reads (`SELECT … FOR UPDATE` of the MySQL 8 read-back,
+//!   `LOCK IN SHARE MODE` of the horizon check, prune's candidates) lock on
+//!   one node: Galera replicates no read locks. Nothing relies on them
+//!   across nodes: a claim and a prune of one key both write its row, so
+//!   certification fails one of them; migrations run their idempotent steps
+//!   again on a conflict (three processes migrating through three nodes at
+//!   once is tested).
+//! - **A node that leaves.** A node outside the primary component
+//!   (partitioned, joining, shut down) answers writes with 1047 ("WSREP has
+//!   not yet prepared node"), and a causal read with 1205 once
+//!   `repl.causal_read_timeout` has passed (30 s by default): both are
+//!   [`oncely::Error::Unavailable`] (1205 is told from a lock wait by
+//!   `wsrep_ready`). A ledger is one node's pool and does not fail over:
+//!   move the work on `Unavailable` (a broker's redelivery to a worker on
+//!   another node does it), or connect through a Galera-aware proxy. A
+//!   write the cluster acknowledged survives the loss of the node it went
+//!   through; the survivors carry on once the cluster has evicted the dead
+//!   node (`evs.suspect_timeout`, 5 s by default), and a lease its
+//!   claimants held expires like any other. Connections of a pool whose
+//!   node restarted fail once each (`Unavailable`) before the pool replaces
+//!   them.
+//! - **The caller's transaction.** `claim_in` works on a Galera node; a
+//!   duplicate claimed in a transaction on another node does not wait on
+//!   the row lock as on one server: one of the two transactions fails at
+//!   its `COMMIT` with 1213, a retryable [`oncely::Error::Backend`]: redo
+//!   it.
+//! - **Clocks.** Each node judges expiry on its own clock, when the write
+//!   takes effect. If node B's clock runs `S` ahead of node A's, B takes
+//!   over a lease granted through A `S` early (tested with node 3 under
+//!   `faketime` 8 s ahead). The runner stops its handler at its own
+//!   deadline, the lease less its safety margin (a quarter of the lease by
+//!   default), measured on the worker's monotonic clock from when it sent
+//!   the claim, so **leases stay exclusive while every two nodes' clocks
+//!   differ by less than the safety margin** (7.5 s for the default 30 s
+//!   lease; NTP keeps them within milliseconds). Fences need no bound while
+//!   a record exists (a takeover's fence is above the previous one,
+//!   whichever clock wrote it); a record pruned and claimed again gets the
+//!   inserting node's clock as its fence, which stays above the old ones
+//!   while the clocks differ by less than the retention (7 days by
+//!   default).
+//! - **Settings.** `binlog_format = ROW` and `innodb_autoinc_lock_mode = 2`
+//!   (Galera's own requirements); leave `wsrep_sync_wait` as it is (the
+//!   ledger sets it per statement) and `wsrep_retry_autocommit` at its
+//!   default. The ledger's reads are causal on MariaDB only (they use
+//!   `SET STATEMENT`); on a MySQL-based Galera (Percona XtraDB Cluster) it
+//!   logs a warning and a duplicate may be answered from a read a few
+//!   milliseconds behind.
 //!
 //! ## The clock, and a claim that waited
 //!

@@ -7,6 +7,22 @@ use sqlx::mysql::MySqlRow;
 
 use crate::error::corrupt;
 
+/// The first row of a result read to its end (`fetch_all`): this crate
+/// never stops reading at a first row (`fetch_optional`, `fetch_one`). A
+/// statement's error can follow its rows: a Galera node reports a write set
+/// that lost certification (1213) after the rows of `INSERT … RETURNING`,
+/// so a claim that stopped at the first row would take a rolled-back insert
+/// for a grant, and leave the error on the pooled connection, where the
+/// next statement would be the one to fail.
+pub(crate) fn first<T>(rows: Vec<T>) -> Option<T> {
+    rows.into_iter().next()
+}
+
+/// [`first`], for a statement that always returns a row.
+pub(crate) fn only<T>(rows: Vec<T>) -> std::result::Result<T, sqlx::Error> {
+    first(rows).ok_or(sqlx::Error::RowNotFound)
+}
+
 /// A row as stored, plus the server's clock at the read (`now_us`) and, for
 /// the statements that read it, the horizon of the row's tenant and kind.
 #[derive(Debug)]

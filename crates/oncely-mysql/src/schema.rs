@@ -11,7 +11,8 @@
 use oncely::{Error, Result};
 use sqlx::{Executor, MySqlConnection, Row};
 
-use crate::error::{BACKEND, map};
+use crate::error::{self, BACKEND, map};
+use crate::row::{first, only};
 use crate::sql;
 
 /// What a column must be.
@@ -156,8 +157,9 @@ pub(crate) async fn verify(conn: &mut MySqlConnection, table: &str) -> Result<()
 /// whole columns.
 async fn verify_one(conn: &mut MySqlConnection, table: &str, spec: Spec, key_cols: &[&str]) -> Result<()> {
     let db: Option<String> = sqlx::query_scalar(sql::DATABASE)
-        .fetch_one(&mut *conn)
+        .fetch_all(&mut *conn)
         .await
+        .and_then(only)
         .map_err(map)?;
     let Some(db) = db else {
         return Err(Error::Config(
@@ -167,8 +169,9 @@ async fn verify_one(conn: &mut MySqlConnection, table: &str, spec: Spec, key_col
     let name = format!("`{db}`.`{table}`");
     let found = sqlx::query(sql::IS_TABLE)
         .bind(table)
-        .fetch_optional(&mut *conn)
+        .fetch_all(&mut *conn)
         .await
+        .map(first)
         .map_err(map)?;
     let Some(found) = found else {
         return Err(Error::Config(format!(
@@ -268,8 +271,9 @@ pub(crate) async fn migrate(conn: &mut MySqlConnection, table: &str) -> Result<(
     let lock = format!("oncely.migrate.{table}");
     let got: Option<i64> = sqlx::query_scalar(sql::MIGRATION_LOCK)
         .bind(&lock)
-        .fetch_one(&mut *conn)
+        .fetch_all(&mut *conn)
         .await
+        .and_then(only)
         .map_err(map)?;
     if got != Some(1) {
         return Err(Error::Backend {
@@ -293,8 +297,9 @@ pub(crate) async fn migrate(conn: &mut MySqlConnection, table: &str) -> Result<(
 async fn apply(conn: &mut MySqlConnection, table: &str) -> Result<()> {
     let exists: i64 = sqlx::query_scalar(sql::IS_TABLE_COUNT)
         .bind(table)
-        .fetch_one(&mut *conn)
+        .fetch_all(&mut *conn)
         .await
+        .and_then(only)
         .map_err(map)?;
     if exists > 0 {
         verify_one(conn, table, EFFECTS, &["effect_key"]).await?;
@@ -309,16 +314,39 @@ async fn apply(conn: &mut MySqlConnection, table: &str) -> Result<()> {
         if applied.contains(&version) {
             continue;
         }
-        for s in statements {
-            conn.execute(sqlx::AssertSqlSafe(s)).await.map_err(map)?;
+        // `GET_LOCK` holds off migrators on this server only: on Galera,
+        // another node's migrator may run the same steps at once, and one
+        // of two writes of the bookkeeping row loses certification (1213).
+        // Every step is idempotent, so the version runs again.
+        let mut conflicts = 0;
+        loop {
+            match apply_version(conn, table, version, &statements).await {
+                Ok(()) => break,
+                Err(e) if error::is_retryable(&e) && conflicts < MIGRATION_CONFLICTS => conflicts += 1,
+                Err(e) => return Err(map(e)),
+            }
         }
-        sqlx::query(sql::RECORD_VERSION)
-            .bind(table)
-            .bind(version)
-            .execute(&mut *conn)
-            .await
-            .map_err(map)?;
     }
+    Ok(())
+}
+
+/// How many conflicts one schema version may meet before migrate fails.
+const MIGRATION_CONFLICTS: u32 = 5;
+
+async fn apply_version(
+    conn: &mut MySqlConnection,
+    table: &str,
+    version: u32,
+    statements: &[String],
+) -> std::result::Result<(), sqlx::Error> {
+    for s in statements {
+        conn.execute(sqlx::AssertSqlSafe(s.as_str())).await?;
+    }
+    sqlx::query(sql::RECORD_VERSION)
+        .bind(table)
+        .bind(version)
+        .execute(&mut *conn)
+        .await?;
     Ok(())
 }
 

@@ -1,7 +1,8 @@
 //! What the server supports, asked once before a ledger's first operation:
 //! `RETURNING` (MariaDB 10.5+), `max_allowed_packet`, `@@in_transaction`
-//! (the leaked-transaction guard), a `SYSDATE()` that reads the clock, and
-//! sessions that commit; then the tables are checked.
+//! (the leaked-transaction guard), a `SYSDATE()` that reads the clock,
+//! sessions that commit, and whether it is a Galera node (`@@wsrep_on`:
+//! causal reads, `Capabilities::replicated`); then the tables are checked.
 
 use std::sync::atomic::Ordering;
 
@@ -10,6 +11,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{MySql, MySqlConnection, Row};
 
 use crate::error::{self, autocommit_off, map};
+use crate::row::only;
 use crate::{MySqlLedger, schema, sql};
 
 /// Whether a `VERSION()` string is MariaDB 10.5 or later.
@@ -58,16 +60,18 @@ impl MySqlLedger {
                     }
                 };
                 let row = sqlx::query(sql::SERVER)
-                    .fetch_one(&mut *conn)
+                    .fetch_all(&mut *conn)
                     .await
+                    .and_then(only)
                     .map_err(map)?;
                 let version: String = row.try_get("v").map_err(map)?;
                 let packet: u64 = row.try_get("p").map_err(map)?;
                 // A server started with --sysdate-is-now would make every
                 // "clock after the wait" the statement's start again.
                 let ahead: Option<i64> = sqlx::query_scalar(sql::SYSDATE_PROBE)
-                    .fetch_one(&mut *conn)
+                    .fetch_all(&mut *conn)
                     .await
+                    .and_then(only)
                     .map_err(map)?;
                 if !sysdate_is_live(ahead) {
                     return Err(Error::Config(format!(
@@ -81,8 +85,9 @@ impl MySqlLedger {
                 // caller's connection, which may legitimately be so).
                 if !in_caller_tx {
                     let autocommit: i64 = sqlx::query_scalar(sql::AUTOCOMMIT)
-                        .fetch_one(&mut *conn)
+                        .fetch_all(&mut *conn)
                         .await
+                        .and_then(only)
                         .map_err(map)?;
                     if autocommit == 0 {
                         return Err(autocommit_off());
@@ -91,13 +96,35 @@ impl MySqlLedger {
                 // MariaDB tells whether a statement runs inside an open
                 // transaction; MySQL 8 has no such variable (error 1193).
                 let guarded = match sqlx::query_scalar::<_, u64>(sql::IN_TRANSACTION)
-                    .fetch_one(&mut *conn)
+                    .fetch_all(&mut *conn)
                     .await
+                    .and_then(only)
                 {
                     Ok(_) => true,
                     Err(e) if error::number(&e) == Some(1193) => false,
                     Err(e) => return Err(map(e)),
                 };
+                // A Galera node (wsrep_on); MySQL without wsrep has no such
+                // variable (error 1193).
+                let galera = match sqlx::query_scalar::<_, i64>(sql::WSREP_ON)
+                    .fetch_all(&mut *conn)
+                    .await
+                    .and_then(only)
+                {
+                    Ok(on) => on == 1,
+                    Err(e) if error::number(&e) == Some(1193) => false,
+                    Err(e) => return Err(map(e)),
+                };
+                let mariadb = version.to_ascii_lowercase().contains("mariadb");
+                if galera && !mariadb {
+                    tracing::warn!(
+                        backend = error::BACKEND,
+                        %version,
+                        "a Galera node that is not MariaDB: the ledger's reads are not causal here \
+                         (they use MariaDB's SET STATEMENT); a duplicate may be answered from a read \
+                         a few milliseconds behind the other nodes"
+                    );
+                }
                 schema::verify(conn, &self.inner.table).await?;
                 let returning = self
                     .inner
@@ -110,6 +137,8 @@ impl MySqlLedger {
                 self.inner.max_outcome.fetch_min(fits, Ordering::Relaxed);
                 self.inner.packet_budget.store(fits, Ordering::Relaxed);
                 self.inner.guarded.store(guarded, Ordering::Relaxed);
+                self.inner.galera.store(galera, Ordering::Relaxed);
+                self.inner.causal.store(galera && mariadb, Ordering::Relaxed);
                 Ok::<_, Error>(())
             })
             .await

@@ -89,6 +89,22 @@ pub(crate) const MIGRATION_LOCK: &str = "SELECT GET_LOCK(?, 60)";
 /// Releases [`MIGRATION_LOCK`]. Parameter: the lock's name.
 pub(crate) const MIGRATION_UNLOCK: &str = "SELECT RELEASE_LOCK(?)";
 
+/// Makes a read on a Galera node causal: before it reads, the node applies
+/// every write set the cluster committed before the read began, so it sees
+/// every write acknowledged on any node by then (a node applies other
+/// nodes' write sets asynchronously, a few milliseconds behind their
+/// commit). MariaDB's per-statement form, so no session state is left
+/// behind on a caller's connection.
+pub(crate) const CAUSAL: &str = "SET STATEMENT wsrep_sync_wait = 1 FOR ";
+
+/// Whether the server is a Galera node (`wsrep_on`); MySQL without wsrep
+/// has no such variable (error 1193) (`server::probe`).
+pub(crate) const WSREP_ON: &str = "SELECT CAST(@@wsrep_on AS SIGNED)";
+
+/// Whether a Galera node serves (`ON`), in the text protocol: a node
+/// outside the primary component still answers `SHOW` (`guard::cut_off`).
+pub(crate) const WSREP_READY: &str = "SHOW STATUS LIKE 'wsrep_ready'";
+
 /// The schema versions applied to a table. Parameter: the table's name.
 pub(crate) const APPLIED_VERSIONS: &str = "SELECT version FROM oncely_schema_migrations WHERE table_name = ?";
 
@@ -351,6 +367,9 @@ pub(crate) fn stats(t: &str, tenant: Option<&Tenant>) -> (String, Vec<Arg>) {
 /// per key ([`Statements::claim_many`]).
 #[derive(Debug)]
 pub(crate) struct Statements {
+    /// What every read of the ledger's tables starts with: [`CAUSAL`] on a
+    /// MariaDB Galera node, else nothing.
+    pub read: &'static str,
     /// The key's row as committed, with the clock: a consistent read, which
     /// InnoDB answers without a lock and without a transaction id, so a
     /// duplicate of a completed or live effect writes nothing. Parameter:
@@ -430,7 +449,10 @@ impl Statements {
     /// write carries the leaked-transaction guard `(? OR @@in_transaction =
     /// 0)`, whose parameter is true on a caller's transaction. Without it the
     /// guard is `(? OR TRUE)`, so both sets bind the same parameters.
-    pub(crate) fn new(t: &str, guarded: bool) -> Self {
+    /// `causal`: a MariaDB Galera node; every read of the ledger's tables
+    /// is a causal read ([`CAUSAL`]).
+    pub(crate) fn new(t: &str, guarded: bool, causal: bool) -> Self {
+        let read = if causal { CAUSAL } else { "" };
         let h = horizon_table(t);
         let guard = if guarded {
             "(? OR @@in_transaction = 0)"
@@ -529,7 +551,7 @@ impl Statements {
              LOCK IN SHARE MODE) AS horizon_us"
         );
         let fenced = "WHERE effect_key = ? AND fence = ? AND state = 'in_progress'";
-        let peek_cols = format!("SELECT {COLUMNS}, {NOW_US} AS now_us, {in_tx} AS in_tx FROM `{t}`");
+        let peek_cols = format!("{read}SELECT {COLUMNS}, {NOW_US} AS now_us, {in_tx} AS in_tx FROM `{t}`");
         let batch = Batch {
             insert_cols: insert_cols.clone(),
             values: values.clone(),
@@ -539,10 +561,10 @@ impl Statements {
             peek_prefix: format!("{peek_cols} WHERE effect_key IN "),
             read_back_prefix: format!("{peek_cols} WHERE effect_key IN "),
             read_back_h_prefix: format!(
-                "SELECT {COLUMNS}, {NOW_US} AS now_us, {in_tx} AS in_tx, {watermark} FROM `{t}` \
+                "{read}SELECT {COLUMNS}, {NOW_US} AS now_us, {in_tx} AS in_tx, {watermark} FROM `{t}` \
                  WHERE effect_key IN "
             ),
-            horizon_prefix: format!("SELECT tenant, kind, watermark_us FROM `{h}` WHERE "),
+            horizon_prefix: format!("{read}SELECT tenant, kind, watermark_us FROM `{h}` WHERE "),
             // Every row the statement completes also gets the call's own
             // token, so that when some leases missed, a read tells which
             // rows this statement completed (the token of a completed row is
@@ -554,10 +576,11 @@ impl Statements {
             ),
             complete_where: format!("AND state = 'in_progress' AND {guard}"),
             settled_prefix: format!(
-                "SELECT effect_key, fence, state, claim_token FROM `{t}` WHERE effect_key IN "
+                "{read}SELECT effect_key, fence, state, claim_token FROM `{t}` WHERE effect_key IN "
             ),
         };
         Statements {
+            read,
             peek: format!("{peek_cols} WHERE effect_key = ?"),
             batch,
             claim_returning: format!("{claim}{returning}"),
@@ -566,10 +589,10 @@ impl Statements {
             claim,
             claim_pre,
             read_back: format!(
-                "SELECT {COLUMNS}, {NOW_US} AS now_us, {in_tx} AS in_tx FROM `{t}` WHERE effect_key = ? FOR UPDATE"
+                "{read}SELECT {COLUMNS}, {NOW_US} AS now_us, {in_tx} AS in_tx FROM `{t}` WHERE effect_key = ? FOR UPDATE"
             ),
             read_back_h: format!(
-                "SELECT {COLUMNS}, {NOW_US} AS now_us, {in_tx} AS in_tx, {watermark} \
+                "{read}SELECT {COLUMNS}, {NOW_US} AS now_us, {in_tx} AS in_tx, {watermark} \
                  FROM `{t}` WHERE effect_key = ? FOR UPDATE"
             ),
             refresh: format!(
@@ -581,7 +604,7 @@ impl Statements {
                 "DELETE FROM `{t}` WHERE effect_key = ? AND claim_token = ? AND fence = ? \
                  AND state = 'in_progress' AND {guard}"
             ),
-            get: format!("SELECT {COLUMNS}, {NOW_US} AS now_us FROM `{t}` WHERE effect_key = ?"),
+            get: format!("{read}SELECT {COLUMNS}, {NOW_US} AS now_us FROM `{t}` WHERE effect_key = ?"),
             complete: format!(
                 "UPDATE `{t}` SET state = 'completed', outcome = ?, lease_expires_us = NULL, \
                  updated_us = {NOW_US}, retain_until_us = {NOW_US} + retention_us {fenced} AND {guard}"
@@ -594,18 +617,18 @@ impl Statements {
                 "UPDATE `{t}` SET lease_expires_us = LAST_INSERT_ID({NOW_US} + ?) {fenced} AND {guard}"
             ),
             abandoned: format!(
-                "SELECT {COLUMNS}, {NOW_US} AS now_us FROM `{t}` \
+                "{read}SELECT {COLUMNS}, {NOW_US} AS now_us FROM `{t}` \
                  WHERE tenant = ? AND at_most_once = 1 AND state = 'in_progress' \
                  AND lease_expires_us <= {NOW_US} ORDER BY created_us LIMIT ?"
             ),
-            horizon: format!("SELECT watermark_us FROM `{h}` WHERE tenant = ? AND kind = ?"),
+            horizon: format!("{read}SELECT watermark_us FROM `{h}` WHERE tenant = ? AND kind = ?"),
             forget: format!(
                 "UPDATE `{t}` SET state = 'released', outcome = NULL, lease_expires_us = NULL, \
                  updated_us = {NOW_US}, retain_until_us = {NOW_US} + retention_us \
                  WHERE effect_key = ? AND fence = ? AND state = 'completed' AND {guard}"
             ),
             prunable: format!(
-                "SELECT COUNT(*) FROM `{t}` \
+                "{read}SELECT COUNT(*) FROM `{t}` \
                  WHERE state IN ('completed', 'released') AND retain_until_us <= {NOW_US}"
             ),
             prune_candidates: format!(
@@ -724,9 +747,48 @@ fn placeholders(n: usize, p: &str) -> String {
 mod tests {
     use super::*;
 
+    /// On Galera every read is causal, and nothing else changes: the
+    /// writes are the statements of a single server.
+    #[test]
+    fn causal_statements_prefix_every_read_and_no_write() {
+        let (plain, causal) = (
+            Statements::new("t", true, false),
+            Statements::new("t", true, true),
+        );
+        for (p, c) in [
+            (&plain.peek, &causal.peek),
+            (&plain.read_back, &causal.read_back),
+            (&plain.read_back_h, &causal.read_back_h),
+            (&plain.get, &causal.get),
+            (&plain.abandoned, &causal.abandoned),
+            (&plain.prunable, &causal.prunable),
+            (&plain.horizon, &causal.horizon),
+            (&plain.peek_many(2), &causal.peek_many(2)),
+            (&plain.read_back_many(2, true), &causal.read_back_many(2, true)),
+            (&plain.watermarks(2), &causal.watermarks(2)),
+            (&plain.settled(2), &causal.settled(2)),
+        ] {
+            assert_eq!(*c, format!("{CAUSAL}{p}"));
+        }
+        for (p, c) in [
+            (&plain.claim_returning, &causal.claim_returning),
+            (&plain.claim_pre, &causal.claim_pre),
+            (&plain.complete, &causal.complete),
+            (&plain.renew, &causal.renew),
+            (&plain.release, &causal.release),
+            (&plain.refresh, &causal.refresh),
+            (&plain.undo, &causal.undo),
+            (&plain.forget, &causal.forget),
+            (&plain.complete_many(2), &causal.complete_many(2)),
+        ] {
+            assert_eq!(p, c);
+        }
+        assert_eq!((plain.read, causal.read), ("", CAUSAL));
+    }
+
     #[test]
     fn batch_statements_have_one_placeholder_per_value() {
-        let s = Statements::new("t", true);
+        let s = Statements::new("t", true, false);
         assert_eq!(s.prune_lock(3).matches('?').count(), 3);
         assert_eq!(s.prune_delete(2).matches('?').count(), 2);
         assert_eq!(s.watermark_upsert(2).matches('?').count(), 6);

@@ -1,0 +1,200 @@
+//! oncely-mysql on a three-node MariaDB Galera cluster (ONCELY_GALERA_URLS,
+//! or the one scripts/galera-cluster.sh starts): the shared suite against
+//! one node, and the multi-node suite with one ledger per node racing for
+//! the same keys, on both claim paths.
+
+mod common;
+
+use oncely_mysql::{MySqlLedger, MySqlLedgerOptions};
+
+fn opts() -> MySqlLedgerOptions {
+    // The single-node races run 64 claimants at once.
+    MySqlLedgerOptions::default().max_connections(70)
+}
+
+mod one_node {
+    use super::*;
+
+    async fn ledger() -> Option<MySqlLedger> {
+        common::ledger_on(common::galera_urls()?.first()?, opts()).await
+    }
+
+    oncely::conformance_tests!(ledger);
+    oncely::transactional_conformance_tests!(ledger);
+}
+
+mod detected {
+    use super::*;
+
+    async fn nodes() -> Option<Vec<MySqlLedger>> {
+        common::nodes_with(opts()).await
+    }
+
+    oncely::nodes_conformance_tests!(nodes);
+    oncely::transactional_nodes_conformance_tests!(nodes);
+}
+
+/// The MySQL 8 path (the claim statement, then a locking read) on Galera.
+mod two_statement {
+    use super::*;
+
+    async fn nodes() -> Option<Vec<MySqlLedger>> {
+        common::nodes_with(opts().returning(Some(false))).await
+    }
+
+    oncely::nodes_conformance_tests!(nodes);
+    oncely::transactional_nodes_conformance_tests!(nodes);
+}
+
+/// What only a Galera cluster shows: a node applies the other nodes' write
+/// sets a few milliseconds after they commit, so each case writes through
+/// one node and at once reads, claims or writes through another.
+mod lag {
+    use super::*;
+    use oncely::conformance::fresh_tenant;
+    use oncely::{Claim, ClaimOptions, EffectKey, Ledger, Outcome, RecordState};
+
+    const ROUNDS: usize = 150;
+
+    fn lease(c: Claim) -> oncely::Lease {
+        match c {
+            Claim::Acquired(l) => l,
+            other => panic!("expected Acquired, got {other:?}"),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn the_ledger_knows_it_is_on_galera() {
+        let Some(nodes) = common::nodes_with(opts()).await else {
+            return;
+        };
+        for node in &nodes {
+            let caps = node.capabilities();
+            assert!(caps.replicated, "{caps:?}");
+            assert!(caps.durability.contains("Galera"), "{caps:?}");
+        }
+    }
+
+    /// A lease granted through node A is completed (renewed, released)
+    /// through node B at once, as a worker whose connection moved would:
+    /// never refused for a grant node B had not applied yet.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_lease_granted_on_one_node_is_settled_on_another() {
+        let Some(nodes) = common::nodes_with(opts()).await else {
+            return;
+        };
+        let t = fresh_tenant();
+        let mut refused = Vec::new();
+        for round in 0..ROUNDS {
+            let (a, b) = (&nodes[round % 3], &nodes[(round + 1) % 3]);
+            let k = EffectKey::new(&t, "capture", format!("moved-{round}")).unwrap();
+            let l = lease(a.claim(&k, &ClaimOptions::default()).await.unwrap());
+            let result = match round % 3 {
+                0 => b.complete(&l, &Outcome::from_json(&round).unwrap()).await,
+                1 => b.renew(&l, std::time::Duration::from_secs(30)).await.map(|_| ()),
+                _ => b.release(&l).await,
+            };
+            if let Err(e) = result {
+                refused.push((round, e.to_string()));
+            }
+        }
+        assert!(
+            refused.is_empty(),
+            "live leases refused on another node: {refused:?}"
+        );
+    }
+
+    /// `complete_many` through node B of leases granted through node A.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_batch_granted_on_one_node_is_completed_on_another() {
+        let Some(nodes) = common::nodes_with(opts()).await else {
+            return;
+        };
+        let t = fresh_tenant();
+        let mut refused = 0;
+        for round in 0..ROUNDS / 10 {
+            let keys: Vec<EffectKey> = (0..10)
+                .map(|i| EffectKey::new(&t, "capture", format!("batch-{round}-{i}")).unwrap())
+                .collect();
+            let claims = nodes[0]
+                .claim_many(&keys, &ClaimOptions::default())
+                .await
+                .unwrap();
+            let items: Vec<(oncely::Lease, Outcome)> = claims
+                .into_iter()
+                .map(|c| (lease(c.unwrap()), Outcome::from_json(&round).unwrap()))
+                .collect();
+            let done = nodes[1].complete_many(&items).await;
+            refused += done.iter().filter(|r| r.is_err()).count();
+        }
+        assert_eq!(refused, 0, "live leases refused by complete_many on another node");
+    }
+
+    /// A duplicate claimed through node B right after node A's completion
+    /// was acknowledged is answered with the outcome: the read that answers
+    /// it sees every write acknowledged before it (not only "not granted").
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_duplicate_on_another_node_sees_the_completion() {
+        let Some(nodes) = common::nodes_with(opts()).await else {
+            return;
+        };
+        let t = fresh_tenant();
+        let mut behind = Vec::new();
+        for round in 0..ROUNDS {
+            let (a, b) = (&nodes[round % 3], &nodes[(round + 1) % 3]);
+            let k = EffectKey::new(&t, "capture", format!("dup-{round}")).unwrap();
+            let l = lease(a.claim(&k, &ClaimOptions::default()).await.unwrap());
+            let outcome = Outcome::from_json(&round).unwrap();
+            a.complete(&l, &outcome).await.unwrap();
+            match b.claim(&k, &ClaimOptions::default()).await.unwrap() {
+                Claim::Completed(r) => assert_eq!(r.outcome, Some(outcome)),
+                other => behind.push((round, format!("{other:?}"))),
+            }
+            let r = nodes[(round + 2) % 3].get(&k).await.unwrap();
+            match r {
+                Some(r) if r.state == RecordState::Completed => {}
+                other => behind.push((round, format!("get: {other:?}"))),
+            }
+        }
+        assert!(
+            behind.is_empty(),
+            "answers behind an acknowledged completion: {behind:?}"
+        );
+    }
+}
+
+/// Three processes migrating a new table at once, each through its own
+/// node: `GET_LOCK` serialises migrations on one node only, so the cluster
+/// relies on each step being idempotent (DDL runs in the cluster's total
+/// order; the bookkeeping row is an upsert).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn migrations_through_every_node_at_once() {
+    let Some(urls) = common::galera_urls() else {
+        return;
+    };
+    let table = format!("galera_mig_{}", std::process::id());
+    let mut tasks = Vec::new();
+    for url in urls.clone() {
+        let table = table.clone();
+        tasks.push(tokio::spawn(async move {
+            MySqlLedger::connect_with(&url, opts().max_connections(2).table(table)).await
+        }));
+    }
+    let mut ledgers = Vec::new();
+    for t in tasks {
+        ledgers.push(t.await.unwrap().expect("connect and migrate through a node"));
+    }
+    use sqlx::Executor;
+    for t in [table.clone(), format!("{table}_horizon")] {
+        ledgers[0]
+            .pool()
+            .execute(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS `{t}`")))
+            .await
+            .unwrap();
+    }
+    sqlx::query("DELETE FROM oncely_schema_migrations WHERE table_name = ?")
+        .bind(&table)
+        .execute(ledgers[0].pool())
+        .await
+        .unwrap();
+}
