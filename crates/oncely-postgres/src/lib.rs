@@ -341,6 +341,7 @@
 // `error` (driver errors to `oncely::Error`).
 mod error;
 mod guard;
+mod hosts;
 mod ledger;
 mod notify;
 mod options;
