@@ -87,8 +87,9 @@ struct Shared {
     effects: Effects<PgLedger>,
     tenant: Tenant,
     runs: Vec<AtomicU32>,
-    /// The first outcome a worker got back per key, and how.
-    acked: Mutex<Vec<Option<(String, How)>>>,
+    /// The first outcome a worker got back per key, how, and how many
+    /// times the handler had run by then.
+    acked: Mutex<Vec<Option<(String, How, u32)>>>,
     /// Whether a key's first run ended in OutcomeUnknown before any ack.
     unknown: Vec<AtomicU32>,
     queue: Mutex<VecDeque<usize>>,
@@ -128,8 +129,9 @@ async fn worker(shared: Arc<Shared>, report: Arc<Mutex<Report>>) {
             continue;
         };
         match shared.deliver(n).await {
-            Some(Ok(answer)) => {
-                shared.acked.lock().unwrap()[n] = Some(answer);
+            Some(Ok((outcome, how))) => {
+                let runs = shared.runs[n].load(Ordering::SeqCst);
+                shared.acked.lock().unwrap()[n] = Some((outcome, how, runs));
                 shared.done.fetch_add(1, Ordering::SeqCst);
             }
             answer => {
@@ -231,7 +233,6 @@ async fn failover(mode: &str, fault: Fault) -> Option<Report> {
     assert!(done_at_fault < KEYS, "the fault struck mid-run: {report:?}");
 
     // Every key delivered again, to the new primary.
-    let runs_before: Vec<u32> = shared.runs.iter().map(|r| r.load(Ordering::SeqCst)).collect();
     let redelivered: Vec<_> = (0..WORKERS)
         .map(|w| {
             let shared = shared.clone();
@@ -257,7 +258,9 @@ async fn failover(mode: &str, fault: Fault) -> Option<Report> {
 
     let acked = shared.acked.lock().unwrap().clone();
     for (n, ack) in acked.iter().enumerate() {
-        let Some((outcome, how)) = ack else { continue };
+        let Some((outcome, _, runs_at_ack)) = ack else {
+            continue;
+        };
         let record = ledger
             .get(&shared.key(n))
             .await
@@ -271,13 +274,12 @@ async fn failover(mode: &str, fault: Fault) -> Option<Report> {
             report.lost += 1;
         }
         let runs = shared.runs[n].load(Ordering::SeqCst);
-        if *how == How::Ran && runs > 1 && shared.unknown[n].load(Ordering::SeqCst) == 0 {
+        if runs > *runs_at_ack {
             report.second_runs += 1;
         }
         if shared.unknown[n].load(Ordering::SeqCst) == 1 && runs > 1 {
             report.reruns_after_unknown += 1;
         }
-        let _ = runs_before[n];
     }
     if fault == Fault::Freeze {
         // Not left frozen for whoever runs next.
