@@ -412,6 +412,8 @@
 //! [`Error::Backend`]: oncely::Error::Backend
 //! [`Error::BeyondHorizon`]: oncely::Error::BeyondHorizon
 //! [`Error::Config`]: oncely::Error::Config
+//! [`Error::LeaseLost`]: oncely::Error::LeaseLost
+//! [`Error::OutcomeUnknown`]: oncely::Error::OutcomeUnknown
 //! [`Error::ConstraintViolation`]: oncely::Error::ConstraintViolation
 //! [`Error::Unavailable`]: oncely::Error::Unavailable
 //! [`FromUrl`]: oncely::backend::FromUrl

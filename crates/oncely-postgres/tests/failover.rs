@@ -98,7 +98,7 @@ struct Shared {
 
 impl Shared {
     fn key(&self, n: usize) -> EffectKey {
-        EffectKey::new(&self.tenant, "failover", &format!("k{n}")).unwrap()
+        EffectKey::new(&self.tenant, "failover", format!("k{n}")).unwrap()
     }
 
     /// One delivery of key `n`: `Ok` with the outcome and how, or the error.
