@@ -74,6 +74,8 @@ struct Report {
     unavailable: usize,
     outcome_unknown: usize,
     other_errors: usize,
+    /// The first of them, for the log.
+    first_other: Option<String>,
     /// Keys that never got an answer in the first pass.
     unanswered: usize,
     /// Keys answered when the fault struck (fewer than KEYS: it struck
@@ -144,7 +146,10 @@ async fn worker(shared: Arc<Shared>, report: Arc<Mutex<Report>>) {
                             r.outcome_unknown += 1;
                             shared.unknown[n].store(1, Ordering::SeqCst);
                         }
-                        Some(Err(_)) => r.other_errors += 1,
+                        Some(Err(e)) => {
+                            r.other_errors += 1;
+                            r.first_other.get_or_insert_with(|| e.to_string());
+                        }
                         Some(Ok(_)) => unreachable!(),
                     }
                 }
