@@ -313,8 +313,11 @@ impl PgLedger {
     /// guessed. Applied (the record is in the write's end state at the
     /// lease's fence): done. Still in progress at that fence: nothing was
     /// applied, and the write runs again (fenced, so at most once). Anything
-    /// else: the lease is gone ([`Error::LeaseLost`]). When the record
-    /// cannot be read either, `lost` is the answer.
+    /// else: the lease is gone ([`Error::LeaseLost`]). The read is tried
+    /// again while the server is unavailable (a failover under way: the
+    /// ledger is looking for the promoted standby), for one more
+    /// [`PgLedgerOptions::operation_timeout`]; when the record cannot be
+    /// read by then, `lost` is the answer.
     async fn resolve(&self, lease: &Lease, write: Write<'_>, lost: Error) -> Result<()> {
         let done = match write {
             Write::Complete(_) => RecordState::Completed,
@@ -322,9 +325,18 @@ impl PgLedger {
             Write::Renew(_) => return Err(lost),
         };
         let mut wrote_again = false;
+        let give_up = Instant::now() + self.inner.operation_timeout;
+        let mut backoff = oncely::backend::Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
         loop {
-            let Ok(record) = self.bounded(self.read(lease.key())).await else {
-                return Err(lost);
+            let record = match self.bounded(self.read(lease.key())).await {
+                Ok(record) => record,
+                Err(Error::Unavailable { .. }) if Instant::now() < give_up => {
+                    backoff
+                        .wait(give_up.saturating_duration_since(Instant::now()))
+                        .await;
+                    continue;
+                }
+                Err(_) => return Err(lost),
             };
             match record {
                 Some(r) if r.fence == lease.fence() && r.state == done => {
