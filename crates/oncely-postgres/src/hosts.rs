@@ -193,6 +193,9 @@ impl Hosts {
             let Ok((n, answer)) = joined else { continue };
             let answer = match answer {
                 Ok(Ok(server)) => Ok(server),
+                // One host: its own error, as sqlx gave it (a refused
+                // password stays what it is, not "unavailable").
+                Ok(Err(e)) if self.list.len() == 1 => return Err(map(e)),
                 Ok(Err(e)) => Err(map(e).to_string()),
                 Err(_) => Err(format!("no answer within {:?}", self.probe_timeout)),
             };
