@@ -286,12 +286,48 @@ async fn failover(mode: &str, fault: Fault) -> Option<Report> {
             report.reruns_after_unknown += 1;
         }
     }
+    listener_follows(&ledger, &url, &shared.tenant).await;
     if fault == Fault::Freeze {
         // Not left frozen for whoever runs next.
         let _ = common::run(PORT, &["kill-primary"]);
     }
     println!("{mode} replication, primary {fault:?}: {report:?}");
     Some(report)
+}
+
+/// After the failover, `ledger`'s listener hears a completion that another
+/// process (a ledger connected afresh, so to the new primary) announces: it
+/// listens on the promoted standby, not on the old primary (where, frozen,
+/// it would wait forever).
+async fn listener_follows(ledger: &PgLedger, url: &str, tenant: &Tenant) {
+    let key = EffectKey::new(tenant, "failover", "listener").unwrap();
+    drop(ledger.watch(&key).await);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while !ledger.listener_status().listening {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the listener listens again"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let heard = ledger.listener_status().notifications;
+    let other = PgLedger::connect_with(url, options()).await.expect("connects");
+    let lease = match other.claim(&key, &ClaimOptions::default()).await.unwrap() {
+        oncely::Claim::Acquired(lease) => lease,
+        c => panic!("{c:?}"),
+    };
+    other
+        .complete(&lease, &oncely::Outcome::from_json(&1).unwrap())
+        .await
+        .unwrap();
+    while ledger.listener_status().notifications == heard {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the listener hears the new primary: {:?}",
+            ledger.listener_status()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
