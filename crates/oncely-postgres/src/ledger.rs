@@ -3,8 +3,9 @@
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
+use std::future::Future;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use oncely::admin::{Admin, KindStats, RecordQuery, forget_refusal};
 use oncely::backend::{
@@ -12,12 +13,14 @@ use oncely::backend::{
 };
 use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, MAX_OUTCOME_BYTES, Outcome, Record,
-    Result, Tenant, TransactionalLedger, Watch,
+    RecordState, Result, Tenant, TransactionalLedger, Watch,
 };
+use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres};
 
 use crate::error::{self, BACKEND, copy, map};
 use crate::guard::{self, Failed, Retry, Run};
+use crate::hosts::Hosts;
 use crate::notify::{Changes, ListenerStatus};
 use crate::options::{PgLedgerOptions, SCHEMES};
 use crate::row::{self, ClaimRow, RecordRow};
@@ -42,6 +45,11 @@ pub(crate) struct Inner {
     pub(crate) table: String,
     read_only: bool,
     changes: Changes,
+    /// The URL's hosts, when the ledger made its pool
+    /// ([`PgLedger::connect_with`]); `None` on a pool it was given.
+    hosts: Option<Arc<Hosts>>,
+    /// [`PgLedgerOptions::operation_timeout`].
+    operation_timeout: Duration,
     /// Where the next prune batch starts looking: the newest `retain_until`
     /// (µs) of the previous batch's candidates, `None` to start from the
     /// oldest. Only a hint for the search (see `sql.rs`, prune); reset
@@ -50,6 +58,58 @@ pub(crate) struct Inner {
     /// cursor because their retention was shorter) are found on the next
     /// pass.
     prune_from: std::sync::Mutex<Option<i64>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The pool's hooks hold the hosts, which hold the pool.
+        if let Some(hosts) = &self.hosts {
+            hosts.detach();
+        }
+    }
+}
+
+tokio::task_local! {
+    /// The deadline of the ledger operation running on this task
+    /// ([`PgLedger::bounded`]), read by [`PgLedger::acquire`].
+    static DEADLINE: Instant;
+}
+
+/// A pooled connection that is closed, not returned to the pool, when it
+/// is dropped at or past its operation's deadline: the operation timed out
+/// with a statement in flight, and the pool's check of a returned
+/// connection (a ping, which waits for that statement's answer) would hang
+/// on a server that stopped answering, holding a pool slot forever.
+pub(crate) struct Conn {
+    conn: PoolConnection<Postgres>,
+    deadline: Option<Instant>,
+}
+
+impl Conn {
+    pub(crate) fn new(conn: PoolConnection<Postgres>, deadline: Option<Instant>) -> Self {
+        Conn { conn, deadline }
+    }
+}
+
+impl std::ops::Deref for Conn {
+    type Target = PgConnection;
+    fn deref(&self) -> &PgConnection {
+        &self.conn
+    }
+}
+
+impl std::ops::DerefMut for Conn {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        &mut self.conn
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if self.deadline.is_some_and(|d| Instant::now() >= d) {
+            self.conn.close_on_drop();
+        }
+    }
 }
 
 /// An effect ledger in a PostgreSQL table. Cloning is cheap (a pool handle
@@ -81,11 +141,29 @@ impl PgLedger {
     /// `options`' (so one URL names the whole ledger, for the application
     /// and the `oncely` command alike); any query parameter neither they
     /// nor sqlx read is [`Error::Config`].
+    ///
+    /// A URL may list several hosts (`postgres://app@db1:5432,db2:5432/app`,
+    /// which sqlx alone refuses): the ledger connects to the first that
+    /// answers as `?target_session_attrs=` says (`read-write`, the default
+    /// of a ledger that writes: a server that accepts writes; `primary`;
+    /// `any`; and, for a [read-only](PgLedgerOptions::read_only) ledger,
+    /// whose default is `any`, also `read-only`, `standby`,
+    /// `prefer-standby`). Every new connection is checked the same way, and
+    /// when the server goes away the ledger looks for the one that now
+    /// accepts writes, so its pool and its listener follow a promotion (see
+    /// the crate docs, "Replication and failover"). A ledger that writes,
+    /// pointed only at standbys, fails here with [`Error::Config`] saying
+    /// so; when no host answers, with [`Error::Unavailable`].
     pub async fn connect_with(url: &str, options: PgLedgerOptions) -> Result<PgLedger> {
         let (options, connect) = options.with_url(url)?;
-        let pool = options.pool_options().connect_with(connect).await.map_err(map)?;
+        let hosts = Hosts::new(connect.hosts, connect.target, options.acquire_timeout);
+        let first = hosts.locate().await?;
+        let pool = hosts
+            .hook(options.pool_options())
+            .connect_lazy_with(hosts.options(first).clone());
+        hosts.attach(&pool, first);
         let migrate = options.migrates();
-        let ledger = PgLedger::from_pool_with(pool, options)?;
+        let ledger = PgLedger::build(pool, options, Some(hosts))?;
         let ready = if migrate {
             ledger.migrate().await
         } else {
@@ -109,9 +187,13 @@ impl PgLedger {
     /// setting of `options` (its pool settings are not used). Runs no
     /// migrations and no check.
     pub fn from_pool_with(pool: PgPool, options: PgLedgerOptions) -> Result<PgLedger> {
+        PgLedger::build(pool, options, None)
+    }
+
+    fn build(pool: PgPool, options: PgLedgerOptions, hosts: Option<Arc<Hosts>>) -> Result<PgLedger> {
         options.validate()?;
         let q = Queries::new(&options.schema, &options.table);
-        let changes = Changes::new(pool.clone(), q.channel.clone());
+        let changes = Changes::new(pool.clone(), q.channel.clone(), hosts.as_ref().map(|h| h.moved()));
         Ok(PgLedger {
             pool,
             inner: Arc::new(Inner {
@@ -120,6 +202,8 @@ impl PgLedger {
                 table: options.table,
                 read_only: options.read_only,
                 changes,
+                hosts,
+                operation_timeout: options.operation_timeout,
                 prune_from: std::sync::Mutex::new(None),
             }),
         })
@@ -151,16 +235,46 @@ impl PgLedger {
     /// inside a transaction nothing will end (sqlx 0.9.0, transact-rs/sqlx#4393).
     /// Dropping the returned transaction rolls it back, as usual. Must be
     /// called inside a Tokio runtime.
+    ///
+    /// Bounded by [`PgLedgerOptions::operation_timeout`]: past it, this
+    /// fails with [`Error::Unavailable`] (the task runs on, and a
+    /// transaction it still begins is rolled back there).
     pub async fn begin(&self) -> Result<sqlx::Transaction<'static, Postgres>> {
         let pool = self.pool.clone();
-        match tokio::spawn(async move { pool.begin().await }).await {
-            Ok(tx) => tx.map_err(map),
-            Err(e) => Err(Error::Backend {
+        let begun = tokio::spawn(async move { pool.begin().await });
+        self.bounded(async move {
+            match begun.await {
+                Ok(tx) => tx.map_err(map),
+                Err(e) => Err(Error::Backend {
+                    backend: BACKEND,
+                    message: format!("the task beginning a transaction failed: {e}"),
+                    retryable: true,
+                }),
+            }
+        })
+        .await
+    }
+
+    /// Runs one ledger operation within
+    /// [`PgLedgerOptions::operation_timeout`]: past it, [`Error::Unavailable`]
+    /// (and the connection it held is closed, see [`Conn`]). An
+    /// unavailable server, either way, makes the ledger look for the
+    /// server to use (`hosts`).
+    pub(crate) async fn bounded<T>(&self, op: impl Future<Output = Result<T>>) -> Result<T> {
+        let timeout = self.inner.operation_timeout;
+        let answer = match tokio::time::timeout(timeout, DEADLINE.scope(Instant::now() + timeout, op)).await {
+            Ok(answer) => answer,
+            Err(_) => Err(Error::Unavailable {
                 backend: BACKEND,
-                message: format!("the task beginning a transaction failed: {e}"),
-                retryable: true,
+                message: format!("no answer within {timeout:?} (PgLedgerOptions::operation_timeout)"),
             }),
+        };
+        if matches!(answer, Err(Error::Unavailable { .. }))
+            && let Some(hosts) = &self.inner.hosts
+        {
+            hosts.suspect();
         }
+        answer
     }
 
     /// Refuses a write on a read-only ledger, before any round trip.
@@ -174,8 +288,90 @@ impl PgLedger {
         Ok(())
     }
 
-    pub(crate) async fn acquire(&self) -> Result<sqlx::pool::PoolConnection<Postgres>> {
-        self.pool.acquire().await.map_err(map)
+    pub(crate) async fn acquire(&self) -> Result<Conn> {
+        let deadline = DEADLINE.try_with(|d| *d).ok();
+        match self.pool.acquire().await {
+            Ok(conn) => Ok(Conn { conn, deadline }),
+            Err(e) => {
+                let refused = matches!(e, sqlx::Error::PoolTimedOut)
+                    .then(|| self.inner.hosts.as_ref().and_then(|h| h.refusal()))
+                    .flatten();
+                Err(match (map(e), refused) {
+                    (Error::Unavailable { backend, message }, Some(why)) => Error::Unavailable {
+                        backend,
+                        message: format!("{message} ({why})"),
+                    },
+                    (e, _) => e,
+                })
+            }
+        }
+    }
+
+    /// A fenced write (a completion or a release) whose answer was lost
+    /// (`lost`: the connection died, or no answer in time): whether it was
+    /// applied is read from the record itself, on a new connection, never
+    /// guessed. Applied (the record is in the write's end state at the
+    /// lease's fence): done. Still in progress at that fence: nothing was
+    /// applied, and the write runs again (fenced, so at most once). Anything
+    /// else: the lease is gone ([`Error::LeaseLost`]). The read is tried
+    /// again while the server is unavailable (a failover under way: the
+    /// ledger is looking for the promoted standby), for one more
+    /// [`PgLedgerOptions::operation_timeout`]; when the record cannot be
+    /// read by then, `lost` is the answer.
+    async fn resolve(&self, lease: &Lease, write: Write<'_>, lost: Error) -> Result<()> {
+        let done = match write {
+            Write::Complete(_) => RecordState::Completed,
+            Write::Release => RecordState::Released,
+            Write::Renew(_) => return Err(lost),
+        };
+        let mut wrote_again = false;
+        let give_up = Instant::now() + self.inner.operation_timeout;
+        let mut backoff = oncely::backend::Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+        loop {
+            let record = match self.bounded(self.read(lease.key())).await {
+                Ok(record) => record,
+                Err(Error::Unavailable { .. }) if Instant::now() < give_up => {
+                    backoff
+                        .wait(give_up.saturating_duration_since(Instant::now()))
+                        .await;
+                    continue;
+                }
+                Err(_) => return Err(lost),
+            };
+            match record {
+                Some(r) if r.fence == lease.fence() && r.state == done => {
+                    tracing::info!(
+                        backend = BACKEND,
+                        key = %lease.key(),
+                        fence = lease.fence(),
+                        "a write whose answer was lost had been applied"
+                    );
+                    return Ok(());
+                }
+                Some(r) if r.fence == lease.fence() && r.state == RecordState::InProgress && !wrote_again => {
+                    wrote_again = true;
+                    let again = self
+                        .bounded(async {
+                            let mut conn = self.acquire().await?;
+                            self.fenced_on(&mut conn, lease, write, true).await
+                        })
+                        .await;
+                    match again {
+                        Ok(_) => return Ok(()),
+                        // Applied meanwhile (the first write, late)?
+                        // The record says.
+                        Err(Error::LeaseLost { .. }) => {}
+                        Err(_) => return Err(lost),
+                    }
+                }
+                _ => {
+                    return Err(Error::LeaseLost {
+                        key: lease.key().to_string(),
+                        fence: lease.fence(),
+                    });
+                }
+            }
+        }
     }
 
     /// The claim statement on `conn` (options already validated); `guarded`
@@ -501,26 +697,52 @@ impl Ledger for PgLedger {
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
         opts.validate()?;
         self.writable()?;
-        let mut conn = self.acquire().await?;
-        self.claim_on(&mut conn, key, opts, true).await
+        self.bounded(async {
+            let mut conn = self.acquire().await?;
+            self.claim_on(&mut conn, key, opts, true).await
+        })
+        .await
     }
 
+    /// A completion whose answer is lost (the connection died during the
+    /// statement or its commit, or no answer within the operation timeout)
+    /// is resolved from the record, read again on a new connection (see
+    /// the crate docs, "Replication and failover").
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
         check_outcome(outcome, MAX_OUTCOME_BYTES)?;
         self.writable()?;
-        let mut conn = self.acquire().await?;
-        self.fenced_on(&mut conn, lease, Write::Complete(outcome), true)
-            .await?;
+        let write = Write::Complete(outcome);
+        let wrote = self
+            .bounded(async {
+                let mut conn = self.acquire().await?;
+                self.fenced_on(&mut conn, lease, write, true).await
+            })
+            .await;
+        match wrote {
+            Ok(_) => {}
+            Err(lost @ Error::Unavailable { .. }) => self.resolve(lease, write, lost).await?,
+            Err(e) => return Err(e),
+        }
         // Committed: wake this process's waiters now, and announce it to the
         // others' (after the commit, from a transaction of its own).
         self.inner.changes.finished(lease.key().as_str());
         Ok(())
     }
 
+    /// Resolved from the record when its answer is lost, as a completion is.
     async fn release(&self, lease: &Lease) -> Result<()> {
         self.writable()?;
-        let mut conn = self.acquire().await?;
-        self.fenced_on(&mut conn, lease, Write::Release, true).await?;
+        let wrote = self
+            .bounded(async {
+                let mut conn = self.acquire().await?;
+                self.fenced_on(&mut conn, lease, Write::Release, true).await
+            })
+            .await;
+        match wrote {
+            Ok(_) => {}
+            Err(lost @ Error::Unavailable { .. }) => self.resolve(lease, Write::Release, lost).await?,
+            Err(e) => return Err(e),
+        }
         self.inner.changes.finished(lease.key().as_str());
         Ok(())
     }
@@ -540,6 +762,68 @@ impl Ledger for PgLedger {
     async fn claim_many(&self, keys: &[EffectKey], opts: &ClaimOptions) -> Result<Vec<Result<Claim>>> {
         opts.validate()?;
         self.writable()?;
+        self.bounded(self.claim_batches(keys, opts)).await
+    }
+
+    /// One statement for the whole batch, each lease fenced on its own.
+    /// Outcomes over the limit and leases listed again are answered before
+    /// the round trip (a lease listed again: as a second completion of the
+    /// same lease would be, [`Error::LeaseLost`] once the first succeeded).
+    async fn complete_many(&self, items: &[(Lease, Outcome)]) -> Vec<Result<()>> {
+        match self
+            .bounded(async { Ok(self.complete_batches(items).await) })
+            .await
+        {
+            Ok(answers) => answers,
+            Err(e) => items.iter().map(|_| Err(copy(&e))).collect(),
+        }
+    }
+
+    async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
+        oncely::backend::check_extension(extend_by)?;
+        self.writable()?;
+        let expires_us = self
+            .bounded(async {
+                let mut conn = self.acquire().await?;
+                self.fenced_on(&mut conn, lease, Write::Renew(duration_micros(extend_by)), true)
+                    .await
+            })
+            .await?;
+        Ok(lease.renewed_until(from_micros(expires_us)))
+    }
+
+    async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
+        self.bounded(self.read(key)).await
+    }
+
+    async fn prune(&self, limit: u64) -> Result<u64> {
+        if limit == 0 {
+            return Ok(0);
+        }
+        self.writable()?;
+        self.bounded(self.prune_up_to(limit)).await
+    }
+
+    async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        self.bounded(self.abandoned_up_to(tenant, limit)).await
+    }
+
+    async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
+        self.bounded(self.read_horizon(tenant, kind)).await
+    }
+
+    fn unique_violation(&self, error: &(dyn std::error::Error + 'static)) -> Option<String> {
+        error::unique_violation(error)
+    }
+}
+
+/// The bodies of the [`Ledger`] operations, each run by
+/// [`PgLedger::bounded`].
+impl PgLedger {
+    async fn claim_batches(&self, keys: &[EffectKey], opts: &ClaimOptions) -> Result<Vec<Result<Claim>>> {
         let sent_at = opts.sent_at.map(to_micros).transpose()?;
         // A key listed again is not sent: it gets what a concurrent duplicate
         // of its first occurrence would.
@@ -583,11 +867,7 @@ impl Ledger for PgLedger {
             .collect())
     }
 
-    /// One statement for the whole batch, each lease fenced on its own.
-    /// Outcomes over the limit and leases listed again are answered before
-    /// the round trip (a lease listed again: as a second completion of the
-    /// same lease would be, [`Error::LeaseLost`] once the first succeeded).
-    async fn complete_many(&self, items: &[(Lease, Outcome)]) -> Vec<Result<()>> {
+    async fn complete_batches(&self, items: &[(Lease, Outcome)]) -> Vec<Result<()>> {
         let lost = |lease: &Lease| Error::LeaseLost {
             key: lease.key().to_string(),
             fence: lease.fence(),
@@ -647,17 +927,8 @@ impl Ledger for PgLedger {
             .collect()
     }
 
-    async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
-        oncely::backend::check_extension(extend_by)?;
-        self.writable()?;
-        let mut conn = self.acquire().await?;
-        let expires_us = self
-            .fenced_on(&mut conn, lease, Write::Renew(duration_micros(extend_by)), true)
-            .await?;
-        Ok(lease.renewed_until(from_micros(expires_us)))
-    }
-
-    async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
+    /// [`Ledger::get`], unbounded.
+    async fn read(&self, key: &EffectKey) -> Result<Option<Record>> {
         let mut conn = self.acquire().await?;
         let mut retry = Retry::new(true, || format!("{key}: the read"));
         let row = loop {
@@ -679,11 +950,7 @@ impl Ledger for PgLedger {
         RecordRow::decode(&row)?.record(key.clone()).map(Some)
     }
 
-    async fn prune(&self, limit: u64) -> Result<u64> {
-        if limit == 0 {
-            return Ok(0);
-        }
-        self.writable()?;
+    async fn prune_up_to(&self, limit: u64) -> Result<u64> {
         let mut conn = self.acquire().await?;
         let cursor = || self.inner.prune_from.lock().unwrap_or_else(|p| p.into_inner());
         let mut deleted = 0;
@@ -713,10 +980,7 @@ impl Ledger for PgLedger {
         Ok(deleted)
     }
 
-    async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
-        if limit == 0 {
-            return Ok(Vec::new());
-        }
+    async fn abandoned_up_to(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let mut conn = self.acquire().await?;
         // A read: inside a stray transaction it would still read correctly,
@@ -742,7 +1006,7 @@ impl Ledger for PgLedger {
             .collect()
     }
 
-    async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
+    async fn read_horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
         let mut conn = self.acquire().await?;
         let mut retry = Retry::new(true, || "the horizon read".to_owned());
         let row = loop {
@@ -760,10 +1024,6 @@ impl Ledger for PgLedger {
             }
         };
         Ok(row::watermark(&row)?.map(from_micros))
-    }
-
-    fn unique_violation(&self, error: &(dyn std::error::Error + 'static)) -> Option<String> {
-        error::unique_violation(error)
     }
 }
 
@@ -858,28 +1118,31 @@ impl Admin for PgLedger {
             return Err(forget_refusal(key, fence, self.get(key).await?));
         };
         let q = &self.inner.q;
-        let mut conn = self.acquire().await?;
-        let mut retry = Retry::new(true, || format!("{key}: forget"));
-        let wrote = loop {
-            let run = async {
-                let row = sqlx::query(AssertSqlSafe(q.forget.clone()))
-                    .bind(key.as_str())
-                    .bind(f)
-                    .bind(true)
-                    .fetch_optional(&mut *conn)
-                    .await?;
-                match row {
-                    Some(_) => Ok(Run::Done(true)),
-                    None if !guard::autocommit(&mut conn, &q.probe).await? => Ok(Run::Leaked),
-                    None => Ok(Run::Done(false)),
-                }
-            }
-            .await;
-            if let Some(wrote) = retry.settle(&mut conn, run).await? {
-                break wrote;
-            }
-        };
-        drop(conn);
+        let wrote = self
+            .bounded(async {
+                let mut conn = self.acquire().await?;
+                let mut retry = Retry::new(true, || format!("{key}: forget"));
+                Ok(loop {
+                    let run = async {
+                        let row = sqlx::query(AssertSqlSafe(q.forget.clone()))
+                            .bind(key.as_str())
+                            .bind(f)
+                            .bind(true)
+                            .fetch_optional(&mut *conn)
+                            .await?;
+                        match row {
+                            Some(_) => Ok(Run::Done(true)),
+                            None if !guard::autocommit(&mut conn, &q.probe).await? => Ok(Run::Leaked),
+                            None => Ok(Run::Done(false)),
+                        }
+                    }
+                    .await;
+                    if let Some(wrote) = retry.settle(&mut conn, run).await? {
+                        break wrote;
+                    }
+                })
+            })
+            .await?;
         if wrote {
             return Ok(());
         }
@@ -910,25 +1173,28 @@ impl PgLedger {
         args: &[sql::Arg],
         what: &str,
     ) -> Result<Vec<sqlx::postgres::PgRow>> {
-        let mut conn = self.acquire().await?;
-        let mut retry = Retry::new(true, || what.to_owned());
-        loop {
-            let mut query = sqlx::query(AssertSqlSafe(text.to_owned()));
-            for a in args {
-                query = match a {
-                    sql::Arg::Text(s) => query.bind(s.clone()),
-                    sql::Arg::Int(i) => query.bind(*i),
-                };
+        self.bounded(async {
+            let mut conn = self.acquire().await?;
+            let mut retry = Retry::new(true, || what.to_owned());
+            loop {
+                let mut query = sqlx::query(AssertSqlSafe(text.to_owned()));
+                for a in args {
+                    query = match a {
+                        sql::Arg::Text(s) => query.bind(s.clone()),
+                        sql::Arg::Int(i) => query.bind(*i),
+                    };
+                }
+                let run = query
+                    .fetch_all(&mut *conn)
+                    .await
+                    .map(Run::Done)
+                    .map_err(Failed::from);
+                if let Some(rows) = retry.settle(&mut conn, run).await? {
+                    return Ok(rows);
+                }
             }
-            let run = query
-                .fetch_all(&mut *conn)
-                .await
-                .map(Run::Done)
-                .map_err(Failed::from);
-            if let Some(rows) = retry.settle(&mut conn, run).await? {
-                return Ok(rows);
-            }
-        }
+        })
+        .await
     }
 }
 

@@ -88,6 +88,8 @@
 //! | URL part | what it sets |
 //! | --- | --- |
 //! | `postgres://` or `postgresql://` `user:password@host:port/database` | the server and database (sqlx's form; a Unix socket as `?host=/run/postgresql`) |
+//! | `user@db1:5432,db2:5432/database` | a host list (which sqlx alone refuses): the first host that answers as `?target_session_attrs=` wants, checked again on every new connection (see [Replication and failover](#replication-and-failover)) |
+//! | `?target_session_attrs=read-write` | which server of the list will do: `read-write` (the default of a ledger that writes), `primary`, `any` (no check); for a [read-only](PgLedgerOptions::read_only) ledger (default `any`) also `read-only`, `standby`, `prefer-standby` |
 //! | `?schema=billing` | [`PgLedgerOptions::schema`] (default `public`) |
 //! | `?table=effects` | [`PgLedgerOptions::table`] (default `oncely_effects`) |
 //! | `?sslmode=`, `?application_name=`, `?options=` … | sqlx's own parameters, handed to it |
@@ -133,7 +135,7 @@
 //! | atomic claim | one statement, one round trip: a per-key advisory lock, then `INSERT … ON CONFLICT (key) DO NOTHING`, a fenced takeover `UPDATE` only of a released or expired record, and a read of the existing row. A duplicate of a completed or live effect is a read: no row lock, no transaction id, no WAL |
 //! | caller's transaction | yes: [`TransactionalLedger`] on `&mut PgConnection` (`&mut *tx`); the claim holds its key's transaction-scoped advisory lock until the transaction ends |
 //! | durability | a PostgreSQL commit (WAL, as `synchronous_commit` is configured) |
-//! | replication | not assumed (`replicated: false`); synchronous standbys are the server's business |
+//! | replication | a primary with streaming standbys, through a host list: with a synchronous standby (`synchronous_standby_names`, `synchronous_commit = on` or `remote_apply`) a failover loses no acknowledged claim or completion; with asynchronous replication it can (see [Replication and failover](#replication-and-failover)). Tested with one standby, the primary killed and frozen. Not tested: CockroachDB, YugabyteDB (not runnable here; CockroachDB's advisory locks are no-ops, and it has no `LISTEN`) |
 //! | clock | the database's `clock_timestamp()` at the moment each write takes effect: after the claim's wait on its key's lock, and inside a caller's transaction too (never `now()`, the transaction's start). It decides lease expiry, takeover and retention; the worker's clock never does |
 //! | fences | the clock's microseconds when the lease is written, or the previous fence + 1 if that is higher ([`next_fence`](oncely::backend::next_fence)): a key never gets a fence it had before, prunes included, as long as the server's clock never steps back by more than the shortest retention in use |
 //! | horizon | a watermark per tenant and kind (table `<table>_horizon`): prune raises it to the newest `created_at` it deletes, in the same transaction. A claim with [`ClaimOptions::sent_at`] at or before it fails with [`Error::BeyondHorizon`] when the key is absent (an old message may still take over a released or expired record it finds). A claim without `sent_at` cannot tell a replay of a pruned effect from new work. Records pruned by schema version 1 (before the watermark existed) left none |
@@ -142,7 +144,7 @@
 //! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] (64 KiB), `bytea` |
 //! | operator view | [`oncely::Admin`]: `records` and `stats` read at one `clock_timestamp()` (a materialized CTE), in byte order of the key (`COLLATE "C"`); a tenant's listing reads its rows by the `tenant` column (no index on it but the partial one of abandoned steps; the key's primary key serves a full key), then sorts; `forget` is one guarded, fenced `UPDATE` (completed at that fence → released, outcome removed, row kept); `prunable` counts with the prune index |
 //! | locks | one advisory lock per claim, held for the statement (autocommit) or until the caller's transaction ends (`claim_in`): a transaction claiming thousands of keys can exhaust the server's lock table (`max_locks_per_transaction` × connections). Prune deletes in batches of at most 500 rows per transaction and skips keys whose lock is held (see [Pruning](#pruning-tens-of-millions-of-rows)) |
-//! | failure | cannot connect or pool exhausted: [`Error::Unavailable`] (fail closed, nothing runs); serialization failure or deadlock: retryable [`Error::Backend`]; a unique violation in a step's own write: [`Error::ConstraintViolation`] (through [`Ledger::unique_violation`]); a read-only session or a missing privilege: [`Error::Config`] |
+//! | failure | cannot connect, pool exhausted, or no answer within [`PgLedgerOptions::operation_timeout`] (10 s): [`Error::Unavailable`] (fail closed, nothing runs); a completion or release whose answer was lost is resolved from its record first; serialization failure or deadlock: retryable [`Error::Backend`]; a unique violation in a step's own write: [`Error::ConstraintViolation`] (through [`Ledger::unique_violation`]); a read-only session or a missing privilege: [`Error::Config`] |
 //!
 //! ## Waiting duplicates
 //!
@@ -167,6 +169,97 @@
 //! announcement) costs latency, at most
 //! [`oncely::watch::NOTIFIED_FALLBACK`] and never beyond the lease, never a
 //! wrong answer; while the listener is down, waiters poll.
+//!
+//! ## Replication and failover
+//!
+//! Point the ledger at every server of a primary/standby set,
+//! `postgres://app@db1:5432,db2:5432/app?target_session_attrs=read-write`.
+//! [`PgLedger::connect_with`] probes them all and connects to the one that
+//! accepts writes; a ledger that writes given only standbys fails there
+//! with [`Error::Config`] ("no host is a server that accepts writes:
+//! db2:5432: a standby (in recovery)"), and with [`Error::Unavailable`]
+//! when no host answers. Every new connection of the pool runs the same
+//! check (`pg_is_in_recovery()`, `transaction_read_only`). When an
+//! operation finds the server gone (a connection error, or no answer within
+//! [`PgLedgerOptions::operation_timeout`]) or a new connection lands on a
+//! standby, the ledger closes its older pooled connections instead of
+//! handing them out, and one background search probes every host until one
+//! accepts writes (for up to 2 minutes; the next failure starts another):
+//! the pool and the `LISTEN` connection then follow the promoted standby.
+//! The operations that failed meanwhile failed closed, with
+//! [`Error::Unavailable`]; the next delivery runs on the new primary.
+//! Promoting a standby is the operator's (or a failover manager's) job:
+//! the ledger only follows, and an old primary that comes back writable
+//! must be fenced off, or the ledger may follow it back.
+//!
+//! **A server that stops answering** (frozen, partitioned away) costs each
+//! operation at most [`PgLedgerOptions::operation_timeout`]: it fails with
+//! [`Error::Unavailable`] and its connection is closed, never returned to
+//! the pool; a waiting duplicate ([`oncely::OnInProgress::Wait`]) returns
+//! within its `max` plus one operation timeout. Measured with the primary
+//! frozen (SIGSTOP) under 8 workers: before the timeout existed, every
+//! worker and a waiting duplicate were still blocked a minute later; with
+//! it, every call returned (most with [`Error::Unavailable`], the waiter
+//! included), and every key was then completed on the promoted standby.
+//!
+//! **A lost answer.** A completion or release whose connection died during
+//! its statement or its commit (or that timed out) reads its record again on
+//! a new connection: completed (or released) at its lease's fence means it
+//! was applied; still in progress at that fence means nothing was, and the
+//! fenced write runs once more; anything else is [`Error::LeaseLost`]. Only
+//! when the record cannot be read either does it fail, and the runner then
+//! answers [`Error::OutcomeUnknown`]. A *claim* whose answer was lost is
+//! never resolved by claiming blind: its row, if it was written, holds a
+//! lease nobody knows, and the next delivery finds the effect in progress
+//! until that lease ends (then takes it over with a higher fence), so the
+//! effect does not run twice; the cost is waiting out the lease.
+//!
+//! **Synchronous replication** (`synchronous_standby_names = '*'` or a
+//! named standby, `synchronous_commit = on` or `remote_apply`): a commit is
+//! acknowledged only once the standby has it, so promoting that standby
+//! loses no acknowledged claim or completion, and no effect whose
+//! completion was acknowledged runs again. Measured (`tests/failover.rs`: 8
+//! workers running [`Effects::run`](oncely::Effects::run) over 3,000 keys,
+//! the primary killed or frozen about 2 s in, the standby promoted at once,
+//! every key delivered again to it): 0 acknowledged completions lost and 0
+//! second runs, in each of 8 runs with the primary killed and 7 with it
+//! frozen (and no call blocked past its bound). Each commit waits for the standby's flush: see
+//! `docs/benchmarks.md` for what that costs.
+//!
+//! **Asynchronous replication** (no synchronous standby): the primary
+//! acknowledges a commit before the standby has it, so a failover loses
+//! whatever had not reached the standby: completions (the redelivery finds
+//! the effect in progress under a lease nobody holds, waits it out, and runs
+//! the handler again) and claims (the redelivery claims afresh and runs it
+//! again). Which effects may run again: those whose claim or completion
+//! committed in the last moments before the crash (the replication lag,
+//! usually milliseconds). What bounds the damage: a re-run gets a higher
+//! fence, so a business write fenced `WHERE fence < $n` by the lost run is
+//! not overwritten by a stale one, and a provider-keyed step calls its
+//! provider again with the same [`provider_key`](oncely::EffectKey::provider_key),
+//! which the provider deduplicates; an at-most-once step's lost mark lets
+//! it be sent twice. Measured before this crate followed a host list (the
+//! redelivery pointed at the promoted standby by hand): 0 to 4 acknowledged
+//! completions lost per run, each run again by the redelivery; with
+//! `synchronous_commit = on` or `remote_apply`, 0 in 11 runs. The same
+//! workload in `tests/failover.rs` prints its counts for an asynchronous
+//! standby and does not assert them: 0 lost in each of 12 runs here (a
+//! debug build running 300 to 700 jobs a second against a standby on
+//! loopback, so little is ever in flight to it); a faster workload, or a
+//! standby farther away, loses more.
+//!
+//! **Notifications are not replicated**: the listener's connection dies
+//! with the primary, and every waiting duplicate is woken at once to look at
+//! its record (and again when the listener listens anew, on the new
+//! primary); a wake-up is a hint, never an answer.
+//!
+//! **Not tested here**: CockroachDB and YugabyteDB (not runnable on this
+//! project's machines). The ledger relies on transaction-scoped advisory
+//! locks (no-ops on CockroachDB) and `LISTEN`/`NOTIFY` (unsupported on
+//! CockroachDB), so it makes no claim for them. The multi-node conformance
+//! suite does not apply to a primary with standbys (one writable node); the
+//! single-node suite runs through a host list whose first host is a
+//! standby (`tests/conformance_hosts.rs`).
 //!
 //! ## Batches
 //!
@@ -323,6 +416,8 @@
 //! [`Error::Backend`]: oncely::Error::Backend
 //! [`Error::BeyondHorizon`]: oncely::Error::BeyondHorizon
 //! [`Error::Config`]: oncely::Error::Config
+//! [`Error::LeaseLost`]: oncely::Error::LeaseLost
+//! [`Error::OutcomeUnknown`]: oncely::Error::OutcomeUnknown
 //! [`Error::ConstraintViolation`]: oncely::Error::ConstraintViolation
 //! [`Error::Unavailable`]: oncely::Error::Unavailable
 //! [`FromUrl`]: oncely::backend::FromUrl
@@ -341,6 +436,7 @@
 // `error` (driver errors to `oncely::Error`).
 mod error;
 mod guard;
+mod hosts;
 mod ledger;
 mod notify;
 mod options;

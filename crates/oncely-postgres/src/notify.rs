@@ -22,10 +22,14 @@
 //! connection of its own (not one of the ledger's pool: a pool of one would
 //! otherwise starve), reconnects with a backoff when the connection is lost,
 //! and [`Changes::watch`] hands out notified watches only while it is
-//! listening; otherwise polling ones. A notification lost in between (the
-//! connection dropped after a watch was taken) costs the waiter at most
-//! [`oncely::watch::NOTIFIED_FALLBACK`], never a wrong answer: the runner
-//! claims again when a watch wakes, whatever woke it.
+//! listening; otherwise polling ones. When the connection is lost, every
+//! waiter is woken at once to look at its record (a notification may have
+//! been lost with the connection: a failover loses every one in flight),
+//! and again when it listens anew; the runner claims again when a watch
+//! wakes, whatever woke it. Each (re)connection takes the ledger pool's
+//! connect options of that moment, so it follows the pool to a promoted
+//! standby, and a listener whose ledger moved to another host (a frozen
+//! primary's connection may never report its loss) reconnects.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -38,9 +42,11 @@ use sqlx::PgPool;
 use sqlx::postgres::{PgListener, PgPoolOptions};
 use tokio::sync::Notify;
 use tokio::sync::watch as state;
+use tokio::sync::watch::Receiver;
 use tokio::task::JoinHandle;
 
 use crate::error::BACKEND;
+use crate::ledger::Conn;
 
 /// How long the first watch of a ledger waits for the listener's first
 /// connection before it settles for polling: the listener starts lazily, and
@@ -65,6 +71,11 @@ const ANNOUNCE_BACKLOG: usize = 10_000;
 
 /// Keys per announcing statement.
 const ANNOUNCE_CHUNK: usize = 1_000;
+
+/// How long one announcing statement may take: a server that stops
+/// answering must not stall every later announcement (the connection is
+/// closed, see `ledger::Conn`).
+const ANNOUNCE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One notification per key. Two copies of one payload in a transaction are
 /// sent once by PostgreSQL. A transaction that notifies is given a
@@ -118,6 +129,8 @@ pub(crate) struct Changes {
     /// connection copies.
     pool: PgPool,
     task: Mutex<Option<JoinHandle<()>>>,
+    /// Changes when the ledger's pool is pointed at another host.
+    moved: Option<Receiver<u64>>,
     announcer: Arc<Announcer>,
     announce_task: Mutex<Option<JoinHandle<()>>>,
 }
@@ -152,7 +165,7 @@ pub struct ListenerStatus {
 }
 
 impl Changes {
-    pub(crate) fn new(pool: PgPool, channel: Arc<str>) -> Self {
+    pub(crate) fn new(pool: PgPool, channel: Arc<str>, moved: Option<Receiver<u64>>) -> Self {
         Changes {
             shared: Arc::new(Shared {
                 notifier: Notifier::new(),
@@ -163,6 +176,7 @@ impl Changes {
             channel,
             pool,
             task: Mutex::new(None),
+            moved,
             announcer: Arc::new(Announcer::default()),
             announce_task: Mutex::new(None),
         }
@@ -238,8 +252,12 @@ impl Changes {
         if task.as_ref().is_none_or(JoinHandle::is_finished) {
             let runtime = tokio::runtime::Handle::try_current().ok()?;
             self.shared.state.send_replace(Listening::Starting);
-            let pool = listener_pool(&self.pool);
-            *task = Some(runtime.spawn(listen(self.shared.clone(), pool, self.channel.clone())));
+            *task = Some(runtime.spawn(listen(
+                self.shared.clone(),
+                self.pool.clone(),
+                self.channel.clone(),
+                self.moved.clone(),
+            )));
         }
         Some(self.shared.state.subscribe())
     }
@@ -273,12 +291,18 @@ async fn announce(announcer: Arc<Announcer>, pool: PgPool, channel: Arc<str>) {
                 break;
             }
             for chunk in keys.chunks(ANNOUNCE_CHUNK) {
-                match sqlx::query(ANNOUNCE)
-                    .bind(&*channel)
-                    .bind(chunk)
-                    .execute(&pool)
-                    .await
-                {
+                let sent = tokio::time::timeout(ANNOUNCE_TIMEOUT, async {
+                    let deadline = std::time::Instant::now() + ANNOUNCE_TIMEOUT;
+                    let mut conn = Conn::new(pool.acquire().await?, Some(deadline));
+                    sqlx::query(ANNOUNCE)
+                        .bind(&*channel)
+                        .bind(chunk)
+                        .execute(&mut *conn)
+                        .await
+                })
+                .await
+                .unwrap_or(Err(sqlx::Error::PoolTimedOut));
+                match sent {
                     Ok(_) => announcer.sent.fetch_add(chunk.len() as u64, Ordering::Relaxed),
                     Err(e) => {
                         tracing::debug!(
@@ -323,14 +347,29 @@ impl Drop for DownOnDrop {
     }
 }
 
-/// The listener task: listen, relay, reconnect, until aborted.
-async fn listen(shared: Arc<Shared>, pool: PgPool, channel: Arc<str>) {
+/// The listener task: listen, relay, reconnect, until aborted. Each
+/// session connects with the ledger pool's options of the moment.
+async fn listen(
+    shared: Arc<Shared>,
+    ledger_pool: PgPool,
+    channel: Arc<str>,
+    mut moved: Option<Receiver<u64>>,
+) {
     let _down = DownOnDrop(shared.clone());
     let mut backoff = Backoff::new(RECONNECT_FIRST, RECONNECT_MAX);
     loop {
         let mut was_up = false;
-        let ended = session(&shared, &pool, &channel, &mut was_up).await;
+        let pool = listener_pool(&ledger_pool);
+        let ended = session(&shared, &pool, &channel, &mut was_up, moved.as_mut()).await;
+        // Dropped, not closed: closing waits for its connection, which a
+        // frozen server never answers.
+        drop(pool);
         shared.state.send_replace(Listening::Down);
+        if was_up {
+            // Whatever was notified since the connection died is lost:
+            // every waiter looks at its record now, not at its fallback.
+            shared.notifier.notify_all();
+        }
         if was_up {
             // It had been listening: reconnect at once, from the first pause.
             backoff = Backoff::new(RECONNECT_FIRST, RECONNECT_MAX);
@@ -359,6 +398,7 @@ async fn session(
     pool: &PgPool,
     channel: &str,
     was_up: &mut bool,
+    moved: Option<&mut Receiver<u64>>,
 ) -> Result<(), sqlx::Error> {
     let mut listener = PgListener::connect_with(pool).await?;
     // The pool is the listener's own; and a lost connection is reported
@@ -370,11 +410,27 @@ async fn session(
     *was_up = true;
     shared.connects.fetch_add(1, Ordering::Relaxed);
     shared.state.send_replace(Listening::Up);
-    while let Some(notification) = listener.try_recv().await? {
+    // Listening anew: what was notified while it was down is lost too.
+    shared.notifier.notify_all();
+    let mut moved = moved;
+    if let Some(m) = moved.as_deref_mut() {
+        m.mark_unchanged();
+    }
+    loop {
+        let next = match moved.as_deref_mut() {
+            Some(m) => tokio::select! {
+                next = listener.try_recv() => next?,
+                // The ledger moved to another host: listen there.
+                _ = m.changed() => return Ok(()),
+            },
+            None => listener.try_recv().await?,
+        };
+        let Some(notification) = next else {
+            return Ok(());
+        };
         if notification.channel() == channel {
             shared.received.fetch_add(1, Ordering::Relaxed);
             shared.notifier.notify(notification.payload());
         }
     }
-    Ok(())
 }

@@ -1,6 +1,7 @@
 //! [`PgLedgerOptions`], the builder of a ledger, and the PostgreSQL URL
-//! forms it opens (`postgres://…` and `postgresql://…`, parsed by sqlx;
-//! `?schema=` and `?table=` are the ledger's own and taken off first).
+//! forms it opens (`postgres://…` and `postgresql://…`, parsed by sqlx once
+//! per host of a host list; `?schema=`, `?table=` and
+//! `?target_session_attrs=` are the ledger's own and taken off first).
 
 use std::time::Duration;
 
@@ -9,6 +10,7 @@ use oncely::{Error, Result};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::error::map;
+use crate::hosts::{Target, split_hosts};
 
 /// The URL schemes a PostgreSQL ledger opens
 /// ([`FromUrl::SCHEMES`](oncely::backend::FromUrl::SCHEMES)).
@@ -21,8 +23,9 @@ const MAX_SCHEMA_BYTES: usize = 63;
 const MAX_TABLE_BYTES: usize = 48;
 
 /// The query parameters a URL may set on the ledger itself
-/// ([`PgLedgerOptions::schema`], [`PgLedgerOptions::table`]).
-const OWN_PARAMS: &[&str] = &["schema", "table"];
+/// ([`PgLedgerOptions::schema`], [`PgLedgerOptions::table`], and which
+/// kind of server of a host list to connect to, which sqlx does not read).
+const OWN_PARAMS: &[&str] = &["schema", "table", "target_session_attrs"];
 
 /// The query parameters sqlx reads (sqlx-postgres 0.9,
 /// `PgConnectOptions::parse_from_url`); it ignores any other with a log
@@ -60,11 +63,13 @@ pub struct PgLedgerOptions {
     pub(crate) table: String,
     pub(crate) migrate: bool,
     pub(crate) read_only: bool,
+    pub(crate) operation_timeout: Duration,
 }
 
 impl Default for PgLedgerOptions {
-    /// 16 connections, a 5 s acquire timeout, no ping before acquire, table
-    /// `public.oncely_effects`, migrations on connect, read-write.
+    /// 16 connections, a 5 s acquire timeout, a 10 s operation timeout, no
+    /// ping before acquire, table `public.oncely_effects`, migrations on
+    /// connect, read-write.
     fn default() -> Self {
         PgLedgerOptions {
             max_connections: 16,
@@ -74,6 +79,7 @@ impl Default for PgLedgerOptions {
             table: "oncely_effects".to_owned(),
             migrate: true,
             read_only: false,
+            operation_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -148,12 +154,33 @@ impl PgLedgerOptions {
         self
     }
 
+    /// The longest one ledger operation (a claim, a completion, a read, one
+    /// prune call…) may take, from the wait for a connection to the answer
+    /// (default 10 s). Past it the operation fails with
+    /// [`Error::Unavailable`] and its connection is closed, never returned
+    /// to the pool: a server that stops answering (frozen, partitioned
+    /// away) becomes a bounded, typed error instead of a call that hangs,
+    /// so an [`OnInProgress::Wait`](oncely::OnInProgress::Wait) holds its
+    /// `max` (each of the waiter's claims is bounded by this too). An
+    /// operation whose answer was lost may still have been applied: a
+    /// completion or release re-reads its record to find out (crate docs,
+    /// "Replication and failover"). It does not bound `claim_in` and
+    /// `complete_in`, which run on the caller's connection. Applies to
+    /// [`PgLedger::from_pool_with`](crate::PgLedger::from_pool_with) too.
+    pub fn operation_timeout(mut self, timeout: Duration) -> Self {
+        self.operation_timeout = timeout;
+        self
+    }
+
     /// Checks the names and sizes; [`Error::Config`] before any round trip.
     pub fn validate(&self) -> Result<()> {
         identifier("schema", &self.schema, MAX_SCHEMA_BYTES)?;
         identifier("table", &self.table, MAX_TABLE_BYTES)?;
         if self.max_connections == 0 {
             return Err(Error::Config("max_connections must be at least 1".into()));
+        }
+        if self.operation_timeout.is_zero() {
+            return Err(Error::Config("operation_timeout must be above zero".into()));
         }
         Ok(())
     }
@@ -183,10 +210,11 @@ impl PgLedgerOptions {
 
     /// These options with what `url`'s query sets (`?schema=`, `?table=`:
     /// the URL wins, as it is what a deployment configures), validated, and
-    /// the connection options of the rest of the URL. A parameter neither
-    /// the ledger nor sqlx reads is [`Error::Config`], before any round
-    /// trip.
-    pub(crate) fn with_url(mut self, url: &str) -> Result<(Self, PgConnectOptions)> {
+    /// the connection options of the rest of the URL: one per host of its
+    /// host list (`h1:5432,h2:5432`, tried as `?target_session_attrs=`
+    /// says). A parameter neither the ledger nor sqlx reads is
+    /// [`Error::Config`], before any round trip.
+    pub(crate) fn with_url(mut self, url: &str) -> Result<(Self, Connect)> {
         check_scheme(url)?;
         let params = UrlParams::parse(url, "PostgreSQL", OWN_PARAMS, DRIVER_PARAMS)?;
         if let Some(schema) = params.get("schema") {
@@ -196,8 +224,15 @@ impl PgLedgerOptions {
             self.table = table.to_owned();
         }
         self.validate()?;
-        let connect = self.connect_options(params.driver_url())?;
-        Ok((self, connect))
+        let target = match params.get("target_session_attrs") {
+            Some(value) => Target::parse(value, self.read_only)?,
+            None => Target::default_for(self.read_only),
+        };
+        let hosts = split_hosts(params.driver_url())?
+            .iter()
+            .map(|url| self.connect_options(url))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((self, Connect { hosts, target }))
     }
 
     /// The connection options of `url` (without the ledger's parameters)
@@ -218,6 +253,14 @@ impl PgLedgerOptions {
             .acquire_timeout(self.acquire_timeout)
             .test_before_acquire(self.test_before_acquire)
     }
+}
+
+/// What a URL connects to: one set of connection options per host, and
+/// which kind of server will do.
+#[derive(Debug)]
+pub(crate) struct Connect {
+    pub(crate) hosts: Vec<PgConnectOptions>,
+    pub(crate) target: Target,
 }
 
 /// A PostgreSQL URL (`postgres://` or `postgresql://`, any case) as sqlx's
@@ -292,6 +335,8 @@ mod tests {
             .with_url("postgres://app:s3cret@db:5433/app?sslmode=disable&schema=billing&table=effects")
             .unwrap();
         assert_eq!((o.schema.as_str(), o.table.as_str()), ("billing", "effects"));
+        assert_eq!(connect.hosts.len(), 1);
+        let connect = &connect.hosts[0];
         assert_eq!((connect.get_host(), connect.get_port()), ("db", 5433));
         assert_eq!(connect.get_database(), Some("app"));
         // What the URL does not name stays as the code set it.
@@ -303,7 +348,7 @@ mod tests {
         for (bad, says) in [
             (
                 "postgres://app:s3cret@db/app?tabel=x",
-                "unknown PostgreSQL URL parameter 'tabel' (expected schema, table, or one its driver reads: sslmode",
+                "unknown PostgreSQL URL parameter 'tabel' (expected schema, table, target_session_attrs, or one its driver reads: sslmode",
             ),
             (
                 "postgres://app:s3cret@db/app?table=Effects",
@@ -322,6 +367,15 @@ mod tests {
                 "table is given twice",
             ),
             ("mysql://app:s3cret@db/app?table=x", "not a PostgreSQL URL"),
+            (
+                "postgres://app:s3cret@h1,h2/app?target_session_attrs=standby",
+                "target_session_attrs=standby is for a ledger that only reads",
+            ),
+            (
+                "postgres://app:s3cret@h1,h2/app?target_session_attrs=readwrite",
+                "is not one of any, read-write",
+            ),
+            ("postgres://app:s3cret@h1,,h2/app", "host list has an empty entry"),
         ] {
             match PgLedgerOptions::default().with_url(bad) {
                 Err(Error::Config(m)) => {
@@ -335,6 +389,52 @@ mod tests {
         PgLedgerOptions::default()
             .with_url("postgres://app@db/app?options[search_path]=x&application_name=a&table=t")
             .unwrap();
+    }
+
+    #[test]
+    fn a_host_list_is_one_set_of_options_per_host() {
+        // sqlx alone refuses it ("invalid port number").
+        assert!(parse_url("postgres://u@h1:5440,h2:5441/test").is_err());
+        let (o, connect) = PgLedgerOptions::default()
+            .with_url("postgres://u@h1:5440,h2:5441/test?target_session_attrs=read-write&table=t")
+            .unwrap();
+        assert_eq!(o.table, "t");
+        assert_eq!(connect.target, Target::ReadWrite);
+        let hosts: Vec<_> = connect
+            .hosts
+            .iter()
+            .map(|c| {
+                (
+                    c.get_host().to_owned(),
+                    c.get_port(),
+                    c.get_database().map(str::to_owned),
+                )
+            })
+            .collect();
+        assert_eq!(
+            hosts,
+            [
+                ("h1".to_owned(), 5440, Some("test".to_owned())),
+                ("h2".to_owned(), 5441, Some("test".to_owned()))
+            ]
+        );
+        // Without the parameter a ledger that writes wants a writable server,
+        // one that only reads takes any; `primary` and `any` are accepted.
+        let (_, c) = PgLedgerOptions::default()
+            .with_url("postgres://u@h1/test")
+            .unwrap();
+        assert_eq!(c.target, Target::ReadWrite);
+        let (_, c) = PgLedgerOptions::default()
+            .read_only(true)
+            .with_url("postgres://u@h1,h2/test?target_session_attrs=prefer-standby")
+            .unwrap();
+        assert_eq!(c.target, Target::PreferStandby);
+        for (value, target) in [("primary", Target::Primary), ("any", Target::Any)] {
+            let (_, c) = PgLedgerOptions::default()
+                .with_url(&format!("postgres://u@h1,h2/test?target_session_attrs={value}"))
+                .unwrap();
+            assert_eq!(c.target, target);
+        }
     }
 
     #[test]

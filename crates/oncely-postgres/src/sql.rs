@@ -726,6 +726,13 @@ pub(crate) const MIGRATION_LOCK: &str = "SELECT pg_advisory_xact_lock(hashtextex
 /// Ends a transaction that someone else left open on a pooled connection.
 pub(crate) const ROLLBACK: &str = "ROLLBACK";
 
+/// What kind of server a session reached (`hosts`, on every new connection
+/// and every probe): in recovery (a standby), and whether its transactions
+/// are read-only (a standby's are; so are those of a server with
+/// `default_transaction_read_only`).
+pub(crate) const SESSION: &str =
+    "SELECT pg_catalog.pg_is_in_recovery(), pg_catalog.current_setting('transaction_read_only') = 'on'";
+
 /// The columns of a table (`$1` schema, `$2` table): the relation's kind,
 /// then per column its name, its type as PostgreSQL spells it, whether its
 /// collation (if any) is deterministic, its collation's name, whether it is

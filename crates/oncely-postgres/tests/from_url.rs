@@ -282,7 +282,7 @@ async fn unknown_or_bad_url_parameters_are_refused_before_connecting() {
     for (query, says) in [
         (
             "tabel=effects",
-            "unknown PostgreSQL URL parameter 'tabel' (expected schema, table, or one its driver reads: sslmode,",
+            "unknown PostgreSQL URL parameter 'tabel' (expected schema, table, target_session_attrs, or one its driver reads: sslmode,",
         ),
         ("schema=billing&tabel=effects", "parameter 'tabel'"),
         ("sslmod=disable", "unknown PostgreSQL URL parameter 'sslmod'"),

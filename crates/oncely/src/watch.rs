@@ -162,6 +162,23 @@ impl Notifier {
         }
     }
 
+    /// Wakes every watch, whatever its key: for a backend whose source of
+    /// notifications was lost (its listener's connection dropped), so that
+    /// every waiter looks at its record now rather than at its fallback
+    /// (a notification may have been missed meanwhile).
+    pub fn notify_all(&self) {
+        if self.live.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let live: Vec<Arc<Notify>> = {
+            let keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+            keys.values().filter_map(Weak::upgrade).collect()
+        };
+        for n in live {
+            n.notify_waiters();
+        }
+    }
+
     /// How many keys have a live watch (for tests and metrics).
     pub fn watched(&self) -> usize {
         let keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
@@ -217,6 +234,18 @@ mod tests {
         assert_eq!(n.watched(), 1);
         drop(w);
         assert_eq!(n.watched(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn notify_all_wakes_every_key() {
+        let n = Notifier::new();
+        let other = EffectKey::new(&Tenant::global(), "capture", "order-2").unwrap();
+        let (mut a, mut b) = (n.watch(&key()), n.watch(&other));
+        n.notify_all();
+        let start = tokio::time::Instant::now();
+        a.changed(Instant::now() + Duration::from_secs(60)).await;
+        b.changed(Instant::now() + Duration::from_secs(60)).await;
+        assert!(start.elapsed() < NOTIFIED_FALLBACK, "both woken at once");
     }
 
     #[tokio::test(start_paused = true)]

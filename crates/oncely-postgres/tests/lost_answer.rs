@@ -1,0 +1,129 @@
+//! A completion or release whose connection dies during its statement (the
+//! server terminates the backend while the write waits on a row lock) is
+//! resolved by reading the record again on a new connection, never reported
+//! as unavailable when it can be settled, and never settled by claiming.
+
+use std::time::Duration;
+
+use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
+use oncely::{Claim, ClaimOptions, EffectKey, Lease, Ledger, Outcome, RecordState};
+use oncely_postgres::{PgLedger, PgLedgerOptions};
+use sqlx::{Connection, PgConnection};
+
+const TABLE: &str = "oncely_lost_answer";
+
+async fn setup() -> Option<(String, PgLedger)> {
+    let url = service_url(
+        "ONCELY_POSTGRES_URL",
+        Some("postgres://postgres@127.0.0.1:5432/test"),
+    )?;
+    match PgLedger::connect_with(&url, PgLedgerOptions::default().table(TABLE).max_connections(4)).await {
+        Ok(l) => Some((url, l)),
+        Err(e) => skip_or_fail(&format!("PostgreSQL at {url}: {e}")),
+    }
+}
+
+async fn acquire(ledger: &PgLedger, key: &EffectKey) -> Lease {
+    match ledger.claim(key, &ClaimOptions::default()).await.unwrap() {
+        Claim::Acquired(l) => l,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+/// Runs `write` while another session holds `key`'s row lock, terminates
+/// the backend of the write once it waits on that lock, then lets the lock
+/// go; the write's answer.
+async fn killed_mid_write<F: std::future::Future<Output = oncely::Result<()>> + Send + 'static>(
+    url: &str,
+    key: &EffectKey,
+    write: F,
+) -> oncely::Result<()> {
+    let mut blocker = PgConnection::connect(url).await.unwrap();
+    let mut tx = blocker.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM {TABLE} WHERE key = $1 FOR UPDATE"
+    )))
+    .bind(key.as_str())
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let write = tokio::spawn(write);
+    let mut killer = PgConnection::connect(url).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        // The one backend waiting on a lock with a statement on this table
+        // and this key's fence parameter is the write.
+        let killed: Option<bool> = sqlx::query_scalar(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE wait_event_type = 'Lock' AND pid <> pg_backend_pid() AND query LIKE $1 \
+             AND pg_blocking_pids(pid) @> ARRAY[$2::int] LIMIT 1",
+        )
+        .bind(format!("%{TABLE}%"))
+        .bind(
+            sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()")
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap(),
+        )
+        .fetch_optional(&mut killer)
+        .await
+        .unwrap();
+        if killed == Some(true) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the write never waited on the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tx.rollback().await.unwrap();
+    write.await.unwrap()
+}
+
+#[tokio::test]
+async fn a_completion_whose_connection_died_is_resolved_from_its_record() {
+    let Some((url, ledger)) = setup().await else {
+        return;
+    };
+    let key = EffectKey::new(&fresh_tenant(), "lost", "complete").unwrap();
+    let lease = acquire(&ledger, &key).await;
+    let outcome = Outcome::from_json(&"charged").unwrap();
+    let answer = {
+        let (ledger, lease, outcome) = (ledger.clone(), lease.clone(), outcome.clone());
+        killed_mid_write(&url, &key, async move { ledger.complete(&lease, &outcome).await }).await
+    };
+    // The terminated statement wrote nothing; the ledger saw its own lease
+    // still in progress on a new connection and completed it.
+    answer.expect("resolved, not unavailable");
+    let record = ledger.get(&key).await.unwrap().unwrap();
+    assert_eq!(
+        (record.state, record.fence),
+        (RecordState::Completed, lease.fence())
+    );
+    assert_eq!(record.outcome, Some(outcome));
+    // Nothing claimed blind: the same fence, no takeover.
+    assert!(matches!(
+        ledger.claim(&key, &ClaimOptions::default()).await.unwrap(),
+        Claim::Completed(_)
+    ));
+}
+
+#[tokio::test]
+async fn a_release_whose_connection_died_is_resolved_from_its_record() {
+    let Some((url, ledger)) = setup().await else {
+        return;
+    };
+    let key = EffectKey::new(&fresh_tenant(), "lost", "release").unwrap();
+    let lease = acquire(&ledger, &key).await;
+    let answer = {
+        let (ledger, lease) = (ledger.clone(), lease.clone());
+        killed_mid_write(&url, &key, async move { ledger.release(&lease).await }).await
+    };
+    answer.expect("resolved, not unavailable");
+    let record = ledger.get(&key).await.unwrap().unwrap();
+    assert_eq!(
+        (record.state, record.fence),
+        (RecordState::Released, lease.fence())
+    );
+}
