@@ -37,6 +37,10 @@ use serde::Serialize;
 
 use crate::any::AnyLedger;
 
+/// How long the read-back of acknowledged completions keeps asking while
+/// no endpoint answers.
+const READ_BACK: Duration = Duration::from_secs(60);
+
 /// A fault: a shell command run `at` after the start.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fault {
@@ -162,6 +166,9 @@ pub struct ChaosReport {
     /// Of those, the ones whose record was not completed at that fence
     /// afterwards.
     pub lost: u64,
+    /// Of those, the ones no endpoint would answer for by the end (counted
+    /// as a failure: the run cannot vouch for them).
+    pub unread: u64,
     /// Receipt steps left abandoned (a worker died mid-step): sent zero
     /// times or once, for reconciliation.
     pub abandoned: Vec<String>,
@@ -177,7 +184,7 @@ impl ChaosReport {
     /// Whether the run broke a guarantee: a duplicate, a lost
     /// acknowledgement, or an order that never finished.
     pub fn failed(&self) -> bool {
-        self.duplicates > 0 || self.lost > 0 || self.unfinished > 0
+        self.duplicates > 0 || self.lost > 0 || self.unread > 0 || self.unfinished > 0
     }
 }
 
@@ -402,22 +409,34 @@ pub async fn run(config: &ChaosConfig) -> Result<ChaosReport> {
         .await
         .map_err(|e| Error::Misuse(format!("the fault runner panicked: {e}")))?;
 
-    // Read every acknowledged completion back from an endpoint that answers.
+    // Read every acknowledged completion back from an endpoint that answers
+    // (the faults may still be settling: keep asking for a while).
     let acked = std::mem::take(&mut *shared.acked.lock().unwrap_or_else(|p| p.into_inner()));
     let mut lost = 0;
+    let mut unread = 0;
+    let give_up = Instant::now() + READ_BACK;
     for (key, fence) in &acked {
-        let mut record = None;
-        for effects in &shared.nodes {
-            if let Ok(r) = effects.ledger().get(key).await {
-                record = Some(r);
-                break;
+        let record = loop {
+            let mut answer = None;
+            for effects in &shared.nodes {
+                if let Ok(r) = effects.ledger().get(key).await {
+                    answer = Some(r);
+                    break;
+                }
             }
-        }
-        let kept =
-            matches!(record, Some(Some(ref r)) if r.state == RecordState::Completed && r.fence == *fence);
-        if !kept {
-            tracing::warn!(effect_key = %key, fence, ?record, "acknowledged completion lost");
-            lost += 1;
+            match answer {
+                Some(r) => break Some(r),
+                None if Instant::now() >= give_up => break None,
+                None => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        };
+        match record {
+            Some(Some(r)) if r.state == RecordState::Completed && r.fence == *fence => {}
+            Some(r) => {
+                tracing::warn!(effect_key = %key, fence, record = ?r, "acknowledged completion lost");
+                lost += 1;
+            }
+            None => unread += 1,
         }
     }
     let per_order = shared
@@ -444,6 +463,7 @@ pub async fn run(config: &ChaosConfig) -> Result<ChaosReport> {
         duplicates,
         acknowledged: acked.len() as u64,
         lost,
+        unread,
         abandoned,
         unfinished: unfinished.load(Ordering::Relaxed),
         retried: shared.retried.lock().unwrap_or_else(|p| p.into_inner()).clone(),

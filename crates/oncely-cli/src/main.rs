@@ -1085,6 +1085,7 @@ async fn run_chaos(args: ChaosArgs) -> ExitCode {
             "duplicates",
             "acked",
             "acked lost",
+            "unread",
             "abandoned",
             "unfinished",
         ]);
@@ -1097,6 +1098,7 @@ async fn run_chaos(args: ChaosArgs) -> ExitCode {
             report.duplicates.to_string(),
             report.acknowledged.to_string(),
             report.lost.to_string(),
+            report.unread.to_string(),
             report.abandoned.len().to_string(),
             report.unfinished.to_string(),
         ]);
@@ -1119,8 +1121,8 @@ async fn run_chaos(args: ChaosArgs) -> ExitCode {
     }
     if report.failed() {
         eprintln!(
-            "error: {} duplicate(s), {} acknowledged completion(s) lost, {} order(s) unfinished",
-            report.duplicates, report.lost, report.unfinished
+            "error: {} duplicate(s), {} acknowledged completion(s) lost, {} unread, {} order(s) unfinished",
+            report.duplicates, report.lost, report.unread, report.unfinished
         );
         ExitCode::from(1)
     } else {
