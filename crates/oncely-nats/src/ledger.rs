@@ -22,6 +22,7 @@ use crate::clock::{ServerClock, later};
 use crate::codec::{Stored, kv_key, length_us, tenant_token};
 use crate::error::{BACKEND, gave_up, read_only, unavailable};
 use crate::kv::{Current, MAX_ATTEMPTS, Write};
+use crate::marker::markers_needed;
 use crate::notify::Notifications;
 use crate::options::{NatsKvOptions, NatsUrl};
 
@@ -52,6 +53,9 @@ pub(crate) struct Inner {
     pub(crate) notifications: Notifications,
     /// What an acknowledged write survives ([`bucket::durability`]).
     durability: &'static str,
+    /// Whether writes on top of a revision first create its marker
+    /// (`marker.rs`): a replicated bucket on nats-server before 2.9.21.
+    pub(crate) markers: bool,
     /// The servers of the URL (`host:port`, comma-separated), as the
     /// ledger shows them; `None` on a caller's connection.
     servers: Option<String>,
@@ -154,7 +158,9 @@ impl NatsKvLedger {
         servers: Option<String>,
     ) -> Result<Self> {
         let bucket_max_age = Some(store.stream.cached_info().config.max_age).filter(|a| !a.is_zero());
-        let durability = bucket::durability(opts.replicas, &client.server_info().version);
+        let version = client.server_info().version;
+        let durability = bucket::durability(opts.replicas, &version);
+        let markers = markers_needed(opts.replicas, &version);
         // A read-only ledger never ends a lease and never waits for one (its
         // claims are refused): it needs no subscription.
         let notifications = if opts.read_only {
@@ -172,6 +178,7 @@ impl NatsKvLedger {
                 in_progress: Mutex::new(HashSet::new()),
                 notifications,
                 durability,
+                markers,
                 servers,
             }),
         };
@@ -461,7 +468,7 @@ impl Ledger for NatsKvLedger {
     }
 
     async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
-        let entries = self
+        let (entries, _) = self
             .scan(format!("{}{}.*", self.inner.store.prefix, tenant_token(tenant)))
             .await?;
         let now = self.now().await?;

@@ -256,6 +256,7 @@ mod error;
 mod horizon;
 mod kv;
 mod ledger;
+mod marker;
 mod notify;
 mod options;
 mod prune;

@@ -10,6 +10,7 @@ use oncely::{EffectKey, RecordState, Result, Tenant};
 
 use crate::NatsKvLedger;
 use crate::kv::{Current, MAX_ATTEMPTS, refusal_backoff};
+use crate::marker::MARKER_KEEP;
 
 /// A record this call of prune means to delete.
 struct Victim {
@@ -69,8 +70,9 @@ impl NatsKvLedger {
     /// [`oncely::Ledger::prune`]: scans the whole bucket, deletes up to
     /// `limit` records.
     pub(crate) async fn prune_records(&self, limit: u64) -> Result<u64> {
-        let entries = self.scan(format!("{}>", self.inner.store.prefix)).await?;
+        let (entries, markers) = self.scan(format!("{}>", self.inner.store.prefix)).await?;
         let now = self.now().await?;
+        self.purge_old_markers(&markers, now).await;
         let doomed = victims(entries, now, limit);
         // Before any delete, raise each tenant and kind's watermark to the
         // newest record about to go (see horizon.rs for why first). A record
@@ -94,6 +96,29 @@ impl NatsKvLedger {
             }
         }
         Ok(pruned)
+    }
+
+    /// Purges the markers older than [`MARKER_KEEP`] (`marker.rs`). A failure
+    /// (a bucket that denies purges) leaves them to `max_age` and does not
+    /// fail the prune.
+    async fn purge_old_markers(&self, markers: &[(u64, SystemTime)], now: SystemTime) {
+        let Some(cutoff) = now.checked_sub(MARKER_KEEP) else {
+            return;
+        };
+        // Stream sequences follow the leader's stamps: everything below the
+        // newest old marker is older still.
+        let Some(newest_old) = markers
+            .iter()
+            .filter(|(_, at)| *at <= cutoff)
+            .map(|(r, _)| *r)
+            .max()
+        else {
+            return;
+        };
+        match self.purge_markers(newest_old + 1).await {
+            Ok(n) => tracing::debug!(purged = n, "purged old markers"),
+            Err(e) => tracing::warn!(error = %e, "could not purge old markers; the bucket's max_age will"),
+        }
     }
 
     /// Deletes one victim if it is still prunable; whether it did. A record

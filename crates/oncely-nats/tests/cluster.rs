@@ -18,6 +18,25 @@ async fn ledger() -> Option<NatsKvLedger> {
 
 oncely::conformance_tests!(ledger);
 
+/// One ledger per node, each connected to that node only: the multi-node
+/// suite races them for the same keys of the replicated bucket.
+async fn nodes() -> Option<Vec<NatsKvLedger>> {
+    let urls = common::cluster_urls()?;
+    let mut nodes = Vec::new();
+    for url in urls.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+        let opts = NatsKvOptions::default()
+            .bucket("oncely_conformance_r3")
+            .replicas(3);
+        match NatsKvLedger::connect_with(url, opts).await {
+            Ok(l) => nodes.push(l),
+            Err(e) => panic!("NATS node at {url}: {e}"),
+        }
+    }
+    Some(nodes)
+}
+
+oncely::nodes_conformance_tests!(nodes);
+
 /// An R=3 bucket reports what a quorum's acknowledgement gives: one node's
 /// crash loses nothing acknowledged, two nodes' OS crashes within the sync
 /// period can.
