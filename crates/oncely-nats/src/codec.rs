@@ -66,7 +66,7 @@ pub(crate) fn watermark_key(tenant: &Tenant, kind: &str) -> String {
 }
 
 /// The first token of the markers that serialise writes on old replicated
-/// servers (`marker.rs`): `_oncely_cas.<revision>`. Reserved as the clock
+/// servers (`marker.rs`): `_oncely_cas.<revision>-<digest>`. Reserved as the clock
 /// key is, so no record key starts with it.
 pub(crate) const MARKER_PREFIX: &str = "_oncely_cas";
 
@@ -322,7 +322,7 @@ mod tests {
         assert!(is_record_key(&kv_key(&k)));
         assert!(!is_record_key(&w));
         assert!(!is_record_key(CLOCK_KEY));
-        assert!(!is_record_key(&crate::marker::marker_key(7)));
+        assert!(!is_record_key(&crate::marker::marker_key("t.x", 7, b"")));
         assert_ne!(w, watermark_key(&t, "receipt"));
         assert_ne!(w, watermark_key(&Tenant::new("a").unwrap(), "capture"));
         let v = Watermark {

@@ -143,23 +143,48 @@ impl NatsKvLedger {
     }
 
     /// A record write that succeeds only if the key's latest revision is
-    /// `revision` (0: the key has never been written, or its history is gone).
-    pub(crate) async fn write(&self, kv_key: &str, value: &Stored, revision: u64) -> Result<Write> {
-        self.write_raw(kv_key, value.encode()?, revision).await
+    /// `revision` (0: the key has never been written, or its history is
+    /// gone), which holds `base` (`None`: a delete marker).
+    pub(crate) async fn write(
+        &self,
+        kv_key: &str,
+        value: &Stored,
+        revision: u64,
+        base: Option<&Stored>,
+    ) -> Result<Write> {
+        let base = base.map_or(Ok(bytes::Bytes::new()), Stored::encode)?;
+        self.write_raw(kv_key, value.encode()?, revision, &base).await
     }
 
     /// [`NatsKvLedger::write`] of any value.
-    pub(crate) async fn write_raw(&self, kv_key: &str, bytes: bytes::Bytes, revision: u64) -> Result<Write> {
-        self.conditional(kv_key, Op::Put(bytes), revision, "write").await
+    /// `base` is the value at `revision` as this crate encodes it (empty for
+    /// a delete marker): it names the write's marker (`marker.rs`).
+    pub(crate) async fn write_raw(
+        &self,
+        kv_key: &str,
+        bytes: bytes::Bytes,
+        revision: u64,
+        base: &[u8],
+    ) -> Result<Write> {
+        self.conditional(kv_key, Op::Put(bytes), revision, base, "write")
+            .await
     }
 
-    /// Deletes `kv_key` if its latest revision is `revision`: `false` when it
-    /// is not, or when the stream leader refused a matching revision (the
-    /// caller reads again to tell which). `what` names the operation in
-    /// errors.
-    pub(crate) async fn delete(&self, kv_key: &str, revision: u64, what: &str) -> Result<bool> {
+    /// Deletes `kv_key` if its latest revision is `revision`, which holds
+    /// the record `base`: `false` when it is not, or when the stream leader
+    /// refused a matching revision (the caller reads again to tell which).
+    /// `what` names the operation in errors.
+    pub(crate) async fn delete(
+        &self,
+        kv_key: &str,
+        revision: u64,
+        base: &Stored,
+        what: &str,
+    ) -> Result<bool> {
+        let base = base.encode()?;
         Ok(matches!(
-            self.conditional(kv_key, Op::Delete, revision, what).await?,
+            self.conditional(kv_key, Op::Delete, revision, &base, what)
+                .await?,
             Write::Done(_)
         ))
     }

@@ -15,8 +15,14 @@
 //! created on one empty subject exactly one is stored.
 //!
 //! So on such a server, a write on top of revision `N > 0` first *creates*
-//! the marker key `_oncely_cas.<N>` (stream sequences are unique, so `N`
-//! names one revision of one key). Only the marker's creator sends its
+//! the marker key `_oncely_cas.<N>-<digest>`, where the digest covers the
+//! key and the value it was read with at `N` (the *base*): everyone writing
+//! on top of that revision names the same marker. (`N` alone would do if
+//! every acknowledgement named the right sequence; a 2.9 cluster that lost
+//! its leader was seen to acknowledge a write with a sequence the stream
+//! reached only later, for another key. A marker made on such a phantom
+//! revision then names a base nobody else reads, and blocks nothing.)
+//! Only the marker's creator sends its
 //! write; everyone else reads the marker and sends the *same* write the
 //! marker describes (it names the key and carries the value, or says
 //! "delete"), then reports a lost race. The marker decides which write goes
@@ -62,9 +68,15 @@ pub(crate) enum Op {
     Delete,
 }
 
-/// The KV key of the marker of the write on top of `revision`.
-pub(crate) fn marker_key(revision: u64) -> String {
-    format!("{MARKER_PREFIX}.{revision}")
+/// The KV key of the marker of the write on top of `revision` of `kv_key`,
+/// read with the value `base` (its bytes as this crate encodes them; empty
+/// for a delete marker).
+pub(crate) fn marker_key(kv_key: &str, revision: u64, base: &[u8]) -> String {
+    let mut h = blake3::Hasher::new_derive_key("oncely 2026 nats cas marker");
+    h.update(&(kv_key.len() as u64).to_le_bytes());
+    h.update(kv_key.as_bytes());
+    h.update(base);
+    format!("{MARKER_PREFIX}.{revision}-{}", &h.finalize().to_hex()[..32])
 }
 
 /// Whether a ledger on a bucket of `replicas`, served by nats-server
@@ -115,23 +127,26 @@ fn decode(raw: &Bytes) -> Option<(String, Op)> {
 
 impl NatsKvLedger {
     /// `op` on `kv_key` if its latest revision is `revision` (0: it holds no
-    /// message). On a bucket that needs markers, a write on top of a revision
-    /// is first claimed by creating that revision's marker (module docs).
+    /// message), read with the value `base` (see [`marker_key`]). On a bucket
+    /// that needs markers, a write on top of a revision is first claimed by
+    /// creating that revision's marker (module docs).
     pub(crate) async fn conditional(
         &self,
         kv_key: &str,
         op: Op,
         revision: u64,
+        base: &[u8],
         what: &str,
     ) -> Result<Write, oncely::Error> {
         if revision == 0 || !self.inner.markers {
             return self.send(kv_key, &op, revision, what).await;
         }
+        let mk = marker_key(kv_key, revision, base);
         let marker = encode(kv_key, &unique_token(), &op);
-        match self.inner.store.update(marker_key(revision), marker, 0).await {
+        match self.inner.store.update(&mk, marker, 0).await {
             Ok(_) => {}
             Err(e) if wrong_last_revision(&e) => {
-                self.help(kv_key, revision, what).await?;
+                self.help(kv_key, &mk, revision, what).await?;
                 return Ok(Write::Conflict);
             }
             Err(e) => return Err(backend_err(what, e)),
@@ -139,7 +154,12 @@ impl NatsKvLedger {
         match self.send(kv_key, &op, revision, what).await? {
             Write::Done(rev) => Ok(Write::Done(rev)),
             // Only copies of this write can go on top of `revision`: a
-            // helper's may have landed first.
+            // helper's may have landed first. Found on top, it is this
+            // write's; but a value equal to the base (a renewal of the same
+            // length) cannot be told from the base itself (the revision may
+            // be a phantom, above), so that one reports the lost race and its
+            // caller reads again.
+            Write::Conflict if matches!(&op, Op::Put(v) if v.as_ref() == base) => Ok(Write::Conflict),
             Write::Conflict => match self.read_raw(kv_key).await? {
                 Some(raw)
                     if raw.revision > revision
@@ -159,8 +179,8 @@ impl NatsKvLedger {
     /// `kv_key`: the marker's creator may have died before sending it, and
     /// until it lands nobody else may write on top of `revision`. Its answer
     /// does not matter (a copy refused means the write is already there).
-    async fn help(&self, kv_key: &str, revision: u64, what: &str) -> Result<(), oncely::Error> {
-        let Some(raw) = self.read_raw(&marker_key(revision)).await? else {
+    async fn help(&self, kv_key: &str, mk: &str, revision: u64, what: &str) -> Result<(), oncely::Error> {
+        let Some(raw) = self.read_raw(mk).await? else {
             return Ok(());
         };
         match raw.payload.as_ref().and_then(decode) {
@@ -222,6 +242,15 @@ mod tests {
         assert_eq!(decode(&Bytes::from_static(b"{}")), None);
         assert_eq!(decode(&Bytes::from_static(b"oncely-cas 1\nk\nt\nX")), None);
         assert_eq!(decode(&Bytes::from_static(b"oncely-cas 1\nk\nt\nDx")), None);
-        assert_eq!(marker_key(42), "_oncely_cas.42");
+        let k = marker_key("t.abc", 42, b"{}");
+        assert!(k.starts_with("_oncely_cas.42-"), "{k}");
+        assert_eq!(k.matches('.').count(), 1);
+        assert!(
+            k.bytes()
+                .all(|c| c.is_ascii_alphanumeric() || b"-/_=.".contains(&c))
+        );
+        assert_ne!(k, marker_key("t.abd", 42, b"{}"));
+        assert_ne!(k, marker_key("t.abc", 42, b""));
+        assert_ne!(k, marker_key("t.abc", 43, b"{}"));
     }
 }

@@ -9,6 +9,7 @@ use std::time::{Duration, SystemTime};
 use oncely::{EffectKey, RecordState, Result, Tenant};
 
 use crate::NatsKvLedger;
+use crate::codec::Stored;
 use crate::kv::{Current, MAX_ATTEMPTS, refusal_backoff};
 use crate::marker::MARKER_KEEP;
 
@@ -19,6 +20,8 @@ struct Victim {
     /// Its `created_at`, µs: what the watermark must reach first.
     first_us: i64,
     key: EffectKey,
+    /// The record at `revision`.
+    value: Stored,
 }
 
 /// The watermark each tenant and kind has been raised to in this call.
@@ -55,6 +58,7 @@ fn victims(entries: Vec<(String, Current)>, now: SystemTime, limit: u64) -> Vec<
                 kv_key: kk,
                 revision: cur.revision,
                 key,
+                value: v.clone(),
             }),
             // Its tenant and kind are unknown, so its horizon could not be
             // raised: left for an operator.
@@ -129,6 +133,7 @@ impl NatsKvLedger {
             mut revision,
             mut first_us,
             key,
+            mut value,
         } = victim;
         let mut backoff = refusal_backoff();
         for _ in 0..MAX_ATTEMPTS {
@@ -140,7 +145,7 @@ impl NatsKvLedger {
                 raised.insert(group, first_us);
             }
             // Revision-checked: a record taken over since the scan stays.
-            if self.delete(&kk, revision, "prune").await? {
+            if self.delete(&kk, revision, &value, "prune").await? {
                 return Ok(true);
             }
             // Either the record changed, or the stream leader refused a
@@ -153,7 +158,10 @@ impl NatsKvLedger {
                         tokio::time::sleep(backoff.next_delay()).await;
                     }
                     revision = c.revision;
-                    first_us = c.value.as_ref().map_or(first_us, |v| v.first_us);
+                    if let Some(v) = c.value {
+                        first_us = v.first_us;
+                        value = v;
+                    }
                 }
                 _ => return Ok(false),
             }

@@ -216,7 +216,10 @@ async fn node_loss_keeps_claims_exact_and_completions_durable() {
     }
     stopping.store(true, Ordering::SeqCst);
     while holding.load(Ordering::SeqCst) == 0 {
-        assert!(started.elapsed() < Duration::from_secs(120), "no claimant on n{victim} holds a lease");
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "no claimant on n{victim} holds a lease"
+        );
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     let _restart = Restart(vec![victim]);
@@ -253,7 +256,11 @@ async fn node_loss_keeps_claims_exact_and_completions_durable() {
     let mut takeovers = 0;
     for (i, gs) in by_key_grants.iter_mut() {
         gs.sort_by_key(|g| g.fence);
-        assert!(!gs[0].taken_over, "{}: its first grant is a takeover: {gs:?}", keys[*i]);
+        assert!(
+            !gs[0].taken_over,
+            "{}: its first grant is a takeover: {gs:?}",
+            keys[*i]
+        );
         for pair in gs.windows(2) {
             assert!(
                 pair[1].taken_over && pair[1].fence > pair[0].fence && pair[0].node == victim_node,
@@ -287,7 +294,10 @@ async fn node_loss_keeps_claims_exact_and_completions_durable() {
         let r = retry(|| reader.get(k)).await.unwrap().expect("every key exists");
         assert_eq!(r.state, RecordState::Completed, "{k}");
         if let Some(last) = by_key_grants.get(&i).and_then(|gs| gs.last()) {
-            assert_eq!(r.fence, last.fence, "{k}: the record's fence is not its last grant's");
+            assert_eq!(
+                r.fence, last.fence,
+                "{k}: the record's fence is not its last grant's"
+            );
         }
         if let Some(ws) = by_key.get(&i) {
             assert_eq!(r.fence, ws[0].1, "{k}: the acknowledged completion's fence");
