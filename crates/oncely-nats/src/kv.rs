@@ -1,7 +1,8 @@
 //! Every round trip to the bucket (the role `sql.rs` plays in the SQL
 //! backends): a read of one key's latest revision from the stream leader, a
 //! revision-checked write or delete, and the scan of many keys. The clock
-//! probe is in `clock.rs`.
+//! probe is in `clock.rs`; the marker that precedes a write on top of a
+//! revision on old replicated servers, in `marker.rs`.
 //!
 //! Every write is one revision-checked message, so a dropped future has
 //! either been applied by the server or not, never half, and a write based
