@@ -9,18 +9,29 @@
 #   scripts/nats-cluster.sh urls          print the client URLs (comma-separated)
 #   scripts/nats-cluster.sh status        print each node's pid or "down"
 #
-# Client ports 4301-4303, cluster ports 6301-6303, monitoring ports 8301-8303.
+# Client ports 4301-4303, cluster ports 6301-6303, monitoring ports 8301-8303,
+# unless ONCELY_NATS_CLUSTER_CLIENT_PORT, _ROUTE_PORT and _MONITOR_PORT name
+# node 1's others (node N gets that + N - 1): a second cluster beside the
+# default one needs its own ports and its own directory.
 # State lives in $ONCELY_NATS_CLUSTER_DIR (default /tmp/oncely-nats-cluster);
 # every command holds an flock on it, so parallel test binaries can call `up`.
+# NATS_SERVER names the nats-server binary (default /usr/sbin/nats-server).
 set -euo pipefail
 
 NATS_SERVER=${NATS_SERVER:-/usr/sbin/nats-server}
 DIR=${ONCELY_NATS_CLUSTER_DIR:-/tmp/oncely-nats-cluster}
 LOCK=${DIR}.lock
-ROUTES=nats://127.0.0.1:6301,nats://127.0.0.1:6302,nats://127.0.0.1:6303
+CLIENT_PORT=${ONCELY_NATS_CLUSTER_CLIENT_PORT:-4301}
+ROUTE_PORT=${ONCELY_NATS_CLUSTER_ROUTE_PORT:-6301}
+MONITOR_PORT=${ONCELY_NATS_CLUSTER_MONITOR_PORT:-8301}
 WAIT_SECS=${ONCELY_NATS_CLUSTER_WAIT:-30}
 
-urls() { echo "nats://127.0.0.1:4301,nats://127.0.0.1:4302,nats://127.0.0.1:4303"; }
+client_port() { echo $((CLIENT_PORT + $1 - 1)); }
+route_port() { echo $((ROUTE_PORT + $1 - 1)); }
+monitor_port() { echo $((MONITOR_PORT + $1 - 1)); }
+ROUTES=nats://127.0.0.1:$(route_port 1),nats://127.0.0.1:$(route_port 2),nats://127.0.0.1:$(route_port 3)
+
+urls() { echo "nats://127.0.0.1:$(client_port 1),nats://127.0.0.1:$(client_port 2),nats://127.0.0.1:$(client_port 3)"; }
 
 pid_of() { # prints the pid of node $1 if it is running
     local f="$DIR/n$1.pid"
@@ -36,8 +47,8 @@ start_node() {
     if pid_of "$n" >/dev/null; then return 0; fi
     mkdir -p "$DIR/n$n"
     # setsid + nohup: the node outlives the test process that started it.
-    setsid nohup "$NATS_SERVER" -a 127.0.0.1 -p "430$n" -m "830$n" -js -sd "$DIR/n$n" \
-        --cluster_name oncely-test --cluster "nats://127.0.0.1:630$n" --routes "$ROUTES" \
+    setsid nohup "$NATS_SERVER" -a 127.0.0.1 -p "$(client_port "$n")" -m "$(monitor_port "$n")" -js -sd "$DIR/n$n" \
+        --cluster_name oncely-test --cluster "nats://127.0.0.1:$(route_port "$n")" --routes "$ROUTES" \
         -n "n$n" -P "$DIR/n$n.pid" -l "$DIR/n$n.log" </dev/null >/dev/null 2>&1 9>&- &
     for _ in $(seq 1 50); do
         pid_of "$n" >/dev/null && return 0
@@ -65,13 +76,13 @@ wait_ready() {
     local deadline=$((SECONDS + WAIT_SECS)) running
     while ((SECONDS < deadline)); do
         running=()
-        for n in 1 2 3; do pid_of "$n" >/dev/null && running+=("$n"); done
+        for n in 1 2 3; do pid_of "$n" >/dev/null && running+=("$(monitor_port "$n")"); done
         if python3 - "${running[@]}" <<'EOF'; then return 0; fi
 import json, sys, urllib.request
 leaders = set()
-for n in sys.argv[1:]:
+for port in sys.argv[1:]:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:830{n}/jsz", timeout=1) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/jsz", timeout=1) as r:
             meta = json.load(r).get("meta_cluster") or {}
     except Exception:
         sys.exit(1)

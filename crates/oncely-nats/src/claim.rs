@@ -11,7 +11,7 @@ use crate::NatsKvLedger;
 use crate::clock::{later, server_us};
 use crate::codec::{Stored, kv_key, length_us};
 use crate::error::gave_up;
-use crate::kv::{Current, MAX_ATTEMPTS, Write};
+use crate::kv::{Current, MAX_ATTEMPTS, Write, refusal_backoff};
 
 impl NatsKvLedger {
     /// Claims `key` (options validated by the caller). A lost race (someone
@@ -30,11 +30,22 @@ impl NatsKvLedger {
         // The fence of a record this claim removed (below): the new record's
         // fence goes above it whatever the clock estimates say.
         let mut floor: Option<u64> = None;
+        // The revision a write was just refused on. Found unchanged by the
+        // read after, the winner's write is still on its way (nats-server
+        // 2.12 and later refuse a write to a key with another one in
+        // flight; on older clusters a marker's copy may be, `marker.rs`):
+        // pause before asking again, rather than losing every attempt
+        // within a few milliseconds.
+        let mut lost_on: Option<u64> = None;
+        let mut backoff = refusal_backoff();
         for _ in 0..MAX_ATTEMPTS {
             let cur = match known.take() {
                 Some(c) => c,
                 None => self.read(&kk).await?,
             };
+            if lost_on.is_some() && lost_on == Some(cur.as_ref().map_or(0, |c| c.revision)) {
+                tokio::time::sleep(backoff.next_delay()).await;
+            }
             // Read before the write is sent, so it is at most the server's
             // time when the write takes effect (the revision's stamp, from
             // which everyone else measures this lease): the lease we report,
@@ -62,7 +73,10 @@ impl NatsKvLedger {
                         }
                         return Ok(claim);
                     }
-                    None => continue,
+                    None => {
+                        lost_on = Some(revision);
+                        continue;
+                    }
                 }
             };
             prev.effect_key(Some(key))?;
@@ -79,7 +93,7 @@ impl NatsKvLedger {
                 && self.unchecked_is_beyond(key, hz, at).await?
             {
                 tracing::warn!(effect_key = %key, "removing a record whose claim was beyond the horizon");
-                self.undo_create(&kk, revision).await?;
+                self.undo_create(&kk, revision, &prev).await?;
                 floor = floor.max(Some(prev.fence));
                 continue;
             }
@@ -89,6 +103,7 @@ impl NatsKvLedger {
                 }
                 return Ok(claim);
             }
+            lost_on = Some(revision);
         }
         Err(gave_up("claim", key, "lost races"))
     }
@@ -137,10 +152,11 @@ impl NatsKvLedger {
             at_most_once: opts.at_most_once,
         }
         .into_lease();
-        match self.write(kk, &value, revision).await? {
+        // Created on nothing, or on a delete marker (`revision` > 0).
+        match self.write(kk, &value, revision, None).await? {
             Write::Done(rev) => {
                 if let Some(sent_at) = opts.sent_at {
-                    self.check_created(key, kk, rev, sent_at, now).await?;
+                    self.check_created(key, kk, rev, &value, sent_at, now).await?;
                 }
                 self.remember(kk, rev, value);
                 Ok(Some(Claim::Acquired(lease)))
@@ -160,6 +176,7 @@ impl NatsKvLedger {
         prev: Stored,
         now: SystemTime,
     ) -> Result<Option<Claim>> {
+        let base = prev.clone();
         let value = Stored {
             state: RecordState::InProgress.as_str().to_owned(),
             fence: next_fence(Some(prev.fence), server_us(now)?),
@@ -181,7 +198,7 @@ impl NatsKvLedger {
             at_most_once: opts.at_most_once,
         }
         .into_lease();
-        match self.write(kk, &value, revision).await? {
+        match self.write(kk, &value, revision, Some(&base)).await? {
             Write::Done(rev) => {
                 self.remember(kk, rev, value);
                 Ok(Some(Claim::Acquired(lease)))

@@ -65,10 +65,15 @@ pub(crate) fn watermark_key(tenant: &Tenant, kind: &str) -> String {
     format!("{}.horizon.{}", tenant_token(tenant), hash.to_hex())
 }
 
+/// The first token of the markers that serialise writes on old replicated
+/// servers (`marker.rs`): `_oncely_cas.<revision>-<digest>`. Reserved as the clock
+/// key is, so no record key starts with it.
+pub(crate) const MARKER_PREFIX: &str = "_oncely_cas";
+
 /// Whether a KV key holds an effect record (not the clock probe, not a
-/// watermark).
+/// watermark, not a marker).
 pub(crate) fn is_record_key(kv_key: &str) -> bool {
-    kv_key != CLOCK_KEY && kv_key.matches('.').count() == 1
+    !kv_key.starts_with("_oncely") && kv_key.matches('.').count() == 1
 }
 
 /// The value stored at an effect's KV key.
@@ -317,6 +322,7 @@ mod tests {
         assert!(is_record_key(&kv_key(&k)));
         assert!(!is_record_key(&w));
         assert!(!is_record_key(CLOCK_KEY));
+        assert!(!is_record_key(&crate::marker::marker_key("t.x", 7, b"")));
         assert_ne!(w, watermark_key(&t, "receipt"));
         assert_ne!(w, watermark_key(&Tenant::new("a").unwrap(), "capture"));
         let v = Watermark {

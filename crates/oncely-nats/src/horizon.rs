@@ -57,7 +57,7 @@ use oncely::backend::{from_micros, is_beyond_horizon};
 use oncely::{EffectKey, Error, Result, Tenant};
 
 use crate::NatsKvLedger;
-use crate::codec::{Watermark, watermark_key};
+use crate::codec::{Stored, Watermark, watermark_key};
 use crate::error::{corrupt, gave_up};
 use crate::kv::{MAX_ATTEMPTS, Write, refusal_backoff};
 
@@ -70,7 +70,7 @@ impl NatsKvLedger {
 
     /// The watermark of `tenant` and `kind`, with the revision of its key
     /// (0 when it was never written), read from the stream leader.
-    async fn read_watermark(&self, tenant: &Tenant, kind: &str) -> Result<(u64, Option<i64>)> {
+    async fn read_watermark(&self, tenant: &Tenant, kind: &str) -> Result<(u64, Option<Watermark>)> {
         let wk = watermark_key(tenant, kind);
         let Some(raw) = self.read_raw(&wk).await? else {
             return Ok((0, None));
@@ -81,7 +81,7 @@ impl NatsKvLedger {
         };
         let w = Watermark::decode(&payload, tenant, kind)
             .map_err(|e| corrupt(format!("value at {wk} is not an oncely horizon watermark: {e}")))?;
-        Ok((raw.revision, Some(w.w_us)))
+        Ok((raw.revision, Some(w)))
     }
 
     /// The horizon of `tenant` and `kind` at server time `now`: the later of
@@ -93,7 +93,7 @@ impl NatsKvLedger {
         now: SystemTime,
     ) -> Result<Option<SystemTime>> {
         let (_, w) = self.read_watermark(tenant, kind).await?;
-        Ok(w.map(from_micros).max(self.aged_out_before(now)))
+        Ok(w.map(|w| from_micros(w.w_us)).max(self.aged_out_before(now)))
     }
 
     /// Raises the watermark of `tenant` and `kind` to at least `to_us`.
@@ -102,9 +102,10 @@ impl NatsKvLedger {
         let wk = watermark_key(tenant, kind);
         for _ in 0..MAX_ATTEMPTS {
             let (revision, current) = self.read_watermark(tenant, kind).await?;
-            if current.is_some_and(|w| w >= to_us) {
+            if current.as_ref().is_some_and(|w| w.w_us >= to_us) {
                 return Ok(());
             }
+            let base = current.map_or(Ok(bytes::Bytes::new()), |w| w.encode())?;
             let value = Watermark {
                 v: 1,
                 tenant: tenant.as_str().to_owned(),
@@ -113,7 +114,7 @@ impl NatsKvLedger {
             };
             // Revision-checked: a concurrent prune that raised it further
             // makes this write fail, and the re-read sees the higher value.
-            match self.write_raw(&wk, value.encode()?, revision).await? {
+            match self.write_raw(&wk, value.encode()?, revision, &base).await? {
                 Write::Done(_) => return Ok(()),
                 Write::Conflict => continue,
             }
@@ -130,13 +131,14 @@ impl NatsKvLedger {
         key: &EffectKey,
         kv_key: &str,
         revision: u64,
+        created: &Stored,
         sent_at: SystemTime,
         now: SystemTime,
     ) -> Result<()> {
         let horizon = match self.horizon_at(key.tenant(), key.kind(), now).await {
             Ok(h) => h,
             Err(e) => {
-                if let Err(undo) = self.undo_create(kv_key, revision).await {
+                if let Err(undo) = self.undo_create(kv_key, revision, created).await {
                     // The record keeps its `hz` mark: a takeover checks again.
                     tracing::warn!(effect_key = %key, error = %undo, "could not undo an unchecked claim");
                 }
@@ -144,7 +146,7 @@ impl NatsKvLedger {
             }
         };
         if is_beyond_horizon(Some(sent_at), horizon) {
-            self.undo_create(kv_key, revision).await?;
+            self.undo_create(kv_key, revision, created).await?;
             return Err(Error::BeyondHorizon { key: key.to_string() });
         }
         Ok(())
@@ -167,12 +169,12 @@ impl NatsKvLedger {
     }
 
     /// Deletes `kv_key` if, and only if, its latest revision is `revision`
-    /// (the one this ledger just wrote). A record changed since is no longer
-    /// this claim's to remove.
-    pub(crate) async fn undo_create(&self, kv_key: &str, revision: u64) -> Result<()> {
+    /// (the one this ledger just wrote, holding `created`). A record changed
+    /// since is no longer this claim's to remove.
+    pub(crate) async fn undo_create(&self, kv_key: &str, revision: u64, created: &Stored) -> Result<()> {
         let mut backoff = refusal_backoff();
         for _ in 0..MAX_ATTEMPTS {
-            if self.delete(kv_key, revision, "undo claim").await? {
+            if self.delete(kv_key, revision, created, "undo claim").await? {
                 return Ok(());
             }
             // NATS 2.9 clusters can refuse a matching revision under

@@ -1,7 +1,8 @@
 //! Every round trip to the bucket (the role `sql.rs` plays in the SQL
 //! backends): a read of one key's latest revision from the stream leader, a
 //! revision-checked write or delete, and the scan of many keys. The clock
-//! probe is in `clock.rs`.
+//! probe is in `clock.rs`; the marker that precedes a write on top of a
+//! revision on old replicated servers, in `marker.rs`.
 //!
 //! Every write is one revision-checked message, so a dropped future has
 //! either been applied by the server or not, never half, and a write based
@@ -15,8 +16,9 @@ use oncely::Result;
 use oncely::backend::Backoff;
 
 use crate::NatsKvLedger;
-use crate::codec::{Stored, is_record_key};
+use crate::codec::{MARKER_PREFIX, Stored, is_record_key};
 use crate::error::{backend_err, corrupt};
+use crate::marker::Op;
 
 /// How often one operation re-reads and retries after losing a race on the
 /// same key before it gives up with a retryable error.
@@ -65,7 +67,7 @@ pub(crate) enum Write {
 /// 2.11 and later answer some of those refusals with 10164 (the same
 /// refusal, without the sequence numbers), which it passes on as another
 /// error.
-fn wrong_last_revision(e: &kv::UpdateError) -> bool {
+pub(crate) fn wrong_last_revision(e: &kv::UpdateError) -> bool {
     use async_nats::jetstream::ErrorCode;
     if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
         return true;
@@ -142,40 +144,78 @@ impl NatsKvLedger {
     }
 
     /// A record write that succeeds only if the key's latest revision is
-    /// `revision` (0: the key has never been written, or its history is gone).
-    pub(crate) async fn write(&self, kv_key: &str, value: &Stored, revision: u64) -> Result<Write> {
-        self.write_raw(kv_key, value.encode()?, revision).await
+    /// `revision` (0: the key has never been written, or its history is
+    /// gone), which holds `base` (`None`: a delete marker).
+    pub(crate) async fn write(
+        &self,
+        kv_key: &str,
+        value: &Stored,
+        revision: u64,
+        base: Option<&Stored>,
+    ) -> Result<Write> {
+        let base = base.map_or(Ok(bytes::Bytes::new()), Stored::encode)?;
+        self.write_raw(kv_key, value.encode()?, revision, &base).await
     }
 
     /// [`NatsKvLedger::write`] of any value.
-    pub(crate) async fn write_raw(&self, kv_key: &str, bytes: bytes::Bytes, revision: u64) -> Result<Write> {
-        match self.inner.store.update(kv_key, bytes, revision).await {
-            Ok(rev) => Ok(Write::Done(rev)),
-            Err(e) if wrong_last_revision(&e) => Ok(Write::Conflict),
-            Err(e) => Err(backend_err("write", e)),
-        }
+    /// `base` is the value at `revision` as this crate encodes it (empty for
+    /// a delete marker): it names the write's marker (`marker.rs`).
+    pub(crate) async fn write_raw(
+        &self,
+        kv_key: &str,
+        bytes: bytes::Bytes,
+        revision: u64,
+        base: &[u8],
+    ) -> Result<Write> {
+        self.conditional(kv_key, Op::Put(bytes), revision, base, "write")
+            .await
     }
 
-    /// Deletes `kv_key` if its latest revision is `revision`: `false` when it
-    /// is not, or when the stream leader refused a matching revision (the
-    /// caller reads again to tell which). `what` names the operation in
-    /// errors.
-    pub(crate) async fn delete(&self, kv_key: &str, revision: u64, what: &str) -> Result<bool> {
-        match self
-            .inner
-            .store
-            .delete_expect_revision(kv_key, Some(revision))
-            .await
-        {
-            Ok(()) => Ok(true),
-            Err(e) if wrong_last_revision(&e) => Ok(false),
+    /// Deletes `kv_key` if its latest revision is `revision`, which holds
+    /// the record `base`: `false` when it is not, or when the stream leader
+    /// refused a matching revision (the caller reads again to tell which).
+    /// `what` names the operation in errors.
+    pub(crate) async fn delete(
+        &self,
+        kv_key: &str,
+        revision: u64,
+        base: &Stored,
+        what: &str,
+    ) -> Result<bool> {
+        let base = base.encode()?;
+        Ok(matches!(
+            self.conditional(kv_key, Op::Delete, revision, &base, what)
+                .await?,
+            Write::Done(_)
+        ))
+    }
+
+    /// One revision-checked message, as it is (`marker.rs` decides when it
+    /// may be sent). A delete answers `Done(0)`.
+    pub(crate) async fn send(&self, kv_key: &str, op: &Op, revision: u64, what: &str) -> Result<Write> {
+        let sent = match op {
+            Op::Put(bytes) => self.inner.store.update(kv_key, bytes.clone(), revision).await,
+            Op::Delete => self
+                .inner
+                .store
+                .delete_expect_revision(kv_key, Some(revision))
+                .await
+                .map(|()| 0),
+        };
+        match sent {
+            Ok(rev) => Ok(Write::Done(rev)),
+            Err(e) if wrong_last_revision(&e) => Ok(Write::Conflict),
             Err(e) => Err(backend_err(what, e)),
         }
     }
 
     /// The latest revision of every record under `filter` (a subject), read by
-    /// an ordered consumer that delivers the last message per subject.
-    pub(crate) async fn scan(&self, filter: String) -> Result<Vec<(String, Current)>> {
+    /// an ordered consumer that delivers the last message per subject, and
+    /// the revision and stamp of every marker it meets (`marker.rs`).
+    pub(crate) async fn scan(
+        &self,
+        filter: String,
+    ) -> Result<(Vec<(String, Current)>, Vec<(u64, SystemTime)>)> {
         use async_nats::jetstream::consumer::{DeliverPolicy, ReplayPolicy, push};
         let consumer = self
             .inner
@@ -192,13 +232,14 @@ impl NatsKvLedger {
             .await
             .map_err(|e| backend_err("scan", e))?;
         let mut out = Vec::new();
+        let mut markers = Vec::new();
         // The consumer goes on delivering new writes after the snapshot; a
         // busy bucket would never let `pending` reach 0, so stop after as
         // many messages as the snapshot held (the live ones come first, in
         // stream order; anything rewritten since is recent anyway).
         let total = consumer.cached_info().num_pending;
         if total == 0 {
-            return Ok(out);
+            return Ok((out, markers));
         }
         let mut seen = 0u64;
         let mut messages = consumer.messages().await.map_err(|e| backend_err("scan", e))?;
@@ -233,18 +274,30 @@ impl NatsKvLedger {
                     }
                 };
                 out.push((k.to_owned(), Current { revision, at, value }));
+            } else if next
+                .subject
+                .strip_prefix(prefix.as_str())
+                .is_some_and(|k| k.starts_with(MARKER_PREFIX))
+            {
+                markers.push((revision, at));
             }
             seen += 1;
             if pending == 0 || seen >= total {
                 break;
             }
         }
-        Ok(out)
+        Ok((out, markers))
     }
 }
 
 /// A fresh inbox subject for one scan's consumer.
 fn inbox() -> String {
+    format!("_INBOX.oncely.{}", unique_token())
+}
+
+/// 32 hex digits no other call in any process is likely to produce: an
+/// inbox, a marker's creator.
+pub(crate) fn unique_token() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static SEQ: AtomicU64 = AtomicU64::new(0);
     let nanos = SystemTime::now()
@@ -255,5 +308,5 @@ fn inbox() -> String {
     h.update(&std::process::id().to_le_bytes());
     h.update(&nanos.to_le_bytes());
     h.update(&SEQ.fetch_add(1, Ordering::Relaxed).to_le_bytes());
-    format!("_INBOX.oncely.{}", &h.finalize().to_hex()[..32])
+    h.finalize().to_hex()[..32].to_owned()
 }

@@ -21,7 +21,8 @@ use crate::bucket::{self, Deadline, opening_backoff};
 use crate::clock::{ServerClock, later};
 use crate::codec::{Stored, kv_key, length_us, tenant_token};
 use crate::error::{BACKEND, gave_up, read_only, unavailable};
-use crate::kv::{Current, MAX_ATTEMPTS, Write};
+use crate::kv::{Current, MAX_ATTEMPTS, Write, refusal_backoff};
+use crate::marker::markers_needed;
 use crate::notify::Notifications;
 use crate::options::{NatsKvOptions, NatsUrl};
 
@@ -52,6 +53,9 @@ pub(crate) struct Inner {
     pub(crate) notifications: Notifications,
     /// What an acknowledged write survives ([`bucket::durability`]).
     durability: &'static str,
+    /// Whether writes on top of a revision first create its marker
+    /// (`marker.rs`): a replicated bucket on nats-server before 2.9.21.
+    pub(crate) markers: bool,
     /// The servers of the URL (`host:port`, comma-separated), as the
     /// ledger shows them; `None` on a caller's connection.
     servers: Option<String>,
@@ -154,7 +158,9 @@ impl NatsKvLedger {
         servers: Option<String>,
     ) -> Result<Self> {
         let bucket_max_age = Some(store.stream.cached_info().config.max_age).filter(|a| !a.is_zero());
-        let durability = bucket::durability(opts.replicas, &client.server_info().version);
+        let version = client.server_info().version;
+        let durability = bucket::durability(opts.replicas, &version);
+        let markers = markers_needed(opts.replicas, &version);
         // A read-only ledger never ends a lease and never waits for one (its
         // claims are refused): it needs no subscription.
         let notifications = if opts.read_only {
@@ -172,6 +178,7 @@ impl NatsKvLedger {
                 in_progress: Mutex::new(HashSet::new()),
                 notifications,
                 durability,
+                markers,
                 servers,
             }),
         };
@@ -305,9 +312,10 @@ impl NatsKvLedger {
     async fn fenced(&self, lease: &Lease, change: impl Fn(&mut Stored)) -> Result<(u64, Stored)> {
         let kk = kv_key(lease.key());
         if let Some((rev, mut value)) = self.recall(&kk, lease.fence()) {
+            let base = value.clone();
             change(&mut value);
             value.hz = None;
-            if let Write::Done(new_rev) = self.write(&kk, &value, rev).await? {
+            if let Write::Done(new_rev) = self.write(&kk, &value, rev, Some(&base)).await? {
                 return Ok((new_rev, value));
             }
         }
@@ -315,6 +323,9 @@ impl NatsKvLedger {
             key: lease.key().to_string(),
             fence: lease.fence(),
         };
+        // As in a claim: a refusal followed by a read of the same revision
+        // means the write that won is still on its way; pause.
+        let (mut lost_on, mut backoff) = (None, refusal_backoff());
         for _ in 0..MAX_ATTEMPTS {
             let Some(Current {
                 revision,
@@ -324,15 +335,19 @@ impl NatsKvLedger {
             else {
                 return Err(lost());
             };
+            if lost_on == Some(revision) {
+                tokio::time::sleep(backoff.next_delay()).await;
+            }
             value.effect_key(Some(lease.key()))?;
             if value.fence != lease.fence() || value.state()? != RecordState::InProgress {
                 return Err(lost());
             }
+            let base = value.clone();
             change(&mut value);
             value.hz = None;
-            match self.write(&kk, &value, revision).await? {
+            match self.write(&kk, &value, revision, Some(&base)).await? {
                 Write::Done(new_rev) => return Ok((new_rev, value)),
-                Write::Conflict => continue,
+                Write::Conflict => lost_on = Some(revision),
             }
         }
         Err(gave_up("fenced write", lease.key(), "lost races"))
@@ -461,7 +476,7 @@ impl Ledger for NatsKvLedger {
     }
 
     async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
-        let entries = self
+        let (entries, _) = self
             .scan(format!("{}{}.*", self.inner.store.prefix, tenant_token(tenant)))
             .await?;
         let now = self.now().await?;

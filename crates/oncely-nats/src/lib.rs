@@ -66,16 +66,16 @@
 //!
 //! | | |
 //! | --- | --- |
-//! | atomic claim | `create` (expected last subject sequence 0) for an absent key; takeover of an expired or released record by `update` expecting the revision just read. A lost race re-reads and decides again. |
+//! | atomic claim | `create` (expected last subject sequence 0) for an absent key; takeover of an expired or released record by `update` expecting the revision just read. A lost race re-reads and decides again. On a replicated bucket served by nats-server before 2.9.21, whose cluster can accept two writes expecting the same revision, each write on top of a revision is first claimed by creating a marker key: see Replicated buckets. |
 //! | caller's transaction | no: NATS has none. Use `ProviderKeyed` or `AtMostOnce` steps. |
 //! | durability | JetStream file storage (a memory-backed bucket is refused). A write is acknowledged once the leader (R=1) or a quorum (R=3) has handed it to the OS, **not once it is on disk**: the server fsyncs on a timer (every 2 minutes by default). A crash of nats-server loses nothing acknowledged; an OS crash or a power loss of an R=1 server can lose up to 2 minutes of acknowledged claims and completions, unless the server runs with `sync_interval: always` (nats-server 2.10 and later; 2.9 has no such setting). [`Capabilities::durability`](oncely::Capabilities::durability) reports it for the replica count and the server version. See Durability. |
-//! | replication | `replicas = 3`: Raft, acknowledged after a quorum has it; survives the loss of one node (its crash, OS crash or power loss). `replicas = 1`: none. |
+//! | replication | `replicas = 3`: Raft, acknowledged after a quorum has it; survives the loss of one node (its crash, OS crash or power loss), with claimants connected to any node. One holder per key and no acknowledged completion lost, tested with claimants on all three nodes on nats-server 2.9.10 and 2.15.1 (see Replicated buckets). `replicas = 1`: none. |
 //! | clock | NATS server timestamps of each revision; "now" is a lower bound of the server's clock (see below), never the worker's wall clock. |
 //! | max key | [`oncely::MAX_KEY_BYTES`] (the displayed key is stored in the value; the KV key is `<tenant>.<blake3 hex>`). |
 //! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] (stored base64, far below JetStream's 1 MiB message limit). |
 //! | fences | the server clock's µs (its lower bound, below) when a record is created, `max(previous + 1, clock µs)` on takeover ([`oncely::backend::next_fence`]): they grow for the life of the bucket, across prunes and `max_age` drops, as long as retentions are longer than the clock estimate's lag (a probe's round trip, below). |
 //! | horizon | per tenant and kind: the later of a watermark that `prune` raises before it deletes, and `now - max_age` (what the bucket drops by itself). See below. |
-//! | round trips | claim of a new key: 1 (2 with `sent_at`: the create, then the watermark). complete / release / renew: 1 when this ledger made the claim (it remembers the revision), else 2 (read, conditional write); complete and release also publish one core NATS message (no reply awaited). |
+//! | round trips | claim of a new key: 1 (2 with `sent_at`: the create, then the watermark). complete / release / renew: 1 when this ledger made the claim (it remembers the revision), else 2 (read, conditional write); complete and release also publish one core NATS message (no reply awaited). On a replicated bucket of nats-server before 2.9.21, every write on top of an existing revision (complete, release, renew, a takeover, prune's deletes, a watermark raise) costs one more: its marker. |
 //! | batches | `claim_many` / `complete_many`: the single operations pipelined on the connection (up to 128 keys in flight), each keeping every rule of the single one; answers in the order given, a key listed twice claimed in list order. See below. |
 //! | waiting | a duplicate that finds the effect in progress is woken when it is completed or released, by this process's own write at once, by another's through a core NATS subject of the bucket; polling while the subscription is down. See below. |
 //! | prune / abandoned | read the latest revision of every key (the whole bucket / one tenant's keys) through an ordered consumer: cost grows with the keys kept, so prune in batches off the hot path. Prune also writes each pruned tenant and kind's watermark once per call (2 round trips each). |
@@ -109,6 +109,60 @@
 //! always` removes the first. A lost write lets an effect run again, as
 //! with any backend that forgets a record: provider keys and fenced writes
 //! bound what that does.
+//!
+//! ### Replicated buckets
+//!
+//! Every write of this ledger is conditional on the key's latest revision
+//! (the `Nats-Expected-Last-Subject-Sequence` header): that is what makes a
+//! claim, a takeover and a fenced completion atomic. A single server checks
+//! the condition under the stream's lock. A clustered stream's leader
+//! checks it before proposing the write to Raft, and what happens next
+//! depends on the server version:
+//!
+//! | nats-server | a write expecting revision 0 (an empty key) | a write expecting revision N > 0 | what the ledger does |
+//! | --- | --- | --- | --- |
+//! | 2.9.20 and older | checked again when applied: exactly one of several racing creates is stored | **not** checked again when applied (nats-server issue 4320): several writes racing for one revision can all be accepted | creates a marker first (below) |
+//! | 2.9.21 to 2.11 | checked when applied | checked when applied | nothing more |
+//! | 2.12 and later | the leader refuses a conditional write to a key that has one in flight, until it is applied | the same | nothing more |
+//!
+//! On 2.9.10 (Debian's package), three-node tests saw up to all 24 of 24
+//! writes racing for one revision accepted, and several claimants of one
+//! expired lease all `Acquired`; creates of one empty key raced through the
+//! three nodes never had more than one winner. So where the server the
+//! ledger connects to is older than 2.9.21 and the bucket is replicated, a
+//! write on top of revision N first creates the marker key
+//! `_oncely_cas.<N>-<digest of the key and the value read at N>` (a
+//! create: exactly one succeeds). Only its creator sends its write; anyone
+//! else who wanted to write on top of N reads the marker, sends a copy of
+//! the write it describes, and reports a lost race (the operation reads
+//! again and decides on what it finds, as after any lost race). Copies of
+//! one write are harmless if several land (the record holds the same
+//! value, a little later), and they finish the write of a creator that died
+//! between its marker and its write, so a crashed claimant never blocks a
+//! key. This covers every conditional write: takeovers, completions,
+//! releases and renewals racing a takeover of their expired lease, prune's
+//! deletes, the undo of a claim beyond the horizon, creates over a delete
+//! marker, and the horizon watermark (two prunes racing could otherwise
+//! lower it). Markers cost one round trip per write on top of a revision
+//! (a claim of a new key costs none); `prune` purges those older than an
+//! hour, and the bucket's `max_age` drops any left. They are not records:
+//! scans, `abandoned` and prune skip them.
+//!
+//! Limits. The ledger decides from the version of the server it connects
+//! to: in a cluster that mixes nodes older than 2.9.21 with newer ones (a
+//! rolling upgrade), a ledger connected to a new node writes no markers
+//! while an old node may lead the bucket's stream; upgrade every node, or
+//! connect the ledgers to old nodes until then. On 2.12 and later the
+//! in-flight check is the stream leader's own state and is cleared when
+//! leadership changes (nats-server issue 8469 proposes checking it again
+//! when applied); no double grant was seen in the node-loss tests, but a
+//! write racing another for one revision across a leader change is not
+//! proven exclusive there, and a client cannot close that. A 2.9.10
+//! cluster that lost its leader was also seen acknowledging a write with a
+//! sequence other than its own: the ledger's next write with it is refused
+//! and reads again, and the marker's digest keeps such a phantom revision
+//! from ever blocking another write. Tested: nats-server 2.9.10 and 2.15.1,
+//! three nodes on one machine (`tests/cluster.rs`, `tests/node_loss.rs`).
 //!
 //! ### Clocks
 //!
@@ -230,13 +284,18 @@
 //! changed. A write on a read-only ledger: [`oncely::Error::Config`], before
 //! any round trip. Every write is one revision-checked message, so a dropped
 //! future has either been applied by the server or not, never half, and a
-//! write based on a stale read is refused rather than applied.
+//! write based on a stale read is refused rather than applied. (Where
+//! markers are written, a future dropped between its marker and its write
+//! leaves the write to be finished by the next writer on that revision: a
+//! dropped completion may still be recorded, a dropped takeover holds the
+//! key until its lease ends.)
 //!
 //! ## Source layout
 //!
 //! `options.rs` (the options and the URL), `ledger.rs` (the type, its
 //! constructors, `Ledger` and `FromUrl`), `claim.rs` (create or take over),
-//! `batch.rs` (`claim_many` and `complete_many`, pipelined), `notify.rs`
+//! `batch.rs` (`claim_many` and `complete_many`, pipelined), `marker.rs`
+//! (the markers that keep writes exclusive on old replicated servers), `notify.rs`
 //! (completion notifications and the relay that wakes waiters), `prune.rs`, `horizon.rs` (the watermark, and why its order is safe),
 //! `clock.rs` (the server clock's estimate and its probe), `kv.rs` (every
 //! read, write and scan of records and watermarks: what `sql.rs` is to the
@@ -256,6 +315,7 @@ mod error;
 mod horizon;
 mod kv;
 mod ledger;
+mod marker;
 mod notify;
 mod options;
 mod prune;

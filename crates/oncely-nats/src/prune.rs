@@ -9,7 +9,9 @@ use std::time::{Duration, SystemTime};
 use oncely::{EffectKey, RecordState, Result, Tenant};
 
 use crate::NatsKvLedger;
+use crate::codec::Stored;
 use crate::kv::{Current, MAX_ATTEMPTS, refusal_backoff};
+use crate::marker::MARKER_KEEP;
 
 /// A record this call of prune means to delete.
 struct Victim {
@@ -18,6 +20,8 @@ struct Victim {
     /// Its `created_at`, µs: what the watermark must reach first.
     first_us: i64,
     key: EffectKey,
+    /// The record at `revision`.
+    value: Stored,
 }
 
 /// The watermark each tenant and kind has been raised to in this call.
@@ -54,6 +58,7 @@ fn victims(entries: Vec<(String, Current)>, now: SystemTime, limit: u64) -> Vec<
                 kv_key: kk,
                 revision: cur.revision,
                 key,
+                value: v.clone(),
             }),
             // Its tenant and kind are unknown, so its horizon could not be
             // raised: left for an operator.
@@ -69,8 +74,9 @@ impl NatsKvLedger {
     /// [`oncely::Ledger::prune`]: scans the whole bucket, deletes up to
     /// `limit` records.
     pub(crate) async fn prune_records(&self, limit: u64) -> Result<u64> {
-        let entries = self.scan(format!("{}>", self.inner.store.prefix)).await?;
+        let (entries, markers) = self.scan(format!("{}>", self.inner.store.prefix)).await?;
         let now = self.now().await?;
+        self.purge_old_markers(&markers, now).await;
         let doomed = victims(entries, now, limit);
         // Before any delete, raise each tenant and kind's watermark to the
         // newest record about to go (see horizon.rs for why first). A record
@@ -96,6 +102,29 @@ impl NatsKvLedger {
         Ok(pruned)
     }
 
+    /// Purges the markers older than [`MARKER_KEEP`] (`marker.rs`). A failure
+    /// (a bucket that denies purges) leaves them to `max_age` and does not
+    /// fail the prune.
+    async fn purge_old_markers(&self, markers: &[(u64, SystemTime)], now: SystemTime) {
+        let Some(cutoff) = now.checked_sub(MARKER_KEEP) else {
+            return;
+        };
+        // Stream sequences follow the leader's stamps: everything below the
+        // newest old marker is older still.
+        let Some(newest_old) = markers
+            .iter()
+            .filter(|(_, at)| *at <= cutoff)
+            .map(|(r, _)| *r)
+            .max()
+        else {
+            return;
+        };
+        match self.purge_markers(newest_old + 1).await {
+            Ok(n) => tracing::debug!(purged = n, "purged old markers"),
+            Err(e) => tracing::warn!(error = %e, "could not purge old markers; the bucket's max_age will"),
+        }
+    }
+
     /// Deletes one victim if it is still prunable; whether it did. A record
     /// that changed since the scan is read again and judged again.
     async fn delete_victim(&self, victim: Victim, now: SystemTime, raised: &mut Raised) -> Result<bool> {
@@ -104,6 +133,7 @@ impl NatsKvLedger {
             mut revision,
             mut first_us,
             key,
+            mut value,
         } = victim;
         let mut backoff = refusal_backoff();
         for _ in 0..MAX_ATTEMPTS {
@@ -115,7 +145,7 @@ impl NatsKvLedger {
                 raised.insert(group, first_us);
             }
             // Revision-checked: a record taken over since the scan stays.
-            if self.delete(&kk, revision, "prune").await? {
+            if self.delete(&kk, revision, &value, "prune").await? {
                 return Ok(true);
             }
             // Either the record changed, or the stream leader refused a
@@ -128,7 +158,10 @@ impl NatsKvLedger {
                         tokio::time::sleep(backoff.next_delay()).await;
                     }
                     revision = c.revision;
-                    first_us = c.value.as_ref().map_or(first_us, |v| v.first_us);
+                    if let Some(v) = c.value {
+                        first_us = v.first_us;
+                        value = v;
+                    }
                 }
                 _ => return Ok(false),
             }

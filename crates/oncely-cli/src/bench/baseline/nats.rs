@@ -85,17 +85,24 @@ impl NatsBaseline {
     }
 
     async fn create_key(&self, key: &str, outcome: &str) -> Result<bool> {
-        match self.kv.create(key, outcome.to_owned().into()).await {
+        // `update` expecting revision 0 is the create itself; the client's
+        // `create` would follow a refusal with a direct get, which a
+        // replica that has not applied the winner yet answers with nothing.
+        match self.kv.update(key, outcome.to_owned().into(), 0).await {
             Ok(_) => Ok(true),
-            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(false),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(false),
             Err(e) => Err(backend_error("nats", e, true)),
         }
     }
 
+    /// From the stream leader, as `oncely-nats` reads: on a replicated
+    /// bucket a direct get may come from a replica that lags the create.
     async fn read(&self, key: &str) -> Result<String> {
-        match self.kv.get(key).await {
-            Ok(Some(value)) => Ok(String::from_utf8_lossy(&value).into_owned()),
-            Ok(None) => Err(backend_error(
+        use async_nats::jetstream::stream::LastRawMessageErrorKind;
+        let subject = format!("$KV.{}.{key}", self.bucket);
+        match self.kv.stream.get_last_raw_message_by_subject(&subject).await {
+            Ok(m) => Ok(String::from_utf8_lossy(&m.payload).into_owned()),
+            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Err(backend_error(
                 "nats",
                 format!("{key} was neither created nor found"),
                 false,
