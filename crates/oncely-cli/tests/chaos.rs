@@ -173,3 +173,24 @@ fn chaos_on_redis_sentinel_with_wait_replicas_and_the_primary_killed() {
     assert_kept(&report);
     run_script("redis-sentinel.sh", &["down"]);
 }
+
+#[test]
+fn chaos_on_a_three_node_nats_cluster_with_a_node_killed() {
+    let Some(urls) = run_script("nats-cluster.sh", &["up"]) else {
+        return;
+    };
+    let endpoints: Vec<String> = urls
+        .split(',')
+        .map(|u| format!("{u}?bucket=oncely_chaos_r3&replicas=3"))
+        .collect();
+    let nats = script("nats-cluster.sh").display().to_string();
+    let report = chaos(
+        "nats-r3",
+        &endpoints,
+        &[
+            format!("1s=bash {nats} stop-node 2"),
+            format!("5s=bash {nats} start-node 2"),
+        ],
+    );
+    assert_kept(&report);
+}
