@@ -84,13 +84,15 @@ stop_all() {
   rm -rf "$DIR"
 }
 
+# A full copy to a (re)joining replica starts at once: Redis otherwise waits
+# 5 s for more replicas to share the transfer (repl-diskless-sync-delay).
 start_server() { # port [redis-server arguments...]
   local port=$1
   shift
   mkdir -p "$DIR/$port"
   redis-server --port "$port" --bind 127.0.0.1 --dir "$DIR/$port" --daemonize yes \
     --pidfile "$DIR/$port.pid" --logfile "$DIR/$port.log" \
-    --appendonly yes --appendfsync everysec --save "" "$@" 9>&-
+    --appendonly yes --appendfsync everysec --save "" --repl-diskless-sync-delay 0 "$@" 9>&-
 }
 
 start_sentinel() { # port

@@ -181,9 +181,14 @@ pub fn signal(pid: u32, sig: &str) {
 
 /// Waits until the replica at `url` has its link to its primary up (a
 /// replica that just started may drop a connection while it syncs: each
-/// look takes a new one).
+/// look takes a new one). A rejoining old primary loads its own
+/// append-only file, then takes a full copy from the new primary: on a
+/// busy machine that can take many seconds, so the bound is generous, and
+/// a replica that never links fails with what it last reported.
 pub async fn replica_linked(url: &str) {
-    for _ in 0..300 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    let mut last = String::from("no answer");
+    while std::time::Instant::now() < deadline {
         let info = async {
             let mut conn = redis::Client::open(url)?
                 .get_multiplexed_async_connection()
@@ -193,15 +198,15 @@ pub async fn replica_linked(url: &str) {
                 .query_async::<String>(&mut conn)
                 .await
         };
-        if info
-            .await
-            .is_ok_and(|info| info.lines().any(|l| l.trim() == "master_link_status:up"))
-        {
-            return;
+        match tokio::time::timeout(Duration::from_secs(5), info).await {
+            Ok(Ok(info)) if info.lines().any(|l| l.trim() == "master_link_status:up") => return,
+            Ok(Ok(info)) => last = info,
+            Ok(Err(e)) => last = e.to_string(),
+            Err(_) => last = "no answer in 5 s".into(),
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    panic!("the replica at {url} never linked to its primary");
+    panic!("the replica at {url} never linked to its primary; it last reported: {last}");
 }
 
 /// The Sentinel fixture's master name, its Sentinels, and the URL that
