@@ -172,8 +172,11 @@ pub struct ChaosReport {
     /// Receipt steps left abandoned (a worker died mid-step): sent zero
     /// times or once, for reconciliation.
     pub abandoned: Vec<String>,
-    /// Orders that had not acked by the deadline.
+    /// Orders that had not acked by the deadline, or whose delivery failed
+    /// with an error that is not retryable.
     pub unfinished: u64,
+    /// Why each unfinished order stopped: the last error its delivery saw.
+    pub gave_up: Vec<GaveUp>,
     /// Retryable failures seen, by class, and the redeliveries they caused.
     pub retried: BTreeMap<String, u64>,
     /// Wall time.
@@ -186,6 +189,18 @@ impl ChaosReport {
     pub fn failed(&self) -> bool {
         self.duplicates > 0 || self.lost > 0 || self.unread > 0 || self.unfinished > 0
     }
+}
+
+/// An order the run stopped delivering, and the error that stopped it.
+#[derive(Debug, Clone, Serialize)]
+pub struct GaveUp {
+    /// The order.
+    pub order: u32,
+    /// The deadline passed while its delivery failed with this retryable
+    /// error (`retryable: true`), or it failed with one that is not.
+    pub error: String,
+    /// Whether the error was retryable (the deadline stopped it).
+    pub retryable: bool,
 }
 
 /// The provider: deduplicates by idempotency key, counts calls.
@@ -337,6 +352,7 @@ pub async fn run(config: &ChaosConfig) -> Result<ChaosReport> {
     let started = Instant::now();
     let deadline = started + config.deadline;
     let unfinished = Arc::new(AtomicU64::new(0));
+    let gave_up: Arc<Mutex<Vec<GaveUp>>> = Arc::default();
 
     let faults = {
         let faults = config.faults.clone();
@@ -368,7 +384,8 @@ pub async fn run(config: &ChaosConfig) -> Result<ChaosReport> {
     let mut workers = tokio::task::JoinSet::new();
     let endpoints = config.endpoints.len();
     for w in 0..config.workers {
-        let (shared, queue, unfinished) = (shared.clone(), queue.clone(), unfinished.clone());
+        let (shared, queue, unfinished, gave_up) =
+            (shared.clone(), queue.clone(), unfinished.clone(), gave_up.clone());
         workers.spawn(async move {
             loop {
                 let Some(order) = queue.lock().unwrap_or_else(|p| p.into_inner()).pop_front() else {
@@ -384,6 +401,11 @@ pub async fn run(config: &ChaosConfig) -> Result<ChaosReport> {
                             shared.retried(&e);
                             if Instant::now() >= deadline {
                                 unfinished.fetch_add(1, Ordering::Relaxed);
+                                gave_up.lock().unwrap_or_else(|p| p.into_inner()).push(GaveUp {
+                                    order,
+                                    error: e.to_string(),
+                                    retryable: true,
+                                });
                                 break;
                             }
                             attempt += 1;
@@ -394,6 +416,11 @@ pub async fn run(config: &ChaosConfig) -> Result<ChaosReport> {
                             tracing::warn!(order, error = %e, "chaos delivery failed for good");
                             shared.retried(&e);
                             unfinished.fetch_add(1, Ordering::Relaxed);
+                            gave_up.lock().unwrap_or_else(|p| p.into_inner()).push(GaveUp {
+                                order,
+                                error: e.to_string(),
+                                retryable: false,
+                            });
                             break;
                         }
                     }
@@ -466,6 +493,11 @@ pub async fn run(config: &ChaosConfig) -> Result<ChaosReport> {
         unread,
         abandoned,
         unfinished: unfinished.load(Ordering::Relaxed),
+        gave_up: {
+            let mut g = std::mem::take(&mut *gave_up.lock().unwrap_or_else(|p| p.into_inner()));
+            g.sort_by_key(|g| g.order);
+            g
+        },
         retried: shared.retried.lock().unwrap_or_else(|p| p.into_inner()).clone(),
         seconds,
     };

@@ -1119,6 +1119,18 @@ async fn run_chaos(args: ChaosArgs) -> ExitCode {
             println!("abandoned (reconcile it): {key}");
         }
     }
+    for g in &report.gave_up {
+        eprintln!(
+            "order {} unfinished: {} ({})",
+            g.order,
+            g.error,
+            if g.retryable {
+                "retryable; the deadline passed"
+            } else {
+                "not retryable"
+            }
+        );
+    }
     if report.failed() {
         eprintln!(
             "error: {} duplicate(s), {} acknowledged completion(s) lost, {} unread, {} order(s) unfinished",
