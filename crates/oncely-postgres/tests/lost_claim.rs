@@ -118,11 +118,8 @@ async fn queued_behind(primary: &mut PgConnection, holder: i32) {
 /// Commits on the primary wait for a standby that is not there (none is
 /// named `oncely_nobody`), until [`count_the_standby`].
 async fn stop_counting_the_standby(primary: &mut PgConnection) {
-    exec(
-        primary,
-        "ALTER SYSTEM SET synchronous_standby_names = 'oncely_nobody'; SELECT pg_reload_conf()",
-    )
-    .await;
+    exec(primary, "ALTER SYSTEM SET synchronous_standby_names = 'oncely_nobody'").await;
+    exec(primary, "SELECT pg_reload_conf()").await;
     until(
         primary,
         "SELECT bool_and(sync_state = 'async') FROM pg_stat_replication",
@@ -132,11 +129,8 @@ async fn stop_counting_the_standby(primary: &mut PgConnection) {
 }
 
 async fn count_the_standby(primary: &mut PgConnection) {
-    exec(
-        primary,
-        "ALTER SYSTEM SET synchronous_standby_names = '*'; SELECT pg_reload_conf()",
-    )
-    .await;
+    exec(primary, "ALTER SYSTEM SET synchronous_standby_names = '*'").await;
+    exec(primary, "SELECT pg_reload_conf()").await;
 }
 
 fn acquired(claim: &Claim) -> &oncely::Lease {
