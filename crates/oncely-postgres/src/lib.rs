@@ -443,6 +443,7 @@ mod options;
 mod row;
 mod schema;
 mod sql;
+mod token;
 
 pub use crate::ledger::PgLedger;
 pub use crate::notify::ListenerStatus;

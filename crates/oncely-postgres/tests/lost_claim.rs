@@ -44,7 +44,9 @@ fn options() -> PgLedgerOptions {
 /// The primary's and the standby's ports in `url` (the pair's two hosts).
 fn ports(url: &str) -> (u16, u16) {
     let hosts = url.split('@').nth(1).unwrap().split('/').next().unwrap();
-    let mut ports = hosts.split(',').map(|h| h.rsplit(':').next().unwrap().parse().unwrap());
+    let mut ports = hosts
+        .split(',')
+        .map(|h| h.rsplit(':').next().unwrap().parse().unwrap());
     (ports.next().unwrap(), ports.next().unwrap())
 }
 
@@ -118,7 +120,11 @@ async fn queued_behind(primary: &mut PgConnection, holder: i32) {
 /// Commits on the primary wait for a standby that is not there (none is
 /// named `oncely_nobody`), until [`count_the_standby`].
 async fn stop_counting_the_standby(primary: &mut PgConnection) {
-    exec(primary, "ALTER SYSTEM SET synchronous_standby_names = 'oncely_nobody'").await;
+    exec(
+        primary,
+        "ALTER SYSTEM SET synchronous_standby_names = 'oncely_nobody'",
+    )
+    .await;
     exec(primary, "SELECT pg_reload_conf()").await;
     until(
         primary,
@@ -174,7 +180,10 @@ async fn a_claim_whose_commit_lost_its_answer_is_acquired() {
     assert!(killed);
     count_the_standby(&mut primary).await;
 
-    let claim = claim.await.unwrap().expect("resolved from its row, not unavailable");
+    let claim = claim
+        .await
+        .unwrap()
+        .expect("resolved from its row, not unavailable");
     let lease = acquired(&claim);
     let record = ledger.get(&key).await.unwrap().expect("the claim's row");
     assert_eq!(
@@ -310,7 +319,10 @@ async fn a_claim_in_flight_in_a_failover_is_resolved_from_the_promoted_standby()
     .await
     .unwrap();
 
-    let claim = claim.await.unwrap().expect("resolved from the promoted standby's row");
+    let claim = claim
+        .await
+        .unwrap()
+        .expect("resolved from the promoted standby's row");
     let lease = acquired(&claim);
     let record = ledger.get(&key).await.unwrap().expect("the claim's row");
     assert_eq!(
