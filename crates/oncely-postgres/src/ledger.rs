@@ -5,7 +5,6 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use oncely::admin::{Admin, KindStats, RecordQuery, forget_refusal};
@@ -26,7 +25,7 @@ use crate::notify::{Changes, ListenerStatus};
 use crate::options::{PgLedgerOptions, SCHEMES};
 use crate::row::{self, ClaimRow, RecordRow};
 use crate::sql::{self, Queries};
-use crate::token::Token;
+use crate::token::Attempt;
 
 /// Most records one prune transaction deletes. Each deleted key's advisory
 /// lock is held until its transaction ends, and the server's lock table is
@@ -402,7 +401,7 @@ impl PgLedger {
         &self,
         key: &EffectKey,
         opts: &ClaimOptions,
-        token: &Token,
+        attempt: &Attempt,
         lost: Error,
     ) -> Result<Claim> {
         let give_up = Instant::now() + self.inner.operation_timeout;
@@ -415,8 +414,7 @@ impl PgLedger {
             let again = self
                 .bounded_for(left, async {
                     let mut conn = self.acquire().await?;
-                    self.claim_on(&mut conn, key, opts, true, token, &AtomicBool::new(false))
-                        .await
+                    self.claim_on(&mut conn, key, opts, true, &attempt.again()).await
                 })
                 .await;
             match again {
@@ -447,7 +445,7 @@ impl PgLedger {
         &self,
         keys: &[EffectKey],
         opts: &ClaimOptions,
-        token: &Token,
+        attempt: &Attempt,
         answers: &mut [Result<Claim>],
     ) {
         let give_up = Instant::now() + self.inner.operation_timeout;
@@ -462,10 +460,7 @@ impl PgLedger {
             }
             let subset: Vec<EffectKey> = lost.iter().map(|&n| keys[n].clone()).collect();
             let again = self
-                .bounded_for(
-                    left,
-                    self.claim_batches(&subset, opts, token, &AtomicBool::new(false)),
-                )
+                .bounded_for(left, self.claim_batches(&subset, opts, &attempt.again()))
                 .await;
             let mut unavailable = false;
             match again {
@@ -494,18 +489,16 @@ impl PgLedger {
 
     /// The claim statement on `conn` (options already validated); `guarded`
     /// is off inside a caller's transaction. A row it inserts or takes over
-    /// carries `token`, and an existing row that carries it is this call's
-    /// own lease (see [`PgLedger::resolve_claim`]). `sent` is set once the
-    /// statement has been handed to the connection: from then on, an error
-    /// may hide a write that committed.
+    /// carries the attempt's token, and an existing row that carries it is
+    /// this call's own lease (see [`PgLedger::resolve_claim`]); the attempt
+    /// records when the statement is sent.
     async fn claim_on(
         &self,
         conn: &mut PgConnection,
         key: &EffectKey,
         opts: &ClaimOptions,
         guarded: bool,
-        token: &Token,
-        sent: &AtomicBool,
+        attempt: &Attempt,
     ) -> Result<Claim> {
         let sent_at = opts.sent_at.map(to_micros).transpose()?;
         let sql = match sent_at {
@@ -525,11 +518,11 @@ impl PgLedger {
                     .bind(duration_micros(opts.lease))
                     .bind(duration_micros(opts.retention))
                     .bind(guarded)
-                    .bind(token.as_bytes());
+                    .bind(attempt.token().as_bytes());
                 if let Some(sent_at) = sent_at {
                     query = query.bind(sent_at);
                 }
-                sent.store(true, Ordering::Relaxed);
+                attempt.sending();
                 let row = query.fetch_one(&mut *conn).await?;
                 Ok(match ClaimRow::decode(key, &row)? {
                     ClaimRow::Leaked => Run::Leaked,
@@ -651,11 +644,13 @@ impl PgLedger {
         keys: &[EffectKey],
         chunk: &[usize],
         opts: &ClaimOptions,
-        sent_at: Option<i64>,
-        token: &Token,
-        sent: &AtomicBool,
+        attempt: &Attempt,
         answers: &mut [Option<Result<Claim>>],
     ) {
+        let sent_at = match opts.sent_at.map(to_micros).transpose() {
+            Ok(sent_at) => sent_at,
+            Err(e) => return fill(answers, chunk, &e),
+        };
         let sql = match sent_at {
             None => &self.inner.q.claim_many,
             Some(_) => &self.inner.q.claim_many_horizon,
@@ -676,11 +671,11 @@ impl PgLedger {
                     .bind(duration_micros(opts.lease))
                     .bind(duration_micros(opts.retention))
                     .bind(true)
-                    .bind(token.as_bytes());
+                    .bind(attempt.token().as_bytes());
                 if let Some(sent_at) = sent_at {
                     query = query.bind(sent_at);
                 }
-                sent.store(true, Ordering::Relaxed);
+                attempt.sending();
                 let rows = query.fetch_all(&mut *conn).await?;
                 // The guard is one for the statement: every row says so.
                 if rows.iter().any(row::claim_leaked) {
@@ -843,17 +838,16 @@ impl Ledger for PgLedger {
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
         opts.validate()?;
         self.writable()?;
-        let token = Token::new()?;
-        let sent = AtomicBool::new(false);
+        let attempt = Attempt::new()?;
         let claimed = self
             .bounded(async {
                 let mut conn = self.acquire().await?;
-                self.claim_on(&mut conn, key, opts, true, &token, &sent).await
+                self.claim_on(&mut conn, key, opts, true, &attempt).await
             })
             .await;
         match claimed {
-            Err(lost @ Error::Unavailable { .. }) if sent.load(Ordering::Relaxed) => {
-                self.resolve_claim(key, opts, &token, lost).await
+            Err(lost @ Error::Unavailable { .. }) if attempt.sent() => {
+                self.resolve_claim(key, opts, &attempt, lost).await
             }
             claimed => claimed,
         }
@@ -919,10 +913,9 @@ impl Ledger for PgLedger {
     async fn claim_many(&self, keys: &[EffectKey], opts: &ClaimOptions) -> Result<Vec<Result<Claim>>> {
         opts.validate()?;
         self.writable()?;
-        let token = Token::new()?;
-        let sent = AtomicBool::new(false);
-        let claimed = self.bounded(self.claim_batches(keys, opts, &token, &sent)).await;
-        if !sent.load(Ordering::Relaxed) {
+        let attempt = Attempt::new()?;
+        let claimed = self.bounded(self.claim_batches(keys, opts, &attempt)).await;
+        if !attempt.sent() {
             return claimed;
         }
         let mut answers = match claimed {
@@ -930,7 +923,7 @@ impl Ledger for PgLedger {
             Err(lost @ Error::Unavailable { .. }) => keys.iter().map(|_| Err(copy(&lost))).collect(),
             Err(e) => return Err(e),
         };
-        self.resolve_batch(keys, opts, &token, &mut answers).await;
+        self.resolve_batch(keys, opts, &attempt, &mut answers).await;
         Ok(answers)
     }
 
@@ -996,10 +989,11 @@ impl PgLedger {
         &self,
         keys: &[EffectKey],
         opts: &ClaimOptions,
-        token: &Token,
-        sent: &AtomicBool,
+        attempt: &Attempt,
     ) -> Result<Vec<Result<Claim>>> {
-        let sent_at = opts.sent_at.map(to_micros).transpose()?;
+        // A `sent_at` the ledger cannot store fails the whole batch, before
+        // any round trip.
+        opts.sent_at.map(to_micros).transpose()?;
         // A key listed again is not sent: it gets what a concurrent duplicate
         // of its first occurrence would.
         let mut first: HashMap<&str, usize> = HashMap::with_capacity(keys.len());
@@ -1022,7 +1016,7 @@ impl PgLedger {
             match self.acquire().await {
                 Ok(mut conn) => {
                     for chunk in distinct.chunks(CLAIM_BATCH) {
-                        self.claim_chunk(&mut conn, keys, chunk, opts, sent_at, token, sent, &mut answers)
+                        self.claim_chunk(&mut conn, keys, chunk, opts, attempt, &mut answers)
                             .await;
                     }
                 }
@@ -1225,9 +1219,7 @@ impl TransactionalLedger for PgLedger {
         // Its row carries a token like any claim's, but nothing resolves a
         // lost answer here: the claim commits (or not) with the caller's
         // transaction (see the crate docs, "Replication and failover").
-        let token = Token::new()?;
-        self.claim_on(conn, key, opts, false, &token, &AtomicBool::new(false))
-            .await
+        self.claim_on(conn, key, opts, false, &Attempt::new()?).await
     }
 
     async fn complete_in(&self, conn: &mut PgConnection, lease: &Lease, outcome: &Outcome) -> Result<()> {

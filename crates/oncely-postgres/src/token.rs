@@ -9,6 +9,8 @@
 //! row was written by this call". 128 bits from the operating system's
 //! generator, so two calls' tokens never meet in practice.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use oncely::{Error, Result};
 
 use crate::error::BACKEND;
@@ -33,5 +35,46 @@ impl Token {
     /// The bytes bound to the claim statement.
     pub(crate) fn as_bytes(&self) -> &[u8] {
         &self.0
+    }
+}
+
+/// One claim call: its token, and whether its statement has been handed to
+/// a connection (from then on an error may hide a write that committed, so
+/// a lost answer is resolved; before, nothing was written).
+pub(crate) struct Attempt {
+    token: Token,
+    sent: AtomicBool,
+}
+
+impl Attempt {
+    /// A call with a fresh token.
+    pub(crate) fn new() -> Result<Attempt> {
+        Ok(Attempt {
+            token: Token::new()?,
+            sent: AtomicBool::new(false),
+        })
+    }
+
+    /// The same call again (the same token), nothing sent yet: a
+    /// resolution's run of the claim statement.
+    pub(crate) fn again(&self) -> Attempt {
+        Attempt {
+            token: self.token,
+            sent: AtomicBool::new(false),
+        }
+    }
+
+    pub(crate) fn token(&self) -> &Token {
+        &self.token
+    }
+
+    /// Records that the statement is being sent.
+    pub(crate) fn sending(&self) {
+        self.sent.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether a statement was sent.
+    pub(crate) fn sent(&self) -> bool {
+        self.sent.load(Ordering::Relaxed)
     }
 }
