@@ -215,8 +215,10 @@
 //!
 //! A *claim* whose answer was lost is resolved from its own row too, never
 //! by claiming blind. Every claim call draws a token (16 random bytes from
-//! the operating system) and its statement writes it into the row it inserts
-//! or takes over (column `claim_token`, schema version 3). When the
+//! the operating system) and its statement writes it, followed by its
+//! transaction's id, into the row it inserts or takes over (column
+//! `claim_token`, schema version 3); the row carries the call's token while
+//! it is the version that transaction wrote. When the
 //! connection dies after the statement was sent (during the statement or
 //! its commit), or no answer comes within the operation timeout, the ledger
 //! runs the same claim statement again with the same token on a new
@@ -461,8 +463,10 @@
 //! meanwhile). Rows written before it have no token (nothing resolves
 //! their claims' lost answers, which are long settled). A process of the
 //! previous release keeps working on a migrated table: it never writes the
-//! column, and a row it takes over keeps the previous holder's token, which
-//! no later claim call draws. A ledger opened without migrations
+//! column, and a row it takes over keeps the token, which then no longer
+//! matches the row (a token ends with the id of the transaction that wrote
+//! it, and that version of the row is gone), so a claim of this release
+//! resolving a lost answer never takes that lease for its own. A ledger opened without migrations
 //! ([`PgLedgerOptions::migrate`]`(false)`) on a table of version 2 is
 //! refused with [`Error::Config`] saying that `claim_token` is missing and
 //! to run `oncely migrate`.

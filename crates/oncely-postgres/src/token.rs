@@ -7,7 +7,9 @@
 //!
 //! Only equality matters: a token is never read back as anything but "this
 //! row was written by this call". 128 bits from the operating system's
-//! generator, so two calls' tokens never meet in practice.
+//! generator, so two calls' tokens never meet in practice. The statement
+//! stores it followed by its transaction's id, which ties it to the row
+//! version it wrote (`sql.rs`, `token_written` and `own`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 

@@ -225,3 +225,55 @@ async fn a_claim_whose_connection_died_answers_the_other_holder() {
         c => panic!("expected InProgress, got {c:?}"),
     }
 }
+
+/// What a resolution relies on to tell its own row: a claim writes its
+/// call's token followed by its transaction's id, which is the row's `xmin`
+/// while the row is the version it wrote. A process of the previous release
+/// (schema version 2's statements, which never write `claim_token`) taking
+/// the row over leaves the token but rewrites the row, so the token no
+/// longer matches: a claim of this release resolving a lost answer at that
+/// moment sees another holder's lease, never its own.
+#[tokio::test]
+async fn a_claim_token_is_tied_to_the_row_version_its_claim_wrote() {
+    let Some((url, ledger)) = setup().await else {
+        return;
+    };
+    let key = EffectKey::new(&fresh_tenant(), "lost", "token-version").unwrap();
+    let lease = acquire(&ledger, &key).await;
+    let mut conn = PgConnection::connect(&url).await.unwrap();
+    let matches = format!(
+        "SELECT octet_length(claim_token), \
+           claim_token = substring(claim_token from 1 for 16) || int8send(xmin::text::bigint) \
+         FROM {TABLE} WHERE key = $1"
+    );
+    let (len, own): (i32, bool) = sqlx::query_as(sqlx::AssertSqlSafe(matches.clone()))
+        .bind(key.as_str())
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!((len, own), (24, true));
+    // The previous release's takeover of an expired lease: a new fence and
+    // lease, the token left as it was.
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE {TABLE} SET fence = fence + 1, updated_at = clock_timestamp(), \
+           lease_expires_at = clock_timestamp() + interval '1 minute' WHERE key = $1"
+    )))
+    .bind(key.as_str())
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let (_, own): (i32, bool) = sqlx::query_as(sqlx::AssertSqlSafe(matches))
+        .bind(key.as_str())
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert!(
+        !own,
+        "the token still names the row after another writer rewrote it"
+    );
+    // And the ledger answers the other holder's lease.
+    match ledger.claim(&key, &ClaimOptions::default()).await.unwrap() {
+        Claim::InProgress { fence, .. } => assert_eq!(fence, lease.fence() + 1),
+        c => panic!("{c:?}"),
+    }
+}
