@@ -1213,6 +1213,13 @@ impl TransactionalLedger for PgLedger {
         tx.rollback().await.map_err(map)
     }
 
+    /// Not resolved when its answer is lost: the claim commits (or not)
+    /// with the caller's transaction, and the caller's `COMMIT` is theirs to
+    /// resolve. After a `COMMIT` whose answer was lost, read the record
+    /// ([`Ledger::get`]): in progress (or completed) at the lease's fence
+    /// means the transaction committed, business writes included; anything
+    /// else means it rolled back (see the crate docs, "Replication and
+    /// failover").
     async fn claim_in(&self, conn: &mut PgConnection, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
         opts.validate()?;
         self.writable()?;

@@ -206,6 +206,45 @@ async fn a_claim_whose_commit_lost_its_answer_is_acquired() {
     ));
 }
 
+/// The claim's commit waits past the operation timeout (no answer in
+/// time: lost too); the resolution's run of the claim queues behind the
+/// commit's key lock, and once the standby counts again and the commit
+/// ends, finds the row its call wrote: `Acquired`, not `Unavailable`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_whose_commit_timed_out_is_acquired_when_it_commits() {
+    let _pair = PAIR.lock().await;
+    let Some(url) = common::fresh_pair(PORT, "sync") else {
+        return;
+    };
+    let (primary_port, _) = ports(&url);
+    let ledger = PgLedger::connect_with(&url, options().operation_timeout(Duration::from_secs(3)))
+        .await
+        .expect("connects");
+    let key = EffectKey::new(&fresh_tenant(), "lost-claim", "timeout").unwrap();
+    let mut primary = session(primary_port, "test").await;
+
+    stop_counting_the_standby(&mut primary).await;
+    let claim = {
+        let (ledger, key) = (ledger.clone(), key.clone());
+        tokio::spawn(async move { ledger.claim(&key, &ClaimOptions::default()).await })
+    };
+    let pid = waiting_commit(&mut primary).await;
+    // The first run timed out; the resolution's run waits on the key.
+    queued_behind(&mut primary, pid).await;
+    count_the_standby(&mut primary).await;
+
+    let claim = claim
+        .await
+        .unwrap()
+        .expect("resolved from its row, not unavailable");
+    let lease = acquired(&claim);
+    let record = ledger.get(&key).await.unwrap().expect("the claim's row");
+    assert_eq!(
+        (record.state, record.fence),
+        (RecordState::InProgress, lease.fence())
+    );
+}
+
 /// The same for a batch: each key's slot is resolved from its own row (two
 /// inserted by the lost statement, one that already held a completed
 /// effect and answers its replay).
