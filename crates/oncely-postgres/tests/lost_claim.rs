@@ -104,15 +104,16 @@ async fn waiting_commit(primary: &mut PgConnection) -> i32 {
 }
 
 /// Waits until a statement on the test's table waits on a lock held by
-/// backend `holder` (a duplicate queued behind the claim's key lock).
-async fn queued_behind(primary: &mut PgConnection, holder: i32) {
+/// backend `holder` (`what`: a duplicate, or the resolution's run, queued
+/// behind the claim's key lock).
+async fn queued_behind(primary: &mut PgConnection, holder: i32, what: &str) {
     until(
         primary,
         &format!(
             "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
              AND query LIKE '%{TABLE}%' AND pg_blocking_pids(pid) @> ARRAY[{holder}])"
         ),
-        "the duplicate queued behind the claim",
+        what,
     )
     .await;
 }
@@ -171,7 +172,7 @@ async fn a_claim_whose_commit_lost_its_answer_is_acquired() {
         let (other, key) = (other.clone(), key.clone());
         tokio::spawn(async move { other.claim(&key, &ClaimOptions::default()).await })
     };
-    queued_behind(&mut primary, pid).await;
+    queued_behind(&mut primary, pid, "the duplicate queued behind the claim").await;
     let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
         .bind(pid)
         .fetch_one(&mut primary)
@@ -230,7 +231,7 @@ async fn a_claim_whose_commit_timed_out_is_acquired_when_it_commits() {
     };
     let pid = waiting_commit(&mut primary).await;
     // The first run timed out; the resolution's run waits on the key.
-    queued_behind(&mut primary, pid).await;
+    queued_behind(&mut primary, pid, "the resolution's run queued behind the claim").await;
     count_the_standby(&mut primary).await;
 
     let claim = claim
@@ -348,7 +349,7 @@ async fn a_claim_in_flight_in_a_failover_is_resolved_from_the_promoted_standby()
         let (other, key) = (other.clone(), key.clone());
         tokio::spawn(async move { other.claim(&key, &ClaimOptions::default()).await })
     };
-    queued_behind(&mut primary, pid).await;
+    queued_behind(&mut primary, pid, "the duplicate queued behind the claim").await;
     drop(primary);
     drop(standby);
     tokio::task::spawn_blocking(|| {
