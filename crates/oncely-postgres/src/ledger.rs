@@ -388,10 +388,11 @@ impl PgLedger {
     /// written by this call (the first run committed) and is answered as
     /// the caller's lease, at the row's fence and expiry, never as a
     /// phantom holder's `InProgress`; any other row is answered, or taken
-    /// over, as by any claim; no row is inserted as by any claim (the first
-    /// run wrote nothing, or its write is still to come, and then it waits
-    /// on the key's lock and is seen). Nothing is claimed blind: the one
-    /// statement reads the row and decides under the key's lock.
+    /// over, as by any claim; a missing row is inserted, as by any claim
+    /// (the first run wrote nothing; or its write is still to come, and
+    /// then this run waits on the key's lock and finds it on its next
+    /// snapshot). Nothing is claimed blind: the one statement reads the row
+    /// and decides under the key's lock.
     ///
     /// Tried again while the server is unavailable (a failover under way:
     /// the ledger is looking for the promoted standby) within one more
