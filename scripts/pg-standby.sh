@@ -13,8 +13,8 @@
 #   scripts/pg-standby.sh url                 print the two-host URL
 #   scripts/pg-standby.sh status              print each server's pid and role, or "down"
 #
-# The primary listens on $ONCELY_PG_STANDBY_PORT (default 5440), the standby
-# on the next port; both on 127.0.0.1 only, trust authentication, a database
+# The primary listens on $ONCELY_PG_STANDBY_PORT (default 5440: tests/failover.rs;
+# tests/lost_claim.rs uses its own pair on 5442), the standby on the next port; both on 127.0.0.1 only, trust authentication, a database
 # `test`. sync: `synchronous_standby_names = '*'` and `synchronous_commit =
 # on` (a commit returns once the standby has flushed it); async: no
 # synchronous standby. The standby is made with `pg_basebackup -R` and runs

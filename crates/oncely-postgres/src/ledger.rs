@@ -25,6 +25,7 @@ use crate::notify::{Changes, ListenerStatus};
 use crate::options::{PgLedgerOptions, SCHEMES};
 use crate::row::{self, ClaimRow, RecordRow};
 use crate::sql::{self, Queries};
+use crate::token::Attempt;
 
 /// Most records one prune transaction deletes. Each deleted key's advisory
 /// lock is held until its transaction ends, and the server's lock table is
@@ -261,7 +262,12 @@ impl PgLedger {
     /// unavailable server, either way, makes the ledger look for the
     /// server to use (`hosts`).
     pub(crate) async fn bounded<T>(&self, op: impl Future<Output = Result<T>>) -> Result<T> {
-        let timeout = self.inner.operation_timeout;
+        self.bounded_for(self.inner.operation_timeout, op).await
+    }
+
+    /// [`PgLedger::bounded`] within `timeout` instead (what is left of a
+    /// resolution's window).
+    async fn bounded_for<T>(&self, timeout: Duration, op: impl Future<Output = Result<T>>) -> Result<T> {
         let answer = match tokio::time::timeout(timeout, DEADLINE.scope(Instant::now() + timeout, op)).await {
             Ok(answer) => answer,
             Err(_) => Err(Error::Unavailable {
@@ -374,14 +380,126 @@ impl PgLedger {
         }
     }
 
+    /// A claim whose answer was lost (`lost`): its statement was sent, and
+    /// the connection died before the answer came (during the statement or
+    /// its commit), or no answer came within the operation timeout. The
+    /// statement may have committed. The claim statement runs again, with
+    /// the same token, on a new connection: a row carrying the token was
+    /// written by this call (the first run committed) and is answered as
+    /// the caller's lease, at the row's fence and expiry, never as a
+    /// phantom holder's `InProgress`; any other row is answered, or taken
+    /// over, as by any claim; a missing row is inserted, as by any claim
+    /// (the first run wrote nothing; or its write is still to come, and
+    /// then this run waits on the key's lock and finds it on its next
+    /// snapshot). Nothing is claimed blind: the one statement reads the row
+    /// and decides under the key's lock.
+    ///
+    /// Tried again while the server is unavailable (a failover under way:
+    /// the ledger is looking for the promoted standby) within one more
+    /// [`PgLedgerOptions::operation_timeout`], each attempt bounded by what
+    /// is left of it; when no attempt answers by then, `lost` is the answer.
+    async fn resolve_claim(
+        &self,
+        key: &EffectKey,
+        opts: &ClaimOptions,
+        attempt: &Attempt,
+        lost: Error,
+    ) -> Result<Claim> {
+        let give_up = Instant::now() + self.inner.operation_timeout;
+        let mut backoff = oncely::backend::Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+        loop {
+            let left = give_up.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(lost);
+            }
+            let again = self
+                .bounded_for(left, async {
+                    let mut conn = self.acquire().await?;
+                    self.claim_on(&mut conn, key, opts, true, &attempt.again()).await
+                })
+                .await;
+            match again {
+                Ok(claim) => {
+                    tracing::info!(
+                        backend = BACKEND,
+                        key = %key,
+                        acquired = matches!(claim, Claim::Acquired(_)),
+                        "a claim whose answer was lost was resolved from its row"
+                    );
+                    return Ok(claim);
+                }
+                Err(Error::Unavailable { .. }) => {
+                    backoff
+                        .wait(give_up.saturating_duration_since(Instant::now()))
+                        .await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// [`PgLedger::resolve_claim`] for the keys of a batch whose answer was
+    /// lost (`answers[n]` is [`Error::Unavailable`]): they are claimed again
+    /// together, with the batch's token, until each has an answer or the
+    /// window ends; a key still unanswered then keeps its first error.
+    async fn resolve_batch(
+        &self,
+        keys: &[EffectKey],
+        opts: &ClaimOptions,
+        attempt: &Attempt,
+        answers: &mut [Result<Claim>],
+    ) {
+        let give_up = Instant::now() + self.inner.operation_timeout;
+        let mut backoff = oncely::backend::Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+        loop {
+            let lost: Vec<usize> = (0..keys.len())
+                .filter(|&n| matches!(answers[n], Err(Error::Unavailable { .. })))
+                .collect();
+            let left = give_up.saturating_duration_since(Instant::now());
+            if lost.is_empty() || left.is_zero() {
+                return;
+            }
+            let subset: Vec<EffectKey> = lost.iter().map(|&n| keys[n].clone()).collect();
+            let again = self
+                .bounded_for(left, self.claim_batches(&subset, opts, &attempt.again()))
+                .await;
+            let mut unavailable = false;
+            match again {
+                Ok(again) => {
+                    for (&n, answer) in lost.iter().zip(again) {
+                        match answer {
+                            Err(Error::Unavailable { .. }) => unavailable = true,
+                            answer => answers[n] = answer,
+                        }
+                    }
+                }
+                Err(Error::Unavailable { .. }) => unavailable = true,
+                Err(e) => {
+                    for &n in &lost {
+                        answers[n] = Err(copy(&e));
+                    }
+                }
+            }
+            if unavailable {
+                backoff
+                    .wait(give_up.saturating_duration_since(Instant::now()))
+                    .await;
+            }
+        }
+    }
+
     /// The claim statement on `conn` (options already validated); `guarded`
-    /// is off inside a caller's transaction.
+    /// is off inside a caller's transaction. A row it inserts or takes over
+    /// carries the attempt's token, and an existing row that carries it is
+    /// this call's own lease (see [`PgLedger::resolve_claim`]); the attempt
+    /// records when the statement is sent.
     async fn claim_on(
         &self,
         conn: &mut PgConnection,
         key: &EffectKey,
         opts: &ClaimOptions,
         guarded: bool,
+        attempt: &Attempt,
     ) -> Result<Claim> {
         let sent_at = opts.sent_at.map(to_micros).transpose()?;
         let sql = match sent_at {
@@ -400,22 +518,30 @@ impl PgLedger {
                     .bind(opts.at_most_once)
                     .bind(duration_micros(opts.lease))
                     .bind(duration_micros(opts.retention))
-                    .bind(guarded);
+                    .bind(guarded)
+                    .bind(attempt.token().as_bytes());
                 if let Some(sent_at) = sent_at {
                     query = query.bind(sent_at);
                 }
+                attempt.sending();
                 let row = query.fetch_one(&mut *conn).await?;
                 Ok(match ClaimRow::decode(key, &row)? {
                     ClaimRow::Leaked => Run::Leaked,
                     ClaimRow::Beyond => return Err(Error::BeyondHorizon { key: key.to_string() }.into()),
                     ClaimRow::Missing => Run::Again,
                     ClaimRow::Acquired(lease) => Run::Done(Claim::Acquired(lease)),
-                    // `None`: the record could be taken over now (its lease
-                    // ended after the statement's ON CONFLICT looked at it); run
-                    // the statement again to do so.
-                    ClaimRow::Existing(record) => match answer_existing(key, opts, record)? {
-                        Some(claim) => Run::Done(claim),
-                        None => Run::Again,
+                    // Written by an earlier run of this call whose answer was
+                    // lost: the lease is the caller's.
+                    ClaimRow::Existing(record, own) => match own.then(|| row::own_lease(&record, opts.lease))
+                    {
+                        Some(Some(lease)) => Run::Done(Claim::Acquired(lease)),
+                        // `None`: the record could be taken over now (its
+                        // lease ended after the statement's ON CONFLICT looked
+                        // at it); run the statement again to do so.
+                        _ => match answer_existing(key, opts, record)? {
+                            Some(claim) => Run::Done(claim),
+                            None => Run::Again,
+                        },
                     },
                 })
             }
@@ -519,9 +645,13 @@ impl PgLedger {
         keys: &[EffectKey],
         chunk: &[usize],
         opts: &ClaimOptions,
-        sent_at: Option<i64>,
+        attempt: &Attempt,
         answers: &mut [Option<Result<Claim>>],
     ) {
+        let sent_at = match opts.sent_at.map(to_micros).transpose() {
+            Ok(sent_at) => sent_at,
+            Err(e) => return fill(answers, chunk, &e),
+        };
         let sql = match sent_at {
             None => &self.inner.q.claim_many,
             Some(_) => &self.inner.q.claim_many_horizon,
@@ -541,10 +671,12 @@ impl PgLedger {
                     .bind(opts.at_most_once)
                     .bind(duration_micros(opts.lease))
                     .bind(duration_micros(opts.retention))
-                    .bind(true);
+                    .bind(true)
+                    .bind(attempt.token().as_bytes());
                 if let Some(sent_at) = sent_at {
                     query = query.bind(sent_at);
                 }
+                attempt.sending();
                 let rows = query.fetch_all(&mut *conn).await?;
                 // The guard is one for the statement: every row says so.
                 if rows.iter().any(row::claim_leaked) {
@@ -577,16 +709,22 @@ impl PgLedger {
                             continue;
                         }
                         ClaimRow::Acquired(lease) => Ok(Claim::Acquired(lease)),
-                        // As for one claim: `None` is a record that could be
-                        // taken over by now; that key is claimed again.
-                        ClaimRow::Existing(record) => match answer_existing(key, opts, record) {
-                            Ok(Some(claim)) => Ok(claim),
-                            Ok(None) => {
-                                again.push(n);
-                                continue;
+                        // As for one claim: this call's own row is its lease,
+                        // and `None` is a record that could be taken over by
+                        // now; that key is claimed again.
+                        ClaimRow::Existing(record, own) => {
+                            match own.then(|| row::own_lease(&record, opts.lease)) {
+                                Some(Some(lease)) => Ok(Claim::Acquired(lease)),
+                                _ => match answer_existing(key, opts, record) {
+                                    Ok(Some(claim)) => Ok(claim),
+                                    Ok(None) => {
+                                        again.push(n);
+                                        continue;
+                                    }
+                                    Err(e) => Err(e),
+                                },
                             }
-                            Err(e) => Err(e),
-                        },
+                        }
                     };
                     answers[n] = Some(answer);
                 }
@@ -694,14 +832,26 @@ impl Ledger for PgLedger {
         .caller_transaction(true)
     }
 
+    /// A claim whose answer is lost (the connection died during the
+    /// statement or its commit, or no answer within the operation timeout)
+    /// is resolved from its own row, found by the claim's token on a new
+    /// connection (see the crate docs, "Replication and failover").
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
         opts.validate()?;
         self.writable()?;
-        self.bounded(async {
-            let mut conn = self.acquire().await?;
-            self.claim_on(&mut conn, key, opts, true).await
-        })
-        .await
+        let attempt = Attempt::new()?;
+        let claimed = self
+            .bounded(async {
+                let mut conn = self.acquire().await?;
+                self.claim_on(&mut conn, key, opts, true, &attempt).await
+            })
+            .await;
+        match claimed {
+            Err(lost @ Error::Unavailable { .. }) if attempt.sent() => {
+                self.resolve_claim(key, opts, &attempt, lost).await
+            }
+            claimed => claimed,
+        }
     }
 
     /// A completion whose answer is lost (the connection died during the
@@ -759,10 +909,23 @@ impl Ledger for PgLedger {
 
     /// One statement per batch of up to 500 distinct keys, each key
     /// answered as one claim would be (see the crate docs, "Batches").
+    /// A key whose answer is lost is resolved from its own row, as one
+    /// claim's is.
     async fn claim_many(&self, keys: &[EffectKey], opts: &ClaimOptions) -> Result<Vec<Result<Claim>>> {
         opts.validate()?;
         self.writable()?;
-        self.bounded(self.claim_batches(keys, opts)).await
+        let attempt = Attempt::new()?;
+        let claimed = self.bounded(self.claim_batches(keys, opts, &attempt)).await;
+        if !attempt.sent() {
+            return claimed;
+        }
+        let mut answers = match claimed {
+            Ok(answers) => answers,
+            Err(lost @ Error::Unavailable { .. }) => keys.iter().map(|_| Err(copy(&lost))).collect(),
+            Err(e) => return Err(e),
+        };
+        self.resolve_batch(keys, opts, &attempt, &mut answers).await;
+        Ok(answers)
     }
 
     /// One statement for the whole batch, each lease fenced on its own.
@@ -823,8 +986,15 @@ impl Ledger for PgLedger {
 /// The bodies of the [`Ledger`] operations, each run by
 /// [`PgLedger::bounded`].
 impl PgLedger {
-    async fn claim_batches(&self, keys: &[EffectKey], opts: &ClaimOptions) -> Result<Vec<Result<Claim>>> {
-        let sent_at = opts.sent_at.map(to_micros).transpose()?;
+    async fn claim_batches(
+        &self,
+        keys: &[EffectKey],
+        opts: &ClaimOptions,
+        attempt: &Attempt,
+    ) -> Result<Vec<Result<Claim>>> {
+        // A `sent_at` the ledger cannot store fails the whole batch, before
+        // any round trip.
+        opts.sent_at.map(to_micros).transpose()?;
         // A key listed again is not sent: it gets what a concurrent duplicate
         // of its first occurrence would.
         let mut first: HashMap<&str, usize> = HashMap::with_capacity(keys.len());
@@ -847,7 +1017,7 @@ impl PgLedger {
             match self.acquire().await {
                 Ok(mut conn) => {
                     for chunk in distinct.chunks(CLAIM_BATCH) {
-                        self.claim_chunk(&mut conn, keys, chunk, opts, sent_at, &mut answers)
+                        self.claim_chunk(&mut conn, keys, chunk, opts, attempt, &mut answers)
                             .await;
                     }
                 }
@@ -1044,10 +1214,20 @@ impl TransactionalLedger for PgLedger {
         tx.rollback().await.map_err(map)
     }
 
+    /// Not resolved when its answer is lost: the claim commits (or not)
+    /// with the caller's transaction, and the caller's `COMMIT` is theirs to
+    /// resolve. After a `COMMIT` whose answer was lost, read the record
+    /// ([`Ledger::get`]): in progress (or completed) at the lease's fence
+    /// means the transaction committed, business writes included; anything
+    /// else means it rolled back (see the crate docs, "Replication and
+    /// failover").
     async fn claim_in(&self, conn: &mut PgConnection, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
         opts.validate()?;
         self.writable()?;
-        self.claim_on(conn, key, opts, false).await
+        // Its row carries a token like any claim's, but nothing resolves a
+        // lost answer here: the claim commits (or not) with the caller's
+        // transaction (see the crate docs, "Replication and failover").
+        self.claim_on(conn, key, opts, false, &Attempt::new()?).await
     }
 
     async fn complete_in(&self, conn: &mut PgConnection, lease: &Lease, outcome: &Outcome) -> Result<()> {

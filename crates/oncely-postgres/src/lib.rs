@@ -144,7 +144,7 @@
 //! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] (64 KiB), `bytea` |
 //! | operator view | [`oncely::Admin`]: `records` and `stats` read at one `clock_timestamp()` (a materialized CTE), in byte order of the key (`COLLATE "C"`); a tenant's listing reads its rows by the `tenant` column (no index on it but the partial one of abandoned steps; the key's primary key serves a full key), then sorts; `forget` is one guarded, fenced `UPDATE` (completed at that fence → released, outcome removed, row kept); `prunable` counts with the prune index |
 //! | locks | one advisory lock per claim, held for the statement (autocommit) or until the caller's transaction ends (`claim_in`): a transaction claiming thousands of keys can exhaust the server's lock table (`max_locks_per_transaction` × connections). Prune deletes in batches of at most 500 rows per transaction and skips keys whose lock is held (see [Pruning](#pruning-tens-of-millions-of-rows)) |
-//! | failure | cannot connect, pool exhausted, or no answer within [`PgLedgerOptions::operation_timeout`] (10 s): [`Error::Unavailable`] (fail closed, nothing runs); a completion or release whose answer was lost is resolved from its record first; serialization failure or deadlock: retryable [`Error::Backend`]; a unique violation in a step's own write: [`Error::ConstraintViolation`] (through [`Ledger::unique_violation`]); a read-only session or a missing privilege: [`Error::Config`] |
+//! | failure | cannot connect, pool exhausted, or no answer within [`PgLedgerOptions::operation_timeout`] (10 s): [`Error::Unavailable`] (fail closed, nothing runs); a claim, completion or release whose answer was lost is resolved from its row first (a claim's by its token); serialization failure or deadlock: retryable [`Error::Backend`]; a unique violation in a step's own write: [`Error::ConstraintViolation`] (through [`Ledger::unique_violation`]); a read-only session or a missing privilege: [`Error::Config`] |
 //!
 //! ## Waiting duplicates
 //!
@@ -193,10 +193,13 @@
 //! must be fenced off, or the ledger may follow it back.
 //!
 //! **A server that stops answering** (frozen, partitioned away) costs each
-//! operation at most [`PgLedgerOptions::operation_timeout`]: it fails with
+//! operation at most [`PgLedgerOptions::operation_timeout`] (one more for a
+//! claim, completion or release whose answer it lost: the resolution's
+//! window, below): it fails with
 //! [`Error::Unavailable`] and its connection is closed, never returned to
 //! the pool; a waiting duplicate ([`oncely::OnInProgress::Wait`]) returns
-//! within its `max` plus one operation timeout. Measured with the primary
+//! within its `max` plus one operation timeout (two when the answer of
+//! its last claim is lost and resolved, below). Measured with the primary
 //! frozen (SIGSTOP) under 8 workers: before the timeout existed, every
 //! worker and a waiting duplicate were still blocked a minute later; with
 //! it, every call returned (most with [`Error::Unavailable`], the waiter
@@ -208,11 +211,55 @@
 //! was applied; still in progress at that fence means nothing was, and the
 //! fenced write runs once more; anything else is [`Error::LeaseLost`]. Only
 //! when the record cannot be read either does it fail, and the runner then
-//! answers [`Error::OutcomeUnknown`]. A *claim* whose answer was lost is
-//! never resolved by claiming blind: its row, if it was written, holds a
-//! lease nobody knows, and the next delivery finds the effect in progress
-//! until that lease ends (then takes it over with a higher fence), so the
-//! effect does not run twice; the cost is waiting out the lease.
+//! answers [`Error::OutcomeUnknown`].
+//!
+//! A *claim* whose answer was lost is resolved from its own row too, never
+//! by claiming blind. Every claim call draws a token (16 random bytes from
+//! the operating system) and its statement writes it, followed by its
+//! transaction's id, into the row it inserts or takes over (column
+//! `claim_token`, schema version 3); the row carries the call's token while
+//! it is the version that transaction wrote. When the
+//! connection dies after the statement was sent (during the statement or
+//! its commit), or no answer comes within the operation timeout, the ledger
+//! runs the same claim statement again with the same token on a new
+//! connection, retried while the server is unavailable (the ledger is
+//! finding the promoted standby) for one more operation timeout:
+//!
+//! - a row carrying the token was written by this call, so the first
+//!   statement committed: the answer is [`Claim::Acquired`] with the lease at
+//!   the row's fence and expiry (not [`Claim::InProgress`] behind a holder
+//!   nobody knows, which would delay the effect by a whole lease);
+//! - any other row is answered as by any claim ([`Claim::InProgress`] under
+//!   another holder's lease, [`Claim::Completed`] with its outcome…), or
+//!   taken over if it is released or expired;
+//! - no row: the first statement wrote nothing, and the key is claimed (if
+//!   that statement is still on its way, it waits on the key's lock and its
+//!   row is seen, carrying the token, by the next run).
+//!
+//! The read and the decision are one statement under the key's lock, so a
+//! concurrent duplicate never acquires beside it. A key of
+//! [`claim_many`](oncely::Ledger::claim_many) is resolved the same way, by
+//! the batch's token. Only when no run answers within the window does the
+//! claim fail with the original [`Error::Unavailable`] (so a claim whose
+//! answer is lost costs at most two operation timeouts); a row it wrote
+//! then holds its key until its lease ends, as any lost lease does.
+//! Measured (`tests/lost_claim.rs`, a claim's commit waiting on the
+//! synchronous standby when its backend is terminated, and a claim in flight
+//! when the primary is killed and the standby promoted): before the token,
+//! [`Error::Unavailable`] and then [`Claim::InProgress`] for a lease nobody
+//! held; with it, [`Claim::Acquired`] at the row's fence, and the duplicate
+//! in flight beside it [`Claim::InProgress`].
+//!
+//! [`claim_in`](oncely::TransactionalLedger::claim_in) needs no resolution:
+//! its row commits with the caller's transaction, and the caller's `COMMIT`
+//! is theirs. If its answer is lost, read the record
+//! ([`Ledger::get`](oncely::Ledger::get)) on a new connection: in progress
+//! (or completed, after [`complete_in`](oncely::TransactionalLedger::complete_in))
+//! at the lease's fence means the transaction committed, with the business
+//! writes in it, and the lease is still yours; anything else means it rolled
+//! back, the claim with it, and the delivery can simply run again. (Fences
+//! never repeat for a key, so the fence identifies the transaction's
+//! claim.)
 //!
 //! **Synchronous replication** (`synchronous_standby_names = '*'` or a
 //! named standby, `synchronous_commit = on` or `remote_apply`): a commit is
@@ -408,10 +455,28 @@
 //! A table created by someone else is checked before anything is added to
 //! it.
 //!
+//! Schema version 3 adds one nullable column, `claim_token` (`bytea`, the
+//! claim token of "Replication and failover"): PostgreSQL records it in the
+//! catalog without rewriting or scanning the table, under a brief `ACCESS
+//! EXCLUSIVE` lock that waits for the transactions using the table (a
+//! long `claim_in` transaction delays it, and claims queue behind it
+//! meanwhile). Rows written before it have no token (nothing resolves
+//! their claims' lost answers, which are long settled). A process of the
+//! previous release keeps working on a migrated table: it never writes the
+//! column, and a row it takes over keeps the token, which then no longer
+//! matches the row (a token ends with the id of the transaction that wrote
+//! it, and that version of the row is gone), so a claim of this release
+//! resolving a lost answer never takes that lease for its own. A ledger opened without migrations
+//! ([`PgLedgerOptions::migrate`]`(false)`) on a table of version 2 is
+//! refused with [`Error::Config`] saying that `claim_token` is missing and
+//! to run `oncely migrate`.
+//!
 //! [`Access::Existing`]: oncely::backend::Access::Existing
 //! [`Access::Migrate`]: oncely::backend::Access::Migrate
 //! [`Access::ReadOnly`]: oncely::backend::Access::ReadOnly
 //! [`Claim::Completed`]: oncely::Claim::Completed
+//! [`Claim::InProgress`]: oncely::Claim::InProgress
+//! [`Claim::Acquired`]: oncely::Claim::Acquired
 //! [`ClaimOptions::sent_at`]: oncely::ClaimOptions::sent_at
 //! [`Error::Backend`]: oncely::Error::Backend
 //! [`Error::BeyondHorizon`]: oncely::Error::BeyondHorizon
@@ -443,6 +508,7 @@ mod options;
 mod row;
 mod schema;
 mod sql;
+mod token;
 
 pub use crate::ledger::PgLedger;
 pub use crate::notify::ListenerStatus;

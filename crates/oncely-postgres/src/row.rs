@@ -120,8 +120,9 @@ pub(crate) enum ClaimRow {
     Missing,
     /// The claim inserted or took over the record.
     Acquired(Lease),
-    /// The record it found and did not take over.
-    Existing(Record),
+    /// The record it found and did not take over, and whether it carries
+    /// the claim call's own token (an earlier run of the call wrote it).
+    Existing(Record, bool),
 }
 
 impl ClaimRow {
@@ -133,7 +134,7 @@ impl ClaimRow {
             "beyond" => ClaimRow::Beyond,
             "missing" => ClaimRow::Missing,
             "acquired" => ClaimRow::Acquired(lease(key, row)?),
-            "existing" => ClaimRow::Existing(RecordRow::decode(row)?.record(key.clone())?),
+            "existing" => ClaimRow::Existing(RecordRow::decode(row)?.record(key.clone())?, get(row, "own")?),
             other => return Err(corrupt(format!("claim returned an unknown status {other:?}"))),
         })
     }
@@ -154,6 +155,33 @@ fn lease(key: &EffectKey, row: &PgRow) -> Result<Lease> {
         at_most_once: get(row, "at_most_once")?,
     }
     .into_lease())
+}
+
+/// The lease a record holds for the claim call whose token it carries
+/// (`ClaimRow::Existing` with `own`): the record's fence, expiry and first
+/// claim, granted `lease` before its expiry (the length the call asked for;
+/// nobody else knows the lease, so nobody renewed it). `None` when the
+/// record holds no lease any more (completed, released): then it is
+/// answered as any claim would answer it.
+pub(crate) fn own_lease(record: &Record, lease: std::time::Duration) -> Option<Lease> {
+    if !matches!(record.state, RecordState::InProgress | RecordState::Abandoned) {
+        return None;
+    }
+    let expires_at = record.lease_expires_at?;
+    Some(
+        Grant {
+            key: record.key.clone(),
+            fence: record.fence,
+            expires_at,
+            first_claimed_at: record.created_at,
+            acquired_at: expires_at.checked_sub(lease).unwrap_or(record.updated_at),
+            // An insert writes `updated_at = created_at`; a takeover moves
+            // `updated_at` on and keeps `created_at`.
+            taken_over: record.updated_at > record.created_at,
+            at_most_once: record.at_most_once,
+        }
+        .into_lease(),
+    )
 }
 
 /// The record columns of `sql`'s `cols`.

@@ -12,10 +12,13 @@ use crate::sql::{self, SCHEMA_VERSION};
 
 /// What a column must be: its name, the types the ledger can use, and
 /// whether it is compared by equality on text (then its collation must be
-/// deterministic).
+/// deterministic); and the schema version that added it (a table created
+/// by someone else is judged, before the migrations run, only on the
+/// columns of version 1: the migrations add the later ones).
 struct Column {
     name: &'static str,
     kind: Kind,
+    since: i32,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -59,7 +62,7 @@ impl Kind {
 }
 
 const fn col(name: &'static str, kind: Kind) -> Column {
-    Column { name, kind }
+    Column { name, kind, since: 1 }
 }
 
 /// The effects table: every column a statement reads or writes.
@@ -78,6 +81,12 @@ const EFFECTS: &[Column] = &[
     col("lease_expires_at", Kind::Timestamp),
     col("retain_until", Kind::Timestamp),
     col("retention_us", Kind::BigInt),
+    // The claim token (`token.rs`).
+    Column {
+        name: "claim_token",
+        kind: Kind::Bytes,
+        since: 3,
+    },
 ];
 
 /// The horizon table.
@@ -128,7 +137,7 @@ impl PgLedger {
             // `CREATE TABLE IF NOT EXISTS` would accept any table by that
             // name; judge it first, so that the refusal names what is wrong
             // with it rather than an index that could not be built.
-            let problems = check_table(&mut tx, schema, table, EFFECTS, &["key"]).await?;
+            let problems = check_table(&mut tx, schema, table, EFFECTS, 1, &["key"]).await?;
             if let Some(problems) = problems.filter(|p| !p.is_empty()) {
                 return Err(refusal(schema, table, &problems));
             }
@@ -155,8 +164,9 @@ impl PgLedger {
 
     /// Checks, without changing anything, that the schema is one the ledger
     /// can rely on: the ledger table, the `<table>_horizon` table and the
-    /// claim's `<table>_beyond` function exist (schema version
-    /// 2), the tables have the columns the ledger uses with compatible types
+    /// claim's `<table>_beyond` function exist, the tables have the columns
+    /// the ledger uses (schema version 3: the claim token's `claim_token`
+    /// too) with compatible types
     /// (no other `NOT NULL` column without a default), a primary key or
     /// unique index on exactly `key` (and on `(tenant, kind)` for the
     /// horizon), not deferrable nor partial, and deterministic collations on
@@ -181,12 +191,21 @@ impl PgLedger {
                  schema version {SCHEMA_VERSION})"
             ))
         };
-        match check_table(conn, schema, table, EFFECTS, &["key"]).await? {
+        match check_table(conn, schema, table, EFFECTS, SCHEMA_VERSION, &["key"]).await? {
             None => return Err(missing(table, "table")),
             Some(p) if !p.is_empty() => return Err(refusal(schema, table, &p)),
             Some(_) => {}
         }
-        match check_table(conn, schema, &q.horizon_table, HORIZON, &["tenant", "kind"]).await? {
+        match check_table(
+            conn,
+            schema,
+            &q.horizon_table,
+            HORIZON,
+            SCHEMA_VERSION,
+            &["tenant", "kind"],
+        )
+        .await?
+        {
             None => return Err(missing(&q.horizon_table, "table")),
             Some(p) if !p.is_empty() => return Err(refusal(schema, &q.horizon_table, &p)),
             Some(_) => {}
@@ -211,12 +230,14 @@ fn refusal(schema: &str, table: &str, problems: &[String]) -> Error {
     ))
 }
 
-/// What is wrong with a table, or `None` if it does not exist.
+/// What is wrong with a table, or `None` if it does not exist: its columns
+/// as schema `version` has them.
 async fn check_table(
     conn: &mut PgConnection,
     schema: &str,
     table: &str,
     columns: &[Column],
+    version: i32,
     unique_key: &[&str],
 ) -> Result<Option<Vec<String>>> {
     let rows = sqlx::query(sql::TABLE_COLUMNS)
@@ -257,8 +278,12 @@ async fn check_table(
             has_default: row.try_get("has_default").map_err(map)?,
         });
     }
-    for c in columns {
+    for c in columns.iter().filter(|c| c.since <= version) {
         match found.iter().find(|f| f.name == c.name) {
+            None if c.since > 1 => problems.push(format!(
+                "column {} is missing (schema version {} adds it: run `oncely migrate`, PgLedger::migrate)",
+                c.name, c.since
+            )),
             None => problems.push(format!("column {} is missing", c.name)),
             Some(f) if !c.kind.accepts(&f.ty) => problems.push(format!(
                 "column {} is {}, expected {}",

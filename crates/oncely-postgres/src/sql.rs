@@ -27,6 +27,27 @@ fn micros(p: &str) -> String {
     format!("{p}::bigint * interval '1 microsecond'")
 }
 
+/// The value a claim writes as `claim_token`: its call's token (`$p`, 16
+/// bytes) followed by the writing transaction's id as the row's `xmin`
+/// will show it (its low 32 bits, as 8 bytes). The id ties the token to this
+/// very version of the row: a process of the previous release that takes
+/// the row over rewrites it without touching the token, and the row's
+/// `xmin` then names that process's transaction, so the token no longer
+/// matches ([`own`]). Evaluated only for rows a claim writes, which have a
+/// transaction id anyway. (The row's `xmin` is the top-level transaction's
+/// id in autocommit, where tokens are resolved; a `claim_in` inside a
+/// savepoint writes one that never matches, and is never resolved.)
+fn token_written(p: &str) -> String {
+    format!("({p}::bytea || int8send(pg_current_xact_id()::text::bigint % 4294967296))")
+}
+
+/// Whether row `e` (of `cur`, which carries each row's `xmin` as
+/// `row_xmin`) carries the claim call's token `$p`, written by the
+/// transaction that wrote this version of the row ([`token_written`]).
+fn own(e: &str, p: &str) -> String {
+    format!("coalesce({e}.claim_token = ({p}::bytea || int8send({e}.row_xmin::text::bigint)), false)")
+}
+
 /// The leaked-transaction guard (see the crate docs): true when this statement
 /// runs in its own implicit transaction.
 ///
@@ -93,7 +114,7 @@ pub(crate) fn channel(schema: &str, table: &str) -> String {
 }
 
 /// The current schema version: the last of [`Queries::migrations`].
-pub(crate) const SCHEMA_VERSION: i32 = 2;
+pub(crate) const SCHEMA_VERSION: i32 = 3;
 
 /// The statements of one ledger (one schema and table).
 #[derive(Debug)]
@@ -155,10 +176,11 @@ impl Queries {
             "state = 'in_progress', fence = greatest(e.fence + 1, {now_us}), at_most_once = $6, \
              outcome = NULL, fingerprint = coalesce(e.fingerprint, $5), \
              lease_expires_at = clock_timestamp() + {lease}, updated_at = clock_timestamp(), \
-             retain_until = clock_timestamp() + {ret}, retention_us = $8",
+             retain_until = clock_timestamp() + {ret}, retention_us = $8, claim_token = {token}",
             now_us = us("clock_timestamp()"),
             lease = micros("$7"),
             ret = micros("$8"),
+            token = token_written("$10"),
         );
         let takeover_when = "(e.fingerprint IS NULL OR $5::bytea IS NULL OR e.fingerprint = $5::bytea) \
              AND (e.state = 'released' OR (e.state = 'in_progress' AND NOT e.at_most_once \
@@ -167,8 +189,8 @@ impl Queries {
         // One statement, one round trip, for one key or a batch. Parameters:
         // $1 key, $2 tenant, $3 kind, $4 subject (a batch: four arrays, one
         // element per distinct key), $5 fingerprint, $6 at_most_once, $7
-        // lease µs, $8 retention µs, $9 guard on, and in the horizon variant
-        // $10 sent_at µs.
+        // lease µs, $8 retention µs, $9 guard on, $10 the claim call's token
+        // (`token.rs`), and in the horizon variant $11 sent_at µs.
         //
         // - `i`: the keys claimed (the batch unnests its arrays).
         // - `g` takes the keys' transaction-scoped advisory locks (a batch:
@@ -225,12 +247,23 @@ impl Queries {
         //   snapshot shows it). An `existing` record that could be taken over
         //   by now (the UPDATE found it changed, or its lease ended since)
         //   is claimed again the same way.
+        // - Every row the claim inserts or takes over carries the call's
+        //   token (`claim_token`: 16 random bytes and the writing
+        //   transaction's id, `token_written`). An `existing` row with the
+        //   same token, written by the transaction of its `xmin` (`own`;
+        //   `cur` carries each row's `xmin` as `row_xmin`), was written by an
+        //   earlier run of this very call whose answer was lost (the
+        //   connection died during its statement or its commit, or it timed
+        //   out): the caller holds that
+        //   lease, and the ledger answers it as acquired
+        //   (`PgLedger::resolve_claim`). Any other row is answered, or taken
+        //   over, as for any claim.
         //
         // One row per key, named by `key`. An acquired row reports, as `now`,
         // the clock its lease was measured from (`lease_expires_at - lease`),
         // and whether it took a record over. The first branch of the UNION
         // names the columns: `src`, `key`, those of `cols`, then
-        // `taken_over` (`row::ClaimRow` reads them by name).
+        // `taken_over`, `own` (`row::ClaimRow` reads them by name).
         let claim = |batch: bool, horizon: bool| {
             let (input, lock, keys) = if batch {
                 (
@@ -255,7 +288,7 @@ impl Queries {
             let (beyond_cte, not_beyond, beyond_join, beyond_status) = if horizon {
                 (
                     format!(
-                        "b AS (SELECT i.key, {beyond}(i.tenant, i.kind, i.key, $10::bigint) AS beyond \
+                        "b AS (SELECT i.key, {beyond}(i.tenant, i.kind, i.key, $11::bigint) AS beyond \
                          FROM i WHERE (SELECT g.ok FROM g)), "
                     ),
                     " AND NOT EXISTS (SELECT 1 FROM b WHERE b.key = i.key AND b.beyond)",
@@ -277,12 +310,13 @@ impl Queries {
                    FROM (SELECT g0.ok, CASE WHEN g0.ok THEN {lock} END AS locked \
                          FROM (SELECT {guard} AS ok OFFSET 0) g0) l), \
                  {beyond_cte}\
-                 cur AS (SELECT e.* FROM {t} e WHERE e.key {keys} AND (SELECT g.ok FROM g)), \
+                 cur AS (SELECT e.*, e.xmin AS row_xmin FROM {t} e WHERE e.key {keys} AND (SELECT g.ok FROM g)), \
                  ins AS (\
                    INSERT INTO {t} AS e (key, tenant, kind, subject, state, fence, fingerprint, outcome, \
-                     at_most_once, created_at, updated_at, lease_expires_at, retain_until, retention_us) \
+                     at_most_once, created_at, updated_at, lease_expires_at, retain_until, retention_us, \
+                     claim_token) \
                    SELECT i.key, i.tenant, i.kind, i.subject, 'in_progress', greatest({now_us}, 1), $5::bytea, \
-                     NULL, $6, g.now, g.now, g.now + {lease}, g.now + {ret}, $8 \
+                     NULL, $6, g.now, g.now, g.now + {lease}, g.now + {ret}, $8, {token} \
                    FROM i CROSS JOIN g \
                    WHERE g.ok AND NOT EXISTS (SELECT 1 FROM cur c WHERE c.key = i.key){not_beyond} \
                    ON CONFLICT (key) DO NOTHING \
@@ -297,10 +331,11 @@ impl Queries {
                    NULL::bytea AS fingerprint, NULL::bytea AS outcome, w.at_most_once AS at_most_once, \
                    w.created_at AS created_at, w.acquired_at AS updated_at, \
                    w.lease_expires_at AS lease_expires_at, NULL::timestamptz AS retain_until, \
-                   w.acquired_at AS now, w.taken_over AS taken_over \
+                   w.acquired_at AS now, w.taken_over AS taken_over, true AS own \
                  FROM won w \
                  UNION ALL SELECT CASE WHEN NOT g.ok THEN 'leaked'{beyond_status} \
-                   WHEN e.key IS NOT NULL THEN 'existing' ELSE 'missing' END, i.key, {ce}, NULL::boolean \
+                   WHEN e.key IS NOT NULL THEN 'existing' ELSE 'missing' END, i.key, {ce}, NULL::boolean, \
+                   {own} \
                  FROM i CROSS JOIN g LEFT JOIN cur e ON e.key = i.key{beyond_join} \
                  WHERE NOT EXISTS (SELECT 1 FROM won w WHERE w.key = i.key)",
                 guard = guard("$9"),
@@ -308,6 +343,8 @@ impl Queries {
                 lease = micros("$7"),
                 ret = micros("$8"),
                 ce = cols("e"),
+                token = token_written("$10"),
+                own = own("e", "$10"),
             )
         };
 
@@ -534,6 +571,14 @@ impl Queries {
                $oncely$;",
             w_us = us("w.watermark"),
         );
+        // Version 3: the claim token (see the claim statement). A nullable
+        // column without a default: PostgreSQL adds it to the catalog only,
+        // without rewriting or scanning the table (a brief ACCESS EXCLUSIVE
+        // lock, which waits for transactions using the table). Existing rows
+        // have none; a release before this one ignores the column, and a
+        // takeover by it leaves the token, which then no longer matches its
+        // row (the row's `xmin` moved on: `own`).
+        let v3 = format!("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS claim_token bytea;");
 
         Queries {
             claim: claim(false, false).into(),
@@ -571,6 +616,11 @@ impl Queries {
                     2,
                     "horizon watermark per tenant and kind, fresh-snapshot horizon check",
                     v2.into(),
+                ),
+                (
+                    3,
+                    "claim token: a claim whose answer was lost finds its own row",
+                    v3.into(),
                 ),
             ],
             horizon_table: horizon_name,

@@ -2,11 +2,18 @@
 //! server terminates the backend while the write waits on a row lock) is
 //! resolved by reading the record again on a new connection, never reported
 //! as unavailable when it can be settled, and never settled by claiming.
+//!
+//! A claim whose connection dies during its statement (terminated while it
+//! waits on its key's lock, held by another claim inside a transaction) is
+//! resolved the same way, by the claim's token: its statement wrote nothing,
+//! so it claims the key if it is free, and answers the other claim's lease
+//! if that one committed. (`lost_claim.rs` loses a claim's answer after its
+//! write committed.)
 
 use std::time::Duration;
 
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
-use oncely::{Claim, ClaimOptions, EffectKey, Lease, Ledger, Outcome, RecordState};
+use oncely::{Claim, ClaimOptions, EffectKey, Lease, Ledger, Outcome, RecordState, TransactionalLedger};
 use oncely_postgres::{PgLedger, PgLedgerOptions};
 use sqlx::{Connection, PgConnection};
 
@@ -126,4 +133,147 @@ async fn a_release_whose_connection_died_is_resolved_from_its_record() {
         (record.state, record.fence),
         (RecordState::Released, lease.fence())
     );
+}
+
+/// Claims `key` while another claim holds the key inside a transaction
+/// (`claim_in`), terminates the claim's backend once it waits on the key's
+/// lock, then commits the other claim's transaction (`commit`) or rolls it
+/// back; the claim's answer, and the other claim's lease.
+async fn claim_killed_behind(
+    ledger: &PgLedger,
+    url: &str,
+    key: &EffectKey,
+    commit: bool,
+) -> (oncely::Result<Claim>, Lease) {
+    let mut tx = ledger.begin().await.unwrap();
+    let other = match ledger
+        .claim_in(&mut *tx, key, &ClaimOptions::default())
+        .await
+        .unwrap()
+    {
+        Claim::Acquired(l) => l,
+        c => panic!("{c:?}"),
+    };
+    let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    let claim = {
+        let (ledger, key) = (ledger.clone(), key.clone());
+        tokio::spawn(async move { ledger.claim(&key, &ClaimOptions::default()).await })
+    };
+    let mut killer = PgConnection::connect(url).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let killed: Option<bool> = sqlx::query_scalar(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE wait_event_type = 'Lock' AND query LIKE $1 AND pg_blocking_pids(pid) @> ARRAY[$2::int] LIMIT 1",
+        )
+        .bind(format!("%{TABLE}%"))
+        .bind(holder)
+        .fetch_optional(&mut killer)
+        .await
+        .unwrap();
+        if killed == Some(true) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the claim never waited on the key's lock"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    if commit {
+        tx.commit().await.unwrap();
+    } else {
+        tx.rollback().await.unwrap();
+    }
+    (claim.await.unwrap(), other)
+}
+
+#[tokio::test]
+async fn a_claim_whose_connection_died_claims_a_key_nobody_holds() {
+    let Some((url, ledger)) = setup().await else {
+        return;
+    };
+    let key = EffectKey::new(&fresh_tenant(), "lost", "claim-free").unwrap();
+    let (answer, other) = claim_killed_behind(&ledger, &url, &key, false).await;
+    // Its statement wrote nothing and the other claim rolled back: the key
+    // was free, and the resolution claimed it (a fence of its own).
+    let lease = match answer.expect("resolved, not unavailable") {
+        Claim::Acquired(l) => l,
+        c => panic!("expected Acquired, got {c:?}"),
+    };
+    assert_ne!(lease.fence(), other.fence());
+    let record = ledger.get(&key).await.unwrap().unwrap();
+    assert_eq!(
+        (record.state, record.fence),
+        (RecordState::InProgress, lease.fence())
+    );
+}
+
+#[tokio::test]
+async fn a_claim_whose_connection_died_answers_the_other_holder() {
+    let Some((url, ledger)) = setup().await else {
+        return;
+    };
+    let key = EffectKey::new(&fresh_tenant(), "lost", "claim-held").unwrap();
+    let (answer, other) = claim_killed_behind(&ledger, &url, &key, true).await;
+    // The other claim committed: its lease, not ours.
+    match answer.expect("resolved, not unavailable") {
+        Claim::InProgress { fence, .. } => assert_eq!(fence, other.fence()),
+        c => panic!("expected InProgress, got {c:?}"),
+    }
+}
+
+/// What a resolution relies on to tell its own row: a claim writes its
+/// call's token followed by its transaction's id, which is the row's `xmin`
+/// while the row is the version it wrote. A process of the previous release
+/// (schema version 2's statements, which never write `claim_token`) taking
+/// the row over leaves the token but rewrites the row, so the token no
+/// longer matches: a claim of this release resolving a lost answer at that
+/// moment sees another holder's lease, never its own.
+#[tokio::test]
+async fn a_claim_token_is_tied_to_the_row_version_its_claim_wrote() {
+    let Some((url, ledger)) = setup().await else {
+        return;
+    };
+    let key = EffectKey::new(&fresh_tenant(), "lost", "token-version").unwrap();
+    let lease = acquire(&ledger, &key).await;
+    let mut conn = PgConnection::connect(&url).await.unwrap();
+    let matches = format!(
+        "SELECT octet_length(claim_token), \
+           claim_token = substring(claim_token from 1 for 16) || int8send(xmin::text::bigint) \
+         FROM {TABLE} WHERE key = $1"
+    );
+    let (len, own): (i32, bool) = sqlx::query_as(sqlx::AssertSqlSafe(matches.clone()))
+        .bind(key.as_str())
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!((len, own), (24, true));
+    // The previous release's takeover of an expired lease: a new fence and
+    // lease, the token left as it was.
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE {TABLE} SET fence = fence + 1, updated_at = clock_timestamp(), \
+           lease_expires_at = clock_timestamp() + interval '1 minute' WHERE key = $1"
+    )))
+    .bind(key.as_str())
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let (_, own): (i32, bool) = sqlx::query_as(sqlx::AssertSqlSafe(matches))
+        .bind(key.as_str())
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert!(
+        !own,
+        "the token still names the row after another writer rewrote it"
+    );
+    // And the ledger answers the other holder's lease.
+    match ledger.claim(&key, &ClaimOptions::default()).await.unwrap() {
+        Claim::InProgress { fence, .. } => assert_eq!(fence, lease.fence() + 1),
+        c => panic!("{c:?}"),
+    }
 }

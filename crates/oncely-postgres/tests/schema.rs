@@ -73,7 +73,8 @@ fn key(subject: &str) -> EffectKey {
     EffectKey::new(&fresh_tenant(), "capture", subject).unwrap()
 }
 
-/// The columns of a correct ledger table, without any key; `{t}` is the
+/// The columns of a correct ledger table as schema version 1 has them
+/// (the migrations add `claim_token`), without any key; `{t}` is the
 /// table.
 const COLUMNS: &str = "key text NOT NULL, tenant text NOT NULL, kind text NOT NULL, subject text NOT NULL, \
      state text NOT NULL, fence bigint NOT NULL, fingerprint bytea, outcome bytea, \
@@ -131,6 +132,12 @@ async fn tables_the_ledger_cannot_rely_on_are_refused() {
             "column retain_until is timestamp without time zone, expected timestamptz",
         ),
         (
+            "a claim token column that cannot hold the token",
+            format!("{COLUMNS}, claim_token text"),
+            ", PRIMARY KEY (key)",
+            "column claim_token is text, expected bytea",
+        ),
+        (
             "a required column the ledger does not write",
             format!("{COLUMNS}, owner text NOT NULL"),
             ", PRIMARY KEY (key)",
@@ -181,7 +188,7 @@ async fn a_case_insensitive_key_is_refused() {
     sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE SCHEMA {schema}; \
          CREATE COLLATION {schema}.ci (provider = icu, locale = 'und-u-ks-level2', deterministic = false); \
-         CREATE TABLE {schema}.oncely_effects ({}, PRIMARY KEY (key))",
+         CREATE TABLE {schema}.oncely_effects ({}, claim_token bytea, PRIMARY KEY (key))",
         COLUMNS.replace(
             "key text NOT NULL",
             &format!("key text COLLATE {schema}.ci NOT NULL")
@@ -244,13 +251,15 @@ async fn a_correct_existing_table_is_accepted() {
     .execute(&admin)
     .await
     .unwrap();
-    // Not migrated yet: the horizon is missing, and migrate(false) says so.
+    // Not migrated yet: the claim token's column (schema version 3) and
+    // the horizon are missing, and migrate(false) says so.
     let e = PgLedger::connect_with(&url, options(&schema).migrate(false))
         .await
         .map(|_| ())
         .unwrap_err();
     assert!(
-        matches!(&e, Error::Config(m) if m.contains(&format!("{schema}.oncely_effects_horizon does not exist"))
+        matches!(&e, Error::Config(m) if m.contains(&format!("{schema}.oncely_effects"))
+            && m.contains("column claim_token is missing (schema version 3 adds it")
             && m.contains("oncely migrate")),
         "{e:?}"
     );
@@ -320,7 +329,7 @@ async fn connect_without_migrations_creates_nothing() {
         .fetch_one(&admin)
         .await
         .unwrap();
-    assert_eq!((before, after), (2, 2));
+    assert_eq!((before, after), (3, 3));
     // It is an ordinary ledger otherwise.
     assert!(matches!(
         ledger
@@ -558,7 +567,7 @@ async fn a_version_1_ledger_migrates() {
     .fetch_all(&admin)
     .await
     .unwrap();
-    assert_eq!(versions, vec![1, 2]);
+    assert_eq!(versions, vec![1, 2, 3]);
     match ledger.claim(&released, &ClaimOptions::default()).await.unwrap() {
         Claim::Acquired(l) => {
             assert!(l.taken_over());
