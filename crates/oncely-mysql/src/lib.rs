@@ -371,7 +371,8 @@
 mod batch; // claim_many and complete_many: a read, then one statement for the keys that need a write
 mod claim; // the claim: its statement's forms, what its row means, the refresh after a lock wait, the horizon
 mod error; // driver errors to oncely::Error, unique violations
-mod guard; // running on the pool: one retry loop, the leaked-transaction guard
+mod guard; // running on the pool: one retry loop, the operation timeout, the leaked-transaction guard
+mod hosts; // a URL's host list, the check of every new connection, moving to another host
 mod ledger; // MySqlLedger: constructors, Ledger, TransactionalLedger, FromUrl
 mod options; // MySqlLedgerOptions, this backend's URLs
 mod prune; // prune's batches: lock the watermarks, raise them, delete
