@@ -244,14 +244,15 @@ async fn worker(shared: Arc<Shared>, report: Arc<Mutex<Report>>) {
 /// at FAULT_AT.
 async fn fault_mid_run(fault: Fault) -> Option<Report> {
     let url = host_list(None)?;
-    let probe = MySqlLedger::connect_with(&url, options())
+    let mut ledger = MySqlLedger::connect_with(&url, options())
         .await
         .expect("connects through the host list");
-    let from = node_of(&probe);
-    drop(probe);
-    let url = if single() { host_list(Some(from))? } else { url };
-    let ledger = MySqlLedger::connect_with(&url, options()).await.expect("connects");
-    assert_eq!(node_of(&ledger), from);
+    let from = node_of(&ledger);
+    if single() {
+        ledger = MySqlLedger::connect_with(&host_list(Some(from))?, options())
+            .await
+            .expect("connects");
+    }
     let _restore = Restore(from);
     let shared = Arc::new(Shared {
         effects: Effects::new(ledger.clone()),
