@@ -349,7 +349,7 @@ async fn session(conn: &mut MySqlConnection) -> std::result::Result<Server, sqlx
 pub(crate) fn host_name(o: &MySqlConnectOptions) -> String {
     match o.get_socket() {
         Some(socket) => socket.display().to_string(),
-        None if o.get_host().contains(':') => format!("[{}]:{}", o.get_host(), o.get_port()),
+        None if o.get_host().contains(':') && !o.get_host().starts_with('[') => format!("[{}]:{}", o.get_host(), o.get_port()),
         None => format!("{}:{}", o.get_host(), o.get_port()),
     }
 }
@@ -399,9 +399,16 @@ mod tests {
                 "mysql://u:p%40w@[::1]:3313/db?ssl-mode=disabled",
             ]
         );
-        assert_eq!(split_hosts("mysql://h1:1,h2:2").unwrap(), ["mysql://h1:1", "mysql://h2:2"]);
+        assert_eq!(
+            split_hosts("mysql://h1:1,h2:2").unwrap(),
+            ["mysql://h1:1", "mysql://h2:2"]
+        );
         assert_eq!(split_hosts("mysql://u@h/db").unwrap(), ["mysql://u@h/db"]);
-        for bad in ["mysql://u:s3cret@h1,,h2/db", "mysql://u:s3cret@h1,/db", "mysql://u:s3cret@,h1/db"] {
+        for bad in [
+            "mysql://u:s3cret@h1,,h2/db",
+            "mysql://u:s3cret@h1,/db",
+            "mysql://u:s3cret@,h1/db",
+        ] {
             assert!(
                 matches!(split_hosts(bad), Err(Error::Config(m)) if !m.contains("s3cret")),
                 "{bad}"
@@ -419,7 +426,11 @@ mod tests {
 
     #[test]
     fn what_a_ledger_refuses() {
-        let plain = rows(&[("read_only", "OFF"), ("innodb_read_only", "OFF"), ("wsrep_on", "OFF")]);
+        let plain = rows(&[
+            ("read_only", "OFF"),
+            ("innodb_read_only", "OFF"),
+            ("wsrep_on", "OFF"),
+        ]);
         assert_eq!(plain.refusal(true), None);
         let replica = rows(&[("read_only", "OFF"), ("super_read_only", "ON")]);
         let (why, lasts) = replica.refusal(true).unwrap();
@@ -436,11 +447,17 @@ mod tests {
         let mut donor = synced;
         donor[4].1 = "Donor/Desynced";
         let (why, lasts) = rows(&donor).refusal(false).unwrap();
-        assert!(why.contains("wsrep_local_state_comment=Donor/Desynced") && !lasts, "{why}");
+        assert!(
+            why.contains("wsrep_local_state_comment=Donor/Desynced") && !lasts,
+            "{why}"
+        );
         let mut cut_off = synced;
         cut_off[2].1 = "OFF";
         cut_off[3].1 = "non-Primary";
         let (why, _) = rows(&cut_off).refusal(true).unwrap();
-        assert!(why.contains("wsrep_ready=OFF, wsrep_cluster_status=non-Primary"), "{why}");
+        assert!(
+            why.contains("wsrep_ready=OFF, wsrep_cluster_status=non-Primary"),
+            "{why}"
+        );
     }
 }

@@ -201,10 +201,9 @@ impl MySqlLedgerOptions {
             .iter()
             .enumerate()
             .map(|(n, url)| match connect_options(url) {
-                Err(Error::Config(m)) if many => Err(Error::Config(format!(
-                    "host {} of the URL's list: {m}",
-                    n + 1
-                ))),
+                Err(Error::Config(m)) if many => {
+                    Err(Error::Config(format!("host {} of the URL's list: {m}", n + 1)))
+                }
                 other => other,
             })
             .collect::<Result<Vec<_>>>()?;
@@ -371,10 +370,22 @@ mod tests {
         assert!(hosts.iter().all(|h| h.get_database() == Some("test")));
         for (bad, says) in [
             ("mysql://root:s3cret@h1:3311,,h2:3312/test", "empty entry"),
-            ("mysql://root:s3cret@h1:3311,h2:99999/test", "host 2 of the URL's list: bad MySQL URL"),
-            ("mysql://root:s3cret@h1:3311,h2:port/test", "host 2 of the URL's list"),
-            ("mysql://root:s3cret@h1,h2/test?socket=/tmp/s", "cannot also name a socket"),
-            ("mysql://root:s3cret@h1,h2/test?tabel=x", "unknown MySQL URL parameter 'tabel'"),
+            (
+                "mysql://root:s3cret@h1:3311,h2:99999/test",
+                "host 2 of the URL's list: bad MySQL URL",
+            ),
+            (
+                "mysql://root:s3cret@h1:3311,h2:port/test",
+                "host 2 of the URL's list",
+            ),
+            (
+                "mysql://root:s3cret@h1,h2/test?socket=/tmp/s",
+                "cannot also name a socket",
+            ),
+            (
+                "mysql://root:s3cret@h1,h2/test?tabel=x",
+                "unknown MySQL URL parameter 'tabel'",
+            ),
         ] {
             match MySqlLedgerOptions::default().with_url(bad) {
                 Err(Error::Config(m)) => {

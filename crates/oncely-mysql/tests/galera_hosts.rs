@@ -424,18 +424,32 @@ async fn a_node_that_will_not_do_is_refused_and_skipped() {
     }
     assert_eq!(node_of(&skipped.expect("skips the read-only node")), 2);
     assert_eq!(node_of(&reading.expect("a reading ledger may read there")), 1);
-
 }
 
 /// Bad host lists are refused with a typed error before any connection.
 #[tokio::test]
 async fn bad_host_lists_are_refused_before_connecting() {
     for (bad, says) in [
-        ("mysql://root:s3cret@127.0.0.1:3311,,127.0.0.1:3313/test", "empty entry"),
-        ("mysql://root:s3cret@127.0.0.1:3311,127.0.0.1:99999/test", "host 2 of the URL's list"),
-        ("mysql://root:s3cret@127.0.0.1:3311,127.0.0.1:x/test", "host 2 of the URL's list"),
-        ("mysql://root:s3cret@127.0.0.1:3311,127.0.0.1:3312/test?tabel=t", "unknown MySQL URL parameter"),
-        ("mysql://root:s3cret@h1,h2/test?socket=/tmp/s.sock", "cannot also name a socket"),
+        (
+            "mysql://root:s3cret@127.0.0.1:3311,,127.0.0.1:3313/test",
+            "empty entry",
+        ),
+        (
+            "mysql://root:s3cret@127.0.0.1:3311,127.0.0.1:99999/test",
+            "host 2 of the URL's list",
+        ),
+        (
+            "mysql://root:s3cret@127.0.0.1:3311,127.0.0.1:x/test",
+            "host 2 of the URL's list",
+        ),
+        (
+            "mysql://root:s3cret@127.0.0.1:3311,127.0.0.1:3312/test?tabel=t",
+            "unknown MySQL URL parameter",
+        ),
+        (
+            "mysql://root:s3cret@h1,h2/test?socket=/tmp/s.sock",
+            "cannot also name a socket",
+        ),
     ] {
         match MySqlLedger::connect_with(bad, options()).await {
             Err(Error::Config(m)) => {
