@@ -349,7 +349,9 @@ async fn session(conn: &mut MySqlConnection) -> std::result::Result<Server, sqlx
 pub(crate) fn host_name(o: &MySqlConnectOptions) -> String {
     match o.get_socket() {
         Some(socket) => socket.display().to_string(),
-        None if o.get_host().contains(':') && !o.get_host().starts_with('[') => format!("[{}]:{}", o.get_host(), o.get_port()),
+        None if o.get_host().contains(':') && !o.get_host().starts_with('[') => {
+            format!("[{}]:{}", o.get_host(), o.get_port())
+        }
         None => format!("{}:{}", o.get_host(), o.get_port()),
     }
 }

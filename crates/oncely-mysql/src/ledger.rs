@@ -104,7 +104,9 @@ impl std::fmt::Display for MySqlLedger {
         let c = self.inner.pool.connect_options();
         match c.get_socket() {
             Some(socket) => write!(f, "mysql {}", socket.display())?,
-            None if c.get_host().contains(':') && !c.get_host().starts_with('[') => write!(f, "mysql [{}]:{}", c.get_host(), c.get_port())?,
+            None if c.get_host().contains(':') && !c.get_host().starts_with('[') => {
+                write!(f, "mysql [{}]:{}", c.get_host(), c.get_port())?
+            }
             None => write!(f, "mysql {}:{}", c.get_host(), c.get_port())?,
         }
         match c.get_database() {
