@@ -98,7 +98,8 @@ impl std::fmt::Debug for MySqlLedger {
 
 /// What the ledger reads, for an operator: `mysql HOST:PORT/DATABASE,
 /// table TABLE` (a socket's path for `HOST:PORT`), from the pool's
-/// connection options, never the password.
+/// connection options, never the password. With a host list, the host the
+/// pool connects to now.
 impl std::fmt::Display for MySqlLedger {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let c = self.inner.pool.connect_options();
@@ -748,8 +749,9 @@ impl TransactionalLedger for MySqlLedger {
 impl FromUrl for MySqlLedger {
     const SCHEMES: &'static [&'static str] = options::SCHEMES;
 
-    /// `mysql://` or `mariadb://` (`user:password@host:port/database`, and
-    /// sqlx's query parameters such as `ssl-mode`), opened with
+    /// `mysql://` or `mariadb://` (`user:password@host:port/database`, or
+    /// a host list `user@h1:3306,h2:3306/database`, and sqlx's query
+    /// parameters such as `ssl-mode`), opened with
     /// [`MySqlLedger::connect_with`]: [`Access`](oncely::backend::Access)
     /// `Migrate` creates and upgrades the tables, `Existing` checks them and
     /// creates nothing, `ReadOnly` also opens read-only sessions and refuses
