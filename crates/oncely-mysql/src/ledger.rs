@@ -406,9 +406,11 @@ impl MySqlLedger {
     /// fence: nothing was applied, and the write runs again (fenced, so at
     /// most once). Anything else: the lease is gone ([`Error::LeaseLost`]).
     /// The read is tried again while the server is unavailable (the ledger
-    /// is looking for another host), for one more
-    /// [`MySqlLedgerOptions::operation_timeout`]; when the record cannot
-    /// be read by then, `lost` is the answer.
+    /// is looking for another host), for two more
+    /// [`MySqlLedgerOptions::operation_timeout`]s: on Galera the surviving
+    /// nodes' causal reads stall until the cluster has evicted the lost
+    /// node (`evs.suspect_timeout`), which can take a whole timeout. When
+    /// the record cannot be read by then, `lost` is the answer.
     async fn resolve(&self, lease: &Lease, outcome: Option<&Outcome>, lost: Error) -> Result<()> {
         let done = if outcome.is_some() {
             RecordState::Completed
@@ -416,7 +418,7 @@ impl MySqlLedger {
             RecordState::Released
         };
         let mut wrote_again = false;
-        let give_up = Instant::now() + self.inner.operation_timeout;
+        let give_up = Instant::now() + 2 * self.inner.operation_timeout;
         let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
         loop {
             let record = match self.get(lease.key()).await {

@@ -53,7 +53,7 @@
 //! | | |
 //! | --- | --- |
 //! | URL | `mysql://user:password@host:port/database[?table=T]` or `mariadb://…`, one host or a list (`h1:3306,h2:3306,…`), with sqlx's parameters (`ssl-mode`, …): [`MySqlLedger::connect`], or [`FromUrl`](oncely::backend::FromUrl) with an [`Access`](oncely::backend::Access) and a connect timeout (the pool's acquire timeout). See "URL forms" |
-//! | operation timeout | every operation on the pool (claims, completions, reads, each prune batch, `begin`) answers within [`MySqlLedgerOptions::operation_timeout`] (10 s by default), or fails with [`oncely::Error::Unavailable`] and closes its connection: a frozen server is a bounded, typed error. Not `claim_in` / `complete_in` (the caller's connection) nor `migrate` |
+//! | operation timeout | every operation on the pool (claims, completions, reads, each prune batch, `begin`) answers within [`MySqlLedgerOptions::operation_timeout`] (10 s by default), or fails with [`oncely::Error::Unavailable`] and closes its connection: a frozen server is a bounded, typed error. A completion or release whose answer was lost re-reads its row, within three timeouts in all. Not `claim_in` / `complete_in` (the caller's connection) nor `migrate` |
 //! | new connections | each is checked before the pool hands it out: a Galera node synced in the primary component; for a ledger that writes, a server that is not read-only (`@@read_only`, `@@super_read_only`, `@@innodb_read_only`). See "Host lists and failover" |
 //! | atomic claim | a plain read of the key first (a duplicate is answered by it: no lock, no write); then, for an absent, released or expired key only, one `INSERT … ON DUPLICATE KEY UPDATE` on the primary key, which decides again on its own: the insert, or the takeover of an expired lease or a released record, in the same statement |
 //! | caller's transaction | yes: [`TransactionalLedger`](oncely::TransactionalLedger) on `&mut` [`MySqlConnection`]; a concurrent duplicate blocks on the row lock until the first commits. When several wait on one that rolls back, InnoDB may make one of them a deadlock victim (each held a share lock on the duplicate): a retryable [`oncely::Error::Backend`]; redo the transaction |
@@ -198,9 +198,11 @@
 //! causal read, which sees every write the cluster certified): completed
 //! (released) at the lease's fence means it was applied; still in progress
 //! at that fence, it runs the fenced write again; anything else is
-//! `LeaseLost`. Only when the row cannot be read within one more operation
-//! timeout does it fail (`Unavailable`, which the runner reports as
-//! `OutcomeUnknown`).
+//! `LeaseLost`. Only when the row cannot be read within two more operation
+//! timeouts (on Galera the survivors' reads stall until the cluster has
+//! evicted the lost node) does it fail (`Unavailable`, which the runner
+//! reports as `OutcomeUnknown`): a completion or release answers within
+//! three operation timeouts.
 //!
 //! Tested on the three-node cluster (`tests/galera_hosts.rs`): eight workers
 //! run `Effects::run` over 1,500 keys through one host-list ledger, and the

@@ -147,6 +147,8 @@ struct Report {
     /// The first pass's errors, by kind.
     unavailable: usize,
     outcome_unknown: usize,
+    /// The first OutcomeUnknown's message, for the log.
+    first_unknown: Option<String>,
     other_errors: usize,
     first_other: Option<String>,
     /// Keys that never got an answer in the first pass.
@@ -224,7 +226,10 @@ async fn worker(shared: Arc<Shared>, report: Arc<Mutex<Report>>) {
                     match answer {
                         None => r.stuck += 1,
                         Some(Err(Error::Unavailable { .. })) => r.unavailable += 1,
-                        Some(Err(Error::OutcomeUnknown { .. })) => r.outcome_unknown += 1,
+                        Some(Err(e @ Error::OutcomeUnknown { .. })) => {
+                            r.outcome_unknown += 1;
+                            r.first_unknown.get_or_insert_with(|| e.to_string());
+                        }
                         Some(Err(e)) => {
                             r.other_errors += 1;
                             r.first_other.get_or_insert_with(|| e.to_string());
