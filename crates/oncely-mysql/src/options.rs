@@ -359,6 +359,15 @@ mod tests {
         }
     }
 
+    /// What the ledger parsed before host lists: sqlx alone refuses one.
+    #[test]
+    fn sqlx_alone_refuses_a_host_list() {
+        let e = "mysql://root@127.0.0.1:3311,127.0.0.1:3312,127.0.0.1:3313/test"
+            .parse::<MySqlConnectOptions>()
+            .unwrap_err();
+        assert!(e.to_string().contains("port"), "{e}");
+    }
+
     #[test]
     fn a_host_list_is_one_set_of_options_per_host() {
         let (o, hosts) = MySqlLedgerOptions::default()
