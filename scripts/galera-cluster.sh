@@ -5,6 +5,8 @@
 #   scripts/galera-cluster.sh down      stop every node and remove the data directory
 #   scripts/galera-cluster.sh kill N    SIGKILL node N (1-3), keep its data (a crash)
 #   scripts/galera-cluster.sh stop N    shut node N down cleanly (it rejoins by IST, in seconds)
+#   scripts/galera-cluster.sh freeze N  SIGSTOP node N: it stops answering, its sockets stay open
+#   scripts/galera-cluster.sh thaw N    SIGCONT node N and wait until every node is synced again
 #   scripts/galera-cluster.sh start N   start node N again (it rejoins) and wait for the cluster;
 #                                       with ONCELY_GALERA_FAKETIME=OFFSET (libfaketime's form,
 #                                       e.g. +8 for 8 s ahead) its clock runs off by OFFSET
@@ -156,6 +158,12 @@ kill_node() {
     return 1
 }
 
+signal_node() { # node signal
+    local n=$1 pid
+    pid=$(pid_of "$n") || { echo "node n$n is not running" >&2; return 1; }
+    kill "-$2" "$pid"
+}
+
 stop_node() {
     local n=$1 pid
     pid=$(pid_of "$n") || return 0
@@ -192,11 +200,11 @@ wait_ready() {
 cmd=${1:-}
 node=${2:-}
 case $cmd in
-    up | down | kill | stop | start | status) ;;
+    up | down | kill | stop | start | freeze | thaw | status) ;;
     urls) urls; exit 0 ;;
-    *) echo "usage: $0 up|down|kill N|stop N|start N|urls|status" >&2; exit 2 ;;
+    *) echo "usage: $0 up|down|kill N|stop N|start N|freeze N|thaw N|urls|status" >&2; exit 2 ;;
 esac
-if [[ $cmd == kill || $cmd == stop || $cmd == start ]] && [[ ! $node =~ ^[123]$ ]]; then
+if [[ $cmd =~ ^(kill|stop|start|freeze|thaw)$ ]] && [[ ! $node =~ ^[123]$ ]]; then
     echo "node must be 1, 2 or 3" >&2
     exit 2
 fi
@@ -233,6 +241,12 @@ case $cmd in
         ;;
     kill) kill_node "$node" ;;
     stop) stop_node "$node" ;;
+    freeze) signal_node "$node" STOP ;;
+    thaw)
+        signal_node "$node" CONT
+        expected=$(running_nodes)
+        wait_ready
+        ;;
     start)
         if (($(running_nodes) == 0)); then start_node "$node" new; else start_node "$node"; fi
         expected=$(running_nodes)

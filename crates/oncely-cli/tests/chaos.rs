@@ -121,7 +121,14 @@ fn chaos_on_galera_with_a_node_killed() {
     let Some(urls) = run_script("galera-cluster.sh", &["up"]) else {
         return;
     };
-    let endpoints: Vec<String> = urls.split(',').map(str::to_owned).collect();
+    let mut endpoints: Vec<String> = urls.split(',').map(str::to_owned).collect();
+    // And one endpoint on the host list of all three nodes: its ledger
+    // moves to another node when its own is the one killed.
+    let hosts: Vec<&str> = endpoints
+        .iter()
+        .filter_map(|u| u.split_once('@').and_then(|(_, r)| r.split('/').next()))
+        .collect();
+    endpoints.push(format!("mysql://root@{}/test", hosts.join(",")));
     let galera = script("galera-cluster.sh").display().to_string();
     let report = chaos(
         "galera-3",

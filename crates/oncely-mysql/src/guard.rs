@@ -8,11 +8,12 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use oncely::backend::Backoff;
 use oncely::{Error, Lease, RecordState, Result};
-use sqlx::{Executor, MySqlConnection, Row};
+use sqlx::pool::PoolConnection;
+use sqlx::{Executor, MySql, MySqlConnection, Row};
 
 use crate::error::{
     self, BACKEND, autocommit_off, corrupt, join_error, lease_lost, map, unexpected_violation,
@@ -93,7 +94,96 @@ fn pause_before(n: u32, backoff: &mut Backoff) -> Duration {
 /// A boxed, sendable future.
 pub(crate) type BoxedFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
+tokio::task_local! {
+    /// The deadline of the ledger operation running on this task
+    /// ([`MySqlLedger::bounded`]), read by [`MySqlLedger::acquire`].
+    static DEADLINE: Instant;
+}
+
+/// A pooled connection of one bounded operation: dropped after the
+/// operation's deadline (the operation timed out, perhaps mid-statement on
+/// a frozen server), it is closed, never returned to the pool, whose
+/// release would ping a server that may never answer.
+pub(crate) struct Conn {
+    conn: PoolConnection<MySql>,
+    deadline: Option<Instant>,
+}
+
+impl std::ops::Deref for Conn {
+    type Target = MySqlConnection;
+    fn deref(&self) -> &MySqlConnection {
+        &self.conn
+    }
+}
+
+impl std::ops::DerefMut for Conn {
+    fn deref_mut(&mut self) -> &mut MySqlConnection {
+        &mut self.conn
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if self.deadline.is_some_and(|d| Instant::now() >= d) {
+            self.conn.close_on_drop();
+        }
+    }
+}
+
 impl MySqlLedger {
+    /// Runs one ledger operation within
+    /// [`MySqlLedgerOptions::operation_timeout`](crate::MySqlLedgerOptions::operation_timeout):
+    /// past it, [`Error::Unavailable`] (and the connection it held is
+    /// closed, see [`Conn`]). An unavailable server, either way, makes the
+    /// ledger suspect its host (`hosts.rs`): the pool's older connections
+    /// are dropped and, with a host list, a search for another host starts.
+    /// Nested calls run within the outer one's deadline.
+    pub(crate) async fn bounded<T>(&self, op: impl Future<Output = Result<T>>) -> Result<T> {
+        if DEADLINE.try_with(|_| ()).is_ok() {
+            return op.await;
+        }
+        let timeout = self.inner.operation_timeout;
+        let answer = match tokio::time::timeout(timeout, DEADLINE.scope(Instant::now() + timeout, op)).await {
+            Ok(answer) => answer,
+            Err(_) => Err(Error::Unavailable {
+                backend: BACKEND,
+                message: format!("no answer within {timeout:?} (MySqlLedgerOptions::operation_timeout)"),
+            }),
+        };
+        if matches!(answer, Err(Error::Unavailable { .. })) {
+            self.suspect();
+        }
+        answer
+    }
+
+    /// The server looked gone: see [`MySqlLedger::bounded`].
+    pub(crate) fn suspect(&self) {
+        if let Some(hosts) = &self.inner.hosts {
+            hosts.suspect();
+        }
+    }
+
+    /// A pooled connection for the operation running on this task. A pool
+    /// that timed out while new connections were being refused says why.
+    pub(crate) async fn acquire(&self) -> Result<Conn> {
+        let deadline = DEADLINE.try_with(|d| *d).ok();
+        match self.inner.pool.acquire().await {
+            Ok(conn) => Ok(Conn { conn, deadline }),
+            Err(e) => {
+                let refused = matches!(e, sqlx::Error::PoolTimedOut)
+                    .then(|| self.inner.hosts.as_ref().and_then(|h| h.refusal()))
+                    .flatten();
+                Err(match (map(e), refused) {
+                    (Error::Unavailable { backend, message }, Some(why)) => Error::Unavailable {
+                        backend,
+                        message: format!("{message} ({why})"),
+                    },
+                    (e, _) => e,
+                })
+            }
+        }
+    }
+
     /// Runs `attempt` on a pooled connection in a spawned task (so it
     /// finishes even if the caller's future is dropped), after the server
     /// has been probed, with [`MySqlLedger::retrying`].
@@ -107,8 +197,11 @@ impl MySqlLedger {
     {
         let this = self.clone();
         tokio::spawn(async move {
-            this.probe(None).await?;
-            this.retrying(attempt).await
+            this.bounded(async {
+                this.probe(None).await?;
+                this.retrying(attempt).await
+            })
+            .await
         })
         .await
         .map_err(join_error)?
@@ -128,7 +221,7 @@ impl MySqlLedger {
             if !pause.is_zero() {
                 tokio::time::sleep(pause).await;
             }
-            let mut conn = self.inner.pool.acquire().await.map_err(map)?;
+            let mut conn = self.acquire().await?;
             match attempt(self, &mut conn).await {
                 Ok(v) => return Ok(v),
                 Err(Retry::Fail(e)) => return Err(e),
@@ -164,26 +257,44 @@ impl MySqlLedger {
         ready.as_deref() != Some("ON")
     }
 
-    /// A read on the pool failed: as [`map`], but a Galera node that has
+    /// A read on `conn` failed: as [`map`], but a Galera node that has
     /// left the primary component is [`Error::Unavailable`]
     /// ([`MySqlLedger::cut_off`]).
-    pub(crate) async fn read_failed(&self, e: sqlx::Error) -> Error {
-        if self.inner.galera.load(Ordering::Relaxed)
-            && error::number(&e) == Some(1205)
-            && let Ok(mut conn) = self.inner.pool.acquire().await
-            && self.cut_off(&mut conn, &e).await
-        {
+    pub(crate) async fn read_failed(&self, conn: &mut MySqlConnection, e: sqlx::Error) -> Error {
+        if self.cut_off(conn, &e).await {
             return cut_off(e);
         }
         map(e)
     }
 
-    /// A read's result on the pool, its error as [`MySqlLedger::read_failed`].
-    pub(crate) async fn checked<T>(&self, r: std::result::Result<T, sqlx::Error>) -> Result<T> {
+    /// A read's result on `conn`, its error as [`MySqlLedger::read_failed`].
+    pub(crate) async fn checked<T>(
+        &self,
+        conn: &mut MySqlConnection,
+        r: std::result::Result<T, sqlx::Error>,
+    ) -> Result<T> {
         match r {
             Ok(v) => Ok(v),
-            Err(e) => Err(self.read_failed(e).await),
+            Err(e) => Err(self.read_failed(conn, e).await),
         }
+    }
+
+    /// Runs one read on a pooled connection, bounded, after the server has
+    /// been probed; its error as [`MySqlLedger::read_failed`].
+    pub(crate) async fn read_on_pool<T, F>(&self, read: F) -> Result<T>
+    where
+        F: for<'c> FnOnce(
+            &'c MySqlLedger,
+            &'c mut MySqlConnection,
+        ) -> BoxedFuture<'c, std::result::Result<T, sqlx::Error>>,
+    {
+        self.bounded(async {
+            self.probe(None).await?;
+            let mut conn = self.acquire().await?;
+            let r = read(self, &mut conn).await;
+            self.checked(&mut conn, r).await
+        })
+        .await
     }
 
     /// A fenced write matched no row: the lease is lost, unless the pooled

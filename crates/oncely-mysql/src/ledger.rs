@@ -10,18 +10,19 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use oncely::admin::{Admin, KindStats, RecordQuery, forget_refusal};
-use oncely::backend::{FromUrl, OpenOptions, check_outcome, duration_micros, from_micros};
+use oncely::backend::{Backoff, FromUrl, OpenOptions, check_outcome, duration_micros, from_micros};
 use oncely::watch::{Notifier, Watch};
 use oncely::{
-    Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, Result, Tenant,
-    TransactionalLedger,
+    Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, RecordState, Result,
+    Tenant, TransactionalLedger,
 };
 use sqlx::mysql::MySqlPoolOptions;
-use sqlx::{Executor, MySql, MySqlConnection, MySqlPool, Transaction};
+use sqlx::{MySql, MySqlConnection, MySqlPool, Transaction};
 
 use crate::error::{self, BACKEND, corrupt, join_error, map};
 use crate::guard::{Retry, retry_on_lock};
-use crate::options::{self, MySqlLedgerOptions, check_table};
+use crate::hosts::Hosts;
+use crate::options::{self, MySqlLedgerOptions};
 use crate::row::{first, only, stored};
 use crate::schema;
 use crate::sql::{self, Statements};
@@ -68,6 +69,20 @@ pub(crate) struct Inner {
     /// waiter on one of these keys gets a notified watch; on any other key
     /// the holder is elsewhere, and it polls.
     held: Mutex<HashMap<String, (u64, Instant)>>,
+    /// The URL's hosts, when the ledger made its pool
+    /// ([`MySqlLedger::connect_with`]); `None` on a pool it was given.
+    pub(crate) hosts: Option<Arc<Hosts>>,
+    /// [`MySqlLedgerOptions::operation_timeout`].
+    pub(crate) operation_timeout: Duration,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The pool's hooks hold the hosts, which hold the pool.
+        if let Some(hosts) = &self.hosts {
+            hosts.detach();
+        }
+    }
 }
 
 impl std::fmt::Debug for MySqlLedger {
@@ -83,13 +98,16 @@ impl std::fmt::Debug for MySqlLedger {
 
 /// What the ledger reads, for an operator: `mysql HOST:PORT/DATABASE,
 /// table TABLE` (a socket's path for `HOST:PORT`), from the pool's
-/// connection options, never the password.
+/// connection options, never the password. With a host list, the host the
+/// pool connects to now.
 impl std::fmt::Display for MySqlLedger {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let c = self.inner.pool.connect_options();
         match c.get_socket() {
             Some(socket) => write!(f, "mysql {}", socket.display())?,
-            None if c.get_host().contains(':') => write!(f, "mysql [{}]:{}", c.get_host(), c.get_port())?,
+            None if c.get_host().contains(':') && !c.get_host().starts_with('[') => {
+                write!(f, "mysql [{}]:{}", c.get_host(), c.get_port())?
+            }
             None => write!(f, "mysql {}:{}", c.get_host(), c.get_port())?,
         }
         match c.get_database() {
@@ -118,36 +136,47 @@ impl MySqlLedger {
     /// alike); the tables live in the URL's database. Any query parameter
     /// neither `table` nor sqlx's is [`Error::Config`], before any round
     /// trip.
+    ///
+    /// The URL may list several hosts (`mysql://app@db1:3306,db2:3306,db3:3306/app`,
+    /// a Galera cluster's nodes, which sqlx alone refuses): the ledger
+    /// connects to the first that will do, and every new connection is
+    /// checked the same way: a Galera node must be synced in the primary
+    /// component (`wsrep_ready`, `wsrep_local_state_comment`), and a ledger
+    /// that writes refuses a read-only server (`@@read_only`,
+    /// `@@super_read_only`, `@@innodb_read_only`). When its host goes away
+    /// the ledger moves to another by itself (crate docs, "Host lists and
+    /// failover"). Every host read-only, for a ledger that writes:
+    /// [`Error::Config`] saying so; no host that will do for now (none
+    /// answers, or none is synced): [`Error::Unavailable`] saying what each
+    /// answered. One host is checked the same way.
     pub async fn connect_with(url: &str, options: MySqlLedgerOptions) -> Result<Self> {
-        let (options, connect) = options.with_url(url)?;
-        let read_only = options.read_only;
-        let pool = MySqlPoolOptions::new()
-            .max_connections(options.max_connections)
-            .acquire_timeout(options.acquire_timeout)
-            // sqlx pings on release already; a second ping on acquire would
-            // add a round trip to every claim.
-            .test_before_acquire(false)
-            .after_connect(move |conn, _| {
-                Box::pin(async move {
-                    conn.execute(sql::STRICT_SESSION).await?;
-                    if read_only {
-                        conn.execute(sql::READ_ONLY_SESSION).await?;
-                    }
-                    Ok(())
-                })
-            })
-            .connect_with(connect)
-            .await
-            .map_err(|e| Error::Unavailable {
-                backend: BACKEND,
-                message: e.to_string(),
-            })?;
+        let (options, list) = options.with_url(url)?;
+        let hosts = Hosts::new(list, !options.read_only, options.acquire_timeout);
+        let first = hosts.locate().await?;
+        let pool = hosts
+            .hook(
+                MySqlPoolOptions::new()
+                    .max_connections(options.max_connections)
+                    .acquire_timeout(options.acquire_timeout)
+                    // sqlx pings on release already; a second ping on
+                    // acquire would add a round trip to every claim.
+                    .test_before_acquire(false),
+                options.read_only,
+            )
+            .connect_lazy_with(hosts.options(first).clone());
+        hosts.attach(&pool, first);
         let migrates = options.migrates();
-        let ledger = Self::build(pool, options);
-        if migrates {
-            ledger.migrate().await?;
+        let ledger = Self::build(pool, options, Some(hosts));
+        let ready = async {
+            if migrates {
+                ledger.migrate().await?;
+            }
+            ledger.bounded(ledger.probe(None)).await
+        };
+        if let Err(e) = ready.await {
+            ledger.inner.pool.close().await;
+            return Err(e);
         }
-        ledger.probe(None).await?;
         Ok(ledger)
     }
 
@@ -156,7 +185,7 @@ impl MySqlLedger {
     /// the first operation. The pool's `sql_mode` is the caller's: add
     /// `STRICT_ALL_TABLES` in its `after_connect` for strict mode.
     pub fn from_pool(pool: MySqlPool) -> Self {
-        Self::build(pool, MySqlLedgerOptions::default())
+        Self::build(pool, MySqlLedgerOptions::default(), None)
     }
 
     /// Wraps an existing pool with options (table name, outcome limit,
@@ -165,11 +194,11 @@ impl MySqlLedger {
     /// itself, but the pool's sessions are yours: make them read-only in its
     /// `after_connect` if the server should refuse them too.
     pub fn from_pool_with(pool: MySqlPool, options: MySqlLedgerOptions) -> Result<Self> {
-        check_table(&options.table)?;
-        Ok(Self::build(pool, options))
+        options.validate()?;
+        Ok(Self::build(pool, options, None))
     }
 
-    fn build(pool: MySqlPool, options: MySqlLedgerOptions) -> Self {
+    fn build(pool: MySqlPool, options: MySqlLedgerOptions, hosts: Option<Arc<Hosts>>) -> Self {
         MySqlLedger {
             inner: Arc::new(Inner {
                 sql: [
@@ -191,6 +220,8 @@ impl MySqlLedger {
                 packet_budget: AtomicUsize::new(1 << 20),
                 notifier: Notifier::new(),
                 held: Mutex::new(HashMap::new()),
+                hosts,
+                operation_timeout: options.operation_timeout,
             }),
         }
     }
@@ -221,14 +252,16 @@ impl MySqlLedger {
     /// Starts a transaction on a pooled connection, for `claim_in` /
     /// `complete_in` and the caller's own writes. `BEGIN` runs to completion
     /// in a spawned task, so dropping this future never returns a connection
-    /// to the pool inside an open transaction.
+    /// to the pool inside an open transaction. Bounded by
+    /// [`MySqlLedgerOptions::operation_timeout`]: past it,
+    /// [`Error::Unavailable`] (the task runs on, and a transaction it still
+    /// begins is rolled back there).
     pub async fn begin(&self) -> Result<Transaction<'static, MySql>> {
         self.writable("begin")?;
         let pool = self.inner.pool.clone();
-        tokio::spawn(async move { pool.begin().await })
+        let begun = tokio::spawn(async move { pool.begin().await });
+        self.bounded(async move { begun.await.map_err(join_error)?.map_err(map) })
             .await
-            .map_err(join_error)?
-            .map_err(map)
     }
 
     /// Creates or upgrades the tables, then checks them. Idempotent, and
@@ -353,6 +386,80 @@ impl MySqlLedger {
         .await
     }
 
+    async fn complete_on_pool(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
+        let (held, outcome) = (lease.clone(), outcome.clone());
+        self.on_pool(move |this, conn| {
+            let (lease, outcome) = (held.clone(), outcome.clone());
+            Box::pin(async move { this.complete_on(conn, &lease, &outcome, false).await })
+        })
+        .await
+    }
+
+    /// A completion (`outcome`) or release (`None`) whose answer was lost
+    /// (`lost`: the connection died during the statement, which commits
+    /// it; the node left the cluster; no answer within the operation
+    /// timeout): whether it was applied is read from the record itself, on
+    /// a new connection (with a host list, on the host the ledger moved
+    /// to; on Galera a causal read, which sees every write the cluster
+    /// certified), never guessed. Applied (the record is in the write's
+    /// end state at the lease's fence): done. Still in progress at that
+    /// fence: nothing was applied, and the write runs again (fenced, so at
+    /// most once). Anything else: the lease is gone ([`Error::LeaseLost`]).
+    /// The read is tried again while the server is unavailable (the ledger
+    /// is looking for another host), for two more
+    /// [`MySqlLedgerOptions::operation_timeout`]s: on Galera the surviving
+    /// nodes' causal reads stall until the cluster has evicted the lost
+    /// node (`evs.suspect_timeout`), which can take a whole timeout. When
+    /// the record cannot be read by then, `lost` is the answer.
+    async fn resolve(&self, lease: &Lease, outcome: Option<&Outcome>, lost: Error) -> Result<()> {
+        let done = if outcome.is_some() {
+            RecordState::Completed
+        } else {
+            RecordState::Released
+        };
+        let mut wrote_again = false;
+        let give_up = Instant::now() + 2 * self.inner.operation_timeout;
+        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+        loop {
+            let record = match self.get(lease.key()).await {
+                Ok(record) => record,
+                Err(Error::Unavailable { .. }) if Instant::now() < give_up => {
+                    backoff
+                        .wait(give_up.saturating_duration_since(Instant::now()))
+                        .await;
+                    continue;
+                }
+                Err(_) => return Err(lost),
+            };
+            match record {
+                Some(r) if r.fence == lease.fence() && r.state == done => {
+                    tracing::info!(
+                        backend = BACKEND,
+                        key = %lease.key(),
+                        fence = lease.fence(),
+                        "a write whose answer was lost had been applied"
+                    );
+                    return Ok(());
+                }
+                Some(r) if r.fence == lease.fence() && r.state == RecordState::InProgress && !wrote_again => {
+                    wrote_again = true;
+                    let again = match outcome {
+                        Some(outcome) => self.complete_on_pool(lease, outcome).await,
+                        None => self.release_on_pool(lease).await,
+                    };
+                    match again {
+                        Ok(()) => return Ok(()),
+                        // Applied meanwhile (the first write, late)? The
+                        // record says.
+                        Err(Error::LeaseLost { .. }) => {}
+                        Err(_) => return Err(lost),
+                    }
+                }
+                _ => return Err(error::lease_lost(lease)),
+            }
+        }
+    }
+
     async fn complete_on(
         &self,
         conn: &mut MySqlConnection,
@@ -423,13 +530,10 @@ impl Ledger for MySqlLedger {
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
         check_outcome(outcome, self.max_outcome_bytes())?;
         self.writable("complete")?;
-        let (held, outcome) = (lease.clone(), outcome.clone());
-        let result = self
-            .on_pool(move |this, conn| {
-                let (lease, outcome) = (held.clone(), outcome.clone());
-                Box::pin(async move { this.complete_on(conn, &lease, &outcome, false).await })
-            })
-            .await;
+        let result = match self.complete_on_pool(lease, outcome).await {
+            Err(lost @ Error::Unavailable { .. }) => self.resolve(lease, Some(outcome), lost).await,
+            other => other,
+        };
         self.settled(lease, &result);
         result
     }
@@ -469,7 +573,10 @@ impl Ledger for MySqlLedger {
 
     async fn release(&self, lease: &Lease) -> Result<()> {
         self.writable("release")?;
-        let result = self.release_on_pool(lease).await;
+        let result = match self.release_on_pool(lease).await {
+            Err(lost @ Error::Unavailable { .. }) => self.resolve(lease, None, lost).await,
+            other => other,
+        };
         self.settled(lease, &result);
         result
     }
@@ -512,12 +619,17 @@ impl Ledger for MySqlLedger {
     }
 
     async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
-        self.probe(None).await?;
-        let row = sqlx::query(sqlx::AssertSqlSafe(self.sql().get.as_str()))
-            .bind(key.as_str())
-            .fetch_all(&self.inner.pool)
-            .await;
-        let row = self.checked(row).await?;
+        let k = key.clone();
+        let row = self
+            .read_on_pool(move |this, conn| {
+                Box::pin(async move {
+                    sqlx::query(sqlx::AssertSqlSafe(this.sql().get.as_str()))
+                        .bind(k.as_str())
+                        .fetch_all(&mut *conn)
+                        .await
+                })
+            })
+            .await?;
         first(row)
             .map(|r| stored(&r, false, false)?.record(Some(key)))
             .transpose()
@@ -529,27 +641,36 @@ impl Ledger for MySqlLedger {
     }
 
     async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
-        self.probe(None).await?;
-        let rows = sqlx::query(sqlx::AssertSqlSafe(self.sql().abandoned.as_str()))
-            .bind(tenant.as_str())
-            .bind(limit)
-            .fetch_all(&self.inner.pool)
-            .await;
-        let rows = self.checked(rows).await?;
+        let tenant = tenant.clone();
+        let rows = self
+            .read_on_pool(move |this, conn| {
+                Box::pin(async move {
+                    sqlx::query(sqlx::AssertSqlSafe(this.sql().abandoned.as_str()))
+                        .bind(tenant.as_str())
+                        .bind(limit)
+                        .fetch_all(&mut *conn)
+                        .await
+                })
+            })
+            .await?;
         rows.iter()
             .map(|r| stored(r, false, false)?.record(None))
             .collect()
     }
 
     async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
-        self.probe(None).await?;
-        let watermark =
-            sqlx::query_scalar::<_, Option<i64>>(sqlx::AssertSqlSafe(self.sql().horizon.as_str()))
-                .bind(tenant.as_str())
-                .bind(kind)
-                .fetch_all(&self.inner.pool)
-                .await;
-        let watermark = self.checked(watermark).await?;
+        let (tenant, kind) = (tenant.clone(), kind.to_owned());
+        let watermark = self
+            .read_on_pool(move |this, conn| {
+                Box::pin(async move {
+                    sqlx::query_scalar::<_, Option<i64>>(sqlx::AssertSqlSafe(this.sql().horizon.as_str()))
+                        .bind(tenant.as_str())
+                        .bind(kind.as_str())
+                        .fetch_all(&mut *conn)
+                        .await
+                })
+            })
+            .await?;
         Ok(first(watermark).flatten().map(from_micros))
     }
 
@@ -630,8 +751,9 @@ impl TransactionalLedger for MySqlLedger {
 impl FromUrl for MySqlLedger {
     const SCHEMES: &'static [&'static str] = options::SCHEMES;
 
-    /// `mysql://` or `mariadb://` (`user:password@host:port/database`, and
-    /// sqlx's query parameters such as `ssl-mode`), opened with
+    /// `mysql://` or `mariadb://` (`user:password@host:port/database`, or
+    /// a host list `user@h1:3306,h2:3306/database`, and sqlx's query
+    /// parameters such as `ssl-mode`), opened with
     /// [`MySqlLedger::connect_with`]: [`Access`](oncely::backend::Access)
     /// `Migrate` creates and upgrades the tables, `Existing` checks them and
     /// creates nothing, `ReadOnly` also opens read-only sessions and refuses
@@ -650,26 +772,34 @@ impl FromUrl for MySqlLedger {
 /// completion on the pool like every write.
 impl Admin for MySqlLedger {
     async fn records(&self, query: &RecordQuery) -> Result<Vec<Record>> {
-        self.probe(None).await?;
         let (text, args) = sql::records(&self.inner.table, query)?;
-        let text = format!("{}{text}", self.sql().read);
-        let rows = bind(sqlx::query(sqlx::AssertSqlSafe(text)), args)
-            .fetch_all(&self.inner.pool)
-            .await;
-        let rows = self.checked(rows).await?;
+        let rows = self
+            .read_on_pool(move |this, conn| {
+                Box::pin(async move {
+                    let text = format!("{}{text}", this.sql().read);
+                    bind(sqlx::query(sqlx::AssertSqlSafe(text)), args)
+                        .fetch_all(&mut *conn)
+                        .await
+                })
+            })
+            .await?;
         rows.iter()
             .map(|r| stored(r, false, false)?.record(None))
             .collect()
     }
 
     async fn stats(&self, tenant: Option<&Tenant>) -> Result<Vec<KindStats>> {
-        self.probe(None).await?;
         let (text, args) = sql::stats(&self.inner.table, tenant);
-        let text = format!("{}{text}", self.sql().read);
-        let rows = bind(sqlx::query(sqlx::AssertSqlSafe(text)), args)
-            .fetch_all(&self.inner.pool)
-            .await;
-        let rows = self.checked(rows).await?;
+        let rows = self
+            .read_on_pool(move |this, conn| {
+                Box::pin(async move {
+                    let text = format!("{}{text}", this.sql().read);
+                    bind(sqlx::query(sqlx::AssertSqlSafe(text)), args)
+                        .fetch_all(&mut *conn)
+                        .await
+                })
+            })
+            .await?;
         rows.iter().map(crate::row::kind_stats).collect()
     }
 
@@ -705,12 +835,16 @@ impl Admin for MySqlLedger {
     }
 
     async fn prunable(&self) -> Result<u64> {
-        self.probe(None).await?;
-        let n = sqlx::query_scalar(sqlx::AssertSqlSafe(self.sql().prunable.as_str()))
-            .fetch_all(&self.inner.pool)
-            .await
-            .and_then(only);
-        let n: i64 = self.checked(n).await?;
+        let n: i64 = self
+            .read_on_pool(move |this, conn| {
+                Box::pin(async move {
+                    sqlx::query_scalar(sqlx::AssertSqlSafe(this.sql().prunable.as_str()))
+                        .fetch_all(&mut *conn)
+                        .await
+                        .and_then(only)
+                })
+            })
+            .await?;
         Ok(u64::try_from(n).unwrap_or(0))
     }
 }

@@ -39,6 +39,7 @@
 //! | URL part | what it sets |
 //! | --- | --- |
 //! | `mysql://` or `mariadb://` `user:password@host:port/database` | the server, and the database the ledger's tables live in (MySQL's schema: there is no separate `?schema=`) |
+//! | `user:password@host1:port1,host2:port2,host3:port3/database` | a host list (a Galera cluster's nodes; sqlx alone refuses it): the ledger connects to one that will do and moves to another when it goes away. See "Host lists and failover". An empty entry (`h1,,h2`), a bad host or port, or `?socket=` with a list: [`oncely::Error::Config`] before anything connects |
 //! | `?table=effects` | [`MySqlLedgerOptions::table`] (default [`DEFAULT_TABLE`]); its horizon table is `<table>_horizon` |
 //! | `?ssl-mode=`, `?charset=`, `?socket=`, `?timezone=` … | sqlx's own parameters, handed to it |
 //! | any other parameter (`?tabel=x`, `?schema=x`) | refused: [`oncely::Error::Config`] naming it and the accepted ones, before anything connects |
@@ -51,7 +52,9 @@
 //!
 //! | | |
 //! | --- | --- |
-//! | URL | `mysql://user:password@host:port/database[?table=T]` or `mariadb://…`, with sqlx's parameters (`ssl-mode`, …): [`MySqlLedger::connect`], or [`FromUrl`](oncely::backend::FromUrl) with an [`Access`](oncely::backend::Access) and a connect timeout (the pool's acquire timeout). See "URL forms" |
+//! | URL | `mysql://user:password@host:port/database[?table=T]` or `mariadb://…`, one host or a list (`h1:3306,h2:3306,…`), with sqlx's parameters (`ssl-mode`, …): [`MySqlLedger::connect`], or [`FromUrl`](oncely::backend::FromUrl) with an [`Access`](oncely::backend::Access) and a connect timeout (the pool's acquire timeout). See "URL forms" |
+//! | operation timeout | every operation on the pool (claims, completions, reads, each prune batch, `begin`) answers within [`MySqlLedgerOptions::operation_timeout`] (10 s by default), or fails with [`oncely::Error::Unavailable`] and closes its connection: a frozen server is a bounded, typed error. A completion or release whose answer was lost re-reads its row, within three timeouts in all. Not `claim_in` / `complete_in` (the caller's connection) nor `migrate` |
+//! | new connections | each is checked before the pool hands it out: a Galera node synced in the primary component; for a ledger that writes, a server that is not read-only (`@@read_only`, `@@super_read_only`, `@@innodb_read_only`). See "Host lists and failover" |
 //! | atomic claim | a plain read of the key first (a duplicate is answered by it: no lock, no write); then, for an absent, released or expired key only, one `INSERT … ON DUPLICATE KEY UPDATE` on the primary key, which decides again on its own: the insert, or the takeover of an expired lease or a released record, in the same statement |
 //! | caller's transaction | yes: [`TransactionalLedger`](oncely::TransactionalLedger) on `&mut` [`MySqlConnection`]; a concurrent duplicate blocks on the row lock until the first commits. When several wait on one that rolls back, InnoDB may make one of them a deadlock victim (each held a share lock on the duplicate): a retryable [`oncely::Error::Backend`]; redo the transaction |
 //! | durability | what the server's InnoDB settings give (`innodb_flush_log_at_trx_commit = 1`: committed claims survive a crash); on a MariaDB Galera node, also every other node of the primary component (a write returns once the cluster certified it): see "Galera" |
@@ -77,7 +80,9 @@
 //! at the same instant still have one winner, every multi-node case of the
 //! conformance suite passes (`tests/galera.rs`, on a three-node cluster of
 //! `scripts/galera-cluster.sh`), and so does a node killed with `SIGKILL`
-//! mid-run (`tests/galera_faults.rs`). The ledger finds out at the first
+//! mid-run (`tests/galera_faults.rs`). Or open one ledger on the cluster's
+//! host list, which moves to another node when its own leaves (see "Host
+//! lists and failover"). The ledger finds out at the first
 //! operation (`@@wsrep_on`) and says so in
 //! [`Capabilities`](oncely::Capabilities) (`replicated`, `durability`).
 //! What the cluster changes, and what the ledger does about it:
@@ -122,15 +127,16 @@
 //!   not yet prepared node"), and a causal read with 1205 once
 //!   `repl.causal_read_timeout` has passed (30 s by default): both are
 //!   [`oncely::Error::Unavailable`] (1205 is told from a lock wait by
-//!   `wsrep_ready`). A ledger is one node's pool and does not fail over:
-//!   move the work on `Unavailable` (a broker's redelivery to a worker on
-//!   another node does it), or connect through a Galera-aware proxy. A
-//!   write the cluster acknowledged survives the loss of the node it went
+//!   `wsrep_ready`). A ledger on one node's URL stays on that node (and
+//!   refuses new connections to it until it is synced again): give it the
+//!   cluster's host list (`mysql://app@n1:3306,n2:3306,n3:3306/app`) and
+//!   it moves to another node by itself (see "Host lists and failover");
+//!   or move the work on `Unavailable` (a broker's redelivery to a worker
+//!   on another node), or connect through a Galera-aware proxy. A write
+//!   the cluster acknowledged survives the loss of the node it went
 //!   through; the survivors carry on once the cluster has evicted the dead
 //!   node (`evs.suspect_timeout`, 5 s by default), and a lease its
-//!   claimants held expires like any other. Connections of a pool whose
-//!   node restarted fail once each (`Unavailable`) before the pool replaces
-//!   them.
+//!   claimants held expires like any other.
 //! - **The caller's transaction.** `claim_in` works on a Galera node; a
 //!   duplicate claimed in a transaction on another node does not wait on
 //!   the row lock as on one server: one of the two transactions fails at
@@ -157,6 +163,63 @@
 //!   `SET STATEMENT`); on a MySQL-based Galera (Percona XtraDB Cluster) it
 //!   logs a warning and a duplicate may be answered from a read a few
 //!   milliseconds behind.
+//!
+//! ## Host lists and failover
+//!
+//! A URL may list several hosts: `mysql://app@n1:3306,n2:3306,n3:3306/app`
+//! (each `host:port`, `[v6]:port`, or a host with the default port; one
+//! user, password, database and set of parameters for all). The ledger
+//! probes them all at once and connects to the first that will do:
+//!
+//! - a **Galera node** must serve: `wsrep_ready = ON`,
+//!   `wsrep_cluster_status = Primary`, `wsrep_local_state_comment =
+//!   Synced`. A joiner, a donor (`Donor/Desynced`) or a node cut off from
+//!   the primary component is refused, for now ([`oncely::Error::Unavailable`]
+//!   when no host will do: it may serve again once synced);
+//! - a ledger that **writes** refuses a **read-only** server (`@@read_only`,
+//!   `@@super_read_only`, `@@innodb_read_only`: a replica), instead of
+//!   failing later in a write. With every host read-only that is
+//!   [`oncely::Error::Config`], saying so per host. A
+//!   [read-only](MySqlLedgerOptions::read_only) ledger may read there.
+//!
+//! Every new connection of the pool is checked the same way (one `SHOW`
+//! round trip in `after_connect`, one host's URL included). When an
+//! operation finds its server gone (a connection error, 1047 "WSREP has not
+//! yet prepared node", 1053 "server shutdown", no answer within
+//! [`MySqlLedgerOptions::operation_timeout`]) or a new connection is
+//! refused, the ledger suspects its host: connections opened before are
+//! closed instead of handed out, and one background search probes every
+//! host (for up to two minutes) and points the pool at the first that will
+//! do; operations from then on run there. The operation that found the
+//! fault still fails (`Unavailable`; the runner's caller redelivers). A
+//! completion or release whose answer was lost that way (the connection
+//! died while its statement committed, or timed out) is not guessed: the
+//! ledger reads the key's row again on a new connection (on Galera a
+//! causal read, which sees every write the cluster certified): completed
+//! (released) at the lease's fence means it was applied; still in progress
+//! at that fence, it runs the fenced write again; anything else is
+//! `LeaseLost`. Only when the row cannot be read within two more operation
+//! timeouts (on Galera the survivors' reads stall until the cluster has
+//! evicted the lost node) does it fail (`Unavailable`, which the runner
+//! reports as `OutcomeUnknown`): a completion or release answers within
+//! three operation timeouts.
+//!
+//! Tested on the three-node cluster (`tests/galera_hosts.rs`): eight workers
+//! run `Effects::run` over 1,500 keys through one host-list ledger, and the
+//! node it is connected to is killed with `SIGKILL` (or frozen with
+//! `SIGSTOP`) mid-run. The ledger moved to another node by itself; no key
+//! had two holders at once, no acknowledged completion was lost, no handler
+//! ran again after its completion was acknowledged, every key finished, and
+//! no call took longer than its bound. With the same run on one node's URL
+//! (how every ledger connected before host lists), 962 of the 1,500 keys
+//! never finished. A frozen node is the costlier fault: the cluster's
+//! writes stall until it is evicted (`evs.suspect_timeout`), and calls in
+//! flight on it fail at the operation timeout. `tests/galera.rs` runs the
+//! conformance suites through host lists too.
+//!
+//! The design is that of oncely-postgres' host lists (which also follow
+//! `target_session_attrs` and re-point a listener); the two are separate
+//! implementations for now.
 //!
 //! ## The clock, and a claim that waited
 //!
@@ -371,7 +434,8 @@
 mod batch; // claim_many and complete_many: a read, then one statement for the keys that need a write
 mod claim; // the claim: its statement's forms, what its row means, the refresh after a lock wait, the horizon
 mod error; // driver errors to oncely::Error, unique violations
-mod guard; // running on the pool: one retry loop, the leaked-transaction guard
+mod guard; // running on the pool: one retry loop, the operation timeout, the leaked-transaction guard
+mod hosts; // a URL's host list, the check of every new connection, moving to another host
 mod ledger; // MySqlLedger: constructors, Ledger, TransactionalLedger, FromUrl
 mod options; // MySqlLedgerOptions, this backend's URLs
 mod prune; // prune's batches: lock the watermarks, raise them, delete

@@ -8,6 +8,8 @@ use oncely::backend::{Access, OpenOptions, UrlParams};
 use oncely::{Error, Result};
 use sqlx::mysql::MySqlConnectOptions;
 
+use crate::hosts::split_hosts;
+
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "oncely_effects";
 
@@ -22,6 +24,7 @@ pub struct MySqlLedgerOptions {
     pub(crate) returning: Option<bool>,
     pub(crate) migrate: bool,
     pub(crate) read_only: bool,
+    pub(crate) operation_timeout: Duration,
 }
 
 impl Default for MySqlLedgerOptions {
@@ -34,6 +37,7 @@ impl Default for MySqlLedgerOptions {
             returning: None,
             migrate: true,
             read_only: false,
+            operation_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -97,6 +101,34 @@ impl MySqlLedgerOptions {
         self
     }
 
+    /// The longest one ledger operation on the pool (a claim, a
+    /// completion, a read, one prune batch, `begin`…) may take, from the
+    /// wait for a connection to the answer (default 10 s). Past it the
+    /// operation fails with [`Error::Unavailable`] and its connection is
+    /// closed, never returned to the pool: a server that stops answering
+    /// (frozen, partitioned away) becomes a bounded, typed error instead of
+    /// a call that hangs, and with a host list the ledger looks for another
+    /// host (crate docs, "Host lists and failover"). A completion or
+    /// release whose answer was lost this way re-reads its record to learn
+    /// whether it was applied. It does not bound `claim_in`, `complete_in`
+    /// and `migrate`, which run on the caller's connection or may wait on
+    /// the migration lock. Applies to
+    /// [`MySqlLedger::from_pool_with`](crate::MySqlLedger::from_pool_with)
+    /// too. A zero timeout is [`Error::Config`].
+    pub fn operation_timeout(mut self, timeout: Duration) -> Self {
+        self.operation_timeout = timeout;
+        self
+    }
+
+    /// Checks what can be checked before any round trip.
+    pub(crate) fn validate(&self) -> Result<()> {
+        check_table(&self.table)?;
+        if self.operation_timeout.is_zero() {
+            return Err(Error::Config("operation_timeout must be above zero".into()));
+        }
+        Ok(())
+    }
+
     /// Whether connecting may create or upgrade tables.
     pub(crate) fn migrates(&self) -> bool {
         self.migrate && !self.read_only
@@ -151,17 +183,38 @@ const DRIVER_PARAMS: &[&str] = &[
 
 impl MySqlLedgerOptions {
     /// These options with what `url`'s query sets (`?table=`: the URL wins,
-    /// as it is what a deployment configures), the table checked, and the
-    /// connection options of the rest of the URL. A parameter neither the
-    /// ledger nor sqlx reads is [`Error::Config`], before any round trip.
-    pub(crate) fn with_url(mut self, url: &str) -> Result<(Self, MySqlConnectOptions)> {
+    /// as it is what a deployment configures), checked, and the connection
+    /// options of each host of the rest of the URL (one, or a
+    /// comma-separated list: `mysql://u@h1:3306,h2:3306/db`, which sqlx
+    /// alone refuses). A parameter neither the ledger nor sqlx reads, an
+    /// empty or bad host in the list, is [`Error::Config`], before any
+    /// round trip.
+    pub(crate) fn with_url(mut self, url: &str) -> Result<(Self, Vec<MySqlConnectOptions>)> {
         let params = UrlParams::parse(url, "MySQL", OWN_PARAMS, DRIVER_PARAMS)?;
         if let Some(table) = params.get("table") {
             self.table = table.to_owned();
         }
-        check_table(&self.table)?;
-        let connect = connect_options(params.driver_url())?;
-        Ok((self, connect))
+        self.validate()?;
+        let urls = split_hosts(params.driver_url())?;
+        let many = urls.len() > 1;
+        let hosts = urls
+            .iter()
+            .enumerate()
+            .map(|(n, url)| match connect_options(url) {
+                Err(Error::Config(m)) if many => {
+                    Err(Error::Config(format!("host {} of the URL's list: {m}", n + 1)))
+                }
+                other => other,
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if many && hosts.iter().any(|h| h.get_socket().is_some()) {
+            return Err(Error::Config(
+                "a MySQL URL with a host list cannot also name a socket (?socket=): it would be \
+                 every host's"
+                    .into(),
+            ));
+        }
+        Ok((self, hosts))
     }
 }
 
@@ -272,8 +325,9 @@ mod tests {
             .with_url("mysql://root:s3cret@h:3307/billing?ssl-mode=disabled&table=effects")
             .unwrap();
         assert_eq!(o.table, "effects");
-        assert_eq!((connect.get_host(), connect.get_port()), ("h", 3307));
-        assert_eq!(connect.get_database(), Some("billing"));
+        assert_eq!(connect.len(), 1);
+        assert_eq!((connect[0].get_host(), connect[0].get_port()), ("h", 3307));
+        assert_eq!(connect[0].get_database(), Some("billing"));
         let (o, _) = MySqlLedgerOptions::default()
             .table("from_code")
             .with_url("mariadb://root@h/billing")
@@ -303,6 +357,59 @@ mod tests {
                 other => panic!("{bad}: {other:?}"),
             }
         }
+    }
+
+    /// What the ledger parsed before host lists: sqlx alone refuses one.
+    #[test]
+    fn sqlx_alone_refuses_a_host_list() {
+        let e = "mysql://root@127.0.0.1:3311,127.0.0.1:3312,127.0.0.1:3313/test"
+            .parse::<MySqlConnectOptions>()
+            .unwrap_err();
+        assert!(e.to_string().contains("port"), "{e}");
+    }
+
+    #[test]
+    fn a_host_list_is_one_set_of_options_per_host() {
+        let (o, hosts) = MySqlLedgerOptions::default()
+            .with_url("mysql://root:s3cret@127.0.0.1:3311,127.0.0.1:3312,[::1]:3313/test?table=t")
+            .unwrap();
+        assert_eq!(o.table, "t");
+        let names: Vec<String> = hosts.iter().map(crate::hosts::host_name).collect();
+        assert_eq!(names, ["127.0.0.1:3311", "127.0.0.1:3312", "[::1]:3313"]);
+        assert!(hosts.iter().all(|h| h.get_database() == Some("test")));
+        for (bad, says) in [
+            ("mysql://root:s3cret@h1:3311,,h2:3312/test", "empty entry"),
+            (
+                "mysql://root:s3cret@h1:3311,h2:99999/test",
+                "host 2 of the URL's list: bad MySQL URL",
+            ),
+            (
+                "mysql://root:s3cret@h1:3311,h2:port/test",
+                "host 2 of the URL's list",
+            ),
+            (
+                "mysql://root:s3cret@h1,h2/test?socket=/tmp/s",
+                "cannot also name a socket",
+            ),
+            (
+                "mysql://root:s3cret@h1,h2/test?tabel=x",
+                "unknown MySQL URL parameter 'tabel'",
+            ),
+        ] {
+            match MySqlLedgerOptions::default().with_url(bad) {
+                Err(Error::Config(m)) => {
+                    assert!(m.contains(says), "{bad}: {m}");
+                    assert!(!m.contains("s3cret"), "{bad}: {m}");
+                }
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+        assert!(matches!(
+            MySqlLedgerOptions::default()
+                .operation_timeout(Duration::ZERO)
+                .with_url("mysql://h/db"),
+            Err(Error::Config(m)) if m.contains("operation_timeout")
+        ));
     }
 
     #[test]

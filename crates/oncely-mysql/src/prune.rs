@@ -39,12 +39,13 @@ impl MySqlLedger {
     pub(crate) async fn prune_records(&self, limit: u64) -> Result<u64> {
         let this = self.clone();
         tokio::spawn(async move {
-            this.probe(None).await?;
+            this.bounded(this.probe(None)).await?;
             let mut total = 0u64;
             while total < limit {
                 let n = (limit - total).min(BATCH);
+                // Each batch within the operation timeout.
                 let (seen, deleted) = this
-                    .retrying(move |this, conn| Box::pin(this.prune_batch(conn, n)))
+                    .bounded(this.retrying(move |this, conn| Box::pin(this.prune_batch(conn, n))))
                     .await?;
                 total += deleted;
                 if seen < n {

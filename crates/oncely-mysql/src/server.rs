@@ -7,10 +7,10 @@
 use std::sync::atomic::Ordering;
 
 use oncely::{Error, Result};
-use sqlx::pool::PoolConnection;
-use sqlx::{MySql, MySqlConnection, Row};
+use sqlx::{MySqlConnection, Row};
 
 use crate::error::{self, autocommit_off, map};
+use crate::guard::Conn;
 use crate::row::only;
 use crate::{MySqlLedger, schema, sql};
 
@@ -51,11 +51,11 @@ impl MySqlLedger {
             .probed
             .get_or_try_init(|| async move {
                 let in_caller_tx = conn.is_some();
-                let mut pooled: PoolConnection<MySql>;
+                let mut pooled: Conn;
                 let conn: &mut MySqlConnection = match conn {
                     Some(conn) => conn,
                     None => {
-                        pooled = self.inner.pool.acquire().await.map_err(map)?;
+                        pooled = self.acquire().await?;
                         &mut pooled
                     }
                 };

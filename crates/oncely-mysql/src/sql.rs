@@ -105,6 +105,16 @@ pub(crate) const WSREP_ON: &str = "SELECT CAST(@@wsrep_on AS SIGNED)";
 /// outside the primary component still answers `SHOW` (`guard::cut_off`).
 pub(crate) const WSREP_READY: &str = "SHOW STATUS LIKE 'wsrep_ready'";
 
+/// What every new connection of a ledger's pool checks (`hosts.rs`), in
+/// one round trip of the text protocol (a Galera node outside the primary
+/// component still answers `SHOW`): rows of (name, value). Variables a
+/// server does not have are simply absent (`super_read_only` on MariaDB,
+/// `wsrep_*` on MySQL).
+pub(crate) const SESSION_CHECK: &str = "SHOW GLOBAL VARIABLES WHERE Variable_name IN \
+     ('read_only', 'super_read_only', 'innodb_read_only', 'wsrep_on'); \
+     SHOW GLOBAL STATUS WHERE Variable_name IN \
+     ('wsrep_ready', 'wsrep_cluster_status', 'wsrep_local_state_comment')";
+
 /// The schema versions applied to a table. Parameter: the table's name.
 pub(crate) const APPLIED_VERSIONS: &str = "SELECT version FROM oncely_schema_migrations WHERE table_name = ?";
 

@@ -70,3 +70,19 @@ pub async fn nodes_with(opts: MySqlLedgerOptions) -> Option<Vec<MySqlLedger>> {
     }
     Some(nodes)
 }
+
+/// One URL listing every node (`mysql://root@h1,h2,h3/test`), starting
+/// from node `first` (0-based) and going round.
+pub fn host_list_url(first: usize) -> Option<String> {
+    let urls = galera_urls()?;
+    let hosts: Vec<String> = urls
+        .iter()
+        .map(|u| {
+            let rest = u.split_once('@').map_or(u.as_str(), |(_, r)| r);
+            rest.split('/').next().unwrap_or(rest).to_owned()
+        })
+        .collect();
+    let n = hosts.len();
+    let order: Vec<&str> = (0..n).map(|i| hosts[(first + i) % n].as_str()).collect();
+    Some(format!("mysql://root@{}/test", order.join(",")))
+}
