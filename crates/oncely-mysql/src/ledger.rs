@@ -10,11 +10,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use oncely::admin::{Admin, KindStats, RecordQuery, forget_refusal};
-use oncely::backend::{Backoff, FromUrl, OpenOptions, check_outcome, duration_micros, from_micros};
+use oncely::backend::{FromUrl, LostWrite, OpenOptions, check_outcome, duration_micros, from_micros};
 use oncely::watch::{Notifier, Watch};
 use oncely::{
-    Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, RecordState, Result,
-    Tenant, TransactionalLedger,
+    Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, Result, Tenant,
+    TransactionalLedger,
 };
 use sqlx::mysql::MySqlPoolOptions;
 use sqlx::{MySql, MySqlConnection, MySqlPool, Transaction};
@@ -398,66 +398,35 @@ impl MySqlLedger {
     /// A completion (`outcome`) or release (`None`) whose answer was lost
     /// (`lost`: the connection died during the statement, which commits
     /// it; the node left the cluster; no answer within the operation
-    /// timeout): whether it was applied is read from the record itself, on
-    /// a new connection (with a host list, on the host the ledger moved
-    /// to; on Galera a causal read, which sees every write the cluster
-    /// certified), never guessed. Applied (the record is in the write's
-    /// end state at the lease's fence): done. Still in progress at that
-    /// fence: nothing was applied, and the write runs again (fenced, so at
-    /// most once). Anything else: the lease is gone ([`Error::LeaseLost`]).
-    /// The read is tried again while the server is unavailable (the ledger
-    /// is looking for another host), for two more
+    /// timeout), resolved from the record by the shared rule
+    /// ([`oncely::backend::resolve_lost_write`]): read on a new connection
+    /// (with a host list, on the host the ledger moved to; on Galera a
+    /// causal read, which sees every write the cluster certified). The read
+    /// is tried again while the server is unavailable for two more
     /// [`MySqlLedgerOptions::operation_timeout`]s: on Galera the surviving
     /// nodes' causal reads stall until the cluster has evicted the lost
-    /// node (`evs.suspect_timeout`), which can take a whole timeout. When
-    /// the record cannot be read by then, `lost` is the answer.
+    /// node (`evs.suspect_timeout`), which can take a whole timeout.
     async fn resolve(&self, lease: &Lease, outcome: Option<&Outcome>, lost: Error) -> Result<()> {
-        let done = if outcome.is_some() {
-            RecordState::Completed
+        let write = if outcome.is_some() {
+            LostWrite::Complete
         } else {
-            RecordState::Released
+            LostWrite::Release
         };
-        let mut wrote_again = false;
-        let give_up = Instant::now() + 2 * self.inner.operation_timeout;
-        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
-        loop {
-            let record = match self.get(lease.key()).await {
-                Ok(record) => record,
-                Err(Error::Unavailable { .. }) if Instant::now() < give_up => {
-                    backoff
-                        .wait(give_up.saturating_duration_since(Instant::now()))
-                        .await;
-                    continue;
+        oncely::backend::resolve_lost_write(
+            BACKEND,
+            lease,
+            write,
+            lost,
+            2 * self.inner.operation_timeout,
+            || self.get(lease.key()),
+            || async {
+                match outcome {
+                    Some(outcome) => self.complete_on_pool(lease, outcome).await,
+                    None => self.release_on_pool(lease).await,
                 }
-                Err(_) => return Err(lost),
-            };
-            match record {
-                Some(r) if r.fence == lease.fence() && r.state == done => {
-                    tracing::info!(
-                        backend = BACKEND,
-                        key = %lease.key(),
-                        fence = lease.fence(),
-                        "a write whose answer was lost had been applied"
-                    );
-                    return Ok(());
-                }
-                Some(r) if r.fence == lease.fence() && r.state == RecordState::InProgress && !wrote_again => {
-                    wrote_again = true;
-                    let again = match outcome {
-                        Some(outcome) => self.complete_on_pool(lease, outcome).await,
-                        None => self.release_on_pool(lease).await,
-                    };
-                    match again {
-                        Ok(()) => return Ok(()),
-                        // Applied meanwhile (the first write, late)? The
-                        // record says.
-                        Err(Error::LeaseLost { .. }) => {}
-                        Err(_) => return Err(lost),
-                    }
-                }
-                _ => return Err(error::lease_lost(lease)),
-            }
-        }
+            },
+        )
+        .await
     }
 
     async fn complete_on(

@@ -9,11 +9,11 @@ use std::time::{Duration, Instant, SystemTime};
 
 use oncely::admin::{Admin, KindStats, RecordQuery, forget_refusal};
 use oncely::backend::{
-    FromUrl, OpenOptions, answer_existing, check_outcome, duration_micros, from_micros, to_micros,
+    FromUrl, LostWrite, OpenOptions, answer_existing, check_outcome, duration_micros, from_micros, to_micros,
 };
 use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, MAX_OUTCOME_BYTES, Outcome, Record,
-    RecordState, Result, Tenant, TransactionalLedger, Watch,
+    Result, Tenant, TransactionalLedger, Watch,
 };
 use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres};
@@ -314,70 +314,34 @@ impl PgLedger {
     }
 
     /// A fenced write (a completion or a release) whose answer was lost
-    /// (`lost`: the connection died, or no answer in time): whether it was
-    /// applied is read from the record itself, on a new connection, never
-    /// guessed. Applied (the record is in the write's end state at the
-    /// lease's fence): done. Still in progress at that fence: nothing was
-    /// applied, and the write runs again (fenced, so at most once). Anything
-    /// else: the lease is gone ([`Error::LeaseLost`]). The read is tried
-    /// again while the server is unavailable (a failover under way: the
-    /// ledger is looking for the promoted standby), for one more
-    /// [`PgLedgerOptions::operation_timeout`]; when the record cannot be
-    /// read by then, `lost` is the answer.
+    /// (`lost`: the connection died, or no answer in time), resolved from
+    /// the record by the shared rule ([`oncely::backend::resolve_lost_write`]),
+    /// read on a new connection and tried again while the server is
+    /// unavailable (a failover under way: the ledger is looking for the
+    /// promoted standby) for one more [`PgLedgerOptions::operation_timeout`].
     async fn resolve(&self, lease: &Lease, write: Write<'_>, lost: Error) -> Result<()> {
-        let done = match write {
-            Write::Complete(_) => RecordState::Completed,
-            Write::Release => RecordState::Released,
+        let resolved = match write {
+            Write::Complete(_) => LostWrite::Complete,
+            Write::Release => LostWrite::Release,
             Write::Renew(_) => return Err(lost),
         };
-        let mut wrote_again = false;
-        let give_up = Instant::now() + self.inner.operation_timeout;
-        let mut backoff = oncely::backend::Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
-        loop {
-            let record = match self.bounded(self.read(lease.key())).await {
-                Ok(record) => record,
-                Err(Error::Unavailable { .. }) if Instant::now() < give_up => {
-                    backoff
-                        .wait(give_up.saturating_duration_since(Instant::now()))
-                        .await;
-                    continue;
-                }
-                Err(_) => return Err(lost),
-            };
-            match record {
-                Some(r) if r.fence == lease.fence() && r.state == done => {
-                    tracing::info!(
-                        backend = BACKEND,
-                        key = %lease.key(),
-                        fence = lease.fence(),
-                        "a write whose answer was lost had been applied"
-                    );
-                    return Ok(());
-                }
-                Some(r) if r.fence == lease.fence() && r.state == RecordState::InProgress && !wrote_again => {
-                    wrote_again = true;
-                    let again = self
-                        .bounded(async {
-                            let mut conn = self.acquire().await?;
-                            self.fenced_on(&mut conn, lease, write, true).await
-                        })
-                        .await;
-                    match again {
-                        Ok(_) => return Ok(()),
-                        // Applied meanwhile (the first write, late)?
-                        // The record says.
-                        Err(Error::LeaseLost { .. }) => {}
-                        Err(_) => return Err(lost),
-                    }
-                }
-                _ => {
-                    return Err(Error::LeaseLost {
-                        key: lease.key().to_string(),
-                        fence: lease.fence(),
-                    });
-                }
-            }
-        }
+        oncely::backend::resolve_lost_write(
+            BACKEND,
+            lease,
+            resolved,
+            lost,
+            self.inner.operation_timeout,
+            || self.bounded(self.read(lease.key())),
+            || async {
+                self.bounded(async {
+                    let mut conn = self.acquire().await?;
+                    self.fenced_on(&mut conn, lease, write, true).await
+                })
+                .await
+                .map(|_| ())
+            },
+        )
+        .await
     }
 
     /// A claim whose answer was lost (`lost`): its statement was sent, and

@@ -449,6 +449,102 @@ impl Backoff {
     }
 }
 
+/// The end state a fenced write leaves when it is applied: what
+/// [`resolve_lost_write`] looks for in the record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LostWrite {
+    /// A completion: the record is completed at the lease's fence.
+    Complete,
+    /// A release: the record is released at the lease's fence.
+    Release,
+}
+
+impl LostWrite {
+    fn done(self) -> RecordState {
+        match self {
+            LostWrite::Complete => RecordState::Completed,
+            LostWrite::Release => RecordState::Released,
+        }
+    }
+}
+
+/// Resolves a fenced write (a completion or a release) whose answer was
+/// lost (`lost`: the connection died during the statement or its commit, or
+/// no answer came in time) from the record itself, never by guessing:
+///
+/// - the record is in the write's end state at the lease's fence: it was
+///   applied, `Ok`;
+/// - it is still in progress at that fence: nothing was applied, and the
+///   write is made once more (`write_again`, fenced, so at most once; a
+///   fence miss there means the first write landed meanwhile, and the
+///   record is read again to say so);
+/// - anything else: the lease is gone, [`Error::LeaseLost`].
+///
+/// `read` is tried again while it fails [`Error::Unavailable`] (a failover
+/// under way: the backend is looking for the node that now takes writes)
+/// for up to `within`; when the record cannot be read by then, or the write
+/// made again fails otherwise, `lost` is the answer. One rule for every
+/// backend that can lose an answer (PostgreSQL, MySQL/Galera).
+pub async fn resolve_lost_write<R, RF, W, WF>(
+    backend: &'static str,
+    lease: &Lease,
+    write: LostWrite,
+    lost: Error,
+    within: Duration,
+    mut read: R,
+    mut write_again: W,
+) -> Result<()>
+where
+    R: FnMut() -> RF,
+    RF: Future<Output = Result<Option<Record>>>,
+    W: FnMut() -> WF,
+    WF: Future<Output = Result<()>>,
+{
+    let done = write.done();
+    let mut wrote_again = false;
+    let give_up = std::time::Instant::now() + within;
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+    loop {
+        let record = match read().await {
+            Ok(record) => record,
+            Err(Error::Unavailable { .. }) if std::time::Instant::now() < give_up => {
+                backoff
+                    .wait(give_up.saturating_duration_since(std::time::Instant::now()))
+                    .await;
+                continue;
+            }
+            Err(_) => return Err(lost),
+        };
+        match record {
+            Some(r) if r.fence == lease.fence() && r.state == done => {
+                tracing::info!(
+                    backend,
+                    key = %lease.key(),
+                    fence = lease.fence(),
+                    "a write whose answer was lost had been applied"
+                );
+                return Ok(());
+            }
+            Some(r) if r.fence == lease.fence() && r.state == RecordState::InProgress && !wrote_again => {
+                wrote_again = true;
+                match write_again().await {
+                    Ok(()) => return Ok(()),
+                    // Applied meanwhile (the first write, late)? The record
+                    // says.
+                    Err(Error::LeaseLost { .. }) => {}
+                    Err(_) => return Err(lost),
+                }
+            }
+            _ => {
+                return Err(Error::LeaseLost {
+                    key: lease.key().to_string(),
+                    fence: lease.fence(),
+                });
+            }
+        }
+    }
+}
+
 /// Reports a unique-constraint violation that a ledger's own statement hit on
 /// something other than the effect key (an index someone added to the
 /// ledger's table): logged and counted in
@@ -490,6 +586,119 @@ pub fn check_outcome(outcome: &Outcome, max: usize) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The shared rule for a lost write, against the memory ledger's real
+    /// records: each branch, and that `read` failing past `within` gives
+    /// back the original error.
+    #[tokio::test]
+    async fn a_lost_write_is_resolved_from_the_record() {
+        use crate::memory::MemoryLedger;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+
+        let ledger = MemoryLedger::new();
+        let opts = ClaimOptions::default();
+        let unavailable = || Error::Unavailable {
+            backend: "test",
+            message: "the answer was lost".into(),
+        };
+        let claim = |n: &str| {
+            let key = EffectKey::new(&crate::Tenant::global(), "capture", n).unwrap();
+            let (ledger, opts) = (&ledger, &opts);
+            async move {
+                match ledger.claim(&key, opts).await.unwrap() {
+                    Claim::Acquired(l) => l,
+                    other => panic!("{other:?}"),
+                }
+            }
+        };
+        let outcome = Outcome::from_json(&"ch_1").unwrap();
+        let again = AtomicUsize::new(0);
+        let resolve = |lease: Lease, write: LostWrite, within: Duration, applies: bool| {
+            let (ledger, outcome, again) = (&ledger, &outcome, &again);
+            async move {
+                resolve_lost_write(
+                    "test",
+                    &lease,
+                    write,
+                    unavailable(),
+                    within,
+                    || ledger.get(lease.key()),
+                    || async {
+                        again.fetch_add(1, Ordering::SeqCst);
+                        match (write, applies) {
+                            (LostWrite::Complete, true) => ledger.complete(&lease, outcome).await,
+                            (LostWrite::Release, true) => ledger.release(&lease).await,
+                            // The first write landed meanwhile: this one
+                            // misses its fence.
+                            (_, false) => {
+                                ledger.complete(&lease, outcome).await.unwrap();
+                                Err(Error::LeaseLost {
+                                    key: lease.key().to_string(),
+                                    fence: lease.fence(),
+                                })
+                            }
+                        }
+                    },
+                )
+                .await
+            }
+        };
+        let long = Duration::from_secs(5);
+
+        // Applied: nothing is written again.
+        let lease = claim("applied").await;
+        ledger.complete(&lease, &outcome).await.unwrap();
+        resolve(lease, LostWrite::Complete, long, true).await.unwrap();
+        assert_eq!(again.swap(0, Ordering::SeqCst), 0);
+
+        // Not applied (still in progress at the fence): written once more.
+        let lease = claim("in-progress").await;
+        let key = lease.key().clone();
+        resolve(lease, LostWrite::Release, long, true).await.unwrap();
+        assert_eq!(again.swap(0, Ordering::SeqCst), 1);
+        assert_eq!(
+            ledger.get(&key).await.unwrap().unwrap().state,
+            RecordState::Released
+        );
+
+        // Written again, but the first write had landed meanwhile: the
+        // record says it is applied.
+        let lease = claim("late").await;
+        resolve(lease, LostWrite::Complete, long, false).await.unwrap();
+        assert_eq!(again.swap(0, Ordering::SeqCst), 1);
+
+        // Another holder since (released, then claimed again at a higher
+        // fence): the lease is gone, and nothing is written.
+        let old = claim("taken").await;
+        ledger.release(&old).await.unwrap();
+        let _new = claim("taken").await;
+        let e = resolve(old, LostWrite::Complete, long, true).await.unwrap_err();
+        assert!(e.is_lease_lost(), "{e:?}");
+        assert_eq!(again.swap(0, Ordering::SeqCst), 0);
+
+        // The record cannot be read within the bound: the original error.
+        let lease = claim("unreadable").await;
+        let reads = AtomicUsize::new(0);
+        let e = resolve_lost_write(
+            "test",
+            &lease,
+            LostWrite::Complete,
+            unavailable(),
+            Duration::from_millis(200),
+            || async {
+                reads.fetch_add(1, Ordering::SeqCst);
+                Err(Error::Unavailable {
+                    backend: "test",
+                    message: "failing over".into(),
+                })
+            },
+            || async { panic!("nothing may be written without a read") },
+        )
+        .await
+        .unwrap_err();
+        assert!(e.to_string().contains("the answer was lost"), "{e}");
+        assert!(reads.load(Ordering::SeqCst) > 1, "the read is tried again");
+    }
 
     #[test]
     fn micros_are_checked() {
