@@ -356,67 +356,9 @@ pub(crate) fn host_name(o: &MySqlConnectOptions) -> String {
     }
 }
 
-/// Splits the authority of `url` (`scheme://[userinfo@]hosts[/…]`) into one
-/// URL per host of a comma-separated list (`h1:3306,h2,[::1]:3307`); a URL
-/// with one host comes back as it is. An empty host in the list is
-/// [`Error::Config`]. Messages never quote the URL.
-pub(crate) fn split_hosts(url: &str) -> Result<Vec<String>> {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return Ok(vec![url.to_owned()]);
-    };
-    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(end);
-    let (userinfo, hosts) = match authority.rfind('@') {
-        Some(at) => (&authority[..=at], &authority[at + 1..]),
-        None => ("", authority),
-    };
-    if !hosts.contains(',') {
-        return Ok(vec![url.to_owned()]);
-    }
-    hosts
-        .split(',')
-        .map(|host| {
-            if host.trim().is_empty() {
-                Err(Error::Config(
-                    "the MySQL URL's host list has an empty entry (h1:3306,,h2:3306)".into(),
-                ))
-            } else {
-                Ok(format!("{scheme}://{userinfo}{host}{tail}"))
-            }
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_host_list_splits_into_one_url_per_host() {
-        assert_eq!(
-            split_hosts("mysql://u:p%40w@h1:3311,h2,[::1]:3313/db?ssl-mode=disabled").unwrap(),
-            [
-                "mysql://u:p%40w@h1:3311/db?ssl-mode=disabled",
-                "mysql://u:p%40w@h2/db?ssl-mode=disabled",
-                "mysql://u:p%40w@[::1]:3313/db?ssl-mode=disabled",
-            ]
-        );
-        assert_eq!(
-            split_hosts("mysql://h1:1,h2:2").unwrap(),
-            ["mysql://h1:1", "mysql://h2:2"]
-        );
-        assert_eq!(split_hosts("mysql://u@h/db").unwrap(), ["mysql://u@h/db"]);
-        for bad in [
-            "mysql://u:s3cret@h1,,h2/db",
-            "mysql://u:s3cret@h1,/db",
-            "mysql://u:s3cret@,h1/db",
-        ] {
-            assert!(
-                matches!(split_hosts(bad), Err(Error::Config(m)) if !m.contains("s3cret")),
-                "{bad}"
-            );
-        }
-    }
 
     fn rows(pairs: &[(&str, &str)]) -> Server {
         let pairs: Vec<(String, String)> = pairs

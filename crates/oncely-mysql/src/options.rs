@@ -8,8 +8,6 @@ use oncely::backend::{Access, OpenOptions, UrlParams};
 use oncely::{Error, Result};
 use sqlx::mysql::MySqlConnectOptions;
 
-use crate::hosts::split_hosts;
-
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "oncely_effects";
 
@@ -195,7 +193,7 @@ impl MySqlLedgerOptions {
             self.table = table.to_owned();
         }
         self.validate()?;
-        let urls = split_hosts(params.driver_url())?;
+        let urls = oncely::backend::split_hosts(params.driver_url(), "MySQL")?;
         let many = urls.len() > 1;
         let hosts = urls
             .iter()

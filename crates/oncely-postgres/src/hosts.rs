@@ -376,60 +376,9 @@ pub(crate) fn host_name(o: &PgConnectOptions) -> String {
     }
 }
 
-/// Splits the authority of `url` (`scheme://[userinfo@]hosts[/…]`) into one
-/// URL per host of a comma-separated list (`h1:5432,h2,[::1]:5433`); a
-/// URL with one host comes back as it is. An empty host in the list is
-/// [`Error::Config`]. Messages never quote the URL.
-pub(crate) fn split_hosts(url: &str) -> Result<Vec<String>> {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return Ok(vec![url.to_owned()]);
-    };
-    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(end);
-    let (userinfo, hosts) = match authority.rfind('@') {
-        Some(at) => (&authority[..=at], &authority[at + 1..]),
-        None => ("", authority),
-    };
-    if !hosts.contains(',') {
-        return Ok(vec![url.to_owned()]);
-    }
-    hosts
-        .split(',')
-        .map(|host| {
-            if host.is_empty() {
-                Err(Error::Config(
-                    "the PostgreSQL URL's host list has an empty entry (h1:5432,,h2)".into(),
-                ))
-            } else {
-                Ok(format!("{scheme}://{userinfo}{host}{tail}"))
-            }
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_host_list_splits_into_one_url_per_host() {
-        assert_eq!(
-            split_hosts("postgres://u:p%40w@h1:5440,h2,[::1]:5442/db?sslmode=disable").unwrap(),
-            [
-                "postgres://u:p%40w@h1:5440/db?sslmode=disable",
-                "postgres://u:p%40w@h2/db?sslmode=disable",
-                "postgres://u:p%40w@[::1]:5442/db?sslmode=disable",
-            ]
-        );
-        assert_eq!(
-            split_hosts("postgres://h1:1,h2:2").unwrap(),
-            ["postgres://h1:1", "postgres://h2:2"]
-        );
-        assert_eq!(split_hosts("postgres://u@h/db").unwrap(), ["postgres://u@h/db"]);
-        assert!(
-            matches!(split_hosts("postgres://u:s3cret@h1,,h2/db"), Err(Error::Config(m)) if !m.contains("s3cret"))
-        );
-    }
 
     #[test]
     fn targets() {

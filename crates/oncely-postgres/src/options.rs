@@ -10,7 +10,7 @@ use oncely::{Error, Result};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::error::map;
-use crate::hosts::{Target, split_hosts};
+use crate::hosts::Target;
 
 /// The URL schemes a PostgreSQL ledger opens
 /// ([`FromUrl::SCHEMES`](oncely::backend::FromUrl::SCHEMES)).
@@ -228,7 +228,7 @@ impl PgLedgerOptions {
             Some(value) => Target::parse(value, self.read_only)?,
             None => Target::default_for(self.read_only),
         };
-        let hosts = split_hosts(params.driver_url())?
+        let hosts = oncely::backend::split_hosts(params.driver_url(), "PostgreSQL")?
             .iter()
             .map(|url| self.connect_options(url))
             .collect::<Result<Vec<_>>>()?;

@@ -221,6 +221,40 @@ fn unknown_param(what: &str, name: &str, own: &[&str], driver: &[&str]) -> Error
     Error::Config(format!("unknown {what} URL parameter{shown} ({expected})"))
 }
 
+/// Splits the authority of `url` (`scheme://[userinfo@]hosts[/…]`) into one
+/// URL per host of a comma-separated list (`h1:5432,h2,[::1]:5433`), each
+/// with the same user, path and query; a URL with one host comes back as it
+/// is. An empty entry in the list (`h1,,h2`, a comma at either end) is
+/// [`Error::Config`] naming `what` (`"PostgreSQL"`); messages never quote
+/// the URL, which may hold a password. The host list of every SQL backend
+/// that takes one (their drivers accept a single host).
+pub fn split_hosts(url: &str, what: &str) -> Result<Vec<String>> {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Ok(vec![url.to_owned()]);
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    let (userinfo, hosts) = match authority.rfind('@') {
+        Some(at) => (&authority[..=at], &authority[at + 1..]),
+        None => ("", authority),
+    };
+    if !hosts.contains(',') {
+        return Ok(vec![url.to_owned()]);
+    }
+    hosts
+        .split(',')
+        .map(|host| {
+            if host.trim().is_empty() {
+                Err(Error::Config(format!(
+                    "the {what} URL's host list has an empty entry (h1,,h2, or a comma at either end)"
+                )))
+            } else {
+                Ok(format!("{scheme}://{userinfo}{host}{tail}"))
+            }
+        })
+        .collect()
+}
+
 /// The parts of a lease a backend has just granted. [`Grant::into_lease`]
 /// makes the [`Lease`] its claim returns: only ledgers grant leases, and this
 /// is how they build them.
@@ -698,6 +732,42 @@ mod tests {
         .unwrap_err();
         assert!(e.to_string().contains("the answer was lost"), "{e}");
         assert!(reads.load(Ordering::SeqCst) > 1, "the read is tried again");
+    }
+
+    #[test]
+    fn a_host_list_splits_into_one_url_per_host() {
+        assert_eq!(
+            split_hosts(
+                "postgres://u:p%40w@h1:5440,h2,[::1]:5442/db?sslmode=disable",
+                "PostgreSQL"
+            )
+            .unwrap(),
+            [
+                "postgres://u:p%40w@h1:5440/db?sslmode=disable",
+                "postgres://u:p%40w@h2/db?sslmode=disable",
+                "postgres://u:p%40w@[::1]:5442/db?sslmode=disable",
+            ]
+        );
+        assert_eq!(
+            split_hosts("mysql://h1:1,h2:2", "MySQL").unwrap(),
+            ["mysql://h1:1", "mysql://h2:2"]
+        );
+        assert_eq!(
+            split_hosts("mysql://u@h/db", "MySQL").unwrap(),
+            ["mysql://u@h/db"]
+        );
+        assert_eq!(split_hosts("sqlite:x.db", "SQLite").unwrap(), ["sqlite:x.db"]);
+        for bad in [
+            "mysql://u:s3cret@h1,,h2/db",
+            "mysql://u:s3cret@h1,/db",
+            "mysql://u:s3cret@,h1/db",
+            "mysql://u:s3cret@h1, ,h2/db",
+        ] {
+            assert!(
+                matches!(split_hosts(bad, "MySQL"), Err(Error::Config(m)) if !m.contains("s3cret") && m.contains("MySQL")),
+                "{bad}"
+            );
+        }
     }
 
     #[test]
