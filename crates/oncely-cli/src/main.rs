@@ -1,6 +1,11 @@
 //! The `oncely` command: argument parsing and printing only. What each
 //! command does lives in the `oncely_cli` library.
 #![forbid(unsafe_code)]
+// `run` awaits every command's future, and the deepest (opening any backend
+// through a host list, then the pipeline) nests past the default 128 when
+// the release build computes its layout ("queries overflow the depth
+// limit").
+#![recursion_limit = "256"]
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
