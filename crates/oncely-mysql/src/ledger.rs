@@ -742,16 +742,7 @@ impl FromUrl for MySqlLedger {
 impl Admin for MySqlLedger {
     async fn records(&self, query: &RecordQuery) -> Result<Vec<Record>> {
         let (text, args) = sql::records(&self.inner.table, query)?;
-        let rows = self
-            .read_on_pool(move |this, conn| {
-                Box::pin(async move {
-                    let text = format!("{}{text}", this.sql().read);
-                    bind(sqlx::query(sqlx::AssertSqlSafe(text)), args)
-                        .fetch_all(&mut *conn)
-                        .await
-                })
-            })
-            .await?;
+        let rows = self.admin_rows(text, args).await?;
         rows.iter()
             .map(|r| stored(r, false, false)?.record(None))
             .collect()
@@ -759,16 +750,7 @@ impl Admin for MySqlLedger {
 
     async fn stats(&self, tenant: Option<&Tenant>) -> Result<Vec<KindStats>> {
         let (text, args) = sql::stats(&self.inner.table, tenant);
-        let rows = self
-            .read_on_pool(move |this, conn| {
-                Box::pin(async move {
-                    let text = format!("{}{text}", this.sql().read);
-                    bind(sqlx::query(sqlx::AssertSqlSafe(text)), args)
-                        .fetch_all(&mut *conn)
-                        .await
-                })
-            })
-            .await?;
+        let rows = self.admin_rows(text, args).await?;
         rows.iter().map(crate::row::kind_stats).collect()
     }
 
@@ -815,6 +797,22 @@ impl Admin for MySqlLedger {
             })
             .await?;
         Ok(u64::try_from(n).unwrap_or(0))
+    }
+}
+
+impl MySqlLedger {
+    /// An operator listing's rows: the ledger's read prefix (the session's
+    /// causal-read setting on Galera) before `text`, with its arguments.
+    async fn admin_rows(&self, text: String, args: Vec<sql::Arg>) -> Result<Vec<sqlx::mysql::MySqlRow>> {
+        self.read_on_pool(move |this, conn| {
+            Box::pin(async move {
+                let text = format!("{}{text}", this.sql().read);
+                bind(sqlx::query(sqlx::AssertSqlSafe(text)), args)
+                    .fetch_all(&mut *conn)
+                    .await
+            })
+        })
+        .await
     }
 }
 
