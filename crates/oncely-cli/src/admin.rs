@@ -23,8 +23,10 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use oncely::admin::{Admin, Cursor, DUPLICATES_NOT_STORED, Filter, KindStats, MAX_PAGE, RecordQuery};
-use oncely::backend::{Access, lease_live, to_micros};
-use oncely::{Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, Record, RecordState, Result, Tenant};
+use oncely::backend::{Claim, Ledger, Outcome, Record, RecordState};
+use oncely::backend::{lease_live, to_micros};
+use oncely::open::Access;
+use oncely::{ClaimOptions, EffectKey, Error, Result, Tenant};
 use serde::Serialize;
 
 use crate::any::AnyLedger;
@@ -254,7 +256,7 @@ pub async fn history(database_url: &str, q: &HistoryQuery) -> Result<Read<Histor
 
 fn audit_entry(r: &Record) -> Option<serde_json::Value> {
     match r.stored::<serde_json::Value>().ok()?? {
-        oncely::StoredOutcome::Value(v) => Some(v),
+        oncely::backend::StoredOutcome::Value(v) => Some(v),
         _ => None,
     }
 }

@@ -19,7 +19,7 @@
 //! The URL names the whole ledger: its table (schema, key prefix, bucket)
 //! is a query parameter, and any parameter neither the backend nor its
 //! driver reads is [`Error::Config`] before anything connects
-//! ([`oncely::backend::UrlParams`]). An [`AnyLedger`]'s `Display` says
+//! ([`oncely::open::UrlParams`]). An [`AnyLedger`]'s `Display` says
 //! which ledger it is (`postgres db:5432/app, table billing.effects`),
 //! never a credential; the commands print it with what they read.
 //!
@@ -33,13 +33,11 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use oncely::admin::{Admin, KindStats, RecordQuery};
-use oncely::backend::{FromUrl, OpenOptions};
-use oncely::{
-    Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, MemoryLedger, Outcome, Record,
-    Result, Tenant, Watch,
-};
+use oncely::backend::{Capabilities, Claim, Lease, Ledger, Outcome, Record, Watch};
+use oncely::open::{FromUrl, OpenOptions};
+use oncely::{ClaimOptions, EffectKey, Error, MemoryLedger, Result, Tenant};
 
-pub use oncely::backend::Access;
+pub use oncely::open::Access;
 
 /// How long an operator command waits for a connection. The backends'
 /// defaults (up to 30 s) are meant for services riding out a failover; an

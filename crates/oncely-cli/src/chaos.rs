@@ -30,9 +30,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use oncely::{
-    ClaimOptions, Effects, Error, Failure, Ledger, OnInProgress, RecordState, Result, StepMode, Tenant,
-};
+use oncely::backend::{Ledger, RecordState};
+use oncely::{ClaimOptions, Effects, Error, Failure, OnInProgress, Result, StepMode, Tenant};
 use serde::Serialize;
 
 use crate::any::AnyLedger;

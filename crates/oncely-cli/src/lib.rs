@@ -24,7 +24,7 @@
 //! - [`reconcile`](mod@reconcile): `oncely reconcile`, which settles stuck
 //!   leases and abandoned steps by asking an external command about each
 //!   ([`reconcile::CheckCommand`], a [`oncely::reconcile::Reconciler`]).
-//! - [`AnyLedger`]: one [`oncely::Ledger`] whose backend is picked from a
+//! - [`AnyLedger`]: one [`oncely::backend::Ledger`] whose backend is picked from a
 //!   database URL at run time, like sqlx's `Any` driver.
 //!
 //! ```text

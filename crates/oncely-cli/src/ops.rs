@@ -4,7 +4,8 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use oncely::{EffectKey, Error, Ledger, Record, Result, Tenant};
+use oncely::backend::{Ledger, Record};
+use oncely::{EffectKey, Error, Result, Tenant};
 use serde::{Serialize, Serializer};
 
 use crate::any::{Access, AnyLedger};
@@ -80,7 +81,7 @@ pub async fn abandoned(database_url: &str, tenant: &str, limit: u64) -> Result<R
 /// Lists abandoned at-most-once steps of one tenant or of every tenant
 /// (`None`), optionally of one kind and since a time, oldest first. One
 /// tenant alone is [`Ledger::abandoned`], which every backend answers; the rest
-/// needs [`oncely::Admin`] (the SQL backends).
+/// needs [`oncely::admin::Admin`] (the SQL backends).
 pub async fn abandoned_in(
     database_url: &str,
     tenant: Option<&Tenant>,
@@ -103,7 +104,7 @@ pub async fn abandoned_in(
 }
 
 /// How many records `prune` would delete now, deleting nothing (a dry run,
-/// read-only). Needs [`oncely::Admin`] (the SQL backends).
+/// read-only). Needs [`oncely::admin::Admin`] (the SQL backends).
 pub async fn prune_dry_run(database_url: &str) -> Result<Read<u64>> {
     let scheme = crate::any::Scheme::of_url(database_url)?;
     if !scheme.has_admin() {
@@ -114,7 +115,7 @@ pub async fn prune_dry_run(database_url: &str) -> Result<Read<u64>> {
         )));
     }
     with_ledger(database_url, Access::ReadOnly, |l| async move {
-        oncely::Admin::prunable(&l).await
+        oncely::admin::Admin::prunable(&l).await
     })
     .await
 }
@@ -133,7 +134,7 @@ pub struct PrunePlan {
 
 /// Deletes up to `plan.limit` completed or released records past their
 /// retention (never a live lease, never an abandoned step) through
-/// [`oncely::Pruner::drain`], in bounded batches at the plan's rate, calling
+/// [`oncely::pruner::Pruner::drain`], in bounded batches at the plan's rate, calling
 /// `on_batch` with each batch's count; returns how many went. A failed batch
 /// ends the call with its error; the batches before it stay deleted.
 pub async fn prune(
@@ -147,12 +148,12 @@ pub async fn prune(
         ));
     }
     with_ledger(database_url, Access::Existing, |l| async move {
-        let options = oncely::PrunerOptions::default().batch(plan.batch);
+        let options = oncely::pruner::PrunerOptions::default().batch(plan.batch);
         let options = match plan.rows_per_second {
             Some(rate) => options.rows_per_second(rate),
             None => options.unlimited(),
         };
-        let stats = oncely::Pruner::new(l, options)
+        let stats = oncely::pruner::Pruner::new(l, options)
             .drain(plan.limit, on_batch)
             .await?;
         Ok(stats.rows)
@@ -294,7 +295,8 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use oncely::{Claim, ClaimOptions, Error, Outcome};
+    use oncely::backend::{Claim, Outcome};
+    use oncely::{ClaimOptions, Error};
 
     #[test]
     fn rfc3339_formats_utc() {

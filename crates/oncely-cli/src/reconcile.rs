@@ -46,9 +46,10 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use oncely::admin::{Filter, RecordQuery};
-use oncely::backend::Access;
+use oncely::backend::{Outcome, Record};
+use oncely::open::Access;
 use oncely::reconcile::{Chain, Doubt, Query, Reconcile, Reconciler, Resolution, Verdict};
-use oncely::{BoxError, EffectKey, Error, Outcome, Record, Result, Tenant};
+use oncely::{BoxError, EffectKey, Error, Result, Tenant};
 use rustix::process::{Pid, Signal, kill_process_group};
 use serde::Serialize;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};

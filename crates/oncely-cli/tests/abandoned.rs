@@ -23,11 +23,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use common::{oncely, stderr, stdout};
 use futures_util::FutureExt;
+use oncely::backend::{Ledger, Outcome, Record, RecordState};
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
 use oncely::reconcile::{Doubt, Reconcile, Reconciler, Verdict};
-use oncely::{
-    BoxError, ClaimOptions, EffectKey, Effects, How, Ledger, Outcome, Record, RecordState, StepMode, Tenant,
-};
+use oncely::{BoxError, ClaimOptions, EffectKey, Effects, How, StepMode, Tenant};
 use oncely_consumer::rabbitmq::lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };

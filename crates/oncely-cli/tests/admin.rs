@@ -6,7 +6,8 @@
 use std::path::Path;
 use std::time::Duration;
 
-use oncely::{ClaimOptions, EffectKey, Fingerprint, Ledger, Outcome, Tenant};
+use oncely::backend::{Fingerprint, Ledger, Outcome};
+use oncely::{ClaimOptions, EffectKey, Tenant};
 use oncely_cli::AnyLedger;
 use serde_json::Value;
 
@@ -110,7 +111,7 @@ fn seed(url: &str) -> Seeded {
 /// What the library says the URL's ledger is (what every command names).
 fn described(url: &str) -> String {
     runtime().block_on(async {
-        let l = AnyLedger::open(url, oncely::backend::Access::ReadOnly)
+        let l = AnyLedger::open(url, oncely::open::Access::ReadOnly)
             .await
             .unwrap();
         l.close().await;
@@ -119,9 +120,9 @@ fn described(url: &str) -> String {
 }
 
 /// What a record is now, through the library.
-fn record(url: &str, key: &EffectKey) -> Option<oncely::Record> {
+fn record(url: &str, key: &EffectKey) -> Option<oncely::backend::Record> {
     runtime().block_on(async {
-        let l = AnyLedger::open(url, oncely::backend::Access::ReadOnly)
+        let l = AnyLedger::open(url, oncely::open::Access::ReadOnly)
             .await
             .unwrap();
         let r = l.get(key).await.unwrap();
@@ -385,7 +386,7 @@ fn operate_on(url: &str) {
     assert_eq!(record(url, &s.live).unwrap().fence, live_before.fence);
     assert_eq!(
         record(url, &s.live).unwrap().state,
-        oncely::RecordState::InProgress
+        oncely::backend::RecordState::InProgress
     );
     refused(&["resolve", s.done.as_str(), "--released"], url, 2, "use forget");
     let stuck_fence = stuck["fence"].as_u64().unwrap();
@@ -411,7 +412,10 @@ fn operate_on(url: &str) {
     );
     refused(&["resolve", &absent, "--released"], url, 3, "no record");
     let r = record(url, &s.stuck).unwrap();
-    assert_eq!((r.fence, r.state), (stuck_fence, oncely::RecordState::InProgress));
+    assert_eq!(
+        (r.fence, r.state),
+        (stuck_fence, oncely::backend::RecordState::InProgress)
+    );
 
     // resolve a stuck lease: taken over at a higher fence, then completed.
     let fence = stuck_fence.to_string();
@@ -431,7 +435,7 @@ fn operate_on(url: &str) {
     assert_eq!(done2["now"], "completed", "{done2}");
     assert!(done2["new_fence"].as_u64().unwrap() > stuck_fence, "{done2}");
     let r = record(url, &s.stuck).unwrap();
-    assert_eq!(r.state, oncely::RecordState::Completed);
+    assert_eq!(r.state, oncely::backend::RecordState::Completed);
     assert_eq!(r.outcome.unwrap().as_bytes(), br#"{"ok":{"charge":"ch_2"}}"#);
     // The audit record says what was done.
     let audit_key = done2["audit_key"].as_str().unwrap();
@@ -487,7 +491,10 @@ fn operate_on(url: &str) {
     );
     refused(&["forget", &absent], url, 3, "no record");
     let r = record(url, &s.done).unwrap();
-    assert_eq!((r.state, r.fence), (oncely::RecordState::Completed, done_fence));
+    assert_eq!(
+        (r.state, r.fence),
+        (oncely::backend::RecordState::Completed, done_fence)
+    );
     assert!(r.outcome.is_some());
 
     // forget: released without its outcome; the next claim takes it over.
@@ -498,7 +505,10 @@ fn operate_on(url: &str) {
         "{f}"
     );
     let r = record(url, &s.done).unwrap();
-    assert_eq!((r.state, r.fence), (oncely::RecordState::Released, done_fence));
+    assert_eq!(
+        (r.state, r.fence),
+        (oncely::backend::RecordState::Released, done_fence)
+    );
     assert!(r.outcome.is_none());
     refused(&["forget", s.done.as_str()], url, 1, "is released, not completed");
     runtime().block_on(async {
@@ -909,12 +919,15 @@ fn redis_offers_inspect_and_resolve_and_refuses_the_rest() {
     let r = record(&url, &done).unwrap();
     assert_eq!(
         r.state,
-        oncely::RecordState::Completed,
+        oncely::backend::RecordState::Completed,
         "forget refused, nothing changed"
     );
     let resolved = json(&["resolve", step.as_str(), "--released", "--json"], &url);
     assert_eq!(resolved["was"], "abandoned", "{resolved}");
-    assert_eq!(record(&url, &step).unwrap().state, oncely::RecordState::Released);
+    assert_eq!(
+        record(&url, &step).unwrap().state,
+        oncely::backend::RecordState::Released
+    );
     let audit = json(&["get", resolved["audit_key"].as_str().unwrap()], &url);
     assert_eq!(audit["outcome"]["ok"]["action"], "resolve-released", "{audit}");
 }
@@ -1033,7 +1046,10 @@ fn commands_read_the_named_table(
         (&"released".into(), &ledger.clone().into()),
         "{forgot}"
     );
-    assert_eq!(record(named, key).unwrap().state, oncely::RecordState::Released);
+    assert_eq!(
+        record(named, key).unwrap().state,
+        oncely::backend::RecordState::Released
+    );
 
     // A mistyped parameter is refused, naming it, before anything is read.
     let typo = with_query(named, "tabel=effects");

@@ -4,7 +4,8 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use oncely::{Claim, ClaimOptions, EffectKey, Ledger, Outcome, Tenant};
+use oncely::backend::{Claim, Ledger, Outcome};
+use oncely::{ClaimOptions, EffectKey, Tenant};
 use oncely_cli::AnyLedger;
 use serde_json::Value;
 

@@ -7,7 +7,8 @@ use std::path::Path;
 use std::process::Output;
 use std::time::{Duration, Instant};
 
-use oncely::{Claim, ClaimOptions, EffectKey, Ledger, Outcome, Record, RecordState, Tenant};
+use oncely::backend::{Claim, Ledger, Outcome, Record, RecordState};
+use oncely::{ClaimOptions, EffectKey, Tenant};
 use oncely_cli::AnyLedger;
 use serde_json::Value;
 
@@ -112,7 +113,7 @@ fn seed(url: &str) -> Seeded {
 
 fn record(url: &str, key: &EffectKey) -> Record {
     runtime().block_on(async {
-        let l = AnyLedger::open(url, oncely::backend::Access::ReadOnly)
+        let l = AnyLedger::open(url, oncely::open::Access::ReadOnly)
             .await
             .unwrap();
         let r = l.get(key).await.unwrap();

@@ -18,8 +18,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use oncely::backend::{Claim, Fingerprint, Ledger, Outcome};
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
-use oncely::{Claim, ClaimOptions, EffectKey, Fingerprint, Ledger, Outcome, Tenant};
+use oncely::{ClaimOptions, EffectKey, Tenant};
 use oncely_cli::AnyLedger;
 
 fn chromium() -> Option<PathBuf> {

@@ -52,7 +52,8 @@ use apalis_core::error::{AbortError, BoxDynError};
 use apalis_core::task::Task;
 use apalis_core::task::status::Status;
 use futures_util::future::BoxFuture;
-use oncely::{ClaimOptions, EffectKey, Effects, Error, Failure, Ledger, OnInProgress};
+use oncely::backend::Ledger;
+use oncely::{ClaimOptions, EffectKey, Effects, Error, Failure, OnInProgress};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tower_layer::Layer;
@@ -252,7 +253,7 @@ struct Held {
 /// What a run's result is for apalis.
 fn settle<T>(
     key: &EffectKey,
-    ran: Result<oncely::Ran<T>, Error>,
+    ran: Result<oncely::Reported<T>, Error>,
     in_progress_delay: Duration,
     abandoned_delay: Duration,
 ) -> Result<T, BoxDynError> {

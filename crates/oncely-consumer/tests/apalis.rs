@@ -15,8 +15,9 @@ use apalis_core::backend::TaskSink;
 use apalis_core::task::builder::TaskBuilder;
 use apalis_core::worker::builder::WorkerBuilder;
 use apalis_sqlite::{SqlitePool, SqliteStorage};
+use oncely::backend::Ledger;
 use oncely::conformance::fresh_tenant;
-use oncely::{EffectKey, Effects, Ledger};
+use oncely::{EffectKey, Effects};
 use oncely_consumer::apalis::IdempotentLayer;
 use payment_job::FakeProvider;
 use serde::{Deserialize, Serialize};
@@ -228,7 +229,7 @@ async fn apalis_holds_an_abandoned_task_until_it_is_reconciled<L: Ledger + Clone
         .lease(Duration::from_millis(200));
     assert!(matches!(
         ledger.claim(&key, &amo).await.unwrap(),
-        oncely::Claim::Acquired(_)
+        oncely::backend::Claim::Acquired(_)
     ));
     tokio::time::sleep(Duration::from_millis(600)).await;
     storage
@@ -273,7 +274,7 @@ async fn apalis_holds_an_abandoned_task_until_it_is_reconciled<L: Ledger + Clone
         }
         // Reconciliation: not done.
         let record = ledger2.get(&k).await.unwrap().unwrap();
-        assert_eq!(record.state, oncely::RecordState::Abandoned);
+        assert_eq!(record.state, oncely::backend::RecordState::Abandoned);
         ledger2.release(&record.reconciliation_lease()).await.unwrap();
         loop {
             let counts = status_counts(&watch_pool).await;
@@ -295,7 +296,7 @@ async fn apalis_holds_an_abandoned_task_until_it_is_reconciled<L: Ledger + Clone
         "performed once"
     );
     let record = ledger.get(&key).await.unwrap().unwrap();
-    assert_eq!(record.state, oncely::RecordState::Completed);
+    assert_eq!(record.state, oncely::backend::RecordState::Completed);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -339,7 +340,7 @@ async fn apalis_retries_a_task_whose_effect_is_in_progress_elsewhere() {
         .await
         .unwrap()
     {
-        oncely::Claim::Acquired(l) => l,
+        oncely::backend::Claim::Acquired(l) => l,
         other => panic!("{other:?}"),
     };
     storage

@@ -9,8 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{PayMsg, Payments};
+use oncely::backend::{Claim, Ledger};
 use oncely::conformance::fresh_tenant;
-use oncely::{Claim, ClaimOptions, EffectKey, Ledger, OnInProgress};
+use oncely::{ClaimOptions, EffectKey, OnInProgress};
 use oncely_consumer::memory::MemoryBroker;
 use oncely_consumer::{Consumer, ConsumerOptions, Stats};
 use payment_job::{FakeMailer, FakeProvider};

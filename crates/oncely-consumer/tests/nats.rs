@@ -21,8 +21,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use common::Payments;
 use futures_util::FutureExt;
+use oncely::Tenant;
+use oncely::backend::Ledger;
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
-use oncely::{Ledger, Tenant};
 use oncely_consumer::nats::async_nats::{self, HeaderMap, jetstream};
 use oncely_consumer::nats::{JetStreamSource, JetStreamTopology, REASON_HEADER};
 use oncely_consumer::{Consumer, ConsumerOptions, Stats};

@@ -19,7 +19,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use common::Payments;
 use futures_util::FutureExt;
-use oncely::Ledger;
+use oncely::backend::Ledger;
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
 use oncely_consumer::rabbitmq::lapin::options::{
     BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,

@@ -22,8 +22,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use common::Payments;
 use futures_util::FutureExt;
+use oncely::Tenant;
+use oncely::backend::Ledger;
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
-use oncely::{Ledger, Tenant};
 use oncely_consumer::redis_streams::redis::aio::MultiplexedConnection;
 use oncely_consumer::redis_streams::redis::{self, Client, Value};
 use oncely_consumer::redis_streams::{PAYLOAD_FIELD, RedisStreamSource, RedisStreamTopology};

@@ -51,7 +51,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use oncely::{Claim, ClaimOptions, EffectKey, Effects, Error, Lease, Ledger, OnInProgress, Outcome, Tenant};
+use oncely::backend::{Claim, Lease, Ledger, Outcome};
+use oncely::{ClaimOptions, EffectKey, Effects, Error, OnInProgress, Tenant};
 use oncely_mysql::{MySqlLedger, MySqlLedgerOptions};
 use sqlx::{Executor, MySqlPool, Row};
 

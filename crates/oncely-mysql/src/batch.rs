@@ -46,8 +46,9 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::time::{Instant, SystemTime};
 
+use oncely::backend::{Claim, Lease, Outcome};
 use oncely::backend::{answer_existing, check_outcome, duration_micros, from_micros, is_beyond_horizon};
-use oncely::{Claim, ClaimOptions, EffectKey, Error, Lease, Outcome, Result};
+use oncely::{ClaimOptions, EffectKey, Error, Result};
 use sqlx::{MySqlConnection, Row};
 
 use crate::MySqlLedger;
@@ -384,7 +385,7 @@ impl MySqlLedger {
         }
         for i in later {
             let (lease, outcome) = &items[i];
-            answers[i] = Some(oncely::Ledger::complete(self, lease, outcome).await);
+            answers[i] = Some(oncely::backend::Ledger::complete(self, lease, outcome).await);
         }
         answers
             .into_iter()

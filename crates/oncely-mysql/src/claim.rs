@@ -54,10 +54,11 @@ use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
+use oncely::backend::{Claim, Lease, RecordState};
 use oncely::backend::{
     answer_existing, duration_micros, from_micros, is_beyond_horizon, needs_refresh, to_micros,
 };
-use oncely::{Claim, ClaimOptions, EffectKey, Error, Lease, RecordState};
+use oncely::{ClaimOptions, EffectKey, Error};
 use sqlx::MySqlConnection;
 
 use crate::MySqlLedger;

@@ -1,7 +1,8 @@
 //! Driver errors to `oncely::Error`: no sqlx type crosses the public API;
 //! and the errors this backend raises itself.
 
-use oncely::{Error, Lease};
+use oncely::Error;
+use oncely::backend::Lease;
 use sqlx::mysql::MySqlDatabaseError;
 
 pub(crate) const BACKEND: &str = "mysql";
@@ -45,7 +46,7 @@ fn is_duplicate(number: u16) -> bool {
 
 /// The driver's message if `error`, or any error in its source chain, is a
 /// duplicate-key error from this driver (a handler's own write hitting a
-/// unique index): [`oncely::Ledger::unique_violation`].
+/// unique index): [`oncely::backend::Ledger::unique_violation`].
 pub(crate) fn unique_violation(error: &(dyn std::error::Error + 'static)) -> Option<String> {
     let mut next = Some(error);
     while let Some(e) = next {

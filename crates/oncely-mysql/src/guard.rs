@@ -11,7 +11,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use oncely::backend::Backoff;
-use oncely::{Error, Lease, RecordState, Result};
+use oncely::backend::{Lease, RecordState};
+use oncely::{Error, Result};
 use sqlx::pool::PoolConnection;
 use sqlx::{Executor, MySql, MySqlConnection, Row};
 

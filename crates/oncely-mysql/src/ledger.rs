@@ -9,13 +9,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use oncely::admin::{Admin, KindStats, RecordQuery, forget_refusal};
-use oncely::backend::{FromUrl, LostWrite, OpenOptions, check_outcome, duration_micros, from_micros};
-use oncely::watch::{Notifier, Watch};
-use oncely::{
-    Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, Result, Tenant,
-    TransactionalLedger,
-};
+use oncely::admin::{Admin, KindStats, RecordQuery};
+use oncely::backend::forget_refusal;
+use oncely::backend::{Capabilities, Claim, Lease, Ledger, Outcome, Record, TransactionalLedger};
+use oncely::backend::{LostWrite, check_outcome, duration_micros, from_micros};
+use oncely::backend::{Notifier, Watch};
+use oncely::open::{FromUrl, OpenOptions};
+use oncely::{ClaimOptions, EffectKey, Error, Result, Tenant};
 use sqlx::mysql::MySqlPoolOptions;
 use sqlx::{MySql, MySqlConnection, MySqlPool, Transaction};
 
@@ -241,7 +241,7 @@ impl MySqlLedger {
         self.inner.read_only
     }
 
-    /// The largest outcome this ledger stores: [`oncely::MAX_OUTCOME_BYTES`]
+    /// The largest outcome this ledger stores: [`oncely::backend::MAX_OUTCOME_BYTES`]
     /// (or the configured lower limit), lowered to fit the server's
     /// `max_allowed_packet` once the server has been asked (at `connect`, or
     /// the first operation of a ledger made with `from_pool`).
@@ -723,7 +723,7 @@ impl FromUrl for MySqlLedger {
     /// `mysql://` or `mariadb://` (`user:password@host:port/database`, or
     /// a host list `user@h1:3306,h2:3306/database`, and sqlx's query
     /// parameters such as `ssl-mode`), opened with
-    /// [`MySqlLedger::connect_with`]: [`Access`](oncely::backend::Access)
+    /// [`MySqlLedger::connect_with`]: [`Access`](oncely::open::Access)
     /// `Migrate` creates and upgrades the tables, `Existing` checks them and
     /// creates nothing, `ReadOnly` also opens read-only sessions and refuses
     /// writes; `connect_timeout` is the pool's acquire timeout. The table is

@@ -6,7 +6,8 @@
 //! and its claim commit together.
 //!
 //! ```no_run
-//! use oncely::{Claim, ClaimOptions, EffectKey, Ledger, Outcome, Tenant, TransactionalLedger};
+//! use oncely::backend::{Claim, Ledger, Outcome, TransactionalLedger};
+//! use oncely::{ClaimOptions, EffectKey, Tenant};
 //! use oncely_mysql::MySqlLedger;
 //!
 //! # async fn demo() -> oncely::Result<()> {
@@ -52,24 +53,24 @@
 //!
 //! | | |
 //! | --- | --- |
-//! | URL | `mysql://user:password@host:port/database[?table=T]` or `mariadb://…`, one host or a list (`h1:3306,h2:3306,…`), with sqlx's parameters (`ssl-mode`, …): [`MySqlLedger::connect`], or [`FromUrl`](oncely::backend::FromUrl) with an [`Access`](oncely::backend::Access) and a connect timeout (the pool's acquire timeout). See "URL forms" |
+//! | URL | `mysql://user:password@host:port/database[?table=T]` or `mariadb://…`, one host or a list (`h1:3306,h2:3306,…`), with sqlx's parameters (`ssl-mode`, …): [`MySqlLedger::connect`], or [`FromUrl`](oncely::open::FromUrl) with an [`Access`](oncely::open::Access) and a connect timeout (the pool's acquire timeout). See "URL forms" |
 //! | operation timeout | every operation on the pool (claims, completions, reads, each prune batch, `begin`) answers within [`MySqlLedgerOptions::operation_timeout`] (10 s by default), or fails with [`oncely::Error::Unavailable`] and closes its connection: a frozen server is a bounded, typed error. A completion or release whose answer was lost re-reads its row, within three timeouts in all. Not `claim_in` / `complete_in` (the caller's connection) nor `migrate` |
 //! | new connections | each is checked before the pool hands it out: a Galera node synced in the primary component; for a ledger that writes, a server that is not read-only (`@@read_only`, `@@super_read_only`, `@@innodb_read_only`). See "Host lists and failover" |
 //! | atomic claim | a plain read of the key first (a duplicate is answered by it: no lock, no write); then, for an absent, released or expired key only, one `INSERT … ON DUPLICATE KEY UPDATE` on the primary key, which decides again on its own: the insert, or the takeover of an expired lease or a released record, in the same statement |
-//! | caller's transaction | yes: [`TransactionalLedger`](oncely::TransactionalLedger) on `&mut` [`MySqlConnection`]; a concurrent duplicate blocks on the row lock until the first commits. When several wait on one that rolls back, InnoDB may make one of them a deadlock victim (each held a share lock on the duplicate): a retryable [`oncely::Error::Backend`]; redo the transaction |
+//! | caller's transaction | yes: [`TransactionalLedger`](oncely::backend::TransactionalLedger) on `&mut` [`MySqlConnection`]; a concurrent duplicate blocks on the row lock until the first commits. When several wait on one that rolls back, InnoDB may make one of them a deadlock victim (each held a share lock on the duplicate): a retryable [`oncely::Error::Backend`]; redo the transaction |
 //! | durability | what the server's InnoDB settings give (`innodb_flush_log_at_trx_commit = 1`: committed claims survive a crash); on a MariaDB Galera node, also every other node of the primary component (a write returns once the cluster certified it): see "Galera" |
-//! | replication | MariaDB Galera: detected at the first operation (`@@wsrep_on`, [`Capabilities::replicated`](oncely::Capabilities)), one ledger per node, claims through any node: see "Galera". Otherwise none before a claim returns (asynchronous replicas lag: claim on the primary only). Statements read `SYSDATE()`: use row-based or mixed binary logging, not `binlog_format = STATEMENT` |
+//! | replication | MariaDB Galera: detected at the first operation (`@@wsrep_on`, [`Capabilities::replicated`](oncely::backend::Capabilities)), one ledger per node, claims through any node: see "Galera". Otherwise none before a claim returns (asynchronous replicas lag: claim on the primary only). Statements read `SYSDATE()`: use row-based or mixed binary logging, not `binlog_format = STATEMENT` |
 //! | clock | the database server's, read when each write takes effect (after any lock wait): `UTC_TIMESTAMP(6)` plus the time elapsed since, measured with `SYSDATE(6)`, independent of the session time zone (see below). A server started with `--sysdate-is-now` is refused. On Galera, each write's node's clock: node clocks must differ by less than the runner's safety margin (see "Galera") |
 //! | fences | the server clock's µs at the grant, or the previous fence + 1, whichever is higher ([`oncely::backend::next_fence`]): never repeated for a key, prunes included (one caveat below) |
 //! | horizon | a watermark per tenant and kind in `<table>_horizon`, raised by `prune` in the transaction that deletes; a claim with `sent_at` at or before it fails with `BeyondHorizon` when its key is absent. A claim without `sent_at` cannot be told from new work |
 //! | schema | checked on connect (every mode) and after `migrate`: columns and types, a primary key or unique index on exactly `effect_key`, binary collations on `effect_key`, `tenant`, `kind`, InnoDB; anything else is [`oncely::Error::Config`] naming the table and the problem |
 //! | read-only | [`MySqlLedgerOptions::read_only`]: no migration, read-only sessions; `get`, `abandoned` and `horizon` work for a user with `SELECT` on the two tables |
 //! | max key | 255 bytes (`VARCHAR(255)` utf8mb4, `utf8mb4_bin`) |
-//! | max outcome | 64 KiB ([`oncely::MAX_OUTCOME_BYTES`]), lower if the server's `max_allowed_packet` is smaller; see [`MySqlLedger::max_outcome_bytes`] |
-//! | operator view | [`oncely::Admin`]: `records` and `stats` read at one clock reading (a `LIMIT`ed derived table, never merged), scoped by a range of the primary key (`tenant/`, `tenant/kind:`), then sorted by `created_us`; `forget` is one guarded, fenced `UPDATE` run on the pool like every write (completed at that fence → released, outcome removed, row kept) |
+//! | max outcome | 64 KiB ([`oncely::backend::MAX_OUTCOME_BYTES`]), lower if the server's `max_allowed_packet` is smaller; see [`MySqlLedger::max_outcome_bytes`] |
+//! | operator view | [`oncely::admin::Admin`]: `records` and `stats` read at one clock reading (a `LIMIT`ed derived table, never merged), scoped by a range of the primary key (`tenant/`, `tenant/kind:`), then sorted by `created_us`; `forget` is one guarded, fenced `UPDATE` run on the pool like every write (completed at that fence → released, outcome removed, row kept) |
 //! | round trips per claim | a duplicate (completed, in progress, abandoned, another fingerprint): 1, a plain read. A new key, or a takeover: 2 on MariaDB 10.5+ (the read, then the statement with `RETURNING`), 3 on MySQL 8 (then a locking read of the row). Rare paths cost more: 2 more for a fresh grant whose statement waited on a lock (its refresh), up to 3 more for a claim refused by the horizon. `claim_in` skips the read (1 on MariaDB, 2 on MySQL 8). See "A duplicate is a read" |
 //! | batches | `claim_many`: one plain read of every key, then one statement for the keys that need a write (MySQL 8: and its read-back; with `sent_at`: one more read, of the watermarks), per 500 distinct keys; `complete_many`: one `UPDATE` per 500 leases (one more read when some lease was lost). Every key answered as its own claim would be. See "Batches" |
-//! | waiting duplicates | in-process: a duplicate waiting on a lease this ledger granted is woken the moment that lease is completed or released here (an [`oncely::watch::Notifier`]). Across processes (and for leases claimed with `claim_in`, whose commit the ledger does not see) waiters poll: 5 ms, doubling up to 250 ms. See "Waiting" |
+//! | waiting duplicates | in-process: a duplicate waiting on a lease this ledger granted is woken the moment that lease is completed or released here (an [`oncely::backend::Notifier`]). Across processes (and for leases claimed with `claim_in`, whose commit the ledger does not see) waiters poll: 5 ms, doubling up to 250 ms. See "Waiting" |
 //! | leaked-transaction guard | MariaDB (`@@in_transaction`); not on MySQL 8 |
 //! | pool size | default 10; the conformance race (64 claimants) uses 70. MariaDB's default `max_connections` is 151 |
 //!
@@ -84,7 +85,7 @@
 //! host list, which moves to another node when its own leaves (see "Host
 //! lists and failover"). The ledger finds out at the first
 //! operation (`@@wsrep_on`) and says so in
-//! [`Capabilities`](oncely::Capabilities) (`replicated`, `durability`).
+//! [`Capabilities`](oncely::backend::Capabilities) (`replicated`, `durability`).
 //! What the cluster changes, and what the ledger does about it:
 //!
 //! - **Certification decides, at commit.** Each node runs a statement on
@@ -282,7 +283,7 @@
 //!
 //! A duplicate that finds the effect in progress (with
 //! [`OnInProgress::Wait`](oncely::OnInProgress::Wait)) takes a
-//! [`Watch`](oncely::watch::Watch) from [`Ledger::watch`](oncely::Ledger::watch).
+//! [`Watch`](oncely::backend::Watch) from [`Ledger::watch`](oncely::backend::Ledger::watch).
 //! If the lease is one this ledger (or a clone of it) granted on the pool
 //! and has not seen end, the watch is notified: `complete`, `release` and
 //! `complete_many` wake it as they return, and the runner claims again at
@@ -293,11 +294,11 @@
 //! runner claims again and answers as that claim does, so a lost or early
 //! wake-up costs latency, never a wrong answer. (A notified watch whose
 //! notification never comes, because the holder lost its lease to another
-//! process, still looks again after [`oncely::watch::NOTIFIED_FALLBACK`].)
+//! process, still looks again after [`oncely::backend::NOTIFIED_FALLBACK`].)
 //!
 //! ## Batches
 //!
-//! [`Ledger::claim_many`](oncely::Ledger::claim_many) reads every key in one
+//! [`Ledger::claim_many`](oncely::backend::Ledger::claim_many) reads every key in one
 //! statement, answers the duplicates from it, and claims all the others in
 //! one `INSERT … VALUES (…), (…) … ON DUPLICATE KEY UPDATE` (the single
 //! claim's statement, one row per key, each with its own claim token),
@@ -311,7 +312,7 @@
 //! listing answered like a concurrent duplicate. Keys whose row moved under
 //! the batch are claimed on their own.
 //!
-//! [`Ledger::complete_many`](oncely::Ledger::complete_many) is one `UPDATE`,
+//! [`Ledger::complete_many`](oncely::backend::Ledger::complete_many) is one `UPDATE`,
 //! each row fenced by its own lease (`fence = CASE effect_key …`). When it
 //! matches every lease, that is the answer; when some lease was lost, one
 //! plain read tells which rows this statement completed (it writes its own
@@ -369,7 +370,7 @@
 //! prune deleted the key while the insert waited on it, the claim deletes
 //! its own fresh row and fails with `BeyondHorizon`. Neither read can be
 //! fooled by a snapshot taken before a wait, at any isolation level.
-//! ([`Ledger::horizon`](oncely::Ledger::horizon) reads the watermark.) One window remains: on the
+//! ([`Ledger::horizon`](oncely::backend::Ledger::horizon) reads the watermark.) One window remains: on the
 //! pool that fresh row has committed before it is deleted, so if the process
 //! dies in between, it stays as an in-progress lease that the next claim
 //! takes over once it expires (in `claim_in` the caller's rollback removes

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use oncely::backend::{Access, OpenOptions, UrlParams};
+use oncely::open::{Access, OpenOptions, UrlParams};
 use oncely::{Error, Result};
 use sqlx::mysql::MySqlConnectOptions;
 
@@ -31,7 +31,7 @@ impl Default for MySqlLedgerOptions {
             max_connections: 10,
             acquire_timeout: Duration::from_secs(30),
             table: DEFAULT_TABLE.to_owned(),
-            max_outcome_bytes: oncely::MAX_OUTCOME_BYTES,
+            max_outcome_bytes: oncely::backend::MAX_OUTCOME_BYTES,
             returning: None,
             migrate: true,
             read_only: false,
@@ -61,9 +61,9 @@ impl MySqlLedgerOptions {
         self
     }
 
-    /// A lower outcome limit than [`oncely::MAX_OUTCOME_BYTES`] (never higher).
+    /// A lower outcome limit than [`oncely::backend::MAX_OUTCOME_BYTES`] (never higher).
     pub fn max_outcome_bytes(mut self, n: usize) -> Self {
-        self.max_outcome_bytes = n.min(oncely::MAX_OUTCOME_BYTES);
+        self.max_outcome_bytes = n.min(oncely::backend::MAX_OUTCOME_BYTES);
         self
     }
 
@@ -132,7 +132,7 @@ impl MySqlLedgerOptions {
         self.migrate && !self.read_only
     }
 
-    /// The options [`FromUrl::from_url`](oncely::backend::FromUrl::from_url)
+    /// The options [`FromUrl::from_url`](oncely::open::FromUrl::from_url)
     /// opens with: `access` as [`MySqlLedgerOptions::migrate`] /
     /// [`MySqlLedgerOptions::read_only`], and the caller's connect timeout as
     /// the pool's acquire timeout (which is also how long connecting may
@@ -193,7 +193,7 @@ impl MySqlLedgerOptions {
             self.table = table.to_owned();
         }
         self.validate()?;
-        let urls = oncely::backend::split_hosts(params.driver_url(), "MySQL")?;
+        let urls = oncely::open::split_hosts(params.driver_url(), "MySQL")?;
         let many = urls.len() > 1;
         let hosts = urls
             .iter()

@@ -1,7 +1,8 @@
 //! A ledger row as stored, and the domain types it maps to.
 
+use oncely::backend::{Fingerprint, Outcome, Record, RecordState};
 use oncely::backend::{effective_state, from_micros};
-use oncely::{EffectKey, Fingerprint, Outcome, Record, RecordState, Result};
+use oncely::{EffectKey, Result};
 use sqlx::Row;
 use sqlx::mysql::MySqlRow;
 

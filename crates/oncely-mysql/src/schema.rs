@@ -45,14 +45,30 @@ enum Want {
 type Spec = &'static [(&'static str, Want, bool)];
 
 const EFFECTS: Spec = &[
-    ("effect_key", Want::Exact(oncely::MAX_KEY_BYTES as i64), false),
-    ("tenant", Want::Exact(oncely::MAX_TENANT_BYTES as i64), false),
-    ("kind", Want::Exact(oncely::MAX_KIND_BYTES as i64), false),
-    ("subject", Want::Text(oncely::MAX_KEY_BYTES as i64), false),
+    (
+        "effect_key",
+        Want::Exact(oncely::backend::MAX_KEY_BYTES as i64),
+        false,
+    ),
+    (
+        "tenant",
+        Want::Exact(oncely::backend::MAX_TENANT_BYTES as i64),
+        false,
+    ),
+    ("kind", Want::Exact(oncely::backend::MAX_KIND_BYTES as i64), false),
+    (
+        "subject",
+        Want::Text(oncely::backend::MAX_KEY_BYTES as i64),
+        false,
+    ),
     ("state", Want::State, false),
     ("fence", Want::Unsigned, false),
     ("fingerprint", Want::Bytes(32), true),
-    ("outcome", Want::Blob(oncely::MAX_OUTCOME_BYTES as i64), true),
+    (
+        "outcome",
+        Want::Blob(oncely::backend::MAX_OUTCOME_BYTES as i64),
+        true,
+    ),
     ("at_most_once", Want::Flag, false),
     ("claim_token", Want::Bytes(16), false),
     ("created_us", Want::Signed, false),
@@ -63,8 +79,12 @@ const EFFECTS: Spec = &[
 ];
 
 const HORIZON: Spec = &[
-    ("tenant", Want::Exact(oncely::MAX_TENANT_BYTES as i64), false),
-    ("kind", Want::Exact(oncely::MAX_KIND_BYTES as i64), false),
+    (
+        "tenant",
+        Want::Exact(oncely::backend::MAX_TENANT_BYTES as i64),
+        false,
+    ),
+    ("kind", Want::Exact(oncely::backend::MAX_KIND_BYTES as i64), false),
     ("watermark_us", Want::Signed, true),
 ];
 

@@ -33,8 +33,9 @@
 //! A server started with `--sysdate-is-now` makes `SYSDATE()` the statement
 //! start again; the ledger refuses such a server at its first operation.
 
+use oncely::Tenant;
 use oncely::admin::{Filter, RecordQuery};
-use oncely::{RecordState, Tenant};
+use oncely::backend::RecordState;
 
 /// The statement's start, UTC, in µs since the epoch; independent of the
 /// session time zone and constant within one statement.

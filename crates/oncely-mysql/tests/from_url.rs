@@ -7,9 +7,10 @@
 
 use std::time::Duration;
 
-use oncely::backend::{Access, FromUrl, OpenOptions};
+use oncely::backend::{Claim, Ledger, Outcome, RecordState};
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
-use oncely::{Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, RecordState};
+use oncely::open::{Access, FromUrl, OpenOptions};
+use oncely::{ClaimOptions, EffectKey, Error};
 use oncely_mysql::MySqlLedger;
 use sqlx::{Executor, MySqlPool};
 

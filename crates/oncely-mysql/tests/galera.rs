@@ -80,12 +80,13 @@ mod two_statement {
 /// one node and at once reads, claims or writes through another.
 mod lag {
     use super::*;
+    use oncely::backend::{Claim, Ledger, Outcome, RecordState};
     use oncely::conformance::fresh_tenant;
-    use oncely::{Claim, ClaimOptions, EffectKey, Ledger, Outcome, RecordState};
+    use oncely::{ClaimOptions, EffectKey};
 
     const ROUNDS: usize = 150;
 
-    fn lease(c: Claim) -> oncely::Lease {
+    fn lease(c: Claim) -> oncely::backend::Lease {
         match c {
             Claim::Acquired(l) => l,
             other => panic!("expected Acquired, got {other:?}"),
@@ -149,7 +150,7 @@ mod lag {
                 .claim_many(&keys, &ClaimOptions::default())
                 .await
                 .unwrap();
-            let items: Vec<(oncely::Lease, Outcome)> = claims
+            let items: Vec<(oncely::backend::Lease, Outcome)> = claims
                 .into_iter()
                 .map(|c| (lease(c.unwrap()), Outcome::from_json(&round).unwrap()))
                 .collect();

@@ -11,8 +11,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use oncely::backend::{Claim, Ledger, Outcome};
 use oncely::conformance::fresh_tenant;
-use oncely::{Claim, ClaimOptions, EffectKey, Effects, Error, Failure, How, Ledger, OnInProgress, Outcome};
+use oncely::{ClaimOptions, EffectKey, Effects, Error, Failure, How, OnInProgress};
 use oncely_mysql::{MySqlLedger, MySqlLedgerOptions};
 use sqlx::Row;
 

@@ -24,7 +24,8 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use oncely::{ClaimOptions, EffectKey, Effects, Error, How, Ledger, OnInProgress, RecordState, Tenant};
+use oncely::backend::{Ledger, RecordState};
+use oncely::{ClaimOptions, EffectKey, Effects, Error, How, OnInProgress, Tenant};
 use oncely_mysql::{MySqlLedger, MySqlLedgerOptions};
 
 const WORKERS: usize = 8;
@@ -464,9 +465,9 @@ async fn bad_host_lists_are_refused_before_connecting() {
             other => panic!("{bad}: {other:?}"),
         }
         // Through FromUrl too (what `oncely` opens).
-        let opened = <MySqlLedger as oncely::backend::FromUrl>::from_url(
+        let opened = <MySqlLedger as oncely::open::FromUrl>::from_url(
             bad,
-            oncely::backend::OpenOptions::new(oncely::backend::Access::Migrate),
+            oncely::open::OpenOptions::new(oncely::open::Access::Migrate),
         )
         .await;
         assert!(matches!(opened, Err(Error::Config(_))), "{bad}: {opened:?}");

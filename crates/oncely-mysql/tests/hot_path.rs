@@ -4,10 +4,9 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
+use oncely::backend::{Claim, Fingerprint, Lease, Ledger, Outcome, RecordState};
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
-use oncely::{
-    Claim, ClaimOptions, EffectKey, Error, Fingerprint, Lease, Ledger, Outcome, RecordState, Tenant,
-};
+use oncely::{ClaimOptions, EffectKey, Error, Tenant};
 use oncely_mysql::{MySqlLedger, MySqlLedgerOptions};
 use sqlx::{Executor, Row};
 

@@ -7,10 +7,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use oncely::backend::{Claim, Ledger, Outcome, RecordState, TransactionalLedger};
 use oncely::conformance::{Rng, fresh_tenant, service_url, skip_or_fail};
-use oncely::{
-    Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, RecordState, Tenant, TransactionalLedger,
-};
+use oncely::{ClaimOptions, EffectKey, Error, Tenant};
 use oncely_mysql::{MySqlLedger, MySqlLedgerOptions};
 use sqlx::{Executor, MySqlConnection, Row};
 
@@ -41,7 +40,7 @@ fn key(t: &Tenant, kind: &str, subject: &str) -> EffectKey {
     EffectKey::new(t, kind, subject).unwrap()
 }
 
-fn acquired(c: Claim) -> oncely::Lease {
+fn acquired(c: Claim) -> oncely::backend::Lease {
     match c {
         Claim::Acquired(l) => l,
         other => panic!("expected Acquired, got {other:?}"),
@@ -301,10 +300,10 @@ async fn drop_table(ledger: &MySqlLedger, table: &str) {
 async fn outcome_over_the_limit_is_refused() {
     let Some(default) = ledger().await else { return };
     // The server here allows far more than 64 KiB per packet.
-    assert_eq!(default.max_outcome_bytes(), oncely::MAX_OUTCOME_BYTES);
+    assert_eq!(default.max_outcome_bytes(), oncely::backend::MAX_OUTCOME_BYTES);
     assert_eq!(
         default.capabilities().max_outcome_bytes,
-        oncely::MAX_OUTCOME_BYTES
+        oncely::backend::MAX_OUTCOME_BYTES
     );
     let Some(ledger) = ledger_with(MySqlLedgerOptions::default().max_outcome_bytes(1000)).await else {
         return;
@@ -346,7 +345,7 @@ async fn outcome_over_the_limit_is_refused() {
     assert_eq!(ledger.get(&k).await.unwrap().unwrap().outcome.unwrap(), at);
     // Over the core's limit, Outcome itself refuses it.
     assert!(matches!(
-        Outcome::from_bytes(vec![b'1'; oncely::MAX_OUTCOME_BYTES + 1]),
+        Outcome::from_bytes(vec![b'1'; oncely::backend::MAX_OUTCOME_BYTES + 1]),
         Err(Error::OutcomeTooLarge { .. })
     ));
 }

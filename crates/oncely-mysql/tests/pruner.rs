@@ -16,6 +16,6 @@ async fn pruner_prunes_due_records_in_bounded_batches() {
         Err(e) => return oncely::conformance::skip_or_fail(&format!("MySQL at {url}: {e}")).unwrap_or(()),
     };
     // Records another run left behind (due or not) would spoil the counts.
-    while oncely::Ledger::prune(&ledger, u64::MAX).await.unwrap() > 0 {}
+    while oncely::backend::Ledger::prune(&ledger, u64::MAX).await.unwrap() > 0 {}
     oncely::conformance::pruner_prunes_due_records_in_bounded_batches(ledger, true).await;
 }

@@ -5,8 +5,9 @@
 
 use std::time::Duration;
 
+use oncely::backend::{Claim, Ledger, Outcome, RecordState};
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
-use oncely::{Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, RecordState};
+use oncely::{ClaimOptions, EffectKey, Error};
 use oncely_mysql::{MySqlLedger, MySqlLedgerOptions};
 use sqlx::{Executor, MySqlPool};
 

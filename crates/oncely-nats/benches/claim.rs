@@ -33,7 +33,8 @@ use std::time::Duration;
 
 use async_nats::jetstream::kv;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use oncely::{Claim, ClaimOptions, EffectKey, Effects, Error, Ledger, OnInProgress, Outcome, Tenant};
+use oncely::backend::{Claim, Ledger, Outcome};
+use oncely::{ClaimOptions, EffectKey, Effects, Error, OnInProgress, Tenant};
 use oncely_nats::{NatsKvLedger, NatsKvOptions};
 
 const BUCKET: &str = "oncely_bench";

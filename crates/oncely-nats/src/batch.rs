@@ -23,7 +23,8 @@ use std::future::Future;
 
 use futures_util::StreamExt;
 use oncely::backend::check_outcome;
-use oncely::{Claim, ClaimOptions, EffectKey, Lease, Outcome, Result};
+use oncely::backend::{Claim, Lease, Outcome};
+use oncely::{ClaimOptions, EffectKey, Result};
 
 use crate::NatsKvLedger;
 
@@ -41,7 +42,7 @@ impl NatsKvLedger {
         pipelined(keys.len(), groups, |i| self.claim_key(&keys[i], opts)).await
     }
 
-    /// `complete_many`: each lease completed as [`oncely::Ledger::complete`]
+    /// `complete_many`: each lease completed as [`oncely::backend::Ledger::complete`]
     /// would (its outcome checked before any round trip, fenced by its own
     /// lease), one answer per lease, in order; then the completed keys'
     /// waiters are woken, with one notification for the batch.
@@ -49,7 +50,7 @@ impl NatsKvLedger {
         let groups = by_key(items.iter().map(|(lease, _)| lease.key().as_str()));
         let answers = pipelined(items.len(), groups, |i| async move {
             let (lease, outcome) = &items[i];
-            check_outcome(outcome, oncely::MAX_OUTCOME_BYTES)?;
+            check_outcome(outcome, oncely::backend::MAX_OUTCOME_BYTES)?;
             self.writable("complete")?;
             self.complete_quietly(lease, outcome).await
         })

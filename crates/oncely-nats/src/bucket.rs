@@ -157,7 +157,7 @@ async fn existing(js: &jetstream::Context, opts: &NatsKvOptions) -> Result<Optio
 /// What an acknowledged write survives on a bucket of `replicas` (file
 /// storage, the only kind [`check`] accepts), served by nats-server
 /// `version` (the server this client is connected to, as it announced
-/// itself), for [`Capabilities::durability`](oncely::Capabilities::durability).
+/// itself), for [`Capabilities::durability`](oncely::backend::Capabilities::durability).
 ///
 /// JetStream acknowledges a write once the stream's leader (R=1) or a
 /// quorum of its replicas (R=3) has written it to the operating system,

@@ -4,8 +4,9 @@
 
 use std::time::SystemTime;
 
+use oncely::backend::{Claim, RecordState};
 use oncely::backend::{Grant, answer_existing, from_micros, is_beyond_horizon, next_fence, to_micros};
-use oncely::{Claim, ClaimOptions, EffectKey, Error, RecordState, Result};
+use oncely::{ClaimOptions, EffectKey, Error, Result};
 
 use crate::NatsKvLedger;
 use crate::clock::{later, server_us};

@@ -1,5 +1,5 @@
 //! How effect keys and records are laid out in the bucket, and how a stored
-//! value decodes into an [`oncely::Record`] (the role `row.rs` plays in the
+//! value decodes into an [`oncely::backend::Record`] (the role `row.rs` plays in the
 //! SQL backends).
 //!
 //! KV keys may hold only `[-/_=.a-zA-Z0-9]`, and `.` separates tokens, so a
@@ -17,8 +17,9 @@ use std::time::{Duration, SystemTime};
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as B64;
+use oncely::backend::{Fingerprint, Outcome, Record, RecordState};
 use oncely::backend::{effective_state, from_micros};
-use oncely::{EffectKey, Error, Fingerprint, Outcome, Record, RecordState, Result, Tenant};
+use oncely::{EffectKey, Error, Result, Tenant};
 use serde::{Deserialize, Serialize};
 
 use crate::error::corrupt;
@@ -31,7 +32,7 @@ pub(crate) const CLOCK_KEY: &str = "_oncely_clock";
 /// The largest value this crate writes, in bytes: the outcome in base64 plus
 /// the key and a few small fields. Buckets with a smaller `max_value_size`
 /// are refused at connect time.
-pub(crate) const MAX_VALUE_BYTES: usize = oncely::MAX_OUTCOME_BYTES.div_ceil(3) * 4 + 2048;
+pub(crate) const MAX_VALUE_BYTES: usize = oncely::backend::MAX_OUTCOME_BYTES.div_ceil(3) * 4 + 2048;
 
 /// Escapes a tenant into one KV key token: letters, digits, `-` and `_` stay,
 /// everything else (`.`, `@`, `+`) becomes `=XX`. `=` never occurs in a

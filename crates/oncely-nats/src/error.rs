@@ -8,7 +8,7 @@
 //! - a value that no oncely ledger wrote: [`Error::Corrupt`];
 //! - a server clock outside 1970..9999: [`Error::Backend`], not retryable.
 //!
-//! NATS has no unique constraints, so [`oncely::Ledger::unique_violation`]
+//! NATS has no unique constraints, so [`oncely::backend::Ledger::unique_violation`]
 //! keeps its default (`None`).
 
 use std::time::SystemTime;
@@ -17,7 +17,7 @@ use oncely::Error;
 
 use crate::kv::MAX_ATTEMPTS;
 
-/// The backend's name in errors, telemetry and [`oncely::Ledger::backend`].
+/// The backend's name in errors, telemetry and [`oncely::backend::Ledger::backend`].
 pub(crate) const BACKEND: &str = "nats";
 
 /// A failed JetStream request: retryable, since a cluster losing and

@@ -10,12 +10,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::{self, kv};
-use oncely::backend::{Access, FromUrl, OpenOptions, check_outcome};
-use oncely::watch::Watch;
-use oncely::{
-    Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, RecordState, Result,
-    Tenant,
-};
+use oncely::backend::Watch;
+use oncely::backend::check_outcome;
+use oncely::backend::{Capabilities, Claim, Lease, Ledger, Outcome, Record, RecordState};
+use oncely::open::{Access, FromUrl, OpenOptions};
+use oncely::{ClaimOptions, EffectKey, Error, Result, Tenant};
 
 use crate::bucket::{self, Deadline, opening_backoff};
 use crate::clock::{ServerClock, later};
@@ -411,7 +410,7 @@ impl Ledger for NatsKvLedger {
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
-        check_outcome(outcome, oncely::MAX_OUTCOME_BYTES)?;
+        check_outcome(outcome, oncely::backend::MAX_OUTCOME_BYTES)?;
         self.writable("complete")?;
         self.complete_quietly(lease, outcome).await?;
         self.inner.notifications.finished(lease.key()).await;

@@ -47,8 +47,8 @@
 //! - [`NatsKvLedger::from_store`]`(client, store, options)`: a bucket the
 //!   caller opened, checked like one `connect` finds; `client` carries the
 //!   completion notifications (see "Waiting").
-//! - [`oncely::backend::FromUrl`] (scheme `nats`), for tools that pick the
-//!   backend from a URL: [`oncely::backend::Access`] `Migrate`, `Existing`
+//! - [`oncely::open::FromUrl`] (scheme `nats`), for tools that pick the
+//!   backend from a URL: [`oncely::open::Access`] `Migrate`, `Existing`
 //!   (`migrate(false)`) or `ReadOnly` (`read_only(true)`); its
 //!   `connect_timeout` bounds the connection and the wait for the bucket.
 //!
@@ -57,7 +57,7 @@
 //! | `nats://user:password@h1:p1,h2:p2,…` | the servers (each entry `host:port` or a full `nats://` URL) |
 //! | `?bucket=payments` | [`NatsKvOptions::bucket`] (default `oncely_effects`) |
 //! | `?replicas=3` | [`NatsKvOptions::replicas`] (1 or 3, default 1) |
-//! | any other parameter (`?buckt=x`) | refused: [`oncely::Error::Config`] naming it and the accepted ones, before anything connects (the rule every backend shares, [`oncely::backend::UrlParams`]) |
+//! | any other parameter (`?buckt=x`) | refused: [`oncely::Error::Config`] naming it and the accepted ones, before anything connects (the rule every backend shares, [`oncely::open::UrlParams`]) |
 //!
 //! A ledger's [`Display`](std::fmt::Display) says what it reads (`nats
 //! n1:4222,n2:4222, bucket payments`), never a credential.
@@ -68,19 +68,19 @@
 //! | --- | --- |
 //! | atomic claim | `create` (expected last subject sequence 0) for an absent key; takeover of an expired or released record by `update` expecting the revision just read. A lost race re-reads and decides again. On a replicated bucket served by nats-server before 2.9.21, whose cluster can accept two writes expecting the same revision, each write on top of a revision is first claimed by creating a marker key: see Replicated buckets. |
 //! | caller's transaction | no: NATS has none. Use `ProviderKeyed` or `AtMostOnce` steps. |
-//! | durability | JetStream file storage (a memory-backed bucket is refused). A write is acknowledged once the leader (R=1) or a quorum (R=3) has handed it to the OS, **not once it is on disk**: the server fsyncs on a timer (every 2 minutes by default). A crash of nats-server loses nothing acknowledged; an OS crash or a power loss of an R=1 server can lose up to 2 minutes of acknowledged claims and completions, unless the server runs with `sync_interval: always` (nats-server 2.10 and later; 2.9 has no such setting). [`Capabilities::durability`](oncely::Capabilities::durability) reports it for the replica count and the server version. See Durability. |
+//! | durability | JetStream file storage (a memory-backed bucket is refused). A write is acknowledged once the leader (R=1) or a quorum (R=3) has handed it to the OS, **not once it is on disk**: the server fsyncs on a timer (every 2 minutes by default). A crash of nats-server loses nothing acknowledged; an OS crash or a power loss of an R=1 server can lose up to 2 minutes of acknowledged claims and completions, unless the server runs with `sync_interval: always` (nats-server 2.10 and later; 2.9 has no such setting). [`Capabilities::durability`](oncely::backend::Capabilities::durability) reports it for the replica count and the server version. See Durability. |
 //! | replication | `replicas = 3`: Raft, acknowledged after a quorum has it; survives the loss of one node (its crash, OS crash or power loss), with claimants connected to any node. One holder per key and no acknowledged completion lost, tested with claimants on all three nodes on nats-server 2.9.10 and 2.15.1 (see Replicated buckets). `replicas = 1`: none. |
 //! | clock | NATS server timestamps of each revision; "now" is a lower bound of the server's clock (see below), never the worker's wall clock. |
-//! | max key | [`oncely::MAX_KEY_BYTES`] (the displayed key is stored in the value; the KV key is `<tenant>.<blake3 hex>`). |
-//! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] (stored base64, far below JetStream's 1 MiB message limit). |
+//! | max key | [`oncely::backend::MAX_KEY_BYTES`] (the displayed key is stored in the value; the KV key is `<tenant>.<blake3 hex>`). |
+//! | max outcome | [`oncely::backend::MAX_OUTCOME_BYTES`] (stored base64, far below JetStream's 1 MiB message limit). |
 //! | fences | the server clock's µs (its lower bound, below) when a record is created, `max(previous + 1, clock µs)` on takeover ([`oncely::backend::next_fence`]): they grow for the life of the bucket, across prunes and `max_age` drops, as long as retentions are longer than the clock estimate's lag (a probe's round trip, below). |
 //! | horizon | per tenant and kind: the later of a watermark that `prune` raises before it deletes, and `now - max_age` (what the bucket drops by itself). See below. |
 //! | round trips | claim of a new key: 1 (2 with `sent_at`: the create, then the watermark). complete / release / renew: 1 when this ledger made the claim (it remembers the revision), else 2 (read, conditional write); complete and release also publish one core NATS message (no reply awaited). On a replicated bucket of nats-server before 2.9.21, every write on top of an existing revision (complete, release, renew, a takeover, prune's deletes, a watermark raise) costs one more: its marker. |
 //! | batches | `claim_many` / `complete_many`: the single operations pipelined on the connection (up to 128 keys in flight), each keeping every rule of the single one; answers in the order given, a key listed twice claimed in list order. See below. |
 //! | waiting | a duplicate that finds the effect in progress is woken when it is completed or released, by this process's own write at once, by another's through a core NATS subject of the bucket; polling while the subscription is down. See below. |
 //! | prune / abandoned | read the latest revision of every key (the whole bucket / one tenant's keys) through an ordered consumer: cost grows with the keys kept, so prune in batches off the hot path. Prune also writes each pruned tenant and kind's watermark once per call (2 round trips each). |
-//! | retention | per claim, enforced by [`oncely::Ledger::prune`]; the bucket's `max_age` is the hard ceiling (a longer retention is refused). |
-//! | operator view | not offered: this crate does not implement [`oncely::Admin`] (listing and counting records by tenant and kind, `forget`, a prune dry run): the bucket has no secondary index, so it would read every key. `oncely inspect`, `resolve` and tenant-scoped `abandoned` work; the other operator commands say they are not available here. |
+//! | retention | per claim, enforced by [`oncely::backend::Ledger::prune`]; the bucket's `max_age` is the hard ceiling (a longer retention is refused). |
+//! | operator view | not offered: this crate does not implement [`oncely::admin::Admin`] (listing and counting records by tenant and kind, `forget`, a prune dry run): the bucket has no secondary index, so it would read every key. `oncely inspect`, `resolve` and tenant-scoped `abandoned` work; the other operator commands say they are not available here. |
 //!
 //! ### Durability
 //!
@@ -100,7 +100,7 @@
 //! sync_interval: <duration> | always }`, which applies to every stream of
 //! the server and costs write throughput with `always`. A client cannot
 //! read that setting (only the monitoring endpoint `/varz` shows it), so
-//! [`Capabilities::durability`](oncely::Capabilities::durability) names the
+//! [`Capabilities::durability`](oncely::backend::Capabilities::durability) names the
 //! replica count, the server version it connected to and what each
 //! setting gives. Jepsen's analysis of nats-server 2.12.1 (2025) found that
 //! the default sync can also lose acknowledged writes at R=3 when one
@@ -176,12 +176,12 @@
 //! It is never ahead of the server, and behind by at most a probe's round
 //! trip plus 0.1 % of 2 s; leases therefore expire at most that late, never
 //! early. A lease is enforced from the stamp of the revision that granted or
-//! renewed it; the [`oncely::Lease`] a claim or renewal returns has
+//! renewed it; the [`oncely::backend::Lease`] a claim or renewal returns has
 //! `acquired_at` = the estimate read just before that write (so at or before
 //! the stamp) and `expires_at = acquired_at + length`: it never ends later
 //! than the lease the server enforces, so the runner's deadline and safety
 //! margin, computed from it, err on the safe side. Timestamps in
-//! [`oncely::Record`] and [`oncely::Lease`] are server stamps or this
+//! [`oncely::backend::Record`] and [`oncely::backend::Lease`] are server stamps or this
 //! estimate. Cluster nodes' clocks must be in sync (NTP), as JetStream
 //! itself assumes. A server clock outside 1970..9999 is an error
 //! ([`oncely::Error::Backend`], not retryable), never a panic.
@@ -203,7 +203,7 @@
 //!
 //! ### Horizon
 //!
-//! [`oncely::Ledger::horizon`] of a tenant and kind is the later of two instants:
+//! [`oncely::backend::Ledger::horizon`] of a tenant and kind is the later of two instants:
 //! the newest `created_at` among the records `prune` deleted there (a
 //! watermark kept in the bucket at `<tenant>.horizon.<blake3 hex of the
 //! kind>`, raised with a revision-checked update *before* each delete), and
@@ -226,7 +226,7 @@
 //! ### Waiting
 //!
 //! A duplicate run with [`oncely::OnInProgress::Wait`] that finds the effect
-//! in progress takes a watch ([`oncely::Ledger::watch`]) and is woken when
+//! in progress takes a watch ([`oncely::backend::Ledger::watch`]) and is woken when
 //! the holder completes or releases, instead of polling. After each
 //! completion or release the ledger wakes the key's watches in its own
 //! process at once, then publishes the displayed key on the core NATS
@@ -235,7 +235,7 @@
 //! one message with all the keys it completed, one per line). Each ledger holds one subscription to that subject and
 //! relays what other processes publish to its waiters. A wake-up is a hint:
 //! the waiter claims again and answers from the record, so a lost
-//! notification costs latency (at most [`oncely::watch::NOTIFIED_FALLBACK`],
+//! notification costs latency (at most [`oncely::backend::NOTIFIED_FALLBACK`],
 //! and never beyond the holder's lease), never a wrong answer.
 //!
 //! Why not a KV watch: a watch is a JetStream consumer, created and deleted
@@ -257,7 +257,7 @@
 //!
 //! ### Batches
 //!
-//! [`oncely::Ledger::claim_many`] and [`oncely::Ledger::complete_many`] run
+//! [`oncely::backend::Ledger::claim_many`] and [`oncely::backend::Ledger::complete_many`] run
 //! the single claim and completion of each key concurrently on the one
 //! connection: JetStream has no multi-key conditional write, but pipelined
 //! requests cost about one round trip for the batch plus the server's time

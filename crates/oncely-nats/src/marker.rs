@@ -41,7 +41,7 @@
 //! lock and needs none either.
 //!
 //! Markers are small and never read again once their revision is
-//! superseded: [`oncely::Ledger::prune`] purges those older than
+//! superseded: [`oncely::backend::Ledger::prune`] purges those older than
 //! [`MARKER_KEEP`] (a purge leaves no delete marker behind), and the
 //! bucket's `max_age` drops any it misses.
 

@@ -17,7 +17,7 @@
 //! write, claims included, with whole values (outcomes up to 64 KiB), and
 //! needs recreating after every gap. A wake-up is only a hint (the waiter
 //! claims again, and a lost one costs at most
-//! [`oncely::watch::NOTIFIED_FALLBACK`]), so it needs no durability: a core
+//! [`oncely::backend::NOTIFIED_FALLBACK`]), so it needs no durability: a core
 //! NATS message, published only when a lease ends, carrying just the key,
 //! with no server state beyond one subscription per ledger, is the cheapest
 //! thing that works. The price: every ledger on the bucket receives every
@@ -36,7 +36,7 @@ use async_nats::Client;
 use futures_util::StreamExt;
 use oncely::EffectKey;
 use oncely::backend::Backoff;
-use oncely::watch::{Notifier, Watch};
+use oncely::backend::{Notifier, Watch};
 
 /// The subject completions of `bucket` are published on:
 /// `oncely.<bucket>.done`. Bucket names are letters, digits, `_` and `-`

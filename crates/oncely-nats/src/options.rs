@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use async_nats::ServerAddr;
-use oncely::backend::UrlParams;
+use oncely::open::UrlParams;
 use oncely::{Error, Result};
 
 /// The longest lease [`oncely::ClaimOptions::validate`] allows.
@@ -117,8 +117,8 @@ impl NatsKvOptions {
     /// implies `migrate(false)` (a missing bucket is [`Error::Config`],
     /// nothing is created), and the ledger refuses its own writes (claims,
     /// completions, releases, renewals, prune) with [`Error::Config`] before
-    /// any round trip. [`oncely::Ledger::get`], [`oncely::Ledger::abandoned`]
-    /// and [`oncely::Ledger::horizon`] work.
+    /// any round trip. [`oncely::backend::Ledger::get`], [`oncely::backend::Ledger::abandoned`]
+    /// and [`oncely::backend::Ledger::horizon`] work.
     ///
     /// One message is still written: the clock probe on the bucket's
     /// reserved key `_oncely_clock` (crate docs, "Clocks"). NATS tells a

@@ -6,7 +6,8 @@
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime};
 
-use oncely::{EffectKey, RecordState, Result, Tenant};
+use oncely::backend::RecordState;
+use oncely::{EffectKey, Result, Tenant};
 
 use crate::NatsKvLedger;
 use crate::codec::Stored;
@@ -71,7 +72,7 @@ fn victims(entries: Vec<(String, Current)>, now: SystemTime, limit: u64) -> Vec<
 }
 
 impl NatsKvLedger {
-    /// [`oncely::Ledger::prune`]: scans the whole bucket, deletes up to
+    /// [`oncely::backend::Ledger::prune`]: scans the whole bucket, deletes up to
     /// `limit` records.
     pub(crate) async fn prune_records(&self, limit: u64) -> Result<u64> {
         let (entries, markers) = self.scan(format!("{}>", self.inner.store.prefix)).await?;

@@ -45,7 +45,7 @@ oncely::nodes_conformance_tests!(nodes);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replicated_bucket_reports_quorum_durability() {
     let Some(ledger) = ledger().await else { return };
-    let caps = oncely::Ledger::capabilities(&ledger);
+    let caps = oncely::backend::Ledger::capabilities(&ledger);
     assert!(caps.replicated);
     let d = caps.durability;
     assert!(d.starts_with("JetStream file storage, R=3"), "{d}");
@@ -173,8 +173,9 @@ async fn creates_of_an_empty_subject_have_one_winner_across_nodes() {
 /// without markers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_late_holder_write_racing_takeovers_leaves_one_holder() {
+    use oncely::backend::{Claim, Ledger, Outcome, RecordState};
     use oncely::conformance::{SHORT_LEASE, SHORT_LEASE_WAIT, fresh_tenant};
-    use oncely::{Claim, ClaimOptions, EffectKey, Ledger, Outcome, RecordState};
+    use oncely::{ClaimOptions, EffectKey};
     let Some(nodes) = nodes().await else { return };
     let t = fresh_tenant();
     let mut broken = Vec::new();

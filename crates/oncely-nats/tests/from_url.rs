@@ -1,10 +1,11 @@
-//! `NatsKvLedger::from_url` (`oncely::backend::FromUrl`): the URL names the
+//! `NatsKvLedger::from_url` (`oncely::open::FromUrl`): the URL names the
 //! bucket (`?bucket=`), and any other query parameter is refused by name
 //! before anything connects, through the rule every backend shares.
 
-use oncely::backend::{Access, FromUrl, OpenOptions};
+use oncely::backend::{Claim, Ledger, Outcome, RecordState};
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
-use oncely::{Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, RecordState};
+use oncely::open::{Access, FromUrl, OpenOptions};
+use oncely::{ClaimOptions, EffectKey, Error};
 use oncely_nats::{NatsKvLedger, NatsKvOptions};
 
 /// A ledger the application opened with `NatsKvOptions::bucket(..)` is the

@@ -5,8 +5,9 @@
 use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::{self, stream};
+use oncely::backend::{Claim, Ledger, Outcome, RecordState};
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
-use oncely::{Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, RecordState};
+use oncely::{ClaimOptions, EffectKey, Error};
 use oncely_nats::{NatsKvLedger, NatsKvOptions};
 
 async fn js() -> Option<(String, jetstream::Context)> {
@@ -418,7 +419,7 @@ async fn stamp(ledger: &NatsKvLedger, tenant: &oncely::Tenant) -> SystemTime {
     panic!("no record of {tenant}");
 }
 
-fn acquired(c: Claim) -> oncely::Lease {
+fn acquired(c: Claim) -> oncely::backend::Lease {
     match c {
         Claim::Acquired(l) => l,
         other => panic!("expected Acquired, got {other:?}"),
@@ -438,7 +439,7 @@ async fn reported_leases_end_no_later_than_the_server_enforces() {
     };
     let len = oncely::conformance::SHORT_LEASE;
     let o = ClaimOptions::default().lease(len);
-    let check = |l: &oncely::Lease, stamp: SystemTime, len: Duration, what: &str| {
+    let check = |l: &oncely::backend::Lease, stamp: SystemTime, len: Duration, what: &str| {
         assert!(
             l.acquired_at() <= stamp,
             "{what}: acquired_at {:?} is after the write's stamp {stamp:?}",
@@ -815,7 +816,7 @@ async fn the_url_names_the_bucket() {
 /// `Unavailable` instead), through `connect` and `from_url` alike.
 #[tokio::test]
 async fn options_from_the_url_are_validated_before_connecting() {
-    use oncely::backend::{Access, FromUrl, OpenOptions};
+    use oncely::open::{Access, FromUrl, OpenOptions};
     for url in [
         "nats://127.0.0.1:1?replicas=2",
         "nats://127.0.0.1:1?bucket=no.dots",
@@ -838,7 +839,7 @@ async fn options_from_the_url_are_validated_before_connecting() {
 /// wait for the bucket.
 #[tokio::test]
 async fn from_url_honours_access_and_timeout() {
-    use oncely::backend::{Access, FromUrl, OpenOptions};
+    use oncely::open::{Access, FromUrl, OpenOptions};
     let Some((url, js)) = js().await else { return };
     let bucket = unique("oncely_from_url");
     let at = format!("{url}?bucket={bucket}");

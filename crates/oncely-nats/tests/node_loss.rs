@@ -12,8 +12,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use oncely::backend::{Claim, Ledger, Outcome, RecordState};
 use oncely::conformance::fresh_tenant;
-use oncely::{Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, RecordState};
+use oncely::{ClaimOptions, EffectKey, Error};
 use oncely_nats::{NatsKvLedger, NatsKvOptions};
 
 const KEYS: usize = 600;

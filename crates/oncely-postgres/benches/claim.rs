@@ -43,7 +43,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use oncely::{Claim, ClaimOptions, EffectKey, Effects, Ledger, OnInProgress, Outcome, Tenant};
+use oncely::backend::{Claim, Ledger, Outcome};
+use oncely::{ClaimOptions, EffectKey, Effects, OnInProgress, Tenant};
 use oncely_postgres::{PgLedger, PgLedgerOptions};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;

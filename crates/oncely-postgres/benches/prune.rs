@@ -32,7 +32,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use oncely::{Claim, ClaimOptions, EffectKey, Ledger, Outcome, Pruner, PrunerOptions, Tenant};
+use oncely::backend::{Claim, Ledger, Outcome};
+use oncely::pruner::{Pruner, PrunerOptions};
+use oncely::{ClaimOptions, EffectKey, Tenant};
 use oncely_postgres::{PgLedger, PgLedgerOptions};
 use sqlx::postgres::PgPoolOptions;
 

@@ -7,14 +7,14 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use oncely::admin::{Admin, KindStats, RecordQuery, forget_refusal};
+use oncely::admin::{Admin, KindStats, RecordQuery};
+use oncely::backend::forget_refusal;
 use oncely::backend::{
-    FromUrl, LostWrite, OpenOptions, answer_existing, check_outcome, duration_micros, from_micros, to_micros,
+    Capabilities, Claim, Lease, Ledger, MAX_OUTCOME_BYTES, Outcome, Record, TransactionalLedger, Watch,
 };
-use oncely::{
-    Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, MAX_OUTCOME_BYTES, Outcome, Record,
-    Result, Tenant, TransactionalLedger, Watch,
-};
+use oncely::backend::{LostWrite, answer_existing, check_outcome, duration_micros, from_micros, to_micros};
+use oncely::open::{FromUrl, OpenOptions};
+use oncely::{ClaimOptions, EffectKey, Error, Result, Tenant};
 use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres};
 
@@ -1223,9 +1223,9 @@ impl FromUrl for PgLedger {
     const SCHEMES: &'static [&'static str] = SCHEMES;
 
     /// [`PgLedger::connect_with`] with the default options, except:
-    /// [`Access::Existing`](oncely::backend::Access::Existing) is
+    /// [`Access::Existing`](oncely::open::Access::Existing) is
     /// [`PgLedgerOptions::migrate`]`(false)`,
-    /// [`Access::ReadOnly`](oncely::backend::Access::ReadOnly) is
+    /// [`Access::ReadOnly`](oncely::open::Access::ReadOnly) is
     /// [`PgLedgerOptions::read_only`]`(true)`, and a
     /// [`connect_timeout`](field@OpenOptions::connect_timeout) is the
     /// [`acquire_timeout`](PgLedgerOptions::acquire_timeout) (which bounds

@@ -34,7 +34,8 @@
 //! cancel-safe where `Pool::begin` is not (see below).
 //!
 //! ```no_run
-//! use oncely::{Claim, ClaimOptions, EffectKey, Outcome, Tenant, TransactionalLedger};
+//! use oncely::backend::{Claim, Outcome, TransactionalLedger};
+//! use oncely::{ClaimOptions, EffectKey, Tenant};
 //! use oncely_postgres::PgLedger;
 //!
 //! # async fn demo(ledger: PgLedger) -> Result<(), Box<dyn std::error::Error>> {
@@ -69,7 +70,8 @@
 //! (`oncely migrate`).
 //!
 //! ```no_run
-//! use oncely::{Ledger, Tenant};
+//! use oncely::backend::Ledger;
+//! use oncely::Tenant;
 //! use oncely_postgres::{PgLedger, PgLedgerOptions};
 //!
 //! # async fn demo() -> oncely::Result<()> {
@@ -106,14 +108,14 @@
 //! [`PgLedger::connect`]; [`Access::Existing`] is
 //! [`PgLedgerOptions::migrate`]`(false)`; [`Access::ReadOnly`] is
 //! [`PgLedgerOptions::read_only`]`(true)`. A
-//! [`connect_timeout`](field@oncely::backend::OpenOptions::connect_timeout) is the pool's
+//! [`connect_timeout`](field@oncely::open::OpenOptions::connect_timeout) is the pool's
 //! [`acquire_timeout`](PgLedgerOptions::acquire_timeout), which in sqlx
 //! bounds opening a connection too. Any other scheme, and a malformed URL,
 //! is [`Error::Config`] before anything connects, with a message that does
 //! not quote the URL.
 //!
 //! ```no_run
-//! use oncely::backend::{Access, FromUrl, OpenOptions};
+//! use oncely::open::{Access, FromUrl, OpenOptions};
 //! use oncely_postgres::PgLedger;
 //! use std::time::Duration;
 //!
@@ -140,9 +142,9 @@
 //! | fences | the clock's microseconds when the lease is written, or the previous fence + 1 if that is higher ([`next_fence`](oncely::backend::next_fence)): a key never gets a fence it had before, prunes included, as long as the server's clock never steps back by more than the shortest retention in use |
 //! | horizon | a watermark per tenant and kind (table `<table>_horizon`): prune raises it to the newest `created_at` it deletes, in the same transaction. A claim with [`ClaimOptions::sent_at`] at or before it fails with [`Error::BeyondHorizon`] when the key is absent (an old message may still take over a released or expired record it finds). A claim without `sent_at` cannot tell a replay of a pruned effect from new work. Records pruned by schema version 1 (before the watermark existed) left none |
 //! | schema check | on connect and at the end of [`PgLedger::migrate`]: the columns and their types, a primary key or unique index on exactly `key`, deterministic collations on the text columns (a case-insensitive collation would let `Acme` and `acme` share a record); otherwise [`Error::Config`] naming the table and the problem |
-//! | max key | [`oncely::MAX_KEY_BYTES`] (255 bytes), stored whole as the primary key |
-//! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] (64 KiB), `bytea` |
-//! | operator view | [`oncely::Admin`]: `records` and `stats` read at one `clock_timestamp()` (a materialized CTE), in byte order of the key (`COLLATE "C"`); a tenant's listing reads its rows by the `tenant` column (no index on it but the partial one of abandoned steps; the key's primary key serves a full key), then sorts; `forget` is one guarded, fenced `UPDATE` (completed at that fence → released, outcome removed, row kept); `prunable` counts with the prune index |
+//! | max key | [`oncely::backend::MAX_KEY_BYTES`] (255 bytes), stored whole as the primary key |
+//! | max outcome | [`oncely::backend::MAX_OUTCOME_BYTES`] (64 KiB), `bytea` |
+//! | operator view | [`oncely::admin::Admin`]: `records` and `stats` read at one `clock_timestamp()` (a materialized CTE), in byte order of the key (`COLLATE "C"`); a tenant's listing reads its rows by the `tenant` column (no index on it but the partial one of abandoned steps; the key's primary key serves a full key), then sorts; `forget` is one guarded, fenced `UPDATE` (completed at that fence → released, outcome removed, row kept); `prunable` counts with the prune index |
 //! | locks | one advisory lock per claim, held for the statement (autocommit) or until the caller's transaction ends (`claim_in`): a transaction claiming thousands of keys can exhaust the server's lock table (`max_locks_per_transaction` × connections). Prune deletes in batches of at most 500 rows per transaction and skips keys whose lock is held (see [Pruning](#pruning-tens-of-millions-of-rows)) |
 //! | failure | cannot connect, pool exhausted, or no answer within [`PgLedgerOptions::operation_timeout`] (10 s): [`Error::Unavailable`] (fail closed, nothing runs); a claim, completion or release whose answer was lost is resolved from its row first (a claim's by its token); serialization failure or deadlock: retryable [`Error::Backend`]; a unique violation in a step's own write: [`Error::ConstraintViolation`] (through [`Ledger::unique_violation`]); a read-only session or a missing privilege: [`Error::Config`] |
 //!
@@ -161,13 +163,13 @@
 //! commits notifying transactions one at a time, WAL flush included: on this
 //! project's 2-core machine, 8 clients inserting committed 4,200 times a
 //! second, and 530 to 880 times with a notify in each. Only
-//! [`complete_in`](oncely::TransactionalLedger::complete_in) notifies in its
+//! [`complete_in`](oncely::backend::TransactionalLedger::complete_in) notifies in its
 //! statement, so the notification leaves when the caller's transaction
 //! commits, and never if it rolls back. A wake-up is a hint: the waiter
 //! claims again and answers from the record. A lost notification (the
 //! listener reconnecting, a process that died between its commit and its
 //! announcement) costs latency, at most
-//! [`oncely::watch::NOTIFIED_FALLBACK`] and never beyond the lease, never a
+//! [`oncely::backend::NOTIFIED_FALLBACK`] and never beyond the lease, never a
 //! wrong answer; while the listener is down, waiters poll.
 //!
 //! ## Replication and failover
@@ -238,7 +240,7 @@
 //!
 //! The read and the decision are one statement under the key's lock, so a
 //! concurrent duplicate never acquires beside it. A key of
-//! [`claim_many`](oncely::Ledger::claim_many) is resolved the same way, by
+//! [`claim_many`](oncely::backend::Ledger::claim_many) is resolved the same way, by
 //! the batch's token. Only when no run answers within the window does the
 //! claim fail with the original [`Error::Unavailable`] (so a claim whose
 //! answer is lost costs at most two operation timeouts); a row it wrote
@@ -250,11 +252,11 @@
 //! held; with it, [`Claim::Acquired`] at the row's fence, and the duplicate
 //! in flight beside it [`Claim::InProgress`].
 //!
-//! [`claim_in`](oncely::TransactionalLedger::claim_in) needs no resolution:
+//! [`claim_in`](oncely::backend::TransactionalLedger::claim_in) needs no resolution:
 //! its row commits with the caller's transaction, and the caller's `COMMIT`
 //! is theirs. If its answer is lost, read the record
-//! ([`Ledger::get`](oncely::Ledger::get)) on a new connection: in progress
-//! (or completed, after [`complete_in`](oncely::TransactionalLedger::complete_in))
+//! ([`Ledger::get`](oncely::backend::Ledger::get)) on a new connection: in progress
+//! (or completed, after [`complete_in`](oncely::backend::TransactionalLedger::complete_in))
 //! at the lease's fence means the transaction committed, with the business
 //! writes in it, and the lease is still yours; anything else means it rolled
 //! back, the claim with it, and the delivery can simply run again. (Fences
@@ -310,16 +312,16 @@
 //!
 //! ## Batches
 //!
-//! [`Ledger::claim_many`](oncely::Ledger::claim_many) is one statement per
+//! [`Ledger::claim_many`](oncely::backend::Ledger::claim_many) is one statement per
 //! 500 distinct keys with every rule of the single claim (key locks in lock-id
 //! order, the clock read after the locks, horizon, fingerprints, takeovers,
-//! the guard); [`Ledger::complete_many`](oncely::Ledger::complete_many) is one
+//! the guard); [`Ledger::complete_many`](oncely::backend::Ledger::complete_many) is one
 //! statement with each lease fenced on its own. A key listed twice acquires
 //! once and finds itself in progress the second time.
 //!
 //! ## Pruning tens of millions of rows
 //!
-//! [`Ledger::prune`](oncely::Ledger::prune) never deletes in one big
+//! [`Ledger::prune`](oncely::backend::Ledger::prune) never deletes in one big
 //! statement. Each batch is one autocommit statement of at most 500 rows
 //! that finds its rows on the partial index `<table>_prune_idx`
 //! (`retain_until`, only completed and released rows: in-progress rows,
@@ -333,11 +335,11 @@
 //! once it reaches the end of what is due), so a backlog is not read again
 //! from its oldest, already-deleted index entries by every batch.
 //!
-//! Run it continuously with [`oncely::Pruner`] rather than as a nightly
+//! Run it continuously with [`oncely::pruner::Pruner`] rather than as a nightly
 //! `oncely prune` of everything: `Pruner::new(ledger.clone(),
 //! PrunerOptions::default()).spawn()` deletes at most
-//! [`rows_per_second`](oncely::PrunerOptions::rows_per_second) (5,000 by
-//! default) in [`batch`](oncely::PrunerOptions::batch)es (500), and rests
+//! [`rows_per_second`](oncely::pruner::PrunerOptions::rows_per_second) (5,000 by
+//! default) in [`batch`](oncely::pruner::PrunerOptions::batch)es (500), and rests
 //! when nothing is due. What to tune:
 //!
 //! - **the rate**: every deleted row writes WAL (and a full page image the
@@ -471,12 +473,12 @@
 //! refused with [`Error::Config`] saying that `claim_token` is missing and
 //! to run `oncely migrate`.
 //!
-//! [`Access::Existing`]: oncely::backend::Access::Existing
-//! [`Access::Migrate`]: oncely::backend::Access::Migrate
-//! [`Access::ReadOnly`]: oncely::backend::Access::ReadOnly
-//! [`Claim::Completed`]: oncely::Claim::Completed
-//! [`Claim::InProgress`]: oncely::Claim::InProgress
-//! [`Claim::Acquired`]: oncely::Claim::Acquired
+//! [`Access::Existing`]: oncely::open::Access::Existing
+//! [`Access::Migrate`]: oncely::open::Access::Migrate
+//! [`Access::ReadOnly`]: oncely::open::Access::ReadOnly
+//! [`Claim::Completed`]: oncely::backend::Claim::Completed
+//! [`Claim::InProgress`]: oncely::backend::Claim::InProgress
+//! [`Claim::Acquired`]: oncely::backend::Claim::Acquired
 //! [`ClaimOptions::sent_at`]: oncely::ClaimOptions::sent_at
 //! [`Error::Backend`]: oncely::Error::Backend
 //! [`Error::BeyondHorizon`]: oncely::Error::BeyondHorizon
@@ -485,12 +487,12 @@
 //! [`Error::OutcomeUnknown`]: oncely::Error::OutcomeUnknown
 //! [`Error::ConstraintViolation`]: oncely::Error::ConstraintViolation
 //! [`Error::Unavailable`]: oncely::Error::Unavailable
-//! [`FromUrl`]: oncely::backend::FromUrl
-//! [`Ledger::abandoned`]: oncely::Ledger::abandoned
-//! [`Ledger::get`]: oncely::Ledger::get
-//! [`Ledger::horizon`]: oncely::Ledger::horizon
-//! [`Ledger::unique_violation`]: oncely::Ledger::unique_violation
-//! [`TransactionalLedger`]: oncely::TransactionalLedger
+//! [`FromUrl`]: oncely::open::FromUrl
+//! [`Ledger::abandoned`]: oncely::backend::Ledger::abandoned
+//! [`Ledger::get`]: oncely::backend::Ledger::get
+//! [`Ledger::horizon`]: oncely::backend::Ledger::horizon
+//! [`Ledger::unique_violation`]: oncely::backend::Ledger::unique_violation
+//! [`TransactionalLedger`]: oncely::backend::TransactionalLedger
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
@@ -514,5 +516,5 @@ pub use crate::ledger::PgLedger;
 pub use crate::notify::ListenerStatus;
 pub use crate::options::PgLedgerOptions;
 /// The connection a caller's transaction derefs to, for
-/// [`TransactionalLedger::claim_in`](oncely::TransactionalLedger::claim_in).
+/// [`TransactionalLedger::claim_in`](oncely::backend::TransactionalLedger::claim_in).
 pub use sqlx::PgConnection;

@@ -37,7 +37,7 @@ use std::time::Duration;
 
 use oncely::EffectKey;
 use oncely::backend::Backoff;
-use oncely::watch::{Notifier, Watch};
+use oncely::backend::{Notifier, Watch};
 use sqlx::PgPool;
 use sqlx::postgres::{PgListener, PgPoolOptions};
 use tokio::sync::Notify;

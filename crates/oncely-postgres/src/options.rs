@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use oncely::backend::{Access, OpenOptions, UrlParams};
+use oncely::open::{Access, OpenOptions, UrlParams};
 use oncely::{Error, Result};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
@@ -13,7 +13,7 @@ use crate::error::map;
 use crate::hosts::Target;
 
 /// The URL schemes a PostgreSQL ledger opens
-/// ([`FromUrl::SCHEMES`](oncely::backend::FromUrl::SCHEMES)).
+/// ([`FromUrl::SCHEMES`](oncely::open::FromUrl::SCHEMES)).
 pub(crate) const SCHEMES: &[&str] = &["postgres", "postgresql"];
 
 /// Longest schema or table name accepted (PostgreSQL's limit is 63 bytes; the
@@ -144,8 +144,8 @@ impl PgLedgerOptions {
     /// pooled session with `default_transaction_read_only = on`, and the
     /// ledger refuses its own writes (claims, completions, releases,
     /// renewals, prune, [`PgLedger::migrate`](crate::PgLedger::migrate)) with
-    /// [`Error::Config`] before any round trip. [`oncely::Ledger::get`],
-    /// [`oncely::Ledger::abandoned`] and [`oncely::Ledger::horizon`] work. On
+    /// [`Error::Config`] before any round trip. [`oncely::backend::Ledger::get`],
+    /// [`oncely::backend::Ledger::abandoned`] and [`oncely::backend::Ledger::horizon`] work. On
     /// a pool handed to
     /// [`PgLedger::from_pool_with`](crate::PgLedger::from_pool_with) the
     /// sessions are the pool's; only the ledger's own refusal applies.
@@ -185,7 +185,7 @@ impl PgLedgerOptions {
         Ok(())
     }
 
-    /// The options [`FromUrl::from_url`](oncely::backend::FromUrl::from_url)
+    /// The options [`FromUrl::from_url`](oncely::open::FromUrl::from_url)
     /// opens with: the defaults, with the access and the connect timeout of
     /// `open`.
     pub(crate) fn for_open(open: OpenOptions) -> Self {
@@ -228,7 +228,7 @@ impl PgLedgerOptions {
             Some(value) => Target::parse(value, self.read_only)?,
             None => Target::default_for(self.read_only),
         };
-        let hosts = oncely::backend::split_hosts(params.driver_url(), "PostgreSQL")?
+        let hosts = oncely::open::split_hosts(params.driver_url(), "PostgreSQL")?
             .iter()
             .map(|url| self.connect_options(url))
             .collect::<Result<Vec<_>>>()?;

@@ -2,8 +2,9 @@
 //! statement's row to what the claim found, a prune batch's counts. Every
 //! column is read by the name `sql` gives it, never by position.
 
+use oncely::backend::{Fingerprint, Lease, Outcome, Record, RecordState};
 use oncely::backend::{Grant, effective_state, from_micros};
-use oncely::{EffectKey, Fingerprint, Lease, Outcome, Record, RecordState, Result};
+use oncely::{EffectKey, Result};
 use sqlx::postgres::PgRow;
 use sqlx::{Postgres, Row};
 

@@ -41,7 +41,7 @@ impl Kind {
                         .strip_prefix("character varying(")
                         .and_then(|n| n.strip_suffix(')'))
                         .and_then(|n| n.parse::<usize>().ok())
-                        .is_some_and(|n| n >= oncely::MAX_KEY_BYTES)
+                        .is_some_and(|n| n >= oncely::backend::MAX_KEY_BYTES)
             }
             Kind::BigInt => ty == "bigint",
             Kind::Bytes => ty == "bytea",

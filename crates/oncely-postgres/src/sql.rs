@@ -12,8 +12,9 @@
 
 use std::sync::Arc;
 
+use oncely::Tenant;
 use oncely::admin::{Filter, RecordQuery};
-use oncely::{RecordState, Tenant};
+use oncely::backend::RecordState;
 
 /// A timestamp as microseconds since the Unix epoch (`extract` is exact
 /// `numeric` since PostgreSQL 14), for fences, the horizon and the renewed
@@ -542,7 +543,7 @@ impl Queries {
                WHERE state IN ('completed', 'released'); \
              CREATE INDEX IF NOT EXISTS {abandoned_idx} ON {t} (tenant, created_at) \
                WHERE state = 'in_progress' AND at_most_once;",
-            max_outcome = oncely::MAX_OUTCOME_BYTES,
+            max_outcome = oncely::backend::MAX_OUTCOME_BYTES,
             prune_idx = idx("prune_idx"),
             abandoned_idx = idx("abandoned_idx"),
         );

@@ -10,11 +10,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use oncely::backend::{Claim, Fingerprint, Lease, Ledger, Outcome, RecordState, TransactionalLedger};
 use oncely::conformance::{fresh_tenant, prune_until_gone, service_url, skip_or_fail};
-use oncely::{
-    Claim, ClaimOptions, EffectKey, Error, Fingerprint, Lease, Ledger, Outcome, RecordState, Tenant,
-    TransactionalLedger,
-};
+use oncely::{ClaimOptions, EffectKey, Error, Tenant};
 use oncely_postgres::{PgLedger, PgLedgerOptions};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgPool};

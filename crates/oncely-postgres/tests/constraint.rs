@@ -8,9 +8,10 @@
 
 use std::time::Duration;
 
+use oncely::backend::Ledger;
 use oncely::conformance::{counter, fresh_tenant, metrics_snapshotter, service_url, skip_or_fail};
 use oncely::telemetry::UNEXPECTED_CONSTRAINT_VIOLATIONS_TOTAL;
-use oncely::{ClaimOptions, Effects, Error, Failure, Ledger, StepMode};
+use oncely::{ClaimOptions, Effects, Error, Failure, StepMode};
 use oncely_postgres::{PgLedger, PgLedgerOptions};
 use sqlx::postgres::PgPoolOptions;
 

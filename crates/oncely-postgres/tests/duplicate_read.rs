@@ -13,8 +13,9 @@
 
 use std::time::Duration;
 
+use oncely::backend::{Claim, Ledger, Outcome, TransactionalLedger};
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
-use oncely::{Claim, ClaimOptions, EffectKey, Ledger, Outcome, TransactionalLedger};
+use oncely::{ClaimOptions, EffectKey};
 use oncely_postgres::{PgLedger, PgLedgerOptions};
 use sqlx::{AssertSqlSafe, PgConnection};
 

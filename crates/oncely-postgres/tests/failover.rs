@@ -18,7 +18,8 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use oncely::{ClaimOptions, EffectKey, Effects, Error, How, Ledger, OnInProgress, RecordState, Tenant};
+use oncely::backend::{Ledger, RecordState};
+use oncely::{ClaimOptions, EffectKey, Effects, Error, How, OnInProgress, Tenant};
 use oncely_postgres::{PgLedger, PgLedgerOptions};
 
 const PORT: u16 = 5440;
@@ -189,7 +190,7 @@ async fn failover(mode: &str, fault: Fault) -> Option<Report> {
         let opts = ClaimOptions::default().lease(Duration::from_secs(120));
         assert!(matches!(
             holder.claim(&held, &opts).await,
-            Ok(oncely::Claim::Acquired(_))
+            Ok(oncely::backend::Claim::Acquired(_))
         ));
     }
 
@@ -313,11 +314,11 @@ async fn listener_follows(ledger: &PgLedger, url: &str, tenant: &Tenant) {
     let heard = ledger.listener_status().notifications;
     let other = PgLedger::connect_with(url, options()).await.expect("connects");
     let lease = match other.claim(&key, &ClaimOptions::default()).await.unwrap() {
-        oncely::Claim::Acquired(lease) => lease,
+        oncely::backend::Claim::Acquired(lease) => lease,
         c => panic!("{c:?}"),
     };
     other
-        .complete(&lease, &oncely::Outcome::from_json(&1).unwrap())
+        .complete(&lease, &oncely::backend::Outcome::from_json(&1).unwrap())
         .await
         .unwrap();
     while ledger.listener_status().notifications == heard {

@@ -1,4 +1,4 @@
-//! `PgLedger::from_url` (`oncely::backend::FromUrl`): each `Access`, the
+//! `PgLedger::from_url` (`oncely::open::FromUrl`): each `Access`, the
 //! connect timeout, the table the URL names (`?schema=&table=`), and URLs
 //! refused before anything connects.
 //!
@@ -8,9 +8,10 @@
 
 use std::time::Duration;
 
-use oncely::backend::{Access, FromUrl, OpenOptions};
+use oncely::backend::{Claim, Ledger, Outcome, RecordState};
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
-use oncely::{Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, RecordState};
+use oncely::open::{Access, FromUrl, OpenOptions};
+use oncely::{ClaimOptions, EffectKey, Error};
 use oncely_postgres::PgLedger;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgPool};

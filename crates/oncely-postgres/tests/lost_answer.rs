@@ -12,8 +12,9 @@
 
 use std::time::Duration;
 
+use oncely::backend::{Claim, Lease, Ledger, Outcome, RecordState, TransactionalLedger};
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
-use oncely::{Claim, ClaimOptions, EffectKey, Lease, Ledger, Outcome, RecordState, TransactionalLedger};
+use oncely::{ClaimOptions, EffectKey};
 use oncely_postgres::{PgLedger, PgLedgerOptions};
 use sqlx::{Connection, PgConnection};
 

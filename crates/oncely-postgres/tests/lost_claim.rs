@@ -22,8 +22,9 @@ mod common;
 
 use std::time::Duration;
 
+use oncely::backend::{Claim, Ledger, Outcome, RecordState};
 use oncely::conformance::fresh_tenant;
-use oncely::{Claim, ClaimOptions, EffectKey, Ledger, Outcome, RecordState};
+use oncely::{ClaimOptions, EffectKey};
 use oncely_postgres::{PgLedger, PgLedgerOptions};
 use sqlx::{Connection, PgConnection};
 
@@ -140,7 +141,7 @@ async fn count_the_standby(primary: &mut PgConnection) {
     exec(primary, "SELECT pg_reload_conf()").await;
 }
 
-fn acquired(claim: &Claim) -> &oncely::Lease {
+fn acquired(claim: &Claim) -> &oncely::backend::Lease {
     match claim {
         Claim::Acquired(lease) => lease,
         other => panic!("expected Acquired, got {other:?}"),

@@ -9,8 +9,9 @@
 
 use std::time::Duration;
 
+use oncely::backend::{Claim, Lease, Ledger, Outcome};
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
-use oncely::{Claim, ClaimOptions, EffectKey, Effects, Lease, Ledger, OnInProgress, Outcome};
+use oncely::{ClaimOptions, EffectKey, Effects, OnInProgress};
 use oncely_postgres::{PgLedger, PgLedgerOptions};
 use sqlx::AssertSqlSafe;
 use sqlx::postgres::PgPoolOptions;

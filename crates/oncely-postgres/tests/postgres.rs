@@ -6,10 +6,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use oncely::backend::{Claim, Ledger, Outcome, RecordState, TransactionalLedger};
 use oncely::conformance::{Rng, fresh_tenant, prune_until_gone, service_url, skip_or_fail};
-use oncely::{
-    Claim, ClaimOptions, EffectKey, Effects, Error, Ledger, Outcome, RecordState, Tenant, TransactionalLedger,
-};
+use oncely::{ClaimOptions, EffectKey, Effects, Error, Tenant};
 use oncely_postgres::{PgConnection, PgLedger, PgLedgerOptions};
 use sqlx::AssertSqlSafe;
 use sqlx::PgPool;

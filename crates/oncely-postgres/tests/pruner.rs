@@ -37,7 +37,8 @@ async fn pruner_prunes_due_records_in_bounded_batches() {
 async fn a_row_skipped_behind_the_cursor_is_pruned_by_the_next_pass() {
     use std::time::Duration;
 
-    use oncely::{Claim, ClaimOptions, EffectKey, Ledger, Tenant, TransactionalLedger};
+    use oncely::backend::{Claim, Ledger, TransactionalLedger};
+    use oncely::{ClaimOptions, EffectKey, Tenant};
 
     let Some(url) = service_url(
         "ONCELY_POSTGRES_URL",

@@ -7,8 +7,9 @@
 
 use std::time::Duration;
 
+use oncely::backend::{Claim, Ledger, Outcome, RecordState};
 use oncely::conformance::{fresh_tenant, prune_until_gone, service_url, skip_or_fail};
-use oncely::{Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, RecordState};
+use oncely::{ClaimOptions, EffectKey, Error};
 use oncely_postgres::{PgLedger, PgLedgerOptions};
 use sqlx::AssertSqlSafe;
 use sqlx::PgPool;

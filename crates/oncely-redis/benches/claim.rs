@@ -22,7 +22,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use oncely::{Claim, ClaimOptions, EffectKey, Ledger, Outcome, Tenant};
+use oncely::backend::{Claim, Ledger, Outcome};
+use oncely::{ClaimOptions, EffectKey, Tenant};
 use oncely_redis::{RedisLedger, RedisLedgerOptions};
 use redis::aio::ConnectionManager;
 

@@ -1,7 +1,7 @@
 //! What the server keeps of an acknowledged write: its persistence settings
 //! (`appendonly`, `appendfsync`, `save`), read on every master when the
 //! ledger connects, reported in
-//! [`Capabilities::durability`](oncely::Capabilities::durability), and a
+//! [`Capabilities::durability`](oncely::backend::Capabilities::durability), and a
 //! server that persists nothing refused unless the ledger accepts it
 //! ([`RedisLedgerOptions::ephemeral`](crate::RedisLedgerOptions::ephemeral)).
 
@@ -70,7 +70,7 @@ impl Persistence {
     }
 
     /// What a completed record survives, for
-    /// [`Capabilities::durability`](oncely::Capabilities::durability).
+    /// [`Capabilities::durability`](oncely::backend::Capabilities::durability).
     pub(crate) fn durability(self) -> &'static str {
         match self {
             Persistence::None => {

@@ -6,7 +6,7 @@ use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
 
 use crate::reply::text;
 
-/// The backend's name in errors and [`Ledger::backend`](oncely::Ledger::backend).
+/// The backend's name in errors and [`Ledger::backend`](oncely::backend::Ledger::backend).
 pub(crate) const BACKEND: &str = "redis";
 
 /// Maps a driver error to the core's.

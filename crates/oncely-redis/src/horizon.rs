@@ -11,8 +11,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime};
 
+use oncely::backend::Lease;
 use oncely::backend::{Backoff, from_micros, is_beyond_horizon, to_micros};
-use oncely::{EffectKey, Error, Lease, Result, Tenant};
+use oncely::{EffectKey, Error, Result, Tenant};
 use redis::Value;
 
 use crate::RedisLedger;
@@ -275,8 +276,9 @@ mod tests {
     use crate::RedisLedgerOptions;
     use crate::lua::ClaimItem;
     use crate::reply::grant;
+    use oncely::ClaimOptions;
     use oncely::backend::Grant;
-    use oncely::{Claim, ClaimOptions, Ledger};
+    use oncely::backend::{Claim, Ledger};
 
     /// The pauses the take-back loop used to compute by hand (50 ms,
     /// doubling, for the attempts that follow a failure).

@@ -5,14 +5,11 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use oncely::backend::{
-    Access, FromUrl, OpenOptions, answer_existing, check_outcome, duration_micros, from_micros, to_micros,
-};
-use oncely::watch::Watch;
-use oncely::{
-    Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, RecordState, Result,
-    Tenant,
-};
+use oncely::backend::Watch;
+use oncely::backend::{Capabilities, Claim, Lease, Ledger, Outcome, Record, RecordState};
+use oncely::backend::{answer_existing, check_outcome, duration_micros, from_micros, to_micros};
+use oncely::open::{Access, FromUrl, OpenOptions};
+use oncely::{ClaimOptions, EffectKey, Error, Result, Tenant};
 use redis::aio::ConnectionLike;
 use redis::{Cmd, Script, Value};
 
@@ -110,7 +107,7 @@ impl RedisLedger {
     /// `?ephemeral=true` (taken out before the client sees the URL) or
     /// [`RedisLedgerOptions::ephemeral`] accepts it, and what the weakest
     /// master keeps is reported in
-    /// [`Capabilities::durability`](oncely::Capabilities::durability).
+    /// [`Capabilities::durability`](oncely::backend::Capabilities::durability).
     /// Connecting then subscribes to change
     /// notifications (see the crate docs' Waiting; a subscription that fails
     /// is logged and retried in the background, and does not fail `connect`).
@@ -543,7 +540,7 @@ impl Ledger for RedisLedger {
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
         self.writable("complete")?;
-        check_outcome(outcome, oncely::MAX_OUTCOME_BYTES)?;
+        check_outcome(outcome, oncely::backend::MAX_OUTCOME_BYTES)?;
         let (_, acks) = self
             .fenced_acked(lease.key(), lease.fence(), "complete", &[outcome.as_bytes()])
             .await?;
@@ -823,7 +820,7 @@ impl RedisLedger {
             .map(|(_, outcome)| {
                 let checked = self
                     .writable("complete")
-                    .and_then(|()| check_outcome(outcome, oncely::MAX_OUTCOME_BYTES));
+                    .and_then(|()| check_outcome(outcome, oncely::backend::MAX_OUTCOME_BYTES));
                 checked.err().map(Err)
             })
             .collect();

@@ -89,12 +89,12 @@
 //! `redis+sentinel://`) instead of connecting and failing every claim; a
 //! read-only ledger opens a replica and reads what it has.
 //!
-//! [`RedisLedger`] implements [`FromUrl`](oncely::backend::FromUrl) with the
+//! [`RedisLedger`] implements [`FromUrl`](oncely::open::FromUrl) with the
 //! schemes `redis`, `redis+cluster` and `redis+sentinel`, the one way a tool opens any backend
 //! from a URL. Redis has no tables or buckets: there is nothing to create
-//! or migrate, so [`Access::Migrate`](oncely::backend::Access::Migrate),
-//! [`Access::Existing`](oncely::backend::Access::Existing) and
-//! [`Access::ReadOnly`](oncely::backend::Access::ReadOnly) all open the same
+//! or migrate, so [`Access::Migrate`](oncely::open::Access::Migrate),
+//! [`Access::Existing`](oncely::open::Access::Existing) and
+//! [`Access::ReadOnly`](oncely::open::Access::ReadOnly) all open the same
 //! way. A read-only ledger ([`RedisLedgerOptions::read_only`]) refuses every
 //! write (claim, complete, release, renew, prune) with [`Error::Config`]
 //! before any round trip, as the SQL backends' read-only ledgers do.
@@ -105,18 +105,18 @@
 //! | --- | --- |
 //! | atomic claim | one Lua script per operation (create, take over an expired lease, or answer with the record); `EVALSHA`, loaded on `NOSCRIPT` |
 //! | caller's transaction | no: Redis cannot join a SQL transaction |
-//! | durability | as the server is configured, read on every master at connect (`appendonly`, `appendfsync`, `save`; `INFO persistence` where `CONFIG` is not allowed) and reported by the weakest in [`Capabilities::durability`](oncely::Capabilities::durability): `appendfsync always` loses nothing acknowledged on a crash, `everysec` up to about 1 s, snapshots only everything since the last one. A server that persists nothing (`--save "" --appendonly no`) is refused with [`Error::Config`] unless accepted (`?ephemeral=true`, [`RedisLedgerOptions::ephemeral`]); a read-only ledger is never refused for it. A failover can lose acknowledged writes whatever the setting (see below) |
-//! | replication | asynchronous: a claim returns before any replica has it ([`Capabilities::replicated`](oncely::Capabilities) is `false`), unless [`RedisLedgerOptions::wait_replicas`]: then a lease write counts only once that many replicas acknowledged it (`WAIT`), and `replicated` is `true`; `WAIT` is not consensus (see Replication) |
+//! | durability | as the server is configured, read on every master at connect (`appendonly`, `appendfsync`, `save`; `INFO persistence` where `CONFIG` is not allowed) and reported by the weakest in [`Capabilities::durability`](oncely::backend::Capabilities::durability): `appendfsync always` loses nothing acknowledged on a crash, `everysec` up to about 1 s, snapshots only everything since the last one. A server that persists nothing (`--save "" --appendonly no`) is refused with [`Error::Config`] unless accepted (`?ephemeral=true`, [`RedisLedgerOptions::ephemeral`]); a read-only ledger is never refused for it. A failover can lose acknowledged writes whatever the setting (see below) |
+//! | replication | asynchronous: a claim returns before any replica has it ([`Capabilities::replicated`](oncely::backend::Capabilities) is `false`), unless [`RedisLedgerOptions::wait_replicas`]: then a lease write counts only once that many replicas acknowledged it (`WAIT`), and `replicated` is `true`; `WAIT` is not consensus (see Replication) |
 //! | failover | `redis+sentinel://`: the ledger and its notification subscriber follow the primary Sentinel promotes; a `redis://` ledger does not (its writes fail with `READONLY`, retryable, until it is pointed elsewhere) |
 //! | role | checked at connect: a writing ledger is refused on a replica |
 //! | clock | the Redis server's `TIME`, read inside each script, so at the moment its write takes effect (per master in a cluster; each record lives on one master) |
 //! | fences | the server's clock in µs at the grant, or the previous fence + 1 if higher ([`next_fence`](oncely::backend::next_fence)): never repeated for a key, prunes included, as long as a master's clock never steps back by more than the shortest retention in use (or a failover promotes a replica whose clock is that far behind) |
-//! | expiry | none: records carry no TTL, and only [`prune`](oncely::Ledger::prune) deletes them, so **prune must be scheduled** (see Records) |
+//! | expiry | none: records carry no TTL, and only [`prune`](oncely::backend::Ledger::prune) deletes them, so **prune must be scheduled** (see Records) |
 //! | horizon | a watermark per tenant and kind that prune raises before it deletes; one server: read atomically with the claim; a cluster: read after the claim's insert, one more round trip for a claim with `sent_at` that inserts, and checked again before anyone takes over a record whose claim may not have finished that check (see Horizon) |
-//! | max key | [`oncely::MAX_KEY_BYTES`] bytes of effect key, plus the prefix and a 19-byte hash tag |
-//! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] bytes, stored in the record's hash |
+//! | max key | [`oncely::backend::MAX_KEY_BYTES`] bytes of effect key, plus the prefix and a 19-byte hash tag |
+//! | max outcome | [`oncely::backend::MAX_OUTCOME_BYTES`] bytes, stored in the record's hash |
 //! | cluster | yes: each operation on a record touches exactly one key, so one slot |
-//! | operator view | not offered: this crate does not implement [`oncely::Admin`] (listing and counting records by tenant and kind, `forget`, a prune dry run): records are hashes under hashed keys with no secondary index, so it would scan the keyspace. `oncely inspect`, `resolve` and tenant-scoped `abandoned` work; the other operator commands say they are not available here |
+//! | operator view | not offered: this crate does not implement [`oncely::admin::Admin`] (listing and counting records by tenant and kind, `forget`, a prune dry run): records are hashes under hashed keys with no secondary index, so it would scan the keyspace. `oncely inspect`, `resolve` and tenant-scoped `abandoned` work; the other operator commands say they are not available here |
 //!
 //! ## Records
 //!
@@ -137,7 +137,7 @@
 //! time on every claim. `src/lua/prelude.lua` lists them; format 1 records
 //! are read as well.
 //!
-//! No record carries a TTL. [`prune`](oncely::Ledger::prune) is the one path
+//! No record carries a TTL. [`prune`](oncely::backend::Ledger::prune) is the one path
 //! that deletes records, because a deletion must raise the horizon first
 //! (a record that Redis expired by itself would vanish without a trace, and
 //! a late replay of its message would run the effect again). **Schedule
@@ -151,7 +151,7 @@
 //! versions of this crate carry a TTL; the first prune that visits one
 //! removes it (one that expires before that leaves the horizon unraised).
 //!
-//! [`abandoned`](oncely::Ledger::abandoned) also walks every master with
+//! [`abandoned`](oncely::backend::Ledger::abandoned) also walks every master with
 //! `SCAN MATCH` on the tenant's prefix and reads each match, so its cost grows
 //! with the size of the keyspace, not with the number of abandoned steps. Run
 //! it from reconciliation jobs, not per request. A resharding in progress
@@ -211,7 +211,7 @@
 //!
 //! [`RedisLedger::connect`] reads `CONFIG GET appendonly`, `appendfsync` and
 //! `save` on every master, and reports what the weakest keeps in
-//! [`Capabilities::durability`](oncely::Capabilities::durability) (what
+//! [`Capabilities::durability`](oncely::backend::Capabilities::durability) (what
 //! `oncely migrate` prints). Where `CONFIG` is renamed or not allowed
 //! (managed services), `INFO persistence` tells whether AOF is on, not its
 //! fsync policy nor the snapshots; where neither answers, the durability
@@ -295,7 +295,7 @@
 //! fence ([`Error::LeaseLost`](oncely::Error::LeaseLost)). A lost raise of
 //! the horizon lets a replay of a pruned message run again. Provider-keyed
 //! steps stay safe (the provider deduplicates by
-//! [`Lease::provider_key`](oncely::Lease::provider_key)); at-most-once steps
+//! [`Lease::provider_key`](oncely::backend::Lease::provider_key)); at-most-once steps
 //! may be sent twice.
 //!
 //! **[`RedisLedgerOptions::wait_replicas`]`(n, timeout)`** sends
@@ -352,7 +352,7 @@
 //! ## Waiting
 //!
 //! A duplicate run with [`oncely::OnInProgress::Wait`] that finds the effect
-//! in progress takes a watch ([`oncely::Ledger::watch`]) and is woken when
+//! in progress takes a watch ([`oncely::backend::Ledger::watch`]) and is woken when
 //! the holder completes or releases it, instead of polling. Two paths:
 //!
 //! - in this process, the ledger (and its clones) wakes the key's watches
@@ -372,7 +372,7 @@
 //! subscriber, a quarter more. A wake-up is a hint: the waiter claims again
 //! and answers from the record, so a lost message (the subscription down,
 //! a user whose ACL forbids the channel, a publish that failed) costs
-//! latency, at most [`oncely::watch::NOTIFIED_FALLBACK`] and never beyond the
+//! latency, at most [`oncely::backend::NOTIFIED_FALLBACK`] and never beyond the
 //! holder's lease, never a wrong answer. While the subscription is down,
 //! watches poll (5 ms doubling to 250 ms) and it reconnects in the
 //! background. [`RedisLedger::is_subscribed`] says whether it is up and
@@ -384,7 +384,7 @@
 //! ## Batches
 //!
 //! [`RedisLedger::claim_many`] and [`RedisLedger::complete_many`] (the
-//! [`oncely::Ledger`] batch operations) run the claim or completion script
+//! [`oncely::backend::Ledger`] batch operations) run the claim or completion script
 //! once per slot over all the batch's records in that slot, one after the
 //! other inside the script: on one server the whole batch is one script call
 //! and one round trip; on a cluster, one call per slot, pipelined per master,
@@ -443,7 +443,7 @@
 //! [`Error::Corrupt`]: oncely::Error::Corrupt
 //! [`Error::Unavailable`]: oncely::Error::Unavailable
 //! [`ClaimOptions::sent_at`]: oncely::ClaimOptions::sent_at
-//! [`Ledger::horizon`]: oncely::Ledger::horizon
+//! [`Ledger::horizon`]: oncely::backend::Ledger::horizon
 //! [`is_beyond_horizon`]: oncely::backend::is_beyond_horizon
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]

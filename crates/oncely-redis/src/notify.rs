@@ -1,5 +1,5 @@
 //! Change notifications: what wakes a duplicate that waits for a record in
-//! progress ([`Ledger::watch`](oncely::Ledger::watch)) when its holder
+//! progress ([`Ledger::watch`](oncely::backend::Ledger::watch)) when its holder
 //! completes or releases it, instead of a timer.
 //!
 //! Two paths, one [`Notifier`] per ledger (clones share it):
@@ -19,7 +19,7 @@
 //! While the subscription is down (never up yet, the connection lost, the
 //! server refusing `SUBSCRIBE`), [`Notifications::watch`] hands out polling
 //! watches, and a notified watch taken just before a loss waits for its
-//! fallback ([`NOTIFIED_FALLBACK`](oncely::watch::NOTIFIED_FALLBACK)): a
+//! fallback ([`NOTIFIED_FALLBACK`](oncely::backend::NOTIFIED_FALLBACK)): a
 //! lost message costs latency, never a wrong answer, because a waiter always
 //! claims again when it wakes.
 
@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use oncely::backend::Backoff;
-use oncely::watch::{Notifier, Watch};
+use oncely::backend::{Notifier, Watch};
 use oncely::{ClaimOptions, EffectKey, OnInProgress};
 use redis::aio::MultiplexedConnection;
 use redis::{

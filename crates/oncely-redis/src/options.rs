@@ -7,11 +7,11 @@
 
 use std::time::Duration;
 
-use oncely::backend::UrlParams;
+use oncely::open::UrlParams;
 use oncely::{Error, Result};
 use redis::IntoConnectionInfo;
 
-/// The schemes of [`FromUrl`](oncely::backend::FromUrl): one server, a
+/// The schemes of [`FromUrl`](oncely::open::FromUrl): one server, a
 /// cluster's seed nodes, or the Sentinels that name a primary.
 pub(crate) const SCHEMES: &[&str] = &["redis", "redis+cluster", "redis+sentinel"];
 
@@ -116,7 +116,7 @@ impl RedisLedgerOptions {
     /// (see the crate docs, Durability) and refuses such a server with
     /// [`Error::Config`], since a restart would lose every claim and
     /// outcome and let redelivered effects run again; with `true` it is
-    /// accepted and [`Capabilities::durability`](oncely::Capabilities::durability)
+    /// accepted and [`Capabilities::durability`](oncely::backend::Capabilities::durability)
     /// says none. The URL parameter `?ephemeral=true` sets it too, and wins
     /// over this option (`?ephemeral=false` turns it off). Nothing else
     /// changes: the ledger writes as it always does. A read-only ledger
@@ -130,7 +130,7 @@ impl RedisLedgerOptions {
     /// Whether the ledger only reads (default `false`), for operator commands
     /// that must not change anything (`get`, `abandoned`, `horizon`). It
     /// connects exactly as a writing ledger does (Redis has nothing to create
-    /// or migrate), and every write ([`claim`](oncely::Ledger::claim),
+    /// or migrate), and every write ([`claim`](oncely::backend::Ledger::claim),
     /// `complete`, `release`, `renew`, `prune`) fails with [`Error::Config`]
     /// before any round trip, as the SQL backends' read-only ledgers do.
     pub fn read_only(mut self, yes: bool) -> Self {

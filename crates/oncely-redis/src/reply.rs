@@ -4,8 +4,9 @@
 
 use std::collections::HashMap;
 
+use oncely::backend::{Claim, Fingerprint, Lease, Outcome, Record, RecordState};
 use oncely::backend::{Grant, effective_state, from_micros};
-use oncely::{Claim, EffectKey, Error, Fingerprint, Lease, Outcome, Record, RecordState, Result};
+use oncely::{EffectKey, Error, Result};
 use redis::Value;
 
 use crate::error::{BACKEND, unexpected};

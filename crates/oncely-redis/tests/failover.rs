@@ -41,8 +41,9 @@ use std::time::{Duration, Instant};
 use common::{
     PRIMARY, REPLICA, SENTINELS, fixture_pid, raw, sentinel_rejoin, sentinel_up, sentinel_url, signal,
 };
+use oncely::backend::{Ledger, Outcome, RecordState};
 use oncely::conformance::fresh_tenant;
-use oncely::{ClaimOptions, EffectKey, Effects, Error, How, Ledger, OnInProgress, Outcome, RecordState};
+use oncely::{ClaimOptions, EffectKey, Effects, Error, How, OnInProgress};
 use oncely_redis::{RedisLedger, RedisLedgerOptions};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -437,7 +438,10 @@ async fn failover(fault: Fault, wait: bool) -> Option<Report> {
         .claim(&held, &ClaimOptions::default().lease(Duration::from_secs(60)))
         .await
         .unwrap();
-    assert!(matches!(holder, oncely::Claim::Acquired(_)), "{holder:?}");
+    assert!(
+        matches!(holder, oncely::backend::Claim::Acquired(_)),
+        "{holder:?}"
+    );
 
     // The link paused: acknowledged writes from now on reach no replica.
     link.pause();
@@ -590,7 +594,7 @@ async fn failover(fault: Fault, wait: bool) -> Option<Report> {
         }
         let k = EffectKey::new(&t, "capture", format!("wake-{round}")).unwrap();
         let lease = match other.claim(&k, &ClaimOptions::default()).await {
-            Ok(oncely::Claim::Acquired(l)) => l,
+            Ok(oncely::backend::Claim::Acquired(l)) => l,
             Err(e) if wait && e.is_retryable() => {
                 short.push(e.to_string());
                 continue;

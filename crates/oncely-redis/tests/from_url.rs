@@ -1,10 +1,11 @@
-//! `RedisLedger::from_url` (`oncely::backend::FromUrl`): the URL names the
+//! `RedisLedger::from_url` (`oncely::open::FromUrl`): the URL names the
 //! key prefix (`?prefix=`), and a query parameter neither the ledger nor the
 //! redis client reads is refused by name before anything connects.
 
-use oncely::backend::{Access, FromUrl, OpenOptions};
+use oncely::backend::{Claim, Ledger, Outcome, RecordState};
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
-use oncely::{Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, RecordState};
+use oncely::open::{Access, FromUrl, OpenOptions};
+use oncely::{ClaimOptions, EffectKey, Error};
 use oncely_redis::{RedisLedger, RedisLedgerOptions};
 
 /// `url` with `query` appended (after its own query, if any).

@@ -11,13 +11,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime};
 
 use common::{TempRedis, cluster, cluster_url, cluster_urls, ephemeral, raw, single, single_with};
-use oncely::backend::{Access, FromUrl, Grant, OpenOptions, to_micros};
+use oncely::backend::{Claim, Ledger, Outcome, RecordState};
+use oncely::backend::{Grant, to_micros};
 use oncely::conformance::{SHORT_LEASE, SHORT_LEASE_WAIT, fresh_tenant, prune_until_gone};
-use oncely::{Claim, ClaimOptions, EffectKey, Effects, Error, Ledger, Outcome, RecordState};
+use oncely::open::{Access, FromUrl, OpenOptions};
+use oncely::{ClaimOptions, EffectKey, Effects, Error};
 use oncely_redis::{RedisLedger, RedisLedgerOptions};
 use redis::AsyncCommands;
 
-fn acquired(c: Claim) -> oncely::Lease {
+fn acquired(c: Claim) -> oncely::backend::Lease {
     match c {
         Claim::Acquired(l) => l,
         other => panic!("expected Acquired, got {other:?}"),
@@ -1752,7 +1754,7 @@ async fn a_batch_is_one_script_call_on_one_server() {
     let before = calls(&mut admin, "evalsha").await;
     let answers = ledger.claim_many(&keys, &ClaimOptions::default()).await.unwrap();
     assert_eq!(calls(&mut admin, "evalsha").await, before + 1);
-    let items: Vec<(oncely::Lease, Outcome)> = answers
+    let items: Vec<(oncely::backend::Lease, Outcome)> = answers
         .into_iter()
         .map(|a| (acquired(a.unwrap()), Outcome::value(&1).unwrap()))
         .collect();

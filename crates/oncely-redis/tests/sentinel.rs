@@ -13,9 +13,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::{PRIMARY, REPLICA, TempRedis, raw, replica_linked, sentinel_url, sentinel_with};
-use oncely::backend::{Access, FromUrl, OpenOptions};
+use oncely::backend::{Claim, Ledger, Outcome, RecordState};
 use oncely::conformance::fresh_tenant;
-use oncely::{Claim, ClaimOptions, EffectKey, Effects, Error, Ledger, Outcome, RecordState};
+use oncely::open::{Access, FromUrl, OpenOptions};
+use oncely::{ClaimOptions, EffectKey, Effects, Error};
 use oncely_redis::{RedisLedger, RedisLedgerOptions};
 
 /// How long the tests' ledgers wait for a replica.
@@ -46,7 +47,7 @@ async fn through_each_sentinel() -> Option<Vec<RedisLedger>> {
 
 oncely::nodes_conformance_tests!(through_each_sentinel);
 
-fn acquired(c: Claim) -> oncely::Lease {
+fn acquired(c: Claim) -> oncely::backend::Lease {
     match c {
         Claim::Acquired(l) => l,
         other => panic!("expected Acquired, got {other:?}"),

@@ -31,7 +31,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use oncely::{Claim, ClaimOptions, EffectKey, Effects, Error, Ledger, OnInProgress, Outcome, Tenant};
+use oncely::backend::{Claim, Ledger, Outcome};
+use oncely::{ClaimOptions, EffectKey, Effects, Error, OnInProgress, Tenant};
 use oncely_sqlite::{SqliteLedger, SqliteLedgerOptions, SqliteSynchronous};
 
 const BATCH: usize = 100;

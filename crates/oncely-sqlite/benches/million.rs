@@ -22,7 +22,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use oncely::{Claim, ClaimOptions, EffectKey, Ledger, Outcome, Tenant};
+use oncely::backend::{Claim, Ledger, Outcome};
+use oncely::{ClaimOptions, EffectKey, Tenant};
 use oncely_sqlite::{SqliteLedger, SqliteLedgerOptions, SqliteSynchronous};
 
 /// Where the first measurement is taken.

@@ -11,8 +11,9 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use oncely::backend::{Claim, Lease, Outcome};
 use oncely::backend::{answer_existing, duration_micros, from_micros, is_beyond_horizon};
-use oncely::{Claim, ClaimOptions, EffectKey, Error, Lease, Outcome, Result};
+use oncely::{ClaimOptions, EffectKey, Error, Result};
 use sqlx::sqlite::{SqliteConnection, SqliteRow};
 use sqlx::{AssertSqlSafe, Row};
 

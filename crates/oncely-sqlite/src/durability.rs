@@ -1,7 +1,7 @@
 //! What an opened database really is (the file, its journal mode and
 //! `synchronous` setting, read from SQLite itself, and the file system it
 //! is on), and what a completed record in it survives:
-//! [`Capabilities::durability`](oncely::Capabilities::durability).
+//! [`Capabilities::durability`](oncely::backend::Capabilities::durability).
 
 use std::path::Path;
 

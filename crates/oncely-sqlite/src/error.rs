@@ -80,7 +80,7 @@ pub(crate) fn map(e: sqlx::Error) -> Error {
 /// file is `Unavailable`, a unique violation is [`Error::Corrupt`] (returned
 /// from a [`Job::step_in`](oncely::Job::step_in) closure, the runner still
 /// recognises it as one; see
-/// [`Ledger::unique_violation`](oncely::Ledger::unique_violation)).
+/// [`Ledger::unique_violation`](oncely::backend::Ledger::unique_violation)).
 ///
 /// Unlike the ledger's own mapping it counts nothing: the runner counts a
 /// unique violation if the handler returns it.

@@ -6,16 +6,15 @@ use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
-use oncely::admin::{Admin, KindStats, RecordQuery, forget_refusal};
+use oncely::admin::{Admin, KindStats, RecordQuery};
+use oncely::backend::forget_refusal;
+use oncely::backend::{Capabilities, Claim, Lease, Ledger, Outcome, Record, TransactionalLedger};
+use oncely::backend::{Notifier, Watch};
 use oncely::backend::{
-    Access, FromUrl, OpenOptions, answer_existing, check_outcome, duration_micros, from_micros,
-    is_beyond_horizon, to_micros,
+    answer_existing, check_outcome, duration_micros, from_micros, is_beyond_horizon, to_micros,
 };
-use oncely::watch::{Notifier, Watch};
-use oncely::{
-    Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, Result, Tenant,
-    TransactionalLedger,
-};
+use oncely::open::{Access, FromUrl, OpenOptions};
+use oncely::{ClaimOptions, EffectKey, Error, Result, Tenant};
 use sqlx::sqlite::{Sqlite, SqliteConnection, SqlitePool, SqlitePoolOptions};
 use sqlx::{AssertSqlSafe, Connection, Transaction};
 
@@ -319,7 +318,7 @@ impl SqliteLedger {
 
     /// The completion, on a pooled connection or on the caller's.
     async fn complete_on(&self, conn: &mut SqliteConnection, lease: &Lease, outcome: &Outcome) -> Result<()> {
-        check_outcome(outcome, oncely::MAX_OUTCOME_BYTES)?;
+        check_outcome(outcome, oncely::backend::MAX_OUTCOME_BYTES)?;
         self.writable("complete")?;
         let done = sqlx::query(AssertSqlSafe(self.q.complete.clone()))
             .bind(lease.key().as_str())
@@ -451,7 +450,7 @@ impl Ledger for SqliteLedger {
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
-        check_outcome(outcome, oncely::MAX_OUTCOME_BYTES)?;
+        check_outcome(outcome, oncely::backend::MAX_OUTCOME_BYTES)?;
         self.writable("complete")?;
         let mut conn = self.pool.acquire().await.map_err(map)?;
         self.complete_on(&mut conn, lease, outcome).await
@@ -583,7 +582,7 @@ impl Ledger for SqliteLedger {
         let answers: Vec<Option<Result<()>>> = items
             .iter()
             .map(|(_, outcome)| {
-                check_outcome(outcome, oncely::MAX_OUTCOME_BYTES)
+                check_outcome(outcome, oncely::backend::MAX_OUTCOME_BYTES)
                     .and_then(|()| self.writable("complete"))
                     .err()
                     .map(Err)

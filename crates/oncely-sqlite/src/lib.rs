@@ -41,7 +41,8 @@
 //! their errors the way the ledger maps its own.
 //!
 //! ```no_run
-//! use oncely::{Claim, ClaimOptions, EffectKey, Outcome, Tenant, TransactionalLedger};
+//! use oncely::backend::{Claim, Outcome, TransactionalLedger};
+//! use oncely::{ClaimOptions, EffectKey, Tenant};
 //! use oncely_sqlite::SqliteLedger;
 //!
 //! # async fn demo(ledger: SqliteLedger) -> oncely::Result<()> {
@@ -99,8 +100,8 @@
 //! ```
 //!
 //! A tool that picks the backend from a URL opens it through
-//! [`FromUrl`](oncely::backend::FromUrl) (scheme `sqlite`), with the access it
-//! needs: [`Access::Migrate`](oncely::backend::Access::Migrate) is `connect`,
+//! [`FromUrl`](oncely::open::FromUrl) (scheme `sqlite`), with the access it
+//! needs: [`Access::Migrate`](oncely::open::Access::Migrate) is `connect`,
 //! `Existing` is `migrate(false)`, `ReadOnly` is `read_only(true)`.
 //!
 //! ### URL forms
@@ -125,21 +126,21 @@
 //! | --- | --- |
 //! | atomic claim | one `INSERT … ON CONFLICT(key) DO UPDATE … WHERE <takeover> RETURNING` statement under SQLite's single-writer lock (insert if absent, or take over a released record or an expired lease). A new key costs that one statement; a duplicate costs a second one that reads the record, and claims again if the record changed in between (released, expired or pruned) |
 //! | duplicates | a claim that finds the effect completed, or in progress under a live lease, writes nothing: no row changes, no WAL frame is appended (so there is nothing to fsync), `PRAGMA data_version` does not move. Its claim statement still takes the write lock for the moment it runs, as any `INSERT` does, so it queues behind other writers |
-//! | waiting duplicates | woken when the holder completes or releases (including [`complete_many`](oncely::Ledger::complete_many) and `complete_in`), if the holder is in the same process: the ledgers of a process on one file and table share an in-process notifier. SQLite cannot signal other processes, so a waiter whose holder is in another process looks again after [`NOTIFIED_FALLBACK`](oncely::watch::NOTIFIED_FALLBACK) (1 s) or at the end of the holder's lease, whichever comes first; several processes on one file should set [`SqliteLedgerOptions::multi_process`], which makes waiters poll (5 ms, doubling to 250 ms) instead. A wake-up is a hint: the waiter claims again and gets the answer from the record |
-//! | batches | [`claim_many`](oncely::Ledger::claim_many) and [`complete_many`](oncely::Ledger::complete_many): one `BEGIN IMMEDIATE` transaction and one commit per batch (one fsync under `synchronous=FULL` instead of one per key). `claim_many` is one statement over the batch (a JSON array, so one prepared statement serves every size) applying the single claim's rules per key, plus one read of the keys it did not acquire; a key listed twice is acquired by its first slot and found in progress by the second. `complete_many` is one statement, each item fenced by its own lease. A batch that fails (busy past the timeout) fails every slot and writes nothing |
+//! | waiting duplicates | woken when the holder completes or releases (including [`complete_many`](oncely::backend::Ledger::complete_many) and `complete_in`), if the holder is in the same process: the ledgers of a process on one file and table share an in-process notifier. SQLite cannot signal other processes, so a waiter whose holder is in another process looks again after [`NOTIFIED_FALLBACK`](oncely::backend::NOTIFIED_FALLBACK) (1 s) or at the end of the holder's lease, whichever comes first; several processes on one file should set [`SqliteLedgerOptions::multi_process`], which makes waiters poll (5 ms, doubling to 250 ms) instead. A wake-up is a hint: the waiter claims again and gets the answer from the record |
+//! | batches | [`claim_many`](oncely::backend::Ledger::claim_many) and [`complete_many`](oncely::backend::Ledger::complete_many): one `BEGIN IMMEDIATE` transaction and one commit per batch (one fsync under `synchronous=FULL` instead of one per key). `claim_many` is one statement over the batch (a JSON array, so one prepared statement serves every size) applying the single claim's rules per key, plus one read of the keys it did not acquire; a key listed twice is acquired by its first slot and found in progress by the second. `complete_many` is one statement, each item fenced by its own lease. A batch that fails (busy past the timeout) fails every slot and writes nothing |
 //! | caller's transaction | yes: `claim_in` / `complete_in` on `&mut SqliteConnection`, transaction from [`SqliteLedger::begin`] (`BEGIN IMMEDIATE`) |
 //! | clock | SQLite's clock (`unixepoch('subsec')`, millisecond resolution) on the machine that opens the file, read once per statement *after* the statement holds the write lock: a claim that waited for another transaction is judged, and its lease measured, from the moment it writes. `acquired_at` is that moment |
 //! | fences | the clock in microseconds on a first claim, `max(previous + 1, clock)` on a takeover ([`oncely::backend::next_fence`]): a key's fences only grow, across prune too, as long as the host's clock does not step back by more than the shortest retention in use. Not 1, 2, 3… |
 //! | horizon | prune raises a watermark per tenant and kind (table `<table>_horizon`) to the newest `created_at` it deletes, in the same transaction as the delete. A claim with [`ClaimOptions::sent_at`](oncely::ClaimOptions::sent_at) at or before it, for an absent key, fails with [`Error::BeyondHorizon`]; a claim without `sent_at` cannot be told from new work |
-//! | durability | WAL with `synchronous=FULL` by default: a completed record survives a process crash and a power loss once `complete` returns. `synchronous=NORMAL` ([`SqliteLedgerOptions::synchronous`]) is faster and survives process crashes, but a power loss may roll back the last commits, so an effect could run again. [`Capabilities::durability`](oncely::Capabilities::durability) reports the journal mode and `synchronous` setting the database actually runs with, and says so when the file is on a memory file system. All of this holds for a file on a disk: on a memory file system (`tmpfs`, `ramfs`: `/dev/shm`, often `/tmp` and `/run`) every sync succeeds and a reboot, an OS crash or a power loss still loses the whole file |
+//! | durability | WAL with `synchronous=FULL` by default: a completed record survives a process crash and a power loss once `complete` returns. `synchronous=NORMAL` ([`SqliteLedgerOptions::synchronous`]) is faster and survives process crashes, but a power loss may roll back the last commits, so an effect could run again. [`Capabilities::durability`](oncely::backend::Capabilities::durability) reports the journal mode and `synchronous` setting the database actually runs with, and says so when the file is on a memory file system. All of this holds for a file on a disk: on a memory file system (`tmpfs`, `ramfs`: `/dev/shm`, often `/tmp` and `/run`) every sync succeeds and a reboot, an OS crash or a power loss still loses the whole file |
 //! | storage that does not survive | refused with [`Error::Config`]: `sqlite::memory:`, `mode=memory`, `vfs=memdb`, an empty path (`sqlite:`, `sqlite://`: a private temporary database per connection), and a file on a memory file system (the directory is checked with `statfs` before anything is created, and the file SQLite opened after, which catches symbolic links and `file:` URIs; Linux and Android only: elsewhere a RAM disk is not recognised). [`SqliteLedgerOptions::ephemeral`] accepts them: the in-memory forms as one in-memory database shared by the whole pool, reported as not durable; a file on a memory file system as that file, reported as lasting until the machine stops. A read-only ledger may open a file on a memory file system without it (it writes nothing) |
 //! | schema | verified on connect and after [`SqliteLedger::migrate`]: the columns with their type affinities, a PRIMARY KEY or UNIQUE index on exactly `key`, BINARY collation on it; a table that fails is refused with [`Error::Config`] naming it and the problem |
 //! | read-only | [`SqliteLedgerOptions::read_only`] opens the file with `mode=ro`: never creates it (a missing file is [`Error::Config`] naming the path), never migrates, verifies the schema, refuses writes |
 //! | replication | none: one file on one machine (use the PostgreSQL backend across machines) |
 //! | concurrency | many readers, one writer at a time; writers wait up to the busy timeout (5 s by default), then fail with a retryable `Error::Backend` |
-//! | max key | [`oncely::MAX_KEY_BYTES`] (255 bytes, stored whole as TEXT) |
-//! | max outcome | [`oncely::MAX_OUTCOME_BYTES`] (64 KiB, BLOB) |
-//! | operator view | [`oncely::Admin`]: `records` and `stats` read on one clock reading, scoped by a range of the key's primary index (`tenant/`, `tenant/kind:`; the key itself with a subject), then sorted by `created_at` (no index on it: a listing of a large tenant sorts its rows per page); `forget` is one fenced `UPDATE` (completed at that fence → released, outcome removed, row kept); `prunable` counts with the prune index |
+//! | max key | [`oncely::backend::MAX_KEY_BYTES`] (255 bytes, stored whole as TEXT) |
+//! | max outcome | [`oncely::backend::MAX_OUTCOME_BYTES`] (64 KiB, BLOB) |
+//! | operator view | [`oncely::admin::Admin`]: `records` and `stats` read on one clock reading, scoped by a range of the key's primary index (`tenant/`, `tenant/kind:`; the key itself with a subject), then sorted by `created_at` (no index on it: a listing of a large tenant sorts its rows per page); `forget` is one fenced `UPDATE` (completed at that fence → released, outcome removed, row kept); `prunable` counts with the prune index |
 //!
 //! The file must be on a local disk: SQLite's locking (WAL uses shared
 //! memory) does not work over network file systems.
@@ -165,8 +166,8 @@
 //! migrations and the table check; `durability.rs`: what the opened database
 //! survives; `error.rs`: driver errors to [`Error`](oncely::Error).
 //!
-//! [`TransactionalLedger`]: oncely::TransactionalLedger
-//! [`Claim::Completed`]: oncely::Claim::Completed
+//! [`TransactionalLedger`]: oncely::backend::TransactionalLedger
+//! [`Claim::Completed`]: oncely::backend::Claim::Completed
 //! [`Error::BeyondHorizon`]: oncely::Error::BeyondHorizon
 //! [`Error::Config`]: oncely::Error::Config
 //! [`Error::Unavailable`]: oncely::Error::Unavailable
@@ -188,7 +189,7 @@ mod sql;
 pub use crate::error::map_error;
 pub use crate::ledger::SqliteLedger;
 pub use crate::options::{SqliteLedgerOptions, SqliteSynchronous};
-/// The connection [`TransactionalLedger::claim_in`](oncely::TransactionalLedger::claim_in)
+/// The connection [`TransactionalLedger::claim_in`](oncely::backend::TransactionalLedger::claim_in)
 /// takes (`&mut *tx` of a transaction from [`SqliteLedger::begin`]).
 pub use sqlx::sqlite::SqliteConnection;
 

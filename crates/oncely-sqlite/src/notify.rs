@@ -8,13 +8,13 @@
 //! file and table shares one notifier (they see the same records), so a
 //! completion through one wakes a waiter on another. A waiter whose holder
 //! is in another process is answered by the runner's fallback look
-//! ([`oncely::watch::NOTIFIED_FALLBACK`]), or polls if the ledger was opened
+//! ([`oncely::backend::NOTIFIED_FALLBACK`]), or polls if the ledger was opened
 //! with [`SqliteLedgerOptions::multi_process`](crate::SqliteLedgerOptions::multi_process).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use oncely::watch::Notifier;
+use oncely::backend::Notifier;
 
 /// The notifiers of the ledgers open in this process, by the database file
 /// SQLite reports (an absolute path) and the table. Entries die with their

@@ -7,7 +7,7 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use oncely::backend::UrlParams;
+use oncely::open::UrlParams;
 use oncely::{Error, Result};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
 
@@ -41,7 +41,7 @@ pub struct SqliteLedgerOptions {
     pub migrate: bool,
     /// Open the file read-only (default `false`): SQLite's `mode=ro`, no file
     /// is created, nothing is migrated (implies `migrate(false)`), the schema
-    /// is verified, and every write ([`claim`](oncely::Ledger::claim),
+    /// is verified, and every write ([`claim`](oncely::backend::Ledger::claim),
     /// `complete`, `release`, `renew`, `prune`, `begin`) fails with
     /// [`Error::Config`] before it reaches the database. For operator
     /// commands that only read (`get`, `abandoned`, `horizon`).
@@ -65,7 +65,7 @@ pub struct SqliteLedgerOptions {
     /// completions and releases made in this process only (SQLite cannot
     /// tell other processes); without this option it waits for that
     /// wake-up and, when the holder is in another process, looks again after
-    /// [`NOTIFIED_FALLBACK`](oncely::watch::NOTIFIED_FALLBACK) (1 s) or when
+    /// [`NOTIFIED_FALLBACK`](oncely::backend::NOTIFIED_FALLBACK) (1 s) or when
     /// the holder's lease ends, whichever comes first. With it, waiters poll
     /// instead (5 ms, doubling up to 250 ms), which answers them sooner
     /// when the holder is elsewhere, at the cost of a claim statement per
@@ -151,7 +151,7 @@ impl SqliteLedgerOptions {
 
 /// `PRAGMA synchronous`: when SQLite waits for the disk, and so what a
 /// completed record survives (see the crate docs' table, and
-/// [`Capabilities::durability`](oncely::Capabilities::durability), which
+/// [`Capabilities::durability`](oncely::backend::Capabilities::durability), which
 /// reports the setting in effect).
 ///
 /// This crate's own type rather than sqlx's, so that the option does not tie

@@ -4,8 +4,9 @@
 
 use std::time::SystemTime;
 
+use oncely::backend::{Fingerprint, Lease, Outcome, Record, RecordState};
 use oncely::backend::{Grant, effective_state, from_micros};
-use oncely::{ClaimOptions, EffectKey, Fingerprint, Lease, Outcome, Record, RecordState, Result, Tenant};
+use oncely::{ClaimOptions, EffectKey, Result, Tenant};
 use sqlx::Row;
 use sqlx::sqlite::SqliteRow;
 

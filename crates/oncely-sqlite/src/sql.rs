@@ -12,7 +12,8 @@
 use std::sync::Arc;
 
 use oncely::admin::{Filter, RecordQuery};
-use oncely::{Error, RecordState, Tenant};
+use oncely::backend::RecordState;
+use oncely::{Error, Tenant};
 
 /// The database clock in microseconds.
 const NOW_US: &str = "CAST(unixepoch('subsec') * 1000000 AS INTEGER)";

@@ -7,9 +7,10 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use oncely::backend::{Ledger, RecordState};
 use oncely::conformance::{counter, fresh_tenant, metrics_snapshotter};
 use oncely::telemetry::UNEXPECTED_CONSTRAINT_VIOLATIONS_TOTAL;
-use oncely::{Effects, Error, Ledger, RecordState};
+use oncely::{Effects, Error};
 use oncely_sqlite::SqliteLedger;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -68,7 +69,9 @@ async fn unique_violation_in_step_in_is_a_constraint_violation() {
         }
         assert!(!e.is_retryable(), "a consumer would redeliver forever: {e:?}");
         // The caller rolls back, as on any error: nothing of the step stays.
-        oncely::TransactionalLedger::rollback(&ledger, tx).await.unwrap();
+        oncely::backend::TransactionalLedger::rollback(&ledger, tx)
+            .await
+            .unwrap();
         assert!(job.step_record("invoice", None).await.unwrap().is_none());
         assert_eq!(
             counter(UNEXPECTED_CONSTRAINT_VIOLATIONS_TOTAL, &[]),
@@ -92,7 +95,9 @@ async fn unique_violation_in_step_in_is_a_constraint_violation() {
         })
         .await
         .unwrap();
-        oncely::TransactionalLedger::commit(&ledger, tx).await.unwrap();
+        oncely::backend::TransactionalLedger::commit(&ledger, tx)
+            .await
+            .unwrap();
     }
     let r = job.step_record("invoice", None).await.unwrap().unwrap();
     assert_eq!(r.state, RecordState::Completed);

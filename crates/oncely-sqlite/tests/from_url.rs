@@ -1,10 +1,11 @@
-//! `SqliteLedger::from_url` (`oncely::backend::FromUrl`): the URL names the
+//! `SqliteLedger::from_url` (`oncely::open::FromUrl`): the URL names the
 //! table (`?table=`), and a query parameter neither the ledger nor SQLite
 //! reads is refused by name before anything opens.
 
-use oncely::backend::{Access, FromUrl, OpenOptions};
+use oncely::backend::{Claim, Ledger, Outcome, RecordState};
 use oncely::conformance::fresh_tenant;
-use oncely::{Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, RecordState};
+use oncely::open::{Access, FromUrl, OpenOptions};
+use oncely::{ClaimOptions, EffectKey, Error};
 use oncely_sqlite::{SqliteLedger, SqliteLedgerOptions};
 
 /// A ledger the application opened with `SqliteLedgerOptions::table(..)`

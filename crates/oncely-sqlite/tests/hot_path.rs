@@ -8,12 +8,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant, SystemTime};
 
+use oncely::backend::Watch;
+use oncely::backend::{Claim, Fingerprint, Lease, Ledger, Outcome, RecordState, TransactionalLedger};
 use oncely::conformance::fresh_tenant;
-use oncely::watch::Watch;
-use oncely::{
-    Claim, ClaimOptions, EffectKey, Effects, Error, Fingerprint, Lease, Ledger, OnInProgress, Outcome,
-    RecordState, Tenant, TransactionalLedger,
-};
+use oncely::{ClaimOptions, EffectKey, Effects, Error, OnInProgress, Tenant};
 use oncely_sqlite::{SqliteConnection, SqliteLedger, SqliteLedgerOptions, SqliteSynchronous};
 use sqlx::Connection;
 

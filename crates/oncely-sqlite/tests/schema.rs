@@ -4,8 +4,9 @@
 
 use std::time::Duration;
 
+use oncely::backend::{Claim, Ledger, Outcome, RecordState};
 use oncely::conformance::{fresh_tenant, prune_until_gone};
-use oncely::{Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, RecordState};
+use oncely::{ClaimOptions, EffectKey, Error};
 use oncely_sqlite::{SqliteLedger, SqliteLedgerOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 

@@ -5,10 +5,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use oncely::backend::{Claim, Ledger, Outcome, RecordState, TransactionalLedger};
 use oncely::conformance::fresh_tenant;
-use oncely::{
-    Claim, ClaimOptions, EffectKey, Effects, Error, Ledger, Outcome, RecordState, Tenant, TransactionalLedger,
-};
+use oncely::{ClaimOptions, EffectKey, Effects, Error, Tenant};
 use oncely_sqlite::{SqliteConnection, SqliteLedger, SqliteLedgerOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePool};
 

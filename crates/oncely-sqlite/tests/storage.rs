@@ -6,9 +6,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use oncely::backend::{Access, FromUrl, OpenOptions};
+use oncely::backend::{Claim, Ledger, Outcome, RecordState, TransactionalLedger};
 use oncely::conformance::fresh_tenant;
-use oncely::{Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, RecordState, TransactionalLedger};
+use oncely::open::{Access, FromUrl, OpenOptions};
+use oncely::{ClaimOptions, EffectKey, Error};
 use oncely_sqlite::{SqliteLedger, SqliteLedgerOptions, SqliteSynchronous};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 

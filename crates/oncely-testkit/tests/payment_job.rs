@@ -10,7 +10,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use oncely::{Ledger, Tenant};
+use oncely::Tenant;
+use oncely::backend::Ledger;
 use oncely_sqlite::SqliteLedger;
 use oncely_testkit::{Delivery, Scenario, TestKit};
 use payment_job::{Db, Delivered, FakeProvider, Order, OrderMsg, Pipeline};

@@ -7,7 +7,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderName, Method, Response, header};
-use oncely::{ClaimOptions, EffectKey, Effects, Ledger, OnInProgress, Tenant};
+use oncely::backend::Ledger;
+use oncely::{ClaimOptions, EffectKey, Effects, OnInProgress, Tenant};
 use tower_layer::Layer;
 
 use crate::error::Rejection;

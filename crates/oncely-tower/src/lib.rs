@@ -2,7 +2,7 @@
 //!
 //! HTTP `Idempotency-Key` middleware for axum 0.8 and any tower 0.5 stack,
 //! following draft-ietf-httpapi-idempotency-key-header, on any oncely
-//! [`Ledger`](oncely::Ledger) (SQLite, PostgreSQL, Redis, …).
+//! [`Ledger`](oncely::backend::Ledger) (SQLite, PostgreSQL, Redis, …).
 //!
 //! ```no_run
 //! use std::sync::Arc;

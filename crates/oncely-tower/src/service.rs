@@ -11,7 +11,8 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
-use oncely::{BoxError, ClaimOptions, EffectKey, Effects, Error, Failure, Fingerprint, Ledger};
+use oncely::backend::{Fingerprint, Ledger};
+use oncely::{BoxError, ClaimOptions, EffectKey, Effects, Error, Failure};
 use tower_service::Service;
 
 use crate::error::Rejection;

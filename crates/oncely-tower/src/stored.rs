@@ -8,7 +8,8 @@ use http::request::Parts;
 use http::{HeaderName, HeaderValue, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use oncely::{BoxError, Fingerprint};
+use oncely::BoxError;
+use oncely::backend::Fingerprint;
 use serde::{Deserialize, Serialize};
 
 use crate::header::IDEMPOTENT_REPLAYED;

@@ -10,7 +10,8 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use oncely::{ClaimOptions, EffectKey, Effects, Fingerprint, MemoryLedger, Outcome, StoredOutcome, Tenant};
+use oncely::backend::{Fingerprint, Outcome, StoredOutcome};
+use oncely::{ClaimOptions, EffectKey, Effects, MemoryLedger, Tenant};
 use serde::{Deserialize, Serialize};
 
 #[derive(Serialize, Deserialize)]

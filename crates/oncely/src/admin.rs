@@ -215,7 +215,7 @@ impl Filter {
 
 /// The five classes of [`KindStats`], one per record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Class {
+pub(crate) enum Class {
     Live,
     Stuck,
     Abandoned,
@@ -224,12 +224,12 @@ enum Class {
 }
 
 /// The class of a record whose state is already effective, at `now`.
-fn classify(r: &Record, now: SystemTime) -> Option<Class> {
+pub(crate) fn classify(r: &Record, now: SystemTime) -> Option<Class> {
     Some(match r.state {
         RecordState::Completed => Class::Completed,
         RecordState::Released => Class::Released,
         RecordState::Abandoned => Class::Abandoned,
-        RecordState::InProgress if crate::backend::lease_live(r.lease_expires_at, now) => Class::Live,
+        RecordState::InProgress if crate::time::lease_live(r.lease_expires_at, now) => Class::Live,
         RecordState::InProgress if r.at_most_once => Class::Abandoned,
         RecordState::InProgress => Class::Stuck,
     })
@@ -395,31 +395,5 @@ impl<A: Admin + ?Sized> Admin for std::sync::Arc<A> {
     }
     fn prunable(&self) -> impl Future<Output = Result<u64>> + Send {
         (**self).prunable()
-    }
-}
-
-/// Why a [`Admin::forget`] that changed nothing was refused, from the record
-/// as it is now (read after the fenced write found nothing to change, only
-/// to name the reason): the one rule every backend reports with.
-pub fn forget_refusal(key: &EffectKey, fence: u64, now: Option<Record>) -> crate::Error {
-    use crate::Error;
-    let Some(r) = now else {
-        return Error::NotFound { key: key.to_string() };
-    };
-    if r.fence != fence {
-        return Error::LeaseLost {
-            key: key.to_string(),
-            fence,
-        };
-    }
-    match classify(&r, r.read_at) {
-        Some(Class::Live) => Error::InProgress {
-            key: key.to_string(),
-            fence: r.fence,
-        },
-        _ => Error::NotCompleted {
-            key: key.to_string(),
-            state: r.state,
-        },
     }
 }

@@ -95,7 +95,12 @@ impl<L: Ledger> Effects<L> {
     /// assert_eq!((again.value, again.how), (7, How::Replayed));
     /// # Ok(()) }
     /// ```
-    pub async fn run_reported<T, F, Fut>(&self, key: &EffectKey, opts: &ClaimOptions, f: F) -> Result<Ran<T>>
+    pub async fn run_reported<T, F, Fut>(
+        &self,
+        key: &EffectKey,
+        opts: &ClaimOptions,
+        f: F,
+    ) -> Result<Reported<T>>
     where
         T: Serialize + DeserializeOwned,
         F: FnOnce(HeldLease) -> Fut,
@@ -107,7 +112,7 @@ impl<L: Ledger> Effects<L> {
             let (lease, deadline) = match pipeline::claim(ledger, key, opts).await? {
                 Resolved::Lease(lease, deadline) => (lease, deadline),
                 Resolved::Stored(outcome) => {
-                    return pipeline::decode(key, &outcome).map(|value| Ran {
+                    return pipeline::decode(key, &outcome).map(|value| Reported {
                         value,
                         how: How::Replayed,
                     });
@@ -117,7 +122,7 @@ impl<L: Ledger> Effects<L> {
             let settlement = pipeline::settlement(ledger, &lease, opts, result);
             pipeline::settle(ledger, &lease, settlement)
                 .await
-                .map(|value| Ran { value, how: How::Ran })
+                .map(|value| Reported { value, how: How::Ran })
         }
         .instrument(telemetry::claim_span(key))
         .await
@@ -157,7 +162,7 @@ impl std::fmt::Display for How {
 
 /// A runner's value and [`How`] it came about.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Ran<T> {
+pub struct Reported<T> {
     /// The effect's outcome: the handler's value or the stored one.
     pub value: T,
     /// Whether the handler ran now or the stored outcome was replayed.

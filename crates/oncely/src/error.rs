@@ -11,8 +11,8 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Everything that can go wrong in oncely.
 ///
 /// A unique-constraint conflict on a claim is never an error: it is the answer
-/// ([`Claim::Completed`](crate::Claim::Completed) or
-/// [`Claim::InProgress`](crate::Claim::InProgress)). No driver error type
+/// ([`Claim::Completed`](crate::record::Claim::Completed) or
+/// [`Claim::InProgress`](crate::record::Claim::InProgress)). No driver error type
 /// appears here; backends map theirs to [`Error::Backend`] or
 /// [`Error::Unavailable`].
 #[derive(Debug, thiserror::Error)]
@@ -110,7 +110,7 @@ pub enum Error {
         /// The displayed effect key.
         key: String,
         /// The state found.
-        state: crate::RecordState,
+        state: crate::state::RecordState,
     },
     /// A value that cannot be used (a claim option out of range, a timestamp
     /// outside what the ledger stores); nothing was sent to the database.

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use crate::backend::Backoff;
+use crate::backoff::Backoff;
 use crate::error::Error;
 use crate::ledger::Ledger;
 use crate::record::Lease;

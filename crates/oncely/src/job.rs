@@ -139,7 +139,7 @@ pub type StepFuture<'c, T> = Pin<Box<dyn Future<Output = Result<T, Failure>> + S
 /// | --- | --- | --- |
 /// | transactional ([`Job::step_in`]) | writes to the same SQL database as the ledger | nothing: the claim, the step's writes and the completion commit in the caller's transaction, or none of them do |
 /// | [`StepMode::ProviderKeyed`] ([`Job::step`]) | an external API that honours an idempotency key (payments) | a crash after the call and before the completion re-runs the step once the lease expires, with the **same** [`StepContext::provider_key`]; the provider answers the repeat with its first result. Without key support at the provider, that one window is a second effect |
-/// | [`StepMode::AtMostOnce`] ([`Job::step`]) | an external effect nobody deduplicates (email, push, SMS) | the attempt is recorded before the closure runs; a crash between that mark and the completion leaves the step [`Abandoned`](crate::RecordState::Abandoned): never run again automatically, listed by [`Ledger::abandoned`] for reconciliation. The effect happened zero times or once, and the ledger cannot tell which |
+/// | [`StepMode::AtMostOnce`] ([`Job::step`]) | an external effect nobody deduplicates (email, push, SMS) | the attempt is recorded before the closure runs; a crash between that mark and the completion leaves the step [`Abandoned`](crate::record::RecordState::Abandoned): never run again automatically, listed by [`Ledger::abandoned`] for reconciliation. The effect happened zero times or once, and the ledger cannot tell which |
 ///
 /// A step that is naturally idempotent (set a field to a fixed value, upsert
 /// on a natural key) needs no key at all: just run it.
@@ -185,7 +185,7 @@ pub type StepFuture<'c, T> = Pin<Box<dyn Future<Output = Result<T, Failure>> + S
 /// - a redelivery whose payload changed while its key did not
 ///   ([`Job::fingerprint`]): [`Error::FingerprintMismatch`] from the first
 ///   step's claim, which changes nothing;
-/// - an outcome over the limit ([`MAX_OUTCOME_BYTES`](crate::MAX_OUTCOME_BYTES)
+/// - an outcome over the limit ([`MAX_OUTCOME_BYTES`](crate::record::MAX_OUTCOME_BYTES)
 ///   or the backend's smaller one): [`Error::OutcomeTooLarge`], nothing
 ///   stored. A provider-keyed step is released (the next delivery re-runs it
 ///   with the same provider key); a transactional one is in the caller's
@@ -473,7 +473,8 @@ impl<L: TransactionalLedger> Job<'_, L> {
     /// moved in (clone ids and handles first).
     ///
     /// ```
-    /// use oncely::{Job, StepMode, TransactionalLedger};
+    /// use oncely::{Job, StepMode};
+    /// use oncely::backend::TransactionalLedger;
     ///
     /// // With oncely-postgres, `L::Connection` is `sqlx::PgConnection` and
     /// // the closure runs `sqlx::query(..).execute(&mut *conn)`.

@@ -39,8 +39,8 @@ impl Capabilities {
             durability,
             replicated: false,
             clock,
-            max_key_bytes: crate::MAX_KEY_BYTES,
-            max_outcome_bytes: crate::MAX_OUTCOME_BYTES,
+            max_key_bytes: crate::key::MAX_KEY_BYTES,
+            max_outcome_bytes: crate::record::MAX_OUTCOME_BYTES,
         }
     }
 
@@ -57,16 +57,16 @@ impl Capabilities {
     }
 
     /// Sets [`Capabilities::max_key_bytes`](#structfield.max_key_bytes) (at
-    /// most the core's [`MAX_KEY_BYTES`](crate::MAX_KEY_BYTES)).
+    /// most the core's [`MAX_KEY_BYTES`](crate::key::MAX_KEY_BYTES)).
     pub fn max_key_bytes(mut self, n: usize) -> Self {
-        self.max_key_bytes = n.min(crate::MAX_KEY_BYTES);
+        self.max_key_bytes = n.min(crate::key::MAX_KEY_BYTES);
         self
     }
 
     /// Sets [`Capabilities::max_outcome_bytes`](#structfield.max_outcome_bytes)
-    /// (at most the core's [`MAX_OUTCOME_BYTES`](crate::MAX_OUTCOME_BYTES)).
+    /// (at most the core's [`MAX_OUTCOME_BYTES`](crate::record::MAX_OUTCOME_BYTES)).
     pub fn max_outcome_bytes(mut self, n: usize) -> Self {
-        self.max_outcome_bytes = n.min(crate::MAX_OUTCOME_BYTES);
+        self.max_outcome_bytes = n.min(crate::record::MAX_OUTCOME_BYTES);
         self
     }
 }

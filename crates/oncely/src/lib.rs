@@ -37,14 +37,40 @@
 //! open. What a crash leaves in doubt (an abandoned at-most-once step, a
 //! stuck lease) is settled by asking the provider: see [`reconcile`].
 //!
-//! Backends: [`MemoryLedger`] here for unit tests; `oncely-sqlite` (the
-//! embedded default) and `oncely-postgres` in their own crates. Every backend
-//! passes the same [`conformance`] suite.
+//! ## Two doors
+//!
+//! The crate root is the application's API and nothing else: [`Effects`],
+//! [`Job`] with [`StepMode`] and [`StepContext`], [`EffectKey`] and
+//! [`Tenant`], [`ClaimOptions`] and [`OnInProgress`], [`HeldLease`], what a
+//! run reports ([`Reported`], [`How`], [`Failure`]), [`Error`] and [`Result`], and
+//! [`MemoryLedger`] for unit tests. Everything else has one path in a
+//! module:
+//!
+//! - [`backend`]: the door for backend authors: the [`Ledger`](backend::Ledger)
+//!   contract, the records and leases it speaks, and every rule the backends
+//!   share (fences, horizons, lost writes, time units, backoff);
+//! - [`open`]: opening a ledger from a URL (`FromUrl`), for tools;
+//! - [`admin`]: the operator's listings and repairs; [`reconcile`]: settling
+//!   what a crash left in doubt; [`pruner`]: deleting records past their
+//!   retention; [`telemetry`]: the names of every span, event and metric;
+//! - `conformance` (feature `conformance`): the suite every backend passes.
+//!
+//! ## Layout
+//!
+//! This crate holds no database driver. The backends are their own crates:
+//! `oncely-sqlite` (the embedded default), `oncely-postgres`, `oncely-mysql`
+//! (MySQL, MariaDB and Galera), `oncely-redis` (single server, Sentinel,
+//! Cluster) and `oncely-nats` (JetStream key-value); each passes the same
+//! conformance suite. Around them: `oncely-consumer` (broker consumers:
+//! RabbitMQ, NATS JetStream, Redis Streams, apalis), `oncely-tower` (the HTTP
+//! `Idempotency-Key` layer), `oncely-testkit` (test helpers) and
+//! `oncely-cli` (the `oncely` command).
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
 pub mod admin;
 pub mod backend;
+mod backoff;
 mod effects;
 mod error;
 mod held;
@@ -52,28 +78,24 @@ mod job;
 mod key;
 mod ledger;
 mod memory;
+pub mod open;
 mod pipeline;
-mod pruner;
+pub mod pruner;
 pub mod reconcile;
 mod record;
+mod state;
 pub mod telemetry;
-pub mod watch;
+mod time;
+mod watch;
 
 #[cfg(feature = "conformance")]
 pub mod conformance;
 
-pub use admin::Admin;
-pub use effects::{Effects, How, Ran};
+pub use effects::{Effects, How, Reported};
 pub use error::{BoxError, Error, Result};
 pub use held::HeldLease;
 pub use job::{Job, StepContext, StepFuture, StepMode};
-pub use key::{EffectKey, MAX_KEY_BYTES, MAX_KIND_BYTES, MAX_TENANT_BYTES, Tenant};
-pub use ledger::{Capabilities, Ledger, TransactionalLedger};
+pub use key::{EffectKey, Tenant};
 pub use memory::MemoryLedger;
 pub use pipeline::Failure;
-pub use pruner::{Pruner, PrunerHandle, PrunerOptions, PrunerStats};
-pub use record::{
-    Claim, ClaimOptions, Fingerprint, Lease, MAX_OUTCOME_BYTES, OnInProgress, Outcome, Record, RecordState,
-    StoredOutcome,
-};
-pub use watch::Watch;
+pub use record::{ClaimOptions, OnInProgress};

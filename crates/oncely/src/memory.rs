@@ -95,13 +95,13 @@ fn clock_us(now: SystemTime) -> i64 {
     backend::to_micros(now).unwrap_or(backend::MAX_MICROS)
 }
 
-impl crate::backend::FromUrl for MemoryLedger {
+impl crate::open::FromUrl for MemoryLedger {
     const SCHEMES: &'static [&'static str] = &["memory"];
 
     /// `memory:` (nothing after the colon): a fresh, empty ledger. It takes
     /// no query parameters: any is refused, as on every backend.
-    async fn from_url(url: &str, _options: crate::backend::OpenOptions) -> Result<Self> {
-        let params = crate::backend::UrlParams::parse(url.trim(), "memory", &[], &[])?;
+    async fn from_url(url: &str, _options: crate::open::OpenOptions) -> Result<Self> {
+        let params = crate::open::UrlParams::parse(url.trim(), "memory", &[], &[])?;
         match params.driver_url().split_once(':') {
             Some((scheme, "")) if scheme.eq_ignore_ascii_case("memory") => Ok(MemoryLedger::new()),
             _ => Err(Error::Config(
@@ -129,7 +129,7 @@ impl Ledger for MemoryLedger {
             durability: "none: process memory",
             replicated: false,
             clock: "process clock",
-            max_key_bytes: crate::MAX_KEY_BYTES,
+            max_key_bytes: crate::key::MAX_KEY_BYTES,
             max_outcome_bytes: MAX_OUTCOME_BYTES,
         }
     }
@@ -226,7 +226,7 @@ impl Ledger for MemoryLedger {
         Ok(())
     }
 
-    async fn watch(&self, key: &EffectKey) -> crate::Watch {
+    async fn watch(&self, key: &EffectKey) -> crate::watch::Watch {
         self.notifier.watch(key)
     }
 
@@ -342,7 +342,7 @@ impl crate::admin::Admin for MemoryLedger {
             }
             found => {
                 let found = found.map(|row| view(row, now));
-                Err(crate::admin::forget_refusal(key, fence, found))
+                Err(crate::backend::forget_refusal(key, fence, found))
             }
         }
     }

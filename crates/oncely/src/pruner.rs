@@ -11,7 +11,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
-use crate::backend::Backoff;
+use crate::backoff::Backoff;
 use crate::error::Result;
 use crate::ledger::Ledger;
 use crate::telemetry;
@@ -31,7 +31,8 @@ use crate::telemetry;
 /// ```
 /// use std::sync::Arc;
 /// use std::time::Duration;
-/// use oncely::{MemoryLedger, Pruner, PrunerOptions};
+/// use oncely::MemoryLedger;
+/// use oncely::pruner::{Pruner, PrunerOptions};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() {

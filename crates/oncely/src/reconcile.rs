@@ -86,7 +86,8 @@
 //! use std::sync::Arc;
 //! use std::time::Duration;
 //! use oncely::reconcile::{Doubt, Reconcile, Reconciler, Verdict};
-//! use oncely::{BoxError, ClaimOptions, EffectKey, Ledger, MemoryLedger, Outcome, Record, Tenant};
+//! use oncely::{BoxError, ClaimOptions, EffectKey, MemoryLedger, Tenant};
+//! use oncely::backend::{Ledger, Outcome, Record};
 //!
 //! /// Asks the mail provider whether the receipt went out.
 //! struct Mailer;

@@ -9,11 +9,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::key::EffectKey;
+pub use crate::state::RecordState;
 
 /// Largest outcome the core accepts, in bytes (64 KiB).
 ///
 /// Outcomes are results (an id, a status, an amount), not payloads; a
-/// backend may declare a smaller limit in its [`Capabilities`](crate::Capabilities).
+/// backend may declare a smaller limit in its [`Capabilities`](crate::ledger::Capabilities).
 pub const MAX_OUTCOME_BYTES: usize = 64 * 1024;
 
 /// BLAKE3 hash of a canonical request payload.
@@ -190,34 +191,7 @@ impl fmt::Debug for Outcome {
     }
 }
 
-/// Where a record is in its life (see `docs/design.md`, "Record states").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum RecordState {
-    /// A lease is (or was, if expired) held on the key.
-    InProgress,
-    /// The effect happened; the outcome is stored.
-    Completed,
-    /// The holder gave the key back; the next claim takes it over with
-    /// `fence + 1`. The row is kept so that fences are never reused.
-    Released,
-    /// An at-most-once step whose lease expired before completion: never
-    /// re-run automatically, listed for reconciliation. Backends may store it
-    /// as an expired at-most-once `InProgress` row; they report it as this.
-    Abandoned,
-}
-
 impl RecordState {
-    /// The stored name (`in_progress`, `completed`, `released`, `abandoned`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RecordState::InProgress => "in_progress",
-            RecordState::Completed => "completed",
-            RecordState::Released => "released",
-            RecordState::Abandoned => "abandoned",
-        }
-    }
-
     /// Parses [`RecordState::as_str`] output.
     pub fn parse(s: &str) -> Result<Self> {
         Ok(match s {
@@ -351,7 +325,7 @@ impl Lease {
     }
 
     /// The same lease with the end a renewal gave it (what
-    /// [`Ledger::renew`](crate::Ledger::renew) returns).
+    /// [`Ledger::renew`](crate::ledger::Ledger::renew) returns).
     pub fn renewed_until(&self, expires_at: SystemTime) -> Lease {
         Lease {
             expires_at,
@@ -548,7 +522,7 @@ impl ClaimOptions {
             )));
         }
         if let Some(at) = self.sent_at {
-            crate::backend::to_micros(at).map_err(|_| {
+            crate::time::to_micros(at).map_err(|_| {
                 Error::InvalidInput(format!("sent_at must lie between 1970 and 9999, got {at:?}"))
             })?;
         }

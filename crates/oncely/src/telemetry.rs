@@ -31,18 +31,18 @@ pub const RECONCILE_RUN_SPAN: &str = "oncely.reconcile_run";
 /// The span each examined record is reconciled in, with `effect_key`,
 /// `tenant`, `kind`, `fence`, `doubt`, `verdict` and `result`.
 pub const RECONCILE_SPAN: &str = "oncely.reconcile";
-/// Counter `{backend}`: records deleted by a [`Pruner`](crate::Pruner).
+/// Counter `{backend}`: records deleted by a [`Pruner`](crate::pruner::Pruner).
 pub const PRUNED_ROWS_TOTAL: &str = "oncely_pruned_rows_total";
-/// Counter `{backend,result}`: [`Ledger::prune`](crate::Ledger::prune) calls
-/// of a [`Pruner`](crate::Pruner), by result (`ok`, `error`).
+/// Counter `{backend,result}`: [`Ledger::prune`](crate::ledger::Ledger::prune) calls
+/// of a [`Pruner`](crate::pruner::Pruner), by result (`ok`, `error`).
 pub const PRUNE_BATCHES_TOTAL: &str = "oncely_prune_batches_total";
 /// Histogram `{backend}`: seconds per successful prune batch of a
-/// [`Pruner`](crate::Pruner).
+/// [`Pruner`](crate::pruner::Pruner).
 pub const PRUNE_BATCH_SECONDS: &str = "oncely_prune_batch_seconds";
-/// The span a [`Pruner`](crate::Pruner)'s task runs in (`backend`, `batch`,
+/// The span a [`Pruner`](crate::pruner::Pruner)'s task runs in (`backend`, `batch`,
 /// `rows_per_second`).
 pub const PRUNER_SPAN: &str = "oncely.pruner";
-/// The span each prune batch of a [`Pruner`](crate::Pruner) runs in
+/// The span each prune batch of a [`Pruner`](crate::pruner::Pruner) runs in
 /// (`limit`, then `deleted` once known).
 pub const PRUNE_BATCH_SPAN: &str = "oncely.prune_batch";
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 use tokio::sync::futures::OwnedNotified;
 
-use crate::backend::Backoff;
+use crate::backoff::Backoff;
 use crate::key::EffectKey;
 
 /// How long a watch that has notifications waits at most before the runner
@@ -20,7 +20,7 @@ use crate::key::EffectKey;
 pub const NOTIFIED_FALLBACK: Duration = Duration::from_secs(1);
 
 /// A subscription to changes of one key's record, taken by
-/// [`Ledger::watch`](crate::Ledger::watch) after a claim found the effect in
+/// [`Ledger::watch`](crate::ledger::Ledger::watch) after a claim found the effect in
 /// progress. [`Watch::changed`] resolves when the record may have changed.
 ///
 /// Two kinds: a *notified* watch (the backend wakes it when the holder
@@ -104,7 +104,7 @@ impl Watch {
 /// (PostgreSQL `NOTIFY`, Redis `PUBLISH`, a NATS subject), from a listener
 /// that relays what the other processes wrote.
 ///
-/// [`Ledger::watch`]: crate::Ledger::watch
+/// [`Ledger::watch`]: crate::ledger::Ledger::watch
 #[derive(Debug, Default)]
 pub struct Notifier {
     keys: Mutex<HashMap<String, Weak<Notify>>>,

@@ -7,10 +7,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, UNIX_EPOCH};
 
-use oncely::{
-    Claim, ClaimOptions, Effects, Error, Failure, Ledger, MAX_OUTCOME_BYTES, MemoryLedger, OnInProgress,
-    Outcome, Record, RecordState, StepMode, Tenant,
-};
+use oncely::backend::{Claim, Ledger, MAX_OUTCOME_BYTES, Outcome, Record, RecordState};
+use oncely::{ClaimOptions, Effects, Error, Failure, MemoryLedger, OnInProgress, StepMode, Tenant};
 use tokio::sync::oneshot;
 
 fn effects() -> Effects<Arc<MemoryLedger>> {
@@ -638,7 +636,7 @@ async fn an_oncely_error_from_the_handler_keeps_its_kind() {
 /// a query parameter by name.
 #[tokio::test]
 async fn memory_ledger_opens_from_its_url() {
-    use oncely::backend::{Access, FromUrl, OpenOptions};
+    use oncely::open::{Access, FromUrl, OpenOptions};
     let opts = OpenOptions::new(Access::ReadOnly);
     assert_eq!(MemoryLedger::SCHEMES, &["memory"]);
     MemoryLedger::from_url("memory:", opts).await.unwrap();

@@ -4,8 +4,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use oncely::backend::{Claim, Ledger, Outcome};
 use oncely::conformance::{CountingPrunes, pruner_prunes_due_records_in_bounded_batches};
-use oncely::{Claim, ClaimOptions, EffectKey, Ledger, MemoryLedger, Outcome, Pruner, PrunerOptions, Tenant};
+use oncely::pruner::{Pruner, PrunerOptions};
+use oncely::{ClaimOptions, EffectKey, MemoryLedger, Tenant};
 
 async fn completed(ledger: &MemoryLedger, key: &EffectKey, retention: Duration) {
     let opts = ClaimOptions::default()

@@ -8,13 +8,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, UNIX_EPOCH};
 
+use oncely::backend::{Claim, Ledger, Outcome, Record, RecordState, StoredOutcome};
 use oncely::reconcile::{
     Abandoned, Chain, Doubt, Keys, Page, Reconcile, Reconciler, Resolution, Source, Verdict,
 };
-use oncely::{
-    BoxError, Claim, ClaimOptions, EffectKey, Ledger, MemoryLedger, Outcome, Record, RecordState,
-    StoredOutcome, Tenant,
-};
+use oncely::{BoxError, ClaimOptions, EffectKey, MemoryLedger, Tenant};
 
 fn acme() -> Tenant {
     Tenant::new("acme").unwrap()

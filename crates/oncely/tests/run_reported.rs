@@ -7,8 +7,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use oncely::backend::Ledger;
 use oncely::{
-    ClaimOptions, EffectKey, Effects, Error, Failure, How, Ledger, MemoryLedger, OnInProgress, Ran, Tenant,
+    ClaimOptions, EffectKey, Effects, Error, Failure, How, MemoryLedger, OnInProgress, Reported, Tenant,
 };
 
 fn key(tenant: &str, subject: &str) -> EffectKey {
@@ -27,7 +28,7 @@ async fn first_ran_then_replayed<L: Ledger>(ledger: L) {
     let runs = AtomicUsize::new(0);
     let mut seen = Vec::new();
     for attempt in 0..3u32 {
-        let ran: Ran<u32> = effects
+        let ran: Reported<u32> = effects
             .run_reported(&k, &opts(), |_| {
                 runs.fetch_add(1, Ordering::SeqCst);
                 async move { Ok(attempt) }
@@ -70,7 +71,7 @@ async fn concurrent_one_ran_rest_replayed<L: Ledger + 'static>(ledger: L) {
         results.push(t.await.unwrap());
     }
     assert_eq!(runs.load(Ordering::SeqCst), 1);
-    let ran: Vec<&Ran<u32>> = results.iter().filter(|r| r.how == How::Ran).collect();
+    let ran: Vec<&Reported<u32>> = results.iter().filter(|r| r.how == How::Ran).collect();
     assert_eq!(ran.len(), 1, "{results:?}");
     let winner = ran[0].value;
     assert!(
@@ -95,7 +96,7 @@ async fn retry_after_release_reports_ran<L: Ledger>(ledger: L) {
         .unwrap();
     assert_eq!(
         ran,
-        Ran {
+        Reported {
             value: 5,
             how: How::Ran
         }
@@ -132,7 +133,7 @@ async fn run_and_run_reported_share_records<L: Ledger>(ledger: L) {
         .unwrap();
     assert_eq!(
         again,
-        Ran {
+        Reported {
             value: first,
             how: How::Replayed
         }

@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::sync::{Arc, Mutex};
 
-use oncely::{ClaimOptions, EffectKey, Effects, Ledger, MemoryLedger, Tenant};
+use oncely::backend::Ledger;
+use oncely::{ClaimOptions, EffectKey, Effects, MemoryLedger, Tenant};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Metadata, Subscriber};
@@ -107,10 +108,12 @@ struct AllSent;
 impl oncely::reconcile::Reconciler for AllSent {
     async fn check(
         &self,
-        _: &oncely::Record,
+        _: &oncely::backend::Record,
         _: oncely::reconcile::Doubt,
     ) -> Result<oncely::reconcile::Verdict, oncely::BoxError> {
-        Ok(oncely::reconcile::Verdict::Done(oncely::Outcome::value(&())?))
+        Ok(oncely::reconcile::Verdict::Done(oncely::backend::Outcome::value(
+            &(),
+        )?))
     }
 }
 

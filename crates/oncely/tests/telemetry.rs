@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::{CompositeKey, MetricKind};
+use oncely::backend::{Claim, Ledger};
 use oncely::telemetry::*;
-use oncely::{Claim, ClaimOptions, EffectKey, Effects, Error, Ledger, MemoryLedger, Tenant};
+use oncely::{ClaimOptions, EffectKey, Effects, Error, MemoryLedger, Tenant};
 
 fn counter(snap: &[(CompositeKey, DebugValue)], name: &str, labels: &[(&str, &str)]) -> u64 {
     snap.iter()
@@ -120,12 +121,12 @@ struct Provider;
 impl oncely::reconcile::Reconciler for Provider {
     async fn check(
         &self,
-        record: &oncely::Record,
+        record: &oncely::backend::Record,
         _: oncely::reconcile::Doubt,
     ) -> Result<oncely::reconcile::Verdict, oncely::BoxError> {
         use oncely::reconcile::Verdict;
         Ok(match record.key.kind() {
-            "receipt" => Verdict::Done(oncely::Outcome::value(&())?),
+            "receipt" => Verdict::Done(oncely::backend::Outcome::value(&())?),
             "capture" => Verdict::NotDone,
             _ => Verdict::Unknown,
         })

@@ -14,7 +14,8 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use oncely::{ClaimOptions, EffectKey, Effects, How, Ledger, OnInProgress, Tenant};
+use oncely::backend::Ledger;
+use oncely::{ClaimOptions, EffectKey, Effects, How, OnInProgress, Tenant};
 use oncely_consumer::rabbitmq::lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };

@@ -13,7 +13,8 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use oncely::{ClaimOptions, EffectKey, Effects, How, Ledger, OnInProgress, Tenant};
+use oncely::backend::Ledger;
+use oncely::{ClaimOptions, EffectKey, Effects, How, OnInProgress, Tenant};
 use oncely_consumer::redis_streams::redis::{self, Client, Value};
 use oncely_consumer::redis_streams::{PAYLOAD_FIELD, RedisStreamSource, RedisStreamTopology};
 use oncely_consumer::{Consumer, ConsumerOptions, Context, Handler, HandlerError, Stats, json};

@@ -29,8 +29,9 @@ use http_charges::{Charges, api, idempotent_api};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use oncely::backend::{Fingerprint, Ledger};
 use oncely::conformance::{service_url, skip_or_fail};
-use oncely::{ClaimOptions, EffectKey, Effects, Fingerprint, Ledger, Tenant};
+use oncely::{ClaimOptions, EffectKey, Effects, Tenant};
 use oncely_postgres::{PgLedger, PgLedgerOptions};
 use oncely_sqlite::SqliteLedger;
 

@@ -16,7 +16,8 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use oncely::{Ledger, Tenant};
+use oncely::Tenant;
+use oncely::backend::Ledger;
 use oncely_tower::{IdempotencyLayer, Principal};
 use serde::{Deserialize, Serialize};
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use http_charges::{Charges, idempotent_api};
-use oncely::backend::{Access, FromUrl, OpenOptions};
+use oncely::open::{Access, FromUrl, OpenOptions};
 use oncely_postgres::PgLedger;
 use oncely_sqlite::SqliteLedger;
 

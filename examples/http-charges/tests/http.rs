@@ -9,7 +9,7 @@ use http_body_util::{BodyExt, Full};
 use http_charges::{Charges, idempotent_api};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use oncely::Ledger;
+use oncely::backend::Ledger;
 use oncely::conformance::{service_url, skip_or_fail};
 
 async fn serve<L: Ledger + Clone + 'static>(ledger: L) -> (SocketAddr, Charges) {

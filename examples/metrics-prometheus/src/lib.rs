@@ -30,8 +30,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
 use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
+use oncely::backend::Record;
 use oncely::telemetry::{CLAIM_SECONDS, REDELIVERY_GAP_BUCKETS, REDELIVERY_GAP_SECONDS};
-use oncely::{ClaimOptions, EffectKey, Effects, Error, Failure, How, Record, Tenant};
+use oncely::{ClaimOptions, EffectKey, Effects, Error, Failure, How, Tenant};
 use oncely_consumer::memory::MemoryBroker;
 use oncely_consumer::telemetry::HANDLER_SECONDS;
 use oncely_consumer::{Consumer, ConsumerOptions, Context, Handler, HandlerError, Stats, json};
@@ -380,7 +381,7 @@ async fn wait_for(
 ) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let record = oncely::Ledger::get(ledger, key)
+        let record = oncely::backend::Ledger::get(ledger, key)
             .await?
             .with_context(|| format!("{key}: no record"))?;
         if done(&record) {

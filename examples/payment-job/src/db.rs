@@ -3,7 +3,8 @@
 
 use std::future::Future;
 
-use oncely::{Error, StepFuture, TransactionalLedger};
+use oncely::backend::TransactionalLedger;
+use oncely::{Error, StepFuture};
 use oncely_postgres::PgLedger;
 use oncely_sqlite::SqliteLedger;
 

@@ -34,10 +34,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, UNIX_EPOCH};
 
-use oncely::{
-    ClaimOptions, EffectKey, Effects, Error, OnInProgress, Record, StepFuture, StepMode, StoredOutcome,
-    Tenant,
-};
+use oncely::backend::{Record, StoredOutcome};
+use oncely::{ClaimOptions, EffectKey, Effects, Error, OnInProgress, StepFuture, StepMode, Tenant};
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 

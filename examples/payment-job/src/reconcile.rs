@@ -20,9 +20,10 @@
 
 use std::sync::Arc;
 
+use oncely::BoxError;
 use oncely::admin::Admin;
+use oncely::backend::{Outcome, Record};
 use oncely::reconcile::{Doubt, Reconcile, Reconciler, Report, Verdict};
-use oncely::{BoxError, Outcome, Record};
 
 use crate::{Db, FakeMailer, FakeProvider, MailLog, Pipeline};
 

@@ -10,7 +10,7 @@ mod common;
 
 use std::sync::Arc;
 
-use oncely::RecordState;
+use oncely::backend::RecordState;
 use payment_job::{Boundary, Db, Delivered, OrderMsg, Pipeline};
 
 async fn deliver_until_acked<D: Db>(p: &Pipeline<D>, msg: &OrderMsg) -> Delivered {

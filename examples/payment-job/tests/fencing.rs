@@ -10,7 +10,8 @@ use std::future::Future;
 use std::pin::pin;
 use std::time::Duration;
 
-use oncely::{Claim, ClaimOptions, Effects, OnInProgress, RecordState, StepMode};
+use oncely::backend::{Claim, RecordState};
+use oncely::{ClaimOptions, Effects, OnInProgress, StepMode};
 use payment_job::Db;
 use tokio::sync::oneshot;
 
@@ -43,14 +44,14 @@ async fn zombie_with_the_ledger<D: Db>(db: D) {
     assert!(holder.fence() > zombie.fence());
     assert!(holder.taken_over());
     assert_eq!(fenced_write(&db, &id, "holder", holder.fence()).await, 1);
-    db.complete(&holder, &oncely::Outcome::from_json(&"shipped").unwrap())
+    db.complete(&holder, &oncely::backend::Outcome::from_json(&"shipped").unwrap())
         .await
         .unwrap();
 
     // The zombie wakes up and carries on as if it still held the lease.
     assert_eq!(fenced_write(&db, &id, "zombie", zombie.fence()).await, 0);
     let e = db
-        .complete(&zombie, &oncely::Outcome::from_json(&"zombie").unwrap())
+        .complete(&zombie, &oncely::backend::Outcome::from_json(&"zombie").unwrap())
         .await
         .unwrap_err();
     assert!(e.is_lease_lost(), "{e:?}");

@@ -10,11 +10,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, UNIX_EPOCH};
 
+use oncely::backend::{Claim, MAX_OUTCOME_BYTES, Record, RecordState};
 use oncely::conformance::fresh_tenant;
-use oncely::{
-    Claim, ClaimOptions, Effects, Error, Failure, MAX_OUTCOME_BYTES, OnInProgress, Record, RecordState,
-    StepFuture, StepMode, Tenant,
-};
+use oncely::{ClaimOptions, Effects, Error, Failure, OnInProgress, StepFuture, StepMode, Tenant};
 use payment_job::{Db, Order};
 
 fn frozen(r: Option<Record>) -> Option<Record> {

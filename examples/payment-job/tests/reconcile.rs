@@ -10,8 +10,9 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use oncely::backend::{Claim, Lease, Outcome, Record, RecordState, StoredOutcome};
 use oncely::reconcile::{Doubt, Reconcile, Reconciler, Resolution, Verdict};
-use oncely::{BoxError, Claim, ClaimOptions, EffectKey, Lease, Outcome, Record, RecordState, StoredOutcome};
+use oncely::{BoxError, ClaimOptions, EffectKey};
 use payment_job::{Boundary, Charge, Db, Delivered, OrderMsg, PaymentReconciler, Pipeline, reconcile};
 
 /// Long enough past the pipeline's 250 ms lease for the database's clock

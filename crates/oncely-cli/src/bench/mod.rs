@@ -40,7 +40,8 @@
 
 use std::sync::Arc;
 
-use oncely::{Error, Ledger, Result, Tenant};
+use oncely::backend::Ledger;
+use oncely::{Error, Result, Tenant};
 use serde::Serialize;
 
 use crate::any::AnyLedger;

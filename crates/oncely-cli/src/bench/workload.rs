@@ -9,11 +9,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use futures_util::future::{join_all, select_all};
 use futures_util::stream::{self, StreamExt, TryStreamExt};
-use oncely::watch::Watch;
-use oncely::{
-    Capabilities, Claim, ClaimOptions, EffectKey, Effects, Error, Failure, Lease, Ledger, OnInProgress,
-    Outcome, Record, Result, StoredOutcome, Tenant,
-};
+use oncely::backend::Watch;
+use oncely::backend::{Capabilities, Claim, Lease, Ledger, Outcome, Record, StoredOutcome};
+use oncely::{ClaimOptions, EffectKey, Effects, Error, Failure, OnInProgress, Result, Tenant};
 
 use super::baseline::{Answer, Baseline};
 use super::report::{Latency, RowReport};

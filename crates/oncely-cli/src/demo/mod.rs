@@ -29,7 +29,8 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::{Duration, SystemTime};
 
-use oncely::{ClaimOptions, Effects, Error, Ledger, Result, Tenant};
+use oncely::backend::Ledger;
+use oncely::{ClaimOptions, Effects, Error, Result, Tenant};
 use serde::Serialize;
 
 use crate::any::{AnyLedger, AnyPool};

@@ -46,7 +46,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use oncely::{Error, Ledger, Result, Tenant};
+use oncely::backend::Ledger;
+use oncely::{Error, Result, Tenant};
 
 use crate::any::{Access, AnyLedger};
 
@@ -229,7 +230,8 @@ mod tests {
     /// pages of [`pages::PAGE`], and ends.
     #[tokio::test]
     async fn paging_lists_each_stuck_record_once() {
-        use oncely::{Claim, ClaimOptions, EffectKey, Ledger, MemoryLedger};
+        use oncely::backend::{Claim, Ledger};
+        use oncely::{ClaimOptions, EffectKey, MemoryLedger};
         let memory = Arc::new(MemoryLedger::new());
         let tenant = Tenant::new("acme").unwrap();
         let n = pages::PAGE as usize * 2 + 7;

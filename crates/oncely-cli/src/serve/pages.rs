@@ -14,7 +14,8 @@ use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use minijinja::{Environment, Value};
 use oncely::admin::{Admin, Cursor, DUPLICATES_NOT_STORED, Filter, KindStats, RecordQuery};
-use oncely::{EffectKey, Error, Ledger, Record, Tenant};
+use oncely::backend::{Ledger, Record};
+use oncely::{EffectKey, Error, Tenant};
 use serde::{Deserialize, Serialize};
 
 use super::text::{format_duration, key_path, query_value};

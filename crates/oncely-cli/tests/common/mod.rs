@@ -5,7 +5,7 @@
 
 use std::process::{Command, Output};
 
-use oncely::{Claim, Lease};
+use oncely::backend::{Claim, Lease};
 use oncely_cli::AnyLedger;
 
 /// Runs the built binary with `args`, ignoring any `ONCELY_DATABASE_URL` of

@@ -6,9 +6,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use oncely::backend::{Fingerprint, Ledger};
 use oncely::conformance::{service_url, skip_or_fail};
 use oncely::reconcile::Reconcile;
-use oncely::{ClaimOptions, EffectKey, Effects, Failure, Fingerprint, How, Ledger, Tenant};
+use oncely::{ClaimOptions, EffectKey, Effects, Failure, How, Tenant};
 use oncely_consumer::{Context, Handler, HandlerError, json};
 use oncely_postgres::PgLedger;
 use oncely_sqlite::SqliteLedger;

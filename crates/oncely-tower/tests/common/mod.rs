@@ -18,8 +18,9 @@ use axum::routing::{get, post};
 use bytes::Bytes;
 use http_body::Frame;
 use http_body_util::BodyExt;
+use oncely::backend::Ledger;
 use oncely::conformance::fresh_tenant;
-use oncely::{Ledger, OnInProgress, Tenant};
+use oncely::{OnInProgress, Tenant};
 use oncely_tower::{IdempotencyLayer, Principal};
 use tower::ServiceExt;
 

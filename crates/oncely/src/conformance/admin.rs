@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use super::{SHORT_LEASE, SHORT_LEASE_WAIT, acquired, fresh_tenant, key, opts};
 use crate::admin::{Admin, Cursor, Filter, MAX_PAGE, RecordQuery};
-use crate::{Claim, EffectKey, Error, Outcome, Record, RecordState};
+use crate::record::{Claim, Outcome, Record, RecordState};
+use crate::{EffectKey, Error};
 
 /// Pages through `query` with `page` records a time; panics after 10,000
 /// pages (a cursor that does not advance).

@@ -4,9 +4,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
-use crate::{
-    Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, Result, Tenant,
-};
+use crate::ledger::{Capabilities, Ledger};
+use crate::record::{Claim, Lease, Outcome, Record};
+use crate::{ClaimOptions, EffectKey, Error, Result, Tenant};
 
 /// A ledger that misbehaves on purpose around a real one, so the runner's
 /// rules can be checked on every backend: it answers claims late (a slow
@@ -177,7 +177,7 @@ impl<L: Ledger> Ledger for Faulty<L> {
         }
     }
 
-    async fn watch(&self, key: &EffectKey) -> crate::Watch {
+    async fn watch(&self, key: &EffectKey) -> crate::watch::Watch {
         match &self.deaf {
             Some(n) => n.watch(key),
             None => self.inner.watch(key).await,

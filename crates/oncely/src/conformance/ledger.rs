@@ -8,7 +8,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use super::{
     RACERS, Rng, SHORT_LEASE, SHORT_LEASE_WAIT, acquired, fresh_tenant, key, opts, prune_until_gone,
 };
-use crate::{Claim, EffectKey, Effects, Error, Fingerprint, Ledger, Outcome, RecordState};
+use crate::ledger::Ledger;
+use crate::record::{Claim, Fingerprint, Outcome, RecordState};
+use crate::{EffectKey, Effects, Error};
 
 /// The first claim of a key acquires a fence (at least 1) and the record is
 /// in progress at that fence.
@@ -323,7 +325,7 @@ pub async fn invalid_input_is_rejected<L: Ledger>(ledger: L) {
         );
     }
     assert!(EffectKey::new(&t, "cap:ture", "x").is_err());
-    assert!(EffectKey::new(&t, "capture", "x".repeat(crate::MAX_KEY_BYTES)).is_err());
+    assert!(EffectKey::new(&t, "capture", "x".repeat(crate::key::MAX_KEY_BYTES)).is_err());
     let k = key(&t, "capture", "order-9");
     let e = ledger.claim(&k, &opts().lease(Duration::ZERO)).await.unwrap_err();
     assert!(e.is_invalid_input(), "{e:?}");
@@ -360,7 +362,7 @@ pub async fn invalid_input_is_rejected<L: Ledger>(ledger: L) {
 pub async fn outcome_size_limit<L: Ledger>(ledger: L) {
     let t = fresh_tenant();
     let max = ledger.capabilities().max_outcome_bytes;
-    assert!(max <= crate::MAX_OUTCOME_BYTES);
+    assert!(max <= crate::record::MAX_OUTCOME_BYTES);
     let at = Outcome::from_bytes(format!("\"{}\"", "x".repeat(max - 2)).into_bytes()).unwrap();
     assert_eq!(at.len(), max);
     let k = key(&t, "capture", "big");

@@ -19,7 +19,7 @@
 //! - `runner.rs`: `Effects::run` over the backend (duplicates, the in-progress
 //!   policy, failures, the safety margin, renewal under [`Faulty`] faults,
 //!   telemetry counted once);
-//! - `admin.rs`: the operator capability [`Admin`](crate::Admin) (paging,
+//! - `admin.rs`: the operator capability [`Admin`](crate::admin::Admin) (paging,
 //!   tenant isolation, stuck and abandoned on the backend's clock, stats,
 //!   forget) ([`admin_conformance_tests!`](crate::admin_conformance_tests));
 //! - `transactional.rs`: claims on the caller's transaction
@@ -30,7 +30,7 @@
 //!   [`transactional_nodes_conformance_tests!`](crate::transactional_nodes_conformance_tests));
 //! - [`model`]: a model of the contract, checked against a ledger under
 //!   random operation sequences (proptest);
-//! - `pruner.rs`: the background [`Pruner`](crate::Pruner) on the backend
+//! - `pruner.rs`: the background [`Pruner`](crate::pruner::Pruner) on the backend
 //!   (run by each backend's own test, on a table of its own, with
 //!   [`pruner_prunes_due_records_in_bounded_batches`]);
 //! - `faulty.rs`, `metrics.rs` and this file: the harness.
@@ -39,7 +39,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
-use crate::{Claim, ClaimOptions, EffectKey, Ledger, Tenant};
+use crate::ledger::Ledger;
+use crate::record::Claim;
+use crate::{ClaimOptions, EffectKey, Tenant};
 
 mod admin;
 mod faulty;
@@ -111,7 +113,7 @@ pub(crate) fn key(t: &Tenant, kind: &str, subject: &str) -> EffectKey {
     EffectKey::new(t, kind, subject).expect("test key is valid")
 }
 
-pub(crate) fn acquired(c: Claim) -> crate::Lease {
+pub(crate) fn acquired(c: Claim) -> crate::record::Lease {
     match c {
         Claim::Acquired(l) => l,
         other => panic!("expected Acquired, got {other:?}"),
@@ -246,7 +248,7 @@ macro_rules! conformance_tests {
     };
 }
 
-/// Generates the transactional suite for a [`TransactionalLedger`](crate::TransactionalLedger): one
+/// Generates the transactional suite for a [`TransactionalLedger`](crate::ledger::TransactionalLedger): one
 /// `#[tokio::test]` per function, each calling `$make().await` (an
 /// `async fn() -> Option<L>`; `None` skips). Run it next to
 /// [`conformance_tests!`].
@@ -278,7 +280,7 @@ macro_rules! nodes_conformance_tests {
     };
 }
 
-/// The multi-node cases for a [`TransactionalLedger`](crate::TransactionalLedger),
+/// The multi-node cases for a [`TransactionalLedger`](crate::ledger::TransactionalLedger),
 /// next to [`nodes_conformance_tests!`].
 #[macro_export]
 macro_rules! transactional_nodes_conformance_tests {
@@ -290,7 +292,7 @@ macro_rules! transactional_nodes_conformance_tests {
 }
 
 /// Generates the admin suite for a ledger that implements
-/// [`Admin`](crate::Admin): one `#[tokio::test]` per function, each calling
+/// [`Admin`](crate::admin::Admin): one `#[tokio::test]` per function, each calling
 /// `$make().await` (an `async fn() -> Option<L>`; `None` skips). Run it next
 /// to [`conformance_tests!`]; backends without the capability (Redis, NATS)
 /// leave it out.

@@ -19,7 +19,9 @@ use std::time::Duration;
 use proptest::prelude::*;
 
 use super::fresh_tenant;
-use crate::{Claim, ClaimOptions, EffectKey, Error, Fingerprint, Lease, Ledger, Outcome, RecordState};
+use crate::ledger::Ledger;
+use crate::record::{Claim, Fingerprint, Lease, Outcome, RecordState};
+use crate::{ClaimOptions, EffectKey, Error};
 
 /// How many claimants a scenario has.
 pub const CLAIMANTS: u8 = 3;
@@ -357,7 +359,7 @@ fn apply_claim(
     }
 }
 
-fn compare(rec: &Option<Rec>, got: Option<&crate::Record>, key: u8, at: &str) {
+fn compare(rec: &Option<Rec>, got: Option<&crate::record::Record>, key: u8, at: &str) {
     match (rec, got) {
         (None, None) => {}
         (Some(r), Some(g)) => {

@@ -15,9 +15,9 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use super::{SHORT_LEASE, SHORT_LEASE_WAIT, acquired, fresh_tenant, key, opts, prune_until_gone};
-use crate::{
-    Claim, ClaimOptions, Effects, Error, Ledger, OnInProgress, Outcome, RecordState, TransactionalLedger,
-};
+use crate::ledger::{Ledger, TransactionalLedger};
+use crate::record::{Claim, Outcome, RecordState};
+use crate::{ClaimOptions, Effects, Error, OnInProgress};
 
 /// Claimants per node in each race.
 pub const PER_NODE: usize = 4;
@@ -108,7 +108,7 @@ pub async fn nodes_expired_lease_has_one_new_holder<L: Ledger + Clone + 'static>
         let first = acquired(nodes[round % nodes.len()].claim(&k, &short).await.unwrap());
         tokio::time::sleep(SHORT_LEASE_WAIT).await;
         let answers = race(&nodes, &k, &opts()).await;
-        let won: Vec<(usize, crate::Lease)> = answers
+        let won: Vec<(usize, crate::record::Lease)> = answers
             .iter()
             .filter_map(|(i, c)| match c {
                 Claim::Acquired(l) => Some((*i, l.clone())),

@@ -1,4 +1,4 @@
-//! The background [`Pruner`](crate::Pruner) on a real backend: it deletes
+//! The background [`Pruner`](crate::pruner::Pruner) on a real backend: it deletes
 //! everything due, nothing else, in calls no larger than its batch, and
 //! stops when asked.
 
@@ -6,10 +6,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use super::{SHORT_LEASE_WAIT, acquired, fresh_tenant, key, opts};
-use crate::{
-    Capabilities, Claim, ClaimOptions, EffectKey, Lease, Ledger, Outcome, Pruner, PrunerOptions, Record,
-    RecordState, Result, Tenant,
-};
+use crate::ledger::{Capabilities, Ledger};
+use crate::pruner::{Pruner, PrunerOptions};
+use crate::record::{Claim, Lease, Outcome, Record, RecordState};
+use crate::{ClaimOptions, EffectKey, Result, Tenant};
 
 /// A ledger that passes everything through and records each `prune` call:
 /// the limit asked for and how many records it deleted.
@@ -75,7 +75,7 @@ impl<L: Ledger> Ledger for CountingPrunes<L> {
 /// A [`Pruner`] deletes every completed and released record past retention,
 /// keeps young records, live leases and abandoned steps, never asks the
 /// ledger for more than its batch at once, counts what it did, raises the
-/// horizon, and makes no call after [`stop`](crate::PrunerHandle::stop)
+/// horizon, and makes no call after [`stop`](crate::pruner::PrunerHandle::stop)
 /// returns.
 ///
 /// `exact`: the ledger (its table) is this test's alone, so the rows the

@@ -10,10 +10,9 @@ use std::time::Duration;
 use super::{
     Faulty, SHORT_LEASE, SHORT_LEASE_WAIT, acquired, counter, fresh_tenant, key, metrics_snapshotter, opts,
 };
-use crate::{
-    Claim, ClaimOptions, EffectKey, Effects, Error, Failure, Ledger, OnInProgress, Outcome, RecordState,
-    telemetry,
-};
+use crate::ledger::Ledger;
+use crate::record::{Claim, Outcome, RecordState};
+use crate::{ClaimOptions, EffectKey, Effects, Error, Failure, OnInProgress, telemetry};
 
 /// `Effects::run` twice in a row: the effect happens once and the second
 /// call returns the first outcome.

@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use super::{acquired, fresh_tenant, key, opts};
 use crate::backend::needs_refresh;
-use crate::{Claim, Outcome, RecordState, TransactionalLedger};
+use crate::ledger::TransactionalLedger;
+use crate::record::{Claim, Outcome, RecordState};
 
 /// Transactional suite: a claim that waited on a lock held by another
 /// transaction gets a lease measured from after the wait. A holds the key in
