@@ -53,8 +53,9 @@ use rustix::process::{Pid, Signal, kill_process_group};
 use serde::Serialize;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
-use crate::admin::open_admin;
-use crate::ops::{Read, rfc3339};
+use crate::audit::after_release;
+use crate::read::{Read, open_admin};
+use crate::time::rfc3339;
 
 /// How much of the command's stderr an error quotes (its end).
 const STDERR_TAIL: usize = 300;
@@ -173,7 +174,7 @@ pub struct EntryView {
     /// What failed.
     pub error: Option<String>,
     /// What must happen next for a released record's step to be performed
-    /// ([`after_release`](crate::admin::after_release)).
+    /// ([`after_release`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub next: Option<&'static str>,
 }
@@ -233,9 +234,7 @@ pub async fn reconcile(database_url: &str, config: &ReconcileConfig) -> Result<R
                     _ => None,
                 },
                 next: match (&e.resolution, e.doubt) {
-                    (Resolution::Released, Some(doubt)) if !report.dry_run => {
-                        crate::admin::after_release(doubt.as_str())
-                    }
+                    (Resolution::Released, Some(doubt)) if !report.dry_run => after_release(doubt.as_str()),
                     _ => None,
                 },
             }
