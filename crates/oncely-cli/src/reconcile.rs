@@ -47,7 +47,7 @@ use std::time::Duration;
 
 use oncely::admin::{Filter, RecordQuery};
 use oncely::backend::Access;
-use oncely::reconcile::{Chain, Doubt, Query, Reconcile, Reconciler, Resolution, Verdict};
+use oncely::reconcile::{Chain, Doubt, Query, Reconcile, Reconciler, Report, Resolution, Verdict};
 use oncely::{BoxError, EffectKey, Error, Outcome, Record, Result, Tenant};
 use rustix::process::{Pid, Signal, kill_process_group};
 use serde::Serialize;
@@ -122,27 +122,15 @@ impl ReconcileConfig {
     }
 }
 
-/// What a run did, as `oncely reconcile` prints it.
+/// What a run did, as `oncely reconcile` prints it: the run's counts
+/// ([`Report`]'s JSON) and each examined record with the command's answer.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ReconcileReport {
-    /// Whether nothing was written.
-    pub dry_run: bool,
-    /// Records looked at (the sum of the counts below).
-    pub examined: u64,
-    /// Completed with the command's outcome (in a dry run: would be).
-    pub completed: u64,
-    /// Released for a retry (in a dry run: would be).
-    pub released: u64,
-    /// The command answered `unknown`; nothing written.
-    pub unknown: u64,
-    /// Moved on between the listing and the write; left alone.
-    pub moved: u64,
-    /// Not in doubt when read, or within the grace; the command was not run.
-    pub skipped: u64,
-    /// The command or the ledger failed; left as they were.
-    pub errors: u64,
-    /// Why the run stopped early (a listing failed), if it did.
-    pub aborted: Option<String>,
+    /// What the run did: `dry_run`, `examined`, `completed`, `released`,
+    /// `unknown`, `moved`, `skipped`, `errors` and `aborted` (its entries
+    /// are [`ReconcileReport::entries`]).
+    #[serde(flatten)]
+    pub run: Report,
     /// Every examined record, in order.
     pub entries: Vec<EntryView>,
 }
@@ -151,7 +139,7 @@ impl ReconcileReport {
     /// Whether any record failed or the run stopped early (the command
     /// exits 1).
     pub fn failed(&self) -> bool {
-        self.errors > 0 || self.aborted.is_some()
+        self.run.errors > 0 || self.run.aborted.is_some()
     }
 }
 
@@ -215,10 +203,10 @@ pub async fn reconcile(database_url: &str, config: &ReconcileConfig) -> Result<R
         }
     };
     ledger.close().await;
-    let report = report?;
+    let mut report = report?;
+    let examined = std::mem::take(&mut report.entries);
     let answers = check.answers.into_inner().unwrap_or_else(|p| p.into_inner());
-    let entries = report
-        .entries
+    let entries = examined
         .iter()
         .map(|e| {
             let answer = answers.get(&(e.key.clone(), e.fence));
@@ -240,21 +228,9 @@ pub async fn reconcile(database_url: &str, config: &ReconcileConfig) -> Result<R
             }
         })
         .collect();
-    let report = ReconcileReport {
-        dry_run: report.dry_run,
-        examined: report.examined,
-        completed: report.completed,
-        released: report.released,
-        unknown: report.unknown,
-        moved: report.moved,
-        skipped: report.skipped,
-        errors: report.errors,
-        aborted: report.aborted,
-        entries,
-    };
     Ok(Read {
         ledger: ledger.to_string(),
-        value: report,
+        value: ReconcileReport { run: report, entries },
     })
 }
 

@@ -119,14 +119,14 @@ pub async fn run(args: Args) -> Result<ExitCode> {
         return Ok(code);
     }
     let report = &report.value;
-    if let Some(why) = &report.aborted {
+    if let Some(why) = &report.run.aborted {
         eprintln!("error: the run stopped early: {why}");
     }
-    if report.errors > 0 {
+    if report.run.errors > 0 {
         eprintln!(
             "error: {} record{} could not be settled (left as they were)",
-            report.errors,
-            plural(report.errors)
+            report.run.errors,
+            plural(report.run.errors)
         );
     }
     Ok(if report.failed() {
@@ -165,14 +165,14 @@ impl Render for ReconcileReport {
         }
         println!(
             "examined {}: completed {}, released {}, unknown {}, moved {}, skipped {}, errors {}{}",
-            r.examined,
-            r.completed,
-            r.released,
-            r.unknown,
-            r.moved,
-            r.skipped,
-            r.errors,
-            if r.dry_run {
+            r.run.examined,
+            r.run.completed,
+            r.run.released,
+            r.run.unknown,
+            r.run.moved,
+            r.run.skipped,
+            r.run.errors,
+            if r.run.dry_run {
                 " (dry run: nothing written)"
             } else {
                 ""
