@@ -4,7 +4,7 @@
 //! outcome says what was done (`{"ok": {"action", "key", "fence",
 //! "new_fence", "at", "by"}}`), and emits a `tracing` event (target
 //! `oncely::audit`) for the embedding application's subscriber. `history`
-//! lists them next to the records they touched ([`entry`]). Audit records
+//! lists them next to the records they touched. Audit records
 //! are kept [`AUDIT_RETENTION`], then pruned like any other.
 
 use std::time::{Duration, SystemTime};

@@ -25,7 +25,7 @@
 //! Anything else (another line, several lines, JSON that does not parse), a
 //! non-zero exit, or no answer within the timeout (the command is then
 //! killed) is an error for that record: nothing is written for it, it is
-//! counted in [`ReconcileReport::errors`], and the run goes on. Write logs
+//! counted in [`Report::errors`], and the run goes on. Write logs
 //! to stderr: the end of it is quoted in the error.
 //!
 //! The command runs in a process group of its own. Its answer is what it

@@ -8,6 +8,11 @@
 //! 1 for a run that found problems, 130 for Ctrl-C) or the [`Error`] that
 //! stopped it, printed by the binary.
 
+// The `Args` doc comments are the commands' `--help`, written for a
+// terminal: `[?table=T]` and `<run id>` are command-line syntax, not links
+// or HTML.
+#![allow(rustdoc::broken_intra_doc_links, rustdoc::invalid_html_tags)]
+
 pub mod abandoned;
 pub mod bench;
 pub mod chaos;
