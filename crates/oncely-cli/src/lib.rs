@@ -1,8 +1,8 @@
 //! # oncely-cli
 //!
-//! The `oncely` command and the pieces behind it. The binary parses
-//! arguments and prints; everything it runs lives in this library and
-//! returns data:
+//! The `oncely` command and the pieces behind it. The binary parses the
+//! command line and calls the command's module in [`commands`]; everything
+//! it runs lives in this library:
 //!
 //! - [`demo`]: the double-charge demo (`oncely demo`): concurrent
 //!   redeliveries of a "charge" message, processed once with a naive
@@ -13,11 +13,13 @@
 //!   single claims and batches, under oncely's `Wait` and `Reject` policies,
 //!   each next to the hand-written minimum on the same database. It returns
 //!   a [`bench::BenchReport`].
-//! - [`ops`]: the operator commands (`oncely get`, `abandoned`, `prune`,
-//!   `migrate`).
-//! - [`admin`](mod@admin): the operator commands over [`oncely::admin`]
-//!   (`oncely inspect`, `history`, `stats`, `stuck`, `resolve`, `forget`);
-//!   `resolve` and `forget` are recorded in the ledger as audit records.
+//! - [`commands`]: one module per command (`oncely get`, `inspect`,
+//!   `history`, `stats`, `stuck`, `abandoned`, `resolve`, `forget`,
+//!   `prune`, `migrate`, and the command lines of the others): its clap
+//!   arguments, its run, and how its answer is printed. What they share:
+//!   [`read`] (opening the ledger, the answer naming it), [`view`] (records
+//!   as printed), [`audit`] (`resolve` and `forget` are recorded in the
+//!   ledger as audit records) and [`time`] (RFC 3339).
 //! - [`serve`]: the operator web page (`oncely serve`): stats, stuck and
 //!   abandoned records, one record, and the redelivery-gap chart against
 //!   the retention, rendered on the server.
@@ -80,7 +82,7 @@
 //!
 //! The URL names the whole ledger (its table, key prefix or bucket); an
 //! unknown query parameter is a usage error naming it. Every command's
-//! answer says which ledger it read ([`ops::Read`]): a `ledger: …` line
+//! answer says which ledger it read ([`read::Read`]): a `ledger: …` line
 //! above a listing, `no record for KEY in …`, a `ledger` field in `--json`.
 //! See [`any`] for the multi-node syntax. A Redis server (or cluster) that
 //! persists nothing (`appendonly no`, no `save` points) is refused by the
@@ -97,13 +99,16 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
-pub mod admin;
 pub mod any;
+pub mod audit;
 pub mod bench;
 pub mod chaos;
+pub mod commands;
 pub mod demo;
-pub mod ops;
+pub mod read;
 pub mod reconcile;
 pub mod serve;
+pub mod time;
+pub mod view;
 
 pub use any::{Access, AnyLedger, AnyPool, Scheme};

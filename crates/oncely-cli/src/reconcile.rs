@@ -25,7 +25,7 @@
 //! Anything else (another line, several lines, JSON that does not parse), a
 //! non-zero exit, or no answer within the timeout (the command is then
 //! killed) is an error for that record: nothing is written for it, it is
-//! counted in [`ReconcileReport::errors`], and the run goes on. Write logs
+//! counted in [`Report::errors`], and the run goes on. Write logs
 //! to stderr: the end of it is quoted in the error.
 //!
 //! The command runs in a process group of its own. Its answer is what it
@@ -48,14 +48,15 @@ use std::time::Duration;
 use oncely::admin::{Filter, RecordQuery};
 use oncely::backend::{Outcome, Record};
 use oncely::open::Access;
-use oncely::reconcile::{Chain, Doubt, Query, Reconcile, Reconciler, Resolution, Verdict};
+use oncely::reconcile::{Chain, Doubt, Query, Reconcile, Reconciler, Report, Resolution, Verdict};
 use oncely::{BoxError, EffectKey, Error, Result, Tenant};
 use rustix::process::{Pid, Signal, kill_process_group};
 use serde::Serialize;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
-use crate::admin::open_admin;
-use crate::ops::{Read, rfc3339};
+use crate::audit::after_release;
+use crate::read::{Read, open_admin};
+use crate::time::rfc3339;
 
 /// How much of the command's stderr an error quotes (its end).
 const STDERR_TAIL: usize = 300;
@@ -122,27 +123,15 @@ impl ReconcileConfig {
     }
 }
 
-/// What a run did, as `oncely reconcile` prints it.
+/// What a run did, as `oncely reconcile` prints it: the run's counts
+/// ([`Report`]'s JSON) and each examined record with the command's answer.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ReconcileReport {
-    /// Whether nothing was written.
-    pub dry_run: bool,
-    /// Records looked at (the sum of the counts below).
-    pub examined: u64,
-    /// Completed with the command's outcome (in a dry run: would be).
-    pub completed: u64,
-    /// Released for a retry (in a dry run: would be).
-    pub released: u64,
-    /// The command answered `unknown`; nothing written.
-    pub unknown: u64,
-    /// Moved on between the listing and the write; left alone.
-    pub moved: u64,
-    /// Not in doubt when read, or within the grace; the command was not run.
-    pub skipped: u64,
-    /// The command or the ledger failed; left as they were.
-    pub errors: u64,
-    /// Why the run stopped early (a listing failed), if it did.
-    pub aborted: Option<String>,
+    /// What the run did: `dry_run`, `examined`, `completed`, `released`,
+    /// `unknown`, `moved`, `skipped`, `errors` and `aborted` (its entries
+    /// are [`ReconcileReport::entries`]).
+    #[serde(flatten)]
+    pub run: Report,
     /// Every examined record, in order.
     pub entries: Vec<EntryView>,
 }
@@ -151,7 +140,7 @@ impl ReconcileReport {
     /// Whether any record failed or the run stopped early (the command
     /// exits 1).
     pub fn failed(&self) -> bool {
-        self.errors > 0 || self.aborted.is_some()
+        self.run.errors > 0 || self.run.aborted.is_some()
     }
 }
 
@@ -174,7 +163,7 @@ pub struct EntryView {
     /// What failed.
     pub error: Option<String>,
     /// What must happen next for a released record's step to be performed
-    /// ([`after_release`](crate::admin::after_release)).
+    /// ([`after_release`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub next: Option<&'static str>,
 }
@@ -215,10 +204,10 @@ pub async fn reconcile(database_url: &str, config: &ReconcileConfig) -> Result<R
         }
     };
     ledger.close().await;
-    let report = report?;
+    let mut report = report?;
+    let examined = std::mem::take(&mut report.entries);
     let answers = check.answers.into_inner().unwrap_or_else(|p| p.into_inner());
-    let entries = report
-        .entries
+    let entries = examined
         .iter()
         .map(|e| {
             let answer = answers.get(&(e.key.clone(), e.fence));
@@ -234,29 +223,15 @@ pub async fn reconcile(database_url: &str, config: &ReconcileConfig) -> Result<R
                     _ => None,
                 },
                 next: match (&e.resolution, e.doubt) {
-                    (Resolution::Released, Some(doubt)) if !report.dry_run => {
-                        crate::admin::after_release(doubt.as_str())
-                    }
+                    (Resolution::Released, Some(doubt)) if !report.dry_run => after_release(doubt.as_str()),
                     _ => None,
                 },
             }
         })
         .collect();
-    let report = ReconcileReport {
-        dry_run: report.dry_run,
-        examined: report.examined,
-        completed: report.completed,
-        released: report.released,
-        unknown: report.unknown,
-        moved: report.moved,
-        skipped: report.skipped,
-        errors: report.errors,
-        aborted: report.aborted,
-        entries,
-    };
     Ok(Read {
         ledger: ledger.to_string(),
-        value: report,
+        value: ReconcileReport { run: report, entries },
     })
 }
 

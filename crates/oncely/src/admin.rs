@@ -22,8 +22,8 @@
 //! effect is a read, not a write, by design (one round trip, nothing
 //! written). Count them with the
 //! [`oncely_duplicates_suppressed_total`](crate::telemetry::DUPLICATES_SUPPRESSED_TOTAL)
-//! metric; [`DUPLICATES_NOT_STORED`] says so in one line for tools that
-//! print [`KindStats`].
+//! metric (tools that print [`KindStats`] should say so, as `oncely stats`
+//! does).
 
 use std::future::Future;
 use std::time::SystemTime;
@@ -36,11 +36,6 @@ use crate::record::{Record, RecordState};
 /// The largest page [`Admin::records`] returns; a larger
 /// [`RecordQuery::limit`] is cut to it.
 pub const MAX_PAGE: u32 = 1000;
-
-/// One line for tools that print [`KindStats`]: why duplicates are not
-/// among the counts, and where to find them.
-pub const DUPLICATES_NOT_STORED: &str = "duplicates suppressed are not stored (a duplicate of a completed \
-     effect is a read, not a write); count them with the oncely_duplicates_suppressed_total metric";
 
 /// Which records [`Admin::records`] lists, judged on the backend's clock when
 /// the query runs (see the [module docs](self)).
@@ -239,7 +234,7 @@ pub(crate) fn classify(r: &Record, now: SystemTime) -> Option<Class> {
 /// on the backend's clock at [`KindStats::read_at`].
 ///
 /// Duplicates suppressed are not here: they are reads, never stored (see
-/// [`DUPLICATES_NOT_STORED`]).
+/// the [module docs](self)).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct KindStats {

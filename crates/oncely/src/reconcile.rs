@@ -156,6 +156,7 @@ use std::collections::HashSet;
 use std::future::Future;
 use std::time::Duration;
 
+use serde::Serialize;
 use tracing::Instrument;
 
 use crate::admin::{Admin, Cursor, Filter, MAX_PAGE, RecordQuery};
@@ -506,7 +507,11 @@ pub struct Entry {
 
 /// What a run did (in a dry run: what it would have done). `examined` is
 /// the sum of the other counts.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+///
+/// As JSON (`Serialize`): the counts, `dry_run` and `aborted`, not the
+/// entries, which a tool prints with what it knows of each (the `oncely`
+/// command adds its check command's answers).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct Report {
     /// Whether this was a dry run (nothing was written).
@@ -526,6 +531,7 @@ pub struct Report {
     /// The provider or the ledger failed on them; left as they were.
     pub errors: u64,
     /// Every examined record, in the order examined.
+    #[serde(skip)]
     pub entries: Vec<Entry>,
     /// Why the run stopped early: the listing failed (the records examined
     /// before are in the report). `None`: the run went through.

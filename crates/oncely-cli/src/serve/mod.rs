@@ -25,7 +25,7 @@
 //!   [`Access::ReadOnly`], so it writes nothing
 //!   even by mistake) unless [`ServeConfig::allow_resolve`]: then stuck and
 //!   abandoned records get a form that resolves them through
-//!   [`admin::resolve`](crate::admin::resolve), the path `oncely resolve`
+//!   [`resolve`](crate::commands::resolve::resolve), the path `oncely resolve`
 //!   takes, fenced at the fence the page showed; the form carries a token
 //!   drawn when the page started, and a POST from another origin is
 //!   refused;
@@ -36,7 +36,6 @@
 //! [`REDELIVERY_GAP_SECONDS`]: oncely::telemetry::REDELIVERY_GAP_SECONDS
 
 mod admin;
-mod args;
 mod gaps;
 mod pages;
 mod text;
@@ -51,7 +50,6 @@ use oncely::{Error, Result, Tenant};
 
 use crate::any::{Access, AnyLedger};
 
-pub use args::ServeArgs;
 pub use gaps::{GapHistogram, MetricsUrl, parse_gap_histograms};
 pub use text::{format_duration, parse_duration};
 
@@ -84,7 +82,7 @@ pub struct ServeConfig {
     /// records are kept ([`oncely::ClaimOptions::retention`]).
     pub retention: Duration,
     /// Offer to resolve stuck and abandoned records
-    /// ([`admin::resolve`](crate::admin::resolve): a stuck lease is taken
+    /// ([`resolve`](crate::commands::resolve::resolve): a stuck lease is taken
     /// over by a claim, an abandoned step written with its reconciliation
     /// lease, both fenced at the fence the page showed, and recorded).
     /// Without it the page writes nothing.

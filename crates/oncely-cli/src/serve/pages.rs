@@ -13,7 +13,7 @@ use axum::middleware::Next;
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use minijinja::{Environment, Value};
-use oncely::admin::{Admin, Cursor, DUPLICATES_NOT_STORED, Filter, KindStats, RecordQuery};
+use oncely::admin::{Admin, Cursor, Filter, KindStats, RecordQuery};
 use oncely::backend::{Ledger, Record};
 use oncely::{EffectKey, Error, Tenant};
 use serde::{Deserialize, Serialize};
@@ -21,7 +21,10 @@ use serde::{Deserialize, Serialize};
 use super::text::{format_duration, key_path, query_value};
 use super::{Scope, ServeConfig, gaps};
 use crate::any::AnyLedger;
-use crate::ops::rfc3339;
+use crate::commands::resolve::{self as resolve_command, Resolution};
+use crate::commands::stats::DUPLICATES_NOT_STORED;
+use crate::time::rfc3339;
+use crate::view::class_of;
 
 /// Records per page of `/stuck` and `/abandoned`.
 pub(crate) const PAGE: u32 = 50;
@@ -504,7 +507,7 @@ struct RecordPage {
 impl RecordPage {
     fn of(r: &Record) -> Self {
         let now = r.read_at;
-        let state = crate::admin::class_of(r);
+        let state = class_of(r);
         let meaning = match state {
             "completed" => "Done: duplicates are answered with the stored outcome.",
             "released" => "Given back: the next claim runs the effect again.",
@@ -648,7 +651,7 @@ struct ResolveForm {
     value: Option<String>,
 }
 
-/// `POST /resolve`: [`crate::admin::resolve`], the path `oncely resolve`
+/// `POST /resolve`: [`resolve_command::resolve`], the path `oncely resolve`
 /// takes, fenced at the fence the page showed.
 async fn resolve(
     State(app): State<Arc<App>>,
@@ -683,8 +686,8 @@ async fn resolve(
             .parse()
             .map_err(|_| Failure::bad_request(format!("fence {:?} is not a number", f.fence)))?;
         let resolution = match (f.action.as_str(), f.value.as_deref()) {
-            ("release", _) => crate::admin::Resolution::Released,
-            ("complete", v) => crate::admin::Resolution::Completed(
+            ("release", _) => Resolution::Released,
+            ("complete", v) => Resolution::Completed(
                 serde_json::from_str(v.unwrap_or("null"))
                     .map_err(|e| Failure::bad_request(format!("the value is not JSON: {e}")))?,
             ),
@@ -694,7 +697,7 @@ async fn resolve(
                 )));
             }
         };
-        let read = crate::admin::resolve(&app.config.database_url, key.as_str(), &resolution, Some(fence))
+        let read = resolve_command::resolve(&app.config.database_url, key.as_str(), &resolution, Some(fence))
             .await
             .map_err(|e| refused(&key, fence, e))?;
         let report = read.value.ok_or_else(|| Failure {
@@ -711,7 +714,7 @@ async fn resolve(
         Ok((tenant, report)) => {
             #[derive(Serialize)]
             struct Resolved {
-                report: crate::admin::ActionReport,
+                report: crate::audit::ActionReport,
                 href: String,
             }
             let href = format!("/record/{}", key_path(&report.key));

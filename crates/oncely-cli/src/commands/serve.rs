@@ -1,16 +1,28 @@
-//! The command line of `oncely serve`, turned into a [`ServeConfig`].
+//! `oncely serve`'s command line; the page itself is [`crate::serve`].
 
 use std::net::SocketAddr;
+use std::process::ExitCode;
 
-use clap::{ArgGroup, Args};
+use clap::{ArgGroup, Args as ClapArgs};
 use oncely::{Result, Tenant};
 
-use super::{MetricsUrl, Scope, ServeConfig, parse_duration};
+use crate::serve::{self, MetricsUrl, Scope, ServeConfig, parse_duration};
 
-/// `oncely serve`'s arguments.
-#[derive(Debug, Clone, Args)]
+/// Serve the operator web page: stats, stuck and abandoned records, one
+/// record's detail, and the redelivery-gap chart against the retention.
+///
+/// Server-rendered HTML, no JavaScript. Read-only (the ledger is opened
+/// like `get` does) unless --allow-resolve, which offers a form on stuck
+/// and abandoned records doing what `oncely resolve` does. Listens on
+/// loopback unless
+/// --allow-remote (the page has no authentication). Shows one tenant
+/// (--tenant; any other answers 403) or all (--all-tenants). The gap
+/// chart reads oncely_redelivery_gap_seconds from a consumer's
+/// Prometheus endpoint (--metrics-url): duplicates are not stored in
+/// the ledger. Runs until Ctrl-C.
+#[derive(Debug, Clone, ClapArgs)]
 #[command(group(ArgGroup::new("scope").required(true).args(["tenant", "all_tenants"])))]
-pub struct ServeArgs {
+pub struct Args {
     /// The ledger's database: sqlite:PATH, postgres://USER@HOST/DB or
     /// mysql://USER@HOST/DB (Redis and NATS cannot list records).
     #[arg(long, env = "ONCELY_DATABASE_URL")]
@@ -45,7 +57,7 @@ pub struct ServeArgs {
     pub allow_resolve: bool,
 }
 
-impl ServeArgs {
+impl Args {
     /// Checks the arguments and builds the configuration, connecting to
     /// nothing. Fails with [`oncely::Error::Config`] (or
     /// [`oncely::Error::InvalidKey`] for a malformed tenant).
@@ -66,4 +78,26 @@ impl ServeArgs {
         config.validate()?;
         Ok(config)
     }
+}
+
+/// Serves the page until Ctrl-C.
+pub async fn run(args: Args) -> Result<ExitCode> {
+    let config = args.config()?;
+    let scope = config.scope.to_string();
+    let server = serve::bind(config).await?;
+    let addr = server.local_addr()?;
+    println!(
+        "oncely serve: http://{addr}/ ({}, {scope}, {}); Ctrl-C stops it",
+        server.ledger(),
+        if server.resolves() {
+            "resolve allowed"
+        } else {
+            "read-only"
+        }
+    );
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    server.run(shutdown).await?;
+    Ok(ExitCode::SUCCESS)
 }

@@ -1,0 +1,70 @@
+//! `oncely get`: one effect's record as JSON.
+
+use std::process::ExitCode;
+
+use clap::Args as ClapArgs;
+use oncely::backend::{Ledger, Record};
+use oncely::{EffectKey, Result};
+
+use super::{DbArgs, no_record, print_json};
+use crate::any::Access;
+use crate::read::{Read, with_ledger};
+use crate::view::RecordView;
+
+/// Print one effect's record as JSON.
+///
+/// The key is the displayed form tenant/kind:subject, e.g.
+/// acme/capture:order-123. Exits 3 (and prints null) when the key has
+/// no record. Opens the ledger read-only: it creates, migrates and
+/// writes nothing (a missing database or table is an error), so a role
+/// that may only SELECT can run it.
+#[derive(Debug, ClapArgs)]
+pub struct Args {
+    /// The effect key, tenant/kind:subject.
+    key: String,
+    #[command(flatten)]
+    db: DbArgs,
+}
+
+/// Prints the record, or `null` and "no record" (exit 3).
+pub async fn run(args: Args) -> Result<ExitCode> {
+    let read = get(&args.db.database_url, &args.key).await?;
+    Ok(match read.value {
+        Some(record) => print_json(&Read {
+            ledger: read.ledger,
+            value: RecordView::from(&record),
+        }),
+        None => {
+            println!("null");
+            no_record(&args.key, &read.ledger)
+        }
+    })
+}
+
+/// Reads the record of a displayed key (`tenant/kind:subject`). An invalid
+/// key fails with [`oncely::Error::InvalidKey`] before anything connects.
+pub async fn get(database_url: &str, key: &str) -> Result<Read<Option<Record>>> {
+    let key = EffectKey::parse(key)?;
+    with_ledger(
+        database_url,
+        Access::ReadOnly,
+        |l| async move { l.get(&key).await },
+    )
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use oncely::Error;
+
+    #[tokio::test]
+    async fn bad_input_is_refused_before_connecting() {
+        // The URL is unreachable: a round trip would fail differently.
+        let url = "postgres://nobody@127.0.0.1:1/none";
+        for key in ["", "no-slash", "t/no-colon", "t/:subject", "bad tenant/k:s"] {
+            let err = get(url, key).await.unwrap_err();
+            assert!(matches!(err, Error::InvalidKey { .. }), "{key:?}: {err:?}");
+        }
+    }
+}
