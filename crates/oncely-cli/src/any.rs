@@ -47,19 +47,21 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The backends this binary knows, one line each: the variant, the name
 /// [`Ledger::backend`] reports, the cargo feature, the URL schemes, how the
-/// schemes are shown in messages, and the ledger type (which opens them
-/// through [`FromUrl`]). The memory ledger of the core is always there and
-/// follows the list.
+/// schemes are shown in messages, whether the ledger offers [`Admin`]
+/// (`admin` or `no_admin`), the SQL pool it runs on (`pool(type)`, for the
+/// demo's orders table, or `no_pool`), and the ledger type (which opens
+/// them through [`FromUrl`]). The memory ledger of the core is always there
+/// and follows the list.
 #[macro_export]
 #[doc(hidden)]
 macro_rules! with_backends {
     ($then:ident) => {
         $then! {
-            Sqlite("sqlite", "sqlite", ["sqlite"], "sqlite:") => oncely_sqlite::SqliteLedger,
-            Postgres("postgres", "postgres", ["postgres", "postgresql"], "postgres://") => oncely_postgres::PgLedger,
-            MySql("mysql", "mysql", ["mysql", "mariadb"], "mysql://, mariadb://") => oncely_mysql::MySqlLedger,
-            Redis("redis", "redis", ["redis", "redis+cluster", "redis+sentinel"], "redis://, redis+cluster://, redis+sentinel://") => oncely_redis::RedisLedger,
-            Nats("nats", "nats", ["nats"], "nats://") => oncely_nats::NatsKvLedger,
+            Sqlite("sqlite", "sqlite", ["sqlite"], "sqlite:", admin, pool(sqlx::SqlitePool)) => oncely_sqlite::SqliteLedger,
+            Postgres("postgres", "postgres", ["postgres", "postgresql"], "postgres://", admin, pool(sqlx::PgPool)) => oncely_postgres::PgLedger,
+            MySql("mysql", "mysql", ["mysql", "mariadb"], "mysql://, mariadb://", admin, pool(sqlx::MySqlPool)) => oncely_mysql::MySqlLedger,
+            Redis("redis", "redis", ["redis", "redis+cluster", "redis+sentinel"], "redis://, redis+cluster://, redis+sentinel://", no_admin, no_pool) => oncely_redis::RedisLedger,
+            Nats("nats", "nats", ["nats"], "nats://", no_admin, no_pool) => oncely_nats::NatsKvLedger,
         }
     };
 }
@@ -77,8 +79,66 @@ macro_rules! any_match {
     };
 }
 
+/// `$yes` for a backend whose table line says `admin`, else `$no`.
+macro_rules! if_admin {
+    (admin, $yes:expr, $no:expr) => {
+        $yes
+    };
+    (no_admin, $yes:expr, $no:expr) => {
+        $no
+    };
+}
+
+/// `$yes` for a backend whose table line names a pool, else `$no`.
+macro_rules! if_pool {
+    (pool($p:ty), $yes:expr, $no:expr) => {
+        $yes
+    };
+    (no_pool, $yes:expr, $no:expr) => {
+        $no
+    };
+}
+
+/// [`AnyPool`] with a variant per backend whose table line names a pool
+/// (the lines are taken one at a time, keeping those with a pool).
+macro_rules! define_pool {
+    (@keep [$($variant:ident $feature:literal $p:ty,)*]) => {
+        /// The SQL pool underneath an [`AnyLedger`], for callers that keep
+        /// their own tables in the same database (the demo's orders table).
+        #[derive(Debug, Clone)]
+        #[non_exhaustive]
+        pub enum AnyPool {
+            $(
+                #[doc = concat!("A `", stringify!($p), "`.")]
+                #[cfg(feature = $feature)]
+                $variant($p),
+            )*
+        }
+
+        impl AnyPool {
+            /// Closes the pool, waiting for checked-out connections to come back.
+            pub async fn close(&self) {
+                match self {
+                    $(
+                        #[cfg(feature = $feature)]
+                        AnyPool::$variant(p) => p.close().await,
+                    )*
+                }
+            }
+        }
+    };
+    (@keep [$($kept:tt)*] $variant:ident $feature:literal pool($p:ty), $($rest:tt)*) => {
+        define_pool!(@keep [$($kept)* $variant $feature $p,] $($rest)*);
+    };
+    (@keep [$($kept:tt)*] $variant:ident $feature:literal no_pool, $($rest:tt)*) => {
+        define_pool!(@keep [$($kept)*] $($rest)*);
+    };
+}
+
 macro_rules! define_any {
-    ($($variant:ident($name:literal, $feature:literal, [$($scheme:literal),+], $shown:literal) => $ty:ty,)+) => {
+    ($($variant:ident($name:literal, $feature:literal, [$($scheme:literal),+], $shown:literal, $admin:ident, $pool:ident $(($pool_ty:ty))?) => $ty:ty,)+) => {
+        define_pool!(@keep [] $($variant $feature $pool $(($pool_ty))?,)+);
+
         /// The backend a database URL names.
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
         #[non_exhaustive]
@@ -255,6 +315,79 @@ macro_rules! define_any {
             }
         }
 
+        /// The operator capability ([`oncely::admin`]) on the backends whose
+        /// table line says `admin` (SQLite, PostgreSQL, MySQL) and memory.
+        /// The others (Redis and NATS JetStream KV) keep no index to list or
+        /// count records by tenant and kind, so every method fails there
+        /// with [`Error::Config`] naming the backend, before any round trip.
+        impl Admin for AnyLedger {
+            async fn records(&self, query: &RecordQuery) -> Result<Vec<Record>> {
+                match self {
+                    $(
+                        #[cfg(feature = $feature)]
+                        AnyLedger::$variant(l) => if_admin!($admin, l.records(query).await, { let _ = l; Err(no_admin(self, "listing records")) }),
+                    )+
+                    AnyLedger::Memory(l) => l.records(query).await,
+                }
+            }
+
+            async fn stats(&self, tenant: Option<&Tenant>) -> Result<Vec<KindStats>> {
+                match self {
+                    $(
+                        #[cfg(feature = $feature)]
+                        AnyLedger::$variant(l) => if_admin!($admin, l.stats(tenant).await, { let _ = l; Err(no_admin(self, "stats")) }),
+                    )+
+                    AnyLedger::Memory(l) => l.stats(tenant).await,
+                }
+            }
+
+            async fn forget(&self, key: &EffectKey, fence: u64) -> Result<()> {
+                match self {
+                    $(
+                        #[cfg(feature = $feature)]
+                        AnyLedger::$variant(l) => if_admin!($admin, l.forget(key, fence).await, { let _ = l; Err(no_admin(self, "forget")) }),
+                    )+
+                    AnyLedger::Memory(l) => l.forget(key, fence).await,
+                }
+            }
+
+            async fn prunable(&self) -> Result<u64> {
+                match self {
+                    $(
+                        #[cfg(feature = $feature)]
+                        AnyLedger::$variant(l) => if_admin!($admin, l.prunable().await, { let _ = l; Err(no_admin(self, "a prune dry run")) }),
+                    )+
+                    AnyLedger::Memory(l) => l.prunable().await,
+                }
+            }
+        }
+
+        impl Scheme {
+            /// Whether this backend offers [`Admin`] (listing, stats, forget,
+            /// prune dry run): the backends whose table line says `admin`,
+            /// and memory.
+            pub fn has_admin(self) -> bool {
+                match self {
+                    $(Scheme::$variant => if_admin!($admin, true, false),)+
+                    Scheme::Memory => true,
+                }
+            }
+        }
+
+        impl AnyLedger {
+            /// The SQL pool the ledger runs on, or `None` for backends without
+            /// one (Redis, NATS, memory).
+            pub fn pool(&self) -> Option<AnyPool> {
+                match self {
+                    $(
+                        #[cfg(feature = $feature)]
+                        AnyLedger::$variant(l) => if_pool!($pool $(($pool_ty))?, Some(AnyPool::$variant(l.pool().clone())), { let _ = l; None }),
+                    )+
+                    AnyLedger::Memory(_) => None,
+                }
+            }
+        }
+
         /// Every compiled-in backend lists the schemes its crate opens.
         #[cfg(test)]
         fn backend_schemes_match_their_crates() {
@@ -331,51 +464,11 @@ impl fmt::Display for Scheme {
     }
 }
 
-/// The SQL pool underneath an [`AnyLedger`], for callers that keep their own
-/// tables in the same database (the demo's orders table).
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub enum AnyPool {
-    /// A SQLite pool.
-    Sqlite(sqlx::SqlitePool),
-    /// A PostgreSQL pool.
-    Postgres(sqlx::PgPool),
-    /// A MySQL / MariaDB pool.
-    #[cfg(feature = "mysql")]
-    MySql(sqlx::MySqlPool),
-}
-
-impl AnyPool {
-    /// Closes the pool, waiting for checked-out connections to come back.
-    pub async fn close(&self) {
-        match self {
-            AnyPool::Sqlite(p) => p.close().await,
-            AnyPool::Postgres(p) => p.close().await,
-            #[cfg(feature = "mysql")]
-            AnyPool::MySql(p) => p.close().await,
-        }
-    }
-}
-
 impl AnyLedger {
     /// Opens the backend a URL names, creating or upgrading its schema:
     /// [`AnyLedger::open`] with [`Access::Migrate`].
     pub async fn connect(url: &str) -> Result<AnyLedger> {
         AnyLedger::open(url, Access::Migrate).await
-    }
-
-    /// The SQL pool the ledger runs on, or `None` for backends without one
-    /// (Redis, NATS, memory).
-    pub fn pool(&self) -> Option<AnyPool> {
-        match self {
-            #[cfg(feature = "sqlite")]
-            AnyLedger::Sqlite(l) => Some(AnyPool::Sqlite(l.pool().clone())),
-            #[cfg(feature = "postgres")]
-            AnyLedger::Postgres(l) => Some(AnyPool::Postgres(l.pool().clone())),
-            #[cfg(feature = "mysql")]
-            AnyLedger::MySql(l) => Some(AnyPool::MySql(l.pool().clone())),
-            _ => None,
-        }
     }
 
     /// Closes the backend's SQL pool, waiting for checked-out connections to
@@ -386,83 +479,6 @@ impl AnyLedger {
         if let Some(pool) = self.pool() {
             pool.close().await;
         }
-    }
-}
-
-/// The operator capability ([`oncely::admin`]) on the backends that have it:
-/// SQLite, PostgreSQL, MySQL and memory. Redis and NATS JetStream KV keep no
-/// index to list or count records by tenant and kind, so every method fails
-/// there with [`Error::Config`] naming the backend, before any round trip.
-impl Admin for AnyLedger {
-    async fn records(&self, query: &RecordQuery) -> Result<Vec<Record>> {
-        match self {
-            #[cfg(feature = "sqlite")]
-            AnyLedger::Sqlite(l) => l.records(query).await,
-            #[cfg(feature = "postgres")]
-            AnyLedger::Postgres(l) => l.records(query).await,
-            #[cfg(feature = "mysql")]
-            AnyLedger::MySql(l) => l.records(query).await,
-            AnyLedger::Memory(l) => l.records(query).await,
-            #[allow(unreachable_patterns)]
-            other => Err(no_admin(other, "listing records")),
-        }
-    }
-
-    async fn stats(&self, tenant: Option<&Tenant>) -> Result<Vec<KindStats>> {
-        match self {
-            #[cfg(feature = "sqlite")]
-            AnyLedger::Sqlite(l) => l.stats(tenant).await,
-            #[cfg(feature = "postgres")]
-            AnyLedger::Postgres(l) => l.stats(tenant).await,
-            #[cfg(feature = "mysql")]
-            AnyLedger::MySql(l) => l.stats(tenant).await,
-            AnyLedger::Memory(l) => l.stats(tenant).await,
-            #[allow(unreachable_patterns)]
-            other => Err(no_admin(other, "stats")),
-        }
-    }
-
-    async fn forget(&self, key: &EffectKey, fence: u64) -> Result<()> {
-        match self {
-            #[cfg(feature = "sqlite")]
-            AnyLedger::Sqlite(l) => l.forget(key, fence).await,
-            #[cfg(feature = "postgres")]
-            AnyLedger::Postgres(l) => l.forget(key, fence).await,
-            #[cfg(feature = "mysql")]
-            AnyLedger::MySql(l) => l.forget(key, fence).await,
-            AnyLedger::Memory(l) => l.forget(key, fence).await,
-            #[allow(unreachable_patterns)]
-            other => Err(no_admin(other, "forget")),
-        }
-    }
-
-    async fn prunable(&self) -> Result<u64> {
-        match self {
-            #[cfg(feature = "sqlite")]
-            AnyLedger::Sqlite(l) => l.prunable().await,
-            #[cfg(feature = "postgres")]
-            AnyLedger::Postgres(l) => l.prunable().await,
-            #[cfg(feature = "mysql")]
-            AnyLedger::MySql(l) => l.prunable().await,
-            AnyLedger::Memory(l) => l.prunable().await,
-            #[allow(unreachable_patterns)]
-            other => Err(no_admin(other, "a prune dry run")),
-        }
-    }
-}
-
-impl AnyLedger {
-    /// Whether this backend offers [`Admin`] (the SQL backends and memory).
-    pub fn has_admin(&self) -> bool {
-        self.scheme().has_admin()
-    }
-}
-
-impl Scheme {
-    /// Whether this backend offers [`Admin`] (listing, stats, forget, prune
-    /// dry run): the SQL backends and memory; not Redis or NATS.
-    pub fn has_admin(self) -> bool {
-        !matches!(self, Scheme::Redis | Scheme::Nats)
     }
 }
 
