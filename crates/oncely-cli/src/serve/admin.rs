@@ -9,9 +9,10 @@ use crate::any::Scheme;
 
 /// Refuses the backends without [`Admin`], naming why.
 pub(crate) fn check_scheme(scheme: Scheme) -> Result<()> {
-    match scheme {
-        Scheme::Redis | Scheme::Nats => Err(no_admin(scheme)),
-        _ => Ok(()),
+    if scheme.has_admin() {
+        Ok(())
+    } else {
+        Err(no_admin(scheme))
     }
 }
 
