@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use oncely::backend::{Access, OpenOptions, UrlParams};
+use oncely::backend::{LedgerOptions, UrlParams};
 use oncely::{Error, Result};
 use sqlx::mysql::MySqlConnectOptions;
 
@@ -131,22 +131,24 @@ impl MySqlLedgerOptions {
     pub(crate) fn migrates(&self) -> bool {
         self.migrate && !self.read_only
     }
+}
 
-    /// The options [`FromUrl::from_url`](oncely::backend::FromUrl::from_url)
-    /// opens with: `access` as [`MySqlLedgerOptions::migrate`] /
-    /// [`MySqlLedgerOptions::read_only`], and the caller's connect timeout as
-    /// the pool's acquire timeout (which is also how long connecting may
-    /// take: sqlx bounds the pool's first connection by it).
-    pub(crate) fn for_open(open: OpenOptions) -> Self {
-        let options = match open.access {
-            Access::Migrate => MySqlLedgerOptions::default(),
-            Access::Existing => MySqlLedgerOptions::default().migrate(false),
-            Access::ReadOnly => MySqlLedgerOptions::default().read_only(true),
-        };
-        match open.connect_timeout {
-            Some(timeout) => options.acquire_timeout(timeout),
-            None => options,
-        }
+/// How [`FromUrl::from_url`](oncely::backend::FromUrl::from_url) opens
+/// ([`LedgerOptions::for_open`]): [`Access`](oncely::backend::Access)
+/// as [`MySqlLedgerOptions::migrate`] / [`MySqlLedgerOptions::read_only`].
+impl LedgerOptions for MySqlLedgerOptions {
+    fn existing_only(self) -> Self {
+        self.migrate(false)
+    }
+
+    fn reads_only(self) -> Self {
+        self.read_only(true)
+    }
+
+    /// The pool's acquire timeout, which is also how long connecting may
+    /// take: sqlx bounds the pool's first connection by it.
+    fn open_within(self, timeout: Duration) -> Self {
+        self.acquire_timeout(timeout)
     }
 }
 
@@ -266,6 +268,8 @@ pub(crate) fn check_table(name: &str) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use oncely::backend::{Access, OpenOptions};
+
     use super::*;
 
     #[test]

@@ -5,9 +5,9 @@
 use oncely::backend::{Access, FromUrl, OpenOptions};
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
 use oncely::{Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, RecordState};
-use oncely_nats::{NatsKvLedger, NatsKvOptions};
+use oncely_nats::{NatsKvLedger, NatsKvLedgerOptions};
 
-/// A ledger the application opened with `NatsKvOptions::bucket(..)` is the
+/// A ledger the application opened with `NatsKvLedgerOptions::bucket(..)` is the
 /// one `?bucket=` opens, for every access; the default URL opens another
 /// bucket, without the record. The ledger says what it reads.
 #[tokio::test]
@@ -16,7 +16,7 @@ async fn the_url_names_the_bucket() {
         return;
     };
     let bucket = format!("oncely_url_{}", std::process::id());
-    let app = match NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket(&bucket)).await {
+    let app = match NatsKvLedger::connect_with(&url, NatsKvLedgerOptions::default().bucket(&bucket)).await {
         Ok(l) => l,
         Err(e) => return skip_or_fail(&format!("NATS at {url}: {e}")).unwrap_or(()),
     };

@@ -14,14 +14,14 @@ use std::time::{Duration, Instant};
 
 use oncely::conformance::fresh_tenant;
 use oncely::{Claim, ClaimOptions, EffectKey, Error, Ledger, Outcome, RecordState};
-use oncely_nats::{NatsKvLedger, NatsKvOptions};
+use oncely_nats::{NatsKvLedger, NatsKvLedgerOptions};
 
 const KEYS: usize = 600;
 /// Three per node.
 const WORKERS: usize = 9;
 
-fn opts() -> NatsKvOptions {
-    NatsKvOptions::default()
+fn opts() -> NatsKvLedgerOptions {
+    NatsKvLedgerOptions::default()
         .bucket("oncely_node_loss")
         .replicas(3)
         .request_timeout(Duration::from_secs(2))

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use oncely::backend::{Access, OpenOptions, UrlParams};
+use oncely::backend::{LedgerOptions, UrlParams};
 use oncely::{Error, Result};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
@@ -185,24 +185,6 @@ impl PgLedgerOptions {
         Ok(())
     }
 
-    /// The options [`FromUrl::from_url`](oncely::backend::FromUrl::from_url)
-    /// opens with: the defaults, with the access and the connect timeout of
-    /// `open`.
-    pub(crate) fn for_open(open: OpenOptions) -> Self {
-        let options = PgLedgerOptions::default();
-        let options = match open.access {
-            Access::Migrate => options,
-            Access::Existing => options.migrate(false),
-            Access::ReadOnly => options.read_only(true),
-        };
-        match open.connect_timeout {
-            // One setting bounds both the connect and the wait for a pooled
-            // connection (see `acquire_timeout`).
-            Some(timeout) => options.acquire_timeout(timeout),
-            None => options,
-        }
-    }
-
     /// Whether connecting runs the migrations (never for a read-only ledger).
     pub(crate) fn migrates(&self) -> bool {
         self.migrate && !self.read_only
@@ -255,6 +237,24 @@ impl PgLedgerOptions {
     }
 }
 
+/// How [`FromUrl::from_url`](oncely::backend::FromUrl::from_url) opens
+/// ([`LedgerOptions::for_open`]).
+impl LedgerOptions for PgLedgerOptions {
+    fn existing_only(self) -> Self {
+        self.migrate(false)
+    }
+
+    fn reads_only(self) -> Self {
+        self.read_only(true)
+    }
+
+    /// One setting bounds both the connect and the wait for a pooled
+    /// connection (see [`PgLedgerOptions::acquire_timeout`]).
+    fn open_within(self, timeout: Duration) -> Self {
+        self.acquire_timeout(timeout)
+    }
+}
+
 /// What a URL connects to: one set of connection options per host, and
 /// which kind of server will do.
 #[derive(Debug)]
@@ -303,6 +303,8 @@ fn identifier(what: &str, s: &str, max: usize) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use oncely::backend::{Access, OpenOptions};
+
     use super::*;
 
     #[test]

@@ -14,10 +14,10 @@ use http_body::Body;
 use oncely::{BoxError, ClaimOptions, EffectKey, Effects, Error, Failure, Fingerprint, Ledger};
 use tower_service::Service;
 
+use crate::config::{Config, KeyRequirement};
 use crate::error::Rejection;
 use crate::future::ResponseFuture;
 use crate::header;
-use crate::layer::{Config, KeyRequirement};
 use crate::principal::PrincipalSource;
 use crate::stored::{self, ReadError, StoredResponse};
 
