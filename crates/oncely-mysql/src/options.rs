@@ -118,6 +118,17 @@ impl MySqlLedgerOptions {
         self
     }
 
+    /// The default options with what a MySQL URL sets (`?table=`),
+    /// checked with the rest of the URL as sqlx reads it: [`Error::Config`]
+    /// for another scheme, a parameter neither the ledger nor sqlx reads, a
+    /// bad table name or host list. Nothing connects.
+    pub fn from_url(url: &str) -> Result<Self> {
+        check_scheme(url.trim())?;
+        MySqlLedgerOptions::default()
+            .with_url(url.trim())
+            .map(|(options, _)| options)
+    }
+
     /// Checks what can be checked before any round trip.
     pub(crate) fn validate(&self) -> Result<()> {
         check_table(&self.table)?;

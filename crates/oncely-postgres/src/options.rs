@@ -185,6 +185,16 @@ impl PgLedgerOptions {
         Ok(())
     }
 
+    /// The default options with what a PostgreSQL URL sets (`?schema=`,
+    /// `?table=`), checked with the rest of the URL as sqlx reads it:
+    /// [`Error::Config`] for another scheme, a parameter neither the ledger
+    /// nor sqlx reads, a bad name or host list. Nothing connects.
+    pub fn from_url(url: &str) -> Result<Self> {
+        PgLedgerOptions::default()
+            .with_url(url)
+            .map(|(options, _)| options)
+    }
+
     /// Whether connecting runs the migrations (never for a read-only ledger).
     pub(crate) fn migrates(&self) -> bool {
         self.migrate && !self.read_only

@@ -183,6 +183,7 @@ impl LedgerOptions for SqliteLedgerOptions {
 /// This crate's own type rather than sqlx's, so that the option does not tie
 /// a caller to the driver's version; the values are SQLite's, which are
 /// fixed.
+// Exhaustive by design (ARCHITECTURE.md, API boundaries): SQLite's own values, which are fixed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum SqliteSynchronous {
     /// No waiting for the disk: an OS crash or power loss may lose or corrupt

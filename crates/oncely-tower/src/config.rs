@@ -16,6 +16,7 @@ use crate::principal::FromExtensions;
 
 /// Whether a request must, may or does not take part.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum KeyRequirement {
     /// A request without an `Idempotency-Key` is refused with 400.
     Required,

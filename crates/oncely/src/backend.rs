@@ -39,6 +39,7 @@ use crate::record::{Claim, ClaimOptions, Lease, MAX_OUTCOME_BYTES, Outcome, Reco
 
 /// What an opener may do to the ledger's storage (tables, a bucket).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Access {
     /// Create what is missing and upgrade it (the default of a backend's
     /// `connect`): `oncely migrate`, the demo, an application at startup.
@@ -521,6 +522,7 @@ impl Backoff {
 
 /// The end state a fenced write leaves when it is applied: what
 /// [`resolve_lost_write`] looks for in the record.
+// Exhaustive by design (ARCHITECTURE.md, API boundaries): the two fenced writes whose answer can be lost.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LostWrite {
     /// A completion: the record is completed at the lease's fence.
