@@ -440,6 +440,19 @@ mod tests {
     }
 
     #[test]
+    fn options_from_a_url_are_the_defaults_with_its_table() {
+        let o = MySqlLedgerOptions::from_url("mysql://u:s3cret@h1:3306,h2:3306/app?table=effects").unwrap();
+        assert_eq!(o.table, "effects");
+        assert_eq!(o.acquire_timeout, MySqlLedgerOptions::default().acquire_timeout);
+        for bad in ["postgres://u:s3cret@h/app", "mysql://u:s3cret@h/app?tabel=x"] {
+            match MySqlLedgerOptions::from_url(bad) {
+                Err(Error::Config(m)) => assert!(!m.contains("s3cret"), "{bad}: {m}"),
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
     fn read_only_implies_no_migration() {
         assert!(MySqlLedgerOptions::default().migrates());
         assert!(!MySqlLedgerOptions::default().migrate(false).migrates());

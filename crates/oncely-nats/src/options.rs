@@ -401,6 +401,22 @@ mod tests {
     }
 
     #[test]
+    fn options_from_a_url_are_the_defaults_with_its_parameters() {
+        let o =
+            NatsKvLedgerOptions::from_url("nats://u:pw@n1:4222,n2:4222?bucket=payments&replicas=3").unwrap();
+        assert_eq!(o, NatsKvLedgerOptions::default().bucket("payments").replicas(3));
+        assert_eq!((o.get_bucket(), o.get_replicas()), ("payments", 3));
+        for bad in ["nats://n1?replicas=2", "nats://n1?bucket=a.b", "redis://n1"] {
+            assert!(
+                matches!(NatsKvLedgerOptions::from_url(bad), Err(Error::Config(_))),
+                "{bad}"
+            );
+        }
+        let url: NatsUrl = "nats://n1:4222,n2:4222?replicas=3".parse().unwrap();
+        assert_eq!(url.addrs().unwrap().len(), 2);
+    }
+
+    #[test]
     fn read_only_never_creates() {
         assert!(NatsKvLedgerOptions::default().creates());
         assert!(!NatsKvLedgerOptions::default().migrate(false).creates());

@@ -450,6 +450,18 @@ mod tests {
     }
 
     #[test]
+    fn options_from_a_url_are_the_defaults_with_its_names() {
+        let o = PgLedgerOptions::from_url("postgres://u:s3cret@db/app?schema=billing&table=effects").unwrap();
+        assert_eq!(o, PgLedgerOptions::default().schema("billing").table("effects"));
+        for bad in ["mysql://u:s3cret@db/app", "postgres://u:s3cret@db/app?tabel=x"] {
+            match PgLedgerOptions::from_url(bad) {
+                Err(Error::Config(m)) => assert!(!m.contains("s3cret"), "{bad}: {m}"),
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
     fn open_options_map_to_ledger_options() {
         let o = PgLedgerOptions::for_open(OpenOptions::new(Access::Migrate));
         assert_eq!(o, PgLedgerOptions::default());

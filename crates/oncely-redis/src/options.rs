@@ -795,6 +795,25 @@ mod tests {
     }
 
     #[test]
+    fn options_from_a_url_are_the_defaults_with_its_parameters() {
+        let o = RedisLedgerOptions::from_url("redis://h:6379?prefix=billing:&ephemeral=true").unwrap();
+        assert_eq!(
+            o,
+            RedisLedgerOptions::default().prefix("billing:").ephemeral(true)
+        );
+        for bad in [
+            "redis://h?prefix=a*b",
+            "redis://h?wait_replicas=1&wait_timeout_ms=9000",
+            "redis://h?x=1",
+        ] {
+            assert!(
+                matches!(RedisLedgerOptions::from_url(bad), Err(Error::Config(_))),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
     fn sentinel_urls_name_the_sentinels_and_a_master() {
         let target = |url: &str| match parse_url(url).unwrap() {
             Target::Sentinel(s) => s,

@@ -457,6 +457,23 @@ mod tests {
     }
 
     #[test]
+    fn options_from_a_url_are_the_defaults_with_its_table_and_mode() {
+        let o = SqliteLedgerOptions::from_url("sqlite:data/app.db?mode=ro&table=effects").unwrap();
+        assert_eq!(
+            (o.table.as_str(), o.read_only, o.migrate),
+            ("effects", true, true)
+        );
+        let o = SqliteLedgerOptions::from_url("data/app.db").unwrap();
+        assert_eq!((o.table.as_str(), o.read_only), (sql::DEFAULT_TABLE, false));
+        for bad in ["sqlite:x.db?tabel=effects", "sqlite:x.db?table=a-b"] {
+            assert!(
+                matches!(SqliteLedgerOptions::from_url(bad), Err(Error::Config(_))),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
     fn the_url_names_the_table_and_nothing_unknown() {
         let t = parse("sqlite://data/app.db?mode=rwc&table=effects").unwrap();
         assert_eq!(t.storage, Storage::File("data/app.db".into()));
