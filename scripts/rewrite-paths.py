@@ -12,7 +12,7 @@ ROOT_MOVES.update({"Admin": "admin", "Pruner": "pruner", "PrunerHandle": "pruner
                    "PrunerOptions": "pruner", "PrunerStats": "pruner"})
 # module::item -> module
 SUB_MOVES = {("watch", n): "backend" for n in ["Watch", "Notifier", "NOTIFIED_FALLBACK"]}
-SUB_MOVES.update({("backend", n): "open" for n in ["FromUrl", "OpenOptions", "Access", "UrlParams", "split_hosts"]})
+SUB_MOVES.update({("backend", n): "open" for n in ["FromUrl", "OpenOptions", "Access", "UrlParams", "split_hosts", "LedgerOptions"]})
 SUB_MOVES[("admin", "forget_refusal")] = "backend"
 
 def split_top(s):

@@ -131,6 +131,7 @@ impl ConsumerOptions {
 
 /// What the loop does with a delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Action {
     /// Ack: the effects are done (now or before).
     Ack(&'static str),

@@ -80,6 +80,7 @@ pub fn json<M: DeserializeOwned>(payload: &[u8]) -> Result<M, String> {
 
 /// How a handler failed; the loop maps each to a broker action.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum HandlerError {
     /// An oncely error: in progress elsewhere or a lost lease → redelivered
     /// after [`ConsumerOptions::in_progress_delay`](crate::ConsumerOptions::in_progress_delay);

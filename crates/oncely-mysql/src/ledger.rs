@@ -732,7 +732,7 @@ impl FromUrl for MySqlLedger {
     async fn from_url(url: &str, options: OpenOptions) -> Result<Self> {
         let url = url.trim();
         options::check_scheme(url)?;
-        MySqlLedger::connect_with(url, MySqlLedgerOptions::for_open(options)).await
+        MySqlLedger::connect_with(url, oncely::open::LedgerOptions::for_open(options)).await
     }
 }
 

@@ -4,7 +4,8 @@
 
 use std::time::Duration;
 
-use oncely::open::{Access, OpenOptions, UrlParams};
+use oncely::open::LedgerOptions;
+use oncely::open::UrlParams;
 use oncely::{Error, Result};
 use sqlx::mysql::MySqlConnectOptions;
 
@@ -118,6 +119,17 @@ impl MySqlLedgerOptions {
         self
     }
 
+    /// The default options with what a MySQL URL sets (`?table=`),
+    /// checked with the rest of the URL as sqlx reads it: [`Error::Config`]
+    /// for another scheme, a parameter neither the ledger nor sqlx reads, a
+    /// bad table name or host list. Nothing connects.
+    pub fn from_url(url: &str) -> Result<Self> {
+        check_scheme(url.trim())?;
+        MySqlLedgerOptions::default()
+            .with_url(url.trim())
+            .map(|(options, _)| options)
+    }
+
     /// Checks what can be checked before any round trip.
     pub(crate) fn validate(&self) -> Result<()> {
         check_table(&self.table)?;
@@ -131,22 +143,24 @@ impl MySqlLedgerOptions {
     pub(crate) fn migrates(&self) -> bool {
         self.migrate && !self.read_only
     }
+}
 
-    /// The options [`FromUrl::from_url`](oncely::open::FromUrl::from_url)
-    /// opens with: `access` as [`MySqlLedgerOptions::migrate`] /
-    /// [`MySqlLedgerOptions::read_only`], and the caller's connect timeout as
-    /// the pool's acquire timeout (which is also how long connecting may
-    /// take: sqlx bounds the pool's first connection by it).
-    pub(crate) fn for_open(open: OpenOptions) -> Self {
-        let options = match open.access {
-            Access::Migrate => MySqlLedgerOptions::default(),
-            Access::Existing => MySqlLedgerOptions::default().migrate(false),
-            Access::ReadOnly => MySqlLedgerOptions::default().read_only(true),
-        };
-        match open.connect_timeout {
-            Some(timeout) => options.acquire_timeout(timeout),
-            None => options,
-        }
+/// How [`FromUrl::from_url`](oncely::open::FromUrl::from_url) opens
+/// ([`LedgerOptions::for_open`]): [`Access`](oncely::open::Access)
+/// as [`MySqlLedgerOptions::migrate`] / [`MySqlLedgerOptions::read_only`].
+impl LedgerOptions for MySqlLedgerOptions {
+    fn existing_only(self) -> Self {
+        self.migrate(false)
+    }
+
+    fn reads_only(self) -> Self {
+        self.read_only(true)
+    }
+
+    /// The pool's acquire timeout, which is also how long connecting may
+    /// take: sqlx bounds the pool's first connection by it.
+    fn open_within(self, timeout: Duration) -> Self {
+        self.acquire_timeout(timeout)
     }
 }
 
@@ -266,6 +280,8 @@ pub(crate) fn check_table(name: &str) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use oncely::open::{Access, OpenOptions};
+
     use super::*;
 
     #[test]
@@ -422,6 +438,19 @@ mod tests {
         );
         assert!(!o.migrates() && o.read_only);
         assert_eq!(o.acquire_timeout, Duration::from_secs(5));
+    }
+
+    #[test]
+    fn options_from_a_url_are_the_defaults_with_its_table() {
+        let o = MySqlLedgerOptions::from_url("mysql://u:s3cret@h1:3306,h2:3306/app?table=effects").unwrap();
+        assert_eq!(o.table, "effects");
+        assert_eq!(o.acquire_timeout, MySqlLedgerOptions::default().acquire_timeout);
+        for bad in ["postgres://u:s3cret@h/app", "mysql://u:s3cret@h/app?tabel=x"] {
+            match MySqlLedgerOptions::from_url(bad) {
+                Err(Error::Config(m)) => assert!(!m.contains("s3cret"), "{bad}: {m}"),
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -35,7 +35,7 @@ use async_nats::jetstream::kv;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use oncely::backend::{Claim, Ledger, Outcome};
 use oncely::{ClaimOptions, EffectKey, Effects, Error, OnInProgress, Tenant};
-use oncely_nats::{NatsKvLedger, NatsKvOptions};
+use oncely_nats::{NatsKvLedger, NatsKvLedgerOptions};
 
 const BUCKET: &str = "oncely_bench";
 const BATCH: usize = 100;
@@ -221,7 +221,7 @@ fn bench(c: &mut Criterion) {
         // Create the bucket as the ledger would, then open it on this
         // bench's own connection, whose counters the table reads.
         drop(
-            NatsKvLedger::connect_with(&url(), NatsKvOptions::default().bucket(BUCKET))
+            NatsKvLedger::connect_with(&url(), NatsKvLedgerOptions::default().bucket(BUCKET))
                 .await
                 .unwrap(),
         );
@@ -229,7 +229,7 @@ fn bench(c: &mut Criterion) {
             .timeout(Duration::from_secs(5))
             .build(client.clone());
         let store = js.get_key_value(BUCKET).await.unwrap();
-        let ledger = NatsKvLedger::from_store(client.clone(), store, NatsKvOptions::default())
+        let ledger = NatsKvLedger::from_store(client.clone(), store, NatsKvLedgerOptions::default())
             .await
             .unwrap();
         Ctx {

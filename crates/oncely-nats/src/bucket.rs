@@ -9,7 +9,7 @@ use async_nats::jetstream::{self, kv, stream};
 use oncely::backend::Backoff;
 use oncely::{Error, Result};
 
-use crate::NatsKvOptions;
+use crate::NatsKvLedgerOptions;
 use crate::codec::MAX_VALUE_BYTES;
 use crate::error::{backend_err, no_responders};
 
@@ -53,7 +53,7 @@ pub(crate) fn opening_backoff() -> Backoff {
 /// on fail at once.
 pub(crate) async fn open(
     js: &jetstream::Context,
-    opts: &NatsKvOptions,
+    opts: &NatsKvLedgerOptions,
     deadline: Deadline,
 ) -> Result<kv::Store> {
     let mut last = String::new();
@@ -102,7 +102,7 @@ pub(crate) async fn open(
 /// The stream a KV bucket is made of, written out: the client's
 /// `create_key_value` asks for account info in a newer shape than NATS 2.9
 /// sends.
-fn stream_config(opts: &NatsKvOptions) -> stream::Config {
+fn stream_config(opts: &NatsKvLedgerOptions) -> stream::Config {
     stream::Config {
         name: format!("KV_{}", opts.bucket),
         description: Some("oncely effect ledger".to_owned()),
@@ -125,7 +125,7 @@ fn stream_config(opts: &NatsKvOptions) -> stream::Config {
 }
 
 /// The bucket, checked, if it exists.
-async fn existing(js: &jetstream::Context, opts: &NatsKvOptions) -> Result<Option<kv::Store>> {
+async fn existing(js: &jetstream::Context, opts: &NatsKvLedgerOptions) -> Result<Option<kv::Store>> {
     use async_nats::jetstream::context::GetStreamErrorKind;
     match js.get_stream(format!("KV_{}", opts.bucket)).await {
         Ok(s) => check(&s.cached_info().config, opts)?,
@@ -202,7 +202,7 @@ pub(crate) fn durability(replicas: usize, version: &str) -> &'static str {
 }
 
 /// Refuses a bucket whose settings could lose or drop records.
-pub(crate) fn check(c: &stream::Config, opts: &NatsKvOptions) -> Result<()> {
+pub(crate) fn check(c: &stream::Config, opts: &NatsKvLedgerOptions) -> Result<()> {
     let mut problems = Vec::new();
     if c.max_messages_per_subject != 1 {
         problems.push(format!("history is {} (must be 1)", c.max_messages_per_subject));

@@ -15,8 +15,6 @@ use std::time::SystemTime;
 
 use oncely::Error;
 
-use crate::kv::MAX_ATTEMPTS;
-
 /// The backend's name in errors, telemetry and [`oncely::backend::Ledger::backend`].
 pub(crate) const BACKEND: &str = "nats";
 
@@ -29,6 +27,10 @@ pub(crate) fn backend_err(what: &str, e: impl std::fmt::Display) -> Error {
         retryable: true,
     }
 }
+
+/// How often one operation re-reads and retries after losing a race on the
+/// same key before it gives up with a retryable error ([`gave_up`]).
+pub(crate) const MAX_ATTEMPTS: usize = 64;
 
 /// An operation that lost [`MAX_ATTEMPTS`] races in a row on one key:
 /// retryable (the contention passes), but not worth spinning on forever.
@@ -64,12 +66,12 @@ pub(crate) fn clock_out_of_range(t: SystemTime) -> Error {
 }
 
 /// A write asked of a ledger opened read-only
-/// ([`NatsKvOptions::read_only`](crate::NatsKvOptions::read_only)), refused
+/// ([`NatsKvLedgerOptions::read_only`](crate::NatsKvLedgerOptions::read_only)), refused
 /// before any round trip.
 pub(crate) fn read_only(what: &str, bucket: &str) -> Error {
     Error::Config(format!(
         "{what}: the NATS ledger on bucket {bucket} was opened read-only \
-         (NatsKvOptions::read_only): it does not write"
+         (NatsKvLedgerOptions::read_only): it does not write"
     ))
 }
 

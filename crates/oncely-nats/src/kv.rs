@@ -18,11 +18,10 @@ use oncely::backend::Backoff;
 use crate::NatsKvLedger;
 use crate::codec::{MARKER_PREFIX, Stored, is_record_key};
 use crate::error::{backend_err, corrupt};
-use crate::marker::Op;
 
 /// How often one operation re-reads and retries after losing a race on the
-/// same key before it gives up with a retryable error.
-pub(crate) const MAX_ATTEMPTS: usize = 64;
+/// same key; defined in `error.rs`, beside `gave_up`, the error that says so.
+pub(crate) use crate::error::MAX_ATTEMPTS;
 
 /// The pauses before asking again after the stream leader refused a
 /// revision-checked delete whose revision still matched (NATS 2.9 clusters
@@ -51,6 +50,16 @@ pub(crate) struct Current {
     pub at: SystemTime,
     /// `None`: a delete or purge marker (the key is absent).
     pub value: Option<Stored>,
+}
+
+/// A conditional write: what [`NatsKvLedger::send`] sends, and what a
+/// marker (`marker.rs`) describes.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Op {
+    /// Store this value.
+    Put(bytes::Bytes),
+    /// Delete the key (a delete marker).
+    Delete,
 }
 
 /// The answer to a revision-checked write.

@@ -13,7 +13,7 @@ use async_nats::jetstream::{self, kv};
 use oncely::backend::Watch;
 use oncely::backend::check_outcome;
 use oncely::backend::{Capabilities, Claim, Lease, Ledger, Outcome, Record, RecordState};
-use oncely::open::{Access, FromUrl, OpenOptions};
+use oncely::open::{FromUrl, OpenOptions};
 use oncely::{ClaimOptions, EffectKey, Error, Result, Tenant};
 
 use crate::bucket::{self, Deadline, opening_backoff};
@@ -23,7 +23,7 @@ use crate::error::{BACKEND, gave_up, read_only, unavailable};
 use crate::kv::{Current, MAX_ATTEMPTS, Write, refusal_backoff};
 use crate::marker::markers_needed;
 use crate::notify::Notifications;
-use crate::options::{NatsKvOptions, NatsUrl};
+use crate::options::{NatsKvLedgerOptions, NatsUrl};
 
 /// How many leases' revisions a ledger remembers for one-round-trip completes.
 const REVISION_CACHE: usize = 4096;
@@ -39,7 +39,7 @@ pub(crate) struct Inner {
     /// The bucket.
     pub(crate) store: kv::Store,
     /// The options in force (the bucket name is the store's).
-    pub(crate) opts: NatsKvOptions,
+    pub(crate) opts: NatsKvLedgerOptions,
     /// The bucket's own `max_age` (at least `opts.max_age`), `None` when
     /// unbounded: records untouched this long vanish, which bounds the horizon.
     pub(crate) bucket_max_age: Option<Duration>,
@@ -83,13 +83,13 @@ impl NatsKvLedger {
     /// opens the bucket and creates it if absent: [`NatsKvLedger::connect_with`]
     /// with the default options.
     pub async fn connect(url: &str) -> Result<Self> {
-        Self::connect_with(url, NatsKvOptions::default()).await
+        Self::connect_with(url, NatsKvLedgerOptions::default()).await
     }
 
     /// Connects to the servers a `nats://` URL names, opens the bucket and
     /// creates it if absent (unless `options` say
-    /// [`migrate(false)`](NatsKvOptions::migrate) or
-    /// [`read_only`](NatsKvOptions::read_only)). The URL's `bucket` and
+    /// [`migrate(false)`](NatsKvLedgerOptions::migrate) or
+    /// [`read_only`](NatsKvLedgerOptions::read_only)). The URL's `bucket` and
     /// `replicas` parameters override `options`' (the URL is what a
     /// deployment configures; the options are the code's defaults).
     ///
@@ -97,7 +97,7 @@ impl NatsKvLedger {
     /// anything connects; a server that cannot be reached with
     /// [`Error::Unavailable`]. A bucket that exists with settings this ledger
     /// cannot rely on fails with [`Error::Config`] and is left unchanged.
-    pub async fn connect_with(url: &str, options: NatsKvOptions) -> Result<Self> {
+    pub async fn connect_with(url: &str, options: NatsKvLedgerOptions) -> Result<Self> {
         let target = NatsUrl::parse(url)?;
         let opts = target.apply(options);
         opts.validate()?;
@@ -117,13 +117,40 @@ impl NatsKvLedger {
             .connect(addrs)
             .await
             .map_err(unavailable)?;
+        Self::on_client(client, opts, Some(servers)).await
+    }
+
+    /// [`NatsKvLedger::from_client_with`] with the default options.
+    pub async fn from_client(client: async_nats::Client) -> Result<Self> {
+        Self::from_client_with(client, NatsKvLedgerOptions::default()).await
+    }
+
+    /// A ledger on a connection the caller made: opens `options`' bucket
+    /// (creating it if absent, unless [`migrate(false)`](NatsKvLedgerOptions::migrate)
+    /// or [`read_only`](NatsKvLedgerOptions::read_only)) and checks it as
+    /// [`NatsKvLedger::connect_with`] does. The connect timeout is the
+    /// client's; the request timeout bounds the ledger's JetStream calls.
+    /// The client should not echo its own messages
+    /// (`ConnectOptions::no_echo`): the ledger wakes its own waiters, and
+    /// its own notifications echoed back are only traffic.
+    pub async fn from_client_with(client: async_nats::Client, options: NatsKvLedgerOptions) -> Result<Self> {
+        options.validate()?;
+        Self::on_client(client, options, None).await
+    }
+
+    /// Opens (or creates) the bucket on `client`, then the ledger.
+    async fn on_client(
+        client: async_nats::Client,
+        opts: NatsKvLedgerOptions,
+        servers: Option<String>,
+    ) -> Result<Self> {
         let js = jetstream::ContextBuilder::new()
             .timeout(opts.request_timeout)
             .build(client.clone());
         // One deadline for opening the bucket and the first clock probe.
         let deadline = Deadline::after(opts.open_timeout);
         let store = bucket::open(&js, &opts, deadline).await?;
-        Self::with_store(client, store, opts, deadline, Some(servers)).await
+        Self::with_store(client, store, opts, deadline, servers).await
     }
 
     /// Uses a bucket the caller opened. Its settings are checked as by
@@ -137,9 +164,9 @@ impl NatsKvLedger {
     pub async fn from_store(
         client: async_nats::Client,
         store: kv::Store,
-        opts: NatsKvOptions,
+        opts: NatsKvLedgerOptions,
     ) -> Result<Self> {
-        let opts = NatsKvOptions {
+        let opts = NatsKvLedgerOptions {
             bucket: store.name.clone(),
             ..opts
         };
@@ -152,7 +179,7 @@ impl NatsKvLedger {
     async fn with_store(
         client: async_nats::Client,
         store: kv::Store,
-        opts: NatsKvOptions,
+        opts: NatsKvLedgerOptions,
         deadline: Deadline,
         servers: Option<String>,
     ) -> Result<Self> {
@@ -202,7 +229,7 @@ impl NatsKvLedger {
     }
 
     /// The options in force.
-    pub fn options(&self) -> &NatsKvOptions {
+    pub fn options(&self) -> &NatsKvLedgerOptions {
         &self.inner.opts
     }
 
@@ -369,24 +396,15 @@ impl FromUrl for NatsKvLedger {
     const SCHEMES: &'static [&'static str] = &["nats"];
 
     /// `nats://h1:p1[,h2:p2…][?bucket=B&replicas=R]` with the default
-    /// options otherwise. [`Access::Migrate`] creates a missing bucket;
-    /// [`Access::Existing`] never does ([`NatsKvOptions::migrate`]`(false)`);
-    /// [`Access::ReadOnly`] never does either and refuses the ledger's
-    /// writes ([`NatsKvOptions::read_only`]). A `connect_timeout` bounds both
+    /// options otherwise. [`Access::Migrate`](oncely::open::Access::Migrate) creates a missing bucket;
+    /// [`Access::Existing`](oncely::open::Access::Existing) never does ([`NatsKvLedgerOptions::migrate`]`(false)`);
+    /// [`Access::ReadOnly`](oncely::open::Access::ReadOnly) never does either and refuses the ledger's
+    /// writes ([`NatsKvLedgerOptions::read_only`]). A `connect_timeout` bounds both
     /// the connection and the wait for the bucket to answer
-    /// ([`NatsKvOptions::open_timeout`](NatsKvOptions#structfield.open_timeout)):
+    /// ([`NatsKvLedgerOptions::open_timeout`]):
     /// a caller that wants a quick answer wants it for the whole open.
     async fn from_url(url: &str, options: OpenOptions) -> Result<Self> {
-        let mut opts = NatsKvOptions::default();
-        match options.access {
-            Access::Migrate => {}
-            Access::Existing => opts = opts.migrate(false),
-            Access::ReadOnly => opts = opts.migrate(false).read_only(true),
-        }
-        if let Some(t) = options.connect_timeout {
-            opts = opts.connect_timeout(t).open_timeout(t);
-        }
-        Self::connect_with(url, opts).await
+        Self::connect_with(url, oncely::open::LedgerOptions::for_open(options)).await
     }
 }
 

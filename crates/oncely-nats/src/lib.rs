@@ -37,11 +37,11 @@
 //!
 //! - [`NatsKvLedger::connect`]`(url)`: the default options; creates the
 //!   bucket if it is missing.
-//! - [`NatsKvLedger::connect_with`]`(url, options)`: [`NatsKvOptions`] for
+//! - [`NatsKvLedger::connect_with`]`(url, options)`: [`NatsKvLedgerOptions`] for
 //!   the rest (timeouts, `max_age`); the URL's parameters override the
-//!   options' bucket and replicas. [`NatsKvOptions::migrate`]`(false)` never
+//!   options' bucket and replicas. [`NatsKvLedgerOptions::migrate`]`(false)` never
 //!   creates a bucket (a missing one is [`oncely::Error::Config`]);
-//!   [`NatsKvOptions::read_only`] neither, and the ledger refuses its own
+//!   [`NatsKvLedgerOptions::read_only`] neither, and the ledger refuses its own
 //!   writes before any round trip (it still writes its clock probe: see
 //!   there).
 //! - [`NatsKvLedger::from_store`]`(client, store, options)`: a bucket the
@@ -55,8 +55,8 @@
 //! | URL part | what it sets |
 //! | --- | --- |
 //! | `nats://user:password@h1:p1,h2:p2,…` | the servers (each entry `host:port` or a full `nats://` URL) |
-//! | `?bucket=payments` | [`NatsKvOptions::bucket`] (default `oncely_effects`) |
-//! | `?replicas=3` | [`NatsKvOptions::replicas`] (1 or 3, default 1) |
+//! | `?bucket=payments` | [`NatsKvLedgerOptions::bucket`] (default `oncely_effects`) |
+//! | `?replicas=3` | [`NatsKvLedgerOptions::replicas`] (1 or 3, default 1) |
 //! | any other parameter (`?buckt=x`) | refused: [`oncely::Error::Config`] naming it and the accepted ones, before anything connects (the rule every backend shares, [`oncely::open::UrlParams`]) |
 //!
 //! A ledger's [`Display`](std::fmt::Display) says what it reads (`nats
@@ -321,4 +321,4 @@ mod options;
 mod prune;
 
 pub use ledger::NatsKvLedger;
-pub use options::NatsKvOptions;
+pub use options::{NatsKvLedgerOptions, NatsUrl};

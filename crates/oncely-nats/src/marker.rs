@@ -52,21 +52,12 @@ use bytes::Bytes;
 use crate::NatsKvLedger;
 use crate::codec::MARKER_PREFIX;
 use crate::error::backend_err;
-use crate::kv::{Write, unique_token, wrong_last_revision};
+use crate::kv::{Op, Write, unique_token, wrong_last_revision};
 
 /// How old a marker must be before prune purges it: far longer than any
 /// write can stay in flight between its marker and the stream, so a marker
 /// is never gone while a write it decided could still land.
 pub(crate) const MARKER_KEEP: Duration = Duration::from_secs(3600);
-
-/// A conditional write.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Op {
-    /// Store this value.
-    Put(Bytes),
-    /// Delete the key (a delete marker).
-    Delete,
-}
 
 /// The KV key of the marker of the write on top of `revision` of `kv_key`,
 /// read with the value `base` (its bytes as this crate encodes them; empty

@@ -1,4 +1,5 @@
-//! [`NatsKvOptions`], and the `nats://` URL a ledger is opened from.
+//! [`NatsKvLedgerOptions`], and the `nats://` URL a ledger is opened from
+//! ([`NatsUrl`]).
 //!
 //! `nats://h1:p1[,h2:p2…][?bucket=B&replicas=R]`: one server or a
 //! comma-separated list (each entry `host:port` or a full `nats://` URL, as
@@ -10,6 +11,7 @@
 use std::time::Duration;
 
 use async_nats::ServerAddr;
+use oncely::open::LedgerOptions;
 use oncely::open::UrlParams;
 use oncely::{Error, Result};
 
@@ -22,41 +24,27 @@ const FORMS: &str = "nats://host:port[,host:port…][?bucket=NAME&replicas=1|3]"
 /// The query parameters a URL may set on the ledger (the client reads none).
 const OWN_PARAMS: &[&str] = &["bucket", "replicas"];
 
-/// Options of [`NatsKvLedger::connect_with`](crate::NatsKvLedger::connect_with)
+/// Options of [`NatsKvLedger::connect_with`](crate::NatsKvLedger::connect_with),
+/// [`NatsKvLedger::from_client_with`](crate::NatsKvLedger::from_client_with)
 /// and [`NatsKvLedger::from_store`](crate::NatsKvLedger::from_store).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NatsKvOptions {
-    /// The KV bucket (default `oncely_effects`).
-    pub bucket: String,
-    /// Replicas of the bucket's stream: 1, or 3 on a cluster (default 1).
-    pub replicas: usize,
-    /// The bucket's `max_age`: the longest retention a claim may ask for, and
-    /// the age at which the server drops a key nobody wrote to (default 30
-    /// days, at least 2 days).
-    pub max_age: Duration,
-    /// How long to wait for the initial connection (default 5 s).
-    pub connect_timeout: Duration,
-    /// How long to wait for a JetStream reply (default 5 s).
-    pub request_timeout: Duration,
-    /// How long [`NatsKvLedger::connect`](crate::NatsKvLedger::connect) keeps
-    /// asking while the bucket does not answer yet, as when a cluster that
-    /// just restarted is still electing the stream's leader (default 30 s).
-    /// Settings the ledger refuses fail at once.
-    pub open_timeout: Duration,
-    /// Whether `connect` creates the bucket when it does not exist (default
-    /// `true`). With `false` a missing bucket is [`Error::Config`]: what
-    /// operator commands that must not create anything (`oncely get`,
-    /// `abandoned`, `prune`) ask for. An existing bucket's settings are
-    /// checked either way.
-    pub migrate: bool,
-    /// Whether the ledger only reads (default `false`); see
-    /// [`NatsKvOptions::read_only`](#method.read_only).
-    pub read_only: bool,
+pub struct NatsKvLedgerOptions {
+    pub(crate) bucket: String,
+    pub(crate) replicas: usize,
+    pub(crate) max_age: Duration,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) request_timeout: Duration,
+    pub(crate) open_timeout: Duration,
+    pub(crate) migrate: bool,
+    pub(crate) read_only: bool,
 }
 
-impl Default for NatsKvOptions {
+impl Default for NatsKvLedgerOptions {
+    /// Bucket `oncely_effects`, one replica, a 30-day `max_age`, a 5 s
+    /// connect timeout, a 5 s request timeout, a 30 s open timeout, the
+    /// bucket created if absent, read-write.
     fn default() -> Self {
-        NatsKvOptions {
+        NatsKvLedgerOptions {
             bucket: "oncely_effects".to_owned(),
             replicas: 1,
             max_age: Duration::from_secs(30 * 86_400),
@@ -69,45 +57,54 @@ impl Default for NatsKvOptions {
     }
 }
 
-impl NatsKvOptions {
-    /// Sets the bucket name.
+impl NatsKvLedgerOptions {
+    /// The KV bucket (default `oncely_effects`): ASCII letters, digits, `_`
+    /// and `-`.
     pub fn bucket(mut self, bucket: impl Into<String>) -> Self {
         self.bucket = bucket.into();
         self
     }
 
-    /// Sets the replica count (1 or 3).
+    /// Replicas of the bucket's stream: 1, or 3 on a cluster (default 1).
     pub fn replicas(mut self, replicas: usize) -> Self {
         self.replicas = replicas;
         self
     }
 
-    /// Sets the bucket's `max_age` (the retention ceiling).
+    /// The bucket's `max_age`: the longest retention a claim may ask for, and
+    /// the age at which the server drops a key nobody wrote to (default 30
+    /// days, at least 2 days).
     pub fn max_age(mut self, max_age: Duration) -> Self {
         self.max_age = max_age;
         self
     }
 
-    /// Sets the connect timeout.
+    /// How long to wait for the initial connection (default 5 s).
     pub fn connect_timeout(mut self, t: Duration) -> Self {
         self.connect_timeout = t;
         self
     }
 
-    /// Sets the JetStream request timeout.
+    /// How long one request (a JetStream API call, a read, a write) waits
+    /// for its reply (default 5 s).
     pub fn request_timeout(mut self, t: Duration) -> Self {
         self.request_timeout = t;
         self
     }
 
-    /// Sets how long `connect` waits for the bucket to answer.
+    /// How long opening keeps asking while the bucket does not answer yet,
+    /// as when a cluster that just restarted is still electing the stream's
+    /// leader (default 30 s). Settings the ledger refuses fail at once.
     pub fn open_timeout(mut self, t: Duration) -> Self {
         self.open_timeout = t;
         self
     }
 
-    /// Sets whether `connect` creates a missing bucket (see
-    /// [`NatsKvOptions::migrate`](#structfield.migrate)).
+    /// Whether opening creates the bucket when it does not exist (default
+    /// `true`). With `false` a missing bucket is [`Error::Config`]: what
+    /// operator commands that must not create anything (`oncely get`,
+    /// `abandoned`, `prune`) ask for. An existing bucket's settings are
+    /// checked either way.
     pub fn migrate(mut self, yes: bool) -> Self {
         self.migrate = yes;
         self
@@ -128,6 +125,56 @@ impl NatsKvOptions {
     pub fn read_only(mut self, yes: bool) -> Self {
         self.read_only = yes;
         self
+    }
+
+    /// The bucket ([`NatsKvLedgerOptions::bucket`]).
+    pub fn get_bucket(&self) -> &str {
+        &self.bucket
+    }
+
+    /// The replica count ([`NatsKvLedgerOptions::replicas`]).
+    pub fn get_replicas(&self) -> usize {
+        self.replicas
+    }
+
+    /// The bucket's `max_age` ([`NatsKvLedgerOptions::max_age`]).
+    pub fn get_max_age(&self) -> Duration {
+        self.max_age
+    }
+
+    /// The connect timeout ([`NatsKvLedgerOptions::connect_timeout`]).
+    pub fn get_connect_timeout(&self) -> Duration {
+        self.connect_timeout
+    }
+
+    /// The request timeout ([`NatsKvLedgerOptions::request_timeout`]).
+    pub fn get_request_timeout(&self) -> Duration {
+        self.request_timeout
+    }
+
+    /// The open timeout ([`NatsKvLedgerOptions::open_timeout`]).
+    pub fn get_open_timeout(&self) -> Duration {
+        self.open_timeout
+    }
+
+    /// Whether opening may create the bucket ([`NatsKvLedgerOptions::migrate`]).
+    pub fn get_migrate(&self) -> bool {
+        self.migrate
+    }
+
+    /// Whether the ledger only reads ([`NatsKvLedgerOptions::read_only`]).
+    pub fn get_read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// The default options with what a `nats://` URL sets (`?bucket=`,
+    /// `?replicas=`), checked: [`Error::Config`] for a malformed URL, an
+    /// unknown parameter or a bad bucket or replica count. Nothing
+    /// connects; the servers the URL lists are [`NatsUrl`]'s.
+    pub fn from_url(url: &str) -> Result<Self> {
+        let options = NatsUrl::parse(url)?.apply(NatsKvLedgerOptions::default());
+        options.validate()?;
+        Ok(options)
     }
 
     /// Whether opening may create a missing bucket.
@@ -164,22 +211,53 @@ impl NatsKvOptions {
     }
 }
 
+/// How [`FromUrl::from_url`](oncely::open::FromUrl::from_url) opens
+/// ([`LedgerOptions::for_open`]).
+impl LedgerOptions for NatsKvLedgerOptions {
+    fn existing_only(self) -> Self {
+        self.migrate(false)
+    }
+
+    fn reads_only(self) -> Self {
+        self.migrate(false).read_only(true)
+    }
+
+    /// Both the connection and the wait for the bucket to answer
+    /// ([`NatsKvLedgerOptions::open_timeout`]): a caller that wants a quick
+    /// answer wants it for the whole open.
+    fn open_within(self, timeout: Duration) -> Self {
+        self.connect_timeout(timeout).open_timeout(timeout)
+    }
+}
+
 /// What a `nats://` URL names: the server list (as written, without the
-/// query) and the ledger options given as query parameters.
+/// query) and the ledger options given as query parameters. Parsed once,
+/// by this crate, for the ledger and for any tool that needs the same
+/// servers (`NatsUrl::from_str`, [`NatsUrl::parse`]). Its `Debug` may show
+/// credentials.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct NatsUrl {
+pub struct NatsUrl {
     /// The servers, comma-separated, as `async-nats` takes them.
-    pub servers: String,
+    pub(crate) servers: String,
     /// `?bucket=`.
-    pub bucket: Option<String>,
+    pub(crate) bucket: Option<String>,
     /// `?replicas=`.
-    pub replicas: Option<usize>,
+    pub(crate) replicas: Option<usize>,
+}
+
+impl std::str::FromStr for NatsUrl {
+    type Err = Error;
+
+    /// [`NatsUrl::parse`].
+    fn from_str(url: &str) -> Result<NatsUrl> {
+        NatsUrl::parse(url)
+    }
 }
 
 impl NatsUrl {
     /// Splits a NATS URL into servers and options; [`Error::Config`] for
-    /// anything else, without quoting the URL.
-    pub(crate) fn parse(url: &str) -> Result<NatsUrl> {
+    /// anything else, without quoting the URL. Nothing connects.
+    pub fn parse(url: &str) -> Result<NatsUrl> {
         let url = url.trim();
         match url.split_once("://") {
             Some((scheme, _)) if scheme.eq_ignore_ascii_case("nats") => {}
@@ -204,7 +282,7 @@ impl NatsUrl {
     /// options': the URL is what a deployment configures (an environment
     /// variable, the `oncely` command's argument), the options are the
     /// code's defaults.
-    pub(crate) fn apply(&self, mut options: NatsKvOptions) -> NatsKvOptions {
+    pub fn apply(&self, mut options: NatsKvLedgerOptions) -> NatsKvLedgerOptions {
         if let Some(bucket) = &self.bucket {
             options.bucket = bucket.clone();
         }
@@ -214,9 +292,10 @@ impl NatsUrl {
         options
     }
 
-    /// The server addresses; a bad one is named by its position in the
-    /// list, never quoted.
-    pub(crate) fn addrs(&self) -> Result<Vec<ServerAddr>> {
+    /// The server addresses, as `async-nats` connects to them (credentials
+    /// included); a bad one is [`Error::Config`] naming its position in the
+    /// list, never quoting it.
+    pub fn addrs(&self) -> Result<Vec<ServerAddr>> {
         let addrs: Vec<ServerAddr> = self
             .servers
             .split(',')
@@ -308,7 +387,7 @@ mod tests {
     /// name is left as the options have it.
     #[test]
     fn url_parameters_override_the_options() {
-        let opts = NatsKvOptions::default()
+        let opts = NatsKvLedgerOptions::default()
             .bucket("from_code")
             .replicas(3)
             .migrate(false);
@@ -323,9 +402,25 @@ mod tests {
     }
 
     #[test]
+    fn options_from_a_url_are_the_defaults_with_its_parameters() {
+        let o =
+            NatsKvLedgerOptions::from_url("nats://u:pw@n1:4222,n2:4222?bucket=payments&replicas=3").unwrap();
+        assert_eq!(o, NatsKvLedgerOptions::default().bucket("payments").replicas(3));
+        assert_eq!((o.get_bucket(), o.get_replicas()), ("payments", 3));
+        for bad in ["nats://n1?replicas=2", "nats://n1?bucket=a.b", "redis://n1"] {
+            assert!(
+                matches!(NatsKvLedgerOptions::from_url(bad), Err(Error::Config(_))),
+                "{bad}"
+            );
+        }
+        let url: NatsUrl = "nats://n1:4222,n2:4222?replicas=3".parse().unwrap();
+        assert_eq!(url.addrs().unwrap().len(), 2);
+    }
+
+    #[test]
     fn read_only_never_creates() {
-        assert!(NatsKvOptions::default().creates());
-        assert!(!NatsKvOptions::default().migrate(false).creates());
-        assert!(!NatsKvOptions::default().read_only(true).creates());
+        assert!(NatsKvLedgerOptions::default().creates());
+        assert!(!NatsKvLedgerOptions::default().migrate(false).creates());
+        assert!(!NatsKvLedgerOptions::default().read_only(true).creates());
     }
 }

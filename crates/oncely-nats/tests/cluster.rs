@@ -5,11 +5,11 @@ mod common;
 
 use std::sync::Arc;
 
-use oncely_nats::{NatsKvLedger, NatsKvOptions};
+use oncely_nats::{NatsKvLedger, NatsKvLedgerOptions};
 
 async fn ledger() -> Option<NatsKvLedger> {
     let urls = common::cluster_urls()?;
-    let opts = NatsKvOptions::default()
+    let opts = NatsKvLedgerOptions::default()
         .bucket("oncely_conformance_r3")
         .replicas(3);
     match NatsKvLedger::connect_with(&urls, opts).await {
@@ -26,7 +26,7 @@ async fn nodes() -> Option<Vec<NatsKvLedger>> {
     let urls = common::cluster_urls()?;
     let mut nodes = Vec::new();
     for url in urls.split(',').map(str::trim).filter(|u| !u.is_empty()) {
-        let opts = NatsKvOptions::default()
+        let opts = NatsKvLedgerOptions::default()
             .bucket("oncely_conformance_r3")
             .replicas(3);
         match NatsKvLedger::connect_with(url, opts).await {
@@ -59,7 +59,9 @@ async fn stress_nodes() -> Option<Vec<NatsKvLedger>> {
     let urls = common::cluster_urls()?;
     let mut nodes = Vec::new();
     for url in urls.split(',').map(str::trim).filter(|u| !u.is_empty()) {
-        let opts = NatsKvOptions::default().bucket("oncely_stress_r3").replicas(3);
+        let opts = NatsKvLedgerOptions::default()
+            .bucket("oncely_stress_r3")
+            .replicas(3);
         match NatsKvLedger::connect_with(url, opts).await {
             Ok(l) => nodes.push(l),
             Err(e) => panic!("NATS node at {url}: {e}"),

@@ -6,9 +6,9 @@ use oncely::backend::{Claim, Ledger, Outcome, RecordState};
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
 use oncely::open::{Access, FromUrl, OpenOptions};
 use oncely::{ClaimOptions, EffectKey, Error};
-use oncely_nats::{NatsKvLedger, NatsKvOptions};
+use oncely_nats::{NatsKvLedger, NatsKvLedgerOptions};
 
-/// A ledger the application opened with `NatsKvOptions::bucket(..)` is the
+/// A ledger the application opened with `NatsKvLedgerOptions::bucket(..)` is the
 /// one `?bucket=` opens, for every access; the default URL opens another
 /// bucket, without the record. The ledger says what it reads.
 #[tokio::test]
@@ -17,7 +17,7 @@ async fn the_url_names_the_bucket() {
         return;
     };
     let bucket = format!("oncely_url_{}", std::process::id());
-    let app = match NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket(&bucket)).await {
+    let app = match NatsKvLedger::connect_with(&url, NatsKvLedgerOptions::default().bucket(&bucket)).await {
         Ok(l) => l,
         Err(e) => return skip_or_fail(&format!("NATS at {url}: {e}")).unwrap_or(()),
     };
@@ -87,4 +87,43 @@ async fn unknown_url_parameters_are_refused_before_connecting() {
             }
         }
     }
+}
+
+/// `from_client_with` opens the options' bucket on a caller's connection:
+/// the same records as `connect_with`, and it says it is the caller's
+/// connection.
+#[tokio::test]
+async fn a_callers_client_opens_the_same_ledger() {
+    let Some(url) = service_url("ONCELY_NATS_URL", Some("nats://127.0.0.1:4222")) else {
+        return;
+    };
+    let bucket = format!("oncely_client_{}", std::process::id());
+    let options = NatsKvLedgerOptions::default().bucket(&bucket);
+    let app = match NatsKvLedger::connect_with(&url, options.clone()).await {
+        Ok(l) => l,
+        Err(e) => return skip_or_fail(&format!("NATS at {url}: {e}")).unwrap_or(()),
+    };
+    let done = EffectKey::new(&fresh_tenant(), "capture", "from-client").unwrap();
+    let Claim::Acquired(lease) = app.claim(&done, &ClaimOptions::default()).await.unwrap() else {
+        panic!("a fresh key")
+    };
+    app.complete(&lease, &Outcome::from_json(&"ch_1").unwrap())
+        .await
+        .unwrap();
+
+    let addrs = oncely_nats::NatsUrl::parse(&url).unwrap().addrs().unwrap();
+    let client = async_nats::connect(addrs).await.unwrap();
+    let l = NatsKvLedger::from_client_with(client, options.read_only(true))
+        .await
+        .unwrap();
+    let r = l.get(&done).await.unwrap();
+    assert_eq!(r.map(|r| r.state), Some(RecordState::Completed));
+    assert_eq!(
+        l.to_string(),
+        format!("nats (the caller's connection), bucket {bucket}")
+    );
+    async_nats::jetstream::new(async_nats::connect(url.as_str()).await.unwrap())
+        .delete_key_value(&bucket)
+        .await
+        .unwrap();
 }

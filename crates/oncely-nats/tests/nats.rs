@@ -8,7 +8,7 @@ use async_nats::jetstream::{self, stream};
 use oncely::backend::{Claim, Ledger, Outcome, RecordState};
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
 use oncely::{ClaimOptions, EffectKey, Error};
-use oncely_nats::{NatsKvLedger, NatsKvOptions};
+use oncely_nats::{NatsKvLedger, NatsKvLedgerOptions};
 
 async fn js() -> Option<(String, jetstream::Context)> {
     let url = service_url("ONCELY_NATS_URL", Some("nats://127.0.0.1:4222"))?;
@@ -57,47 +57,47 @@ type Tweak = Box<dyn Fn(&mut stream::Config)>;
 #[tokio::test]
 async fn incompatible_buckets_are_refused_and_left_unchanged() {
     let Some((url, js)) = js().await else { return };
-    let cases: Vec<(&str, Tweak, NatsKvOptions, &str)> = vec![
+    let cases: Vec<(&str, Tweak, NatsKvLedgerOptions, &str)> = vec![
         (
             "history",
             Box::new(|c| c.max_messages_per_subject = 5),
-            NatsKvOptions::default(),
+            NatsKvLedgerOptions::default(),
             "history",
         ),
         (
             "max_age",
             Box::new(|c| c.max_age = Duration::from_secs(3 * 86_400)),
-            NatsKvOptions::default(),
+            NatsKvLedgerOptions::default(),
             "max_age",
         ),
         (
             "replicas",
             Box::new(|_| {}),
-            NatsKvOptions::default().replicas(3),
+            NatsKvLedgerOptions::default().replicas(3),
             "replicas",
         ),
         (
             "memory",
             Box::new(|c| c.storage = stream::StorageType::Memory),
-            NatsKvOptions::default(),
+            NatsKvLedgerOptions::default(),
             "memory",
         ),
         (
             "max_msgs",
             Box::new(|c| c.max_messages = 1000),
-            NatsKvOptions::default(),
+            NatsKvLedgerOptions::default(),
             "max_msgs",
         ),
         (
             "max_bytes",
             Box::new(|c| c.max_bytes = 1 << 20),
-            NatsKvOptions::default(),
+            NatsKvLedgerOptions::default(),
             "max_bytes",
         ),
         (
             "value_size",
             Box::new(|c| c.max_message_size = 1024),
-            NatsKvOptions::default(),
+            NatsKvLedgerOptions::default(),
             "max_value_size",
         ),
     ];
@@ -131,7 +131,7 @@ async fn compatible_bucket_is_used_and_retention_is_capped() {
     let mut cfg = kv_stream(&bucket);
     cfg.max_age = Duration::from_secs(60 * 86_400);
     js.create_stream(cfg).await.unwrap();
-    let ledger = NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket(&bucket))
+    let ledger = NatsKvLedger::connect_with(&url, NatsKvLedgerOptions::default().bucket(&bucket))
         .await
         .unwrap();
     let k = EffectKey::new(&fresh_tenant(), "capture", "o-1").unwrap();
@@ -158,17 +158,17 @@ async fn compatible_bucket_is_used_and_retention_is_capped() {
 #[tokio::test]
 async fn bad_options_are_config_errors() {
     for opts in [
-        NatsKvOptions::default().replicas(2),
-        NatsKvOptions::default().bucket("a.b"),
-        NatsKvOptions::default().bucket(""),
-        NatsKvOptions::default().max_age(Duration::from_secs(3600)),
+        NatsKvLedgerOptions::default().replicas(2),
+        NatsKvLedgerOptions::default().bucket("a.b"),
+        NatsKvLedgerOptions::default().bucket(""),
+        NatsKvLedgerOptions::default().max_age(Duration::from_secs(3600)),
     ] {
         let e = NatsKvLedger::connect_with("nats://127.0.0.1:1", opts.clone())
             .await
             .unwrap_err();
         assert!(matches!(e, Error::Config(_)), "{opts:?}: {e:?}");
     }
-    let e = NatsKvLedger::connect_with("not a url at all ::", NatsKvOptions::default())
+    let e = NatsKvLedger::connect_with("not a url at all ::", NatsKvLedgerOptions::default())
         .await
         .unwrap_err();
     assert!(matches!(e, Error::Config(_)), "{e:?}");
@@ -176,7 +176,7 @@ async fn bad_options_are_config_errors() {
     // carry a password.
     let e = NatsKvLedger::connect_with(
         "nats://127.0.0.1:1,nats://u:hunter2@[bad:4222",
-        NatsKvOptions::default(),
+        NatsKvLedgerOptions::default(),
     )
     .await
     .unwrap_err();
@@ -188,7 +188,7 @@ async fn bad_options_are_config_errors() {
 /// Nobody listening: `Unavailable`, retryable, and nothing ran.
 #[tokio::test]
 async fn unreachable_server_is_unavailable() {
-    let opts = NatsKvOptions::default().connect_timeout(Duration::from_millis(500));
+    let opts = NatsKvLedgerOptions::default().connect_timeout(Duration::from_millis(500));
     let e = NatsKvLedger::connect_with("nats://127.0.0.1:1", opts)
         .await
         .unwrap_err();
@@ -226,7 +226,7 @@ async fn server_without_jetstream_is_a_config_error_at_once() {
     };
     let _server = NoJetStream(child);
     let url = "nats://127.0.0.1:4390";
-    let opts = || NatsKvOptions::default().open_timeout(Duration::from_secs(600));
+    let opts = || NatsKvLedgerOptions::default().open_timeout(Duration::from_secs(600));
     // The server takes a moment to listen; only a refused connection is retried.
     let mut attempts = 0;
     let e = loop {
@@ -249,7 +249,7 @@ async fn server_without_jetstream_is_a_config_error_at_once() {
 async fn foreign_values_are_not_overwritten() {
     let Some((url, js)) = js().await else { return };
     let bucket = unique("oncely_foreign");
-    let ledger = NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket(&bucket))
+    let ledger = NatsKvLedger::connect_with(&url, NatsKvLedgerOptions::default().bucket(&bucket))
         .await
         .unwrap();
     let t = fresh_tenant();
@@ -284,7 +284,7 @@ async fn foreign_values_are_not_overwritten() {
 async fn shared_ledger() -> Option<NatsKvLedger> {
     let (url, _) = js().await?;
     Some(
-        NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket("oncely_conformance"))
+        NatsKvLedger::connect_with(&url, NatsKvLedgerOptions::default().bucket("oncely_conformance"))
             .await
             .unwrap(),
     )
@@ -363,10 +363,10 @@ async fn from_store_checks_the_bucket() {
     let good = unique("oncely_from_store");
     js.create_stream(kv_stream(&good)).await.unwrap();
     let store = js.get_key_value(&good).await.unwrap();
-    let ledger = NatsKvLedger::from_store(js.client(), store, NatsKvOptions::default())
+    let ledger = NatsKvLedger::from_store(js.client(), store, NatsKvLedgerOptions::default())
         .await
         .unwrap();
-    assert_eq!(ledger.options().bucket, good);
+    assert_eq!(ledger.options().get_bucket(), good);
     let k = EffectKey::new(&fresh_tenant(), "capture", "o-1").unwrap();
     assert!(matches!(
         ledger.claim(&k, &ClaimOptions::default()).await.unwrap(),
@@ -377,7 +377,7 @@ async fn from_store_checks_the_bucket() {
     cfg.max_messages_per_subject = 3;
     js.create_stream(cfg).await.unwrap();
     let store = js.get_key_value(&bad).await.unwrap();
-    let e = NatsKvLedger::from_store(js.client(), store, NatsKvOptions::default())
+    let e = NatsKvLedger::from_store(js.client(), store, NatsKvLedgerOptions::default())
         .await
         .unwrap_err();
     assert!(matches!(e, Error::Config(_)), "{e:?}");
@@ -391,7 +391,7 @@ async fn from_store_checks_the_bucket() {
 async fn own_ledger(prefix: &str) -> Option<(NatsKvLedger, jetstream::Context, String)> {
     let (url, js) = js().await?;
     let bucket = unique(prefix);
-    let ledger = NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket(&bucket))
+    let ledger = NatsKvLedger::connect_with(&url, NatsKvLedgerOptions::default().bucket(&bucket))
         .await
         .unwrap();
     Some((ledger, js, bucket))
@@ -725,7 +725,7 @@ async fn replays_racing_prune_never_run_an_effect_twice() {
 #[tokio::test]
 async fn unbounded_open_timeout_does_not_panic() {
     let Some((url, _)) = js().await else { return };
-    let opts = NatsKvOptions::default()
+    let opts = NatsKvLedgerOptions::default()
         .bucket("oncely_conformance")
         .open_timeout(Duration::MAX);
     NatsKvLedger::connect_with(&url, opts).await.unwrap();
@@ -738,20 +738,26 @@ async fn unbounded_open_timeout_does_not_panic() {
 async fn without_migrate_a_missing_bucket_is_not_created() {
     let Some((url, js)) = js().await else { return };
     let bucket = unique("oncely_nomigrate");
-    let e = NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket(&bucket).migrate(false))
-        .await
-        .unwrap_err();
+    let e = NatsKvLedger::connect_with(
+        &url,
+        NatsKvLedgerOptions::default().bucket(&bucket).migrate(false),
+    )
+    .await
+    .unwrap_err();
     assert!(matches!(&e, Error::Config(m) if m.contains(&bucket)), "{e:?}");
     assert!(
         js.get_stream(format!("KV_{bucket}")).await.is_err(),
         "a bucket was created"
     );
-    NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket(&bucket))
+    NatsKvLedger::connect_with(&url, NatsKvLedgerOptions::default().bucket(&bucket))
         .await
         .unwrap();
-    NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket(&bucket).migrate(false))
-        .await
-        .unwrap();
+    NatsKvLedger::connect_with(
+        &url,
+        NatsKvLedgerOptions::default().bucket(&bucket).migrate(false),
+    )
+    .await
+    .unwrap();
     js.delete_stream(format!("KV_{bucket}")).await.unwrap();
 }
 
@@ -763,7 +769,7 @@ async fn without_migrate_a_missing_bucket_is_not_created() {
 async fn durability_says_an_r1_ack_is_not_yet_on_disk() {
     let Some((url, js)) = js().await else { return };
     let bucket = unique("oncely_durability_r1");
-    let ledger = NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket(&bucket))
+    let ledger = NatsKvLedger::connect_with(&url, NatsKvLedgerOptions::default().bucket(&bucket))
         .await
         .unwrap();
     let caps = ledger.capabilities();
@@ -797,17 +803,17 @@ async fn the_url_names_the_bucket() {
     let ledger = NatsKvLedger::connect(&format!("{url}?bucket={bucket}&replicas=1"))
         .await
         .unwrap();
-    assert_eq!(ledger.options().bucket, bucket);
+    assert_eq!(ledger.options().get_bucket(), bucket);
     assert!(js.get_stream(format!("KV_{bucket}")).await.is_ok());
     let ledger = NatsKvLedger::connect_with(
         &format!("{url}?bucket={bucket}"),
-        NatsKvOptions::default()
+        NatsKvLedgerOptions::default()
             .bucket("oncely_not_this_one")
             .migrate(false),
     )
     .await
     .unwrap();
-    assert_eq!(ledger.options().bucket, bucket);
+    assert_eq!(ledger.options().get_bucket(), bucket);
     drop_bucket(&js, &bucket).await;
 }
 
@@ -859,21 +865,21 @@ async fn from_url_honours_access_and_timeout() {
     let created = NatsKvLedger::from_url(&at, OpenOptions::new(Access::Migrate))
         .await
         .unwrap();
-    assert!(created.options().migrate && !created.options().read_only);
+    assert!(created.options().get_migrate() && !created.options().get_read_only());
     assert!(js.get_stream(format!("KV_{bucket}")).await.is_ok());
     let quick = Duration::from_secs(3);
     let existing = NatsKvLedger::from_url(&at, OpenOptions::new(Access::Existing).connect_timeout(quick))
         .await
         .unwrap();
     let o = existing.options();
-    assert!(!o.migrate && !o.read_only, "{o:?}");
-    assert_eq!((o.connect_timeout, o.open_timeout), (quick, quick));
+    assert!(!o.get_migrate() && !o.get_read_only(), "{o:?}");
+    assert_eq!((o.get_connect_timeout(), o.get_open_timeout()), (quick, quick));
     let k = EffectKey::new(&fresh_tenant(), "capture", "o-1").unwrap();
     acquired(existing.claim(&k, &ClaimOptions::default()).await.unwrap());
     let reader = NatsKvLedger::from_url(&at, OpenOptions::new(Access::ReadOnly))
         .await
         .unwrap();
-    assert!(reader.options().read_only);
+    assert!(reader.options().get_read_only());
     assert_eq!(
         reader.get(&k).await.unwrap().unwrap().state,
         RecordState::InProgress
@@ -894,9 +900,12 @@ async fn read_only_refuses_writes_before_any_round_trip() {
     let t = fresh_tenant();
     let k = EffectKey::new(&t, "capture", "held").unwrap();
     let lease = acquired(ledger.claim(&k, &ClaimOptions::default()).await.unwrap());
-    let reader = NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket(&bucket).read_only(true))
-        .await
-        .unwrap();
+    let reader = NatsKvLedger::connect_with(
+        &url,
+        NatsKvLedgerOptions::default().bucket(&bucket).read_only(true),
+    )
+    .await
+    .unwrap();
     let seen = reader.get(&k).await.unwrap().unwrap();
     assert_eq!((seen.state, seen.fence), (RecordState::InProgress, lease.fence()));
     assert!(reader.abandoned(&t, 10).await.unwrap().is_empty());
@@ -967,7 +976,7 @@ async fn a_waiter_is_woken_by_another_connections_completion() {
         return;
     };
     let url = service_url("ONCELY_NATS_URL", Some("nats://127.0.0.1:4222")).unwrap();
-    let waiter_ledger = NatsKvLedger::connect_with(&url, NatsKvOptions::default().bucket(&bucket))
+    let waiter_ledger = NatsKvLedger::connect_with(&url, NatsKvLedgerOptions::default().bucket(&bucket))
         .await
         .unwrap();
     assert!(holder_ledger.is_listening() && waiter_ledger.is_listening());
@@ -1121,7 +1130,7 @@ async fn watches_poll_while_the_connection_is_down() {
     let Some(mut server) = OwnServer::start() else {
         return;
     };
-    let opts = NatsKvOptions::default().bucket("oncely_reconnect");
+    let opts = NatsKvLedgerOptions::default().bucket("oncely_reconnect");
     let open = || async {
         for _ in 0..100 {
             match NatsKvLedger::connect_with(&server.url(), opts.clone()).await {

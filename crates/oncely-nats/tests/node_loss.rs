@@ -15,14 +15,14 @@ use std::time::{Duration, Instant};
 use oncely::backend::{Claim, Ledger, Outcome, RecordState};
 use oncely::conformance::fresh_tenant;
 use oncely::{ClaimOptions, EffectKey, Error};
-use oncely_nats::{NatsKvLedger, NatsKvOptions};
+use oncely_nats::{NatsKvLedger, NatsKvLedgerOptions};
 
 const KEYS: usize = 600;
 /// Three per node.
 const WORKERS: usize = 9;
 
-fn opts() -> NatsKvOptions {
-    NatsKvOptions::default()
+fn opts() -> NatsKvLedgerOptions {
+    NatsKvLedgerOptions::default()
         .bucket("oncely_node_loss")
         .replicas(3)
         .request_timeout(Duration::from_secs(2))

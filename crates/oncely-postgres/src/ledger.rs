@@ -1232,7 +1232,7 @@ impl FromUrl for PgLedger {
     /// connecting too). The table is the URL's `?schema=` and `?table=`
     /// (default `public.oncely_effects`).
     async fn from_url(url: &str, options: OpenOptions) -> Result<Self> {
-        PgLedger::connect_with(url, PgLedgerOptions::for_open(options)).await
+        PgLedger::connect_with(url, oncely::open::LedgerOptions::for_open(options)).await
     }
 }
 

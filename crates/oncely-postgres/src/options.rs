@@ -5,7 +5,8 @@
 
 use std::time::Duration;
 
-use oncely::open::{Access, OpenOptions, UrlParams};
+use oncely::open::LedgerOptions;
+use oncely::open::UrlParams;
 use oncely::{Error, Result};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
@@ -185,22 +186,14 @@ impl PgLedgerOptions {
         Ok(())
     }
 
-    /// The options [`FromUrl::from_url`](oncely::open::FromUrl::from_url)
-    /// opens with: the defaults, with the access and the connect timeout of
-    /// `open`.
-    pub(crate) fn for_open(open: OpenOptions) -> Self {
-        let options = PgLedgerOptions::default();
-        let options = match open.access {
-            Access::Migrate => options,
-            Access::Existing => options.migrate(false),
-            Access::ReadOnly => options.read_only(true),
-        };
-        match open.connect_timeout {
-            // One setting bounds both the connect and the wait for a pooled
-            // connection (see `acquire_timeout`).
-            Some(timeout) => options.acquire_timeout(timeout),
-            None => options,
-        }
+    /// The default options with what a PostgreSQL URL sets (`?schema=`,
+    /// `?table=`), checked with the rest of the URL as sqlx reads it:
+    /// [`Error::Config`] for another scheme, a parameter neither the ledger
+    /// nor sqlx reads, a bad name or host list. Nothing connects.
+    pub fn from_url(url: &str) -> Result<Self> {
+        PgLedgerOptions::default()
+            .with_url(url)
+            .map(|(options, _)| options)
     }
 
     /// Whether connecting runs the migrations (never for a read-only ledger).
@@ -255,6 +248,24 @@ impl PgLedgerOptions {
     }
 }
 
+/// How [`FromUrl::from_url`](oncely::open::FromUrl::from_url) opens
+/// ([`LedgerOptions::for_open`]).
+impl LedgerOptions for PgLedgerOptions {
+    fn existing_only(self) -> Self {
+        self.migrate(false)
+    }
+
+    fn reads_only(self) -> Self {
+        self.read_only(true)
+    }
+
+    /// One setting bounds both the connect and the wait for a pooled
+    /// connection (see [`PgLedgerOptions::acquire_timeout`]).
+    fn open_within(self, timeout: Duration) -> Self {
+        self.acquire_timeout(timeout)
+    }
+}
+
 /// What a URL connects to: one set of connection options per host, and
 /// which kind of server will do.
 #[derive(Debug)]
@@ -303,6 +314,8 @@ fn identifier(what: &str, s: &str, max: usize) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use oncely::open::{Access, OpenOptions};
+
     use super::*;
 
     #[test]
@@ -434,6 +447,18 @@ mod tests {
                 .with_url(&format!("postgres://u@h1,h2/test?target_session_attrs={value}"))
                 .unwrap();
             assert_eq!(c.target, target);
+        }
+    }
+
+    #[test]
+    fn options_from_a_url_are_the_defaults_with_its_names() {
+        let o = PgLedgerOptions::from_url("postgres://u:s3cret@db/app?schema=billing&table=effects").unwrap();
+        assert_eq!(o, PgLedgerOptions::default().schema("billing").table("effects"));
+        for bad in ["mysql://u:s3cret@db/app", "postgres://u:s3cret@db/app?tabel=x"] {
+            match PgLedgerOptions::from_url(bad) {
+                Err(Error::Config(m)) => assert!(!m.contains("s3cret"), "{bad}: {m}"),
+                other => panic!("{bad}: {other:?}"),
+            }
         }
     }
 

@@ -15,8 +15,8 @@ use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
 
 use crate::error::map_err;
 use crate::options::{RedisLedgerOptions, Target};
-use crate::reply::{policy_of, scan_page, text};
-use crate::sentinel::SentinelConn;
+use crate::reply::{policy_of, scan_page};
+use crate::sentinel::{SentinelConn, role};
 
 /// How many keys one `SCAN` call asks a master for.
 const SCAN_COUNT: usize = 500;
@@ -77,21 +77,18 @@ impl Conn {
             Target::Single(url) => {
                 let client =
                     redis::Client::open(url).map_err(|e| Error::Config(format!("redis url: {e}")))?;
-                let manager = ConnectionManager::new_with_config(client, manager_config(opts))
-                    .await
-                    .map_err(map_err)?;
-                Ok(Conn::Single(manager))
+                Conn::from_client(client, opts).await
             }
             Target::Sentinel(target) => {
                 // One discovery: the Sentinels, then the primary they name.
-                let bound = opts.connection_timeout + opts.response_timeout;
+                let bound = opts.connect_timeout + opts.request_timeout;
                 let conn = SentinelConn::open(target, manager_config(opts), bound).await?;
                 Ok(Conn::Sentinel(conn))
             }
             Target::Cluster(nodes) => {
                 let client = ClusterClientBuilder::new(nodes)
-                    .connection_timeout(opts.connection_timeout)
-                    .response_timeout(opts.response_timeout)
+                    .connection_timeout(opts.connect_timeout)
+                    .response_timeout(opts.request_timeout)
                     .retries(3)
                     .build()
                     .map_err(|e| Error::Config(format!("redis cluster urls: {e}")))?;
@@ -99,6 +96,15 @@ impl Conn {
                 Ok(Conn::Cluster(conn))
             }
         }
+    }
+
+    /// A connection to the one server `client` names, with `opts`'
+    /// timeouts.
+    pub(crate) async fn from_client(client: redis::Client, opts: &RedisLedgerOptions) -> Result<Conn> {
+        let manager = ConnectionManager::new_with_config(client, manager_config(opts))
+            .await
+            .map_err(map_err)?;
+        Ok(Conn::Single(manager))
     }
 
     /// Checks that a single server (or the primary Sentinel named) is a
@@ -282,29 +288,10 @@ impl Conn {
 /// Sentinel ledger connects to.
 fn manager_config(opts: &RedisLedgerOptions) -> ConnectionManagerConfig {
     ConnectionManagerConfig::new()
-        .set_connection_timeout(Some(opts.connection_timeout))
-        .set_response_timeout(Some(opts.response_timeout))
+        .set_connection_timeout(Some(opts.connect_timeout))
+        .set_response_timeout(Some(opts.request_timeout))
         .set_number_of_retries(2)
         .set_max_delay(Duration::from_secs(1))
-}
-
-/// The server's role (`master`, `slave`) from `ROLE`, else from `INFO
-/// replication`; `None` if neither answers.
-pub(crate) async fn role(conn: &mut impl ConnectionLike) -> Option<String> {
-    if let Ok(Value::Array(parts)) = redis::cmd("ROLE").query_async::<Value>(conn).await
-        && let Some(role) = parts.first().and_then(text)
-    {
-        return Some(role);
-    }
-    let info = redis::cmd("INFO")
-        .arg("replication")
-        .query_async::<Value>(conn)
-        .await
-        .ok()?;
-    text(&info)?
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("role:"))
-        .map(|r| r.trim().to_owned())
 }
 
 /// A walk over every master's keyspace ([`Conn::scan`]).

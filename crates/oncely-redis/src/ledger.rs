@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 use oncely::backend::Watch;
 use oncely::backend::{Capabilities, Claim, Lease, Ledger, Outcome, Record, RecordState};
 use oncely::backend::{answer_existing, check_outcome, duration_micros, from_micros, to_micros};
-use oncely::open::{Access, FromUrl, OpenOptions};
+use oncely::open::{FromUrl, OpenOptions};
 use oncely::{ClaimOptions, EffectKey, Error, Result, Tenant};
 use redis::aio::ConnectionLike;
 use redis::{Cmd, Script, Value};
@@ -135,7 +135,43 @@ impl RedisLedger {
             Target::Sentinel(s) => s.master.as_str().into(),
             _ => "".into(),
         };
-        let mut conn = Conn::open(target.clone(), &options).await?;
+        let conn = Conn::open(target.clone(), &options).await?;
+        let source = match (target, &conn) {
+            (_, Conn::Sentinel(s)) => Source::Sentinel(s.clone()),
+            (Target::Single(url), _) => Source::Nodes(vec![url]),
+            (Target::Cluster(nodes), _) => Source::Nodes(nodes),
+            (Target::Sentinel(_), _) => return Err(unexpected("a Sentinel URL without its connection")),
+        };
+        Self::open(conn, source, options, servers, master).await
+    }
+
+    /// [`RedisLedger::from_client_with`] with the default options.
+    pub async fn from_client(client: redis::Client) -> Result<RedisLedger> {
+        Self::from_client_with(client, RedisLedgerOptions::default()).await
+    }
+
+    /// A ledger on the one server a caller's [`redis::Client`] names (a
+    /// cluster or a Sentinel deployment opens from its URL,
+    /// [`RedisLedger::connect_with`]): its own connection to it, with
+    /// `options`' timeouts, and the same checks as `connect` (role,
+    /// eviction policy, persistence) before it is returned.
+    pub async fn from_client_with(client: redis::Client, options: RedisLedgerOptions) -> Result<RedisLedger> {
+        options.check()?;
+        let info = client.get_connection_info().clone();
+        let servers = info.addr().to_string().into();
+        let conn = Conn::from_client(client, &options).await?;
+        Self::open(conn, Source::Client(info), options, servers, "".into()).await
+    }
+
+    /// The checks every constructor runs on its connection, then the
+    /// change-notification subscriber (from `source`).
+    async fn open(
+        mut conn: Conn,
+        source: Source,
+        options: RedisLedgerOptions,
+        servers: Arc<str>,
+        master: Arc<str>,
+    ) -> Result<RedisLedger> {
         conn.check_role(options.read_only).await?;
         conn.check_eviction(options.require_noeviction).await?;
         let durability = durability::check(&mut conn, &options).await?;
@@ -144,13 +180,7 @@ impl RedisLedger {
         let notes = if options.read_only || !options.notifications {
             Notifications::off(channel)
         } else {
-            let source = match (target, &conn) {
-                (_, Conn::Sentinel(s)) => Source::Sentinel(s.clone()),
-                (Target::Single(url), _) => Source::Nodes(vec![url]),
-                (Target::Cluster(nodes), _) => Source::Nodes(nodes),
-                (Target::Sentinel(_), _) => return Err(unexpected("a Sentinel URL without its connection")),
-            };
-            Notifications::start(source, channel, options.connection_timeout).await
+            Notifications::start(source, channel, options.connect_timeout).await
         };
         Ok(RedisLedger {
             conn,
@@ -1002,30 +1032,22 @@ impl FromUrl for RedisLedger {
     /// names) as [`RedisLedger::connect`] does; any other scheme is
     /// [`Error::Config`].
     ///
-    /// Redis has nothing to create or migrate, so every [`Access`] opens the
+    /// Redis has nothing to create or migrate, so every [`Access`](oncely::open::Access) opens the
     /// same way (the same connection, the same eviction-policy and
     /// persistence checks; a URL's `?ephemeral=true` accepts a server that
-    /// persists nothing, which [`Access::ReadOnly`] accepts anyway).
-    /// [`Access::Migrate`] and [`Access::Existing`] give a ledger that writes;
-    /// [`Access::ReadOnly`] gives one whose writes (`claim`, `complete`,
+    /// persists nothing, which [`Access::ReadOnly`](oncely::open::Access::ReadOnly) accepts anyway).
+    /// [`Access::Migrate`](oncely::open::Access::Migrate) and [`Access::Existing`](oncely::open::Access::Existing) give a ledger that writes;
+    /// [`Access::ReadOnly`](oncely::open::Access::ReadOnly) gives one whose writes (`claim`, `complete`,
     /// `release`, `renew`, `prune`) fail with [`Error::Config`] before any
     /// round trip ([`RedisLedgerOptions::read_only`]), as the SQL backends'
     /// read-only ledgers do. [`OpenOptions::connect_timeout`] sets
-    /// [`RedisLedgerOptions::connection_timeout`]. The key prefix is the
+    /// [`RedisLedgerOptions::connect_timeout`]. The key prefix is the
     /// URL's `?prefix=` (default `oncely:`).
     async fn from_url(url: &str, options: OpenOptions) -> Result<Self> {
         // Stricter than `connect`, which also hands `unix://` and the like
         // to the client: a caller that picks the backend by scheme (the
         // oncely command) sends this ledger only the schemes it declares.
         check_scheme(url)?;
-        let read_only = match options.access {
-            Access::Migrate | Access::Existing => false,
-            Access::ReadOnly => true,
-        };
-        let mut opts = RedisLedgerOptions::default().read_only(read_only);
-        if let Some(timeout) = options.connect_timeout {
-            opts = opts.connection_timeout(timeout);
-        }
-        Self::connect_with(url, opts).await
+        Self::connect_with(url, oncely::open::LedgerOptions::for_open(options)).await
     }
 }

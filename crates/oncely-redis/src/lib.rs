@@ -461,4 +461,4 @@ mod reply;
 mod sentinel;
 
 pub use ledger::RedisLedger;
-pub use options::RedisLedgerOptions;
+pub use options::{RedisLedgerOptions, RedisUrl};

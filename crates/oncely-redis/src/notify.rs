@@ -48,6 +48,8 @@ const PING_EVERY: Duration = Duration::from_secs(5);
 pub(crate) enum Source {
     /// A server, or a cluster's seed nodes, tried in turn.
     Nodes(Vec<String>),
+    /// The server of a caller's client.
+    Client(ConnectionInfo),
     /// The primary the Sentinels name at each attempt: after a failover the
     /// subscription is lost with the old primary (or stops answering its
     /// `PING`s), and the next attempt subscribes on the new one.
@@ -59,6 +61,7 @@ impl Source {
     async fn node(&self, turn: usize) -> RedisResult<ConnectionInfo> {
         match self {
             Source::Nodes(nodes) => nodes[turn % nodes.len()].as_str().into_connection_info(),
+            Source::Client(info) => Ok(info.clone()),
             Source::Sentinel(s) => s.primary_url().await,
         }
     }

@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use oncely::open::LedgerOptions;
 use oncely::open::UrlParams;
 use oncely::{Error, Result};
 use redis::IntoConnectionInfo;
@@ -41,14 +42,14 @@ const UNIX_DRIVER_PARAMS: &[&str] = &["db", "user", "pass", "protocol"];
 
 /// Options of a [`RedisLedger`](crate::RedisLedger).
 /// `RedisLedgerOptions::default()` gives the prefix `oncely:`, a 2 s
-/// connection timeout, a 5 s response timeout, a required `noeviction`
+/// connect timeout, a 5 s request timeout, a required `noeviction`
 /// policy, a server that must persist (not ephemeral), change
 /// notifications, a ledger that writes, and no waiting for replicas.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisLedgerOptions {
     pub(crate) prefix: String,
-    pub(crate) connection_timeout: Duration,
-    pub(crate) response_timeout: Duration,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) request_timeout: Duration,
     pub(crate) require_noeviction: bool,
     pub(crate) ephemeral: bool,
     pub(crate) read_only: bool,
@@ -68,8 +69,8 @@ impl Default for RedisLedgerOptions {
     fn default() -> Self {
         RedisLedgerOptions {
             prefix: DEFAULT_PREFIX.to_owned(),
-            connection_timeout: Duration::from_secs(2),
-            response_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(2),
+            request_timeout: Duration::from_secs(5),
             require_noeviction: true,
             ephemeral: false,
             read_only: false,
@@ -88,17 +89,20 @@ impl RedisLedgerOptions {
         self
     }
 
-    /// Sets the timeout of establishing a connection.
-    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
-        self.connection_timeout = timeout;
+    /// How long establishing a connection may take (default 2 s): the
+    /// first connection, each reconnection, the change-notification
+    /// subscriber's.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
         self
     }
 
-    /// Sets how long one operation waits for the server's answer; a timeout
-    /// is a retryable [`Error::Backend`] (the operation may still have been
-    /// applied, exactly like a dropped future).
-    pub fn response_timeout(mut self, timeout: Duration) -> Self {
-        self.response_timeout = timeout;
+    /// How long one request (a script call, a command) waits for the
+    /// server's answer (default 5 s); a timeout is a retryable
+    /// [`Error::Backend`] (the operation may still have been applied,
+    /// exactly like a dropped future).
+    pub fn request_timeout(mut self, timeout: Duration) -> Self {
+        self.request_timeout = timeout;
         self
     }
 
@@ -173,7 +177,7 @@ impl RedisLedgerOptions {
     ///   failover may lose it. [`Effects::run`](oncely::Effects::run) turns a
     ///   completion's into [`Error::OutcomeUnknown`](oncely::Error::OutcomeUnknown).
     ///
-    /// `timeout` must be at least 1 ms and shorter than the response timeout
+    /// `timeout` must be at least 1 ms and shorter than the request timeout
     /// ([`Error::Config`] when connecting otherwise): a `WAIT` without a
     /// timeout blocks forever. Prune, the horizon and reads do not wait. The
     /// URL parameters `?wait_replicas=n` and `?wait_timeout_ms=t` set it too
@@ -185,15 +189,26 @@ impl RedisLedgerOptions {
         self
     }
 
+    /// The default options with what `url`'s query sets (`?prefix=`,
+    /// `?ephemeral=`, `?wait_replicas=`, `?wait_timeout_ms=`), checked:
+    /// [`Error::Config`] for a malformed URL or a parameter neither the
+    /// ledger nor the redis client reads. Nothing connects; the servers
+    /// the URL names are [`RedisUrl`]'s.
+    pub fn from_url(url: &str) -> Result<Self> {
+        let options = RedisUrl::parse(url)?.apply(RedisLedgerOptions::default());
+        options.check()?;
+        Ok(options)
+    }
+
     pub(crate) fn check(&self) -> Result<()> {
         if let Some(w) = self.wait
-            && (w.timeout < Duration::from_millis(1) || w.timeout >= self.response_timeout)
+            && (w.timeout < Duration::from_millis(1) || w.timeout >= self.request_timeout)
         {
             return Err(Error::Config(format!(
                 "RedisLedgerOptions::wait_replicas: the WAIT timeout ({:?}) must be at least 1 ms and shorter \
-                 than the response timeout ({:?}), or a replica that falls behind would end every write as a \
-                 response timeout",
-                w.timeout, self.response_timeout
+                 than the response timeout ({:?}, RedisLedgerOptions::request_timeout), or a replica that falls \
+                 behind would end every write as a response timeout",
+                w.timeout, self.request_timeout
             )));
         }
         let ok = self.prefix.len() <= 64
@@ -207,6 +222,24 @@ impl RedisLedgerOptions {
             )));
         }
         Ok(())
+    }
+}
+
+/// How [`FromUrl::from_url`](oncely::open::FromUrl::from_url) opens
+/// ([`LedgerOptions::for_open`]). Redis has nothing to create or migrate,
+/// so [`Access::Existing`](oncely::open::Access::Existing) opens as
+/// [`Access::Migrate`](oncely::open::Access::Migrate) does.
+impl LedgerOptions for RedisLedgerOptions {
+    fn existing_only(self) -> Self {
+        self
+    }
+
+    fn reads_only(self) -> Self {
+        self.read_only(true)
+    }
+
+    fn open_within(self, timeout: Duration) -> Self {
+        self.connect_timeout(timeout)
     }
 }
 
@@ -245,7 +278,13 @@ impl SentinelTarget {
         } else {
             host.to_owned()
         };
-        format!("redis://{}{host}:{port}/{}{}", self.auth, self.db, self.query)
+        self.url_at(&format!("{host}:{port}"))
+    }
+
+    /// [`SentinelTarget::node_url`] of an address already written
+    /// `host:port`.
+    fn url_at(&self, addr: &str) -> String {
+        format!("redis://{}{addr}/{}{}", self.auth, self.db, self.query)
     }
 }
 
@@ -271,9 +310,13 @@ impl Target {
     }
 }
 
-/// What a URL names: the server(s), and the ledger options its query sets.
+/// What a Redis URL names (the forms of [`RedisLedger::connect`](crate::RedisLedger::connect)):
+/// the server(s), and the ledger options its query sets. Parsed once, by
+/// this crate, for the ledger and for any tool that needs the same servers
+/// (`RedisUrl::from_str`, [`RedisUrl::parse`]). Its `Debug` may show
+/// credentials; [`RedisUrl::servers`] never does.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct RedisUrl {
+pub struct RedisUrl {
     /// The server(s), the ledger's own parameters taken off.
     pub(crate) target: Target,
     /// `?prefix=`.
@@ -285,10 +328,20 @@ pub(crate) struct RedisUrl {
     pub(crate) wait_timeout: Option<Duration>,
 }
 
+impl std::str::FromStr for RedisUrl {
+    type Err = Error;
+
+    /// [`RedisUrl::parse`].
+    fn from_str(url: &str) -> Result<RedisUrl> {
+        RedisUrl::parse(url)
+    }
+}
+
 impl RedisUrl {
-    /// Reads a URL ([`parse_url`] for the servers): a query parameter
-    /// neither the ledger nor the redis client reads is [`Error::Config`].
-    pub(crate) fn parse(url: &str) -> Result<RedisUrl> {
+    /// Reads a URL: a malformed one, or a query parameter neither the
+    /// ledger nor the redis client reads, is [`Error::Config`], and no
+    /// message quotes the URL. Nothing connects.
+    pub fn parse(url: &str) -> Result<RedisUrl> {
         let url = url.trim();
         let scheme = url.split_once("://").map_or("", |(s, _)| s);
         let driver = if ["unix", "redis+unix"]
@@ -342,9 +395,45 @@ impl RedisUrl {
         })
     }
 
+    /// Whether the URL names a Redis Cluster (`redis+cluster://`).
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.target, Target::Cluster(_))
+    }
+
+    /// The URL of each server the client connects to first, as the redis
+    /// client takes it (credentials included, the ledger's own parameters
+    /// taken off): the one server; a cluster's seed nodes, each with the
+    /// credentials of the first node that has them and the URL's query; or
+    /// the Sentinels of a `redis+sentinel://` URL.
+    pub fn nodes(&self) -> &[String] {
+        match &self.target {
+            Target::Single(url) => std::slice::from_ref(url),
+            Target::Cluster(nodes) => nodes,
+            Target::Sentinel(s) => &s.sentinels,
+        }
+    }
+
+    /// For a `redis+sentinel://` URL, the URL of the primary the Sentinels
+    /// named at `addr` (`host:port`, as
+    /// [`RedisLedger::primary`](crate::RedisLedger::primary) gives it),
+    /// with the URL's credentials, database and client parameters; `None`
+    /// for the other forms.
+    pub fn primary_url(&self, addr: &str) -> Option<String> {
+        match &self.target {
+            Target::Sentinel(s) => Some(s.url_at(addr)),
+            _ => None,
+        }
+    }
+
+    /// The servers as an operator reads them (`host:port` each): never a
+    /// credential or a parameter.
+    pub fn servers(&self) -> String {
+        self.target.servers()
+    }
+
     /// `options` with what the URL sets. The URL's parameters win over the
     /// options': the URL is what a deployment configures.
-    pub(crate) fn apply(&self, mut options: RedisLedgerOptions) -> RedisLedgerOptions {
+    pub fn apply(&self, mut options: RedisLedgerOptions) -> RedisLedgerOptions {
         if let Some(prefix) = &self.prefix {
             options.prefix = prefix.clone();
         }
@@ -674,6 +763,57 @@ mod tests {
         }
     }
 
+    /// What a tool that connects to the same servers reads (the `oncely
+    /// bench` baseline, which once split these URLs itself).
+    #[test]
+    fn a_parsed_url_gives_its_nodes_and_a_sentinel_primarys_url() {
+        let url =
+            RedisUrl::parse("redis+cluster://u:pw@a:7000, b:7001 ,redis://c:7002?protocol=resp3").unwrap();
+        assert!(url.is_cluster());
+        assert_eq!(
+            url.nodes(),
+            [
+                "redis://u:pw@a:7000?protocol=resp3",
+                "redis://u:pw@b:7001?protocol=resp3",
+                "redis://u:pw@c:7002?protocol=resp3"
+            ]
+        );
+        assert_eq!(url.primary_url("h:1"), None);
+        let url: RedisUrl = "redis+cluster://a:1".parse().unwrap();
+        assert_eq!(url.nodes(), ["redis://a:1"]);
+        let url =
+            RedisUrl::parse("redis+sentinel://u:pw@s1:26379,s2:26379/mymaster/3?wait_replicas=1").unwrap();
+        assert!(!url.is_cluster());
+        assert_eq!(
+            url.primary_url("10.0.0.5:6379").as_deref(),
+            Some("redis://u:pw@10.0.0.5:6379/3")
+        );
+        let url = RedisUrl::parse("redis+sentinel://s1/m").unwrap();
+        assert_eq!(url.primary_url("h:1").as_deref(), Some("redis://h:1/0"));
+        let url = RedisUrl::parse("redis://u:pw@h:6379/2?prefix=p:").unwrap();
+        assert_eq!(url.nodes(), ["redis://u:pw@h:6379/2"]);
+        assert_eq!(url.servers(), "h:6379");
+    }
+
+    #[test]
+    fn options_from_a_url_are_the_defaults_with_its_parameters() {
+        let o = RedisLedgerOptions::from_url("redis://h:6379?prefix=billing:&ephemeral=true").unwrap();
+        assert_eq!(
+            o,
+            RedisLedgerOptions::default().prefix("billing:").ephemeral(true)
+        );
+        for bad in [
+            "redis://h?prefix=a*b",
+            "redis://h?wait_replicas=1&wait_timeout_ms=9000",
+            "redis://h?x=1",
+        ] {
+            assert!(
+                matches!(RedisLedgerOptions::from_url(bad), Err(Error::Config(_))),
+                "{bad}"
+            );
+        }
+    }
+
     #[test]
     fn sentinel_urls_name_the_sentinels_and_a_master() {
         let target = |url: &str| match parse_url(url).unwrap() {
@@ -754,7 +894,7 @@ mod tests {
             assert!(matches!(e, Error::Config(_)), "{bad:?}");
         }
         let shorter = none()
-            .response_timeout(Duration::from_millis(500))
+            .request_timeout(Duration::from_millis(500))
             .wait_replicas(1, Duration::from_millis(499));
         assert!(shorter.check().is_ok());
     }

@@ -30,6 +30,7 @@ use redis::{
 
 use crate::error::{BACKEND, map_err};
 use crate::options::SentinelTarget;
+use crate::reply::text;
 
 /// The least time between two discoveries of one ledger.
 const MIN_GAP: Duration = Duration::from_millis(200);
@@ -202,7 +203,7 @@ async fn primary(
         let client = sentinel.async_master_for(master, Some(node)).await?;
         let addr = client.get_connection_info().addr().clone();
         let mut conn = ConnectionManager::new_with_config(client, config.clone()).await?;
-        match crate::conn::role(&mut conn).await {
+        match role(&mut conn).await {
             Some(role) if role != "master" => Err(RedisError::from((
                 ErrorKind::Server(ServerErrorKind::ReadOnly),
                 "the server Sentinel named is not a primary",
@@ -321,4 +322,24 @@ impl ConnectionLike for SentinelConn {
     fn get_db(&self) -> i64 {
         self.db()
     }
+}
+
+/// The server's role (`master`, `slave`) from `ROLE`, else from `INFO
+/// replication`; `None` if neither answers. Here rather than in `conn.rs`,
+/// which reads it too, so that the two do not import each other.
+pub(crate) async fn role(conn: &mut impl ConnectionLike) -> Option<String> {
+    if let Ok(Value::Array(parts)) = redis::cmd("ROLE").query_async::<Value>(conn).await
+        && let Some(role) = parts.first().and_then(text)
+    {
+        return Some(role);
+    }
+    let info = redis::cmd("INFO")
+        .arg("replication")
+        .query_async::<Value>(conn)
+        .await
+        .ok()?;
+    text(&info)?
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("role:"))
+        .map(|r| r.trim().to_owned())
 }

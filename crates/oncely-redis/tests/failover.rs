@@ -385,8 +385,8 @@ fn record<'a>(
 
 fn ledger_options(wait: bool) -> RedisLedgerOptions {
     let opts = RedisLedgerOptions::default()
-        .connection_timeout(Duration::from_secs(1))
-        .response_timeout(Duration::from_secs(2));
+        .connect_timeout(Duration::from_secs(1))
+        .request_timeout(Duration::from_secs(2));
     if wait {
         opts.wait_replicas(1, Duration::from_millis(100))
     } else {

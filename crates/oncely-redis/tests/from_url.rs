@@ -147,3 +147,36 @@ async fn unknown_url_parameters_are_refused_before_connecting() {
         }
     }
 }
+
+/// `from_client_with` opens the ledger of a caller's `redis::Client` with
+/// the options' prefix: the same records as `connect_with`, the same
+/// checks, and it says which server it reads.
+#[tokio::test]
+async fn a_callers_client_opens_the_same_ledger() {
+    let Some(url) = service_url("ONCELY_REDIS_URL", Some("redis://127.0.0.1:6379")) else {
+        return;
+    };
+    let prefix = format!("oncely-client-{}:", std::process::id());
+    // The test server persists nothing: accepted for the test.
+    let options = RedisLedgerOptions::default().prefix(&prefix).ephemeral(true);
+    let app = match RedisLedger::connect_with(&url, options.clone()).await {
+        Ok(l) => l,
+        Err(e) => return skip_or_fail(&format!("redis at {url}: {e}")).unwrap_or(()),
+    };
+    let done = EffectKey::new(&fresh_tenant(), "capture", "from-client").unwrap();
+    let Claim::Acquired(lease) = app.claim(&done, &ClaimOptions::default()).await.unwrap() else {
+        panic!("a fresh key")
+    };
+    app.complete(&lease, &Outcome::from_json(&"ch_1").unwrap())
+        .await
+        .unwrap();
+
+    let parsed = oncely_redis::RedisUrl::parse(&url).unwrap();
+    let client = redis::Client::open(parsed.nodes()[0].as_str()).unwrap();
+    let l = RedisLedger::from_client_with(client, options).await.unwrap();
+    let r = l.get(&done).await.unwrap();
+    assert_eq!(r.map(|r| r.state), Some(RecordState::Completed));
+    let shown = l.to_string();
+    assert!(shown.contains(&parsed.servers()), "{shown}");
+    assert!(shown.ends_with(&format!(", prefix {prefix}")), "{shown}");
+}

@@ -515,7 +515,7 @@ async fn slow_server_is_a_retryable_timeout() {
     let Some(server) = TempRedis::start(&[]).await else {
         return;
     };
-    let opts = RedisLedgerOptions::default().response_timeout(Duration::from_millis(200));
+    let opts = RedisLedgerOptions::default().request_timeout(Duration::from_millis(200));
     let ledger = RedisLedger::connect_with(&server.ledger_url(), opts)
         .await
         .unwrap();
@@ -1274,7 +1274,7 @@ async fn cluster_lease_holder_writes_clear_the_unchecked_mark() {
 
 /// `from_url` opens both URL forms with every access: one server, and the
 /// real cluster through a `redis+cluster://` URL listing its nodes. The
-/// connect timeout becomes the connection timeout; nothing else changes.
+/// connect timeout becomes `RedisLedgerOptions::connect_timeout`; nothing else changes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn from_url_opens_a_server_or_a_cluster() {
     assert_eq!(RedisLedger::SCHEMES, ["redis", "redis+cluster", "redis+sentinel"]);
@@ -1308,7 +1308,7 @@ async fn from_url_opens_a_server_or_a_cluster() {
     assert_eq!(
         ledger.options(),
         &RedisLedgerOptions::default()
-            .connection_timeout(timeout)
+            .connect_timeout(timeout)
             .read_only(true)
     );
 

@@ -13,7 +13,7 @@ use oncely::backend::{Notifier, Watch};
 use oncely::backend::{
     answer_existing, check_outcome, duration_micros, from_micros, is_beyond_horizon, to_micros,
 };
-use oncely::open::{Access, FromUrl, OpenOptions};
+use oncely::open::{FromUrl, OpenOptions};
 use oncely::{ClaimOptions, EffectKey, Error, Result, Tenant};
 use sqlx::sqlite::{Sqlite, SqliteConnection, SqlitePool, SqlitePoolOptions};
 use sqlx::{AssertSqlSafe, Connection, Transaction};
@@ -160,6 +160,21 @@ impl SqliteLedger {
             read_only: false,
             _keep_alive: None,
         }
+    }
+
+    /// [`SqliteLedger::from_pool`] with the options that apply to a pool
+    /// already made: the table, [`SqliteLedgerOptions::read_only`] and
+    /// [`SqliteLedgerOptions::multi_process`] (the pool's size, timeouts,
+    /// `synchronous` and file are the pool's; migrating is
+    /// [`SqliteLedger::migrate`]'s). Fails with [`Error::Config`] on a table
+    /// name that is not a plain identifier.
+    pub fn from_pool_with(pool: SqlitePool, options: SqliteLedgerOptions) -> Result<SqliteLedger> {
+        SqliteLedger {
+            read_only: options.read_only,
+            poll_waiters: options.multi_process,
+            ..SqliteLedger::from_pool(pool)
+        }
+        .with_table(&options.table)
     }
 
     /// The same pool with another ledger table. Fails with
@@ -646,17 +661,6 @@ impl TransactionalLedger for SqliteLedger {
     }
 }
 
-/// Opens a SQLite URL (`sqlite:path`, `sqlite://path`, or a bare path, as
-/// [`SqliteLedger::connect`]) with [`SqliteLedger::connect_with`]:
-/// [`Access::Migrate`] creates the file and the tables,
-/// [`Access::Existing`] is [`SqliteLedgerOptions::migrate`]`(false)` and
-/// [`Access::ReadOnly`] is [`SqliteLedgerOptions::read_only`]`(true)`.
-/// [`OpenOptions::connect_timeout`] bounds both waits that stand between a
-/// command and its answer: the busy timeout (SQLite's write lock) and the
-/// pool's acquire timeout.
-///
-/// Messages may name the file: a SQLite URL is a path and carries no
-/// credentials.
 /// What the ledger reads, for an operator: `sqlite FILE, table TABLE` (the
 /// file SQLite opened, once known), or an ephemeral in-memory database.
 impl fmt::Display for SqliteLedger {
@@ -674,19 +678,22 @@ impl fmt::Display for SqliteLedger {
     }
 }
 
+/// Opens a SQLite URL (`sqlite:path`, `sqlite://path`, or a bare path, as
+/// [`SqliteLedger::connect`]) with [`SqliteLedger::connect_with`]:
+/// [`Access::Migrate`](oncely::open::Access::Migrate) creates the file and the tables,
+/// [`Access::Existing`](oncely::open::Access::Existing) is [`SqliteLedgerOptions::migrate`]`(false)` and
+/// [`Access::ReadOnly`](oncely::open::Access::ReadOnly) is [`SqliteLedgerOptions::read_only`]`(true)`.
+/// [`OpenOptions::connect_timeout`] bounds both waits that stand between a
+/// command and its answer: the busy timeout (SQLite's write lock) and the
+/// pool's acquire timeout.
+///
+/// Messages may name the file: a SQLite URL is a path and carries no
+/// credentials.
 impl FromUrl for SqliteLedger {
     const SCHEMES: &'static [&'static str] = &["sqlite"];
 
     async fn from_url(url: &str, open: OpenOptions) -> Result<Self> {
-        let mut options = match open.access {
-            Access::Migrate => SqliteLedgerOptions::default(),
-            Access::Existing => SqliteLedgerOptions::default().migrate(false),
-            Access::ReadOnly => SqliteLedgerOptions::default().read_only(true),
-        };
-        if let Some(timeout) = open.connect_timeout {
-            options = options.busy_timeout(timeout).acquire_timeout(timeout);
-        }
-        SqliteLedger::connect_with(url, options).await
+        SqliteLedger::connect_with(url, oncely::open::LedgerOptions::for_open(open)).await
     }
 }
 

@@ -7,6 +7,7 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use oncely::open::LedgerOptions;
 use oncely::open::UrlParams;
 use oncely::{Error, Result};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
@@ -15,65 +16,28 @@ use crate::durability::{memory_fs, on_memory_fs};
 use crate::sql;
 
 /// How [`SqliteLedger::connect_with`](crate::SqliteLedger::connect_with)
-/// opens the database.
+/// opens the database, and what
+/// [`SqliteLedger::from_pool_with`](crate::SqliteLedger::from_pool_with)
+/// takes from them (the table, [`read_only`](Self::read_only),
+/// [`multi_process`](Self::multi_process); the pool's settings are the
+/// pool's).
 #[derive(Debug, Clone)]
-#[non_exhaustive]
 pub struct SqliteLedgerOptions {
-    /// Most connections in the pool (default 16). SQLite runs one writer at a
-    /// time; more connections help concurrent readers and keep waiting
-    /// writers off each other's connections.
-    pub max_connections: u32,
-    /// The ledger table (default `oncely_effects`). Its horizon table is
-    /// `<table>_horizon`.
-    pub table: String,
-    /// How long a writer waits for SQLite's write lock before failing with a
-    /// retryable error (default 5 s).
-    pub busy_timeout: Duration,
-    /// How long an operation waits for a free pooled connection (default 30 s).
-    pub acquire_timeout: Duration,
-    /// `PRAGMA synchronous` (default `Full`; see the crate docs' table).
-    pub synchronous: SqliteSynchronous,
-    /// Create the file if it is missing and create or upgrade the tables on
-    /// connect (default `true`). With `false`, connect creates and changes
-    /// nothing: the file and the tables must exist at the current schema
-    /// version, or connect fails with [`Error::Config`] naming what is
-    /// missing.
-    pub migrate: bool,
-    /// Open the file read-only (default `false`): SQLite's `mode=ro`, no file
-    /// is created, nothing is migrated (implies `migrate(false)`), the schema
-    /// is verified, and every write ([`claim`](oncely::backend::Ledger::claim),
-    /// `complete`, `release`, `renew`, `prune`, `begin`) fails with
-    /// [`Error::Config`] before it reaches the database. For operator
-    /// commands that only read (`get`, `abandoned`, `horizon`).
-    pub read_only: bool,
-    /// Accept a database that does not survive (default `false`):
-    /// `sqlite::memory:`, `mode=memory`, `vfs=memdb`, an empty path
-    /// (`sqlite:`), or a file on a memory file system (`tmpfs` or `ramfs`,
-    /// such as `/dev/shm`; checked on Linux and Android). Without it such
-    /// URLs fail with [`Error::Config`] (a read-only ledger may open a file
-    /// on a memory file system: it writes nothing). With it, an in-memory
-    /// URL opens one in-memory database shared by the ledger's whole pool
-    /// (not one per connection), kept alive as long as any clone of the
-    /// ledger exists, and reported as `durability` none; a file on a memory
-    /// file system is opened as a file (shared with other processes, kept
-    /// until the machine stops) and reported as such. A URL that names a
-    /// file on a disk is refused with `ephemeral(true)`: the two requests
-    /// contradict.
-    pub ephemeral: bool,
-    /// Other processes claim and complete in this file too (default
-    /// `false`). A duplicate that finds the effect in progress is woken by
-    /// completions and releases made in this process only (SQLite cannot
-    /// tell other processes); without this option it waits for that
-    /// wake-up and, when the holder is in another process, looks again after
-    /// [`NOTIFIED_FALLBACK`](oncely::backend::NOTIFIED_FALLBACK) (1 s) or when
-    /// the holder's lease ends, whichever comes first. With it, waiters poll
-    /// instead (5 ms, doubling up to 250 ms), which answers them sooner
-    /// when the holder is elsewhere, at the cost of a claim statement per
-    /// look.
-    pub multi_process: bool,
+    pub(crate) max_connections: u32,
+    pub(crate) table: String,
+    pub(crate) busy_timeout: Duration,
+    pub(crate) acquire_timeout: Duration,
+    pub(crate) synchronous: SqliteSynchronous,
+    pub(crate) migrate: bool,
+    pub(crate) read_only: bool,
+    pub(crate) ephemeral: bool,
+    pub(crate) multi_process: bool,
 }
 
 impl Default for SqliteLedgerOptions {
+    /// 16 connections, table `oncely_effects`, a 5 s busy timeout, a 30 s
+    /// acquire timeout, `PRAGMA synchronous = FULL`, migrations on connect,
+    /// read-write, durable storage only, one process.
     fn default() -> Self {
         SqliteLedgerOptions {
             max_connections: 16,
@@ -90,62 +54,125 @@ impl Default for SqliteLedgerOptions {
 }
 
 impl SqliteLedgerOptions {
-    /// Sets the pool size.
+    /// Most connections in the pool (default 16). SQLite runs one writer at a
+    /// time; more connections help concurrent readers and keep waiting
+    /// writers off each other's connections.
     pub fn max_connections(mut self, n: u32) -> Self {
         self.max_connections = n;
         self
     }
 
-    /// Sets the ledger table name.
+    /// The ledger table (default `oncely_effects`). Its horizon table is
+    /// `<table>_horizon`.
     pub fn table(mut self, name: impl Into<String>) -> Self {
         self.table = name.into();
         self
     }
 
-    /// Sets the busy timeout.
+    /// How long a writer waits for SQLite's write lock before failing with a
+    /// retryable error (default 5 s).
     pub fn busy_timeout(mut self, timeout: Duration) -> Self {
         self.busy_timeout = timeout;
         self
     }
 
-    /// Sets the pool acquire timeout.
+    /// How long an operation waits for a free pooled connection (default 30 s).
     pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
         self.acquire_timeout = timeout;
         self
     }
 
-    /// Sets `PRAGMA synchronous`.
+    /// `PRAGMA synchronous` (default `Full`; see the crate docs' table).
     pub fn synchronous(mut self, synchronous: SqliteSynchronous) -> Self {
         self.synchronous = synchronous;
         self
     }
 
-    /// Whether connect creates the file and creates or upgrades the tables
-    /// (see [`SqliteLedgerOptions::migrate`](#structfield.migrate)).
+    /// Create the file if it is missing and create or upgrade the tables on
+    /// connect (default `true`). With `false`, connect creates and changes
+    /// nothing: the file and the tables must exist at the current schema
+    /// version, or connect fails with [`Error::Config`] naming what is
+    /// missing.
     pub fn migrate(mut self, migrate: bool) -> Self {
         self.migrate = migrate;
         self
     }
 
-    /// Whether to open the file read-only (see
-    /// [`SqliteLedgerOptions::read_only`](#structfield.read_only)).
+    /// Open the file read-only (default `false`): SQLite's `mode=ro`, no file
+    /// is created, nothing is migrated (implies `migrate(false)`), the schema
+    /// is verified, and every write ([`claim`](oncely::backend::Ledger::claim),
+    /// `complete`, `release`, `renew`, `prune`, `begin`) fails with
+    /// [`Error::Config`] before it reaches the database. For operator
+    /// commands that only read (`get`, `abandoned`, `horizon`).
     pub fn read_only(mut self, read_only: bool) -> Self {
         self.read_only = read_only;
         self
     }
 
-    /// Whether to accept a database that does not survive the ledger (see
-    /// [`SqliteLedgerOptions::ephemeral`](#structfield.ephemeral)).
+    /// Accept a database that does not survive (default `false`):
+    /// `sqlite::memory:`, `mode=memory`, `vfs=memdb`, an empty path
+    /// (`sqlite:`), or a file on a memory file system (`tmpfs` or `ramfs`,
+    /// such as `/dev/shm`; checked on Linux and Android). Without it such
+    /// URLs fail with [`Error::Config`] (a read-only ledger may open a file
+    /// on a memory file system: it writes nothing). With it, an in-memory
+    /// URL opens one in-memory database shared by the ledger's whole pool
+    /// (not one per connection), kept alive as long as any clone of the
+    /// ledger exists, and reported as `durability` none; a file on a memory
+    /// file system is opened as a file (shared with other processes, kept
+    /// until the machine stops) and reported as such. A URL that names a
+    /// file on a disk is refused with `ephemeral(true)`: the two requests
+    /// contradict.
     pub fn ephemeral(mut self, ephemeral: bool) -> Self {
         self.ephemeral = ephemeral;
         self
     }
 
-    /// Whether other processes write this file too, so waiting duplicates
-    /// poll (see [`SqliteLedgerOptions::multi_process`](#structfield.multi_process)).
+    /// Other processes claim and complete in this file too (default
+    /// `false`). A duplicate that finds the effect in progress is woken by
+    /// completions and releases made in this process only (SQLite cannot
+    /// tell other processes); without this option it waits for that
+    /// wake-up and, when the holder is in another process, looks again after
+    /// [`NOTIFIED_FALLBACK`](oncely::backend::NOTIFIED_FALLBACK) (1 s) or when
+    /// the holder's lease ends, whichever comes first. With it, waiters poll
+    /// instead (5 ms, doubling up to 250 ms), which answers them sooner
+    /// when the holder is elsewhere, at the cost of a claim statement per
+    /// look.
     pub fn multi_process(mut self, multi_process: bool) -> Self {
         self.multi_process = multi_process;
         self
+    }
+
+    /// The default options with what a `sqlite:` URL sets (`?table=`,
+    /// `mode=ro` as [`read_only`](Self::read_only)), checked:
+    /// [`Error::Config`] for a parameter neither the ledger nor sqlx reads,
+    /// or a bad table name. Nothing is opened; the URL's storage is checked
+    /// when connecting.
+    pub fn from_url(url: &str) -> Result<Self> {
+        let target = parse(url)?;
+        let mut options = SqliteLedgerOptions::default();
+        if let Some(table) = target.table {
+            sql::check_table_name(&table)?;
+            options.table = table;
+        }
+        Ok(options.read_only(target.read_only))
+    }
+}
+
+/// How [`FromUrl::from_url`](oncely::open::FromUrl::from_url) opens
+/// ([`LedgerOptions::for_open`]).
+impl LedgerOptions for SqliteLedgerOptions {
+    fn existing_only(self) -> Self {
+        self.migrate(false)
+    }
+
+    fn reads_only(self) -> Self {
+        self.read_only(true)
+    }
+
+    /// Both waits that stand between a command and its answer: the busy
+    /// timeout (SQLite's write lock) and the pool's acquire timeout.
+    fn open_within(self, timeout: Duration) -> Self {
+        self.busy_timeout(timeout).acquire_timeout(timeout)
     }
 }
 
@@ -157,6 +184,7 @@ impl SqliteLedgerOptions {
 /// This crate's own type rather than sqlx's, so that the option does not tie
 /// a caller to the driver's version; the values are SQLite's, which are
 /// fixed.
+// Exhaustive by design (ARCHITECTURE.md, API boundaries): SQLite's own values, which are fixed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum SqliteSynchronous {
     /// No waiting for the disk: an OS crash or power loss may lose or corrupt
@@ -427,6 +455,23 @@ mod tests {
         assert!(parse("sqlite:x.db?mode=ro").unwrap().read_only);
         assert!(!parse("sqlite:x.db").unwrap().read_only);
         assert!(matches!(parse("sqlite:x.db?mode=bogus"), Err(Error::Config(_))));
+    }
+
+    #[test]
+    fn options_from_a_url_are_the_defaults_with_its_table_and_mode() {
+        let o = SqliteLedgerOptions::from_url("sqlite:data/app.db?mode=ro&table=effects").unwrap();
+        assert_eq!(
+            (o.table.as_str(), o.read_only, o.migrate),
+            ("effects", true, true)
+        );
+        let o = SqliteLedgerOptions::from_url("data/app.db").unwrap();
+        assert_eq!((o.table.as_str(), o.read_only), (sql::DEFAULT_TABLE, false));
+        for bad in ["sqlite:x.db?tabel=effects", "sqlite:x.db?table=a-b"] {
+            assert!(
+                matches!(SqliteLedgerOptions::from_url(bad), Err(Error::Config(_))),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

@@ -97,3 +97,37 @@ async fn unknown_or_bad_url_parameters_are_refused_before_opening() {
     }
     assert!(!path.exists());
 }
+
+/// `from_pool_with` takes the table, `read_only` and `multi_process` from
+/// the options over a pool made elsewhere: it reads the ledger the options
+/// name, and a read-only one refuses writes.
+#[tokio::test]
+async fn a_pool_with_options_opens_the_table_they_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("app.db").display());
+    let options = SqliteLedgerOptions::default().table("billing_effects");
+    let app = SqliteLedger::connect_with(&url, options.clone()).await.unwrap();
+    let done = EffectKey::new(&fresh_tenant(), "capture", "from-pool").unwrap();
+    let Claim::Acquired(lease) = app.claim(&done, &ClaimOptions::default()).await.unwrap() else {
+        panic!("a fresh key")
+    };
+    app.complete(&lease, &Outcome::from_json(&"ch_1").unwrap())
+        .await
+        .unwrap();
+
+    let reader = SqliteLedger::from_pool_with(app.pool().clone(), options.read_only(true)).unwrap();
+    assert_eq!(reader.table(), "billing_effects");
+    assert!(reader.is_read_only());
+    reader.verify().await.unwrap();
+    let r = reader.get(&done).await.unwrap();
+    assert_eq!(r.map(|r| r.state), Some(RecordState::Completed));
+    let other = EffectKey::new(&fresh_tenant(), "capture", "refused").unwrap();
+    assert!(matches!(
+        reader.claim(&other, &ClaimOptions::default()).await,
+        Err(Error::Config(_))
+    ));
+    assert!(matches!(
+        SqliteLedger::from_pool_with(app.pool().clone(), SqliteLedgerOptions::default().table("a-b")),
+        Err(Error::Config(_))
+    ));
+}

@@ -85,6 +85,7 @@ pub struct Delivery<M> {
 
 /// A run the kit compares with the single delivery.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Scenario {
     /// One delivery (the reference state).
     Once,
@@ -125,6 +126,7 @@ impl fmt::Display for Scenario {
 
 /// What went wrong in a run.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Problem {
     /// A delivery kept failing until the redelivery timeout.
     NeverAcked {

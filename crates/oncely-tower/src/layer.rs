@@ -1,51 +1,20 @@
-//! [`IdempotencyLayer`]: the configuration, and the tower `Layer` that wraps
-//! a service in [`Idempotency`].
+//! [`IdempotencyLayer`]: the builder of the configuration (`config.rs`), and
+//! the tower `Layer` that wraps a service in [`Idempotency`].
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::request::Parts;
-use http::{HeaderName, Method, Response, header};
+use http::{HeaderName, Method, Response};
 use oncely::backend::Ledger;
 use oncely::{ClaimOptions, EffectKey, Effects, OnInProgress, Tenant};
 use tower_layer::Layer;
 
+use crate::config::{Config, KeyRequirement};
 use crate::error::Rejection;
 use crate::principal::{FromExtensions, PrincipalSource};
 use crate::service::{Idempotency, Shared};
-
-/// Whether a request must, may or does not take part.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KeyRequirement {
-    /// A request without an `Idempotency-Key` is refused with 400.
-    Required,
-    /// A request with a key is made idempotent; one without passes through.
-    Optional,
-    /// The layer does nothing for this request, key or not.
-    Ignored,
-}
-
-type RequirementFn = Arc<dyn Fn(&Parts) -> KeyRequirement + Send + Sync>;
-type RejectionFn = Arc<dyn Fn(&Rejection) -> Response<Bytes> + Send + Sync>;
-
-#[derive(Clone)]
-pub(crate) struct Config<P> {
-    pub(crate) principals: P,
-    pub(crate) kind: String,
-    pub(crate) requirement: RequirementFn,
-    pub(crate) fingerprint_headers: Vec<HeaderName>,
-    pub(crate) replay_headers: Vec<HeaderName>,
-    pub(crate) max_request_bytes: usize,
-    pub(crate) max_response_bytes: usize,
-    pub(crate) on_in_flight: OnInProgress,
-    pub(crate) lease: Duration,
-    pub(crate) retention: Duration,
-    pub(crate) release_server_errors: bool,
-    pub(crate) release_panics: bool,
-    pub(crate) accept_bare_key: bool,
-    pub(crate) rejection: RejectionFn,
-}
 
 /// The `Idempotency-Key` middleware as a tower [`Layer`]: wrap a service
 /// (an axum `Router`, any tower 0.5 stack) with `.layer(IdempotencyLayer::new(ledger))`.
@@ -82,33 +51,7 @@ impl<L: Ledger + Clone + 'static> IdempotencyLayer<L, FromExtensions> {
     pub fn new(ledger: L) -> Self {
         IdempotencyLayer {
             ledger,
-            config: Config {
-                principals: FromExtensions,
-                kind: "http".into(),
-                requirement: Arc::new(|parts: &Parts| {
-                    if parts.method == Method::POST || parts.method == Method::PATCH {
-                        KeyRequirement::Required
-                    } else {
-                        KeyRequirement::Ignored
-                    }
-                }),
-                fingerprint_headers: vec![header::CONTENT_TYPE],
-                replay_headers: vec![
-                    header::CONTENT_TYPE,
-                    header::CONTENT_LANGUAGE,
-                    header::LOCATION,
-                    header::ETAG,
-                ],
-                max_request_bytes: 1024 * 1024,
-                max_response_bytes: 32 * 1024,
-                on_in_flight: OnInProgress::Reject,
-                lease: Duration::from_secs(60),
-                retention: Duration::from_secs(24 * 3600),
-                release_server_errors: true,
-                release_panics: true,
-                accept_bare_key: true,
-                rejection: Arc::new(Rejection::problem),
-            },
+            config: Config::new(),
         }
     }
 }
@@ -117,25 +60,9 @@ impl<L: Ledger + Clone + 'static, P: PrincipalSource> IdempotencyLayer<L, P> {
     /// Where principals come from: an implementation of [`PrincipalSource`]
     /// or a closure `Fn(&http::request::Parts) -> Option<Principal>`.
     pub fn principals<Q: PrincipalSource>(self, principals: Q) -> IdempotencyLayer<L, Q> {
-        let c = self.config;
         IdempotencyLayer {
             ledger: self.ledger,
-            config: Config {
-                principals,
-                kind: c.kind,
-                requirement: c.requirement,
-                fingerprint_headers: c.fingerprint_headers,
-                replay_headers: c.replay_headers,
-                max_request_bytes: c.max_request_bytes,
-                max_response_bytes: c.max_response_bytes,
-                on_in_flight: c.on_in_flight,
-                lease: c.lease,
-                retention: c.retention,
-                release_server_errors: c.release_server_errors,
-                release_panics: c.release_panics,
-                accept_bare_key: c.accept_bare_key,
-                rejection: c.rejection,
-            },
+            config: self.config.with_principals(principals),
         }
     }
 

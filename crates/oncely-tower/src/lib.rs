@@ -104,6 +104,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod config;
 mod error;
 mod future;
 mod header;
@@ -112,9 +113,10 @@ mod principal;
 mod service;
 mod stored;
 
+pub use config::KeyRequirement;
 pub use error::{PROBLEM_JSON, Rejection};
 pub use future::ResponseFuture;
 pub use header::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, MAX_CLIENT_KEY_BYTES};
-pub use layer::{IdempotencyLayer, KeyRequirement};
+pub use layer::IdempotencyLayer;
 pub use principal::{FromExtensions, Principal, PrincipalSource};
 pub use service::Idempotency;

@@ -15,10 +15,10 @@ use oncely::backend::{Fingerprint, Ledger};
 use oncely::{BoxError, ClaimOptions, EffectKey, Effects, Error, Failure};
 use tower_service::Service;
 
+use crate::config::{Config, KeyRequirement};
 use crate::error::Rejection;
 use crate::future::ResponseFuture;
 use crate::header;
-use crate::layer::{Config, KeyRequirement};
 use crate::principal::PrincipalSource;
 use crate::stored::{self, ReadError, StoredResponse};
 

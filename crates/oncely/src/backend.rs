@@ -240,6 +240,7 @@ pub fn forget_refusal(key: &EffectKey, fence: u64, now: Option<Record>) -> Error
 
 /// The end state a fenced write leaves when it is applied: what
 /// [`resolve_lost_write`] looks for in the record.
+// Exhaustive by design (ARCHITECTURE.md, API boundaries): the two fenced writes whose answer can be lost.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LostWrite {
     /// A completion: the record is completed at the lease's fence.

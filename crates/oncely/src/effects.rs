@@ -130,6 +130,7 @@ impl<L: Ledger> Effects<L> {
 }
 
 /// How a runner's answer came about (see [`Effects::run_reported`]).
+// Exhaustive by design (ARCHITECTURE.md, API boundaries): ran or replayed, nothing else.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum How {
     /// The handler ran in this call and its outcome was stored.

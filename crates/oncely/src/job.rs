@@ -22,6 +22,7 @@ use crate::telemetry;
 /// window each leaves open). The third mode, transactional, is
 /// [`Job::step_in`]: it needs the caller's transaction, so it is a method of
 /// its own rather than a value `step` could be handed by mistake.
+// Exhaustive by design (ARCHITECTURE.md, API boundaries): the job model's modes; a new one is a new contract.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum StepMode {
     /// A lease, renewed while the closure runs; the closure passes

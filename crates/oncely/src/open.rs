@@ -1,5 +1,6 @@
 //! Opening a ledger from a URL, for tools: [`FromUrl`] with its
-//! [`OpenOptions`] and [`Access`], and [`UrlParams`] and [`split_hosts`],
+//! [`OpenOptions`] and [`Access`] (which each backend's options type maps
+//! through [`LedgerOptions`]), and [`UrlParams`] and [`split_hosts`],
 //! which every backend's URL parser uses. An application that builds its
 //! ledger in code does not need this module.
 
@@ -9,6 +10,7 @@ use crate::error::{Error, Result};
 use crate::ledger::Ledger;
 /// What an opener may do to the ledger's storage (tables, a bucket).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Access {
     /// Create what is missing and upgrade it (the default of a backend's
     /// `connect`): `oncely migrate`, the demo, an application at startup.
@@ -49,6 +51,42 @@ impl OpenOptions {
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = Some(timeout);
         self
+    }
+}
+
+/// A backend's options type (`PgLedgerOptions`, `RedisLedgerOptions`, …) as
+/// [`OpenOptions`] sets it: the backend says what each part of an
+/// [`Access`] and a connect timeout is in its own settings, and
+/// [`LedgerOptions::for_open`] (written once, here) maps an
+/// [`OpenOptions`] onto them, so that no backend restates the mapping.
+pub trait LedgerOptions: Default {
+    /// These options for [`Access::Existing`]: create and upgrade nothing,
+    /// check what exists (a backend with nothing to create returns them
+    /// unchanged).
+    fn existing_only(self) -> Self;
+
+    /// These options for [`Access::ReadOnly`]: create, migrate and write
+    /// nothing, and refuse the ledger's own writes before any round trip.
+    fn reads_only(self) -> Self;
+
+    /// These options with [`OpenOptions::connect_timeout`] in force: every
+    /// setting that bounds how long opening waits (to connect, for a pooled
+    /// connection, for a lock or a bucket to answer).
+    fn open_within(self, timeout: Duration) -> Self;
+
+    /// The options [`FromUrl::from_url`] opens with: the defaults, as
+    /// `open` asks.
+    fn for_open(open: OpenOptions) -> Self {
+        let options = Self::default();
+        let options = match open.access {
+            Access::Migrate => options,
+            Access::Existing => options.existing_only(),
+            Access::ReadOnly => options.reads_only(),
+        };
+        match open.connect_timeout {
+            Some(timeout) => options.open_within(timeout),
+            None => options,
+        }
     }
 }
 

@@ -28,6 +28,7 @@ use crate::watch::Watch;
 /// the next delivery runs the handler again. [`Failure::terminal`] stores the
 /// failure as the outcome (unless [`ClaimOptions::cache_failures`] is off), so
 /// every duplicate gets the same failure back instead of trying again.
+// Exhaustive by design (ARCHITECTURE.md, API boundaries): the model's two failure classes.
 #[derive(Debug)]
 pub enum Failure {
     /// Another attempt may succeed (a timeout, a 503).

@@ -210,6 +210,7 @@ impl Doubt {
 }
 
 /// What the provider says about one doubtful record.
+// Exhaustive by design (ARCHITECTURE.md, API boundaries): all a provider can say.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Verdict {
     /// The effect happened: complete the record with this outcome, so that

@@ -146,6 +146,7 @@ impl Outcome {
 /// message of its terminal failure. Stored as JSON, `{"ok": value}` or
 /// `{"err": "message"}`; read it back with [`Outcome::decode`] or
 /// [`Record::stored`].
+// Exhaustive by design (ARCHITECTURE.md, API boundaries): the stored JSON forms; a reader must know each.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum StoredOutcome<T> {
     /// The handler's value.
@@ -373,6 +374,7 @@ impl Claim {
 }
 
 /// What a duplicate does when it finds the effect in progress elsewhere.
+// Exhaustive by design (ARCHITECTURE.md, API boundaries): a duplicate waits (bounded) or does not.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OnInProgress {
     /// Poll with bounded backoff for up to `max`, then fail with

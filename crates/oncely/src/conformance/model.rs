@@ -35,6 +35,7 @@ const SHORT: Duration = Duration::from_millis(20);
 /// a key of the scenario (below [`KEYS`]).
 #[derive(Debug, Clone)]
 #[allow(missing_docs)] // the fields are named by each variant's doc
+// Exhaustive by design (ARCHITECTURE.md, API boundaries): each step must be modelled.
 pub enum Op {
     /// `who` claims `key`, at-most-once or not, with the key's usual payload
     /// fingerprint or an altered one.

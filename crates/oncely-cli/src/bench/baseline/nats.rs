@@ -24,22 +24,14 @@ pub(in crate::bench) struct NatsBaseline {
 
 impl NatsBaseline {
     /// Connects to the servers the ledger's URL lists and creates the run's
-    /// bucket with the URL's `replicas` (default 1). The ledger has already
-    /// parsed and opened the URL, so only its server list and that
-    /// parameter are read here.
+    /// bucket with the URL's `replicas` (default 1), as `oncely-nats` reads
+    /// the URL.
     pub(super) async fn create(url: &str, run_id: &str) -> Result<NatsBaseline> {
-        let (servers, query) = url.trim().split_once('?').unwrap_or((url.trim(), ""));
-        let replicas = query
-            .split('&')
-            .filter_map(|p| p.split_once('='))
-            .find(|(name, _)| *name == "replicas")
-            .and_then(|(_, v)| v.parse().ok())
-            .unwrap_or(1);
-        let servers: Vec<&str> = servers
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .collect();
+        let url = oncely_nats::NatsUrl::parse(url)?;
+        let replicas = url
+            .apply(oncely_nats::NatsKvLedgerOptions::default())
+            .get_replicas();
+        let servers = url.addrs()?;
         let unavailable = |e: &dyn std::fmt::Display| Error::Unavailable {
             backend: "nats",
             message: format!("bench baseline: {e}"),

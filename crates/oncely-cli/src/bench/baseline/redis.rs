@@ -55,26 +55,26 @@ pub(in crate::bench) struct RedisBaseline {
 
 impl RedisBaseline {
     /// Connects to the server (or the cluster) the ledger's URL names, or
-    /// to the primary a Sentinel ledger found. The ledger has already
-    /// parsed and opened the URL, so only its forms are split here.
+    /// to the primary a Sentinel ledger found, as `oncely-redis` reads the
+    /// URL.
     pub(super) async fn connect(
         url: &str,
         ledger: &oncely_redis::RedisLedger,
         run_id: &str,
     ) -> Result<RedisBaseline> {
-        let url = url.trim();
-        let (scheme, rest) = url.split_once("://").unwrap_or(("redis", url));
-        let primary = ledger.primary().map(|(p, _)| sentinel_primary(rest, &p));
+        let url = oncely_redis::RedisUrl::parse(url)?;
+        let primary = ledger.primary().and_then(|(p, _)| url.primary_url(&p));
         let connecting = async {
-            if scheme.eq_ignore_ascii_case("redis+cluster") {
-                let client = ClusterClient::new(cluster_nodes(rest)).map_err(error)?;
+            if url.is_cluster() {
+                let client = ClusterClient::new(url.nodes().to_vec()).map_err(error)?;
                 client
                     .get_async_connection()
                     .await
                     .map(Conn::Cluster)
                     .map_err(error)
             } else {
-                let client = redis::Client::open(primary.as_deref().unwrap_or(url)).map_err(error)?;
+                let client =
+                    redis::Client::open(primary.unwrap_or_else(|| url.nodes()[0].clone())).map_err(error)?;
                 client
                     .get_multiplexed_async_connection()
                     .await
@@ -203,81 +203,5 @@ impl RedisBaseline {
             }
         }
         Ok(())
-    }
-}
-
-/// The URL of the primary a Sentinel ledger found (`host:port`), with the
-/// credentials and database of its `redis+sentinel://` URL (after its
-/// `://`: `[auth@]sentinels/master[/db][?…]`).
-fn sentinel_primary(rest: &str, primary: &str) -> String {
-    let rest = rest.split(['?', '#']).next().unwrap_or_default();
-    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
-    let auth = authority
-        .rsplit_once('@')
-        .map(|(a, _)| format!("{a}@"))
-        .unwrap_or_default();
-    let db = path.split('/').nth(1).filter(|d| !d.is_empty()).unwrap_or("0");
-    format!("redis://{auth}{primary}/{db}")
-}
-
-/// The seed nodes of a `redis+cluster://` URL (after its `://`) as
-/// `redis://` URLs: the first node's credentials stand for every node that
-/// has none, and a query string applies to every node (as `oncely-redis`
-/// reads the same URL).
-fn cluster_nodes(rest: &str) -> Vec<String> {
-    let (list, query) = match rest.split_once('?') {
-        Some((list, query)) => (list, Some(query)),
-        None => (rest, None),
-    };
-    let mut userinfo: Option<&str> = None;
-    let mut nodes = Vec::new();
-    for item in list.split(',').map(str::trim).filter(|i| !i.is_empty()) {
-        let item = item.split_once("://").map_or(item, |(_, node)| node);
-        let own = item.rsplit_once('@').map(|(u, _)| u);
-        if nodes.is_empty() {
-            userinfo = own;
-        }
-        let mut node = String::from("redis://");
-        if let (None, Some(u)) = (own, userinfo) {
-            node.push_str(u);
-            node.push('@');
-        }
-        node.push_str(item);
-        if let Some(q) = query {
-            node.push('?');
-            node.push_str(q);
-        }
-        nodes.push(node);
-    }
-    nodes
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cluster_nodes_share_the_first_nodes_credentials() {
-        assert_eq!(
-            cluster_nodes("u:pw@a:7000, b:7001 ,redis://c:7002?protocol=resp3"),
-            [
-                "redis://u:pw@a:7000?protocol=resp3",
-                "redis://u:pw@b:7001?protocol=resp3",
-                "redis://u:pw@c:7002?protocol=resp3"
-            ]
-        );
-        assert_eq!(cluster_nodes("a:1"), ["redis://a:1"]);
-    }
-
-    #[test]
-    fn a_sentinel_urls_primary_keeps_its_credentials_and_database() {
-        assert_eq!(
-            sentinel_primary(
-                "u:pw@s1:26379,s2:26379/mymaster/3?wait_replicas=1",
-                "10.0.0.5:6379"
-            ),
-            "redis://u:pw@10.0.0.5:6379/3"
-        );
-        assert_eq!(sentinel_primary("s1/m", "h:1"), "redis://h:1/0");
     }
 }
