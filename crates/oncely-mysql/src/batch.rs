@@ -46,13 +46,15 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::time::{Instant, SystemTime};
 
-use oncely::backend::{answer_existing, check_outcome, duration_micros, from_micros, is_beyond_horizon};
+use oncely::backend::{
+    answer_existing, check_outcome, copy_error, duration_micros, fail_each, from_micros, is_beyond_horizon,
+};
 use oncely::{Claim, ClaimOptions, EffectKey, Error, Lease, Outcome, Result};
 use sqlx::{MySqlConnection, Row};
 
 use crate::MySqlLedger;
 use crate::claim::{Attempt, claim_token};
-use crate::error::{self, corrupt, lease_lost, map, replicate};
+use crate::error::{self, corrupt, lease_lost, map};
 use crate::guard::{Retry, retry_on_lock};
 use crate::row::{Stored, stored};
 
@@ -98,7 +100,7 @@ impl MySqlLedger {
                         }));
                     }
                 }
-                Err(e) => answers.extend(chunk.iter().map(|_| Some(Err(replicate(&e))))),
+                Err(e) => answers.extend(fail_each(e, chunk.len()).into_iter().map(Some)),
             }
         }
         // Later listings first, while the first listings' answers are there
@@ -334,7 +336,7 @@ impl MySqlLedger {
     pub(crate) async fn complete_batch(&self, items: &[(Lease, Outcome)]) -> Vec<Result<()>> {
         let mut answers: Vec<Option<Result<()>>> = items.iter().map(|_| None).collect();
         if let Err(e) = self.writable("complete_many") {
-            return items.iter().map(|_| Err(replicate(&e))).collect();
+            return fail_each(e, items.len());
         }
         let max = self.max_outcome_bytes();
         // Which items go into the statements: the first lease of each key
@@ -377,7 +379,7 @@ impl MySqlLedger {
                 }
                 Err(e) => {
                     for &i in &chunk {
-                        answers[i] = Some(Err(replicate(&e)));
+                        answers[i] = Some(Err(copy_error(&e)));
                     }
                 }
             }

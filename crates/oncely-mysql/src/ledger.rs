@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use oncely::admin::{Admin, KindStats, RecordQuery, forget_refusal};
-use oncely::backend::{FromUrl, LostWrite, OpenOptions, check_outcome, duration_micros, from_micros};
+use oncely::backend::{
+    FromUrl, LostWrite, OpenOptions, check_outcome, duration_micros, fail_each, from_micros,
+};
 use oncely::watch::{Notifier, Watch};
 use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, Result, Tenant,
@@ -522,7 +524,7 @@ impl Ledger for MySqlLedger {
     async fn claim_many(&self, keys: &[EffectKey], opts: &ClaimOptions) -> Result<Vec<Result<Claim>>> {
         opts.validate()?;
         if let Err(e) = self.writable("claim_many") {
-            return Ok(keys.iter().map(|_| Err(error::replicate(&e))).collect());
+            return Ok(fail_each(e, keys.len()));
         }
         if keys.is_empty() {
             return Ok(Vec::new());
@@ -535,7 +537,7 @@ impl Ledger for MySqlLedger {
             return Vec::new();
         }
         if let Err(e) = self.probe(None).await {
-            return items.iter().map(|_| Err(error::replicate(&e))).collect();
+            return fail_each(e, items.len());
         }
         self.complete_batch(items).await
     }

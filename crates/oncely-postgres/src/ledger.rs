@@ -9,7 +9,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use oncely::admin::{Admin, KindStats, RecordQuery, forget_refusal};
 use oncely::backend::{
-    FromUrl, LostWrite, OpenOptions, answer_existing, check_outcome, duration_micros, from_micros, to_micros,
+    FromUrl, LostWrite, OpenOptions, answer_existing, check_outcome, copy_error, duration_micros, fail_each,
+    from_micros, to_micros,
 };
 use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, MAX_OUTCOME_BYTES, Outcome, Record,
@@ -18,7 +19,7 @@ use oncely::{
 use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres};
 
-use crate::error::{self, BACKEND, copy, map};
+use crate::error::{self, BACKEND, map};
 use crate::guard::{self, Failed, Retry, Run};
 use crate::hosts::Hosts;
 use crate::notify::{Changes, ListenerStatus};
@@ -440,7 +441,7 @@ impl PgLedger {
                 Err(Error::Unavailable { .. }) => unavailable = true,
                 Err(e) => {
                     for &n in &lost {
-                        answers[n] = Err(copy(&e));
+                        answers[n] = Err(copy_error(&e));
                     }
                 }
             }
@@ -755,7 +756,7 @@ impl PgLedger {
 /// Writes a copy of `e` as the answer of every `n` in `pending`.
 fn fill<T>(answers: &mut [Option<Result<T>>], pending: &[usize], e: &Error) {
     for &n in pending {
-        answers[n] = Some(Err(copy(e)));
+        answers[n] = Some(Err(copy_error(e)));
     }
 }
 
@@ -771,7 +772,7 @@ fn repeated(first: &Result<Claim>) -> Result<Claim> {
             read_at: lease.acquired_at(),
         }),
         Ok(other) => Ok(other.clone()),
-        Err(e) => Err(copy(e)),
+        Err(e) => Err(copy_error(e)),
     }
 }
 
@@ -885,7 +886,7 @@ impl Ledger for PgLedger {
         }
         let mut answers = match claimed {
             Ok(answers) => answers,
-            Err(lost @ Error::Unavailable { .. }) => keys.iter().map(|_| Err(copy(&lost))).collect(),
+            Err(lost @ Error::Unavailable { .. }) => fail_each(lost, keys.len()),
             Err(e) => return Err(e),
         };
         self.resolve_batch(keys, opts, &attempt, &mut answers).await;
@@ -902,7 +903,7 @@ impl Ledger for PgLedger {
             .await
         {
             Ok(answers) => answers,
-            Err(e) => items.iter().map(|_| Err(copy(&e))).collect(),
+            Err(e) => fail_each(e, items.len()),
         }
     }
 
@@ -1051,7 +1052,7 @@ impl PgLedger {
         }
         for (n, f) in repeats {
             answers[n] = Some(match &answers[f] {
-                Some(Err(e)) => Err(copy(e)),
+                Some(Err(e)) => Err(copy_error(e)),
                 _ => Err(lost(&items[n].0)),
             });
         }

@@ -59,37 +59,6 @@ pub(crate) fn task_failed(what: &str, e: tokio::task::JoinError) -> Error {
     }
 }
 
-/// The same error again, for each record of a batch whose call failed as a
-/// whole (errors are not `Clone`). The errors a call gives are rebuilt as
-/// they are; any other keeps its message and whether it is retryable.
-pub(crate) fn copy_error(e: &Error) -> Error {
-    match e {
-        Error::Unavailable { backend, message } => Error::Unavailable {
-            backend,
-            message: message.clone(),
-        },
-        Error::Backend {
-            backend,
-            message,
-            retryable,
-        } => Error::Backend {
-            backend,
-            message: message.clone(),
-            retryable: *retryable,
-        },
-        Error::Corrupt { backend, message } => Error::Corrupt {
-            backend,
-            message: message.clone(),
-        },
-        Error::Config(m) => Error::Config(m.clone()),
-        other => Error::Backend {
-            backend: BACKEND,
-            message: other.to_string(),
-            retryable: other.is_retryable(),
-        },
-    }
-}
-
 /// A script reply this crate does not know: a bug, or scripts and code of
 /// different versions.
 pub(crate) fn unexpected(what: &str) -> Error {

@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use oncely::backend::{
-    Access, FromUrl, OpenOptions, answer_existing, check_outcome, duration_micros, from_micros, to_micros,
+    Access, FromUrl, OpenOptions, answer_existing, check_outcome, copy_error, duration_micros, from_micros,
+    to_micros,
 };
 use oncely::watch::Watch;
 use oncely::{
@@ -18,7 +19,7 @@ use redis::{Cmd, Script, Value};
 
 use crate::conn::Conn;
 use crate::durability;
-use crate::error::{BACKEND, copy_error, corrupt, map_err, task_failed, unexpected};
+use crate::error::{BACKEND, corrupt, map_err, task_failed, unexpected};
 use crate::keys::{horizon_key, record_key, record_pattern, slot};
 use crate::lua::{self, CLAIM, ClaimItem, FENCED, FencedItem, GET};
 use crate::notify::{Notifications, Source};

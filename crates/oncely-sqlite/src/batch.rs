@@ -206,34 +206,3 @@ fn lease_lost(lease: &Lease) -> Error {
         fence: lease.fence(),
     }
 }
-
-/// `error` (a batch's transaction failed) as the answer of one of its slots:
-/// the whole batch shares the failure, and `oncely::Error` is not `Clone`.
-pub(crate) fn for_each_slot(error: &Error) -> Error {
-    match error {
-        Error::Backend {
-            backend,
-            message,
-            retryable,
-        } => Error::Backend {
-            backend,
-            message: message.clone(),
-            retryable: *retryable,
-        },
-        Error::Unavailable { backend, message } => Error::Unavailable {
-            backend,
-            message: message.clone(),
-        },
-        Error::Corrupt { backend, message } => Error::Corrupt {
-            backend,
-            message: message.clone(),
-        },
-        Error::Config(message) => Error::Config(message.clone()),
-        Error::Serialization(message) => Error::Serialization(message.clone()),
-        other => Error::Backend {
-            backend: BACKEND,
-            message: other.to_string(),
-            retryable: other.is_retryable(),
-        },
-    }
-}

@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 
 use oncely::admin::{Admin, KindStats, RecordQuery, forget_refusal};
 use oncely::backend::{
-    Access, FromUrl, OpenOptions, answer_existing, check_outcome, duration_micros, from_micros,
+    Access, FromUrl, OpenOptions, answer_existing, check_outcome, duration_micros, fail_each, from_micros,
     is_beyond_horizon, to_micros,
 };
 use oncely::watch::{Notifier, Watch};
@@ -560,7 +560,7 @@ impl Ledger for SqliteLedger {
         opts.validate()?;
         let sent_at = opts.sent_at.map(to_micros).transpose()?;
         if let Err(e) = self.writable("claim") {
-            return Ok(keys.iter().map(|_| Err(batch::for_each_slot(&e))).collect());
+            return Ok(fail_each(e, keys.len()));
         }
         match keys {
             [] => Ok(Vec::new()),
@@ -568,7 +568,7 @@ impl Ledger for SqliteLedger {
             [key] => Ok(vec![self.claim(key, opts).await]),
             _ => match self.claim_batch(keys, opts, sent_at).await {
                 Ok(answers) => Ok(answers),
-                Err(e) => Ok(keys.iter().map(|_| Err(batch::for_each_slot(&e))).collect()),
+                Err(e) => Ok(fail_each(e, keys.len())),
             },
         }
     }
@@ -601,7 +601,7 @@ impl Ledger for SqliteLedger {
                 }
                 answers
             }
-            Err(e) => items.iter().map(|_| Err(batch::for_each_slot(&e))).collect(),
+            Err(e) => fail_each(e, items.len()),
         }
     }
 

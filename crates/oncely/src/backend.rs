@@ -21,7 +21,11 @@
 //! - [`check_outcome`], [`check_extension`]: the outcome size limit and the
 //!   bounds of a renewal;
 //! - [`report_unexpected_violation`]: the one telemetry call a backend makes;
-//! - [`Backoff`]: the delays of every retry loop;
+//! - [`Backoff`]: the delays of every retry loop; [`retry`] and
+//!   [`Attempts`]: the loop itself (a retryable error runs again after a
+//!   pause, within a number of attempts or a window);
+//! - [`fail_each`], [`copy_error`]: one failure as the answer of every slot
+//!   of a batch;
 //! - [`to_micros`], [`from_micros`], [`duration_micros`]: the one time unit
 //!   backends store (microseconds since the Unix epoch), with checked
 //!   arithmetic.
@@ -36,6 +40,9 @@ use crate::error::{Error, Result};
 use crate::key::EffectKey;
 use crate::ledger::Ledger;
 use crate::record::{Claim, ClaimOptions, Lease, MAX_OUTCOME_BYTES, Outcome, Record, RecordState};
+
+pub use crate::retry::{Attempts, retry};
+pub use crate::slots::{copy_error, fail_each};
 
 /// What an opener may do to the ledger's storage (tables, a bucket).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -56,6 +56,8 @@ mod pipeline;
 mod pruner;
 pub mod reconcile;
 mod record;
+mod retry;
+mod slots;
 pub mod telemetry;
 pub mod watch;
 
