@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::{self, kv};
-use oncely::backend::{Access, FromUrl, OpenOptions, check_outcome};
+use oncely::backend::{Access, Attempts, FromUrl, OpenOptions, check_outcome, retry};
 use oncely::watch::Watch;
 use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, Outcome, Record, RecordState, Result,
@@ -184,17 +184,17 @@ impl NatsKvLedger {
         };
         // A replicated bucket just created answers only once its stream has
         // elected a leader; the first clock probe doubles as that wait.
-        let mut backoff = opening_backoff();
-        loop {
-            match ledger.now().await {
-                Ok(_) => return Ok(ledger),
-                Err(e) if !deadline.passed() => {
-                    tracing::debug!(error = %e, "bucket not ready yet");
-                    backoff.wait(deadline.remaining()).await;
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        let opening = Attempts::new(opening_backoff()).within(deadline.remaining());
+        let ready = retry(
+            opening,
+            |_| true,
+            || async {
+                let now = ledger.now().await;
+                now.inspect_err(|e| tracing::debug!(error = %e, "bucket not ready yet"))
+            },
+        )
+        .await;
+        ready.map(|_| ledger)
     }
 
     /// The underlying bucket.

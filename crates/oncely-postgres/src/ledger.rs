@@ -9,8 +9,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use oncely::admin::{Admin, KindStats, RecordQuery, forget_refusal};
 use oncely::backend::{
-    FromUrl, LostWrite, OpenOptions, answer_existing, check_outcome, copy_error, duration_micros, fail_each,
-    from_micros, to_micros,
+    Attempts, Backoff, FromUrl, LostWrite, OpenOptions, answer_existing, check_outcome, copy_error,
+    duration_micros, fail_each, from_micros, retry, to_micros,
 };
 use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, MAX_OUTCOME_BYTES, Outcome, Record,
@@ -39,6 +39,13 @@ const PRUNE_BATCH: u64 = 500;
 /// prune (above); a larger batch runs as several statements on one
 /// connection, each as atomic as a single claim.
 const CLAIM_BATCH: usize = 500;
+
+/// The attempts of a claim (or a batch's keys) whose answer was lost: again
+/// while the server is unavailable (a failover under way), within `window`,
+/// pausing 50 ms at first and at most a second.
+fn resolving(window: Duration) -> Attempts {
+    Attempts::new(Backoff::new(Duration::from_millis(50), Duration::from_secs(1))).within(window)
+}
 
 #[derive(Debug)]
 pub(crate) struct Inner {
@@ -371,35 +378,30 @@ impl PgLedger {
         lost: Error,
     ) -> Result<Claim> {
         let give_up = Instant::now() + self.inner.operation_timeout;
-        let mut backoff = oncely::backend::Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
-        loop {
-            let left = give_up.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(lost);
-            }
-            let again = self
-                .bounded_for(left, async {
+        let again = retry(
+            resolving(self.inner.operation_timeout),
+            |e| matches!(e, Error::Unavailable { .. }),
+            || {
+                let left = give_up.saturating_duration_since(Instant::now());
+                self.bounded_for(left, async {
                     let mut conn = self.acquire().await?;
                     self.claim_on(&mut conn, key, opts, true, &attempt.again()).await
                 })
-                .await;
-            match again {
-                Ok(claim) => {
-                    tracing::info!(
-                        backend = BACKEND,
-                        key = %key,
-                        acquired = matches!(claim, Claim::Acquired(_)),
-                        "a claim whose answer was lost was resolved from its row"
-                    );
-                    return Ok(claim);
-                }
-                Err(Error::Unavailable { .. }) => {
-                    backoff
-                        .wait(give_up.saturating_duration_since(Instant::now()))
-                        .await;
-                }
-                Err(e) => return Err(e),
+            },
+        )
+        .await;
+        match again {
+            Ok(claim) => {
+                tracing::info!(
+                    backend = BACKEND,
+                    key = %key,
+                    acquired = matches!(claim, Claim::Acquired(_)),
+                    "a claim whose answer was lost was resolved from its row"
+                );
+                Ok(claim)
             }
+            Err(Error::Unavailable { .. }) => Err(lost),
+            Err(e) => Err(e),
         }
     }
 
@@ -414,19 +416,20 @@ impl PgLedger {
         attempt: &Attempt,
         answers: &mut [Result<Claim>],
     ) {
-        let give_up = Instant::now() + self.inner.operation_timeout;
-        let mut backoff = oncely::backend::Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+        let mut attempts = resolving(self.inner.operation_timeout);
         loop {
             let lost: Vec<usize> = (0..keys.len())
                 .filter(|&n| matches!(answers[n], Err(Error::Unavailable { .. })))
                 .collect();
-            let left = give_up.saturating_duration_since(Instant::now());
-            if lost.is_empty() || left.is_zero() {
+            if lost.is_empty() {
                 return;
             }
             let subset: Vec<EffectKey> = lost.iter().map(|&n| keys[n].clone()).collect();
             let again = self
-                .bounded_for(left, self.claim_batches(&subset, opts, &attempt.again()))
+                .bounded_for(
+                    attempts.left(),
+                    self.claim_batches(&subset, opts, &attempt.again()),
+                )
                 .await;
             let mut unavailable = false;
             match again {
@@ -445,10 +448,8 @@ impl PgLedger {
                     }
                 }
             }
-            if unavailable {
-                backoff
-                    .wait(give_up.saturating_duration_since(Instant::now()))
-                    .await;
+            if unavailable && !attempts.again().await {
+                return;
             }
         }
     }

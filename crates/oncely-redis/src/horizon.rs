@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime};
 
-use oncely::backend::{Backoff, from_micros, is_beyond_horizon, to_micros};
+use oncely::backend::{Attempts, Backoff, from_micros, is_beyond_horizon, retry, to_micros};
 use oncely::{EffectKey, Error, Lease, Result, Tenant};
 use redis::Value;
 
@@ -159,33 +159,25 @@ impl RedisLedger {
             }
         };
         let hz = sent_us.to_string();
-        let mut backoff = undo_backoff();
-        for attempt in 1..=UNDO_ATTEMPTS {
-            match self
-                .fenced(
-                    lease.key(),
-                    lease.fence(),
-                    "undo",
-                    &[created.as_bytes(), hz.as_bytes()],
-                )
-                .await
-            {
-                // Lost: no longer the record this claim wrote (taken over
-                // after its lease ended), so nothing of ours to take back.
-                Ok(_) | Err(Error::LeaseLost { .. }) => return,
-                Err(e) if e.is_retryable() && attempt < UNDO_ATTEMPTS => {
-                    tokio::time::sleep(backoff.next_delay()).await;
-                }
-                Err(e) => {
-                    tracing::error!(
-                        key = %lease.key(),
-                        fence = lease.fence(),
-                        error = %e,
-                        "cannot take back a claim beyond the horizon; its record stays in progress \
-                         until its lease ends, and whoever would take it over then checks the horizon again"
-                    );
-                    return;
-                }
+        let args = [created.as_bytes(), hz.as_bytes()];
+        let undone = retry(
+            Attempts::new(undo_backoff()).at_most(UNDO_ATTEMPTS),
+            Error::is_retryable,
+            || self.fenced(lease.key(), lease.fence(), "undo", &args),
+        )
+        .await;
+        match undone {
+            // Lost: no longer the record this claim wrote (taken over
+            // after its lease ended), so nothing of ours to take back.
+            Ok(_) | Err(Error::LeaseLost { .. }) => {}
+            Err(e) => {
+                tracing::error!(
+                    key = %lease.key(),
+                    fence = lease.fence(),
+                    error = %e,
+                    "cannot take back a claim beyond the horizon; its record stays in progress \
+                     until its lease ends, and whoever would take it over then checks the horizon again"
+                );
             }
         }
     }
