@@ -41,7 +41,7 @@ use crate::key::EffectKey;
 use crate::ledger::Ledger;
 use crate::record::{Claim, ClaimOptions, Lease, MAX_OUTCOME_BYTES, Outcome, Record, RecordState};
 
-pub use crate::retry::{Attempts, retry};
+pub use crate::retry::{Attempts, Backoff, retry};
 pub use crate::slots::{copy_error, fail_each};
 
 /// What an opener may do to the ledger's storage (tables, a bucket).
@@ -458,36 +458,6 @@ pub fn needs_refresh(lease: &Lease, requested: Duration) -> bool {
         .duration_since(lease.acquired_at)
         .unwrap_or_default();
     left < requested / 2
-}
-
-/// Exponential backoff for retry loops (backends re-running a statement,
-/// runners waiting for a holder): `first`, then doubling up to `max`.
-#[derive(Debug, Clone)]
-pub struct Backoff {
-    next: Duration,
-    max: Duration,
-}
-
-impl Backoff {
-    /// Starts at `first` and never exceeds `max`.
-    pub fn new(first: Duration, max: Duration) -> Self {
-        Backoff {
-            next: first.min(max),
-            max,
-        }
-    }
-
-    /// The delay to wait now; the next one is twice as long (up to `max`).
-    pub fn next_delay(&mut self) -> Duration {
-        let delay = self.next;
-        self.next = self.next.saturating_mul(2).min(self.max);
-        delay
-    }
-
-    /// Waits [`Backoff::next_delay`], but never past `limit` from now.
-    pub async fn wait(&mut self, limit: Duration) {
-        tokio::time::sleep(self.next_delay().min(limit)).await;
-    }
 }
 
 /// The end state a fenced write leaves when it is applied: what
