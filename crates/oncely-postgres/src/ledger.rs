@@ -16,9 +16,9 @@ use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, MAX_OUTCOME_BYTES, Outcome, Record,
     Result, Tenant, TransactionalLedger, Watch,
 };
-use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres};
 
+use crate::conn::Conn;
 use crate::error::{self, BACKEND, map};
 use crate::guard::{self, Failed, Retry, Run};
 use crate::hosts::Hosts;
@@ -82,43 +82,6 @@ tokio::task_local! {
     /// The deadline of the ledger operation running on this task
     /// ([`PgLedger::bounded`]), read by [`PgLedger::acquire`].
     static DEADLINE: Instant;
-}
-
-/// A pooled connection that is closed, not returned to the pool, when it
-/// is dropped at or past its operation's deadline: the operation timed out
-/// with a statement in flight, and the pool's check of a returned
-/// connection (a ping, which waits for that statement's answer) would hang
-/// on a server that stopped answering, holding a pool slot forever.
-pub(crate) struct Conn {
-    conn: PoolConnection<Postgres>,
-    deadline: Option<Instant>,
-}
-
-impl Conn {
-    pub(crate) fn new(conn: PoolConnection<Postgres>, deadline: Option<Instant>) -> Self {
-        Conn { conn, deadline }
-    }
-}
-
-impl std::ops::Deref for Conn {
-    type Target = PgConnection;
-    fn deref(&self) -> &PgConnection {
-        &self.conn
-    }
-}
-
-impl std::ops::DerefMut for Conn {
-    fn deref_mut(&mut self) -> &mut PgConnection {
-        &mut self.conn
-    }
-}
-
-impl Drop for Conn {
-    fn drop(&mut self) {
-        if self.deadline.is_some_and(|d| Instant::now() >= d) {
-            self.conn.close_on_drop();
-        }
-    }
 }
 
 /// An effect ledger in a PostgreSQL table. Cloning is cheap (a pool handle
@@ -305,7 +268,7 @@ impl PgLedger {
     pub(crate) async fn acquire(&self) -> Result<Conn> {
         let deadline = DEADLINE.try_with(|d| *d).ok();
         match self.pool.acquire().await {
-            Ok(conn) => Ok(Conn { conn, deadline }),
+            Ok(conn) => Ok(Conn::new(conn, deadline)),
             Err(e) => {
                 let refused = matches!(e, sqlx::Error::PoolTimedOut)
                     .then(|| self.inner.hosts.as_ref().and_then(|h| h.refusal()))

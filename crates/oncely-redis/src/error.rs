@@ -2,9 +2,7 @@
 //! driver type crosses the API.
 
 use oncely::Error;
-use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
-
-use crate::reply::text;
+use redis::{ErrorKind, RedisError, ServerErrorKind};
 
 /// The backend's name in errors and [`Ledger::backend`](oncely::Ledger::backend).
 pub(crate) const BACKEND: &str = "redis";
@@ -66,15 +64,6 @@ pub(crate) fn unexpected(what: &str) -> Error {
         backend: BACKEND,
         message: format!("unexpected script reply {what:?}"),
         retryable: false,
-    }
-}
-
-/// A script's `{'corrupt', message}` reply about `rkey`.
-pub(crate) fn corrupt(rkey: &str, parts: &[Value]) -> Error {
-    let what = parts.get(1).and_then(text).unwrap_or_default();
-    Error::Corrupt {
-        backend: BACKEND,
-        message: format!("{rkey}: {what}"),
     }
 }
 

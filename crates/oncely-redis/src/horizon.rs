@@ -17,9 +17,9 @@ use redis::Value;
 
 use crate::RedisLedger;
 use crate::conn::Conn;
-use crate::error::{BACKEND, corrupt, map_err, task_failed, unexpected};
+use crate::error::{BACKEND, map_err, task_failed, unexpected};
 use crate::lua::{HORIZON, PRUNE};
-use crate::reply::{array, int, tag, text};
+use crate::reply::{array, corrupt, int, tag, text};
 
 /// How often a cluster claim tries to take back an insert that turned out to
 /// be beyond the horizon, on retryable errors, before it gives up and logs.

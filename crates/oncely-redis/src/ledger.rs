@@ -19,12 +19,12 @@ use redis::{Cmd, Script, Value};
 
 use crate::conn::Conn;
 use crate::durability;
-use crate::error::{BACKEND, corrupt, map_err, task_failed, unexpected};
+use crate::error::{BACKEND, map_err, task_failed, unexpected};
 use crate::keys::{horizon_key, record_key, record_pattern, slot};
 use crate::lua::{self, CLAIM, ClaimItem, FENCED, FencedItem, GET};
 use crate::notify::{Notifications, Source};
 use crate::options::{RedisLedgerOptions, RedisUrl, Target, check_scheme};
-use crate::reply::{array, grant, in_progress, int, record, tag, text, uint};
+use crate::reply::{array, corrupt, grant, in_progress, int, record, tag, text, uint};
 
 /// How many times one claim runs the claim script. It runs again only after
 /// it found an unchecked record ([`RedisLedger::recheck`]) and removed it or

@@ -27,6 +27,15 @@ pub(crate) fn text(v: &Value) -> Option<String> {
     }
 }
 
+/// A script's `{'corrupt', message}` reply about `rkey`.
+pub(crate) fn corrupt(rkey: &str, parts: &[Value]) -> Error {
+    let what = parts.get(1).and_then(text).unwrap_or_default();
+    Error::Corrupt {
+        backend: BACKEND,
+        message: format!("{rkey}: {what}"),
+    }
+}
+
 /// The first element of a script's reply: what kind of answer it is.
 pub(crate) fn tag(parts: &[Value]) -> Result<&str> {
     match parts.first() {
