@@ -13,6 +13,7 @@
 use std::sync::Arc;
 
 use oncely::admin::{Filter, RecordQuery};
+use oncely::backend::{KeyRange, key_range};
 use oncely::{RecordState, Tenant};
 
 /// A timestamp as microseconds since the Unix epoch (`extract` is exact
@@ -680,8 +681,8 @@ impl Binds {
 /// three are given, else the columns.
 fn scope_sql(tenant: Option<&Tenant>, kind: Option<&str>, subject: Option<&str>, b: &mut Binds) -> String {
     let mut w = Vec::new();
-    if let (Some(t), Some(k), Some(s)) = (tenant, kind, subject) {
-        w.push(format!("e.key = {}", b.push(Arg::Text(format!("{t}/{k}:{s}")))));
+    if let KeyRange::Key(key) = key_range(tenant, kind, subject) {
+        w.push(format!("e.key = {}", b.push(Arg::Text(key))));
     }
     if let Some(t) = tenant {
         w.push(format!("e.tenant = {}", b.push(Arg::Text(t.as_str().to_owned()))));

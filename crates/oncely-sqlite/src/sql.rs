@@ -12,6 +12,7 @@
 use std::sync::Arc;
 
 use oncely::admin::{Filter, RecordQuery};
+use oncely::backend::{KeyRange, key_range};
 use oncely::{Error, RecordState, Tenant};
 
 /// The database clock in microseconds.
@@ -424,7 +425,7 @@ fn filter_sql(filter: Filter) -> &'static str {
 }
 
 /// The part of the WHERE that picks a tenant (and kind, and subject): a
-/// range of the primary key (`tenant/`, `tenant/kind:`), or the key itself
+/// range of the primary key (`key_range`: `tenant/`, `tenant/kind:`), or the key itself
 /// when all three are given, so the key's index serves it. The columns are
 /// compared too, which keeps the range exact.
 fn scope_sql(
@@ -434,26 +435,17 @@ fn scope_sql(
     args: &mut Vec<Arg>,
 ) -> String {
     let mut w = Vec::new();
-    match (tenant, kind, subject) {
-        (Some(t), Some(k), Some(s)) => {
+    match key_range(tenant, kind, subject) {
+        KeyRange::Key(key) => {
             w.push("e.key = ?".to_owned());
-            args.push(Arg::Text(format!("{t}/{k}:{s}")));
+            args.push(Arg::Text(key));
         }
-        (Some(t), k, _) => {
-            let prefix = match k {
-                Some(k) => format!("{t}/{k}:"),
-                None => format!("{t}/"),
-            };
-            // The prefix ends in ASCII '/' or ':'; the next byte bounds it.
-            let mut upper = prefix.clone().into_bytes();
-            if let Some(last) = upper.last_mut() {
-                *last += 1;
-            }
+        KeyRange::Prefix { start, end } => {
             w.push("e.key >= ? AND e.key < ?".to_owned());
-            args.push(Arg::Text(prefix));
-            args.push(Arg::Text(String::from_utf8_lossy(&upper).into_owned()));
+            args.push(Arg::Text(start));
+            args.push(Arg::Text(end));
         }
-        _ => {}
+        KeyRange::All => {}
     }
     if let Some(t) = tenant {
         w.push("e.tenant = ?".to_owned());

@@ -26,6 +26,8 @@
 //!   pause, within a number of attempts or a window);
 //! - [`fail_each`], [`copy_error`]: one failure as the answer of every slot
 //!   of a batch;
+//! - [`key_range`]: the range of keys an operator listing of a tenant (and
+//!   kind) reads;
 //! - [`to_micros`], [`from_micros`], [`duration_micros`]: the one time unit
 //!   backends store (microseconds since the Unix epoch), with checked
 //!   arithmetic.
@@ -42,6 +44,7 @@ use crate::ledger::Ledger;
 use crate::record::{Claim, ClaimOptions, Lease, MAX_OUTCOME_BYTES, Outcome, Record, RecordState};
 
 pub use crate::retry::{Attempts, Backoff, retry};
+pub use crate::scope::{KeyRange, key_range};
 pub use crate::slots::{copy_error, fail_each};
 
 /// What an opener may do to the ledger's storage (tables, a bucket).

@@ -57,6 +57,7 @@ mod pruner;
 pub mod reconcile;
 mod record;
 mod retry;
+mod scope;
 mod slots;
 pub mod telemetry;
 pub mod watch;
