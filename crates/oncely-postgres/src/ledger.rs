@@ -10,7 +10,8 @@ use std::time::{Duration, Instant, SystemTime};
 use oncely::admin::{Admin, KindStats, RecordQuery, forget_refusal};
 use oncely::backend::{
     Attempts, Backoff, FromUrl, LostWrite, OpenOptions, answer_existing, check_outcome, copy_error,
-    duration_micros, fail_each, from_micros, retry, to_micros,
+    duration_micros, earlier_listings, fail_each, from_micros, repeated_claim, repeated_completion, retry,
+    to_micros,
 };
 use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, MAX_OUTCOME_BYTES, Outcome, Record,
@@ -724,22 +725,6 @@ fn fill<T>(answers: &mut [Option<Result<T>>], pending: &[usize], e: &Error) {
     }
 }
 
-/// What a key listed again in one `claim_many` gets: what a concurrent
-/// duplicate of the first occurrence would (in progress under the lease the
-/// first one acquired, or the same record, or the same refusal).
-fn repeated(first: &Result<Claim>) -> Result<Claim> {
-    match first {
-        Ok(Claim::Acquired(lease)) => Ok(Claim::InProgress {
-            fence: lease.fence(),
-            expires_at: lease.expires_at(),
-            first_claimed_at: lease.first_claimed_at(),
-            read_at: lease.acquired_at(),
-        }),
-        Ok(other) => Ok(other.clone()),
-        Err(e) => Err(copy_error(e)),
-    }
-}
-
 /// The fenced writes.
 #[derive(Clone, Copy)]
 enum Write<'a> {
@@ -924,18 +909,17 @@ impl PgLedger {
         // A `sent_at` the ledger cannot store fails the whole batch, before
         // any round trip.
         opts.sent_at.map(to_micros).transpose()?;
-        // A key listed again is not sent: it gets what a concurrent duplicate
-        // of its first occurrence would.
-        let mut first: HashMap<&str, usize> = HashMap::with_capacity(keys.len());
+        // A key listed again is not sent: it gets what the same claim made
+        // right after its first listing would (`repeated_claim`).
         let mut distinct = Vec::with_capacity(keys.len());
         let mut repeats = Vec::new();
-        for (n, key) in keys.iter().enumerate() {
-            match first.entry(key.as_str()) {
-                Entry::Occupied(f) => repeats.push((n, *f.get())),
-                Entry::Vacant(v) => {
-                    v.insert(n);
-                    distinct.push(n);
-                }
+        for (n, earlier) in earlier_listings(keys.iter().map(EffectKey::as_str))
+            .into_iter()
+            .enumerate()
+        {
+            match earlier {
+                Some(f) => repeats.push((n, f)),
+                None => distinct.push(n),
             }
         }
         // In key order, so overlapping batches reach their common rows in
@@ -955,7 +939,7 @@ impl PgLedger {
         }
         for (n, f) in repeats {
             let answer = match &answers[f] {
-                Some(first) => repeated(first),
+                Some(first) => repeated_claim(first),
                 None => Err(error::corrupt("a batch claim left a key unanswered")),
             };
             answers[n] = Some(answer);
@@ -1016,8 +1000,8 @@ impl PgLedger {
         }
         for (n, f) in repeats {
             answers[n] = Some(match &answers[f] {
-                Some(Err(e)) => Err(copy_error(e)),
-                _ => Err(lost(&items[n].0)),
+                Some(first) => repeated_completion(first, &items[n].0),
+                None => Err(lost(&items[n].0)),
             });
         }
         answers

@@ -25,7 +25,9 @@
 //!   [`Attempts`]: the loop itself (a retryable error runs again after a
 //!   pause, within a number of attempts or a window);
 //! - [`fail_each`], [`copy_error`]: one failure as the answer of every slot
-//!   of a batch;
+//!   of a batch; [`earlier_listings`], [`repeated_claim`],
+//!   [`repeated_completion`]: what a key or lease listed twice in one batch
+//!   answers (what the same call made again right after would);
 //! - [`key_range`]: the range of keys an operator listing of a tenant (and
 //!   kind) reads;
 //! - [`to_micros`], [`from_micros`], [`duration_micros`]: the one time unit
@@ -45,7 +47,7 @@ use crate::record::{Claim, ClaimOptions, Lease, MAX_OUTCOME_BYTES, Outcome, Reco
 
 pub use crate::retry::{Attempts, Backoff, retry};
 pub use crate::scope::{KeyRange, key_range};
-pub use crate::slots::{copy_error, fail_each};
+pub use crate::slots::{copy_error, earlier_listings, fail_each, repeated_claim, repeated_completion};
 
 /// What an opener may do to the ledger's storage (tables, a bucket).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -1,8 +1,13 @@
-//! One failure answering every slot of a batch: a batch call (`claim_many`,
-//! `complete_many`) whose round trip failed as a whole gives each of its
-//! keys the same error.
+//! The slots of a batch (`claim_many`, `complete_many`): one failure
+//! answering every slot (a round trip that failed as a whole gives each of
+//! its keys the same error), and what a key or lease listed again answers.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::hash::Hash;
 
 use crate::error::{Error, Result};
+use crate::record::{Claim, Lease};
 
 /// A copy of `error`, for another slot of a batch that one failure answers
 /// ([`Error`] is not `Clone`: [`Error::Handler`] carries a handler's boxed
@@ -81,6 +86,58 @@ pub fn fail_each<T>(error: Error, slots: usize) -> Vec<Result<T>> {
     answers
 }
 
+/// For each slot of a batch, the earlier slot that lists the same item (a
+/// key; a lease's key and fence), or `None` for its first listing. A
+/// backend sends first listings only and answers the others from them
+/// ([`repeated_claim`], [`repeated_completion`]).
+pub fn earlier_listings<T: Eq + Hash>(items: impl IntoIterator<Item = T>) -> Vec<Option<usize>> {
+    let mut first = HashMap::new();
+    items
+        .into_iter()
+        .enumerate()
+        .map(|(n, item)| match first.entry(item) {
+            Entry::Occupied(f) => Some(*f.get()),
+            Entry::Vacant(v) => {
+                v.insert(n);
+                None
+            }
+        })
+        .collect()
+}
+
+/// What a key listed again in one `claim_many` answers, from its first
+/// listing's answer: what the same claim made right after it would answer
+/// (`Ledger::claim_many`'s rule, one for every backend). A grant to the
+/// first listing is in progress at that fence; a record found (completed,
+/// in progress, abandoned) is found again; a refusal (another payload,
+/// beyond the horizon, a failed round trip) is the same refusal.
+pub fn repeated_claim(first: &Result<Claim>) -> Result<Claim> {
+    match first {
+        Ok(Claim::Acquired(lease)) => Ok(Claim::InProgress {
+            fence: lease.fence(),
+            expires_at: lease.expires_at(),
+            first_claimed_at: lease.first_claimed_at(),
+            read_at: lease.acquired_at(),
+        }),
+        Ok(other) => Ok(other.clone()),
+        Err(e) => Err(copy_error(e)),
+    }
+}
+
+/// What a lease listed again (its key and fence) in one `complete_many`
+/// answers, from its first listing's answer: what completing it again
+/// right after would answer. Completed once, it is lost
+/// ([`Error::LeaseLost`]); failed, the same failure.
+pub fn repeated_completion(first: &Result<()>, lease: &Lease) -> Result<()> {
+    match first {
+        Ok(()) => Err(Error::LeaseLost {
+            key: lease.key().to_string(),
+            fence: lease.fence(),
+        }),
+        Err(e) => Err(copy_error(e)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -100,6 +157,15 @@ mod tests {
             assert!(matches!(a, Err(Error::Backend { message, retryable: true, .. }) if message == "down"));
         }
         assert!(fail_each::<()>(Error::Config("x".into()), 0).is_empty());
+    }
+
+    #[test]
+    fn later_listings_point_at_the_first() {
+        assert_eq!(
+            earlier_listings(["a", "b", "a", "c", "b", "a"]),
+            [None, None, Some(0), None, Some(1), Some(0)]
+        );
+        assert!(earlier_listings(Vec::<&str>::new()).is_empty());
     }
 
     #[test]
