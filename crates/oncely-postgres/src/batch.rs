@@ -9,11 +9,11 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 
 use oncely::backend::{
-    answer_existing, check_outcome, copy_error, duration_micros, earlier_listings, repeated_claim,
-    repeated_completion, to_micros,
+    answer_existing, check_outcome, copy_error, earlier_listings, repeated_claim, repeated_completion,
+    to_micros,
 };
 use oncely::{Claim, ClaimOptions, EffectKey, Error, Lease, MAX_OUTCOME_BYTES, Outcome, Result};
-use sqlx::{AssertSqlSafe, PgConnection};
+use sqlx::PgConnection;
 
 use crate::PgLedger;
 use crate::error;
@@ -95,30 +95,15 @@ impl PgLedger {
             Ok(sent_at) => sent_at,
             Err(e) => return fill(answers, chunk, &e),
         };
-        let sql = match sent_at {
-            None => &self.inner.q.claim_many,
-            Some(_) => &self.inner.q.claim_many_horizon,
-        };
         let mut pending: Vec<usize> = chunk.to_vec();
         let mut retry = Retry::new(true, || format!("a batch of {} claims", chunk.len()));
         loop {
             let run = async {
-                let column =
-                    |f: fn(&EffectKey) -> &str| pending.iter().map(|&n| f(&keys[n])).collect::<Vec<_>>();
-                let mut query = sqlx::query(AssertSqlSafe(sql.clone()))
-                    .bind(column(EffectKey::as_str))
-                    .bind(column(|k| k.tenant().as_str()))
-                    .bind(column(EffectKey::kind))
-                    .bind(column(EffectKey::subject))
-                    .bind(opts.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
-                    .bind(opts.at_most_once)
-                    .bind(duration_micros(opts.lease))
-                    .bind(duration_micros(opts.retention))
-                    .bind(true)
-                    .bind(attempt.token().as_bytes());
-                if let Some(sent_at) = sent_at {
-                    query = query.bind(sent_at);
-                }
+                let batch: Vec<&EffectKey> = pending.iter().map(|&n| &keys[n]).collect();
+                let query = self
+                    .inner
+                    .q
+                    .bind_claim_many(&batch, opts, attempt.token().as_bytes(), sent_at);
                 attempt.sending();
                 let rows = query.fetch_all(&mut *conn).await?;
                 // The guard is one for the statement: every row says so.
@@ -205,11 +190,10 @@ impl PgLedger {
         let mut retry = Retry::new(true, || format!("a batch of {} completions", send.len()));
         loop {
             let run = async {
-                let rows = sqlx::query(AssertSqlSafe(self.inner.q.complete_many.clone()))
-                    .bind(&keys)
-                    .bind(&fences)
-                    .bind(&outcomes)
-                    .bind(true)
+                let rows = self
+                    .inner
+                    .q
+                    .bind_complete_many(&keys, &fences, &outcomes)
                     .fetch_all(&mut *conn)
                     .await?;
                 if !rows.iter().all(|r| row::guard_ok(r).unwrap_or(false)) {

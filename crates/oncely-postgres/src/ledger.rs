@@ -14,7 +14,7 @@ use oncely::{
     Capabilities, Claim, ClaimOptions, EffectKey, Error, Lease, Ledger, MAX_OUTCOME_BYTES, Outcome, Record,
     Result, Tenant, TransactionalLedger, Watch,
 };
-use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres};
+use sqlx::{PgConnection, PgPool, Postgres};
 
 use crate::conn::Conn;
 use crate::error::{self, BACKEND, map};
@@ -378,27 +378,13 @@ impl PgLedger {
         attempt: &Attempt,
     ) -> Result<Claim> {
         let sent_at = opts.sent_at.map(to_micros).transpose()?;
-        let sql = match sent_at {
-            None => &self.inner.q.claim,
-            Some(_) => &self.inner.q.claim_horizon,
-        };
         let mut retry = Retry::new(guarded, || format!("{key}: the claim"));
         loop {
             let run = async {
-                let mut query = sqlx::query(AssertSqlSafe(sql.clone()))
-                    .bind(key.as_str())
-                    .bind(key.tenant().as_str())
-                    .bind(key.kind())
-                    .bind(key.subject())
-                    .bind(opts.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
-                    .bind(opts.at_most_once)
-                    .bind(duration_micros(opts.lease))
-                    .bind(duration_micros(opts.retention))
-                    .bind(guarded)
-                    .bind(attempt.token().as_bytes());
-                if let Some(sent_at) = sent_at {
-                    query = query.bind(sent_at);
-                }
+                let query = self
+                    .inner
+                    .q
+                    .bind_claim(key, opts, guarded, attempt.token().as_bytes(), sent_at);
                 attempt.sending();
                 let row = query.fetch_one(&mut *conn).await?;
                 Ok(match ClaimRow::decode(key, &row)? {
@@ -452,24 +438,9 @@ impl PgLedger {
                 let query = match write {
                     // Unguarded: inside the caller's transaction, which
                     // notifies when it commits (see sql.rs).
-                    Write::Complete(outcome) => sqlx::query(AssertSqlSafe(if guarded {
-                        q.complete.clone()
-                    } else {
-                        q.complete_in.clone()
-                    }))
-                    .bind(lease.key().as_str())
-                    .bind(fence)
-                    .bind(outcome.as_bytes())
-                    .bind(guarded),
-                    Write::Release => sqlx::query(AssertSqlSafe(q.release.clone()))
-                        .bind(lease.key().as_str())
-                        .bind(fence)
-                        .bind(guarded),
-                    Write::Renew(us) => sqlx::query(AssertSqlSafe(q.renew.clone()))
-                        .bind(lease.key().as_str())
-                        .bind(fence)
-                        .bind(us)
-                        .bind(guarded),
+                    Write::Complete(outcome) => q.bind_complete(lease.key(), fence, outcome, guarded),
+                    Write::Release => q.bind_release(lease.key(), fence, guarded),
+                    Write::Renew(us) => q.bind_renew(lease.key(), fence, us, guarded),
                 };
                 match query.fetch_optional(&mut *conn).await? {
                     Some(row) => Ok(Run::Done(row::written(&row)?)),
@@ -498,11 +469,7 @@ impl PgLedger {
         let mut retry = Retry::new(true, || "prune".to_owned());
         loop {
             let run = async {
-                let row = sqlx::query(AssertSqlSafe(self.inner.q.prune.clone()))
-                    .bind(batch)
-                    .bind(from)
-                    .fetch_one(&mut *conn)
-                    .await?;
+                let row = self.inner.q.bind_prune(batch, from).fetch_one(&mut *conn).await?;
                 guard::checked(row)
             }
             .await;
@@ -694,10 +661,7 @@ impl PgLedger {
         let mut retry = Retry::new(true, || format!("{key}: the read"));
         let row = loop {
             let run = async {
-                let row = sqlx::query(AssertSqlSafe(self.inner.q.get.clone()))
-                    .bind(key.as_str())
-                    .fetch_one(&mut *conn)
-                    .await?;
+                let row = self.inner.q.bind_get(key).fetch_one(&mut *conn).await?;
                 guard::checked(row)
             }
             .await;
@@ -748,9 +712,10 @@ impl PgLedger {
         // so it carries no guard; only a failed stray transaction is healed.
         let mut retry = Retry::new(true, || "abandoned listing".to_owned());
         let rows = loop {
-            let run = sqlx::query(AssertSqlSafe(self.inner.q.abandoned.clone()))
-                .bind(tenant.as_str())
-                .bind(limit)
+            let run = self
+                .inner
+                .q
+                .bind_abandoned(tenant, limit)
                 .fetch_all(&mut *conn)
                 .await
                 .map(Run::Done)
@@ -772,9 +737,10 @@ impl PgLedger {
         let mut retry = Retry::new(true, || "the horizon read".to_owned());
         let row = loop {
             let run = async {
-                let row = sqlx::query(AssertSqlSafe(self.inner.q.horizon.clone()))
-                    .bind(tenant.as_str())
-                    .bind(kind)
+                let row = self
+                    .inner
+                    .q
+                    .bind_horizon(tenant, kind)
                     .fetch_one(&mut *conn)
                     .await?;
                 guard::checked(row)
@@ -895,12 +861,7 @@ impl Admin for PgLedger {
                 let mut retry = Retry::new(true, || format!("{key}: forget"));
                 Ok(loop {
                     let run = async {
-                        let row = sqlx::query(AssertSqlSafe(q.forget.clone()))
-                            .bind(key.as_str())
-                            .bind(f)
-                            .bind(true)
-                            .fetch_optional(&mut *conn)
-                            .await?;
+                        let row = q.bind_forget(key, f).fetch_optional(&mut *conn).await?;
                         match row {
                             Some(_) => Ok(Run::Done(true)),
                             None if !guard::autocommit(&mut conn, &q.probe).await? => Ok(Run::Leaked),
@@ -948,14 +909,7 @@ impl PgLedger {
             let mut conn = self.acquire().await?;
             let mut retry = Retry::new(true, || what.to_owned());
             loop {
-                let mut query = sqlx::query(AssertSqlSafe(text.to_owned()));
-                for a in args {
-                    query = match a {
-                        sql::Arg::Text(s) => query.bind(s.clone()),
-                        sql::Arg::Int(i) => query.bind(*i),
-                    };
-                }
-                let run = query
+                let run = sql::bind_listing(text, args)
                     .fetch_all(&mut *conn)
                     .await
                     .map(Run::Done)
