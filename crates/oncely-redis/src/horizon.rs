@@ -19,7 +19,7 @@ use crate::RedisLedger;
 use crate::conn::Conn;
 use crate::error::{BACKEND, map_err, task_failed, unexpected};
 use crate::lua::{HORIZON, PRUNE};
-use crate::reply::{array, corrupt, int, tag, text};
+use crate::reply::{Due, array, corrupt, tag, text};
 
 /// How often a cluster claim tries to take back an insert that turned out to
 /// be beyond the horizon, on retryable errors, before it gives up and logs.
@@ -212,8 +212,7 @@ impl RedisLedger {
             if tag(&parts)? != "due" {
                 continue;
             }
-            let stored = parts.get(1).and_then(text).unwrap_or_default();
-            let created = int(parts.get(2))?;
+            let Due { key: stored, created } = Due::decode(&parts)?;
             match EffectKey::parse(&stored) {
                 Ok(key) if self.redis_key(&key) == rkey => due.push((rkey, key, created)),
                 _ => tracing::warn!(key = %rkey, "record stored under another key; not pruned"),

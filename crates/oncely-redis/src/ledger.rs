@@ -22,7 +22,7 @@ use crate::keys::{horizon_key, record_key, record_pattern, slot};
 use crate::lua::{self, CLAIM, ClaimItem, FENCED, FencedItem, GET};
 use crate::notify::{Notifications, Source};
 use crate::options::{RedisLedgerOptions, RedisUrl, Target, check_scheme};
-use crate::reply::{array, corrupt, grant, in_progress, int, record, tag, text, uint};
+use crate::reply::{Unchecked, Written, array, corrupt, corrupt_horizon, grant, in_progress, record, tag};
 
 /// How many times one claim runs the claim script. It runs again only after
 /// it found an unchecked record ([`RedisLedger::recheck`]) and removed it or
@@ -429,11 +429,10 @@ impl RedisLedger {
                         Answer::Done(Ok(Claim::Acquired(lease)))
                     }
                 }
-                "unchecked" => Answer::Unchecked {
-                    fence: uint(parts.get(1))?,
-                    created: int(parts.get(2))?,
-                    hz: parts.get(3).and_then(text).unwrap_or_default(),
-                },
+                "unchecked" => {
+                    let Unchecked { fence, created, hz } = Unchecked::decode(parts)?;
+                    Answer::Unchecked { fence, created, hz }
+                }
                 "in_progress" => Answer::Done(in_progress(parts)),
                 "record" => {
                     // The script decided; the kit's rule says what the record answers.
@@ -445,9 +444,9 @@ impl RedisLedger {
                 }
                 "horizon" => Answer::Done(Err(Error::BeyondHorizon { key: key.to_string() })),
                 "mismatch" => Answer::Done(Err(Error::FingerprintMismatch { key: key.to_string() })),
-                // The third element names the horizon key when that is what is wrong.
-                "corrupt" => Answer::Done(match (hkey, parts.get(2)) {
-                    (Some(hkey), Some(_)) => Err(corrupt(hkey, parts)),
+                // The reply says when the horizon key is what is wrong.
+                "corrupt" => Answer::Done(match hkey {
+                    Some(hkey) if corrupt_horizon(parts) => Err(corrupt(hkey, parts)),
                     _ => Err(corrupt(rkey, parts)),
                 }),
                 other => Answer::Done(Err(unexpected(other))),
@@ -586,7 +585,7 @@ impl Ledger for RedisLedger {
         // A renewal a failover can lose would let the next claimant take the
         // lease over while its holder counts on the extension.
         self.replicated(acks, "renewal", lease.key())?;
-        Ok(lease.renewed_until(from_micros(int(parts.get(2))?)))
+        Ok(lease.renewed_until(from_micros(Written::decode(&parts)?.until)))
     }
 
     async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
