@@ -268,30 +268,13 @@ impl SqliteLedger {
         // this never writes on a stale read. Inside a `BEGIN IMMEDIATE`
         // transaction nothing else writes, and only the clock can move.
         for _ in 0..8 {
-            let sql = if sent_at.is_some() {
-                &self.q.claim_horizon
-            } else {
-                &self.q.claim
-            };
-            let mut claim = sqlx::query(AssertSqlSafe(sql.clone()))
-                .bind(key.as_str())
-                .bind(key.tenant().as_str())
-                .bind(key.kind())
-                .bind(key.subject())
-                .bind(opts.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
-                .bind(opts.at_most_once)
-                .bind(duration_micros(opts.lease))
-                .bind(duration_micros(opts.retention));
-            if let Some(sent_at) = sent_at {
-                claim = claim.bind(sent_at);
-            }
+            let claim = self.q.bind_claim(key, opts, sent_at);
             if let Some(row) = claim.fetch_optional(&mut *conn).await.map_err(map)? {
                 return row::lease(key, opts, &row).map(Claim::Acquired);
             }
-            let row = sqlx::query(AssertSqlSafe(self.q.claim_read.clone()))
-                .bind(key.as_str())
-                .bind(key.tenant().as_str())
-                .bind(key.kind())
+            let row = self
+                .q
+                .bind_claim_read(key)
                 .fetch_one(&mut *conn)
                 .await
                 .map_err(map)?;
@@ -321,10 +304,9 @@ impl SqliteLedger {
     async fn complete_on(&self, conn: &mut SqliteConnection, lease: &Lease, outcome: &Outcome) -> Result<()> {
         check_outcome(outcome, oncely::MAX_OUTCOME_BYTES)?;
         self.writable("complete")?;
-        let done = sqlx::query(AssertSqlSafe(self.q.complete.clone()))
-            .bind(lease.key().as_str())
-            .bind(row::fence_param(lease.fence()))
-            .bind(outcome.as_bytes())
+        let done = self
+            .q
+            .bind_complete(lease.key(), row::fence_param(lease.fence()), outcome)
             .execute(&mut *conn)
             .await
             .map_err(map)?;
@@ -393,13 +375,10 @@ impl SqliteLedger {
     async fn prune_batch(&self, conn: &mut SqliteConnection, batch: u64) -> Result<u64> {
         let mut tx = conn.begin_with("BEGIN IMMEDIATE").await.map_err(map)?;
         // The clock, read once the write lock is held.
-        let cutoff: i64 = sqlx::query_scalar(AssertSqlSafe(self.q.now.clone()))
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(map)?;
-        let gone: Vec<(String, String, i64)> = sqlx::query_as(AssertSqlSafe(self.q.prune.clone()))
-            .bind(i64::try_from(batch).unwrap_or(i64::MAX))
-            .bind(cutoff)
+        let cutoff: i64 = self.q.bind_now().fetch_one(&mut *tx).await.map_err(map)?;
+        let gone: Vec<(String, String, i64)> = self
+            .q
+            .bind_prune(i64::try_from(batch).unwrap_or(i64::MAX), cutoff)
             .fetch_all(&mut *tx)
             .await
             .map_err(map)?;
@@ -409,10 +388,8 @@ impl SqliteLedger {
             *w = (*w).max(*created_at);
         }
         for ((tenant, kind), watermark) in newest {
-            sqlx::query(AssertSqlSafe(self.q.prune_horizon.clone()))
-                .bind(tenant)
-                .bind(kind)
-                .bind(watermark)
+            self.q
+                .bind_prune_horizon(tenant, kind, watermark)
                 .execute(&mut *tx)
                 .await
                 .map_err(map)?;
@@ -459,9 +436,9 @@ impl Ledger for SqliteLedger {
 
     async fn release(&self, lease: &Lease) -> Result<()> {
         self.writable("release")?;
-        let done = sqlx::query(AssertSqlSafe(self.q.release.clone()))
-            .bind(lease.key().as_str())
-            .bind(row::fence_param(lease.fence()))
+        let done = self
+            .q
+            .bind_release(lease.key(), row::fence_param(lease.fence()))
             .execute(&self.pool)
             .await
             .map_err(map)?;
@@ -473,10 +450,13 @@ impl Ledger for SqliteLedger {
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
         oncely::backend::check_extension(extend_by)?;
         self.writable("renew")?;
-        let row = sqlx::query(AssertSqlSafe(self.q.renew.clone()))
-            .bind(lease.key().as_str())
-            .bind(row::fence_param(lease.fence()))
-            .bind(duration_micros(extend_by))
+        let row = self
+            .q
+            .bind_renew(
+                lease.key(),
+                row::fence_param(lease.fence()),
+                duration_micros(extend_by),
+            )
             .fetch_optional(&self.pool)
             .await
             .map_err(map)?;
@@ -490,8 +470,9 @@ impl Ledger for SqliteLedger {
     }
 
     async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
-        let row = sqlx::query(AssertSqlSafe(self.q.get.clone()))
-            .bind(key.as_str())
+        let row = self
+            .q
+            .bind_get(key)
             .fetch_optional(&self.pool)
             .await
             .map_err(map)?;
@@ -520,9 +501,9 @@ impl Ledger for SqliteLedger {
     }
 
     async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
-        let rows = sqlx::query(AssertSqlSafe(self.q.abandoned.clone()))
-            .bind(tenant.as_str())
-            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+        let rows = self
+            .q
+            .bind_abandoned(tenant, i64::try_from(limit).unwrap_or(i64::MAX))
             .fetch_all(&self.pool)
             .await
             .map_err(map)?;
@@ -530,9 +511,9 @@ impl Ledger for SqliteLedger {
     }
 
     async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
-        let watermark: Option<i64> = sqlx::query_scalar(AssertSqlSafe(self.q.horizon.clone()))
-            .bind(tenant.as_str())
-            .bind(kind)
+        let watermark: Option<i64> = self
+            .q
+            .bind_horizon(tenant, kind)
             .fetch_optional(&self.pool)
             .await
             .map_err(map)?;
@@ -696,7 +677,7 @@ impl FromUrl for SqliteLedger {
 impl Admin for SqliteLedger {
     async fn records(&self, query: &RecordQuery) -> Result<Vec<Record>> {
         let (text, args) = sql::records(&self.q.table, query)?;
-        let rows = bind(sqlx::query(AssertSqlSafe(text)), args)
+        let rows = sql::bind_listing(text, args)
             .fetch_all(&self.pool)
             .await
             .map_err(map)?;
@@ -705,7 +686,7 @@ impl Admin for SqliteLedger {
 
     async fn stats(&self, tenant: Option<&Tenant>) -> Result<Vec<KindStats>> {
         let (text, args) = sql::stats(&self.q.table, tenant);
-        let rows = bind(sqlx::query(AssertSqlSafe(text)), args)
+        let rows = sql::bind_listing(text, args)
             .fetch_all(&self.pool)
             .await
             .map_err(map)?;
@@ -734,17 +715,4 @@ impl Admin for SqliteLedger {
             .map_err(map)?;
         Ok(u64::try_from(n).unwrap_or(0))
     }
-}
-
-fn bind<'q>(
-    mut query: sqlx::query::Query<'q, Sqlite, sqlx::sqlite::SqliteArguments>,
-    args: Vec<sql::Arg>,
-) -> sqlx::query::Query<'q, Sqlite, sqlx::sqlite::SqliteArguments> {
-    for a in args {
-        query = match a {
-            sql::Arg::Text(s) => query.bind(s),
-            sql::Arg::Int(i) => query.bind(i),
-        };
-    }
-    query
 }
