@@ -17,7 +17,7 @@ use oncely::{
     TransactionalLedger,
 };
 use sqlx::sqlite::{Sqlite, SqliteConnection, SqlitePool, SqlitePoolOptions};
-use sqlx::{AssertSqlSafe, Connection, Transaction};
+use sqlx::{Connection, Transaction};
 
 use crate::batch;
 use crate::durability::{DURABLE_UNCHECKED, Probe};
@@ -695,9 +695,9 @@ impl Admin for SqliteLedger {
 
     async fn forget(&self, key: &EffectKey, fence: u64) -> Result<()> {
         self.writable("forget")?;
-        let done = sqlx::query(AssertSqlSafe(self.q.forget.clone()))
-            .bind(key.as_str())
-            .bind(row::fence_param(fence))
+        let done = self
+            .q
+            .bind_forget(key, row::fence_param(fence))
             .execute(&self.pool)
             .await
             .map_err(map)?;
@@ -709,7 +709,9 @@ impl Admin for SqliteLedger {
     }
 
     async fn prunable(&self) -> Result<u64> {
-        let n: i64 = sqlx::query_scalar(AssertSqlSafe(self.q.prunable_count.clone()))
+        let n: i64 = self
+            .q
+            .bind_prunable_count()
             .fetch_one(&self.pool)
             .await
             .map_err(map)?;

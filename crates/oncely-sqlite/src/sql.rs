@@ -416,6 +416,18 @@ impl Queries {
             .bind(cutoff)
     }
 
+    /// `Admin::forget` of `key` at `fence`: one row changed, or none.
+    pub(crate) fn bind_forget(&self, key: &EffectKey, fence: i64) -> Bound {
+        sqlx::query(AssertSqlSafe(self.forget.clone()))
+            .bind(key.as_str())
+            .bind(fence)
+    }
+
+    /// `Admin::prunable`: how many records prune would delete now.
+    pub(crate) fn bind_prunable_count(&self) -> QueryScalar<'static, Sqlite, i64, SqliteArguments> {
+        sqlx::query_scalar(AssertSqlSafe(self.prunable_count.clone()))
+    }
+
     /// Raises the watermark of a tenant and kind to `watermark` (µs).
     pub(crate) fn bind_prune_horizon(&self, tenant: &str, kind: &str, watermark: i64) -> Bound {
         sqlx::query(AssertSqlSafe(self.prune_horizon.clone()))
