@@ -29,11 +29,11 @@
 //! statement that both inserts the new keys and reports the existing ones
 //! would lock the duplicates, which is what step 1 avoids.
 //!
-//! A key listed twice is claimed once: the later listings get what a
-//! concurrent duplicate would (a grant to the first listing is `InProgress`
-//! to the others). Rare cases fall back to the single claim, for that key
-//! only: a row that moved between the statement and its interpretation,
-//! and a later listing of a key whose first listing failed.
+//! A key listed twice is claimed once: the later listings get what the same
+//! claim made right after the first would (`oncely::backend::repeated_claim`:
+//! a grant to the first listing is `InProgress` to the others, a refusal is
+//! the same refusal). A rare case falls back to the single claim, for that
+//! key only: a row that moved between the statement and its interpretation.
 //!
 //! **`complete_many`**: one `UPDATE` per chunk, each row fenced by its own
 //! lease (`fence = CASE effect_key …`). When it matches every lease, that is
@@ -47,13 +47,16 @@ use std::sync::atomic::Ordering;
 use std::time::{Instant, SystemTime};
 
 use oncely::backend::{Claim, Lease, Outcome};
-use oncely::backend::{answer_existing, check_outcome, duration_micros, from_micros, is_beyond_horizon};
+use oncely::backend::{
+    answer_existing, check_outcome, copy_error, duration_micros, earlier_listings, fail_each, from_micros,
+    is_beyond_horizon, repeated_claim, repeated_completion,
+};
 use oncely::{ClaimOptions, EffectKey, Error, Result};
 use sqlx::{MySqlConnection, Row};
 
 use crate::MySqlLedger;
 use crate::claim::{Attempt, claim_token};
-use crate::error::{self, corrupt, lease_lost, map, replicate};
+use crate::error::{self, corrupt, lease_lost, map};
 use crate::guard::{Retry, retry_on_lock};
 use crate::row::{Stored, stored};
 
@@ -70,16 +73,18 @@ impl MySqlLedger {
     /// `Ledger::claim_many` on the pool (options already validated).
     pub(crate) async fn claim_batch(&self, keys: &[EffectKey], opts: &ClaimOptions) -> Vec<Result<Claim>> {
         // The first listing of each key is claimed; later ones are answered
-        // from it.
-        let mut first: HashMap<&str, usize> = HashMap::with_capacity(keys.len());
+        // from it (`repeated_claim`). `first[i]`: slot `i`'s key in `distinct`.
+        let earlier = earlier_listings(keys.iter().map(EffectKey::as_str));
         let mut distinct: Vec<EffectKey> = Vec::with_capacity(keys.len());
-        let mut listed_before: Vec<bool> = Vec::with_capacity(keys.len());
-        for k in keys {
-            listed_before.push(first.contains_key(k.as_str()));
-            first.entry(k.as_str()).or_insert_with(|| {
-                distinct.push(k.clone());
-                distinct.len() - 1
-            });
+        let mut first: Vec<usize> = Vec::with_capacity(keys.len());
+        for (k, e) in keys.iter().zip(&earlier) {
+            match e {
+                Some(e) => first.push(first[*e]),
+                None => {
+                    first.push(distinct.len());
+                    distinct.push(k.clone());
+                }
+            }
         }
         let mut answers: Vec<Option<Result<Claim>>> = Vec::with_capacity(distinct.len());
         for chunk in distinct.chunks(CHUNK) {
@@ -99,34 +104,19 @@ impl MySqlLedger {
                         }));
                     }
                 }
-                Err(e) => answers.extend(chunk.iter().map(|_| Some(Err(replicate(&e))))),
+                Err(e) => answers.extend(fail_each(e, chunk.len()).into_iter().map(Some)),
             }
         }
         // Later listings first, while the first listings' answers are there
         // to read; then move the first listings' answers out.
-        let mut out: Vec<Option<Result<Claim>>> = Vec::with_capacity(keys.len());
-        for (i, k) in keys.iter().enumerate() {
-            let d = first[k.as_str()];
-            if listed_before[i] {
-                let again = match answers[d].as_ref() {
-                    Some(Ok(Claim::Acquired(l))) => Ok(Claim::InProgress {
-                        fence: l.fence(),
-                        expires_at: l.expires_at(),
-                        first_claimed_at: l.first_claimed_at(),
-                        read_at: l.acquired_at(),
-                    }),
-                    Some(Ok(c)) => Ok(c.clone()),
-                    // Errors do not clone; the key's own claim answers.
-                    Some(Err(_)) | None => self.claim_alone(k, opts).await,
-                };
-                out.push(Some(again));
-            } else {
-                out.push(None);
-            }
-        }
-        for (i, k) in keys.iter().enumerate() {
-            if out[i].is_none() {
-                out[i] = answers[first[k.as_str()]].take();
+        let mut out: Vec<Option<Result<Claim>>> = earlier
+            .iter()
+            .zip(&first)
+            .map(|(e, &d)| e.and(answers[d].as_ref()).map(repeated_claim))
+            .collect();
+        for (i, e) in earlier.iter().enumerate() {
+            if e.is_none() {
+                out[i] = answers[first[i]].take();
             }
         }
         let out: Vec<Result<Claim>> = out
@@ -335,23 +325,31 @@ impl MySqlLedger {
     pub(crate) async fn complete_batch(&self, items: &[(Lease, Outcome)]) -> Vec<Result<()>> {
         let mut answers: Vec<Option<Result<()>>> = items.iter().map(|_| None).collect();
         if let Err(e) = self.writable("complete_many") {
-            return items.iter().map(|_| Err(replicate(&e))).collect();
+            return fail_each(e, items.len());
         }
         let max = self.max_outcome_bytes();
         // Which items go into the statements: the first lease of each key
-        // with an outcome that fits. A later lease of a key already listed
-        // completes on its own afterwards, as it would if completed after
-        // the first (the statement can fence a key by one fence only).
-        let mut seen: HashSet<&str> = HashSet::with_capacity(items.len());
+        // with an outcome that fits. The same lease listed again is answered
+        // from its first listing (`repeated_completion`); another lease of a
+        // key already listed completes on its own afterwards, as it would if
+        // completed after the first (the statement can fence a key by one
+        // fence only).
+        let mut seen: HashMap<&str, (u64, usize)> = HashMap::with_capacity(items.len());
         let mut batch: Vec<usize> = Vec::with_capacity(items.len());
         let mut later: Vec<usize> = Vec::new();
+        let mut repeats: Vec<(usize, usize)> = Vec::new();
         for (i, (lease, outcome)) in items.iter().enumerate() {
             if let Err(e) = check_outcome(outcome, max) {
                 answers[i] = Some(Err(e));
-            } else if seen.insert(lease.key().as_str()) {
-                batch.push(i);
-            } else {
-                later.push(i);
+                continue;
+            }
+            match seen.get(lease.key().as_str()) {
+                Some(&(fence, f)) if fence == lease.fence() => repeats.push((i, f)),
+                Some(_) => later.push(i),
+                None => {
+                    seen.insert(lease.key().as_str(), (lease.fence(), i));
+                    batch.push(i);
+                }
             }
         }
         for chunk in self.complete_chunks(items, &batch) {
@@ -378,7 +376,7 @@ impl MySqlLedger {
                 }
                 Err(e) => {
                     for &i in &chunk {
-                        answers[i] = Some(Err(replicate(&e)));
+                        answers[i] = Some(Err(copy_error(&e)));
                     }
                 }
             }
@@ -386,6 +384,12 @@ impl MySqlLedger {
         for i in later {
             let (lease, outcome) = &items[i];
             answers[i] = Some(oncely::backend::Ledger::complete(self, lease, outcome).await);
+        }
+        for (i, f) in repeats {
+            let again = answers[f]
+                .as_ref()
+                .map(|first| repeated_completion(first, &items[i].0));
+            answers[i] = again;
         }
         answers
             .into_iter()

@@ -146,38 +146,6 @@ pub(crate) fn unexpected_violation(detail: &str) -> Error {
     }
 }
 
-/// A copy of `e`, for each key of a batch whose statement failed as a
-/// whole (`oncely::Error` does not clone): the same variant where this
-/// backend raises it, else a backend error with its message.
-pub(crate) fn replicate(e: &Error) -> Error {
-    match e {
-        Error::Unavailable { backend, message } => Error::Unavailable {
-            backend,
-            message: message.clone(),
-        },
-        Error::Backend {
-            backend,
-            message,
-            retryable,
-        } => Error::Backend {
-            backend,
-            message: message.clone(),
-            retryable: *retryable,
-        },
-        Error::Corrupt { backend, message } => Error::Corrupt {
-            backend,
-            message: message.clone(),
-        },
-        Error::Config(m) => Error::Config(m.clone()),
-        Error::InvalidInput(m) => Error::InvalidInput(m.clone()),
-        other => Error::Backend {
-            backend: BACKEND,
-            message: other.to_string(),
-            retryable: other.is_retryable(),
-        },
-    }
-}
-
 pub(crate) fn corrupt(message: impl Into<String>) -> Error {
     Error::Corrupt {
         backend: BACKEND,

@@ -10,7 +10,7 @@ use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use oncely::backend::Backoff;
+use oncely::backend::{Attempts, Backoff, retry};
 use oncely::backend::{Lease, RecordState};
 use oncely::{Error, Result};
 use sqlx::pool::PoolConnection;
@@ -82,14 +82,12 @@ fn cut_off(e: sqlx::Error) -> Error {
     }
 }
 
-/// How long the retry loop waits before attempt `n` (0-based): nothing
-/// before the first two, then `backoff`'s pauses.
-fn pause_before(n: u32, backoff: &mut Backoff) -> Duration {
-    if n < 2 {
-        Duration::ZERO
-    } else {
-        backoff.next_delay()
-    }
+/// The attempts of the retry loop: [`ATTEMPTS`] of them, nothing before
+/// the first two, then [`Backoff`]'s pauses.
+fn attempts() -> Attempts {
+    Attempts::new(Backoff::new(FIRST_PAUSE, MAX_PAUSE))
+        .at_most(ATTEMPTS)
+        .at_once(1)
 }
 
 /// A boxed, sendable future.
@@ -210,33 +208,31 @@ impl MySqlLedger {
 
     /// The one retry loop of the backend: runs `attempt` on a fresh pooled
     /// connection until it finishes or fails for good, at most [`ATTEMPTS`]
-    /// times, pausing with [`Backoff`] between attempts.
+    /// times, pausing with [`Backoff`] between attempts (the kit's
+    /// [`retry`]).
     pub(crate) async fn retrying<T, F>(&self, attempt: F) -> Result<T>
     where
         F: for<'c> Fn(&'c MySqlLedger, &'c mut MySqlConnection) -> BoxedFuture<'c, Result<T, Retry>>,
     {
-        let mut backoff = Backoff::new(FIRST_PAUSE, MAX_PAUSE);
-        let mut last = None;
-        for n in 0..ATTEMPTS {
-            let pause = pause_before(n, &mut backoff);
-            if !pause.is_zero() {
-                tokio::time::sleep(pause).await;
-            }
-            let mut conn = self.acquire().await?;
-            match attempt(self, &mut conn).await {
-                Ok(v) => return Ok(v),
-                Err(Retry::Fail(e)) => return Err(e),
-                Err(Retry::Lock(e)) if self.cut_off(&mut conn, &e).await => return Err(cut_off(e)),
-                Err(other) => last = Some(other),
-            }
-        }
-        Err(match last {
-            Some(Retry::Lock(e)) => map(e),
+        let answer = retry(
+            attempts(),
+            |e| !matches!(e, Retry::Fail(_)),
+            || async {
+                let mut conn = self.acquire().await?;
+                match attempt(self, &mut conn).await {
+                    Err(Retry::Lock(e)) if self.cut_off(&mut conn, &e).await => Err(Retry::Fail(cut_off(e))),
+                    answer => answer,
+                }
+            },
+        )
+        .await;
+        answer.map_err(|last| match last {
+            Retry::Lock(e) => map(e),
             // The statement keeps missing the key's row: only a conflict
             // on another unique index does that.
-            Some(Retry::Moved(why)) => unexpected_violation(&why),
-            Some(Retry::Fail(e) | Retry::Behind(e)) => e,
-            Some(Retry::Leaked) | None => corrupt("retries exhausted"),
+            Retry::Moved(why) => unexpected_violation(&why),
+            Retry::Fail(e) | Retry::Behind(e) => e,
+            Retry::Leaked => corrupt("retries exhausted"),
         })
     }
 
@@ -385,9 +381,10 @@ mod tests {
     /// winner's row, with no sleep first.
     #[test]
     fn the_first_retry_does_not_wait() {
-        let mut b = Backoff::new(FIRST_PAUSE, MAX_PAUSE);
-        let pauses: Vec<u64> = (0..ATTEMPTS)
-            .map(|n| pause_before(n, &mut b).as_millis() as u64)
+        let mut a = attempts();
+        let pauses: Vec<u64> = std::iter::once(Duration::ZERO)
+            .chain(std::iter::from_fn(|| a.pause()))
+            .map(|p| p.as_millis() as u64)
             .collect();
         assert_eq!(pauses, [0, 0, 4, 8, 16, 32, 64, 128]);
     }

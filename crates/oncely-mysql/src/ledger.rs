@@ -12,7 +12,7 @@ use std::time::{Duration, Instant, SystemTime};
 use oncely::admin::{Admin, KindStats, RecordQuery};
 use oncely::backend::forget_refusal;
 use oncely::backend::{Capabilities, Claim, Lease, Ledger, Outcome, Record, TransactionalLedger};
-use oncely::backend::{LostWrite, check_outcome, duration_micros, from_micros};
+use oncely::backend::{LostWrite, check_outcome, duration_micros, fail_each, from_micros};
 use oncely::backend::{Notifier, Watch};
 use oncely::open::{FromUrl, OpenOptions};
 use oncely::{ClaimOptions, EffectKey, Error, Result, Tenant};
@@ -522,7 +522,7 @@ impl Ledger for MySqlLedger {
     async fn claim_many(&self, keys: &[EffectKey], opts: &ClaimOptions) -> Result<Vec<Result<Claim>>> {
         opts.validate()?;
         if let Err(e) = self.writable("claim_many") {
-            return Ok(keys.iter().map(|_| Err(error::replicate(&e))).collect());
+            return Ok(fail_each(e, keys.len()));
         }
         if keys.is_empty() {
             return Ok(Vec::new());
@@ -535,7 +535,7 @@ impl Ledger for MySqlLedger {
             return Vec::new();
         }
         if let Err(e) = self.probe(None).await {
-            return items.iter().map(|_| Err(error::replicate(&e))).collect();
+            return fail_each(e, items.len());
         }
         self.complete_batch(items).await
     }

@@ -36,6 +36,7 @@
 use oncely::Tenant;
 use oncely::admin::{Filter, RecordQuery};
 use oncely::backend::RecordState;
+use oncely::backend::{KeyRange, key_range};
 
 /// The statement's start, UTC, in µs since the epoch; independent of the
 /// session time zone and constant within one statement.
@@ -250,7 +251,7 @@ fn filter_sql(filter: Filter) -> &'static str {
     }
 }
 
-/// Tenant, kind and subject: a range of the primary key (`tenant/`,
+/// Tenant, kind and subject: a range of the primary key (`key_range`: `tenant/`,
 /// `tenant/kind:`; `utf8mb4_bin` compares code points, which is byte
 /// order), or the key itself when all three are given; the columns are
 /// compared too, which keeps the range exact.
@@ -261,26 +262,17 @@ fn scope_sql(
     args: &mut Vec<Arg>,
 ) -> String {
     let mut w = Vec::new();
-    match (tenant, kind, subject) {
-        (Some(t), Some(k), Some(s)) => {
+    match key_range(tenant, kind, subject) {
+        KeyRange::Key(key) => {
             w.push("e.effect_key = ?".to_owned());
-            args.push(Arg::Text(format!("{t}/{k}:{s}")));
+            args.push(Arg::Text(key));
         }
-        (Some(t), k, _) => {
-            let prefix = match k {
-                Some(k) => format!("{t}/{k}:"),
-                None => format!("{t}/"),
-            };
-            // The prefix ends in ASCII '/' or ':'; the next byte bounds it.
-            let mut upper = prefix.clone().into_bytes();
-            if let Some(last) = upper.last_mut() {
-                *last += 1;
-            }
+        KeyRange::Prefix { start, end } => {
             w.push("e.effect_key >= ? AND e.effect_key < ?".to_owned());
-            args.push(Arg::Text(prefix));
-            args.push(Arg::Text(String::from_utf8_lossy(&upper).into_owned()));
+            args.push(Arg::Text(start));
+            args.push(Arg::Text(end));
         }
-        _ => {}
+        KeyRange::All => {}
     }
     if let Some(t) = tenant {
         w.push("e.tenant = ?".to_owned());

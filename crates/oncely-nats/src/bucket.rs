@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, kv, stream};
-use oncely::backend::Backoff;
+use oncely::backend::{Attempts, Backoff, retry};
 use oncely::{Error, Result};
 
 use crate::NatsKvLedgerOptions;
@@ -22,11 +22,6 @@ impl Deadline {
     /// `timeout` from now.
     pub(crate) fn after(timeout: Duration) -> Self {
         Deadline(Instant::now().checked_add(timeout))
-    }
-
-    /// Whether it has passed.
-    pub(crate) fn passed(self) -> bool {
-        self.0.is_some_and(|d| Instant::now() >= d)
     }
 
     /// The time left (`Duration::MAX` without a deadline).
@@ -58,18 +53,13 @@ pub(crate) async fn open(
 ) -> Result<kv::Store> {
     let mut last = String::new();
     let mut creates = 0;
-    let mut backoff = opening_backoff();
     while creates < 3 {
-        let existing = match existing(js, opts).await {
-            Ok(found) => found,
-            Err(e) if e.is_retryable() && !deadline.passed() => {
-                tracing::debug!(error = %e, "bucket not answering yet; retrying");
-                last = e.to_string();
-                backoff.wait(deadline.remaining()).await;
-                continue;
-            }
-            Err(e) => return Err(e),
-        };
+        let answering = Attempts::new(opening_backoff()).within(deadline.remaining());
+        let existing = retry(answering, Error::is_retryable, || async {
+            let found = existing(js, opts).await;
+            found.inspect_err(|e| tracing::debug!(error = %e, "bucket not answering yet"))
+        })
+        .await?;
         match existing {
             Some(store) => return Ok(store),
             None if !opts.creates() => {

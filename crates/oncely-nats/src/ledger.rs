@@ -11,7 +11,7 @@ use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::{self, kv};
 use oncely::backend::Watch;
-use oncely::backend::check_outcome;
+use oncely::backend::{Attempts, check_outcome, retry};
 use oncely::backend::{Capabilities, Claim, Lease, Ledger, Outcome, Record, RecordState};
 use oncely::open::{FromUrl, OpenOptions};
 use oncely::{ClaimOptions, EffectKey, Error, Result, Tenant};
@@ -210,17 +210,17 @@ impl NatsKvLedger {
         };
         // A replicated bucket just created answers only once its stream has
         // elected a leader; the first clock probe doubles as that wait.
-        let mut backoff = opening_backoff();
-        loop {
-            match ledger.now().await {
-                Ok(_) => return Ok(ledger),
-                Err(e) if !deadline.passed() => {
-                    tracing::debug!(error = %e, "bucket not ready yet");
-                    backoff.wait(deadline.remaining()).await;
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        let opening = Attempts::new(opening_backoff()).within(deadline.remaining());
+        let ready = retry(
+            opening,
+            |_| true,
+            || async {
+                let now = ledger.now().await;
+                now.inspect_err(|e| tracing::debug!(error = %e, "bucket not ready yet"))
+            },
+        )
+        .await;
+        ready.map(|_| ledger)
     }
 
     /// The underlying bucket.

@@ -103,49 +103,6 @@ pub(crate) fn map(e: sqlx::Error) -> Error {
     }
 }
 
-/// A copy of `e`, for each slot of a batch that one failure answers
-/// (`oncely::Error` is not `Clone`: it can carry a handler's error). Every
-/// error a batch statement can end with is copied as it is; anything else
-/// keeps its message and whether it is retryable.
-pub(crate) fn copy(e: &Error) -> Error {
-    match e {
-        Error::Unavailable { backend, message } => Error::Unavailable {
-            backend,
-            message: message.clone(),
-        },
-        Error::Backend {
-            backend,
-            message,
-            retryable,
-        } => Error::Backend {
-            backend,
-            message: message.clone(),
-            retryable: *retryable,
-        },
-        Error::Corrupt { backend, message } => Error::Corrupt {
-            backend,
-            message: message.clone(),
-        },
-        Error::Config(m) => Error::Config(m.clone()),
-        Error::InvalidInput(m) => Error::InvalidInput(m.clone()),
-        Error::FingerprintMismatch { key } => Error::FingerprintMismatch { key: key.clone() },
-        Error::BeyondHorizon { key } => Error::BeyondHorizon { key: key.clone() },
-        Error::LeaseLost { key, fence } => Error::LeaseLost {
-            key: key.clone(),
-            fence: *fence,
-        },
-        Error::OutcomeTooLarge { size, max } => Error::OutcomeTooLarge {
-            size: *size,
-            max: *max,
-        },
-        other => Error::Backend {
-            backend: BACKEND,
-            message: other.to_string(),
-            retryable: other.is_retryable(),
-        },
-    }
-}
-
 pub(crate) fn corrupt(message: impl Into<String>) -> Error {
     Error::Corrupt {
         backend: BACKEND,

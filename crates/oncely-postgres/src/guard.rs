@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use oncely::backend::Backoff;
+use oncely::backend::{Attempts, Backoff};
 use oncely::{Error, Result};
 use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, PgConnection};
@@ -22,7 +22,7 @@ use crate::sql;
 
 /// How many times one operation runs its statement before it fails with a
 /// retryable [`Error::Backend`].
-const ATTEMPTS: usize = 8;
+const ATTEMPTS: u32 = 8;
 
 /// The pauses between re-runs, from the third run on. The first re-run
 /// follows at once, as it always did: what made it necessary (a stray
@@ -78,9 +78,10 @@ impl From<Error> for Failed {
 /// }
 /// ```
 ///
-/// (a struct rather than a function taking the statement as a closure: a
-/// closure borrowing the connection per run makes the operation's future
-/// impossible to prove `Send`).
+/// (a struct rather than the kit's `retry` taking the statement as a
+/// closure: a closure borrowing the connection per run makes the
+/// operation's future impossible to prove `Send`). The attempts and pauses
+/// are the kit's [`Attempts`], as in every backend's retry loop.
 ///
 /// With `guarded` off (inside the caller's transaction, where running in a
 /// transaction is the point) a failed transaction is the caller's error, not
@@ -89,8 +90,7 @@ impl From<Error> for Failed {
 pub(crate) struct Retry<W> {
     guarded: bool,
     what: W,
-    runs: usize,
-    backoff: Backoff,
+    attempts: Attempts,
 }
 
 impl<W: Fn() -> String> Retry<W> {
@@ -98,8 +98,9 @@ impl<W: Fn() -> String> Retry<W> {
         Retry {
             guarded,
             what,
-            runs: 0,
-            backoff: Backoff::new(FIRST_PAUSE, MAX_PAUSE),
+            attempts: Attempts::new(Backoff::new(FIRST_PAUSE, MAX_PAUSE))
+                .at_most(ATTEMPTS)
+                .at_once(1),
         }
     }
 
@@ -121,16 +122,12 @@ impl<W: Fn() -> String> Retry<W> {
             Err(Failed::Sql(e)) => return Err(map(e)),
             Err(Failed::Ledger(e)) => return Err(e),
         }
-        self.runs += 1;
-        if self.runs >= ATTEMPTS {
+        if !self.attempts.again().await {
             return Err(Error::Backend {
                 backend: BACKEND,
                 message: format!("{} did not settle after {ATTEMPTS} attempts", (self.what)()),
                 retryable: true,
             });
-        }
-        if self.runs >= 2 {
-            self.backoff.wait(MAX_PAUSE).await;
         }
         Ok(None)
     }

@@ -1,8 +1,6 @@
 //! [`PgLedger`]: its constructors, and each ledger operation as one
 //! statement (`sql`) run through the leaked-transaction guard (`guard`).
 
-use std::collections::HashMap;
-use std::collections::hash_map::Entry;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -10,15 +8,18 @@ use std::time::{Duration, Instant, SystemTime};
 use oncely::admin::{Admin, KindStats, RecordQuery};
 use oncely::backend::forget_refusal;
 use oncely::backend::{
+    Attempts, Backoff, LostWrite, answer_existing, check_outcome, duration_micros, fail_each, from_micros,
+    retry, to_micros,
+};
+use oncely::backend::{
     Capabilities, Claim, Lease, Ledger, MAX_OUTCOME_BYTES, Outcome, Record, TransactionalLedger, Watch,
 };
-use oncely::backend::{LostWrite, answer_existing, check_outcome, duration_micros, from_micros, to_micros};
 use oncely::open::{FromUrl, OpenOptions};
 use oncely::{ClaimOptions, EffectKey, Error, Result, Tenant};
-use sqlx::pool::PoolConnection;
-use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres};
+use sqlx::{PgConnection, PgPool, Postgres};
 
-use crate::error::{self, BACKEND, copy, map};
+use crate::conn::Conn;
+use crate::error::{self, BACKEND, map};
 use crate::guard::{self, Failed, Retry, Run};
 use crate::hosts::Hosts;
 use crate::notify::{Changes, ListenerStatus};
@@ -33,11 +34,12 @@ use crate::token::Attempt;
 /// by default), so a prune of a million records runs as many small batches.
 const PRUNE_BATCH: u64 = 500;
 
-/// Most distinct keys one `claim_many` statement carries: it holds one
-/// advisory lock per key until it ends, in the same shared lock table as
-/// prune (above); a larger batch runs as several statements on one
-/// connection, each as atomic as a single claim.
-const CLAIM_BATCH: usize = 500;
+/// The attempts of a claim (or a batch's keys) whose answer was lost: again
+/// while the server is unavailable (a failover under way), within `window`,
+/// pausing 50 ms at first and at most a second.
+pub(crate) fn resolving(window: Duration) -> Attempts {
+    Attempts::new(Backoff::new(Duration::from_millis(50), Duration::from_secs(1))).within(window)
+}
 
 #[derive(Debug)]
 pub(crate) struct Inner {
@@ -45,12 +47,12 @@ pub(crate) struct Inner {
     pub(crate) schema: String,
     pub(crate) table: String,
     read_only: bool,
-    changes: Changes,
+    pub(crate) changes: Changes,
     /// The URL's hosts, when the ledger made its pool
     /// ([`PgLedger::connect_with`]); `None` on a pool it was given.
     hosts: Option<Arc<Hosts>>,
     /// [`PgLedgerOptions::operation_timeout`].
-    operation_timeout: Duration,
+    pub(crate) operation_timeout: Duration,
     /// Where the next prune batch starts looking: the newest `retain_until`
     /// (µs) of the previous batch's candidates, `None` to start from the
     /// oldest. Only a hint for the search (see `sql.rs`, prune); reset
@@ -74,43 +76,6 @@ tokio::task_local! {
     /// The deadline of the ledger operation running on this task
     /// ([`PgLedger::bounded`]), read by [`PgLedger::acquire`].
     static DEADLINE: Instant;
-}
-
-/// A pooled connection that is closed, not returned to the pool, when it
-/// is dropped at or past its operation's deadline: the operation timed out
-/// with a statement in flight, and the pool's check of a returned
-/// connection (a ping, which waits for that statement's answer) would hang
-/// on a server that stopped answering, holding a pool slot forever.
-pub(crate) struct Conn {
-    conn: PoolConnection<Postgres>,
-    deadline: Option<Instant>,
-}
-
-impl Conn {
-    pub(crate) fn new(conn: PoolConnection<Postgres>, deadline: Option<Instant>) -> Self {
-        Conn { conn, deadline }
-    }
-}
-
-impl std::ops::Deref for Conn {
-    type Target = PgConnection;
-    fn deref(&self) -> &PgConnection {
-        &self.conn
-    }
-}
-
-impl std::ops::DerefMut for Conn {
-    fn deref_mut(&mut self) -> &mut PgConnection {
-        &mut self.conn
-    }
-}
-
-impl Drop for Conn {
-    fn drop(&mut self) {
-        if self.deadline.is_some_and(|d| Instant::now() >= d) {
-            self.conn.close_on_drop();
-        }
-    }
 }
 
 /// An effect ledger in a PostgreSQL table. Cloning is cheap (a pool handle
@@ -267,7 +232,11 @@ impl PgLedger {
 
     /// [`PgLedger::bounded`] within `timeout` instead (what is left of a
     /// resolution's window).
-    async fn bounded_for<T>(&self, timeout: Duration, op: impl Future<Output = Result<T>>) -> Result<T> {
+    pub(crate) async fn bounded_for<T>(
+        &self,
+        timeout: Duration,
+        op: impl Future<Output = Result<T>>,
+    ) -> Result<T> {
         let answer = match tokio::time::timeout(timeout, DEADLINE.scope(Instant::now() + timeout, op)).await {
             Ok(answer) => answer,
             Err(_) => Err(Error::Unavailable {
@@ -297,7 +266,7 @@ impl PgLedger {
     pub(crate) async fn acquire(&self) -> Result<Conn> {
         let deadline = DEADLINE.try_with(|d| *d).ok();
         match self.pool.acquire().await {
-            Ok(conn) => Ok(Conn { conn, deadline }),
+            Ok(conn) => Ok(Conn::new(conn, deadline)),
             Err(e) => {
                 let refused = matches!(e, sqlx::Error::PoolTimedOut)
                     .then(|| self.inner.hosts.as_ref().and_then(|h| h.refusal()))
@@ -370,85 +339,30 @@ impl PgLedger {
         lost: Error,
     ) -> Result<Claim> {
         let give_up = Instant::now() + self.inner.operation_timeout;
-        let mut backoff = oncely::backend::Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
-        loop {
-            let left = give_up.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(lost);
-            }
-            let again = self
-                .bounded_for(left, async {
+        let again = retry(
+            resolving(self.inner.operation_timeout),
+            |e| matches!(e, Error::Unavailable { .. }),
+            || {
+                let left = give_up.saturating_duration_since(Instant::now());
+                self.bounded_for(left, async {
                     let mut conn = self.acquire().await?;
                     self.claim_on(&mut conn, key, opts, true, &attempt.again()).await
                 })
-                .await;
-            match again {
-                Ok(claim) => {
-                    tracing::info!(
-                        backend = BACKEND,
-                        key = %key,
-                        acquired = matches!(claim, Claim::Acquired(_)),
-                        "a claim whose answer was lost was resolved from its row"
-                    );
-                    return Ok(claim);
-                }
-                Err(Error::Unavailable { .. }) => {
-                    backoff
-                        .wait(give_up.saturating_duration_since(Instant::now()))
-                        .await;
-                }
-                Err(e) => return Err(e),
+            },
+        )
+        .await;
+        match again {
+            Ok(claim) => {
+                tracing::info!(
+                    backend = BACKEND,
+                    key = %key,
+                    acquired = matches!(claim, Claim::Acquired(_)),
+                    "a claim whose answer was lost was resolved from its row"
+                );
+                Ok(claim)
             }
-        }
-    }
-
-    /// [`PgLedger::resolve_claim`] for the keys of a batch whose answer was
-    /// lost (`answers[n]` is [`Error::Unavailable`]): they are claimed again
-    /// together, with the batch's token, until each has an answer or the
-    /// window ends; a key still unanswered then keeps its first error.
-    async fn resolve_batch(
-        &self,
-        keys: &[EffectKey],
-        opts: &ClaimOptions,
-        attempt: &Attempt,
-        answers: &mut [Result<Claim>],
-    ) {
-        let give_up = Instant::now() + self.inner.operation_timeout;
-        let mut backoff = oncely::backend::Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
-        loop {
-            let lost: Vec<usize> = (0..keys.len())
-                .filter(|&n| matches!(answers[n], Err(Error::Unavailable { .. })))
-                .collect();
-            let left = give_up.saturating_duration_since(Instant::now());
-            if lost.is_empty() || left.is_zero() {
-                return;
-            }
-            let subset: Vec<EffectKey> = lost.iter().map(|&n| keys[n].clone()).collect();
-            let again = self
-                .bounded_for(left, self.claim_batches(&subset, opts, &attempt.again()))
-                .await;
-            let mut unavailable = false;
-            match again {
-                Ok(again) => {
-                    for (&n, answer) in lost.iter().zip(again) {
-                        match answer {
-                            Err(Error::Unavailable { .. }) => unavailable = true,
-                            answer => answers[n] = answer,
-                        }
-                    }
-                }
-                Err(Error::Unavailable { .. }) => unavailable = true,
-                Err(e) => {
-                    for &n in &lost {
-                        answers[n] = Err(copy(&e));
-                    }
-                }
-            }
-            if unavailable {
-                backoff
-                    .wait(give_up.saturating_duration_since(Instant::now()))
-                    .await;
-            }
+            Err(Error::Unavailable { .. }) => Err(lost),
+            Err(e) => Err(e),
         }
     }
 
@@ -466,27 +380,13 @@ impl PgLedger {
         attempt: &Attempt,
     ) -> Result<Claim> {
         let sent_at = opts.sent_at.map(to_micros).transpose()?;
-        let sql = match sent_at {
-            None => &self.inner.q.claim,
-            Some(_) => &self.inner.q.claim_horizon,
-        };
         let mut retry = Retry::new(guarded, || format!("{key}: the claim"));
         loop {
             let run = async {
-                let mut query = sqlx::query(AssertSqlSafe(sql.clone()))
-                    .bind(key.as_str())
-                    .bind(key.tenant().as_str())
-                    .bind(key.kind())
-                    .bind(key.subject())
-                    .bind(opts.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
-                    .bind(opts.at_most_once)
-                    .bind(duration_micros(opts.lease))
-                    .bind(duration_micros(opts.retention))
-                    .bind(guarded)
-                    .bind(attempt.token().as_bytes());
-                if let Some(sent_at) = sent_at {
-                    query = query.bind(sent_at);
-                }
+                let query = self
+                    .inner
+                    .q
+                    .bind_claim(key, opts, guarded, attempt.token().as_bytes(), sent_at);
                 attempt.sending();
                 let row = query.fetch_one(&mut *conn).await?;
                 Ok(match ClaimRow::decode(key, &row)? {
@@ -540,24 +440,9 @@ impl PgLedger {
                 let query = match write {
                     // Unguarded: inside the caller's transaction, which
                     // notifies when it commits (see sql.rs).
-                    Write::Complete(outcome) => sqlx::query(AssertSqlSafe(if guarded {
-                        q.complete.clone()
-                    } else {
-                        q.complete_in.clone()
-                    }))
-                    .bind(lease.key().as_str())
-                    .bind(fence)
-                    .bind(outcome.as_bytes())
-                    .bind(guarded),
-                    Write::Release => sqlx::query(AssertSqlSafe(q.release.clone()))
-                        .bind(lease.key().as_str())
-                        .bind(fence)
-                        .bind(guarded),
-                    Write::Renew(us) => sqlx::query(AssertSqlSafe(q.renew.clone()))
-                        .bind(lease.key().as_str())
-                        .bind(fence)
-                        .bind(us)
-                        .bind(guarded),
+                    Write::Complete(outcome) => q.bind_complete(lease.key(), fence, outcome, guarded),
+                    Write::Release => q.bind_release(lease.key(), fence, guarded),
+                    Write::Renew(us) => q.bind_renew(lease.key(), fence, us, guarded),
                 };
                 match query.fetch_optional(&mut *conn).await? {
                     Some(row) => Ok(Run::Done(row::written(&row)?)),
@@ -586,11 +471,7 @@ impl PgLedger {
         let mut retry = Retry::new(true, || "prune".to_owned());
         loop {
             let run = async {
-                let row = sqlx::query(AssertSqlSafe(self.inner.q.prune.clone()))
-                    .bind(batch)
-                    .bind(from)
-                    .fetch_one(&mut *conn)
-                    .await?;
+                let row = self.inner.q.bind_prune(batch, from).fetch_one(&mut *conn).await?;
                 guard::checked(row)
             }
             .await;
@@ -598,180 +479,6 @@ impl PgLedger {
                 return row::prune_counts(&row);
             }
         }
-    }
-    /// Claims the distinct keys `keys[n]` for `n` in `chunk` with one
-    /// statement, run again (through the same retry loop and its limit as
-    /// one claim) only for the keys that did not settle, and writes each
-    /// key's answer into `answers[n]`.
-    async fn claim_chunk(
-        &self,
-        conn: &mut PgConnection,
-        keys: &[EffectKey],
-        chunk: &[usize],
-        opts: &ClaimOptions,
-        attempt: &Attempt,
-        answers: &mut [Option<Result<Claim>>],
-    ) {
-        let sent_at = match opts.sent_at.map(to_micros).transpose() {
-            Ok(sent_at) => sent_at,
-            Err(e) => return fill(answers, chunk, &e),
-        };
-        let sql = match sent_at {
-            None => &self.inner.q.claim_many,
-            Some(_) => &self.inner.q.claim_many_horizon,
-        };
-        let mut pending: Vec<usize> = chunk.to_vec();
-        let mut retry = Retry::new(true, || format!("a batch of {} claims", chunk.len()));
-        loop {
-            let run = async {
-                let column =
-                    |f: fn(&EffectKey) -> &str| pending.iter().map(|&n| f(&keys[n])).collect::<Vec<_>>();
-                let mut query = sqlx::query(AssertSqlSafe(sql.clone()))
-                    .bind(column(EffectKey::as_str))
-                    .bind(column(|k| k.tenant().as_str()))
-                    .bind(column(EffectKey::kind))
-                    .bind(column(EffectKey::subject))
-                    .bind(opts.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
-                    .bind(opts.at_most_once)
-                    .bind(duration_micros(opts.lease))
-                    .bind(duration_micros(opts.retention))
-                    .bind(true)
-                    .bind(attempt.token().as_bytes());
-                if let Some(sent_at) = sent_at {
-                    query = query.bind(sent_at);
-                }
-                attempt.sending();
-                let rows = query.fetch_all(&mut *conn).await?;
-                // The guard is one for the statement: every row says so.
-                if rows.iter().any(row::claim_leaked) {
-                    return Ok(Run::Leaked);
-                }
-                if rows.len() != pending.len() {
-                    return Err(error::corrupt(format!(
-                        "a batch of {} claims answered {} rows",
-                        pending.len(),
-                        rows.len()
-                    ))
-                    .into());
-                }
-                let index: HashMap<&str, usize> = pending.iter().map(|&n| (keys[n].as_str(), n)).collect();
-                let mut again = Vec::new();
-                for row in &rows {
-                    let stored = row::claimed_key(row)?;
-                    let Some(&n) = index.get(stored.as_str()) else {
-                        return Err(error::corrupt(format!(
-                            "a batch claim answered a key it was not given: {stored:?}"
-                        ))
-                        .into());
-                    };
-                    let key = &keys[n];
-                    let answer = match ClaimRow::decode(key, row)? {
-                        ClaimRow::Leaked => return Ok(Run::Leaked),
-                        ClaimRow::Beyond => Err(Error::BeyondHorizon { key: key.to_string() }),
-                        ClaimRow::Missing => {
-                            again.push(n);
-                            continue;
-                        }
-                        ClaimRow::Acquired(lease) => Ok(Claim::Acquired(lease)),
-                        // As for one claim: this call's own row is its lease,
-                        // and `None` is a record that could be taken over by
-                        // now; that key is claimed again.
-                        ClaimRow::Existing(record, own) => {
-                            match own.then(|| row::own_lease(&record, opts.lease)) {
-                                Some(Some(lease)) => Ok(Claim::Acquired(lease)),
-                                _ => match answer_existing(key, opts, record) {
-                                    Ok(Some(claim)) => Ok(claim),
-                                    Ok(None) => {
-                                        again.push(n);
-                                        continue;
-                                    }
-                                    Err(e) => Err(e),
-                                },
-                            }
-                        }
-                    };
-                    answers[n] = Some(answer);
-                }
-                pending = again;
-                Ok(if pending.is_empty() {
-                    Run::Done(())
-                } else {
-                    Run::Again
-                })
-            }
-            .await;
-            match retry.settle(conn, run).await {
-                Ok(Some(())) => return,
-                Ok(None) => {}
-                Err(e) => return fill(answers, &pending, &e),
-            }
-        }
-    }
-
-    /// Completes the leases `items[n]` for `n` in `send` (distinct (key,
-    /// fence) pairs, outcomes checked) with one statement; `Ok` with the
-    /// completed pairs.
-    async fn complete_batch(
-        &self,
-        conn: &mut PgConnection,
-        items: &[(Lease, Outcome)],
-        send: &[usize],
-    ) -> Result<Vec<(String, i64)>> {
-        let keys: Vec<&str> = send.iter().map(|&n| items[n].0.key().as_str()).collect();
-        let fences: Vec<i64> = send
-            .iter()
-            .map(|&n| i64::try_from(items[n].0.fence()).unwrap_or(i64::MAX))
-            .collect();
-        let outcomes: Vec<&[u8]> = send.iter().map(|&n| items[n].1.as_bytes()).collect();
-        let mut retry = Retry::new(true, || format!("a batch of {} completions", send.len()));
-        loop {
-            let run = async {
-                let rows = sqlx::query(AssertSqlSafe(self.inner.q.complete_many.clone()))
-                    .bind(&keys)
-                    .bind(&fences)
-                    .bind(&outcomes)
-                    .bind(true)
-                    .fetch_all(&mut *conn)
-                    .await?;
-                if !rows.iter().all(|r| row::guard_ok(r).unwrap_or(false)) {
-                    return Ok(Run::Leaked);
-                }
-                let mut done = Vec::with_capacity(rows.len());
-                for r in &rows {
-                    if let Some(pair) = row::completed(r)? {
-                        done.push(pair);
-                    }
-                }
-                Ok(Run::Done(done))
-            }
-            .await;
-            if let Some(done) = retry.settle(conn, run).await? {
-                return Ok(done);
-            }
-        }
-    }
-}
-
-/// Writes a copy of `e` as the answer of every `n` in `pending`.
-fn fill<T>(answers: &mut [Option<Result<T>>], pending: &[usize], e: &Error) {
-    for &n in pending {
-        answers[n] = Some(Err(copy(e)));
-    }
-}
-
-/// What a key listed again in one `claim_many` gets: what a concurrent
-/// duplicate of the first occurrence would (in progress under the lease the
-/// first one acquired, or the same record, or the same refusal).
-fn repeated(first: &Result<Claim>) -> Result<Claim> {
-    match first {
-        Ok(Claim::Acquired(lease)) => Ok(Claim::InProgress {
-            fence: lease.fence(),
-            expires_at: lease.expires_at(),
-            first_claimed_at: lease.first_claimed_at(),
-            read_at: lease.acquired_at(),
-        }),
-        Ok(other) => Ok(other.clone()),
-        Err(e) => Err(copy(e)),
     }
 }
 
@@ -885,7 +592,7 @@ impl Ledger for PgLedger {
         }
         let mut answers = match claimed {
             Ok(answers) => answers,
-            Err(lost @ Error::Unavailable { .. }) => keys.iter().map(|_| Err(copy(&lost))).collect(),
+            Err(lost @ Error::Unavailable { .. }) => fail_each(lost, keys.len()),
             Err(e) => return Err(e),
         };
         self.resolve_batch(keys, opts, &attempt, &mut answers).await;
@@ -902,7 +609,7 @@ impl Ledger for PgLedger {
             .await
         {
             Ok(answers) => answers,
-            Err(e) => items.iter().map(|_| Err(copy(&e))).collect(),
+            Err(e) => fail_each(e, items.len()),
         }
     }
 
@@ -950,127 +657,13 @@ impl Ledger for PgLedger {
 /// The bodies of the [`Ledger`] operations, each run by
 /// [`PgLedger::bounded`].
 impl PgLedger {
-    async fn claim_batches(
-        &self,
-        keys: &[EffectKey],
-        opts: &ClaimOptions,
-        attempt: &Attempt,
-    ) -> Result<Vec<Result<Claim>>> {
-        // A `sent_at` the ledger cannot store fails the whole batch, before
-        // any round trip.
-        opts.sent_at.map(to_micros).transpose()?;
-        // A key listed again is not sent: it gets what a concurrent duplicate
-        // of its first occurrence would.
-        let mut first: HashMap<&str, usize> = HashMap::with_capacity(keys.len());
-        let mut distinct = Vec::with_capacity(keys.len());
-        let mut repeats = Vec::new();
-        for (n, key) in keys.iter().enumerate() {
-            match first.entry(key.as_str()) {
-                Entry::Occupied(f) => repeats.push((n, *f.get())),
-                Entry::Vacant(v) => {
-                    v.insert(n);
-                    distinct.push(n);
-                }
-            }
-        }
-        // In key order, so overlapping batches reach their common rows in
-        // the same order too (their locks are ordered by the statement).
-        distinct.sort_unstable_by(|&a, &b| keys[a].as_str().cmp(keys[b].as_str()));
-        let mut answers: Vec<Option<Result<Claim>>> = (0..keys.len()).map(|_| None).collect();
-        if !distinct.is_empty() {
-            match self.acquire().await {
-                Ok(mut conn) => {
-                    for chunk in distinct.chunks(CLAIM_BATCH) {
-                        self.claim_chunk(&mut conn, keys, chunk, opts, attempt, &mut answers)
-                            .await;
-                    }
-                }
-                Err(e) => fill(&mut answers, &distinct, &e),
-            }
-        }
-        for (n, f) in repeats {
-            let answer = match &answers[f] {
-                Some(first) => repeated(first),
-                None => Err(error::corrupt("a batch claim left a key unanswered")),
-            };
-            answers[n] = Some(answer);
-        }
-        Ok(answers
-            .into_iter()
-            .map(|a| a.unwrap_or_else(|| Err(error::corrupt("a batch claim left a key unanswered"))))
-            .collect())
-    }
-
-    async fn complete_batches(&self, items: &[(Lease, Outcome)]) -> Vec<Result<()>> {
-        let lost = |lease: &Lease| Error::LeaseLost {
-            key: lease.key().to_string(),
-            fence: lease.fence(),
-        };
-        let mut answers: Vec<Option<Result<()>>> = (0..items.len()).map(|_| None).collect();
-        let mut first: HashMap<(&str, u64), usize> = HashMap::with_capacity(items.len());
-        let mut send = Vec::with_capacity(items.len());
-        let mut repeats = Vec::new();
-        for (n, (lease, outcome)) in items.iter().enumerate() {
-            if let Err(e) = check_outcome(outcome, MAX_OUTCOME_BYTES).and_then(|()| self.writable()) {
-                answers[n] = Some(Err(e));
-            } else if i64::try_from(lease.fence()).is_err() {
-                answers[n] = Some(Err(lost(lease)));
-            } else {
-                match first.entry((lease.key().as_str(), lease.fence())) {
-                    Entry::Occupied(f) => repeats.push((n, *f.get())),
-                    Entry::Vacant(v) => {
-                        v.insert(n);
-                        send.push(n);
-                    }
-                }
-            }
-        }
-        send.sort_unstable_by(|&a, &b| items[a].0.key().as_str().cmp(items[b].0.key().as_str()));
-        if !send.is_empty() {
-            let done = match self.acquire().await {
-                Ok(mut conn) => self.complete_batch(&mut conn, items, &send).await,
-                Err(e) => Err(e),
-            };
-            match done {
-                Ok(done) => {
-                    let done: std::collections::HashSet<(&str, i64)> =
-                        done.iter().map(|(k, f)| (k.as_str(), *f)).collect();
-                    for &n in &send {
-                        let lease = &items[n].0;
-                        let fence = i64::try_from(lease.fence()).unwrap_or(i64::MAX);
-                        answers[n] = Some(if done.contains(&(lease.key().as_str(), fence)) {
-                            self.inner.changes.finished(lease.key().as_str());
-                            Ok(())
-                        } else {
-                            Err(lost(lease))
-                        });
-                    }
-                }
-                Err(e) => fill(&mut answers, &send, &e),
-            }
-        }
-        for (n, f) in repeats {
-            answers[n] = Some(match &answers[f] {
-                Some(Err(e)) => Err(copy(e)),
-                _ => Err(lost(&items[n].0)),
-            });
-        }
-        answers
-            .into_iter()
-            .map(|a| a.unwrap_or_else(|| Err(error::corrupt("a batch completion left a lease unanswered"))))
-            .collect()
-    }
-
     /// [`Ledger::get`], unbounded.
     async fn read(&self, key: &EffectKey) -> Result<Option<Record>> {
         let mut conn = self.acquire().await?;
         let mut retry = Retry::new(true, || format!("{key}: the read"));
         let row = loop {
             let run = async {
-                let row = sqlx::query(AssertSqlSafe(self.inner.q.get.clone()))
-                    .bind(key.as_str())
-                    .fetch_one(&mut *conn)
-                    .await?;
+                let row = self.inner.q.bind_get(key).fetch_one(&mut *conn).await?;
                 guard::checked(row)
             }
             .await;
@@ -1121,9 +714,10 @@ impl PgLedger {
         // so it carries no guard; only a failed stray transaction is healed.
         let mut retry = Retry::new(true, || "abandoned listing".to_owned());
         let rows = loop {
-            let run = sqlx::query(AssertSqlSafe(self.inner.q.abandoned.clone()))
-                .bind(tenant.as_str())
-                .bind(limit)
+            let run = self
+                .inner
+                .q
+                .bind_abandoned(tenant, limit)
                 .fetch_all(&mut *conn)
                 .await
                 .map(Run::Done)
@@ -1145,9 +739,10 @@ impl PgLedger {
         let mut retry = Retry::new(true, || "the horizon read".to_owned());
         let row = loop {
             let run = async {
-                let row = sqlx::query(AssertSqlSafe(self.inner.q.horizon.clone()))
-                    .bind(tenant.as_str())
-                    .bind(kind)
+                let row = self
+                    .inner
+                    .q
+                    .bind_horizon(tenant, kind)
                     .fetch_one(&mut *conn)
                     .await?;
                 guard::checked(row)
@@ -1268,12 +863,7 @@ impl Admin for PgLedger {
                 let mut retry = Retry::new(true, || format!("{key}: forget"));
                 Ok(loop {
                     let run = async {
-                        let row = sqlx::query(AssertSqlSafe(q.forget.clone()))
-                            .bind(key.as_str())
-                            .bind(f)
-                            .bind(true)
-                            .fetch_optional(&mut *conn)
-                            .await?;
+                        let row = q.bind_forget(key, f).fetch_optional(&mut *conn).await?;
                         match row {
                             Some(_) => Ok(Run::Done(true)),
                             None if !guard::autocommit(&mut conn, &q.probe).await? => Ok(Run::Leaked),
@@ -1321,14 +911,7 @@ impl PgLedger {
             let mut conn = self.acquire().await?;
             let mut retry = Retry::new(true, || what.to_owned());
             loop {
-                let mut query = sqlx::query(AssertSqlSafe(text.to_owned()));
-                for a in args {
-                    query = match a {
-                        sql::Arg::Text(s) => query.bind(s.clone()),
-                        sql::Arg::Int(i) => query.bind(*i),
-                    };
-                }
-                let run = query
+                let run = sql::bind_listing(text, args)
                     .fetch_all(&mut *conn)
                     .await
                     .map(Run::Done)

@@ -501,6 +501,8 @@
 // guard: the one retry loop), `sql` (every statement), `row` (rows to
 // records, by column name), `schema` (migrations and the schema check),
 // `error` (driver errors to `oncely::Error`).
+mod batch;
+mod conn;
 mod error;
 mod guard;
 mod hosts;

@@ -45,8 +45,8 @@ use tokio::sync::watch as state;
 use tokio::sync::watch::Receiver;
 use tokio::task::JoinHandle;
 
+use crate::conn::Conn;
 use crate::error::BACKEND;
-use crate::ledger::Conn;
 
 /// How long the first watch of a ledger waits for the listener's first
 /// connection before it settles for polling: the listener starts lazily, and
@@ -74,7 +74,7 @@ const ANNOUNCE_CHUNK: usize = 1_000;
 
 /// How long one announcing statement may take: a server that stops
 /// answering must not stall every later announcement (the connection is
-/// closed, see `ledger::Conn`).
+/// closed, see `conn::Conn`).
 const ANNOUNCE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One notification per key. Two copies of one payload in a transaction are

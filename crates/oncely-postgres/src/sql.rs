@@ -12,9 +12,13 @@
 
 use std::sync::Arc;
 
-use oncely::Tenant;
 use oncely::admin::{Filter, RecordQuery};
-use oncely::backend::RecordState;
+use oncely::backend::{KeyRange, duration_micros, key_range};
+use oncely::backend::{Outcome, RecordState};
+use oncely::{ClaimOptions, EffectKey, Tenant};
+use sqlx::postgres::PgArguments;
+use sqlx::query::Query;
+use sqlx::{AssertSqlSafe, Postgres};
 
 /// A timestamp as microseconds since the Unix epoch (`extract` is exact
 /// `numeric` since PostgreSQL 14), for fences, the horizon and the renewed
@@ -149,6 +153,170 @@ pub(crate) struct Queries {
     pub beyond_function: String,
     /// The `LISTEN`/`NOTIFY` channel of this ledger ([`channel`]).
     pub channel: Arc<str>,
+}
+
+/// A statement with its binds, ready to run on a connection.
+pub(crate) type Bound = Query<'static, Postgres, PgArguments>;
+
+/// One function per statement, each returning it bound: the placeholders
+/// are filled here, in order, and nowhere else. The rows they return are
+/// read in `row.rs` (`ClaimRow`, `RecordRow`, the guard's `ok`).
+impl Queries {
+    /// The claim (`claim`, or `claim_horizon` with `sent_at`, µs): one
+    /// `ClaimRow`.
+    pub(crate) fn bind_claim(
+        &self,
+        key: &EffectKey,
+        opts: &ClaimOptions,
+        guarded: bool,
+        token: &[u8],
+        sent_at: Option<i64>,
+    ) -> Bound {
+        let text = if sent_at.is_some() {
+            &self.claim_horizon
+        } else {
+            &self.claim
+        };
+        let query = sqlx::query(AssertSqlSafe(text.clone()))
+            .bind(key.as_str())
+            .bind(key.tenant().as_str())
+            .bind(key.kind())
+            .bind(key.subject())
+            .bind(opts.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
+            .bind(opts.at_most_once)
+            .bind(duration_micros(opts.lease))
+            .bind(duration_micros(opts.retention))
+            .bind(guarded)
+            .bind(token);
+        match sent_at {
+            Some(sent_at) => query.bind(sent_at),
+            None => query,
+        }
+    }
+
+    /// The batch claim over the keys' columns (`claim_many`, or
+    /// `claim_many_horizon` with `sent_at`): one `ClaimRow` per key.
+    pub(crate) fn bind_claim_many(
+        &self,
+        keys: &[&EffectKey],
+        opts: &ClaimOptions,
+        token: &[u8],
+        sent_at: Option<i64>,
+    ) -> Bound {
+        let text = if sent_at.is_some() {
+            &self.claim_many_horizon
+        } else {
+            &self.claim_many
+        };
+        let column = |f: fn(&EffectKey) -> &str| keys.iter().map(|k| f(k)).collect::<Vec<_>>();
+        let query = sqlx::query(AssertSqlSafe(text.clone()))
+            .bind(column(EffectKey::as_str))
+            .bind(column(|k| k.tenant().as_str()))
+            .bind(column(EffectKey::kind))
+            .bind(column(EffectKey::subject))
+            .bind(opts.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
+            .bind(opts.at_most_once)
+            .bind(duration_micros(opts.lease))
+            .bind(duration_micros(opts.retention))
+            .bind(true)
+            .bind(token);
+        match sent_at {
+            Some(sent_at) => query.bind(sent_at),
+            None => query,
+        }
+    }
+
+    /// A completion fenced by `fence` (`complete`, or `complete_in` in a
+    /// caller's transaction, unguarded): the written row, or none.
+    pub(crate) fn bind_complete(
+        &self,
+        key: &EffectKey,
+        fence: i64,
+        outcome: &Outcome,
+        guarded: bool,
+    ) -> Bound {
+        let text = if guarded {
+            &self.complete
+        } else {
+            &self.complete_in
+        };
+        sqlx::query(AssertSqlSafe(text.clone()))
+            .bind(key.as_str())
+            .bind(fence)
+            .bind(outcome.as_bytes())
+            .bind(guarded)
+    }
+
+    /// The batch completion: one row per lease it completed.
+    pub(crate) fn bind_complete_many(&self, keys: &[&str], fences: &[i64], outcomes: &[&[u8]]) -> Bound {
+        sqlx::query(AssertSqlSafe(self.complete_many.clone()))
+            .bind(keys)
+            .bind(fences)
+            .bind(outcomes)
+            .bind(true)
+    }
+
+    /// A release fenced by `fence`: the written row, or none.
+    pub(crate) fn bind_release(&self, key: &EffectKey, fence: i64, guarded: bool) -> Bound {
+        sqlx::query(AssertSqlSafe(self.release.clone()))
+            .bind(key.as_str())
+            .bind(fence)
+            .bind(guarded)
+    }
+
+    /// A renewal by `extend_us` fenced by `fence`: the written row, or none.
+    pub(crate) fn bind_renew(&self, key: &EffectKey, fence: i64, extend_us: i64, guarded: bool) -> Bound {
+        sqlx::query(AssertSqlSafe(self.renew.clone()))
+            .bind(key.as_str())
+            .bind(fence)
+            .bind(extend_us)
+            .bind(guarded)
+    }
+
+    /// One prune batch of at most `batch` records, from `from` (µs): one
+    /// row of counts.
+    pub(crate) fn bind_prune(&self, batch: i64, from: Option<i64>) -> Bound {
+        sqlx::query(AssertSqlSafe(self.prune.clone()))
+            .bind(batch)
+            .bind(from)
+    }
+
+    /// One key's record: one `RecordRow` (with `has_record`).
+    pub(crate) fn bind_get(&self, key: &EffectKey) -> Bound {
+        sqlx::query(AssertSqlSafe(self.get.clone())).bind(key.as_str())
+    }
+
+    /// A tenant's abandoned steps, at most `limit`: `RecordRow`s.
+    pub(crate) fn bind_abandoned(&self, tenant: &Tenant, limit: i64) -> Bound {
+        sqlx::query(AssertSqlSafe(self.abandoned.clone()))
+            .bind(tenant.as_str())
+            .bind(limit)
+    }
+
+    /// The watermark of a tenant and kind: one row.
+    pub(crate) fn bind_horizon(&self, tenant: &Tenant, kind: &str) -> Bound {
+        sqlx::query(AssertSqlSafe(self.horizon.clone()))
+            .bind(tenant.as_str())
+            .bind(kind)
+    }
+
+    /// `Admin::forget` of `key` at `fence`, guarded: a row when it wrote.
+    pub(crate) fn bind_forget(&self, key: &EffectKey, fence: i64) -> Bound {
+        sqlx::query(AssertSqlSafe(self.forget.clone()))
+            .bind(key.as_str())
+            .bind(fence)
+            .bind(true)
+    }
+}
+
+/// An operator listing built by [`records`] or [`stats`] (its text and
+/// arguments), bound.
+pub(crate) fn bind_listing(text: &str, args: &[Arg]) -> Bound {
+    args.iter()
+        .fold(sqlx::query(AssertSqlSafe(text.to_owned())), |query, a| match a {
+            Arg::Text(s) => query.bind(s.clone()),
+            Arg::Int(i) => query.bind(*i),
+        })
 }
 
 impl Queries {
@@ -681,8 +849,8 @@ impl Binds {
 /// three are given, else the columns.
 fn scope_sql(tenant: Option<&Tenant>, kind: Option<&str>, subject: Option<&str>, b: &mut Binds) -> String {
     let mut w = Vec::new();
-    if let (Some(t), Some(k), Some(s)) = (tenant, kind, subject) {
-        w.push(format!("e.key = {}", b.push(Arg::Text(format!("{t}/{k}:{s}")))));
+    if let KeyRange::Key(key) = key_range(tenant, kind, subject) {
+        w.push(format!("e.key = {}", b.push(Arg::Text(key))));
     }
     if let Some(t) = tenant {
         w.push(format!("e.tenant = {}", b.push(Arg::Text(t.as_str().to_owned()))));

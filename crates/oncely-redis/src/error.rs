@@ -2,9 +2,7 @@
 //! driver type crosses the API.
 
 use oncely::Error;
-use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
-
-use crate::reply::text;
+use redis::{ErrorKind, RedisError, ServerErrorKind};
 
 /// The backend's name in errors and [`Ledger::backend`](oncely::backend::Ledger::backend).
 pub(crate) const BACKEND: &str = "redis";
@@ -59,37 +57,6 @@ pub(crate) fn task_failed(what: &str, e: tokio::task::JoinError) -> Error {
     }
 }
 
-/// The same error again, for each record of a batch whose call failed as a
-/// whole (errors are not `Clone`). The errors a call gives are rebuilt as
-/// they are; any other keeps its message and whether it is retryable.
-pub(crate) fn copy_error(e: &Error) -> Error {
-    match e {
-        Error::Unavailable { backend, message } => Error::Unavailable {
-            backend,
-            message: message.clone(),
-        },
-        Error::Backend {
-            backend,
-            message,
-            retryable,
-        } => Error::Backend {
-            backend,
-            message: message.clone(),
-            retryable: *retryable,
-        },
-        Error::Corrupt { backend, message } => Error::Corrupt {
-            backend,
-            message: message.clone(),
-        },
-        Error::Config(m) => Error::Config(m.clone()),
-        other => Error::Backend {
-            backend: BACKEND,
-            message: other.to_string(),
-            retryable: other.is_retryable(),
-        },
-    }
-}
-
 /// A script reply this crate does not know: a bug, or scripts and code of
 /// different versions.
 pub(crate) fn unexpected(what: &str) -> Error {
@@ -97,15 +64,6 @@ pub(crate) fn unexpected(what: &str) -> Error {
         backend: BACKEND,
         message: format!("unexpected script reply {what:?}"),
         retryable: false,
-    }
-}
-
-/// A script's `{'corrupt', message}` reply about `rkey`.
-pub(crate) fn corrupt(rkey: &str, parts: &[Value]) -> Error {
-    let what = parts.get(1).and_then(text).unwrap_or_default();
-    Error::Corrupt {
-        backend: BACKEND,
-        message: format!("{rkey}: {what}"),
     }
 }
 

@@ -12,15 +12,15 @@ use std::collections::HashMap;
 use std::time::{Duration, SystemTime};
 
 use oncely::backend::Lease;
-use oncely::backend::{Backoff, from_micros, is_beyond_horizon, to_micros};
+use oncely::backend::{Attempts, Backoff, from_micros, is_beyond_horizon, retry, to_micros};
 use oncely::{EffectKey, Error, Result, Tenant};
 use redis::Value;
 
 use crate::RedisLedger;
 use crate::conn::Conn;
-use crate::error::{BACKEND, corrupt, map_err, task_failed, unexpected};
+use crate::error::{BACKEND, map_err, task_failed, unexpected};
 use crate::lua::{HORIZON, PRUNE};
-use crate::reply::{array, int, tag, text};
+use crate::reply::{Due, array, corrupt, tag, text};
 
 /// How often a cluster claim tries to take back an insert that turned out to
 /// be beyond the horizon, on retryable errors, before it gives up and logs.
@@ -160,33 +160,25 @@ impl RedisLedger {
             }
         };
         let hz = sent_us.to_string();
-        let mut backoff = undo_backoff();
-        for attempt in 1..=UNDO_ATTEMPTS {
-            match self
-                .fenced(
-                    lease.key(),
-                    lease.fence(),
-                    "undo",
-                    &[created.as_bytes(), hz.as_bytes()],
-                )
-                .await
-            {
-                // Lost: no longer the record this claim wrote (taken over
-                // after its lease ended), so nothing of ours to take back.
-                Ok(_) | Err(Error::LeaseLost { .. }) => return,
-                Err(e) if e.is_retryable() && attempt < UNDO_ATTEMPTS => {
-                    tokio::time::sleep(backoff.next_delay()).await;
-                }
-                Err(e) => {
-                    tracing::error!(
-                        key = %lease.key(),
-                        fence = lease.fence(),
-                        error = %e,
-                        "cannot take back a claim beyond the horizon; its record stays in progress \
-                         until its lease ends, and whoever would take it over then checks the horizon again"
-                    );
-                    return;
-                }
+        let args = [created.as_bytes(), hz.as_bytes()];
+        let undone = retry(
+            Attempts::new(undo_backoff()).at_most(UNDO_ATTEMPTS),
+            Error::is_retryable,
+            || self.fenced(lease.key(), lease.fence(), "undo", &args),
+        )
+        .await;
+        match undone {
+            // Lost: no longer the record this claim wrote (taken over
+            // after its lease ended), so nothing of ours to take back.
+            Ok(_) | Err(Error::LeaseLost { .. }) => {}
+            Err(e) => {
+                tracing::error!(
+                    key = %lease.key(),
+                    fence = lease.fence(),
+                    error = %e,
+                    "cannot take back a claim beyond the horizon; its record stays in progress \
+                     until its lease ends, and whoever would take it over then checks the horizon again"
+                );
             }
         }
     }
@@ -221,8 +213,7 @@ impl RedisLedger {
             if tag(&parts)? != "due" {
                 continue;
             }
-            let stored = parts.get(1).and_then(text).unwrap_or_default();
-            let created = int(parts.get(2))?;
+            let Due { key: stored, created } = Due::decode(&parts)?;
             match EffectKey::parse(&stored) {
                 Ok(key) if self.redis_key(&key) == rkey => due.push((rkey, key, created)),
                 _ => tracing::warn!(key = %rkey, "record stored under another key; not pruned"),

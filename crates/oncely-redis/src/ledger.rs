@@ -1,7 +1,6 @@
 //! [`RedisLedger`]: its constructors, [`Ledger`] (each operation one script
 //! call on the record's key; a batch, one call per slot) and [`FromUrl`].
 
-use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -15,12 +14,12 @@ use redis::{Cmd, Script, Value};
 
 use crate::conn::Conn;
 use crate::durability;
-use crate::error::{BACKEND, copy_error, corrupt, map_err, task_failed, unexpected};
+use crate::error::{BACKEND, map_err, task_failed, unexpected};
 use crate::keys::{horizon_key, record_key, record_pattern, slot};
 use crate::lua::{self, CLAIM, ClaimItem, FENCED, FencedItem, GET};
 use crate::notify::{Notifications, Source};
 use crate::options::{RedisLedgerOptions, RedisUrl, Target, check_scheme};
-use crate::reply::{array, grant, in_progress, int, record, tag, text, uint};
+use crate::reply::{Unchecked, Written, array, corrupt, corrupt_horizon, grant, in_progress, record, tag};
 
 /// How many times one claim runs the claim script. It runs again only after
 /// it found an unchecked record ([`RedisLedger::recheck`]) and removed it or
@@ -55,7 +54,7 @@ pub(crate) enum Acks {
 }
 
 /// What one record's claim script reply means to the worker.
-enum Answer {
+pub(crate) enum Answer {
     /// The claim's answer.
     Done(Result<Claim>),
     /// A cluster claim with `sent_at` inserted this lease: the horizon check
@@ -254,7 +253,7 @@ impl RedisLedger {
     }
 
     /// Refuses a write on a read-only ledger, before any round trip.
-    fn writable(&self, what: &str) -> Result<()> {
+    pub(crate) fn writable(&self, what: &str) -> Result<()> {
         if self.opts.read_only {
             return Err(read_only(what));
         }
@@ -376,7 +375,7 @@ impl RedisLedger {
     /// it, since a failover may lose it. Retryable: the write may be sent
     /// again (it is fenced), and a completion's caller learns that the
     /// outcome is unknown.
-    fn replicated(&self, acks: Acks, what: &str, key: &EffectKey) -> Result<()> {
+    pub(crate) fn replicated(&self, acks: Acks, what: &str, key: &EffectKey) -> Result<()> {
         match self.short(acks) {
             None => Ok(()),
             Some(got) => Err(Error::Backend {
@@ -398,7 +397,7 @@ impl RedisLedger {
     /// still lose it. Both fail with [`Error::Unavailable`]: no handler
     /// runs, and a retry may succeed. A record in progress and errors are
     /// answered as they are: neither lets the caller act.
-    async fn acked_claim(&self, answer: Result<Claim>, acks: Acks) -> Result<Claim> {
+    pub(crate) async fn acked_claim(&self, answer: Result<Claim>, acks: Acks) -> Result<Claim> {
         let Some(got) = self.short(acks) else {
             return answer;
         };
@@ -436,7 +435,7 @@ impl RedisLedger {
 
     /// What one record's reply of claim.lua answers. `hkey`: the horizon key
     /// of a claim with `sent_at`; `in_script`: whether the script read it.
-    fn answer(
+    pub(crate) fn answer(
         &self,
         key: &EffectKey,
         rkey: &str,
@@ -457,11 +456,10 @@ impl RedisLedger {
                         Answer::Done(Ok(Claim::Acquired(lease)))
                     }
                 }
-                "unchecked" => Answer::Unchecked {
-                    fence: uint(parts.get(1))?,
-                    created: int(parts.get(2))?,
-                    hz: parts.get(3).and_then(text).unwrap_or_default(),
-                },
+                "unchecked" => {
+                    let Unchecked { fence, created, hz } = Unchecked::decode(parts)?;
+                    Answer::Unchecked { fence, created, hz }
+                }
                 "in_progress" => Answer::Done(in_progress(parts)),
                 "record" => {
                     // The script decided; the kit's rule says what the record answers.
@@ -473,9 +471,9 @@ impl RedisLedger {
                 }
                 "horizon" => Answer::Done(Err(Error::BeyondHorizon { key: key.to_string() })),
                 "mismatch" => Answer::Done(Err(Error::FingerprintMismatch { key: key.to_string() })),
-                // The third element names the horizon key when that is what is wrong.
-                "corrupt" => Answer::Done(match (hkey, parts.get(2)) {
-                    (Some(hkey), Some(_)) => Err(corrupt(hkey, parts)),
+                // The reply says when the horizon key is what is wrong.
+                "corrupt" => Answer::Done(match hkey {
+                    Some(hkey) if corrupt_horizon(parts) => Err(corrupt(hkey, parts)),
                     _ => Err(corrupt(rkey, parts)),
                 }),
                 other => Answer::Done(Err(unexpected(other))),
@@ -489,7 +487,7 @@ impl RedisLedger {
     /// script will not take over before its creating claim's check is
     /// repeated ([`RedisLedger::recheck`]) is checked here, and the script
     /// sent again.
-    async fn claim_once(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
+    pub(crate) async fn claim_once(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
         // validate() refuses a sent_at outside 1970..9999; the conversion is
         // checked all the same, so nothing can wrap into another time.
         let sent_at = opts.sent_at.map(to_micros).transpose()?;
@@ -614,7 +612,7 @@ impl Ledger for RedisLedger {
         // A renewal a failover can lose would let the next claimant take the
         // lease over while its holder counts on the extension.
         self.replicated(acks, "renewal", lease.key())?;
-        Ok(lease.renewed_until(from_micros(int(parts.get(2))?)))
+        Ok(lease.renewed_until(from_micros(Written::decode(&parts)?.until)))
     }
 
     async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
@@ -695,289 +693,20 @@ impl Ledger for RedisLedger {
     }
 }
 
-impl RedisLedger {
-    /// Claims `keys`, one answer per key in the order given, each exactly as
-    /// [`Ledger::claim`] would answer it (a key listed twice: the first
-    /// acquires, the second finds it in progress). One call of the claim
-    /// script per slot, the calls of all slots at once: on one server one
-    /// call and one round trip for the whole batch; on a cluster one round
-    /// trip per master, in parallel (see the crate docs, Batches). The outer
-    /// error is only for invalid options.
-    ///
-    /// Every rule of a single claim holds, the horizon included: on one
-    /// server each key's script reads its watermark with its insert; on a
-    /// cluster the keys that inserted with `sent_at` are checked after their
-    /// inserts (each watermark read once) and taken back beyond it, and the
-    /// batch then runs as a task of its own, so that a dropped future never
-    /// leaves an unchecked insert behind. A key whose record may never have
-    /// finished its horizon check is claimed on its own afterwards.
-    pub async fn claim_many(&self, keys: &[EffectKey], opts: &ClaimOptions) -> Result<Vec<Result<Claim>>> {
-        opts.validate()?;
-        if keys.is_empty() {
-            return Ok(Vec::new());
-        }
-        if self.opts.read_only {
-            return Ok(keys.iter().map(|_| Err(read_only("claim"))).collect());
-        }
-        if self.is_cluster() && opts.sent_at.is_some() {
-            let (ledger, keys, opts) = (self.clone(), keys.to_vec(), opts.clone());
-            return tokio::spawn(async move { ledger.claim_batch(&keys, &opts).await })
-                .await
-                .map_err(|e| task_failed("claim_many", e))?;
-        }
-        self.claim_batch(keys, opts).await
-    }
-
-    async fn claim_batch(&self, keys: &[EffectKey], opts: &ClaimOptions) -> Result<Vec<Result<Claim>>> {
-        let sent_at = opts.sent_at.map(to_micros).transpose()?;
-        let rkeys: Vec<String> = keys.iter().map(|k| self.redis_key(k)).collect();
-        let hkeys: Vec<Option<String>> = keys
-            .iter()
-            .map(|k| sent_at.map(|_| self.horizon_key(k.tenant(), k.kind())))
-            .collect();
-        let in_script = !self.is_cluster();
-        let groups = self.groups(rkeys.iter().map(String::as_str));
-        let waiter = self.notes.waiter(opts);
-        let touch = self.opts.wait.is_some();
-        let cmds: Vec<Cmd> = groups
-            .iter()
-            .map(|group| {
-                // One server: the watermarks go with the records, each once.
-                let mut horizons: Vec<&str> = Vec::new();
-                let items: Vec<ClaimItem<'_>> = group
-                    .iter()
-                    .map(|&i| ClaimItem {
-                        rkey: &rkeys[i],
-                        key: &keys[i],
-                        horizon: hkeys[i].as_deref().filter(|_| in_script).map(|h| {
-                            horizons.iter().position(|x| *x == h).unwrap_or_else(|| {
-                                horizons.push(h);
-                                horizons.len() - 1
-                            })
-                        }),
-                        floor: None,
-                    })
-                    .collect();
-                lua::claim(&items, &horizons, opts, sent_at, waiter, touch)
-            })
-            .collect();
-        let slots = groups.iter().map(|g| slot(&rkeys[g[0]])).collect();
-        let replies = self.call_all(&CLAIM, cmds, slots).await;
-        let mut answers: Vec<Option<Result<Claim>>> = keys.iter().map(|_| None).collect();
-        // What WAIT counted for each key's call.
-        let mut acks = vec![Acks::NotAsked; keys.len()];
-        let mut settle = Vec::new();
-        let mut unchecked = Vec::new();
-        for (group, reply) in groups.iter().zip(replies) {
-            let parts = match reply {
-                Ok((parts, got)) if parts.len() == group.len() => {
-                    for &i in group {
-                        acks[i] = got;
-                    }
-                    parts
-                }
-                other => {
-                    let e = other
-                        .err()
-                        .unwrap_or_else(|| unexpected("a batch reply of another length"));
-                    for &i in group {
-                        answers[i] = Some(Err(copy_error(&e)));
-                    }
-                    continue;
-                }
-            };
-            for (&i, parts) in group.iter().zip(parts) {
-                match self.answer(&keys[i], &rkeys[i], opts, hkeys[i].as_deref(), in_script, &parts) {
-                    Answer::Done(a) => answers[i] = Some(a),
-                    Answer::Settle(lease) => settle.push((i, lease)),
-                    Answer::Unchecked { .. } => unchecked.push(i),
-                }
-            }
-        }
-        if let Some(us) = sent_at {
-            // After every insert of the batch: each watermark once.
-            let mut marks: HashMap<&str, Result<Option<SystemTime>>> = HashMap::new();
-            for (i, lease) in settle {
-                let hkey = hkeys[i].as_deref().unwrap_or_default();
-                if !marks.contains_key(hkey) {
-                    marks.insert(hkey, self.watermark(hkey).await);
-                }
-                answers[i] = Some(match &marks[hkey] {
-                    Ok(w) if !oncely::backend::is_beyond_horizon(Some(from_micros(us)), *w) => {
-                        Ok(Claim::Acquired(lease))
-                    }
-                    Ok(_) => {
-                        self.undo(&lease, us).await;
-                        Err(Error::BeyondHorizon {
-                            key: keys[i].to_string(),
-                        })
-                    }
-                    Err(e) => {
-                        self.undo(&lease, us).await;
-                        Err(copy_error(e))
-                    }
-                });
-            }
-        }
-        // Short of replicas: not granted, not answered from (rare; one
-        // give-back at a time).
-        if self.opts.wait.is_some() {
-            for (answer, acks) in answers.iter_mut().zip(&acks) {
-                if let Some(a) = answer.take() {
-                    *answer = Some(self.acked_claim(a, *acks).await);
-                }
-            }
-        }
-        // Rare: records to check again first; one after the other, in order,
-        // so a key listed twice still acquires once.
-        for i in unchecked {
-            answers[i] = Some(self.claim_once(&keys[i], opts).await);
-        }
-        Ok(answers
-            .into_iter()
-            .map(|a| a.unwrap_or_else(|| Err(unexpected("a batch without an answer"))))
-            .collect())
-    }
-
-    /// Completes each lease with its outcome, one answer per lease in the
-    /// order given, each exactly as [`Ledger::complete`] would answer it
-    /// (fenced by its own lease; a stale one fails in its own slot). One
-    /// call of the completion script per slot, all at once, as
-    /// [`RedisLedger::claim_many`] claims.
-    pub async fn complete_many(&self, items: &[(Lease, Outcome)]) -> Vec<Result<()>> {
-        let mut answers: Vec<Option<Result<()>>> = items
-            .iter()
-            .map(|(_, outcome)| {
-                let checked = self
-                    .writable("complete")
-                    .and_then(|()| check_outcome(outcome, oncely::backend::MAX_OUTCOME_BYTES));
-                checked.err().map(Err)
-            })
-            .collect();
-        let todo: Vec<usize> = (0..items.len()).filter(|&i| answers[i].is_none()).collect();
-        let rkeys: Vec<String> = items.iter().map(|(l, _)| self.redis_key(l.key())).collect();
-        let groups: Vec<Vec<usize>> = self
-            .groups(todo.iter().map(|&i| rkeys[i].as_str()))
-            .into_iter()
-            .map(|g| g.into_iter().map(|j| todo[j]).collect())
-            .collect();
-        let cmds: Vec<Cmd> = groups
-            .iter()
-            .map(|group| {
-                let fenced: Vec<FencedItem<'_>> = group
-                    .iter()
-                    .map(|&i| FencedItem {
-                        rkey: &rkeys[i],
-                        key: items[i].0.key(),
-                        fence: items[i].0.fence(),
-                        arg: items[i].1.as_bytes(),
-                    })
-                    .collect();
-                lua::fenced("complete", &fenced, self.notes.mark(), self.notes.channel(), None)
-            })
-            .collect();
-        let slots = groups.iter().map(|g| slot(&rkeys[g[0]])).collect();
-        let replies = self.call_all(&FENCED, cmds, slots).await;
-        for (group, reply) in groups.iter().zip(replies) {
-            match reply {
-                Ok((parts, acks)) if parts.len() == group.len() => {
-                    for (&i, parts) in group.iter().zip(parts) {
-                        let (lease, _) = &items[i];
-                        let done = fenced_answer(lease.key(), lease.fence(), &rkeys[i], parts).map(drop);
-                        if done.is_ok() {
-                            self.notes.notify(lease.key());
-                        }
-                        answers[i] =
-                            Some(done.and_then(|()| self.replicated(acks, "completion", lease.key())));
-                    }
-                }
-                other => {
-                    let e = other
-                        .err()
-                        .unwrap_or_else(|| unexpected("a batch reply of another length"));
-                    for &i in group {
-                        answers[i] = Some(Err(copy_error(&e)));
-                    }
-                }
-            }
-        }
-        answers
-            .into_iter()
-            .map(|a| a.unwrap_or_else(|| Err(unexpected("a batch without an answer"))))
-            .collect()
-    }
-
-    /// The indexes of `rkeys` grouped by slot, in order within each group:
-    /// one group on a single server (any keys may share a script call), one
-    /// per hash slot on a cluster (a script's keys must share one).
-    fn groups<'a>(&self, rkeys: impl Iterator<Item = &'a str>) -> Vec<Vec<usize>> {
-        if !self.is_cluster() {
-            let all: Vec<usize> = rkeys.enumerate().map(|(i, _)| i).collect();
-            return if all.is_empty() { Vec::new() } else { vec![all] };
-        }
-        let mut slots: BTreeMap<u16, Vec<usize>> = BTreeMap::new();
-        for (i, rkey) in rkeys.enumerate() {
-            slots.entry(slot(rkey)).or_default().push(i);
-        }
-        slots.into_values().collect()
-    }
-
-    /// Sends `cmds` (calls of `script`, on the records of `slots`) all at
-    /// once, one reply each, in order, each with what `WAIT` counted after
-    /// it when the ledger waits for replicas. On a cluster each goes to its
-    /// slot's master as a task of its own: the cluster connection pipelines
-    /// those bound for one master, so the batch costs one round trip per
-    /// master, in parallel.
-    async fn call_all(
-        &self,
-        script: &'static Script,
-        cmds: Vec<Cmd>,
-        slots: Vec<u16>,
-    ) -> Vec<Result<(Vec<Vec<Value>>, Acks)>> {
-        let wait = self.opts.wait;
-        let send = |conn: Conn, cmd: Cmd, slot: u16| async move {
-            match wait {
-                None => Ok((call(&conn, script, &cmd).await?, Acks::NotAsked)),
-                Some(wait) => {
-                    let (reply, got) = lua::run_and_wait(&conn, script, &cmd, wait, slot).await?;
-                    Ok((replies(reply)?, Acks::Got(got)))
-                }
-            }
-        };
-        if cmds.len() <= 1 {
-            let mut replies = Vec::with_capacity(1);
-            for (cmd, slot) in cmds.into_iter().zip(slots) {
-                replies.push(send(self.conn.clone(), cmd, slot).await);
-            }
-            return replies;
-        }
-        let tasks: Vec<_> = cmds
-            .into_iter()
-            .zip(slots)
-            .map(|(cmd, slot)| tokio::spawn(send(self.conn.clone(), cmd, slot)))
-            .collect();
-        let mut replies = Vec::with_capacity(tasks.len());
-        for task in tasks {
-            replies.push(task.await.unwrap_or_else(|e| Err(task_failed("batch", e))));
-        }
-        replies
-    }
-}
-
 /// What a read-only ledger answers a write.
-fn read_only(what: &str) -> Error {
+pub(crate) fn read_only(what: &str) -> Error {
     Error::Config(format!(
         "{what}: the Redis ledger was opened read-only (RedisLedgerOptions::read_only): it does not write"
     ))
 }
 
 /// Sends a call of a script that handles several records, one reply each.
-async fn call(conn: &Conn, script: &Script, cmd: &Cmd) -> Result<Vec<Vec<Value>>> {
+pub(crate) async fn call(conn: &Conn, script: &Script, cmd: &Cmd) -> Result<Vec<Vec<Value>>> {
     replies(lua::run(conn, script, cmd).await?)
 }
 
 /// The replies of a call of a script that handles several records.
-fn replies(reply: Value) -> Result<Vec<Vec<Value>>> {
+pub(crate) fn replies(reply: Value) -> Result<Vec<Vec<Value>>> {
     array(reply)?.into_iter().map(array).collect()
 }
 
@@ -991,7 +720,12 @@ fn one(replies: Vec<Vec<Value>>) -> Result<Vec<Value>> {
 }
 
 /// What one record's reply of fenced.lua answers.
-fn fenced_answer(key: &EffectKey, fence: u64, rkey: &str, parts: Vec<Value>) -> Result<Vec<Value>> {
+pub(crate) fn fenced_answer(
+    key: &EffectKey,
+    fence: u64,
+    rkey: &str,
+    parts: Vec<Value>,
+) -> Result<Vec<Value>> {
     match tag(&parts)? {
         "ok" => Ok(parts),
         "lost" => Err(Error::LeaseLost {

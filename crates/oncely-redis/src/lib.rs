@@ -448,6 +448,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod batch;
 mod conn;
 mod durability;
 mod error;

@@ -28,6 +28,24 @@ pub(crate) fn text(v: &Value) -> Option<String> {
     }
 }
 
+/// A script's `{'corrupt', message[, about]}` reply (`about`: `'horizon'`
+/// when the horizon key is what is wrong).
+const CORRUPT: &[&str] = &["message", "about"];
+
+/// Whether a `corrupt` reply is about the horizon key rather than the record.
+pub(crate) fn corrupt_horizon(parts: &[Value]) -> bool {
+    Named::new(CORRUPT, parts).value("about").is_some()
+}
+
+/// A script's `{'corrupt', message}` reply about `rkey`.
+pub(crate) fn corrupt(rkey: &str, parts: &[Value]) -> Error {
+    let what = Named::new(CORRUPT, parts).text("message").unwrap_or_default();
+    Error::Corrupt {
+        backend: BACKEND,
+        message: format!("{rkey}: {what}"),
+    }
+}
+
 /// The first element of a script's reply: what kind of answer it is.
 pub(crate) fn tag(parts: &[Value]) -> Result<&str> {
     match parts.first() {
@@ -52,28 +70,167 @@ pub(crate) fn uint(v: Option<&Value>) -> Result<u64> {
     u64::try_from(int(v)?).map_err(|_| unexpected("negative fence"))
 }
 
-/// The lease of claim.lua's `{'acquired', fence, lease end, creation time,
-/// now, taken over}` reply.
+/// A script's reply read by name: `{tag, value, …}` whose values after the
+/// tag are named, in order, by `names` (the script's `return { tag, … }`
+/// line, restated once per reply below). A value the reply lacks reads as
+/// absent (nil), never as another field's.
+pub(crate) struct Named<'a> {
+    names: &'static [&'static str],
+    parts: &'a [Value],
+}
+
+impl<'a> Named<'a> {
+    pub(crate) fn new(names: &'static [&'static str], parts: &'a [Value]) -> Self {
+        Named { names, parts }
+    }
+
+    /// The value named `name` (a name of `names`: a programming error
+    /// otherwise).
+    pub(crate) fn value(&self, name: &str) -> Option<&'a Value> {
+        let i = self.names.iter().position(|n| *n == name);
+        debug_assert!(i.is_some(), "{name} is not a field of {:?}", self.names);
+        self.parts.get(i? + 1)
+    }
+
+    pub(crate) fn int(&self, name: &str) -> Result<i64> {
+        int(self.value(name))
+    }
+
+    pub(crate) fn uint(&self, name: &str) -> Result<u64> {
+        uint(self.value(name))
+    }
+
+    pub(crate) fn text(&self, name: &str) -> Option<String> {
+        self.value(name).and_then(text)
+    }
+}
+
+/// claim.lua's `{'acquired', fence, lease_end, created, now, taken_over}`.
+pub(crate) struct Acquired {
+    pub fence: u64,
+    pub lease_end: i64,
+    pub created: i64,
+    pub now: i64,
+    pub taken_over: bool,
+}
+
+impl Acquired {
+    const NAMES: &[&str] = &["fence", "lease_end", "created", "now", "taken_over"];
+
+    pub(crate) fn decode(parts: &[Value]) -> Result<Self> {
+        let r = Named::new(Self::NAMES, parts);
+        Ok(Acquired {
+            fence: r.uint("fence")?,
+            lease_end: r.int("lease_end")?,
+            created: r.int("created")?,
+            now: r.int("now")?,
+            taken_over: r.int("taken_over")? == 1,
+        })
+    }
+}
+
+/// claim.lua's `{'in_progress', fence, lease_end, created, now}`.
+pub(crate) struct InProgress {
+    pub fence: u64,
+    pub lease_end: i64,
+    pub created: i64,
+    pub now: i64,
+}
+
+impl InProgress {
+    const NAMES: &[&str] = &["fence", "lease_end", "created", "now"];
+
+    pub(crate) fn decode(parts: &[Value]) -> Result<Self> {
+        let r = Named::new(Self::NAMES, parts);
+        Ok(InProgress {
+            fence: r.uint("fence")?,
+            lease_end: r.int("lease_end")?,
+            created: r.int("created")?,
+            now: r.int("now")?,
+        })
+    }
+}
+
+/// claim.lua's `{'unchecked', fence, created, hz}`: an expired record whose
+/// creating claim may not have finished its horizon check (`hz`: that
+/// claim's `sent_at`).
+pub(crate) struct Unchecked {
+    pub fence: u64,
+    pub created: i64,
+    pub hz: String,
+}
+
+impl Unchecked {
+    const NAMES: &[&str] = &["fence", "created", "hz"];
+
+    pub(crate) fn decode(parts: &[Value]) -> Result<Self> {
+        let r = Named::new(Self::NAMES, parts);
+        Ok(Unchecked {
+            fence: r.uint("fence")?,
+            created: r.int("created")?,
+            hz: r.text("hz").unwrap_or_default(),
+        })
+    }
+}
+
+/// fenced.lua's `{'ok', now, until}`: `until` is the new lease end of a
+/// renewal, the retention end of a completion or release.
+pub(crate) struct Written {
+    pub until: i64,
+}
+
+impl Written {
+    const NAMES: &[&str] = &["now", "until"];
+
+    pub(crate) fn decode(parts: &[Value]) -> Result<Self> {
+        Ok(Written {
+            until: Named::new(Self::NAMES, parts).int("until")?,
+        })
+    }
+}
+
+/// prune.lua's `{'due', key, created}`: a record prune may delete, the
+/// effect key it stores and its creation time.
+pub(crate) struct Due {
+    pub key: String,
+    pub created: i64,
+}
+
+impl Due {
+    const NAMES: &[&str] = &["key", "created"];
+
+    pub(crate) fn decode(parts: &[Value]) -> Result<Self> {
+        let r = Named::new(Self::NAMES, parts);
+        Ok(Due {
+            key: r.text("key").unwrap_or_default(),
+            created: r.int("created")?,
+        })
+    }
+}
+
+/// The lease of claim.lua's `acquired` reply ([`Acquired`]).
 pub(crate) fn grant(key: &EffectKey, at_most_once: bool, parts: &[Value]) -> Result<Lease> {
+    let a = Acquired::decode(parts)?;
     Ok(Grant {
         key: key.clone(),
-        fence: uint(parts.get(1))?,
-        expires_at: from_micros(int(parts.get(2))?),
-        first_claimed_at: from_micros(int(parts.get(3))?),
-        acquired_at: from_micros(int(parts.get(4))?),
-        taken_over: int(parts.get(5))? == 1,
+        fence: a.fence,
+        expires_at: from_micros(a.lease_end),
+        first_claimed_at: from_micros(a.created),
+        acquired_at: from_micros(a.now),
+        taken_over: a.taken_over,
         at_most_once,
     }
     .into_lease())
 }
 
-/// claim.lua's `{'in_progress', fence, lease end, creation time, now}`.
+/// claim.lua's `in_progress` reply ([`InProgress`]) as the claim's answer.
 pub(crate) fn in_progress(parts: &[Value]) -> Result<Claim> {
+    let p = InProgress::decode(parts)?;
     Ok(Claim::InProgress {
-        fence: uint(parts.get(1))?,
-        expires_at: from_micros(int(parts.get(2))?),
-        first_claimed_at: from_micros(int(parts.get(3))?),
-        read_at: from_micros(int(parts.get(4))?),
+        fence: p.fence,
+        expires_at: from_micros(p.lease_end),
+        first_claimed_at: from_micros(p.created),
+        read_at: from_micros(p.now),
     })
 }
 
@@ -115,8 +272,9 @@ pub(crate) fn record(rkey: &str, expected: Option<&EffectKey>, parts: &[Value]) 
         backend: BACKEND,
         message: format!("{rkey}: {what}"),
     };
-    let now = from_micros(int(parts.get(1))?);
-    let Some(Value::Array(values)) = parts.get(2) else {
+    let reply = Named::new(&["now", "fields"], parts);
+    let now = from_micros(reply.int("now")?);
+    let Some(Value::Array(values)) = reply.value("fields") else {
         return Err(bad("record reply without fields"));
     };
     if values.len() != FIELDS.len() {
@@ -181,6 +339,42 @@ pub(crate) fn record(rkey: &str, expected: Option<&EffectKey>, parts: &[Value]) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each reply struct reads the values of its script's `return { tag, … }`
+    /// line by name; a reply short of a value fails rather than reading
+    /// another.
+    #[test]
+    fn replies_are_read_by_name() {
+        let bulk = |s: &str| Value::BulkString(s.as_bytes().to_vec());
+        let acquired = [
+            bulk("acquired"),
+            Value::Int(7),
+            Value::Int(30),
+            Value::Int(10),
+            Value::Int(20),
+            Value::Int(1),
+        ];
+        let a = Acquired::decode(&acquired).unwrap();
+        assert_eq!(
+            (a.fence, a.lease_end, a.created, a.now, a.taken_over),
+            (7, 30, 10, 20, true)
+        );
+        let unchecked = [bulk("unchecked"), bulk("3"), Value::Int(5), bulk("4")];
+        let u = Unchecked::decode(&unchecked).unwrap();
+        assert_eq!((u.fence, u.created, u.hz.as_str()), (3, 5, "4"));
+        let due = [bulk("due"), bulk("acme/capture:1"), Value::Int(9)];
+        let d = Due::decode(&due).unwrap();
+        assert_eq!((d.key.as_str(), d.created), ("acme/capture:1", 9));
+        assert_eq!(
+            Written::decode(&[bulk("ok"), Value::Int(1), Value::Int(2)])
+                .unwrap()
+                .until,
+            2
+        );
+        assert!(InProgress::decode(&[bulk("in_progress"), Value::Int(1), Value::Int(2)]).is_err());
+        assert!(corrupt_horizon(&[bulk("corrupt"), bulk("bad"), bulk("horizon")]));
+        assert!(!corrupt_horizon(&[bulk("corrupt"), bulk("bad")]));
+    }
 
     /// The scripts read a record's fields in the order [`FIELDS`] names
     /// them, all of them where a record is returned, a prefix elsewhere.

@@ -12,10 +12,10 @@
 use std::collections::{HashMap, VecDeque};
 
 use oncely::backend::{Claim, Lease, Outcome};
-use oncely::backend::{answer_existing, duration_micros, from_micros, is_beyond_horizon};
+use oncely::backend::{answer_existing, from_micros, is_beyond_horizon};
 use oncely::{ClaimOptions, EffectKey, Error, Result};
+use sqlx::Row;
 use sqlx::sqlite::{SqliteConnection, SqliteRow};
-use sqlx::{AssertSqlSafe, Row};
 
 use crate::error::{BACKEND, map};
 use crate::row::{self, Found};
@@ -52,20 +52,7 @@ pub(crate) async fn claim_many(
         if pending.is_empty() {
             break;
         }
-        let sql = if sent_at.is_some() {
-            &q.claim_many_horizon
-        } else {
-            &q.claim_many
-        };
-        let mut claim = sqlx::query(AssertSqlSafe(sql.clone()))
-            .bind(keys_json(pending.iter().map(|&i| &keys[i]))?)
-            .bind(opts.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
-            .bind(opts.at_most_once)
-            .bind(duration_micros(opts.lease))
-            .bind(duration_micros(opts.retention));
-        if let Some(sent_at) = sent_at {
-            claim = claim.bind(sent_at);
-        }
+        let claim = q.bind_claim_many(keys_json(pending.iter().map(|&i| &keys[i]))?, opts, sent_at);
         let rows = claim.fetch_all(&mut *conn).await.map_err(map)?;
         // Grants by key; a key can only be granted once per statement (its
         // first slot's lease is live for the rest of it), but if it were
@@ -90,8 +77,8 @@ pub(crate) async fn claim_many(
         if rest.is_empty() {
             break;
         }
-        let rows = sqlx::query(AssertSqlSafe(q.claim_many_read.clone()))
-            .bind(keys_json(rest.iter().map(|&i| &keys[i]))?)
+        let rows = q
+            .bind_claim_many_read(keys_json(rest.iter().map(|&i| &keys[i]))?)
             .fetch_all(&mut *conn)
             .await
             .map_err(map)?;
@@ -177,9 +164,8 @@ pub(crate) async fn complete_many(
         sent.push(i);
     }
     if !sent.is_empty() {
-        let rows = sqlx::query(AssertSqlSafe(q.complete_many.clone()))
-            .bind(serde_json::to_string(&parts)?)
-            .bind(outcomes)
+        let rows = q
+            .bind_complete_many(serde_json::to_string(&parts)?, outcomes)
             .fetch_all(&mut *conn)
             .await
             .map_err(map)?;
@@ -205,36 +191,5 @@ fn lease_lost(lease: &Lease) -> Error {
     Error::LeaseLost {
         key: lease.key().to_string(),
         fence: lease.fence(),
-    }
-}
-
-/// `error` (a batch's transaction failed) as the answer of one of its slots:
-/// the whole batch shares the failure, and `oncely::Error` is not `Clone`.
-pub(crate) fn for_each_slot(error: &Error) -> Error {
-    match error {
-        Error::Backend {
-            backend,
-            message,
-            retryable,
-        } => Error::Backend {
-            backend,
-            message: message.clone(),
-            retryable: *retryable,
-        },
-        Error::Unavailable { backend, message } => Error::Unavailable {
-            backend,
-            message: message.clone(),
-        },
-        Error::Corrupt { backend, message } => Error::Corrupt {
-            backend,
-            message: message.clone(),
-        },
-        Error::Config(message) => Error::Config(message.clone()),
-        Error::Serialization(message) => Error::Serialization(message.clone()),
-        other => Error::Backend {
-            backend: BACKEND,
-            message: other.to_string(),
-            retryable: other.is_retryable(),
-        },
     }
 }

@@ -11,12 +11,12 @@ use oncely::backend::forget_refusal;
 use oncely::backend::{Capabilities, Claim, Lease, Ledger, Outcome, Record, TransactionalLedger};
 use oncely::backend::{Notifier, Watch};
 use oncely::backend::{
-    answer_existing, check_outcome, duration_micros, from_micros, is_beyond_horizon, to_micros,
+    answer_existing, check_outcome, duration_micros, fail_each, from_micros, is_beyond_horizon, to_micros,
 };
 use oncely::open::{FromUrl, OpenOptions};
 use oncely::{ClaimOptions, EffectKey, Error, Result, Tenant};
 use sqlx::sqlite::{Sqlite, SqliteConnection, SqlitePool, SqlitePoolOptions};
-use sqlx::{AssertSqlSafe, Connection, Transaction};
+use sqlx::{Connection, Transaction};
 
 use crate::batch;
 use crate::durability::{DURABLE_UNCHECKED, Probe};
@@ -282,30 +282,13 @@ impl SqliteLedger {
         // this never writes on a stale read. Inside a `BEGIN IMMEDIATE`
         // transaction nothing else writes, and only the clock can move.
         for _ in 0..8 {
-            let sql = if sent_at.is_some() {
-                &self.q.claim_horizon
-            } else {
-                &self.q.claim
-            };
-            let mut claim = sqlx::query(AssertSqlSafe(sql.clone()))
-                .bind(key.as_str())
-                .bind(key.tenant().as_str())
-                .bind(key.kind())
-                .bind(key.subject())
-                .bind(opts.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
-                .bind(opts.at_most_once)
-                .bind(duration_micros(opts.lease))
-                .bind(duration_micros(opts.retention));
-            if let Some(sent_at) = sent_at {
-                claim = claim.bind(sent_at);
-            }
+            let claim = self.q.bind_claim(key, opts, sent_at);
             if let Some(row) = claim.fetch_optional(&mut *conn).await.map_err(map)? {
                 return row::lease(key, opts, &row).map(Claim::Acquired);
             }
-            let row = sqlx::query(AssertSqlSafe(self.q.claim_read.clone()))
-                .bind(key.as_str())
-                .bind(key.tenant().as_str())
-                .bind(key.kind())
+            let row = self
+                .q
+                .bind_claim_read(key)
                 .fetch_one(&mut *conn)
                 .await
                 .map_err(map)?;
@@ -335,10 +318,9 @@ impl SqliteLedger {
     async fn complete_on(&self, conn: &mut SqliteConnection, lease: &Lease, outcome: &Outcome) -> Result<()> {
         check_outcome(outcome, oncely::backend::MAX_OUTCOME_BYTES)?;
         self.writable("complete")?;
-        let done = sqlx::query(AssertSqlSafe(self.q.complete.clone()))
-            .bind(lease.key().as_str())
-            .bind(row::fence_param(lease.fence()))
-            .bind(outcome.as_bytes())
+        let done = self
+            .q
+            .bind_complete(lease.key(), row::fence_param(lease.fence()), outcome)
             .execute(&mut *conn)
             .await
             .map_err(map)?;
@@ -407,13 +389,10 @@ impl SqliteLedger {
     async fn prune_batch(&self, conn: &mut SqliteConnection, batch: u64) -> Result<u64> {
         let mut tx = conn.begin_with("BEGIN IMMEDIATE").await.map_err(map)?;
         // The clock, read once the write lock is held.
-        let cutoff: i64 = sqlx::query_scalar(AssertSqlSafe(self.q.now.clone()))
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(map)?;
-        let gone: Vec<(String, String, i64)> = sqlx::query_as(AssertSqlSafe(self.q.prune.clone()))
-            .bind(i64::try_from(batch).unwrap_or(i64::MAX))
-            .bind(cutoff)
+        let cutoff: i64 = self.q.bind_now().fetch_one(&mut *tx).await.map_err(map)?;
+        let gone: Vec<(String, String, i64)> = self
+            .q
+            .bind_prune(i64::try_from(batch).unwrap_or(i64::MAX), cutoff)
             .fetch_all(&mut *tx)
             .await
             .map_err(map)?;
@@ -423,10 +402,8 @@ impl SqliteLedger {
             *w = (*w).max(*created_at);
         }
         for ((tenant, kind), watermark) in newest {
-            sqlx::query(AssertSqlSafe(self.q.prune_horizon.clone()))
-                .bind(tenant)
-                .bind(kind)
-                .bind(watermark)
+            self.q
+                .bind_prune_horizon(tenant, kind, watermark)
                 .execute(&mut *tx)
                 .await
                 .map_err(map)?;
@@ -473,9 +450,9 @@ impl Ledger for SqliteLedger {
 
     async fn release(&self, lease: &Lease) -> Result<()> {
         self.writable("release")?;
-        let done = sqlx::query(AssertSqlSafe(self.q.release.clone()))
-            .bind(lease.key().as_str())
-            .bind(row::fence_param(lease.fence()))
+        let done = self
+            .q
+            .bind_release(lease.key(), row::fence_param(lease.fence()))
             .execute(&self.pool)
             .await
             .map_err(map)?;
@@ -487,10 +464,13 @@ impl Ledger for SqliteLedger {
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
         oncely::backend::check_extension(extend_by)?;
         self.writable("renew")?;
-        let row = sqlx::query(AssertSqlSafe(self.q.renew.clone()))
-            .bind(lease.key().as_str())
-            .bind(row::fence_param(lease.fence()))
-            .bind(duration_micros(extend_by))
+        let row = self
+            .q
+            .bind_renew(
+                lease.key(),
+                row::fence_param(lease.fence()),
+                duration_micros(extend_by),
+            )
             .fetch_optional(&self.pool)
             .await
             .map_err(map)?;
@@ -504,8 +484,9 @@ impl Ledger for SqliteLedger {
     }
 
     async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
-        let row = sqlx::query(AssertSqlSafe(self.q.get.clone()))
-            .bind(key.as_str())
+        let row = self
+            .q
+            .bind_get(key)
             .fetch_optional(&self.pool)
             .await
             .map_err(map)?;
@@ -534,9 +515,9 @@ impl Ledger for SqliteLedger {
     }
 
     async fn abandoned(&self, tenant: &Tenant, limit: u64) -> Result<Vec<Record>> {
-        let rows = sqlx::query(AssertSqlSafe(self.q.abandoned.clone()))
-            .bind(tenant.as_str())
-            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+        let rows = self
+            .q
+            .bind_abandoned(tenant, i64::try_from(limit).unwrap_or(i64::MAX))
             .fetch_all(&self.pool)
             .await
             .map_err(map)?;
@@ -544,9 +525,9 @@ impl Ledger for SqliteLedger {
     }
 
     async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
-        let watermark: Option<i64> = sqlx::query_scalar(AssertSqlSafe(self.q.horizon.clone()))
-            .bind(tenant.as_str())
-            .bind(kind)
+        let watermark: Option<i64> = self
+            .q
+            .bind_horizon(tenant, kind)
             .fetch_optional(&self.pool)
             .await
             .map_err(map)?;
@@ -574,7 +555,7 @@ impl Ledger for SqliteLedger {
         opts.validate()?;
         let sent_at = opts.sent_at.map(to_micros).transpose()?;
         if let Err(e) = self.writable("claim") {
-            return Ok(keys.iter().map(|_| Err(batch::for_each_slot(&e))).collect());
+            return Ok(fail_each(e, keys.len()));
         }
         match keys {
             [] => Ok(Vec::new()),
@@ -582,7 +563,7 @@ impl Ledger for SqliteLedger {
             [key] => Ok(vec![self.claim(key, opts).await]),
             _ => match self.claim_batch(keys, opts, sent_at).await {
                 Ok(answers) => Ok(answers),
-                Err(e) => Ok(keys.iter().map(|_| Err(batch::for_each_slot(&e))).collect()),
+                Err(e) => Ok(fail_each(e, keys.len())),
             },
         }
     }
@@ -615,7 +596,7 @@ impl Ledger for SqliteLedger {
                 }
                 answers
             }
-            Err(e) => items.iter().map(|_| Err(batch::for_each_slot(&e))).collect(),
+            Err(e) => fail_each(e, items.len()),
         }
     }
 
@@ -702,7 +683,7 @@ impl FromUrl for SqliteLedger {
 impl Admin for SqliteLedger {
     async fn records(&self, query: &RecordQuery) -> Result<Vec<Record>> {
         let (text, args) = sql::records(&self.q.table, query)?;
-        let rows = bind(sqlx::query(AssertSqlSafe(text)), args)
+        let rows = sql::bind_listing(text, args)
             .fetch_all(&self.pool)
             .await
             .map_err(map)?;
@@ -711,7 +692,7 @@ impl Admin for SqliteLedger {
 
     async fn stats(&self, tenant: Option<&Tenant>) -> Result<Vec<KindStats>> {
         let (text, args) = sql::stats(&self.q.table, tenant);
-        let rows = bind(sqlx::query(AssertSqlSafe(text)), args)
+        let rows = sql::bind_listing(text, args)
             .fetch_all(&self.pool)
             .await
             .map_err(map)?;
@@ -720,9 +701,9 @@ impl Admin for SqliteLedger {
 
     async fn forget(&self, key: &EffectKey, fence: u64) -> Result<()> {
         self.writable("forget")?;
-        let done = sqlx::query(AssertSqlSafe(self.q.forget.clone()))
-            .bind(key.as_str())
-            .bind(row::fence_param(fence))
+        let done = self
+            .q
+            .bind_forget(key, row::fence_param(fence))
             .execute(&self.pool)
             .await
             .map_err(map)?;
@@ -734,23 +715,12 @@ impl Admin for SqliteLedger {
     }
 
     async fn prunable(&self) -> Result<u64> {
-        let n: i64 = sqlx::query_scalar(AssertSqlSafe(self.q.prunable_count.clone()))
+        let n: i64 = self
+            .q
+            .bind_prunable_count()
             .fetch_one(&self.pool)
             .await
             .map_err(map)?;
         Ok(u64::try_from(n).unwrap_or(0))
     }
-}
-
-fn bind<'q>(
-    mut query: sqlx::query::Query<'q, Sqlite, sqlx::sqlite::SqliteArguments>,
-    args: Vec<sql::Arg>,
-) -> sqlx::query::Query<'q, Sqlite, sqlx::sqlite::SqliteArguments> {
-    for a in args {
-        query = match a {
-            sql::Arg::Text(s) => query.bind(s),
-            sql::Arg::Int(i) => query.bind(i),
-        };
-    }
-    query
 }

@@ -12,8 +12,12 @@
 use std::sync::Arc;
 
 use oncely::admin::{Filter, RecordQuery};
-use oncely::backend::RecordState;
-use oncely::{Error, Tenant};
+use oncely::backend::{KeyRange, duration_micros, key_range};
+use oncely::backend::{Outcome, RecordState};
+use oncely::{ClaimOptions, EffectKey, Error, Tenant};
+use sqlx::query::{Query, QueryAs, QueryScalar};
+use sqlx::sqlite::SqliteArguments;
+use sqlx::{AssertSqlSafe, Sqlite};
 
 /// The database clock in microseconds.
 const NOW_US: &str = "CAST(unixepoch('subsec') * 1000000 AS INTEGER)";
@@ -271,6 +275,179 @@ fn prunable(t: &str) -> String {
     )
 }
 
+/// A statement with its binds, ready to run on a connection.
+pub(crate) type Bound = Query<'static, Sqlite, SqliteArguments>;
+
+/// One function per statement, each returning it bound: the placeholders
+/// are filled here, in order, and nowhere else. The rows they return are
+/// read in `row.rs` (a lease, a found record, a record).
+impl Queries {
+    /// The claim (`claim`, or `claim_horizon` with `sent_at`, µs): the
+    /// granted lease's row, or none.
+    pub(crate) fn bind_claim(&self, key: &EffectKey, opts: &ClaimOptions, sent_at: Option<i64>) -> Bound {
+        let text = if sent_at.is_some() {
+            &self.claim_horizon
+        } else {
+            &self.claim
+        };
+        let query = sqlx::query(AssertSqlSafe(text.clone()))
+            .bind(key.as_str())
+            .bind(key.tenant().as_str())
+            .bind(key.kind())
+            .bind(key.subject())
+            .bind(opts.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
+            .bind(opts.at_most_once)
+            .bind(duration_micros(opts.lease))
+            .bind(duration_micros(opts.retention));
+        match sent_at {
+            Some(sent_at) => query.bind(sent_at),
+            None => query,
+        }
+    }
+
+    /// The read after a claim that was not granted: one found-record row.
+    pub(crate) fn bind_claim_read(&self, key: &EffectKey) -> Bound {
+        sqlx::query(AssertSqlSafe(self.claim_read.clone()))
+            .bind(key.as_str())
+            .bind(key.tenant().as_str())
+            .bind(key.kind())
+    }
+
+    /// The batch claim over `keys_json` (a JSON array of the keys): the
+    /// granted leases' rows.
+    pub(crate) fn bind_claim_many(
+        &self,
+        keys_json: String,
+        opts: &ClaimOptions,
+        sent_at: Option<i64>,
+    ) -> Bound {
+        let text = if sent_at.is_some() {
+            &self.claim_many_horizon
+        } else {
+            &self.claim_many
+        };
+        let query = sqlx::query(AssertSqlSafe(text.clone()))
+            .bind(keys_json)
+            .bind(opts.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
+            .bind(opts.at_most_once)
+            .bind(duration_micros(opts.lease))
+            .bind(duration_micros(opts.retention));
+        match sent_at {
+            Some(sent_at) => query.bind(sent_at),
+            None => query,
+        }
+    }
+
+    /// The batch read of the keys a batch claim did not grant: found-record
+    /// rows, each with its `slot`.
+    pub(crate) fn bind_claim_many_read(&self, keys_json: String) -> Bound {
+        sqlx::query(AssertSqlSafe(self.claim_many_read.clone())).bind(keys_json)
+    }
+
+    /// A completion fenced by `fence`: one row changed, or none.
+    pub(crate) fn bind_complete(&self, key: &EffectKey, fence: i64, outcome: &Outcome) -> Bound {
+        sqlx::query(AssertSqlSafe(self.complete.clone()))
+            .bind(key.as_str())
+            .bind(fence)
+            .bind(outcome.as_bytes())
+    }
+
+    /// The batch completion: `parts_json` (each lease's key, fence and its
+    /// outcome's place in `outcomes`) and the outcomes end to end; one row
+    /// per lease completed.
+    pub(crate) fn bind_complete_many(&self, parts_json: String, outcomes: Vec<u8>) -> Bound {
+        sqlx::query(AssertSqlSafe(self.complete_many.clone()))
+            .bind(parts_json)
+            .bind(outcomes)
+    }
+
+    /// A release fenced by `fence`: one row changed, or none.
+    pub(crate) fn bind_release(&self, key: &EffectKey, fence: i64) -> Bound {
+        sqlx::query(AssertSqlSafe(self.release.clone()))
+            .bind(key.as_str())
+            .bind(fence)
+    }
+
+    /// A renewal by `extend_us` fenced by `fence`: the new lease end's row,
+    /// or none.
+    pub(crate) fn bind_renew(&self, key: &EffectKey, fence: i64, extend_us: i64) -> Bound {
+        sqlx::query(AssertSqlSafe(self.renew.clone()))
+            .bind(key.as_str())
+            .bind(fence)
+            .bind(extend_us)
+    }
+
+    /// One key's record row, or none.
+    pub(crate) fn bind_get(&self, key: &EffectKey) -> Bound {
+        sqlx::query(AssertSqlSafe(self.get.clone())).bind(key.as_str())
+    }
+
+    /// A tenant's abandoned steps, at most `limit`: record rows.
+    pub(crate) fn bind_abandoned(&self, tenant: &Tenant, limit: i64) -> Bound {
+        sqlx::query(AssertSqlSafe(self.abandoned.clone()))
+            .bind(tenant.as_str())
+            .bind(limit)
+    }
+
+    /// The watermark of a tenant and kind (µs); no row when there is none.
+    pub(crate) fn bind_horizon<'q>(
+        &self,
+        tenant: &'q Tenant,
+        kind: &'q str,
+    ) -> QueryScalar<'q, Sqlite, i64, SqliteArguments> {
+        sqlx::query_scalar(AssertSqlSafe(self.horizon.clone()))
+            .bind(tenant.as_str())
+            .bind(kind)
+    }
+
+    /// The database clock (µs), prune's cutoff.
+    pub(crate) fn bind_now(&self) -> QueryScalar<'static, Sqlite, i64, SqliteArguments> {
+        sqlx::query_scalar(AssertSqlSafe(self.now.clone()))
+    }
+
+    /// One prune batch of at most `batch` records retained until before
+    /// `cutoff`: the deleted records' tenant, kind and creation time (µs).
+    pub(crate) fn bind_prune(
+        &self,
+        batch: i64,
+        cutoff: i64,
+    ) -> QueryAs<'static, Sqlite, (String, String, i64), SqliteArguments> {
+        sqlx::query_as(AssertSqlSafe(self.prune.clone()))
+            .bind(batch)
+            .bind(cutoff)
+    }
+
+    /// `Admin::forget` of `key` at `fence`: one row changed, or none.
+    pub(crate) fn bind_forget(&self, key: &EffectKey, fence: i64) -> Bound {
+        sqlx::query(AssertSqlSafe(self.forget.clone()))
+            .bind(key.as_str())
+            .bind(fence)
+    }
+
+    /// `Admin::prunable`: how many records prune would delete now.
+    pub(crate) fn bind_prunable_count(&self) -> QueryScalar<'static, Sqlite, i64, SqliteArguments> {
+        sqlx::query_scalar(AssertSqlSafe(self.prunable_count.clone()))
+    }
+
+    /// Raises the watermark of a tenant and kind to `watermark` (µs).
+    pub(crate) fn bind_prune_horizon(&self, tenant: &str, kind: &str, watermark: i64) -> Bound {
+        sqlx::query(AssertSqlSafe(self.prune_horizon.clone()))
+            .bind(tenant)
+            .bind(kind)
+            .bind(watermark)
+    }
+}
+
+/// An operator listing built by [`records`] or [`stats`] (its text and
+/// arguments), bound.
+pub(crate) fn bind_listing(text: String, args: Vec<Arg>) -> Bound {
+    args.into_iter()
+        .fold(sqlx::query(AssertSqlSafe(text)), |query, a| match a {
+            Arg::Text(s) => query.bind(s),
+            Arg::Int(i) => query.bind(i),
+        })
+}
+
 impl Queries {
     pub(crate) fn new(table: &str) -> Result<Self, Error> {
         check_table_name(table)?;
@@ -425,7 +602,7 @@ fn filter_sql(filter: Filter) -> &'static str {
 }
 
 /// The part of the WHERE that picks a tenant (and kind, and subject): a
-/// range of the primary key (`tenant/`, `tenant/kind:`), or the key itself
+/// range of the primary key (`key_range`: `tenant/`, `tenant/kind:`), or the key itself
 /// when all three are given, so the key's index serves it. The columns are
 /// compared too, which keeps the range exact.
 fn scope_sql(
@@ -435,26 +612,17 @@ fn scope_sql(
     args: &mut Vec<Arg>,
 ) -> String {
     let mut w = Vec::new();
-    match (tenant, kind, subject) {
-        (Some(t), Some(k), Some(s)) => {
+    match key_range(tenant, kind, subject) {
+        KeyRange::Key(key) => {
             w.push("e.key = ?".to_owned());
-            args.push(Arg::Text(format!("{t}/{k}:{s}")));
+            args.push(Arg::Text(key));
         }
-        (Some(t), k, _) => {
-            let prefix = match k {
-                Some(k) => format!("{t}/{k}:"),
-                None => format!("{t}/"),
-            };
-            // The prefix ends in ASCII '/' or ':'; the next byte bounds it.
-            let mut upper = prefix.clone().into_bytes();
-            if let Some(last) = upper.last_mut() {
-                *last += 1;
-            }
+        KeyRange::Prefix { start, end } => {
             w.push("e.key >= ? AND e.key < ?".to_owned());
-            args.push(Arg::Text(prefix));
-            args.push(Arg::Text(String::from_utf8_lossy(&upper).into_owned()));
+            args.push(Arg::Text(start));
+            args.push(Arg::Text(end));
         }
-        _ => {}
+        KeyRange::All => {}
     }
     if let Some(t) = tenant {
         w.push("e.tenant = ?".to_owned());

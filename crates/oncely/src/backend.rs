@@ -32,7 +32,15 @@
 //! - [`check_outcome`], [`check_extension`]: the outcome size limit and the
 //!   bounds of a renewal;
 //! - [`report_unexpected_violation`]: the one telemetry call a backend makes;
-//! - [`Backoff`]: the delays of every retry loop;
+//! - [`Backoff`]: the delays of every retry loop; [`retry`] and
+//!   [`Attempts`]: the loop itself (a retryable error runs again after a
+//!   pause, within a number of attempts or a window);
+//! - [`fail_each`], [`copy_error`]: one failure as the answer of every slot
+//!   of a batch; [`earlier_listings`], [`repeated_claim`],
+//!   [`repeated_completion`]: what a key or lease listed twice in one batch
+//!   answers (what the same call made again right after would);
+//! - [`key_range`]: the range of keys an operator listing of a tenant (and
+//!   kind) reads;
 //! - [`to_micros`], [`from_micros`], [`duration_micros`], [`MAX_MICROS`]: the
 //!   one time unit backends store (microseconds since the Unix epoch), with
 //!   checked arithmetic.
@@ -56,6 +64,10 @@ use crate::admin::{Class, classify};
 use crate::error::{Error, Result};
 use crate::key::EffectKey;
 use crate::record::ClaimOptions;
+
+pub use crate::retry::{Attempts, retry};
+pub use crate::scope::{KeyRange, key_range};
+pub use crate::slots::{copy_error, earlier_listings, fail_each, repeated_claim, repeated_completion};
 
 /// The parts of a lease a backend has just granted. [`Grant::into_lease`]
 /// makes the [`Lease`] its claim returns: only ledgers grant leases, and this

@@ -908,3 +908,134 @@ pub async fn complete_many_is_fenced_per_lease<L: Ledger>(ledger: L) {
     }
     assert!(ledger.complete_many(&[]).await.is_empty());
 }
+
+/// A key (or a lease) listed more than once in one batch: each later
+/// listing gets what the same call made again right after the earlier one
+/// would get (`Ledger::claim_many`, `Ledger::complete_many`). A claim
+/// acquired first is in progress at that fence after; a completed, live,
+/// abandoned or mismatched record answers the same again; a lease completed
+/// first is lost after, and the stored outcome is the first one; a stale
+/// lease beside the current one of its key fails alone.
+pub async fn batch_duplicates_answer_as_sequential_calls<L: Ledger>(ledger: L) {
+    let t = fresh_tenant();
+    let k = |s: &str| key(&t, "capture", s);
+    let o = |s: &str| Outcome::from_json(&s).unwrap();
+    let done = acquired(ledger.claim(&k("done"), &opts()).await.unwrap());
+    ledger.complete(&done, &o("done")).await.unwrap();
+    let live = acquired(ledger.claim(&k("live"), &opts()).await.unwrap());
+    let expired = acquired(
+        ledger
+            .claim(&k("expired"), &opts().lease(SHORT_LEASE))
+            .await
+            .unwrap(),
+    );
+    let fp = Fingerprint::of_bytes(b"first payload");
+    acquired(
+        ledger
+            .claim(&k("fingerprinted"), &opts().fingerprint(fp))
+            .await
+            .unwrap(),
+    );
+    let at_most_once = opts().at_most_once(true).lease(SHORT_LEASE);
+    acquired(ledger.claim(&k("abandoned"), &at_most_once).await.unwrap());
+    tokio::time::sleep(SHORT_LEASE_WAIT).await;
+
+    let keys = [
+        k("new"),
+        k("done"),
+        k("live"),
+        k("expired"),
+        k("new"),
+        k("done"),
+        k("live"),
+        k("expired"),
+        k("new"),
+    ];
+    let answers = ledger.claim_many(&keys, &opts()).await.unwrap();
+    assert_eq!(answers.len(), keys.len());
+    let new = match &answers[0] {
+        Ok(Claim::Acquired(l)) => l.clone(),
+        other => panic!("new key, first listing: {other:?}"),
+    };
+    let taken = match &answers[3] {
+        Ok(Claim::Acquired(l)) if l.taken_over() && l.fence() > expired.fence() => l.clone(),
+        other => panic!("expired key, first listing: {other:?}"),
+    };
+    for (n, answer) in answers.iter().enumerate() {
+        let ok = match (n % 4, answer) {
+            (0, Ok(Claim::InProgress { fence, .. })) => n > 0 && *fence == new.fence(),
+            (0, Ok(Claim::Acquired(_))) => n == 0,
+            (1, Ok(Claim::Completed(r))) => r.fence == done.fence() && r.outcome == Some(o("done")),
+            (2, Ok(Claim::InProgress { fence, .. })) => *fence == live.fence(),
+            (3, Ok(Claim::InProgress { fence, .. })) => n > 3 && *fence == taken.fence(),
+            (3, Ok(Claim::Acquired(_))) => n == 3,
+            _ => false,
+        };
+        assert!(ok, "slot {n} ({}): {answer:?}", keys[n]);
+    }
+
+    // Refusals repeat: another payload, an abandoned at-most-once step.
+    let other = Fingerprint::of_bytes(b"another payload");
+    let answers = ledger
+        .claim_many(
+            &[k("fingerprinted"), k("fingerprinted")],
+            &opts().fingerprint(other),
+        )
+        .await
+        .unwrap();
+    for (n, answer) in answers.iter().enumerate() {
+        assert!(
+            matches!(answer, Err(Error::FingerprintMismatch { .. })),
+            "mismatched key, listing {n}: {answer:?}"
+        );
+    }
+    let answers = ledger
+        .claim_many(&[k("abandoned"), k("abandoned")], &at_most_once)
+        .await
+        .unwrap();
+    for (n, answer) in answers.iter().enumerate() {
+        assert!(
+            matches!(answer, Ok(Claim::Abandoned(r)) if r.key == k("abandoned")),
+            "abandoned step, listing {n}: {answer:?}"
+        );
+    }
+
+    // The same lease twice: completed once, with the first outcome.
+    let answers = ledger
+        .complete_many(&[(new.clone(), o("first")), (new.clone(), o("second"))])
+        .await;
+    assert!(answers[0].is_ok(), "{answers:?}");
+    assert!(
+        answers[1].as_ref().is_err_and(Error::is_lease_lost),
+        "a lease completed twice: {answers:?}"
+    );
+    let r = ledger.get(new.key()).await.unwrap().unwrap();
+    assert_eq!(
+        (r.state, r.fence, r.outcome),
+        (RecordState::Completed, new.fence(), Some(o("first")))
+    );
+
+    // A stale lease and the current one of a key, each fenced on its own,
+    // and the current one again: only its first listing completes.
+    let answers = ledger
+        .complete_many(&[
+            (expired.clone(), o("stale")),
+            (taken.clone(), o("taken")),
+            (taken.clone(), o("again")),
+        ])
+        .await;
+    assert!(
+        answers[0].as_ref().is_err_and(Error::is_lease_lost),
+        "stale lease: {answers:?}"
+    );
+    assert!(answers[1].is_ok(), "current lease: {answers:?}");
+    assert!(
+        answers[2].as_ref().is_err_and(Error::is_lease_lost),
+        "current lease again: {answers:?}"
+    );
+    let r = ledger.get(taken.key()).await.unwrap().unwrap();
+    assert_eq!(
+        (r.state, r.fence, r.outcome),
+        (RecordState::Completed, taken.fence(), Some(o("taken")))
+    );
+}

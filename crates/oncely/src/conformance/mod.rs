@@ -218,6 +218,7 @@ macro_rules! conformance_tests {
             claim_many_answers_each_key_in_order,
             overlapping_batches_acquire_each_key_once,
             complete_many_is_fenced_per_lease,
+            batch_duplicates_answer_as_sequential_calls,
             cancellation_is_safe,
             run_sequential_duplicate_runs_once,
             run_concurrent_deliveries_run_once,
