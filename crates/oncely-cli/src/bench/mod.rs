@@ -100,6 +100,7 @@ impl BenchConfig {
 }
 
 /// How the two deliveries of a job arrive.
+// Exhaustive by design (ARCHITECTURE.md, API boundaries): the report has a row for each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
@@ -121,6 +122,7 @@ impl Mode {
 
 /// Who decides that a delivery is a duplicate. In JSON: `hand-written` or
 /// `oncely` (a row's policy is a field of its own).
+// Exhaustive by design (ARCHITECTURE.md, API boundaries): the baseline and oncely, the ratio's two sides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Guard {
     /// The hand-written minimum on the same database (see the module docs).
@@ -130,6 +132,7 @@ pub enum Guard {
 }
 
 /// What an oncely duplicate does when it finds the effect in progress.
+// Exhaustive by design (ARCHITECTURE.md, API boundaries): mirrors OnInProgress, which is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Policy {

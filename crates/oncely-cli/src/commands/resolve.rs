@@ -65,6 +65,7 @@ pub async fn run(args: Args) -> Result<ExitCode> {
 }
 
 /// What `resolve` writes.
+// Exhaustive by design (ARCHITECTURE.md, API boundaries): the two fenced writes that settle a lease.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Resolution {
     /// Complete the effect with this value, stored as the runners store a

@@ -98,6 +98,7 @@ impl DemoConfig {
 }
 
 /// Which guard a run used.
+// Exhaustive by design (ARCHITECTURE.md, API boundaries): the demo compares these two.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Guard {

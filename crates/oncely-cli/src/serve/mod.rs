@@ -54,6 +54,7 @@ pub use gaps::{GapHistogram, MetricsUrl, parse_gap_histograms};
 pub use text::{format_duration, parse_duration};
 
 /// Which tenants the page shows.
+// Exhaustive by design (ARCHITECTURE.md, API boundaries): one tenant or all.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Scope {
     /// This tenant only (`--tenant`); a request for another is refused with
