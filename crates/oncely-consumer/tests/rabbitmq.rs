@@ -57,6 +57,12 @@ async fn queue_len(ch: &Channel, queue: &str) -> u32 {
         .message_count()
 }
 
+/// The whole end-to-end run, at most (it takes seconds).
+const E2E_BOUND: Duration = Duration::from_secs(150);
+/// One connect or close of a consumer's connection, at most: a killed
+/// connection's close may never be answered.
+const BROKER_CALL: Duration = Duration::from_secs(5);
+
 async fn e2e<L: Ledger + Clone + 'static>(ledger: L, label: &str) {
     let Some((url, setup)) = connect().await else {
         return;
@@ -67,9 +73,20 @@ async fn e2e<L: Ledger + Clone + 'static>(ledger: L, label: &str) {
     let admin = setup.create_channel().await.unwrap();
     topology.declare(&admin).await.unwrap();
     // Delete the queues and the exchange whatever happens, then report.
-    let outcome = AssertUnwindSafe(exercise(ledger, label, &url, &setup, &admin, &topology))
-        .catch_unwind()
-        .await;
+    // Bounded, so that a broker call that never answers fails the test with
+    // a message instead of hanging the run.
+    let run = async {
+        if tokio::time::timeout(
+            E2E_BOUND,
+            exercise(ledger, label, &url, &setup, &admin, &topology),
+        )
+        .await
+        .is_err()
+        {
+            panic!("rabbitmq/{label}: the end-to-end run did not finish within {E2E_BOUND:?} (stuck)");
+        }
+    };
+    let outcome = AssertUnwindSafe(run).catch_unwind().await;
     topology.delete(&admin).await.unwrap();
     let _ = setup.close(200, "done".into()).await;
     if let Err(panic) = outcome {
@@ -149,9 +166,10 @@ async fn exercise<L: Ledger + Clone + 'static>(
         let (url, topology, stop_rx) = (url.to_owned(), topology.clone(), stop_rx.clone());
         tasks.push(tokio::spawn(async move {
             while !*stop_rx.borrow() {
-                let conn = match Connection::connect(&url, ConnectionProperties::default()).await {
-                    Ok(c) => Arc::new(c),
-                    Err(_) => {
+                let connect = Connection::connect(&url, ConnectionProperties::default());
+                let conn = match tokio::time::timeout(BROKER_CALL, connect).await {
+                    Ok(Ok(c)) => Arc::new(c),
+                    Ok(Err(_)) | Err(_) => {
                         tokio::time::sleep(Duration::from_millis(20)).await;
                         continue;
                     }
@@ -166,7 +184,7 @@ async fn exercise<L: Ledger + Clone + 'static>(
                         let _ = stop.wait_for(|s| *s).await;
                     })
                     .await;
-                let _ = conn.close(200, "consumer stopped".into()).await;
+                let _ = tokio::time::timeout(BROKER_CALL, conn.close(200, "consumer stopped".into())).await;
             }
         }));
     }
@@ -183,7 +201,11 @@ async fn exercise<L: Ledger + Clone + 'static>(
         }
         let conn = handles[turn].lock().await.take();
         if let Some(conn) = conn {
-            let _ = conn.close(320, "killed by the test mid-handler".into()).await;
+            let _ = tokio::time::timeout(
+                BROKER_CALL,
+                conn.close(320, "killed by the test mid-handler".into()),
+            )
+            .await;
             kills += 1;
         }
         assert!(

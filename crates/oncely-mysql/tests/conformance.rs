@@ -24,9 +24,9 @@ mod detected {
         ledger_with(None).await
     }
 
-    oncely::conformance_tests!(ledger);
-    oncely::transactional_conformance_tests!(ledger);
-    oncely::admin_conformance_tests!(ledger);
+    oncely::conformance::conformance_tests!(ledger);
+    oncely::conformance::transactional_conformance_tests!(ledger);
+    oncely::conformance::admin_conformance_tests!(ledger);
 
     /// Three ledgers with pools of their own on the one server, as three
     /// processes would have (a waiter in one sees a completion in another by
@@ -39,8 +39,8 @@ mod detected {
         Some(nodes)
     }
 
-    oncely::nodes_conformance_tests!(processes);
-    oncely::transactional_nodes_conformance_tests!(processes);
+    oncely::conformance::nodes_conformance_tests!(processes);
+    oncely::conformance::transactional_nodes_conformance_tests!(processes);
 }
 
 mod two_statement {
@@ -50,8 +50,8 @@ mod two_statement {
         ledger_with(Some(false)).await
     }
 
-    oncely::conformance_tests!(ledger);
-    oncely::transactional_conformance_tests!(ledger);
+    oncely::conformance::conformance_tests!(ledger);
+    oncely::conformance::transactional_conformance_tests!(ledger);
 }
 
 /// MariaDB's `SIMULTANEOUS_ASSIGNMENT` makes every assignment of an
@@ -89,6 +89,6 @@ mod simultaneous_assignment {
         Some(ledger)
     }
 
-    oncely::conformance_tests!(ledger);
-    oncely::transactional_conformance_tests!(ledger);
+    oncely::conformance::conformance_tests!(ledger);
+    oncely::conformance::transactional_conformance_tests!(ledger);
 }

@@ -20,8 +20,8 @@ mod one_node {
         common::ledger_on(common::galera_urls()?.first()?, opts()).await
     }
 
-    oncely::conformance_tests!(ledger);
-    oncely::transactional_conformance_tests!(ledger);
+    oncely::conformance::conformance_tests!(ledger);
+    oncely::conformance::transactional_conformance_tests!(ledger);
 }
 
 mod detected {
@@ -31,8 +31,8 @@ mod detected {
         common::nodes_with(opts()).await
     }
 
-    oncely::nodes_conformance_tests!(nodes);
-    oncely::transactional_nodes_conformance_tests!(nodes);
+    oncely::conformance::nodes_conformance_tests!(nodes);
+    oncely::conformance::transactional_nodes_conformance_tests!(nodes);
 }
 
 /// Through one URL listing every node (`tests/galera_hosts.rs` has its
@@ -54,12 +54,12 @@ mod host_list {
         Some(nodes)
     }
 
-    oncely::conformance_tests!(ledger);
-    oncely::transactional_conformance_tests!(ledger);
+    oncely::conformance::conformance_tests!(ledger);
+    oncely::conformance::transactional_conformance_tests!(ledger);
 
     mod nodes {
         use super::*;
-        oncely::nodes_conformance_tests!(nodes);
+        oncely::conformance::nodes_conformance_tests!(nodes);
     }
 }
 
@@ -71,8 +71,8 @@ mod two_statement {
         common::nodes_with(opts().returning(Some(false))).await
     }
 
-    oncely::nodes_conformance_tests!(nodes);
-    oncely::transactional_nodes_conformance_tests!(nodes);
+    oncely::conformance::nodes_conformance_tests!(nodes);
+    oncely::conformance::transactional_nodes_conformance_tests!(nodes);
 }
 
 /// What only a Galera cluster shows: a node applies the other nodes' write

@@ -18,7 +18,7 @@ async fn ledger() -> Option<NatsKvLedger> {
     }
 }
 
-oncely::conformance_tests!(ledger);
+oncely::conformance::conformance_tests!(ledger);
 
 /// One ledger per node, each connected to that node only: the multi-node
 /// suite races them for the same keys of the replicated bucket.
@@ -37,7 +37,7 @@ async fn nodes() -> Option<Vec<NatsKvLedger>> {
     Some(nodes)
 }
 
-oncely::nodes_conformance_tests!(nodes);
+oncely::conformance::nodes_conformance_tests!(nodes);
 
 /// An R=3 bucket reports what a quorum's acknowledgement gives: one node's
 /// crash loses nothing acknowledged, two nodes' OS crashes within the sync

@@ -35,9 +35,9 @@ async fn ledger() -> Option<PgLedger> {
     Some(ledger)
 }
 
-oncely::conformance_tests!(ledger);
-oncely::transactional_conformance_tests!(ledger);
-oncely::admin_conformance_tests!(ledger);
+oncely::conformance::conformance_tests!(ledger);
+oncely::conformance::transactional_conformance_tests!(ledger);
+oncely::conformance::admin_conformance_tests!(ledger);
 
 /// Three ledgers with pools of their own on the one server, as three
 /// processes would have: the multi-node suite's cases hold for them too (a
@@ -50,5 +50,5 @@ async fn processes() -> Option<Vec<PgLedger>> {
     Some(nodes)
 }
 
-oncely::nodes_conformance_tests!(processes);
-oncely::transactional_nodes_conformance_tests!(processes);
+oncely::conformance::nodes_conformance_tests!(processes);
+oncely::conformance::transactional_nodes_conformance_tests!(processes);

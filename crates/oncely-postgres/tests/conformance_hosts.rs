@@ -40,6 +40,6 @@ async fn ledger() -> Option<PgLedger> {
     Some(PgLedger::connect_with(&url, options).await.expect("connects"))
 }
 
-oncely::conformance_tests!(ledger);
-oncely::transactional_conformance_tests!(ledger);
-oncely::admin_conformance_tests!(ledger);
+oncely::conformance::conformance_tests!(ledger);
+oncely::conformance::transactional_conformance_tests!(ledger);
+oncely::conformance::admin_conformance_tests!(ledger);

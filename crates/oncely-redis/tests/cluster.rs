@@ -3,7 +3,7 @@
 
 mod common;
 
-oncely::conformance_tests!(common::cluster);
+oncely::conformance::conformance_tests!(common::cluster);
 
 /// One ledger per master, each seeded with that node only: the multi-node
 /// suite races them for the same keys.
@@ -20,4 +20,4 @@ async fn nodes() -> Option<Vec<oncely_redis::RedisLedger>> {
     Some(nodes)
 }
 
-oncely::nodes_conformance_tests!(nodes);
+oncely::conformance::nodes_conformance_tests!(nodes);

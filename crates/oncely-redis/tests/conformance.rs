@@ -13,4 +13,4 @@ async fn ledger() -> Option<RedisLedger> {
     }
 }
 
-oncely::conformance_tests!(ledger);
+oncely::conformance::conformance_tests!(ledger);

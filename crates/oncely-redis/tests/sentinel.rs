@@ -31,7 +31,7 @@ async fn sentinel() -> Option<RedisLedger> {
     sentinel_with(waiting()).await
 }
 
-oncely::conformance_tests!(sentinel);
+oncely::conformance::conformance_tests!(sentinel);
 
 /// Three ledgers, each told of one Sentinel only: each finds the primary
 /// on its own, and they race for the same keys there.
@@ -45,7 +45,7 @@ async fn through_each_sentinel() -> Option<Vec<RedisLedger>> {
     Some(nodes)
 }
 
-oncely::nodes_conformance_tests!(through_each_sentinel);
+oncely::conformance::nodes_conformance_tests!(through_each_sentinel);
 
 fn acquired(c: Claim) -> oncely::backend::Lease {
     match c {

@@ -36,6 +36,6 @@ async fn ledger() -> Option<SqliteLedger> {
     Some(ledger)
 }
 
-oncely::conformance_tests!(ledger);
-oncely::transactional_conformance_tests!(ledger);
-oncely::admin_conformance_tests!(ledger);
+oncely::conformance::conformance_tests!(ledger);
+oncely::conformance::transactional_conformance_tests!(ledger);
+oncely::conformance::admin_conformance_tests!(ledger);

@@ -316,7 +316,7 @@ impl KindStats {
 /// count, and deliberately forget. Implemented by the SQL backends and
 /// [`MemoryLedger`](crate::MemoryLedger); not by Redis or NATS (see the
 /// [module docs](self)). Proven by the admin conformance cases
-/// ([`admin_conformance_tests!`](crate::admin_conformance_tests), feature
+/// ([`admin_conformance_tests!`](crate::conformance::admin_conformance_tests), feature
 /// `conformance`).
 ///
 /// Rules every implementation follows:

@@ -8,8 +8,8 @@ async fn ledger() -> Option<Arc<MemoryLedger>> {
     Some(Arc::new(MemoryLedger::new()))
 }
 
-oncely::conformance_tests!(ledger);
-oncely::admin_conformance_tests!(ledger);
+oncely::conformance::conformance_tests!(ledger);
+oncely::conformance::admin_conformance_tests!(ledger);
 
 /// The multi-node suite where every "node" is the same ledger: what a
 /// single store serialises, the cases must accept.
@@ -18,4 +18,4 @@ async fn nodes() -> Option<Vec<Arc<MemoryLedger>>> {
     Some(vec![ledger.clone(), ledger.clone(), ledger])
 }
 
-oncely::nodes_conformance_tests!(nodes);
+oncely::conformance::nodes_conformance_tests!(nodes);

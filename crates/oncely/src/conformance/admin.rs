@@ -1,6 +1,6 @@
 //! The admin cases: the [`Admin`] capability (listing, paging, stats, forget),
 //! run by backends that offer it through
-//! [`admin_conformance_tests!`](crate::admin_conformance_tests).
+//! [`admin_conformance_tests!`](crate::conformance::admin_conformance_tests).
 
 use std::collections::HashSet;
 use std::time::Duration;

@@ -5,8 +5,8 @@
 //!
 //! ```text
 //! async fn ledger() -> Option<MyLedger> { /* None when the server is absent */ }
-//! oncely::conformance_tests!(ledger);
-//! oncely::transactional_conformance_tests!(ledger); // a TransactionalLedger
+//! oncely::conformance::conformance_tests!(ledger);
+//! oncely::conformance::transactional_conformance_tests!(ledger); // a TransactionalLedger
 //! ```
 //!
 //! Every function isolates itself with a fresh tenant, so the suite can run in
@@ -21,13 +21,13 @@
 //!   telemetry counted once);
 //! - `admin.rs`: the operator capability [`Admin`](crate::admin::Admin) (paging,
 //!   tenant isolation, stuck and abandoned on the backend's clock, stats,
-//!   forget) ([`admin_conformance_tests!`](crate::admin_conformance_tests));
+//!   forget) ([`admin_conformance_tests!`](crate::conformance::admin_conformance_tests));
 //! - `transactional.rs`: claims on the caller's transaction
-//!   ([`transactional_conformance_tests!`](crate::transactional_conformance_tests));
+//!   ([`transactional_conformance_tests!`](crate::conformance::transactional_conformance_tests));
 //! - `nodes.rs`: several ledgers on different nodes of one replicated
 //!   deployment racing for the same keys
-//!   ([`nodes_conformance_tests!`](crate::nodes_conformance_tests),
-//!   [`transactional_nodes_conformance_tests!`](crate::transactional_nodes_conformance_tests));
+//!   ([`nodes_conformance_tests!`](crate::conformance::nodes_conformance_tests),
+//!   [`transactional_nodes_conformance_tests!`](crate::conformance::transactional_nodes_conformance_tests));
 //! - [`model`]: a model of the contract, checked against a ledger under
 //!   random operation sequences (proptest);
 //! - `pruner.rs`: the background [`Pruner`](crate::pruner::Pruner) on the backend
@@ -42,6 +42,20 @@ use std::time::{Duration, SystemTime};
 use crate::ledger::Ledger;
 use crate::record::Claim;
 use crate::{ClaimOptions, EffectKey, Tenant};
+
+// The suites' macros are exported at the crate root under hidden names
+// (`#[macro_export]` can put them nowhere else) and have their one public
+// path here.
+#[doc(inline)]
+pub use crate::__admin_conformance_tests as admin_conformance_tests;
+#[doc(inline)]
+pub use crate::__conformance_tests as conformance_tests;
+#[doc(inline)]
+pub use crate::__nodes_conformance_tests as nodes_conformance_tests;
+#[doc(inline)]
+pub use crate::__transactional_conformance_tests as transactional_conformance_tests;
+#[doc(inline)]
+pub use crate::__transactional_nodes_conformance_tests as transactional_nodes_conformance_tests;
 
 mod admin;
 mod faulty;
@@ -193,10 +207,11 @@ where
 
 /// Generates one `#[tokio::test]` per conformance function, each calling
 /// `$make().await` (an `async fn() -> Option<L>`; `None` skips).
+#[doc(hidden)]
 #[macro_export]
-macro_rules! conformance_tests {
+macro_rules! __conformance_tests {
     ($make:path) => {
-        $crate::conformance_tests!(@each $make;
+        $crate::__conformance_tests!(@each $make;
             first_claim_acquires,
             sequential_duplicate_returns_outcome,
             concurrent_claims_one_winner,
@@ -253,10 +268,11 @@ macro_rules! conformance_tests {
 /// `#[tokio::test]` per function, each calling `$make().await` (an
 /// `async fn() -> Option<L>`; `None` skips). Run it next to
 /// [`conformance_tests!`].
+#[doc(hidden)]
 #[macro_export]
-macro_rules! transactional_conformance_tests {
+macro_rules! __transactional_conformance_tests {
     ($make:path) => {
-        $crate::conformance_tests!(@each $make;
+        $crate::__conformance_tests!(@each $make;
             claim_after_a_lock_wait_gets_a_live_lease,
             claim_in_late_in_a_transaction_gets_a_live_lease,
             claim_in_commits_and_rolls_back_with_the_transaction,
@@ -268,10 +284,11 @@ macro_rules! transactional_conformance_tests {
 /// Generates the multi-node suite: one `#[tokio::test]` per function, each
 /// calling `$make().await` (an `async fn() -> Option<Vec<L>>`: one ledger
 /// per node of one deployment, at least two; `None` skips).
+#[doc(hidden)]
 #[macro_export]
-macro_rules! nodes_conformance_tests {
+macro_rules! __nodes_conformance_tests {
     ($make:path) => {
-        $crate::conformance_tests!(@each $make;
+        $crate::__conformance_tests!(@each $make;
             nodes_concurrent_claims_one_winner,
             nodes_expired_lease_has_one_new_holder,
             nodes_duplicate_after_completion_is_never_granted,
@@ -283,10 +300,11 @@ macro_rules! nodes_conformance_tests {
 
 /// The multi-node cases for a [`TransactionalLedger`](crate::ledger::TransactionalLedger),
 /// next to [`nodes_conformance_tests!`].
+#[doc(hidden)]
 #[macro_export]
-macro_rules! transactional_nodes_conformance_tests {
+macro_rules! __transactional_nodes_conformance_tests {
     ($make:path) => {
-        $crate::conformance_tests!(@each $make;
+        $crate::__conformance_tests!(@each $make;
             nodes_claim_in_transactions_on_two_nodes,
         );
     };
@@ -297,10 +315,11 @@ macro_rules! transactional_nodes_conformance_tests {
 /// `$make().await` (an `async fn() -> Option<L>`; `None` skips). Run it next
 /// to [`conformance_tests!`]; backends without the capability (Redis, NATS)
 /// leave it out.
+#[doc(hidden)]
 #[macro_export]
-macro_rules! admin_conformance_tests {
+macro_rules! __admin_conformance_tests {
     ($make:path) => {
-        $crate::conformance_tests!(@each $make;
+        $crate::__conformance_tests!(@each $make;
             admin_pages_cover_each_record_once,
             admin_tenants_are_isolated,
             admin_classifies_on_the_backend_clock,

@@ -7,8 +7,8 @@
 //! takes at least two ledgers; ledger `i` is "node `i`".
 //!
 //! Run by a backend's cluster tests with
-//! [`nodes_conformance_tests!`](crate::nodes_conformance_tests) (and
-//! [`transactional_nodes_conformance_tests!`](crate::transactional_nodes_conformance_tests)
+//! [`nodes_conformance_tests!`](crate::conformance::nodes_conformance_tests) (and
+//! [`transactional_nodes_conformance_tests!`](crate::conformance::transactional_nodes_conformance_tests)
 //! where claims join the caller's transaction).
 
 use std::sync::Arc;
