@@ -528,28 +528,6 @@ impl<'a> CheckInput<'a> {
     }
 }
 
-/// Parses a duration: a whole number with a unit, `ms`, `s`, `m`, `h` or
-/// `d` (`500ms`, `30s`, `5m`, `2h`, `1d`), or a bare number of seconds.
-pub fn parse_duration(s: &str) -> Result<Duration> {
-    let bad = || Error::InvalidInput(format!("not a duration (500ms, 30s, 5m, 2h, 1d): {s:?}"));
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (n, unit) = s.split_at(split);
-    if n.is_empty() {
-        return Err(bad());
-    }
-    let n: u64 = n.parse().map_err(|_| bad())?;
-    let per = match unit {
-        "ms" => return Ok(Duration::from_millis(n)),
-        "" | "s" => 1,
-        "m" => 60,
-        "h" => 3600,
-        "d" => 86_400,
-        _ => return Err(bad()),
-    };
-    n.checked_mul(per).map(Duration::from_secs).ok_or_else(bad)
-}
-
 fn human(d: Duration) -> String {
     if d.subsec_nanos() == 0 {
         format!("{} s", d.as_secs())
@@ -609,19 +587,6 @@ mod tests {
             "checking...\ndone 1",
         ] {
             assert!(parse_answer(bad).is_err(), "{bad:?}");
-        }
-    }
-
-    #[test]
-    fn durations_parse() {
-        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
-        assert_eq!(parse_duration("30").unwrap(), Duration::from_secs(30));
-        assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
-        assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
-        assert_eq!(parse_duration("2h").unwrap(), Duration::from_secs(7200));
-        assert_eq!(parse_duration("1d").unwrap(), Duration::from_secs(86_400));
-        for bad in ["", "m", "5 m", "-5s", "1.5s", "5y", "99999999999999999999s"] {
-            assert!(parse_duration(bad).is_err(), "{bad:?}");
         }
     }
 

@@ -1,7 +1,9 @@
-//! Times as the commands print and read them: RFC 3339 in UTC with
-//! microseconds (`2026-11-29T22:05:07.123456Z`), on the proleptic Gregorian
-//! calendar (Howard Hinnant's civil-date algorithms, both directions). Small
-//! enough to keep here rather than depend on a calendar crate.
+//! Times and durations as the commands print and read them: RFC 3339 in UTC
+//! with microseconds (`2026-11-29T22:05:07.123456Z`), on the proleptic
+//! Gregorian calendar (Howard Hinnant's civil-date algorithms, both
+//! directions), and durations as operators write them (`500ms`, `90s`,
+//! `1h30m`, `7d`). Small enough to keep here rather than depend on a
+//! calendar crate.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -132,9 +134,130 @@ fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
     era * 146_097 + doe - 719_468
 }
 
+/// The units of a written duration, largest first, in milliseconds.
+const UNITS: &[(&str, u64)] = &[
+    ("w", 604_800_000),
+    ("d", 86_400_000),
+    ("h", 3_600_000),
+    ("m", 60_000),
+    ("s", 1_000),
+    ("ms", 1),
+];
+
+/// Parses a duration as every command takes one: whole numbers, each with
+/// a unit (`w`, `d`, `h`, `m`, `s`, `ms`), written one after another
+/// (`500ms`, `30s`, `1h30m`, `7d`, `2w`), or a bare number of seconds.
+/// Fails with [`Error::InvalidInput`] quoting the input: a sign, a
+/// fraction, a space, an unknown unit or a sum past `u64` milliseconds.
+pub fn parse_duration(s: &str) -> Result<Duration> {
+    let bad = || {
+        Error::InvalidInput(format!(
+            "invalid duration {s:?}: not a duration (e.g. 500ms, 30s, 5m, 1h30m, 2h, 7d, 2w; \
+             units w, d, h, m, s, ms, a bare number is seconds)"
+        ))
+    };
+    let t = s.trim();
+    if t.is_empty() {
+        return Err(bad());
+    }
+    if let Ok(secs) = t.parse::<u64>() {
+        return secs.checked_mul(1_000).map(Duration::from_millis).ok_or_else(bad);
+    }
+    let mut total: u64 = 0;
+    let mut rest = t;
+    while !rest.is_empty() {
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        if digits == 0 {
+            return Err(bad());
+        }
+        let n: u64 = rest[..digits].parse().map_err(|_| bad())?;
+        rest = &rest[digits..];
+        let unit_len = rest.bytes().take_while(u8::is_ascii_alphabetic).count();
+        let unit = &rest[..unit_len];
+        rest = &rest[unit_len..];
+        let (_, ms) = UNITS.iter().find(|(u, _)| *u == unit).ok_or_else(bad)?;
+        total = n
+            .checked_mul(*ms)
+            .and_then(|x| total.checked_add(x))
+            .ok_or_else(bad)?;
+    }
+    Ok(Duration::from_millis(total))
+}
+
+/// `7d`, `36h`, `1h30m`, `90s`: the largest units first, at most two of
+/// them, rounded down to whole seconds (`250ms` below one second).
+pub fn format_duration(d: Duration) -> String {
+    let mut secs = d.as_secs();
+    if secs == 0 {
+        return if d.is_zero() {
+            "0s".to_owned()
+        } else {
+            format!("{}ms", d.as_millis())
+        };
+    }
+    let mut parts = Vec::new();
+    for (unit, size) in &UNITS[1..5] {
+        let size = size / 1_000;
+        if secs >= size {
+            parts.push(format!("{}{unit}", secs / size));
+            secs %= size;
+        }
+        if parts.len() == 2 || secs == 0 {
+            break;
+        }
+    }
+    parts.concat()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_parse_and_print() {
+        for (s, ms) in [
+            ("500ms", 500),
+            ("30", 30_000),
+            ("30s", 30_000),
+            ("90s", 90_000),
+            ("5m", 300_000),
+            ("2h", 7_200_000),
+            ("1d", 86_400_000),
+            ("7d", 604_800_000),
+            ("36h", 129_600_000),
+            ("1h30m", 5_400_000),
+            ("2w", 1_209_600_000),
+            ("1s500ms", 1_500),
+        ] {
+            assert_eq!(parse_duration(s).unwrap(), Duration::from_millis(ms), "{s}");
+        }
+        for bad in [
+            "",
+            "d",
+            "m",
+            "7x",
+            "5y",
+            "1.5h",
+            "1.5s",
+            "h7",
+            "-3s",
+            "-5s",
+            "5 m",
+            "a week",
+            "99999999999999999999w",
+            "99999999999999999999s",
+            "18446744073709552s",
+        ] {
+            let e = parse_duration(bad).unwrap_err();
+            assert!(matches!(e, Error::InvalidInput(_)), "{bad:?}: {e}");
+            assert!(e.to_string().contains(&format!("{bad:?}")), "{bad:?}: {e}");
+        }
+        assert_eq!(format_duration(Duration::from_secs(604_800)), "7d");
+        assert_eq!(format_duration(Duration::from_secs(5_400)), "1h30m");
+        assert_eq!(format_duration(Duration::from_secs(90_061)), "1d1h");
+        assert_eq!(format_duration(Duration::from_millis(250)), "250ms");
+        assert_eq!(format_duration(Duration::ZERO), "0s");
+    }
 
     #[test]
     fn rfc3339_formats_utc() {

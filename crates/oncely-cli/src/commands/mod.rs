@@ -103,9 +103,10 @@ impl<T: Render> Read<T> {
     }
 }
 
-/// A duration argument: `500ms`, `30s`, `5m`, `2h`, `1d`.
+/// A duration argument: `500ms`, `30s`, `5m`, `1h30m`, `2h`, `1d`
+/// ([`crate::time::parse_duration`]).
 pub(crate) fn duration_arg(s: &str) -> std::result::Result<Duration, String> {
-    crate::reconcile::parse_duration(s).map_err(|e| match e {
+    crate::time::parse_duration(s).map_err(|e| match e {
         Error::InvalidInput(m) => m,
         other => other.to_string(),
     })

@@ -6,7 +6,8 @@ use std::process::ExitCode;
 use clap::{ArgGroup, Args as ClapArgs};
 use oncely::{Result, Tenant};
 
-use crate::serve::{self, MetricsUrl, Scope, ServeConfig, parse_duration};
+use crate::serve::{self, MetricsUrl, Scope, ServeConfig};
+use crate::time::parse_duration;
 
 /// Serve the operator web page: stats, stuck and abandoned records, one
 /// record's detail, and the redelivery-gap chart against the retention.

@@ -13,7 +13,7 @@ use oncely::telemetry::REDELIVERY_GAP_SECONDS;
 use oncely::{Error, Result};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
-use super::text::format_duration;
+use crate::time::format_duration;
 
 /// How long a scrape may take before the page says the endpoint did not
 /// answer.

@@ -51,7 +51,6 @@ use oncely::{Error, Result, Tenant};
 use crate::any::{Access, AnyLedger};
 
 pub use gaps::{GapHistogram, MetricsUrl, parse_gap_histograms};
-pub use text::{format_duration, parse_duration};
 
 /// Which tenants the page shows.
 // Exhaustive by design (ARCHITECTURE.md, API boundaries): one tenant or all.

@@ -18,11 +18,12 @@ use oncely::backend::{Ledger, Record};
 use oncely::{EffectKey, Error, Tenant};
 use serde::{Deserialize, Serialize};
 
-use super::text::{format_duration, key_path, query_value};
+use super::text::{key_path, query_value};
 use super::{Scope, ServeConfig, gaps};
 use crate::any::AnyLedger;
 use crate::commands::resolve::{self as resolve_command, Resolution};
 use crate::commands::stats::DUPLICATES_NOT_STORED;
+use crate::time::format_duration;
 use crate::time::rfc3339;
 use crate::view::class_of;
 
