@@ -16,10 +16,12 @@ use crate::chaos;
 /// Each order is delivered twice at once; worker W starts on endpoint
 /// W mod N and a delivery that fails retryably moves to the next one.
 /// The job: a provider-keyed capture (a fake provider that deduplicates
-/// by idempotency key), then an at-most-once receipt. Every completion
-/// a worker saw acknowledged is read back at the end. Prints the
-/// topology, the faults, the deliveries, the effects performed, the
-/// duplicates (orders charged twice or sent two receipts: must be 0),
+/// by idempotency key), then on SQL backends a transactional mark-paid
+/// step (a business row committed with its claim and completion), then
+/// an at-most-once receipt. Every completion a worker saw acknowledged
+/// is read back at the end. Prints the topology, the faults, the
+/// deliveries, the effects performed, the duplicates (orders charged
+/// twice, marked paid twice or sent two receipts: must be 0),
 /// the acknowledged completions lost, the abandoned receipts and what
 /// was retried. Exits 1 if any duplicate, any lost acknowledgement, or
 /// any order unfinished by the deadline.
@@ -79,6 +81,7 @@ pub async fn run(args: Args) -> Result<ExitCode> {
             "faults",
             "deliveries",
             "charges",
+            "marked",
             "receipts",
             "duplicates",
             "acked",
@@ -92,6 +95,7 @@ pub async fn run(args: Args) -> Result<ExitCode> {
             report.faults.len().to_string(),
             report.deliveries.to_string(),
             format!("{} ({} calls)", report.charges, report.provider_calls),
+            report.marked.map_or("n/a".to_owned(), |n| n.to_string()),
             report.receipts.to_string(),
             report.duplicates.to_string(),
             report.acknowledged.to_string(),

@@ -7,8 +7,10 @@
 //! a delivery that fails retryably moves on to the next endpoint, as a load
 //! balancer would). Each delivery runs the reference job: a provider-keyed
 //! `capture` step (a fake provider that deduplicates by idempotency key, as
-//! real ones do, and counts every call and every distinct charge), then an
-//! at-most-once `receipt` step (a fake mailer nobody deduplicates). A
+//! real ones do, and counts every call and every distinct charge), then, on
+//! the SQL backends, a transactional `mark-paid` step whose business row
+//! commits with its claim and completion ([`marks`]), then an at-most-once
+//! `receipt` step (a fake mailer nobody deduplicates). A
 //! delivery that fails retryably (in progress elsewhere, a node that went
 //! away, an outcome unknown) is redelivered after a short back-off until it
 //! acks or the deadline passes. Meanwhile each `--fault AT=COMMAND` runs
@@ -18,7 +20,8 @@
 //! its fence; at the end each is read back (from the first endpoint that
 //! answers): a record that is not completed at that fence is an
 //! **acknowledged completion lost**. **Duplicates** are orders charged twice
-//! (two distinct charges) or sent two receipts: the guarantee says 0
+//! (two distinct charges), marked paid twice (two committed rows) or sent
+//! two receipts: the guarantee says 0
 //! whatever the faults. An at-most-once receipt whose worker died mid-step is
 //! **abandoned** (listed, never sent again here): that is the documented
 //! window, not a duplicate.
@@ -35,6 +38,10 @@ use oncely::{ClaimOptions, Effects, Error, Failure, OnInProgress, Result, StepMo
 use serde::Serialize;
 
 use crate::any::AnyLedger;
+
+mod marks;
+
+use marks::Marks;
 
 /// How long the read-back of acknowledged completions keeps asking while
 /// no endpoint answers.
@@ -156,9 +163,14 @@ pub struct ChaosReport {
     /// Calls to the provider (a repeat with the same key is deduplicated
     /// by it: effectively once).
     pub provider_calls: u64,
+    /// Orders whose transactional `mark-paid` step committed its row (on
+    /// the SQL backends; `None` where the backend has no transaction to
+    /// share with a business write: Redis, NATS).
+    pub marked: Option<u64>,
     /// Receipts sent.
     pub receipts: u64,
-    /// Orders charged twice plus orders sent two receipts: 0, always.
+    /// Orders charged twice, marked paid twice or sent two receipts: 0,
+    /// always.
     pub duplicates: u64,
     /// Step completions whose workers saw them acknowledged.
     pub acknowledged: u64,
@@ -233,6 +245,9 @@ impl Provider {
 /// What the workers share.
 struct Shared {
     nodes: Vec<Effects<AnyLedger>>,
+    /// Each node's transactional ledger and the run's table, when every
+    /// node has one.
+    marks: Option<(Vec<Marks>, String)>,
     tenant: Tenant,
     opts: ClaimOptions,
     provider: Provider,
@@ -262,6 +277,12 @@ impl Shared {
         })
         .await?;
         self.acknowledge(&ran);
+        if let Some((marks, table)) = &self.marks {
+            marks[node]
+                .mark(table, &self.tenant, &self.opts, order, &ran)
+                .await?;
+            self.acknowledge(&ran);
+        }
         let sent = job
             .step("receipt", StepMode::AtMostOnce, |ctx| {
                 let ran = &ran;
@@ -328,7 +349,17 @@ pub async fn run(config: &ChaosConfig) -> Result<ChaosReport> {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default()
         .as_nanos();
-    let tenant = Tenant::new(format!("chaos-{:x}", nanos & 0xffff_ffff_ffff))?;
+    let run_id = format!("{:x}", nanos & 0xffff_ffff_ffff);
+    let tenant = Tenant::new(format!("chaos-{run_id}"))?;
+    let marks: Option<Vec<Marks>> = nodes.iter().map(|n| Marks::of(n.ledger())).collect();
+    let marks = match marks {
+        Some(marks) => {
+            let table = format!("oncely_chaos_marks_{run_id}");
+            marks[0].create(&table).await?;
+            Some((marks, table))
+        }
+        None => None,
+    };
     let opts = ClaimOptions::default()
         .lease(config.lease)
         .on_in_progress(OnInProgress::Wait {
@@ -336,6 +367,7 @@ pub async fn run(config: &ChaosConfig) -> Result<ChaosReport> {
         });
     let shared = Arc::new(Shared {
         nodes,
+        marks,
         tenant,
         opts,
         provider: Provider::default(),
@@ -472,7 +504,40 @@ pub async fn run(config: &ChaosConfig) -> Result<ChaosReport> {
         .unwrap_or_else(|p| p.into_inner())
         .clone();
     let receipts = shared.receipts.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    // The committed marks, from the first endpoint that answers.
+    let mut marked = None;
+    let mut marked_twice = 0;
+    if let Some((marks, table)) = &shared.marks {
+        let counts = loop {
+            let mut answer = None;
+            for m in marks {
+                if let Ok(c) = m.counts(table).await {
+                    answer = Some(c);
+                    break;
+                }
+            }
+            match answer {
+                Some(c) => break Some(c),
+                None if Instant::now() >= give_up => break None,
+                None => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        };
+        match counts {
+            Some(c) => {
+                marked = Some(c.len() as u64);
+                marked_twice = c.values().filter(|&&n| n > 1).count() as u64;
+            }
+            None => unread += 1,
+        }
+        for m in marks {
+            if m.counts(table).await.is_ok() {
+                m.drop_table(table).await;
+                break;
+            }
+        }
+    }
     let duplicates = per_order.values().filter(|&&n| n > 1).count() as u64
+        + marked_twice
         + receipts.values().filter(|&&n| n > 1).count() as u64;
     let mut abandoned = shared.abandoned.lock().unwrap_or_else(|p| p.into_inner()).clone();
     abandoned.sort();
@@ -485,6 +550,7 @@ pub async fn run(config: &ChaosConfig) -> Result<ChaosReport> {
         deliveries: shared.deliveries.load(Ordering::Relaxed),
         charges: per_order.values().sum(),
         provider_calls: shared.provider.calls.load(Ordering::Relaxed),
+        marked,
         receipts: receipts.values().sum(),
         duplicates,
         acknowledged: acked.len() as u64,
