@@ -951,7 +951,8 @@ async fn completed_in<L: Ledger>(l: &L) -> EffectKey {
 
 /// The operator commands read the ledger the URL names: given the table the
 /// application set (`named`), `inspect`, `get`, `stats`, `history`,
-/// `stuck`, `prune --dry-run` and `forget` find its record; given the
+/// `stuck`, `prune --dry-run`, `resolve`, `reconcile`, `serve` and `forget`
+/// find its record; given the
 /// default URL, they answer "no record" (or "no records") naming the table
 /// they read (`default_table`), in text and in `--json` (a `ledger`
 /// field); and a mistyped parameter is a usage error naming it.
@@ -1038,6 +1039,36 @@ fn commands_read_the_named_table(
         stderr(&out)
     );
 
+    // resolve: "no record" in the default table; in the named one it finds
+    // the record, completed, and refuses to change it.
+    refused(&["resolve", key.as_str(), "--released"], default, 3, &no_record);
+    let out = oncely(&["resolve", key.as_str(), "--released", "--database-url", named]);
+    assert!(!out.status.success(), "{}", stdout(&out));
+    assert!(!stderr(&out).contains("no record"), "{}", stderr(&out));
+    assert_eq!(
+        record(named, key).unwrap().state,
+        oncely::backend::RecordState::Completed
+    );
+
+    // reconcile reads (and names) the ledger the URL names.
+    for (url, which) in [(named, &ledger), (default, &elsewhere)] {
+        let r = json(
+            &["reconcile", "--tenant", t, "--check", "echo done", "--json"],
+            url,
+        );
+        assert_eq!(r["ledger"], which.as_str(), "{r}");
+    }
+
+    // serve's overview counts the record in the named table, and names the
+    // default one when it finds nothing there.
+    let page = served_overview(named, t);
+    assert!(page.contains("capture") && !page.contains("No records"), "{page}");
+    let page = served_overview(default, t);
+    assert!(
+        page.contains("No records in") && page.contains(default_table),
+        "{page}"
+    );
+
     // forget: "no record" in the default table, done in the named one.
     refused(&["forget", key.as_str()], default, 3, &no_record);
     let forgot = json(&["forget", key.as_str(), "--json"], named);
@@ -1054,6 +1085,48 @@ fn commands_read_the_named_table(
     // A mistyped parameter is refused, naming it, before anything is read.
     let typo = with_query(named, "tabel=effects");
     refused(&["inspect", key.as_str()], &typo, 2, "URL parameter 'tabel'");
+}
+
+/// `oncely serve --tenant TENANT` on `url`: the overview page's HTML (the
+/// server stopped after one request).
+fn served_overview(url: &str, tenant: &str) -> String {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_oncely"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--tenant",
+            tenant,
+            "--database-url",
+            url,
+        ])
+        .env_remove("ONCELY_DATABASE_URL")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("http://"))
+        .unwrap_or_else(|| panic!("serve printed {line:?}"))
+        .trim_end_matches('/')
+        .to_owned();
+    let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+    write!(conn, "GET / HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        answer.starts_with("HTTP/1.0 200") || answer.starts_with("HTTP/1.1 200"),
+        "{answer}"
+    );
+    answer
 }
 
 /// An application's ledger in `billing_effects` of its SQLite file.
