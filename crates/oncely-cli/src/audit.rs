@@ -13,7 +13,7 @@ use oncely::backend::{Claim, Ledger, Outcome, Record};
 use oncely::{ClaimOptions, EffectKey, Error, Result};
 use serde::Serialize;
 
-use crate::any::AnyLedger;
+use oncely_any::AnyLedger;
 use crate::time::rfc3339;
 
 /// The kind of the audit records that `resolve` and `forget` write, in the

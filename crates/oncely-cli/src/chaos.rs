@@ -34,7 +34,7 @@ use oncely::backend::{Ledger, RecordState};
 use oncely::{ClaimOptions, Effects, Error, Failure, OnInProgress, Result, StepMode, Tenant};
 use serde::Serialize;
 
-use crate::any::AnyLedger;
+use oncely_any::AnyLedger;
 
 /// How long the read-back of acknowledged completions keeps asking while
 /// no endpoint answers.

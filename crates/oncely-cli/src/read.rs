@@ -9,7 +9,7 @@ use oncely::backend::Record;
 use oncely::{EffectKey, Error, Result, Tenant};
 use serde::{Serialize, Serializer};
 
-use crate::any::{Access, AnyLedger, Scheme};
+use oncely_any::{Access, AnyLedger, Scheme};
 use crate::time::parse_rfc3339;
 
 /// What a command read, and the ledger it read it from, so that every

@@ -8,7 +8,7 @@ use oncely::backend::{Ledger, Record};
 use oncely::{Result, Tenant};
 
 use super::{DbArgs, ScopeArgs, print_json};
-use crate::any::Access;
+use oncely_any::Access;
 use crate::read::{Listing, Read, list_records, with_ledger};
 use crate::view::RecordView;
 

@@ -10,7 +10,7 @@ use oncely::{EffectKey, Result};
 
 use super::DbArgs;
 use super::resolve::print_action;
-use crate::any::Access;
+use oncely_any::Access;
 use crate::audit::{self, ActionReport};
 use crate::read::{Read, with_admin};
 use crate::time::rfc3339;

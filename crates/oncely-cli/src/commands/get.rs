@@ -7,7 +7,7 @@ use oncely::backend::{Ledger, Record};
 use oncely::{EffectKey, Result};
 
 use super::{DbArgs, no_record, print_json};
-use crate::any::Access;
+use oncely_any::Access;
 use crate::read::{Read, with_ledger};
 use crate::view::RecordView;
 

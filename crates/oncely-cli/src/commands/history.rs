@@ -10,7 +10,7 @@ use oncely::{EffectKey, Result, Tenant};
 use serde::Serialize;
 
 use super::{DbArgs, Render, padded, plain_table, plural};
-use crate::any::{Access, AnyLedger};
+use oncely_any::{Access, AnyLedger};
 use crate::audit::{self, AUDIT_KIND};
 use crate::read::{Read, with_admin};
 use crate::time::parse_rfc3339;

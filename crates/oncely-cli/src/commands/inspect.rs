@@ -7,7 +7,7 @@ use oncely::backend::Ledger;
 use oncely::{EffectKey, Result};
 
 use super::{DbArgs, Render, no_record, or_dash, padded, plain_table};
-use crate::any::Access;
+use oncely_any::Access;
 use crate::read::{Read, with_ledger};
 use crate::view::Inspection;
 

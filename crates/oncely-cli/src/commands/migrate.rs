@@ -9,7 +9,7 @@ use oncely::backend::Ledger;
 use serde::Serialize;
 
 use super::DbArgs;
-use crate::any::Access;
+use oncely_any::Access;
 use crate::read::{Read, with_ledger};
 
 /// Create or upgrade the ledger's schema, then print the backend's

@@ -8,7 +8,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use oncely::{Error, Result};
 
 use super::{DbArgs, plural, print_json};
-use crate::any::{Access, Scheme};
+use oncely_any::{Access, Scheme};
 use crate::read::{Read, with_ledger};
 
 /// Delete completed and released records past their retention.

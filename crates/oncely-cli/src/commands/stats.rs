@@ -8,7 +8,7 @@ use oncely::{Result, Tenant};
 use serde::Serialize;
 
 use super::{DbArgs, Render, ScopeArgs, or_dash, padded, plain_table};
-use crate::any::Access;
+use oncely_any::Access;
 use crate::read::{Read, with_admin};
 use crate::time::rfc3339;
 

@@ -11,7 +11,7 @@ use oncely::{ClaimOptions, EffectKey, Effects, Error, Result, Tenant};
 use super::orders::Orders;
 use super::report::RunReport;
 use super::{Guard, Progress};
-use crate::any::AnyLedger;
+use oncely_any::AnyLedger;
 
 /// All deliveries of all orders in one queue, in arrival order.
 ///

@@ -5,7 +5,7 @@
 
 use oncely::{Error, Result};
 
-use crate::any::Scheme;
+use oncely_any::Scheme;
 
 /// Refuses the backends without [`Admin`], naming why.
 pub(crate) fn check_scheme(scheme: Scheme) -> Result<()> {

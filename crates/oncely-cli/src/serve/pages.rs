@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use super::text::{format_duration, key_path, query_value};
 use super::{Scope, ServeConfig, gaps};
-use crate::any::AnyLedger;
+use oncely_any::AnyLedger;
 use crate::commands::resolve::{self as resolve_command, Resolution};
 use crate::commands::stats::DUPLICATES_NOT_STORED;
 use crate::time::rfc3339;

@@ -16,7 +16,7 @@ use oncely::{ClaimOptions, EffectKey, Effects, Error, Failure, OnInProgress, Res
 use super::baseline::{Answer, Baseline};
 use super::report::{Latency, RowReport};
 use super::{Guard, Mode, Policy, Progress, RowSpec};
-use crate::any::AnyLedger;
+use oncely_any::AnyLedger;
 
 /// Bench records are kept this long, as the demo's: enough to inspect them,
 /// short enough that `oncely prune` clears them the same day.
