@@ -54,10 +54,9 @@ use std::sync::Arc;
 
 use oncely::backend::Ledger;
 use oncely::{Error, Result, Tenant};
-use serde::Serialize;
-
 use oncely_any::AnyLedger;
 use oncely_any::scratch::{run_id, scratch_dir, scratch_ledger, sqlite_url};
+use serde::Serialize;
 
 mod baseline;
 mod report;

@@ -32,9 +32,8 @@ use std::time::{Duration, Instant};
 
 use oncely::backend::{Ledger, RecordState};
 use oncely::{ClaimOptions, Effects, Error, Failure, OnInProgress, Result, StepMode, Tenant};
-use serde::Serialize;
-
 use oncely_any::AnyLedger;
+use serde::Serialize;
 
 /// How long the read-back of acknowledged completions keeps asking while
 /// no endpoint answers.

@@ -4,7 +4,6 @@
 //! database or server, in a table, bucket or key space of its own.
 
 use oncely::{Error, Result};
-
 use oncely_any::AnyLedger;
 
 mod memory;

@@ -31,10 +31,9 @@ use std::time::Duration;
 
 use oncely::backend::Ledger;
 use oncely::{ClaimOptions, Effects, Error, Result, Tenant};
-use serde::Serialize;
-
 use oncely_any::scratch::{clock_seed, run_id, scratch_dir, scratch_ledger, sqlite_url};
 use oncely_any::{AnyLedger, AnyPool};
+use serde::Serialize;
 
 mod orders;
 mod report;

@@ -5,11 +5,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use oncely::{Error, Result};
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-use sqlx::{AssertSqlSafe, SqlitePool};
-
 use oncely_any::AnyPool;
 use oncely_any::scratch::sql_error;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+use sqlx::{AssertSqlSafe, SqlitePool};
 
 /// The orders table of one run: on the ledger's own database for the SQL
 /// backends, in a scratch SQLite file otherwise (see [`run`]).

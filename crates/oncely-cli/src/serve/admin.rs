@@ -4,7 +4,6 @@
 //! before anything connects, rather than on every page.
 
 use oncely::{Error, Result};
-
 use oncely_any::Scheme;
 
 /// Refuses the backends without [`Admin`], naming why.

@@ -47,7 +47,6 @@ use std::time::Duration;
 
 use oncely::backend::Ledger;
 use oncely::{Error, Result, Tenant};
-
 use oncely_any::{Access, AnyLedger};
 
 pub use gaps::{GapHistogram, MetricsUrl, parse_gap_histograms};
