@@ -23,7 +23,11 @@ use super::{Answer, merge, no_baseline};
 
 /// The ledger's pool, on a backend the baseline has SQL for.
 enum Pool {
+    // Both drivers are always compiled in (sqlx); a variant is built only
+    // with its backend's feature.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     Sqlite(sqlx::SqlitePool),
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     Postgres(sqlx::PgPool),
     #[cfg(feature = "mysql")]
     MySql(sqlx::MySqlPool),

@@ -22,7 +22,11 @@ pub(super) struct Orders {
 /// for.
 #[derive(Clone)]
 enum Pool {
+    // Both drivers are always compiled in (sqlx); a variant is built only
+    // with its backend's feature.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     Sqlite(SqlitePool),
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     Postgres(sqlx::PgPool),
     #[cfg(feature = "mysql")]
     MySql(sqlx::MySqlPool),
