@@ -11,9 +11,9 @@ use std::time::{Duration, SystemTime};
 
 use oncely::backend::{Claim, Ledger, Outcome, Record};
 use oncely::{ClaimOptions, EffectKey, Error, Result};
+use oncely_any::AnyLedger;
 use serde::Serialize;
 
-use crate::any::AnyLedger;
 use crate::time::rfc3339;
 
 /// The kind of the audit records that `resolve` and `forget` write, in the

@@ -8,11 +8,12 @@
 //!   redeliveries of a "charge" message, processed once with a naive
 //!   status-check guard and once with [`oncely::Effects::run`], on a real
 //!   database. It returns a [`demo::DemoReport`].
-//! - [`bench`](mod@bench): the duplicate-storm bench (`oncely bench`): every job
-//!   delivered twice, one delivery after the other and both at once, with
-//!   single claims and batches, under oncely's `Wait` and `Reject` policies,
-//!   each next to the hand-written minimum on the same database. It returns
-//!   a [`bench::BenchReport`].
+//! - [`oncely_bench`] (its own crate, `oncely-bench`): the duplicate-storm
+//!   bench (`oncely bench`): every job delivered twice, one delivery after
+//!   the other and both at once, with single claims and batches, under
+//!   oncely's `Wait` and `Reject` policies, each next to the hand-written
+//!   minimum on the same database. It returns an
+//!   [`oncely_bench::BenchReport`]; [`commands::bench`] prints it.
 //! - [`commands`]: one module per command (`oncely get`, `inspect`,
 //!   `history`, `stats`, `stuck`, `abandoned`, `resolve`, `forget`,
 //!   `prune`, `migrate`, and the command lines of the others): its clap
@@ -26,8 +27,9 @@
 //! - [`reconcile`](mod@reconcile): `oncely reconcile`, which settles stuck
 //!   leases and abandoned steps by asking an external command about each
 //!   ([`reconcile::CheckCommand`], a [`oncely::reconcile::Reconciler`]).
-//! - [`AnyLedger`]: one [`oncely::backend::Ledger`] whose backend is picked from a
-//!   database URL at run time, like sqlx's `Any` driver.
+//! - [`AnyLedger`] (the `oncely-any` crate, re-exported here): one
+//!   [`oncely::backend::Ledger`] whose backend is picked from a database URL
+//!   at run time, like sqlx's `Any` driver.
 //!
 //! ```text
 //! $ cargo run --release -p oncely-cli -- demo
@@ -84,7 +86,7 @@
 //! unknown query parameter is a usage error naming it. Every command's
 //! answer says which ledger it read ([`read::Read`]): a `ledger: …` line
 //! above a listing, `no record for KEY in …`, a `ledger` field in `--json`.
-//! See [`any`] for the multi-node syntax. A Redis server (or cluster) that
+//! See [`oncely_any`] for the multi-node syntax. A Redis server (or cluster) that
 //! persists nothing (`appendonly no`, no `save` points) is refused by the
 //! commands that write, `demo`, `bench` and `migrate` included, unless the
 //! URL accepts it with `?ephemeral=true`
@@ -99,9 +101,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
-pub mod any;
 pub mod audit;
-pub mod bench;
 pub mod chaos;
 pub mod commands;
 pub mod demo;
@@ -111,4 +111,4 @@ pub mod serve;
 pub mod time;
 pub mod view;
 
-pub use any::{Access, AnyLedger, AnyPool, Scheme};
+pub use oncely_any::{Access, AnyLedger, AnyPool, Scheme};

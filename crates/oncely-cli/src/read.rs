@@ -7,9 +7,9 @@ use std::future::Future;
 use oncely::admin::{Admin, Filter, MAX_PAGE, RecordQuery};
 use oncely::backend::Record;
 use oncely::{EffectKey, Error, Result, Tenant};
+use oncely_any::{Access, AnyLedger, Scheme};
 use serde::{Serialize, Serializer};
 
-use crate::any::{Access, AnyLedger, Scheme};
 use crate::time::parse_rfc3339;
 
 /// What a command read, and the ledger it read it from, so that every

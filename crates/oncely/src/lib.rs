@@ -63,8 +63,10 @@
 //! Cluster) and `oncely-nats` (JetStream key-value); each passes the same
 //! conformance suite. Around them: `oncely-consumer` (broker consumers:
 //! RabbitMQ, NATS JetStream, Redis Streams, apalis), `oncely-tower` (the HTTP
-//! `Idempotency-Key` layer), `oncely-testkit` (test helpers) and
-//! `oncely-cli` (the `oncely` command).
+//! `Idempotency-Key` layer), `oncely-testkit` (test helpers),
+//! `oncely-any` (one ledger type for every backend, picked from a URL),
+//! `oncely-bench` (the duplicate-storm bench) and `oncely-cli` (the `oncely`
+//! command).
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 

@@ -13,7 +13,7 @@ use oncely::backend::TransactionalLedger;
 use oncely::{ClaimOptions, EffectKey, Effects, Error, Failure, Result, StepFuture, Tenant};
 use sqlx::AssertSqlSafe;
 
-use crate::any::AnyLedger;
+use oncely_any::AnyLedger;
 
 /// An endpoint's ledger as the transactional step needs it.
 pub(super) enum Marks {

@@ -35,9 +35,8 @@ use std::time::{Duration, Instant};
 
 use oncely::backend::{Ledger, RecordState};
 use oncely::{ClaimOptions, Effects, Error, Failure, OnInProgress, Result, StepMode, Tenant};
+use oncely_any::AnyLedger;
 use serde::Serialize;
-
-use crate::any::AnyLedger;
 
 mod marks;
 

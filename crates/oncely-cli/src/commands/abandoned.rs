@@ -6,9 +6,9 @@ use clap::Args as ClapArgs;
 use oncely::admin::Filter;
 use oncely::backend::{Ledger, Record};
 use oncely::{Result, Tenant};
+use oncely_any::Access;
 
 use super::{DbArgs, ScopeArgs, print_json};
-use crate::any::Access;
 use crate::read::{Listing, Read, list_records, with_ledger};
 use crate::view::RecordView;
 

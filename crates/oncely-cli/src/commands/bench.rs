@@ -1,14 +1,14 @@
-//! `oncely bench`'s command line and table; the bench itself is
-//! [`crate::bench`].
+//! `oncely bench`'s command line and table; the bench itself is the
+//! `oncely-bench` crate ([`oncely_bench`]).
 
 use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
 use oncely::Result;
+use oncely_bench::{self as bench, BenchConfig, BenchReport};
 
 use super::print_json;
 use super::progress::Bar;
-use crate::bench::{self, BenchConfig, BenchReport};
 
 /// Measure duplicates: oncely next to hand-written code, on one database.
 ///
@@ -123,7 +123,7 @@ fn print_bench_table(r: &BenchReport) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::{Guard, Latency, Mode, Policy, RowReport};
+    use oncely_bench::{Guard, Latency, Mode, Policy, RowReport};
 
     fn row(effects: u64, twice: u64) -> RowReport {
         RowReport {

@@ -7,10 +7,10 @@ use clap::Args as ClapArgs;
 use oncely::admin::Admin;
 use oncely::backend::Ledger;
 use oncely::{EffectKey, Result};
+use oncely_any::Access;
 
 use super::DbArgs;
 use super::resolve::print_action;
-use crate::any::Access;
 use crate::audit::{self, ActionReport};
 use crate::read::{Read, with_admin};
 use crate::time::rfc3339;

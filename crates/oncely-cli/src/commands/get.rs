@@ -5,9 +5,9 @@ use std::process::ExitCode;
 use clap::Args as ClapArgs;
 use oncely::backend::{Ledger, Record};
 use oncely::{EffectKey, Result};
+use oncely_any::Access;
 
 use super::{DbArgs, no_record, print_json};
-use crate::any::Access;
 use crate::read::{Read, with_ledger};
 use crate::view::RecordView;
 

@@ -7,10 +7,10 @@ use clap::Args as ClapArgs;
 use oncely::admin::{Admin, Cursor, MAX_PAGE, RecordQuery};
 use oncely::backend::Record;
 use oncely::{EffectKey, Result, Tenant};
+use oncely_any::{Access, AnyLedger};
 use serde::Serialize;
 
 use super::{DbArgs, Render, padded, plain_table, plural};
-use crate::any::{Access, AnyLedger};
 use crate::audit::{self, AUDIT_KIND};
 use crate::read::{Read, with_admin};
 use crate::time::parse_rfc3339;

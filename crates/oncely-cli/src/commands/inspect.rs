@@ -5,9 +5,9 @@ use std::process::ExitCode;
 use clap::Args as ClapArgs;
 use oncely::backend::Ledger;
 use oncely::{EffectKey, Result};
+use oncely_any::Access;
 
 use super::{DbArgs, Render, no_record, or_dash, padded, plain_table};
-use crate::any::Access;
 use crate::read::{Read, with_ledger};
 use crate::view::Inspection;
 

@@ -6,10 +6,10 @@ use std::process::ExitCode;
 use clap::Args as ClapArgs;
 use oncely::Result;
 use oncely::backend::Ledger;
+use oncely_any::Access;
 use serde::Serialize;
 
 use super::DbArgs;
-use crate::any::Access;
 use crate::read::{Read, with_ledger};
 
 /// Create or upgrade the ledger's schema, then print the backend's

@@ -4,8 +4,9 @@ use std::io::IsTerminal;
 use std::sync::{Arc, Mutex};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use oncely_bench as bench;
 
-use crate::{bench, demo};
+use crate::demo;
 
 /// The demo's and the bench's progress bar on stderr, one per run (the
 /// demo's) or per row (the bench's); drawn only on a terminal.

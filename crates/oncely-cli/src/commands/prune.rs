@@ -6,9 +6,9 @@ use std::process::ExitCode;
 use clap::Args as ClapArgs;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use oncely::{Error, Result};
+use oncely_any::{Access, Scheme};
 
 use super::{DbArgs, plural, print_json};
-use crate::any::{Access, Scheme};
 use crate::read::{Read, with_ledger};
 
 /// Delete completed and released records past their retention.

@@ -7,9 +7,9 @@ use std::time::Duration;
 use clap::Args as ClapArgs;
 use oncely::backend::{Claim, Ledger, Outcome, Record};
 use oncely::{ClaimOptions, EffectKey, Error, Result};
+use oncely_any::{Access, AnyLedger};
 
 use super::{DbArgs, no_record, print_json};
-use crate::any::{Access, AnyLedger};
 use crate::audit::{self, ActionReport, after_release};
 use crate::read::{Read, with_ledger};
 use crate::time::rfc3339;

@@ -5,10 +5,10 @@ use std::process::ExitCode;
 use clap::Args as ClapArgs;
 use oncely::admin::{Admin, KindStats};
 use oncely::{Result, Tenant};
+use oncely_any::Access;
 use serde::Serialize;
 
 use super::{DbArgs, Render, ScopeArgs, or_dash, padded, plain_table};
-use crate::any::Access;
 use crate::read::{Read, with_admin};
 use crate::time::rfc3339;
 

@@ -27,19 +27,18 @@
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use oncely::backend::Ledger;
 use oncely::{ClaimOptions, Effects, Error, Result, Tenant};
+use oncely_any::scratch::{clock_seed, run_id, scratch_dir, scratch_ledger, sqlite_url};
+use oncely_any::{AnyLedger, AnyPool};
 use serde::Serialize;
-
-use crate::any::{AnyLedger, AnyPool};
 
 mod orders;
 mod report;
 mod workload;
 
-pub(crate) use orders::sql_error;
 use orders::{Orders, scratch_sqlite};
 pub use report::{DemoReport, RunReport};
 use workload::{DEMO_RETENTION, Delivery, Provider, delivery_queue, run_guard};
@@ -226,54 +225,6 @@ async fn run_both(
         naive,
         oncely,
     })
-}
-
-/// A fresh temporary directory whose name starts with `prefix`, removed
-/// when dropped.
-pub(crate) fn scratch_dir(prefix: &str) -> Result<tempfile::TempDir> {
-    tempfile::Builder::new()
-        .prefix(prefix)
-        .tempdir()
-        .map_err(|e| Error::Config(format!("cannot create a temporary directory: {e}")))
-}
-
-/// Opens the ledger of a scratch SQLite file (in a [`scratch_dir`]). The
-/// file goes with the run, so a temporary directory on a memory file
-/// system (a tmpfs `/tmp`), which a ledger refuses by default, is accepted:
-/// `ephemeral(true)` accepts a file there and nowhere else, so the second
-/// attempt succeeds exactly when that was the refusal.
-pub(crate) async fn scratch_ledger(url: &str) -> Result<AnyLedger> {
-    let refused = match AnyLedger::connect(url).await {
-        Err(e @ Error::Config(_)) => e,
-        other => return other,
-    };
-    #[cfg(feature = "sqlite")]
-    {
-        let ephemeral = oncely_sqlite::SqliteLedgerOptions::default().ephemeral(true);
-        if let Ok(l) = oncely_sqlite::SqliteLedger::connect_with(url, ephemeral).await {
-            return Ok(AnyLedger::Sqlite(l));
-        }
-    }
-    Err(refused)
-}
-
-/// The URL of a SQLite file, created if missing.
-pub(crate) fn sqlite_url(path: &std::path::Path) -> String {
-    format!("sqlite://{}?mode=rwc", path.display())
-}
-
-/// 12 hex digits from the clock and the process id: unique enough that two
-/// demos (or benches) on one database never share a table or a tenant.
-pub(crate) fn run_id() -> String {
-    let mut rng = fastrand::Rng::with_seed(clock_seed() ^ (u64::from(std::process::id()) << 32));
-    format!("{:012x}", rng.u64(..) & 0xffff_ffff_ffff)
-}
-
-fn clock_seed() -> u64 {
-    SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos() as u64
 }
 
 #[cfg(test)]

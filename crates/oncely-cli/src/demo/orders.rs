@@ -5,35 +5,49 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use oncely::{Error, Result};
+use oncely_any::AnyPool;
+use oncely_any::scratch::sql_error;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{AssertSqlSafe, SqlitePool};
-
-use crate::any::AnyPool;
 
 /// The orders table of one run: on the ledger's own database for the SQL
 /// backends, in a scratch SQLite file otherwise (see [`run`]).
 #[derive(Clone)]
 pub(super) struct Orders {
-    pool: AnyPool,
+    pool: Pool,
     table: Arc<str>,
 }
 
-/// Runs `$body` with `$p` bound to the pool of every [`AnyPool`] variant and
+/// The ledger's pool (or the scratch file's), on a backend the demo has SQL
+/// for.
+#[derive(Clone)]
+enum Pool {
+    // Both drivers are always compiled in (sqlx); a variant is built only
+    // with its backend's feature.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    Sqlite(SqlitePool),
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    Postgres(sqlx::PgPool),
+    #[cfg(feature = "mysql")]
+    MySql(sqlx::MySqlPool),
+}
+
+/// Runs `$body` with `$p` bound to the pool of every [`Pool`] variant and
 /// `$backend` to the backend's name, for queries whose SQL is the same on
 /// all of them.
 macro_rules! on_pool {
     ($pool:expr, |$p:ident, $backend:ident| $body:expr) => {
         match $pool {
-            AnyPool::Sqlite($p) => {
+            Pool::Sqlite($p) => {
                 let $backend = "sqlite";
                 $body
             }
-            AnyPool::Postgres($p) => {
+            Pool::Postgres($p) => {
                 let $backend = "postgres";
                 $body
             }
             #[cfg(feature = "mysql")]
-            AnyPool::MySql($p) => {
+            Pool::MySql($p) => {
                 let $backend = "mysql";
                 $body
             }
@@ -43,6 +57,23 @@ macro_rules! on_pool {
 
 impl Orders {
     pub(super) async fn create(pool: &AnyPool, table: &str, orders: u32) -> Result<Orders> {
+        let pool = &match pool {
+            #[cfg(feature = "sqlite")]
+            AnyPool::Sqlite(p) => Pool::Sqlite(p.clone()),
+            #[cfg(feature = "postgres")]
+            AnyPool::Postgres(p) => Pool::Postgres(p.clone()),
+            #[cfg(feature = "mysql")]
+            AnyPool::MySql(p) => Pool::MySql(p.clone()),
+            // A backend this binary was built without, compiled into
+            // oncely-any by another crate's feature.
+            #[allow(unreachable_patterns)]
+            other => {
+                return Err(Error::Config(format!(
+                    "the demo has no orders table for the {} backend",
+                    other.backend()
+                )));
+            }
+        };
         // VARCHAR rather than TEXT: MySQL cannot give a TEXT column a plain
         // string type, and the other two treat both alike.
         let create = format!("CREATE TABLE {table} (id BIGINT PRIMARY KEY, status VARCHAR(16) NOT NULL)");
@@ -66,10 +97,10 @@ impl Orders {
     /// The backend's spelling of the first bind parameter.
     pub(super) fn param(&self) -> &'static str {
         match &self.pool {
-            AnyPool::Sqlite(_) => "?1",
-            AnyPool::Postgres(_) => "$1",
+            Pool::Sqlite(_) => "?1",
+            Pool::Postgres(_) => "$1",
             #[cfg(feature = "mysql")]
-            AnyPool::MySql(_) => "?",
+            Pool::MySql(_) => "?",
         }
     }
 
@@ -110,7 +141,7 @@ impl Orders {
     }
 }
 
-async fn exec(pool: &AnyPool, sql: String) -> Result<()> {
+async fn exec(pool: &Pool, sql: String) -> Result<()> {
     on_pool!(pool, |p, backend| sqlx::query(AssertSqlSafe(sql))
         .execute(p)
         .await
@@ -121,31 +152,6 @@ async fn exec(pool: &AnyPool, sql: String) -> Result<()> {
 /// Maps a driver error on the orders table.
 fn db_error(backend: &'static str, e: sqlx::Error) -> Error {
     sql_error(backend, "demo orders table", e)
-}
-
-/// Maps a driver error on a table of the demo's or the bench's own, saying
-/// `what` it was about; busy and locked databases, deadlocks, pool timeouts
-/// and I/O errors are worth a retry.
-pub(crate) fn sql_error(backend: &'static str, what: &str, e: sqlx::Error) -> Error {
-    let retryable = match &e {
-        sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) => true,
-        sqlx::Error::Database(d) => {
-            let code = d.code().unwrap_or_default();
-            // SQLite BUSY (5) / LOCKED (6) and their extended codes;
-            // PostgreSQL serialization failure and deadlock; MySQL's
-            // deadlock (SQLSTATE 40001 too).
-            matches!(code.as_ref(), "5" | "6" | "40001" | "40P01")
-                || code
-                    .parse::<u32>()
-                    .is_ok_and(|c| backend == "sqlite" && matches!(c & 0xff, 5 | 6))
-        }
-        _ => false,
-    };
-    Error::Backend {
-        backend,
-        message: format!("{what}: {e}"),
-        retryable,
-    }
 }
 
 /// A SQLite pool on a scratch file (WAL, a generous busy timeout so that

@@ -7,11 +7,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use oncely::{ClaimOptions, EffectKey, Effects, Error, Result, Tenant};
+use oncely_any::AnyLedger;
 
 use super::orders::Orders;
 use super::report::RunReport;
 use super::{Guard, Progress};
-use crate::any::AnyLedger;
 
 /// All deliveries of all orders in one queue, in arrival order.
 ///

@@ -4,8 +4,7 @@
 //! before anything connects, rather than on every page.
 
 use oncely::{Error, Result};
-
-use crate::any::Scheme;
+use oncely_any::Scheme;
 
 /// Refuses the backends without [`Admin`], naming why.
 pub(crate) fn check_scheme(scheme: Scheme) -> Result<()> {

@@ -47,8 +47,7 @@ use std::time::Duration;
 
 use oncely::backend::Ledger;
 use oncely::{Error, Result, Tenant};
-
-use crate::any::{Access, AnyLedger};
+use oncely_any::{Access, AnyLedger};
 
 pub use gaps::{GapHistogram, MetricsUrl, parse_gap_histograms};
 

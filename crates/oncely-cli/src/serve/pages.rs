@@ -16,11 +16,11 @@ use minijinja::{Environment, Value};
 use oncely::admin::{Admin, Cursor, Filter, KindStats, RecordQuery};
 use oncely::backend::{Ledger, Record};
 use oncely::{EffectKey, Error, Tenant};
+use oncely_any::AnyLedger;
 use serde::{Deserialize, Serialize};
 
 use super::text::{key_path, query_value};
 use super::{Scope, ServeConfig, gaps};
-use crate::any::AnyLedger;
 use crate::commands::resolve::{self as resolve_command, Resolution};
 use crate::commands::stats::DUPLICATES_NOT_STORED;
 use crate::time::format_duration;

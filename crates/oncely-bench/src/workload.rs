@@ -12,11 +12,11 @@ use futures_util::stream::{self, StreamExt, TryStreamExt};
 use oncely::backend::Watch;
 use oncely::backend::{Capabilities, Claim, Lease, Ledger, Outcome, Record, StoredOutcome};
 use oncely::{ClaimOptions, EffectKey, Effects, Error, Failure, OnInProgress, Result, Tenant};
+use oncely_any::AnyLedger;
 
 use super::baseline::{Answer, Baseline};
 use super::report::{Latency, RowReport};
 use super::{Guard, Mode, Policy, Progress, RowSpec};
-use crate::any::AnyLedger;
 
 /// Bench records are kept this long, as the demo's: enough to inspect them,
 /// short enough that `oncely prune` clears them the same day.

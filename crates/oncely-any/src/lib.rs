@@ -1,5 +1,10 @@
+//! # oncely-any
+//!
 //! [`AnyLedger`]: one ledger type whose backend is picked from a database URL
-//! at run time, in the manner of sqlx's `Any` driver.
+//! at run time, in the manner of sqlx's `Any` driver. The `oncely` command
+//! (`oncely-cli`) and the bench (`oncely-bench`) open every ledger through
+//! it; [`scratch`] holds what they set up for a run of their own (a
+//! temporary SQLite ledger, a run id).
 //!
 //! | URL | backend | cargo feature |
 //! | --- | --- | --- |
@@ -23,10 +28,15 @@
 //! which ledger it is (`postgres db:5432/app, table billing.effects`),
 //! never a credential; the commands print it with what they read.
 //!
-//! Adding a backend is one line in [`with_backends!`](crate::with_backends)
-//! (and its cargo feature): the [`Scheme`] and [`AnyLedger`] variants, the
-//! dispatch from a URL and every [`Ledger`] method follow from it. Only the
-//! demo's orders table ([`AnyLedger::pool`]) is written per SQL backend.
+//! Adding a backend is its own crate, one line in
+//! [`with_backends!`](crate::with_backends) and its cargo feature (here, and
+//! forwarded by the crates that pick backends, `oncely-cli` and
+//! `oncely-bench`): the [`Scheme`] and [`AnyLedger`] variants, the dispatch
+//! from a URL and every [`Ledger`] method follow from it. Only what callers
+//! keep in the ledger's SQL database ([`AnyLedger::pool`]: the demo's orders
+//! table, the bench's baseline table) is written per SQL backend.
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
 
 use std::fmt;
 use std::sync::Arc;
@@ -39,13 +49,15 @@ use oncely::{ClaimOptions, EffectKey, Error, MemoryLedger, Result, Tenant};
 
 pub use oncely::open::Access;
 
+pub mod scratch;
+
 /// How long an operator command waits for a connection. The backends'
 /// defaults (up to 30 s) are meant for services riding out a failover; an
 /// operator at a terminal would wait half a minute to learn that the server
 /// is down.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The backends this binary knows, one line each: the variant, the name
+/// The backends this crate knows, one line each: the variant, the name
 /// [`Ledger::backend`] reports, the cargo feature, the URL schemes, how the
 /// schemes are shown in messages, whether the ledger offers [`Admin`]
 /// (`admin` or `no_admin`), the SQL pool it runs on (`pool(type)`, for the
@@ -102,7 +114,7 @@ macro_rules! if_pool {
 /// [`AnyPool`] with a variant per backend whose table line names a pool
 /// (the lines are taken one at a time, keeping those with a pool).
 macro_rules! define_pool {
-    (@keep [$($variant:ident $feature:literal $p:ty,)*]) => {
+    (@keep [$($variant:ident $name:literal $feature:literal $p:ty,)*]) => {
         /// The SQL pool underneath an [`AnyLedger`], for callers that keep
         /// their own tables in the same database (the demo's orders table).
         #[derive(Debug, Clone)]
@@ -116,6 +128,16 @@ macro_rules! define_pool {
         }
 
         impl AnyPool {
+            /// The backend's name, as [`Ledger::backend`] reports it.
+            pub fn backend(&self) -> &'static str {
+                match self {
+                    $(
+                        #[cfg(feature = $feature)]
+                        AnyPool::$variant(_) => $name,
+                    )*
+                }
+            }
+
             /// Closes the pool, waiting for checked-out connections to come back.
             pub async fn close(&self) {
                 match self {
@@ -127,17 +149,17 @@ macro_rules! define_pool {
             }
         }
     };
-    (@keep [$($kept:tt)*] $variant:ident $feature:literal pool($p:ty), $($rest:tt)*) => {
-        define_pool!(@keep [$($kept)* $variant $feature $p,] $($rest)*);
+    (@keep [$($kept:tt)*] $variant:ident $name:literal $feature:literal pool($p:ty), $($rest:tt)*) => {
+        define_pool!(@keep [$($kept)* $variant $name $feature $p,] $($rest)*);
     };
-    (@keep [$($kept:tt)*] $variant:ident $feature:literal no_pool, $($rest:tt)*) => {
+    (@keep [$($kept:tt)*] $variant:ident $name:literal $feature:literal no_pool, $($rest:tt)*) => {
         define_pool!(@keep [$($kept)*] $($rest)*);
     };
 }
 
 macro_rules! define_any {
     ($($variant:ident($name:literal, $feature:literal, [$($scheme:literal),+], $shown:literal, $admin:ident, $pool:ident $(($pool_ty:ty))?) => $ty:ty,)+) => {
-        define_pool!(@keep [] $($variant $feature $pool $(($pool_ty))?,)+);
+        define_pool!(@keep [] $($variant $name $feature $pool $(($pool_ty))?,)+);
 
         /// The backend a database URL names.
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -165,7 +187,7 @@ macro_rules! define_any {
                 }
             }
 
-            /// Whether this binary was built with the backend's cargo feature.
+            /// Whether this crate was built with the backend's cargo feature.
             pub fn compiled_in(self) -> bool {
                 match self {
                     $(Scheme::$variant => cfg!(feature = $feature),)+
@@ -482,6 +504,8 @@ impl AnyLedger {
     }
 }
 
+// Only the backends whose table line says `no_admin` call it.
+#[cfg_attr(not(any(feature = "redis", feature = "nats")), allow(dead_code))]
 fn no_admin(ledger: &AnyLedger, what: &str) -> Error {
     Error::Config(format!(
         "{what} is not available on the {} backend: it keeps no index to list or count records \

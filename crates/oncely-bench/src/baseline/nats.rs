@@ -16,7 +16,7 @@ use super::{Answer, backend_error, merge};
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The baseline's bucket.
-pub(in crate::bench) struct NatsBaseline {
+pub(crate) struct NatsBaseline {
     js: jetstream::Context,
     kv: kv::Store,
     bucket: String,

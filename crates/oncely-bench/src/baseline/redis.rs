@@ -47,7 +47,7 @@ fn error(e: RedisError) -> Error {
 
 /// The baseline's connection and key prefix, and the `WAIT` the ledger
 /// does (replicas, timeout in ms).
-pub(in crate::bench) struct RedisBaseline {
+pub(crate) struct RedisBaseline {
     conn: Conn,
     prefix: String,
     wait: Option<(u32, u64)>,

@@ -11,7 +11,7 @@ use super::Answer;
 
 /// The baseline's map.
 #[derive(Default)]
-pub(in crate::bench) struct MemoryBaseline {
+pub(crate) struct MemoryBaseline {
     map: Mutex<HashMap<String, String>>,
 }
 

@@ -4,8 +4,7 @@
 //! database or server, in a table, bucket or key space of its own.
 
 use oncely::{Error, Result};
-
-use crate::any::AnyLedger;
+use oncely_any::AnyLedger;
 
 mod memory;
 #[cfg(feature = "nats")]
@@ -68,10 +67,7 @@ impl Baseline {
             #[allow(unreachable_patterns)]
             other => {
                 let _ = url;
-                Err(Error::Config(format!(
-                    "the bench has no hand-written baseline for the {} backend",
-                    other.scheme()
-                )))
+                Err(no_baseline(other.scheme().name()))
             }
         }
     }
@@ -113,6 +109,14 @@ impl Baseline {
 /// (Redis), in case the run is interrupted before it removes them.
 #[cfg_attr(not(feature = "redis"), allow(dead_code))]
 const KEY_TTL: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// The bench was built without the backend's feature (or has no baseline
+/// for it).
+fn no_baseline(backend: &str) -> Error {
+    Error::Config(format!(
+        "the bench has no hand-written baseline for the {backend} backend"
+    ))
+}
 
 /// An error of the baseline's own statements, named as such so that nobody
 /// takes it for the ledger's.

@@ -15,15 +15,44 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicI64;
 
 use oncely::Result;
+use oncely_any::AnyPool;
+use oncely_any::scratch::sql_error;
 use sqlx::{AssertSqlSafe, Row};
 
-use super::{Answer, merge};
-use crate::any::AnyPool;
-use crate::demo::sql_error;
+use super::{Answer, merge, no_baseline};
+
+/// The ledger's pool, on a backend the baseline has SQL for.
+enum Pool {
+    // Both drivers are always compiled in (sqlx); a variant is built only
+    // with its backend's feature.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    Sqlite(sqlx::SqlitePool),
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    Postgres(sqlx::PgPool),
+    #[cfg(feature = "mysql")]
+    MySql(sqlx::MySqlPool),
+}
+
+impl Pool {
+    /// `None` for the pool of a backend this crate was built without (one
+    /// that `oncely-any` has through another crate's feature).
+    fn of(pool: AnyPool) -> Option<Pool> {
+        match pool {
+            #[cfg(feature = "sqlite")]
+            AnyPool::Sqlite(p) => Some(Pool::Sqlite(p)),
+            #[cfg(feature = "postgres")]
+            AnyPool::Postgres(p) => Some(Pool::Postgres(p)),
+            #[cfg(feature = "mysql")]
+            AnyPool::MySql(p) => Some(Pool::MySql(p)),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        }
+    }
+}
 
 /// The baseline's table on the ledger's pool.
-pub(in crate::bench) struct SqlBaseline {
-    pool: AnyPool,
+pub(crate) struct SqlBaseline {
+    pool: Pool,
     table: String,
     /// The next MySQL batch's token (rows inserted by single claims carry 0).
     #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
@@ -33,15 +62,17 @@ pub(in crate::bench) struct SqlBaseline {
 impl SqlBaseline {
     /// Creates the run's table.
     pub(super) async fn create(pool: AnyPool, run_id: &str) -> Result<SqlBaseline> {
+        let backend = pool.backend();
+        let pool = Pool::of(pool).ok_or_else(|| no_baseline(backend))?;
         let table = format!("oncely_cli_bench_{run_id}");
         let ddl = match &pool {
-            AnyPool::Sqlite(_) | AnyPool::Postgres(_) => {
+            Pool::Sqlite(_) | Pool::Postgres(_) => {
                 format!("CREATE TABLE {table} (key TEXT PRIMARY KEY, outcome TEXT NOT NULL)")
             }
             // `key` is reserved in MySQL. ASCII and binary: the keys are, and
             // a case-insensitive comparison would merge two of them.
             #[cfg(feature = "mysql")]
-            AnyPool::MySql(_) => format!(
+            Pool::MySql(_) => format!(
                 "CREATE TABLE {table} (k VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PRIMARY KEY, \
                  outcome VARCHAR(255) NOT NULL, owner BIGINT NOT NULL)"
             ),
@@ -57,16 +88,16 @@ impl SqlBaseline {
 
     pub(super) fn describe(&self) -> &'static str {
         match &self.pool {
-            AnyPool::Postgres(_) => {
+            Pool::Postgres(_) => {
                 "INSERT … ON CONFLICT DO NOTHING RETURNING with the outcome, SELECT on a duplicate \
                  (batches: unnest() arrays, then SELECT … = ANY)"
             }
-            AnyPool::Sqlite(_) => {
+            Pool::Sqlite(_) => {
                 "INSERT … ON CONFLICT DO NOTHING with the outcome, SELECT on a duplicate \
                  (batches: one multi-row INSERT … RETURNING, then SELECT … IN)"
             }
             #[cfg(feature = "mysql")]
-            AnyPool::MySql(_) => {
+            Pool::MySql(_) => {
                 "INSERT IGNORE with the outcome, SELECT on a duplicate \
                  (batches: one multi-row INSERT IGNORE with a batch token, then SELECT … IN)"
             }
@@ -79,10 +110,10 @@ impl SqlBaseline {
 
     fn backend(&self) -> &'static str {
         match &self.pool {
-            AnyPool::Sqlite(_) => "sqlite",
-            AnyPool::Postgres(_) => "postgres",
+            Pool::Sqlite(_) => "sqlite",
+            Pool::Postgres(_) => "postgres",
             #[cfg(feature = "mysql")]
-            AnyPool::MySql(_) => "mysql",
+            Pool::MySql(_) => "mysql",
         }
     }
 
@@ -93,10 +124,10 @@ impl SqlBaseline {
     async fn exec(&self, sql: String) -> Result<()> {
         let sql = AssertSqlSafe(sql);
         let done = match &self.pool {
-            AnyPool::Sqlite(p) => sqlx::query(sql).execute(p).await.map(drop),
-            AnyPool::Postgres(p) => sqlx::query(sql).execute(p).await.map(drop),
+            Pool::Sqlite(p) => sqlx::query(sql).execute(p).await.map(drop),
+            Pool::Postgres(p) => sqlx::query(sql).execute(p).await.map(drop),
             #[cfg(feature = "mysql")]
-            AnyPool::MySql(p) => sqlx::query(sql).execute(p).await.map(drop),
+            Pool::MySql(p) => sqlx::query(sql).execute(p).await.map(drop),
         };
         done.map_err(|e| self.error(e))
     }
@@ -104,7 +135,7 @@ impl SqlBaseline {
     pub(super) async fn claim(&self, key: &str, outcome: &str) -> Result<Answer> {
         let t = &self.table;
         let inserted = match &self.pool {
-            AnyPool::Postgres(p) => sqlx::query(AssertSqlSafe(format!(
+            Pool::Postgres(p) => sqlx::query(AssertSqlSafe(format!(
                 "INSERT INTO {t} (key, outcome) VALUES ($1, $2) ON CONFLICT DO NOTHING RETURNING 1"
             )))
             .bind(key)
@@ -112,7 +143,7 @@ impl SqlBaseline {
             .fetch_optional(p)
             .await
             .map(|row| row.is_some()),
-            AnyPool::Sqlite(p) => sqlx::query(AssertSqlSafe(format!(
+            Pool::Sqlite(p) => sqlx::query(AssertSqlSafe(format!(
                 "INSERT INTO {t} (key, outcome) VALUES (?1, ?2) ON CONFLICT DO NOTHING"
             )))
             .bind(key)
@@ -121,7 +152,7 @@ impl SqlBaseline {
             .await
             .map(|done| done.rows_affected() == 1),
             #[cfg(feature = "mysql")]
-            AnyPool::MySql(p) => sqlx::query(AssertSqlSafe(format!(
+            Pool::MySql(p) => sqlx::query(AssertSqlSafe(format!(
                 "INSERT IGNORE INTO {t} (k, outcome, owner) VALUES (?, ?, 0)"
             )))
             .bind(key)
@@ -135,20 +166,20 @@ impl SqlBaseline {
             return Ok(Answer::Won);
         }
         let stored: String = match &self.pool {
-            AnyPool::Postgres(p) => {
+            Pool::Postgres(p) => {
                 sqlx::query_scalar(AssertSqlSafe(format!("SELECT outcome FROM {t} WHERE key = $1")))
                     .bind(key)
                     .fetch_one(p)
                     .await
             }
-            AnyPool::Sqlite(p) => {
+            Pool::Sqlite(p) => {
                 sqlx::query_scalar(AssertSqlSafe(format!("SELECT outcome FROM {t} WHERE key = ?1")))
                     .bind(key)
                     .fetch_one(p)
                     .await
             }
             #[cfg(feature = "mysql")]
-            AnyPool::MySql(p) => {
+            Pool::MySql(p) => {
                 sqlx::query_scalar(AssertSqlSafe(format!("SELECT outcome FROM {t} WHERE k = ?")))
                     .bind(key)
                     .fetch_one(p)
@@ -164,7 +195,7 @@ impl SqlBaseline {
         let n = items.len();
         let keys: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
         match &self.pool {
-            AnyPool::Postgres(p) => {
+            Pool::Postgres(p) => {
                 let outcomes: Vec<&str> = items.iter().map(|(_, o)| o.as_str()).collect();
                 let won: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
                     "INSERT INTO {t} (key, outcome) SELECT * FROM unnest($1::text[], $2::text[]) \
@@ -195,7 +226,7 @@ impl SqlBaseline {
                     "postgres",
                 )
             }
-            AnyPool::Sqlite(p) => {
+            Pool::Sqlite(p) => {
                 let values = vec!["(?, ?)"; n].join(", ");
                 let mut insert = sqlx::query(AssertSqlSafe(format!(
                     "INSERT INTO {t} (key, outcome) VALUES {values} ON CONFLICT DO NOTHING RETURNING key"
@@ -226,7 +257,7 @@ impl SqlBaseline {
                 merge(items, |k| won.contains(k), stored, "sqlite")
             }
             #[cfg(feature = "mysql")]
-            AnyPool::MySql(p) => {
+            Pool::MySql(p) => {
                 let token = self.token.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let values = vec!["(?, ?, ?)"; n].join(", ");
                 let mut insert = sqlx::query(AssertSqlSafe(format!(
