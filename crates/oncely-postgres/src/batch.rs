@@ -20,7 +20,7 @@ use crate::PgLedger;
 use crate::error;
 use crate::guard::{Retry, Run};
 use crate::ledger::resolving;
-use crate::row::{self, ClaimRow};
+use crate::sql::{self, ClaimRow};
 use crate::token::Attempt;
 
 /// Most distinct keys one `claim_many` statement carries: it holds one
@@ -108,7 +108,7 @@ impl PgLedger {
                 attempt.sending();
                 let rows = query.fetch_all(&mut *conn).await?;
                 // The guard is one for the statement: every row says so.
-                if rows.iter().any(row::claim_leaked) {
+                if rows.iter().any(sql::claim_leaked) {
                     return Ok(Run::Leaked);
                 }
                 if rows.len() != pending.len() {
@@ -122,7 +122,7 @@ impl PgLedger {
                 let index: HashMap<&str, usize> = pending.iter().map(|&n| (keys[n].as_str(), n)).collect();
                 let mut again = Vec::new();
                 for row in &rows {
-                    let stored = row::claimed_key(row)?;
+                    let stored = sql::claimed_key(row)?;
                     let Some(&n) = index.get(stored.as_str()) else {
                         return Err(error::corrupt(format!(
                             "a batch claim answered a key it was not given: {stored:?}"
@@ -142,7 +142,7 @@ impl PgLedger {
                         // and `None` is a record that could be taken over by
                         // now; that key is claimed again.
                         ClaimRow::Existing(record, own) => {
-                            match own.then(|| row::own_lease(&record, opts.lease)) {
+                            match own.then(|| sql::own_lease(&record, opts.lease)) {
                                 Some(Some(lease)) => Ok(Claim::Acquired(lease)),
                                 _ => match answer_existing(key, opts, record) {
                                     Ok(Some(claim)) => Ok(claim),
@@ -197,12 +197,12 @@ impl PgLedger {
                     .bind_complete_many(&keys, &fences, &outcomes)
                     .fetch_all(&mut *conn)
                     .await?;
-                if !rows.iter().all(|r| row::guard_ok(r).unwrap_or(false)) {
+                if !rows.iter().all(|r| sql::guard_ok(r).unwrap_or(false)) {
                     return Ok(Run::Leaked);
                 }
                 let mut done = Vec::with_capacity(rows.len());
                 for r in &rows {
-                    if let Some(pair) = row::completed(r)? {
+                    if let Some(pair) = sql::completed(r)? {
                         done.push(pair);
                     }
                 }

@@ -17,7 +17,6 @@ use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, PgConnection};
 
 use crate::error::{BACKEND, is_failed_transaction, map};
-use crate::row;
 use crate::sql;
 
 /// How many times one operation runs its statement before it fails with a
@@ -136,7 +135,7 @@ impl<W: Fn() -> String> Retry<W> {
 /// A row whose column `ok` is the guard: [`Run::Done`] with the row if it
 /// passed, else [`Run::Leaked`].
 pub(crate) fn checked(row: PgRow) -> Result<Run<PgRow>, Failed> {
-    Ok(if row::guard_ok(&row)? {
+    Ok(if sql::guard_ok(&row)? {
         Run::Done(row)
     } else {
         Run::Leaked
@@ -152,7 +151,7 @@ pub(crate) async fn autocommit(conn: &mut PgConnection, probe: &Arc<str>) -> Res
         .fetch_one(&mut *conn)
         .await
     {
-        Ok(row) => row::guard_ok(&row),
+        Ok(row) => sql::guard_ok(&row),
         Err(e) if is_failed_transaction(&e) => Ok(false),
         Err(e) => Err(map(e)),
     }

@@ -24,8 +24,7 @@ use crate::guard::{self, Failed, Retry, Run};
 use crate::hosts::Hosts;
 use crate::notify::{Changes, ListenerStatus};
 use crate::options::{PgLedgerOptions, SCHEMES};
-use crate::row::{self, ClaimRow, RecordRow};
-use crate::sql::{self, Queries};
+use crate::sql::{self, ClaimRow, Queries, RecordRow};
 use crate::token::Attempt;
 
 /// Most records one prune transaction deletes. Each deleted key's advisory
@@ -396,7 +395,7 @@ impl PgLedger {
                     ClaimRow::Acquired(lease) => Run::Done(Claim::Acquired(lease)),
                     // Written by an earlier run of this call whose answer was
                     // lost: the lease is the caller's.
-                    ClaimRow::Existing(record, own) => match own.then(|| row::own_lease(&record, opts.lease))
+                    ClaimRow::Existing(record, own) => match own.then(|| sql::own_lease(&record, opts.lease))
                     {
                         Some(Some(lease)) => Run::Done(Claim::Acquired(lease)),
                         // `None`: the record could be taken over now (its
@@ -445,7 +444,7 @@ impl PgLedger {
                     Write::Renew(us) => q.bind_renew(lease.key(), fence, us, guarded),
                 };
                 match query.fetch_optional(&mut *conn).await? {
-                    Some(row) => Ok(Run::Done(row::written(&row)?)),
+                    Some(row) => Ok(Run::Done(sql::written(&row)?)),
                     None if guarded && !guard::autocommit(conn, &q.probe).await? => Ok(Run::Leaked),
                     None => Err(Failed::from(lost())),
                 }
@@ -476,7 +475,7 @@ impl PgLedger {
             }
             .await;
             if let Some(row) = retry.settle(conn, run).await? {
-                return row::prune_counts(&row);
+                return sql::prune_counts(&row);
             }
         }
     }
@@ -671,7 +670,7 @@ impl PgLedger {
                 break row;
             }
         };
-        if !row::has_record(&row)? {
+        if !sql::has_record(&row)? {
             return Ok(None);
         }
         RecordRow::decode(&row)?.record(key.clone()).map(Some)
@@ -728,7 +727,7 @@ impl PgLedger {
         };
         rows.iter()
             .map(|row| {
-                let key = row::key(row)?;
+                let key = sql::key(row)?;
                 RecordRow::decode(row)?.record(key)
             })
             .collect()
@@ -752,7 +751,7 @@ impl PgLedger {
                 break row;
             }
         };
-        Ok(row::watermark(&row)?.map(from_micros))
+        Ok(sql::watermark(&row)?.map(from_micros))
     }
 }
 
@@ -839,7 +838,7 @@ impl Admin for PgLedger {
         let rows = self.read_all(&text, &args, "the record listing").await?;
         rows.iter()
             .map(|row| {
-                let key = row::key(row)?;
+                let key = sql::key(row)?;
                 RecordRow::decode(row)?.record(key)
             })
             .collect()
@@ -848,7 +847,7 @@ impl Admin for PgLedger {
     async fn stats(&self, tenant: Option<&Tenant>) -> Result<Vec<KindStats>> {
         let (text, args) = sql::stats(&self.inner.q_table(), tenant);
         let rows = self.read_all(&text, &args, "the stats").await?;
-        rows.iter().map(row::kind_stats).collect()
+        rows.iter().map(sql::kind_stats).collect()
     }
 
     async fn forget(&self, key: &EffectKey, fence: u64) -> Result<()> {
