@@ -18,8 +18,7 @@ use sqlx::Row;
 use sqlx::sqlite::{SqliteConnection, SqliteRow};
 
 use crate::error::{BACKEND, map};
-use crate::row::{self, Found};
-use crate::sql::Queries;
+use crate::sql::{self, Found, Queries};
 
 /// The keys as the batch statements read them (`sql::BATCH_KEYS`): a JSON
 /// array of `[key, tenant, kind, subject]`.
@@ -69,7 +68,7 @@ pub(crate) async fn claim_many(
         let mut rest = Vec::new();
         for &i in &pending {
             match granted.get_mut(keys[i].as_str()).and_then(VecDeque::pop_front) {
-                Some((_, row)) => answers[i] = Some(row::lease(&keys[i], opts, &row).map(Claim::Acquired)),
+                Some((_, row)) => answers[i] = Some(sql::lease(&keys[i], opts, &row).map(Claim::Acquired)),
                 None => rest.push(i),
             }
         }
@@ -88,7 +87,7 @@ pub(crate) async fn claim_many(
                 return Err(crate::error::corrupt(format!("batch read returned slot {slot}")));
             };
             let key = &keys[i];
-            answers[i] = match row::found(&row) {
+            answers[i] = match sql::found(&row) {
                 Err(e) => Some(Err(e)),
                 // The claim statement compared microseconds; so does this.
                 Ok(Found::Absent { watermark }) => {
@@ -156,7 +155,7 @@ pub(crate) async fn complete_many(
         let bytes = outcome.as_bytes();
         parts.push((
             lease.key().as_str(),
-            row::fence_param(lease.fence()),
+            sql::fence_param(lease.fence()),
             outcomes.len() + 1,
             bytes.len(),
         ));
@@ -177,7 +176,7 @@ pub(crate) async fn complete_many(
         }
         for i in sent {
             let lease = &items[i].0;
-            let completed = done.contains(&(lease.key().to_string(), row::fence_param(lease.fence())));
+            let completed = done.contains(&(lease.key().to_string(), sql::fence_param(lease.fence())));
             answers[i] = Some(if completed { Ok(()) } else { Err(lease_lost(lease)) });
         }
     }
