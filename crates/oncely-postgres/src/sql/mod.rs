@@ -1,10 +1,12 @@
 //! Every SQL statement of the backend, built once per ledger from the
-//! validated (and quoted) schema and table names ([`Queries`]), and beside
-//! each statement the function that binds it and the row type that decodes
+//! validated (and quoted) schema and table names ([`Queries::new`], here).
+//! The function that binds each statement and the row type that decodes
 //! what it returns (every column read by the name given here, never by
-//! position): [`claim`], [`record`] (`get`, `abandoned`), [`write`] (the
+//! position) sit together, one module per concern: [`claim`],
+//! [`record`](mod@record) (`get`, `abandoned`), [`write`](mod@write) (the
 //! fenced writes), [`prune`] (and the horizon), [`admin`] (the operator's
-//! statements); [`decode`] holds the column readers they share.
+//! statements, whose listings are also built there); [`decode`] holds the
+//! column readers they share.
 //!
 //! Architecture invariant: no other module contains SQL.
 //!

@@ -1,10 +1,12 @@
 //! Every SQL statement of the backend: the ledger's, built once per ledger
-//! for its table ([`Queries`]), and the fixed ones that read what a database
-//! is (its tables, indexes and settings); beside each statement, the
-//! function that binds it and what decodes its rows (every column read by
-//! the name given here, never by position): [`claim`], [`record`] (`get`,
-//! `abandoned`), [`write`] (the fenced writes), [`prune`] (and the
-//! horizon), [`admin`] (the operator's statements).
+//! for its table ([`Queries::new`], here), and the fixed ones that read
+//! what a database is (its tables, indexes and settings). The function that
+//! binds each ledger statement and what decodes its rows (every column read
+//! by the name given here, never by position) sit together, one module per
+//! concern: [`claim`], [`record`](mod@record) (`get`, `abandoned`),
+//! [`write`](mod@write) (the fenced writes), [`prune`] (and the horizon),
+//! [`admin`] (the operator's statements, whose listings are also built
+//! there).
 //!
 //! Timestamps are INTEGER microseconds since the Unix epoch taken from
 //! SQLite's clock (`unixepoch('subsec')`, millisecond resolution, SQLite
