@@ -18,9 +18,9 @@ use sqlx::PgConnection;
 
 use crate::PgLedger;
 use crate::error;
-use crate::guard::{Retry, Run};
+use crate::guard::{self, Run};
 use crate::ledger::resolving;
-use crate::row::{self, ClaimRow};
+use crate::sql::{self, ClaimRow};
 use crate::token::Attempt;
 
 /// Most distinct keys one `claim_many` statement carries: it holds one
@@ -96,80 +96,87 @@ impl PgLedger {
             Ok(sent_at) => sent_at,
             Err(e) => return fill(answers, chunk, &e),
         };
-        let mut pending: Vec<usize> = chunk.to_vec();
-        let mut retry = Retry::new(true, || format!("a batch of {} claims", chunk.len()));
-        loop {
-            let run = async {
-                let batch: Vec<&EffectKey> = pending.iter().map(|&n| &keys[n]).collect();
-                let query = self
-                    .inner
-                    .q
-                    .bind_claim_many(&batch, opts, attempt.token().as_bytes(), sent_at);
-                attempt.sending();
-                let rows = query.fetch_all(&mut *conn).await?;
-                // The guard is one for the statement: every row says so.
-                if rows.iter().any(row::claim_leaked) {
-                    return Ok(Run::Leaked);
-                }
-                if rows.len() != pending.len() {
-                    return Err(error::corrupt(format!(
-                        "a batch of {} claims answered {} rows",
-                        pending.len(),
-                        rows.len()
-                    ))
-                    .into());
-                }
-                let index: HashMap<&str, usize> = pending.iter().map(|&n| (keys[n].as_str(), n)).collect();
-                let mut again = Vec::new();
-                for row in &rows {
-                    let stored = row::claimed_key(row)?;
-                    let Some(&n) = index.get(stored.as_str()) else {
+        let what = || format!("a batch of {} claims", chunk.len());
+        let state = (chunk.to_vec(), answers);
+        let ((pending, answers), settled) = guard::retry_on(
+            conn,
+            true,
+            what,
+            state,
+            |conn, (mut pending, answers)| async move {
+                let run = async {
+                    let batch: Vec<&EffectKey> = pending.iter().map(|&n| &keys[n]).collect();
+                    let query =
+                        self.inner
+                            .q
+                            .bind_claim_many(&batch, opts, attempt.token().as_bytes(), sent_at);
+                    attempt.sending();
+                    let rows = query.fetch_all(&mut *conn).await?;
+                    // The guard is one for the statement: every row says so.
+                    if rows.iter().any(sql::claim_leaked) {
+                        return Ok(Run::Leaked);
+                    }
+                    if rows.len() != pending.len() {
                         return Err(error::corrupt(format!(
-                            "a batch claim answered a key it was not given: {stored:?}"
+                            "a batch of {} claims answered {} rows",
+                            pending.len(),
+                            rows.len()
                         ))
                         .into());
-                    };
-                    let key = &keys[n];
-                    let answer = match ClaimRow::decode(key, row)? {
-                        ClaimRow::Leaked => return Ok(Run::Leaked),
-                        ClaimRow::Beyond => Err(Error::BeyondHorizon { key: key.to_string() }),
-                        ClaimRow::Missing => {
-                            again.push(n);
-                            continue;
-                        }
-                        ClaimRow::Acquired(lease) => Ok(Claim::Acquired(lease)),
-                        // As for one claim: this call's own row is its lease,
-                        // and `None` is a record that could be taken over by
-                        // now; that key is claimed again.
-                        ClaimRow::Existing(record, own) => {
-                            match own.then(|| row::own_lease(&record, opts.lease)) {
-                                Some(Some(lease)) => Ok(Claim::Acquired(lease)),
-                                _ => match answer_existing(key, opts, record) {
-                                    Ok(Some(claim)) => Ok(claim),
-                                    Ok(None) => {
-                                        again.push(n);
-                                        continue;
-                                    }
-                                    Err(e) => Err(e),
-                                },
+                    }
+                    let index: HashMap<&str, usize> =
+                        pending.iter().map(|&n| (keys[n].as_str(), n)).collect();
+                    let mut again = Vec::new();
+                    for row in &rows {
+                        let stored = sql::claimed_key(row)?;
+                        let Some(&n) = index.get(stored.as_str()) else {
+                            return Err(error::corrupt(format!(
+                                "a batch claim answered a key it was not given: {stored:?}"
+                            ))
+                            .into());
+                        };
+                        let key = &keys[n];
+                        let answer = match ClaimRow::decode(key, row)? {
+                            ClaimRow::Leaked => return Ok(Run::Leaked),
+                            ClaimRow::Beyond => Err(Error::BeyondHorizon { key: key.to_string() }),
+                            ClaimRow::Missing => {
+                                again.push(n);
+                                continue;
                             }
-                        }
-                    };
-                    answers[n] = Some(answer);
+                            ClaimRow::Acquired(lease) => Ok(Claim::Acquired(lease)),
+                            // As for one claim: this call's own row is its lease,
+                            // and `None` is a record that could be taken over by
+                            // now; that key is claimed again.
+                            ClaimRow::Existing(record, own) => {
+                                match own.then(|| sql::own_lease(&record, opts.lease)) {
+                                    Some(Some(lease)) => Ok(Claim::Acquired(lease)),
+                                    _ => match answer_existing(key, opts, record) {
+                                        Ok(Some(claim)) => Ok(claim),
+                                        Ok(None) => {
+                                            again.push(n);
+                                            continue;
+                                        }
+                                        Err(e) => Err(e),
+                                    },
+                                }
+                            }
+                        };
+                        answers[n] = Some(answer);
+                    }
+                    pending = again;
+                    Ok(if pending.is_empty() {
+                        Run::Done(())
+                    } else {
+                        Run::Again
+                    })
                 }
-                pending = again;
-                Ok(if pending.is_empty() {
-                    Run::Done(())
-                } else {
-                    Run::Again
-                })
-            }
-            .await;
-            match retry.settle(conn, run).await {
-                Ok(Some(())) => return,
-                Ok(None) => {}
-                Err(e) => return fill(answers, &pending, &e),
-            }
+                .await;
+                (conn, (pending, answers), run)
+            },
+        )
+        .await;
+        if let Err(e) = settled {
+            fill(answers, &pending, &e);
         }
     }
 
@@ -188,31 +195,35 @@ impl PgLedger {
             .map(|&n| i64::try_from(items[n].0.fence()).unwrap_or(i64::MAX))
             .collect();
         let outcomes: Vec<&[u8]> = send.iter().map(|&n| items[n].1.as_bytes()).collect();
-        let mut retry = Retry::new(true, || format!("a batch of {} completions", send.len()));
-        loop {
-            let run = async {
-                let rows = self
-                    .inner
-                    .q
-                    .bind_complete_many(&keys, &fences, &outcomes)
-                    .fetch_all(&mut *conn)
-                    .await?;
-                if !rows.iter().all(|r| row::guard_ok(r).unwrap_or(false)) {
-                    return Ok(Run::Leaked);
-                }
-                let mut done = Vec::with_capacity(rows.len());
-                for r in &rows {
-                    if let Some(pair) = row::completed(r)? {
-                        done.push(pair);
+        let (keys, fences, outcomes) = (&keys, &fences, &outcomes);
+        guard::retry(
+            conn,
+            true,
+            || format!("a batch of {} completions", send.len()),
+            |conn| async move {
+                let run = async {
+                    let rows = self
+                        .inner
+                        .q
+                        .bind_complete_many(keys, fences, outcomes)
+                        .fetch_all(&mut *conn)
+                        .await?;
+                    if !rows.iter().all(|r| sql::guard_ok(r).unwrap_or(false)) {
+                        return Ok(Run::Leaked);
                     }
+                    let mut done = Vec::with_capacity(rows.len());
+                    for r in &rows {
+                        if let Some(pair) = sql::completed(r)? {
+                            done.push(pair);
+                        }
+                    }
+                    Ok(Run::Done(done))
                 }
-                Ok(Run::Done(done))
-            }
-            .await;
-            if let Some(done) = retry.settle(conn, run).await? {
-                return Ok(done);
-            }
-        }
+                .await;
+                (conn, run)
+            },
+        )
+        .await
     }
 
     pub(crate) async fn claim_batches(

@@ -2,22 +2,22 @@
 //! retry helper every ledger operation runs its statement through.
 //!
 //! A statement that finds itself inside a transaction nobody owns writes
-//! nothing (its SQL checks, `sql::guard`); [`Retry`] rolls that transaction
+//! nothing (its SQL checks, `sql::guard`); [`retry`] rolls that transaction
 //! back and the statement runs again. The same loop re-runs a claim that
 //! met a row its snapshot could not see. Each re-run follows an event that
 //! cannot repeat forever (a commit that already happened, a rollback just
 //! done), so a few attempts suffice.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use oncely::backend::{Attempts, Backoff};
+use oncely::backend::{Attempts, Backoff, retry_with};
 use oncely::{Error, Result};
 use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, PgConnection};
 
 use crate::error::{BACKEND, is_failed_transaction, map};
-use crate::row;
 use crate::sql;
 
 /// How many times one operation runs its statement before it fails with a
@@ -39,15 +39,15 @@ pub(crate) enum Run<T> {
     /// Settled: the operation's answer.
     Done(T),
     /// The guard tripped: the statement ran inside a transaction nobody owns
-    /// and wrote nothing. [`Retry::settle`] rolls it back; it runs again.
+    /// and wrote nothing. [`retry`] rolls it back; it runs again.
     Leaked,
     /// Nothing settled, but the next run will (a row committed after the
     /// statement's snapshot, a lease that ended meanwhile).
     Again,
 }
 
-/// Why one run of a statement failed: the driver's error (which
-/// [`Retry::settle`] inspects for a failed stray transaction) or the
+/// Why one run of a statement failed: the driver's error (which [`retry`]
+/// inspects for a failed stray transaction) or the
 /// ledger's own answer.
 pub(crate) enum Failed {
     Sql(sqlx::Error),
@@ -66,77 +66,119 @@ impl From<Error> for Failed {
     }
 }
 
-/// The retry loop of one ledger operation, run as
+/// Runs one ledger operation's statement on `conn` through the kit's one
+/// retry loop ([`retry_with`]), as
 ///
 /// ```text
-/// let mut retry = Retry::new(guarded, || format!("{key}: the claim"));
-/// loop {
+/// guard::retry(conn, guarded, || format!("{key}: the claim"), |conn| async move {
 ///     let run = async { /* the statement on conn */ }.await;
-///     if let Some(answer) = retry.settle(conn, run).await? {
-///         return Ok(answer);
-///     }
-/// }
+///     (conn, run)
+/// })
+/// .await
 /// ```
 ///
-/// (a struct rather than the kit's `retry` taking the statement as a
-/// closure: a closure borrowing the connection per run makes the
-/// operation's future impossible to prove `Send`). The attempts and pauses
-/// are the kit's [`Attempts`], as in every backend's retry loop.
+/// Each run takes the connection and gives it back with what it found
+/// ([`Run`], or why it [`Failed`]): a tripped guard or a failed stray
+/// transaction is rolled back, and the statement runs again after the
+/// kit's [`Attempts`] pause; after [`ATTEMPTS`] runs that did not settle,
+/// a retryable [`Error::Backend`]. (The connection is moved in and out
+/// rather than borrowed by the closure: a closure borrowing it per run
+/// would make the operation's future impossible to prove `Send`.)
 ///
 /// With `guarded` off (inside the caller's transaction, where running in a
 /// transaction is the point) a failed transaction is the caller's error, not
 /// healed. `what` names the operation in the error after [`ATTEMPTS`] runs
 /// (`"{key}: the claim"`).
-pub(crate) struct Retry<W> {
+pub(crate) async fn retry<'c, T, F, Fut>(
+    conn: &'c mut PgConnection,
     guarded: bool,
-    what: W,
-    attempts: Attempts,
+    what: impl Fn() -> String,
+    mut run: F,
+) -> Result<T>
+where
+    F: FnMut(&'c mut PgConnection) -> Fut,
+    Fut: Future<Output = (&'c mut PgConnection, Result<Run<T>, Failed>)>,
+{
+    let ((), answer) = retry_on(conn, guarded, what, (), |conn, ()| {
+        let run = run(conn);
+        async move {
+            let (conn, found) = run.await;
+            (conn, (), found)
+        }
+    })
+    .await;
+    answer
 }
 
-impl<W: Fn() -> String> Retry<W> {
-    pub(crate) fn new(guarded: bool, what: W) -> Self {
-        Retry {
-            guarded,
-            what,
-            attempts: Attempts::new(Backoff::new(FIRST_PAUSE, MAX_PAUSE))
-                .at_most(ATTEMPTS)
-                .at_once(1),
+/// [`retry`] for a statement whose runs also carry `state` of the
+/// caller's (what a batch has settled so far): each run takes it with the
+/// connection and gives both back; the state comes back with the answer.
+pub(crate) async fn retry_on<'c, S, T, F, Fut>(
+    conn: &'c mut PgConnection,
+    guarded: bool,
+    what: impl Fn() -> String,
+    state: S,
+    mut run: F,
+) -> (S, Result<T>)
+where
+    F: FnMut(&'c mut PgConnection, S) -> Fut,
+    Fut: Future<Output = (&'c mut PgConnection, S, Result<Run<T>, Failed>)>,
+{
+    let attempts = Attempts::new(Backoff::new(FIRST_PAUSE, MAX_PAUSE))
+        .at_most(ATTEMPTS)
+        .at_once(1);
+    let again = |e: &Unsettled| matches!(e, Unsettled::Again);
+    let ((_, state), answer) = retry_with((conn, state), attempts, again, |(conn, state)| {
+        let run = run(conn, state);
+        async move {
+            let (conn, state, found) = run.await;
+            let answer = settle(conn, guarded, found).await;
+            ((conn, state), answer)
         }
-    }
+    })
+    .await;
+    let answer = answer.map_err(|e| match e {
+        Unsettled::Again => Error::Backend {
+            backend: BACKEND,
+            message: format!("{} did not settle after {ATTEMPTS} attempts", what()),
+            retryable: true,
+        },
+        Unsettled::Failed(e) => e,
+    });
+    (state, answer)
+}
 
-    /// Takes what one run of the statement found: `Some(answer)` when it
-    /// settled, `None` when the statement must run again (the stray
-    /// transaction is rolled back, the pause waited, first), or the
-    /// operation's error (a retryable [`Error::Backend`] once [`ATTEMPTS`]
-    /// runs did not settle).
-    pub(crate) async fn settle<T>(
-        &mut self,
-        conn: &mut PgConnection,
-        run: Result<Run<T>, Failed>,
-    ) -> Result<Option<T>> {
-        match run {
-            Ok(Run::Done(answer)) => return Ok(Some(answer)),
-            Ok(Run::Leaked) => heal(conn).await?,
-            Ok(Run::Again) => {}
-            Err(Failed::Sql(e)) if self.guarded && is_failed_transaction(&e) => heal(conn).await?,
-            Err(Failed::Sql(e)) => return Err(map(e)),
-            Err(Failed::Ledger(e)) => return Err(e),
+/// Why a run did not settle: the statement must run again (after the
+/// stray transaction was rolled back), or the operation failed.
+enum Unsettled {
+    Again,
+    Failed(Error),
+}
+
+/// What one run found, as the retry loop takes it: the answer, another
+/// run (the stray transaction rolled back first), or the operation's error.
+async fn settle<T>(
+    conn: &mut PgConnection,
+    guarded: bool,
+    run: Result<Run<T>, Failed>,
+) -> Result<T, Unsettled> {
+    match run {
+        Ok(Run::Done(answer)) => return Ok(answer),
+        Ok(Run::Leaked) => heal(conn).await.map_err(Unsettled::Failed)?,
+        Ok(Run::Again) => {}
+        Err(Failed::Sql(e)) if guarded && is_failed_transaction(&e) => {
+            heal(conn).await.map_err(Unsettled::Failed)?
         }
-        if !self.attempts.again().await {
-            return Err(Error::Backend {
-                backend: BACKEND,
-                message: format!("{} did not settle after {ATTEMPTS} attempts", (self.what)()),
-                retryable: true,
-            });
-        }
-        Ok(None)
+        Err(Failed::Sql(e)) => return Err(Unsettled::Failed(map(e))),
+        Err(Failed::Ledger(e)) => return Err(Unsettled::Failed(e)),
     }
+    Err(Unsettled::Again)
 }
 
 /// A row whose column `ok` is the guard: [`Run::Done`] with the row if it
 /// passed, else [`Run::Leaked`].
 pub(crate) fn checked(row: PgRow) -> Result<Run<PgRow>, Failed> {
-    Ok(if row::guard_ok(&row)? {
+    Ok(if sql::guard_ok(&row)? {
         Run::Done(row)
     } else {
         Run::Leaked
@@ -152,7 +194,7 @@ pub(crate) async fn autocommit(conn: &mut PgConnection, probe: &Arc<str>) -> Res
         .fetch_one(&mut *conn)
         .await
     {
-        Ok(row) => row::guard_ok(&row),
+        Ok(row) => sql::guard_ok(&row),
         Err(e) if is_failed_transaction(&e) => Ok(false),
         Err(e) => Err(map(e)),
     }

@@ -20,12 +20,11 @@ use sqlx::{PgConnection, PgPool, Postgres};
 
 use crate::conn::Conn;
 use crate::error::{self, BACKEND, map};
-use crate::guard::{self, Failed, Retry, Run};
+use crate::guard::{self, Failed, Run};
 use crate::hosts::Hosts;
 use crate::notify::{Changes, ListenerStatus};
 use crate::options::{PgLedgerOptions, SCHEMES};
-use crate::row::{self, ClaimRow, RecordRow};
-use crate::sql::{self, Queries};
+use crate::sql::{self, ClaimRow, Queries, RecordRow};
 use crate::token::Attempt;
 
 /// Most records one prune transaction deletes. Each deleted key's advisory
@@ -380,40 +379,44 @@ impl PgLedger {
         attempt: &Attempt,
     ) -> Result<Claim> {
         let sent_at = opts.sent_at.map(to_micros).transpose()?;
-        let mut retry = Retry::new(guarded, || format!("{key}: the claim"));
-        loop {
-            let run = async {
-                let query = self
-                    .inner
-                    .q
-                    .bind_claim(key, opts, guarded, attempt.token().as_bytes(), sent_at);
-                attempt.sending();
-                let row = query.fetch_one(&mut *conn).await?;
-                Ok(match ClaimRow::decode(key, &row)? {
-                    ClaimRow::Leaked => Run::Leaked,
-                    ClaimRow::Beyond => return Err(Error::BeyondHorizon { key: key.to_string() }.into()),
-                    ClaimRow::Missing => Run::Again,
-                    ClaimRow::Acquired(lease) => Run::Done(Claim::Acquired(lease)),
-                    // Written by an earlier run of this call whose answer was
-                    // lost: the lease is the caller's.
-                    ClaimRow::Existing(record, own) => match own.then(|| row::own_lease(&record, opts.lease))
-                    {
-                        Some(Some(lease)) => Run::Done(Claim::Acquired(lease)),
-                        // `None`: the record could be taken over now (its
-                        // lease ended after the statement's ON CONFLICT looked
-                        // at it); run the statement again to do so.
-                        _ => match answer_existing(key, opts, record)? {
-                            Some(claim) => Run::Done(claim),
-                            None => Run::Again,
-                        },
-                    },
-                })
-            }
-            .await;
-            if let Some(claim) = retry.settle(conn, run).await? {
-                return Ok(claim);
-            }
-        }
+        guard::retry(
+            conn,
+            guarded,
+            || format!("{key}: the claim"),
+            |conn| async move {
+                let run = async {
+                    let query =
+                        self.inner
+                            .q
+                            .bind_claim(key, opts, guarded, attempt.token().as_bytes(), sent_at);
+                    attempt.sending();
+                    let row = query.fetch_one(&mut *conn).await?;
+                    Ok(match ClaimRow::decode(key, &row)? {
+                        ClaimRow::Leaked => Run::Leaked,
+                        ClaimRow::Beyond => return Err(Error::BeyondHorizon { key: key.to_string() }.into()),
+                        ClaimRow::Missing => Run::Again,
+                        ClaimRow::Acquired(lease) => Run::Done(Claim::Acquired(lease)),
+                        // Written by an earlier run of this call whose answer was
+                        // lost: the lease is the caller's.
+                        ClaimRow::Existing(record, own) => {
+                            match own.then(|| sql::own_lease(&record, opts.lease)) {
+                                Some(Some(lease)) => Run::Done(Claim::Acquired(lease)),
+                                // `None`: the record could be taken over now (its
+                                // lease ended after the statement's ON CONFLICT looked
+                                // at it); run the statement again to do so.
+                                _ => match answer_existing(key, opts, record)? {
+                                    Some(claim) => Run::Done(claim),
+                                    None => Run::Again,
+                                },
+                            }
+                        }
+                    })
+                }
+                .await;
+                (conn, run)
+            },
+        )
+        .await
     }
 
     /// A fenced write (complete, release, renew) on `conn`; returns the
@@ -434,27 +437,30 @@ impl PgLedger {
             return Err(lost());
         };
         let q = &self.inner.q;
-        let mut retry = Retry::new(guarded, || format!("{}: the write", lease.key()));
-        loop {
-            let run = async {
-                let query = match write {
-                    // Unguarded: inside the caller's transaction, which
-                    // notifies when it commits (see sql.rs).
-                    Write::Complete(outcome) => q.bind_complete(lease.key(), fence, outcome, guarded),
-                    Write::Release => q.bind_release(lease.key(), fence, guarded),
-                    Write::Renew(us) => q.bind_renew(lease.key(), fence, us, guarded),
-                };
-                match query.fetch_optional(&mut *conn).await? {
-                    Some(row) => Ok(Run::Done(row::written(&row)?)),
-                    None if guarded && !guard::autocommit(conn, &q.probe).await? => Ok(Run::Leaked),
-                    None => Err(Failed::from(lost())),
+        guard::retry(
+            conn,
+            guarded,
+            || format!("{}: the write", lease.key()),
+            |conn| async move {
+                let run = async {
+                    let query = match write {
+                        // Unguarded: inside the caller's transaction, which
+                        // notifies when it commits (see sql.rs).
+                        Write::Complete(outcome) => q.bind_complete(lease.key(), fence, outcome, guarded),
+                        Write::Release => q.bind_release(lease.key(), fence, guarded),
+                        Write::Renew(us) => q.bind_renew(lease.key(), fence, us, guarded),
+                    };
+                    match query.fetch_optional(&mut *conn).await? {
+                        Some(row) => Ok(Run::Done(sql::written(&row)?)),
+                        None if guarded && !guard::autocommit(conn, &q.probe).await? => Ok(Run::Leaked),
+                        None => Err(Failed::from(lost())),
+                    }
                 }
-            }
-            .await;
-            if let Some(value) = retry.settle(conn, run).await? {
-                return Ok(value);
-            }
-        }
+                .await;
+                (conn, run)
+            },
+        )
+        .await
     }
 
     /// One prune batch of at most `batch` records, searching from
@@ -468,17 +474,21 @@ impl PgLedger {
         from: Option<i64>,
     ) -> Result<(u64, u64, Option<i64>)> {
         let batch = i64::try_from(batch).unwrap_or(i64::MAX);
-        let mut retry = Retry::new(true, || "prune".to_owned());
-        loop {
-            let run = async {
-                let row = self.inner.q.bind_prune(batch, from).fetch_one(&mut *conn).await?;
-                guard::checked(row)
-            }
-            .await;
-            if let Some(row) = retry.settle(conn, run).await? {
-                return row::prune_counts(&row);
-            }
-        }
+        let row = guard::retry(
+            conn,
+            true,
+            || "prune".to_owned(),
+            |conn| async move {
+                let run = async {
+                    let row = self.inner.q.bind_prune(batch, from).fetch_one(&mut *conn).await?;
+                    guard::checked(row)
+                }
+                .await;
+                (conn, run)
+            },
+        )
+        .await?;
+        sql::prune_counts(&row)
     }
 }
 
@@ -660,18 +670,21 @@ impl PgLedger {
     /// [`Ledger::get`], unbounded.
     async fn read(&self, key: &EffectKey) -> Result<Option<Record>> {
         let mut conn = self.acquire().await?;
-        let mut retry = Retry::new(true, || format!("{key}: the read"));
-        let row = loop {
-            let run = async {
-                let row = self.inner.q.bind_get(key).fetch_one(&mut *conn).await?;
-                guard::checked(row)
-            }
-            .await;
-            if let Some(row) = retry.settle(&mut conn, run).await? {
-                break row;
-            }
-        };
-        if !row::has_record(&row)? {
+        let row = guard::retry(
+            &mut conn,
+            true,
+            || format!("{key}: the read"),
+            |conn| async move {
+                let run = async {
+                    let row = self.inner.q.bind_get(key).fetch_one(&mut *conn).await?;
+                    guard::checked(row)
+                }
+                .await;
+                (conn, run)
+            },
+        )
+        .await?;
+        if !sql::has_record(&row)? {
             return Ok(None);
         }
         RecordRow::decode(&row)?.record(key.clone()).map(Some)
@@ -712,23 +725,26 @@ impl PgLedger {
         let mut conn = self.acquire().await?;
         // A read: inside a stray transaction it would still read correctly,
         // so it carries no guard; only a failed stray transaction is healed.
-        let mut retry = Retry::new(true, || "abandoned listing".to_owned());
-        let rows = loop {
-            let run = self
-                .inner
-                .q
-                .bind_abandoned(tenant, limit)
-                .fetch_all(&mut *conn)
-                .await
-                .map(Run::Done)
-                .map_err(Failed::from);
-            if let Some(rows) = retry.settle(&mut conn, run).await? {
-                break rows;
-            }
-        };
+        let rows = guard::retry(
+            &mut conn,
+            true,
+            || "abandoned listing".to_owned(),
+            |conn| async move {
+                let run = self
+                    .inner
+                    .q
+                    .bind_abandoned(tenant, limit)
+                    .fetch_all(&mut *conn)
+                    .await
+                    .map(Run::Done)
+                    .map_err(Failed::from);
+                (conn, run)
+            },
+        )
+        .await?;
         rows.iter()
             .map(|row| {
-                let key = row::key(row)?;
+                let key = sql::key(row)?;
                 RecordRow::decode(row)?.record(key)
             })
             .collect()
@@ -736,23 +752,26 @@ impl PgLedger {
 
     async fn read_horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
         let mut conn = self.acquire().await?;
-        let mut retry = Retry::new(true, || "the horizon read".to_owned());
-        let row = loop {
-            let run = async {
-                let row = self
-                    .inner
-                    .q
-                    .bind_horizon(tenant, kind)
-                    .fetch_one(&mut *conn)
-                    .await?;
-                guard::checked(row)
-            }
-            .await;
-            if let Some(row) = retry.settle(&mut conn, run).await? {
-                break row;
-            }
-        };
-        Ok(row::watermark(&row)?.map(from_micros))
+        let row = guard::retry(
+            &mut conn,
+            true,
+            || "the horizon read".to_owned(),
+            |conn| async move {
+                let run = async {
+                    let row = self
+                        .inner
+                        .q
+                        .bind_horizon(tenant, kind)
+                        .fetch_one(&mut *conn)
+                        .await?;
+                    guard::checked(row)
+                }
+                .await;
+                (conn, run)
+            },
+        )
+        .await?;
+        Ok(sql::watermark(&row)?.map(from_micros))
     }
 }
 
@@ -839,7 +858,7 @@ impl Admin for PgLedger {
         let rows = self.read_all(&text, &args, "the record listing").await?;
         rows.iter()
             .map(|row| {
-                let key = row::key(row)?;
+                let key = sql::key(row)?;
                 RecordRow::decode(row)?.record(key)
             })
             .collect()
@@ -848,7 +867,7 @@ impl Admin for PgLedger {
     async fn stats(&self, tenant: Option<&Tenant>) -> Result<Vec<KindStats>> {
         let (text, args) = sql::stats(&self.inner.q_table(), tenant);
         let rows = self.read_all(&text, &args, "the stats").await?;
-        rows.iter().map(row::kind_stats).collect()
+        rows.iter().map(sql::kind_stats).collect()
     }
 
     async fn forget(&self, key: &EffectKey, fence: u64) -> Result<()> {
@@ -860,21 +879,24 @@ impl Admin for PgLedger {
         let wrote = self
             .bounded(async {
                 let mut conn = self.acquire().await?;
-                let mut retry = Retry::new(true, || format!("{key}: forget"));
-                Ok(loop {
-                    let run = async {
-                        let row = q.bind_forget(key, f).fetch_optional(&mut *conn).await?;
-                        match row {
-                            Some(_) => Ok(Run::Done(true)),
-                            None if !guard::autocommit(&mut conn, &q.probe).await? => Ok(Run::Leaked),
-                            None => Ok(Run::Done(false)),
+                guard::retry(
+                    &mut conn,
+                    true,
+                    || format!("{key}: forget"),
+                    |conn| async move {
+                        let run = async {
+                            let row = q.bind_forget(key, f).fetch_optional(&mut *conn).await?;
+                            match row {
+                                Some(_) => Ok(Run::Done(true)),
+                                None if !guard::autocommit(conn, &q.probe).await? => Ok(Run::Leaked),
+                                None => Ok(Run::Done(false)),
+                            }
                         }
-                    }
-                    .await;
-                    if let Some(wrote) = retry.settle(&mut conn, run).await? {
-                        break wrote;
-                    }
-                })
+                        .await;
+                        (conn, run)
+                    },
+                )
+                .await
             })
             .await?;
         if wrote {
@@ -909,17 +931,20 @@ impl PgLedger {
     ) -> Result<Vec<sqlx::postgres::PgRow>> {
         self.bounded(async {
             let mut conn = self.acquire().await?;
-            let mut retry = Retry::new(true, || what.to_owned());
-            loop {
-                let run = sql::bind_listing(text, args)
-                    .fetch_all(&mut *conn)
-                    .await
-                    .map(Run::Done)
-                    .map_err(Failed::from);
-                if let Some(rows) = retry.settle(&mut conn, run).await? {
-                    return Ok(rows);
-                }
-            }
+            guard::retry(
+                &mut conn,
+                true,
+                || what.to_owned(),
+                |conn| async move {
+                    let run = sql::bind_listing(text, args)
+                        .fetch_all(&mut *conn)
+                        .await
+                        .map(Run::Done)
+                        .map_err(Failed::from);
+                    (conn, run)
+                },
+            )
+            .await
         })
         .await
     }

@@ -498,8 +498,9 @@
 
 // The crate by concern: `options` (the builder and the URL), `ledger` (the
 // ledger type, one statement per operation), `guard` (the leaked-transaction
-// guard: the one retry loop), `sql` (every statement), `row` (rows to
-// records, by column name), `schema` (migrations and the schema check),
+// guard: the one retry loop), `sql` (every statement, each beside its
+// binding and the row type it decodes, by column name), `schema`
+// (migrations and the schema check),
 // `error` (driver errors to `oncely::Error`).
 mod batch;
 mod conn;
@@ -509,7 +510,6 @@ mod hosts;
 mod ledger;
 mod notify;
 mod options;
-mod row;
 mod schema;
 mod sql;
 mod token;

@@ -9,17 +9,17 @@
 //! key, and what a found record answers is decided by the same kit function
 //! ([`answer_existing`]).
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 
 use oncely::backend::{Claim, Lease, Outcome};
-use oncely::backend::{answer_existing, from_micros, is_beyond_horizon};
+use oncely::backend::{answer_existing, from_micros, is_beyond_horizon, repeated_completion};
 use oncely::{ClaimOptions, EffectKey, Error, Result};
 use sqlx::Row;
 use sqlx::sqlite::{SqliteConnection, SqliteRow};
 
 use crate::error::{BACKEND, map};
-use crate::row::{self, Found};
-use crate::sql::Queries;
+use crate::sql::{self, Found, Queries};
 
 /// The keys as the batch statements read them (`sql::BATCH_KEYS`): a JSON
 /// array of `[key, tenant, kind, subject]`.
@@ -69,7 +69,7 @@ pub(crate) async fn claim_many(
         let mut rest = Vec::new();
         for &i in &pending {
             match granted.get_mut(keys[i].as_str()).and_then(VecDeque::pop_front) {
-                Some((_, row)) => answers[i] = Some(row::lease(&keys[i], opts, &row).map(Claim::Acquired)),
+                Some((_, row)) => answers[i] = Some(sql::lease(&keys[i], opts, &row).map(Claim::Acquired)),
                 None => rest.push(i),
             }
         }
@@ -88,7 +88,7 @@ pub(crate) async fn claim_many(
                 return Err(crate::error::corrupt(format!("batch read returned slot {slot}")));
             };
             let key = &keys[i];
-            answers[i] = match row::found(&row) {
+            answers[i] = match sql::found(&row) {
                 Err(e) => Some(Err(e)),
                 // The claim statement compared microseconds; so does this.
                 Ok(Found::Absent { watermark }) => {
@@ -137,11 +137,11 @@ pub(crate) async fn complete_many(
     items: &[(Lease, Outcome)],
     mut answers: Vec<Option<Result<()>>>,
 ) -> Result<Vec<Result<()>>> {
-    // A lease listed twice is sent once: completed one after the other, the
-    // second would find the record no longer in progress (or the first
-    // already failed), and one statement must not offer SQLite two updates
-    // of one row.
+    // A lease listed twice is sent once (one statement must not offer
+    // SQLite two updates of one row); the later listings are answered from
+    // the first by the kit's rule (`repeated_completion`).
     let mut first: HashMap<(&str, u64), usize> = HashMap::new();
+    let mut repeats = Vec::new();
     let mut sent = Vec::new();
     let mut outcomes = Vec::new();
     let mut parts: Vec<(&str, i64, usize, usize)> = Vec::new();
@@ -149,14 +149,19 @@ pub(crate) async fn complete_many(
         if answers[i].is_some() {
             continue;
         }
-        if first.insert((lease.key().as_str(), lease.fence()), i).is_some() {
-            answers[i] = Some(Err(lease_lost(lease)));
-            continue;
+        match first.entry((lease.key().as_str(), lease.fence())) {
+            Entry::Occupied(f) => {
+                repeats.push((i, *f.get()));
+                continue;
+            }
+            Entry::Vacant(v) => {
+                v.insert(i);
+            }
         }
         let bytes = outcome.as_bytes();
         parts.push((
             lease.key().as_str(),
-            row::fence_param(lease.fence()),
+            sql::fence_param(lease.fence()),
             outcomes.len() + 1,
             bytes.len(),
         ));
@@ -177,9 +182,13 @@ pub(crate) async fn complete_many(
         }
         for i in sent {
             let lease = &items[i].0;
-            let completed = done.contains(&(lease.key().to_string(), row::fence_param(lease.fence())));
+            let completed = done.contains(&(lease.key().to_string(), sql::fence_param(lease.fence())));
             answers[i] = Some(if completed { Ok(()) } else { Err(lease_lost(lease)) });
         }
+    }
+    for (i, f) in repeats {
+        let first = answers[f].as_ref().expect("a first listing is answered");
+        answers[i] = Some(repeated_completion(first, &items[i].0));
     }
     Ok(answers
         .into_iter()

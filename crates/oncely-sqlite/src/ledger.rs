@@ -23,9 +23,8 @@ use crate::durability::{DURABLE_UNCHECKED, Probe};
 use crate::error::{BACKEND, map, map_connect};
 use crate::notify;
 use crate::options::{self, Opening, SqliteLedgerOptions};
-use crate::row::{self, Found};
 use crate::schema;
-use crate::sql::{self, Queries};
+use crate::sql::{self, Found, Queries};
 
 /// An effect ledger in a SQLite database file. Cheap to clone: a pool handle,
 /// the table's prepared SQL text and the wake-ups of waiting duplicates.
@@ -284,7 +283,7 @@ impl SqliteLedger {
         for _ in 0..8 {
             let claim = self.q.bind_claim(key, opts, sent_at);
             if let Some(row) = claim.fetch_optional(&mut *conn).await.map_err(map)? {
-                return row::lease(key, opts, &row).map(Claim::Acquired);
+                return sql::lease(key, opts, &row).map(Claim::Acquired);
             }
             let row = self
                 .q
@@ -292,7 +291,7 @@ impl SqliteLedger {
                 .fetch_one(&mut *conn)
                 .await
                 .map_err(map)?;
-            match row::found(&row)? {
+            match sql::found(&row)? {
                 Found::Absent { watermark } => {
                     // The statement compared microseconds; so does this, or a
                     // sent_at with sub-microsecond digits would loop.
@@ -320,7 +319,7 @@ impl SqliteLedger {
         self.writable("complete")?;
         let done = self
             .q
-            .bind_complete(lease.key(), row::fence_param(lease.fence()), outcome)
+            .bind_complete(lease.key(), sql::fence_param(lease.fence()), outcome)
             .execute(&mut *conn)
             .await
             .map_err(map)?;
@@ -452,7 +451,7 @@ impl Ledger for SqliteLedger {
         self.writable("release")?;
         let done = self
             .q
-            .bind_release(lease.key(), row::fence_param(lease.fence()))
+            .bind_release(lease.key(), sql::fence_param(lease.fence()))
             .execute(&self.pool)
             .await
             .map_err(map)?;
@@ -468,7 +467,7 @@ impl Ledger for SqliteLedger {
             .q
             .bind_renew(
                 lease.key(),
-                row::fence_param(lease.fence()),
+                sql::fence_param(lease.fence()),
                 duration_micros(extend_by),
             )
             .fetch_optional(&self.pool)
@@ -480,7 +479,7 @@ impl Ledger for SqliteLedger {
                 fence: lease.fence(),
             });
         };
-        Ok(lease.renewed_until(row::renewed_until(&row)?))
+        Ok(lease.renewed_until(sql::renewed_until(&row)?))
     }
 
     async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
@@ -490,7 +489,7 @@ impl Ledger for SqliteLedger {
             .fetch_optional(&self.pool)
             .await
             .map_err(map)?;
-        row.as_ref().map(row::record).transpose()
+        row.as_ref().map(sql::record).transpose()
     }
 
     /// Deletes in batches of at most 500 records (`PRUNE_BATCH`), one
@@ -521,7 +520,7 @@ impl Ledger for SqliteLedger {
             .fetch_all(&self.pool)
             .await
             .map_err(map)?;
-        rows.iter().map(row::record).collect()
+        rows.iter().map(sql::record).collect()
     }
 
     async fn horizon(&self, tenant: &Tenant, kind: &str) -> Result<Option<SystemTime>> {
@@ -687,7 +686,7 @@ impl Admin for SqliteLedger {
             .fetch_all(&self.pool)
             .await
             .map_err(map)?;
-        rows.iter().map(row::record).collect()
+        rows.iter().map(sql::record).collect()
     }
 
     async fn stats(&self, tenant: Option<&Tenant>) -> Result<Vec<KindStats>> {
@@ -696,14 +695,14 @@ impl Admin for SqliteLedger {
             .fetch_all(&self.pool)
             .await
             .map_err(map)?;
-        rows.iter().map(row::kind_stats).collect()
+        rows.iter().map(sql::kind_stats).collect()
     }
 
     async fn forget(&self, key: &EffectKey, fence: u64) -> Result<()> {
         self.writable("forget")?;
         let done = self
             .q
-            .bind_forget(key, row::fence_param(fence))
+            .bind_forget(key, sql::fence_param(fence))
             .execute(&self.pool)
             .await
             .map_err(map)?;

@@ -161,9 +161,10 @@
 //! `options.rs`: [`SqliteLedgerOptions`] and the URL forms; `ledger.rs`:
 //! [`SqliteLedger`], each operation one statement; `batch.rs`: batches of
 //! claims and completions, one transaction each; `notify.rs`: wake-ups of
-//! waiting duplicates; `sql.rs`: every statement, with why each clause is
-//! there; `row.rs`: rows to records and leases, by column name; `schema.rs`:
-//! migrations and the table check; `durability.rs`: what the opened database
+//! waiting duplicates; `sql/`: every statement, with why each clause is
+//! there, beside the function that binds it and what decodes its rows, by
+//! column name; `schema.rs`: migrations and the table check;
+//! `durability.rs`: what the opened database
 //! survives; `error.rs`: driver errors to [`Error`](oncely::Error).
 //!
 //! [`TransactionalLedger`]: oncely::backend::TransactionalLedger
@@ -182,7 +183,6 @@ mod error;
 mod ledger;
 mod notify;
 mod options;
-mod row;
 mod schema;
 mod sql;
 

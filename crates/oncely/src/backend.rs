@@ -65,7 +65,7 @@ use crate::error::{Error, Result};
 use crate::key::EffectKey;
 use crate::record::ClaimOptions;
 
-pub use crate::retry::{Attempts, retry};
+pub use crate::retry::{Attempts, retry, retry_with};
 pub use crate::scope::{KeyRange, key_range};
 pub use crate::slots::{copy_error, earlier_listings, fail_each, repeated_claim, repeated_completion};
 

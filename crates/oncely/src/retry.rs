@@ -10,8 +10,7 @@ use crate::backoff::Backoff;
 /// How a retry loop spaces and bounds its attempts: the pauses of a
 /// [`Backoff`], the first few retries run at once if asked, at most so many
 /// attempts, none started past a deadline. [`retry`] runs an operation with
-/// it; a loop that cannot hand its operation over as a closure (a statement
-/// borrowing the caller's connection) asks [`Attempts::again`] itself.
+/// it ([`retry_with`] one that needs its caller's connection in every run).
 #[derive(Debug, Clone)]
 pub struct Attempts {
     backoff: Backoff,
@@ -92,17 +91,47 @@ impl Attempts {
 /// Runs `op` until it settles: its answer, or an error `retryable` refuses,
 /// or the last error once `attempts` allow no other run. Between runs, the
 /// pause [`Attempts`] says.
-pub async fn retry<T, E, R, F, Fut>(mut attempts: Attempts, mut retryable: R, mut op: F) -> Result<T, E>
+pub async fn retry<T, E, R, F, Fut>(attempts: Attempts, retryable: R, mut op: F) -> Result<T, E>
 where
     R: FnMut(&E) -> bool,
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, E>>,
 {
+    let ((), answer) = retry_with((), attempts, retryable, |()| {
+        let run = op();
+        async move { ((), run.await) }
+    })
+    .await;
+    answer
+}
+
+/// [`retry`] for an operation that needs something mutable of its caller's
+/// in every run (a connection, what the runs have settled so far):
+/// `state` is handed to each run, which gives it back with its answer, and
+/// comes back with the loop's answer.
+///
+/// A closure that borrowed the state instead would return a future
+/// borrowing from each call (a higher-ranked lifetime), which the compiler
+/// cannot always prove `Send`; a state moved in and out has one lifetime,
+/// the caller's.
+pub async fn retry_with<S, T, E, R, F, Fut>(
+    mut state: S,
+    mut attempts: Attempts,
+    mut retryable: R,
+    mut op: F,
+) -> (S, Result<T, E>)
+where
+    R: FnMut(&E) -> bool,
+    F: FnMut(S) -> Fut,
+    Fut: Future<Output = (S, Result<T, E>)>,
+{
     loop {
-        match op().await {
-            Ok(answer) => return Ok(answer),
+        let (back, run) = op(state).await;
+        state = back;
+        match run {
+            Ok(answer) => return (state, Ok(answer)),
             Err(e) if retryable(&e) && attempts.again().await => {}
-            Err(e) => return Err(e),
+            Err(e) => return (state, Err(e)),
         }
     }
 }
@@ -180,5 +209,31 @@ mod tests {
         )
         .await;
         assert_eq!(r, Ok(5));
+    }
+
+    #[tokio::test]
+    async fn retry_with_hands_the_state_to_every_run_and_back() {
+        let quick = || Attempts::new(Backoff::new(Duration::ZERO, Duration::ZERO));
+        let mut seen = Vec::new();
+        let (seen, r): (_, Result<usize, usize>) = retry_with(
+            &mut seen,
+            quick().at_most(5),
+            |_| true,
+            |seen| async move {
+                seen.push(seen.len());
+                let runs = seen.len();
+                (seen, if runs < 3 { Err(runs) } else { Ok(runs) })
+            },
+        )
+        .await;
+        assert_eq!((r, seen.as_slice()), (Ok(3), [0, 1, 2].as_slice()));
+        let (runs, r): (u32, Result<(), u32>) = retry_with(
+            0,
+            quick().at_most(4),
+            |_| true,
+            |runs| async move { (runs + 1, Err(runs + 1)) },
+        )
+        .await;
+        assert_eq!((runs, r), (4, Err(4)));
     }
 }

@@ -1,6 +1,12 @@
 //! Every SQL statement of the backend: the ledger's, built once per ledger
-//! for its table ([`Queries`]), and the fixed ones that read what a database
-//! is (its tables, indexes and settings).
+//! for its table ([`Queries::new`], here), and the fixed ones that read
+//! what a database is (its tables, indexes and settings). The function that
+//! binds each ledger statement and what decodes its rows (every column read
+//! by the name given here, never by position) sit together, one module per
+//! concern: [`claim`], [`record`](mod@record) (`get`, `abandoned`),
+//! [`write`](mod@write) (the fenced writes), [`prune`] (and the horizon),
+//! [`admin`] (the operator's statements, whose listings are also built
+//! there).
 //!
 //! Timestamps are INTEGER microseconds since the Unix epoch taken from
 //! SQLite's clock (`unixepoch('subsec')`, millisecond resolution, SQLite
@@ -11,13 +17,21 @@
 
 use std::sync::Arc;
 
-use oncely::admin::{Filter, RecordQuery};
-use oncely::backend::{KeyRange, duration_micros, key_range};
-use oncely::backend::{Outcome, RecordState};
-use oncely::{ClaimOptions, EffectKey, Error, Tenant};
-use sqlx::query::{Query, QueryAs, QueryScalar};
+use oncely::Error;
+use sqlx::Sqlite;
+use sqlx::query::Query;
 use sqlx::sqlite::SqliteArguments;
-use sqlx::{AssertSqlSafe, Sqlite};
+
+mod admin;
+mod claim;
+mod prune;
+mod record;
+mod write;
+
+pub(crate) use admin::{bind_listing, kind_stats, records, stats};
+pub(crate) use claim::{Found, found, lease};
+pub(crate) use record::record;
+pub(crate) use write::{fence_param, renewed_until};
 
 /// The database clock in microseconds.
 const NOW_US: &str = "CAST(unixepoch('subsec') * 1000000 AS INTEGER)";
@@ -30,7 +44,7 @@ pub(crate) const DEFAULT_TABLE: &str = "oncely_effects";
 pub(crate) const SCHEMA_VERSION: i64 = 2;
 
 /// The columns every record-reading statement returns, followed by the
-/// database clock (`now`). `row::record` reads them by name.
+/// database clock (`now`). [`record()`] reads them by name.
 const RECORD_COLUMNS: &str = "e.key, e.tenant, e.kind, e.subject, e.state, e.fence, e.fingerprint, e.outcome, \
      e.at_most_once, e.created_at, e.updated_at, e.lease_expires_at, e.retain_until";
 
@@ -278,176 +292,6 @@ fn prunable(t: &str) -> String {
 /// A statement with its binds, ready to run on a connection.
 pub(crate) type Bound = Query<'static, Sqlite, SqliteArguments>;
 
-/// One function per statement, each returning it bound: the placeholders
-/// are filled here, in order, and nowhere else. The rows they return are
-/// read in `row.rs` (a lease, a found record, a record).
-impl Queries {
-    /// The claim (`claim`, or `claim_horizon` with `sent_at`, µs): the
-    /// granted lease's row, or none.
-    pub(crate) fn bind_claim(&self, key: &EffectKey, opts: &ClaimOptions, sent_at: Option<i64>) -> Bound {
-        let text = if sent_at.is_some() {
-            &self.claim_horizon
-        } else {
-            &self.claim
-        };
-        let query = sqlx::query(AssertSqlSafe(text.clone()))
-            .bind(key.as_str())
-            .bind(key.tenant().as_str())
-            .bind(key.kind())
-            .bind(key.subject())
-            .bind(opts.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
-            .bind(opts.at_most_once)
-            .bind(duration_micros(opts.lease))
-            .bind(duration_micros(opts.retention));
-        match sent_at {
-            Some(sent_at) => query.bind(sent_at),
-            None => query,
-        }
-    }
-
-    /// The read after a claim that was not granted: one found-record row.
-    pub(crate) fn bind_claim_read(&self, key: &EffectKey) -> Bound {
-        sqlx::query(AssertSqlSafe(self.claim_read.clone()))
-            .bind(key.as_str())
-            .bind(key.tenant().as_str())
-            .bind(key.kind())
-    }
-
-    /// The batch claim over `keys_json` (a JSON array of the keys): the
-    /// granted leases' rows.
-    pub(crate) fn bind_claim_many(
-        &self,
-        keys_json: String,
-        opts: &ClaimOptions,
-        sent_at: Option<i64>,
-    ) -> Bound {
-        let text = if sent_at.is_some() {
-            &self.claim_many_horizon
-        } else {
-            &self.claim_many
-        };
-        let query = sqlx::query(AssertSqlSafe(text.clone()))
-            .bind(keys_json)
-            .bind(opts.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
-            .bind(opts.at_most_once)
-            .bind(duration_micros(opts.lease))
-            .bind(duration_micros(opts.retention));
-        match sent_at {
-            Some(sent_at) => query.bind(sent_at),
-            None => query,
-        }
-    }
-
-    /// The batch read of the keys a batch claim did not grant: found-record
-    /// rows, each with its `slot`.
-    pub(crate) fn bind_claim_many_read(&self, keys_json: String) -> Bound {
-        sqlx::query(AssertSqlSafe(self.claim_many_read.clone())).bind(keys_json)
-    }
-
-    /// A completion fenced by `fence`: one row changed, or none.
-    pub(crate) fn bind_complete(&self, key: &EffectKey, fence: i64, outcome: &Outcome) -> Bound {
-        sqlx::query(AssertSqlSafe(self.complete.clone()))
-            .bind(key.as_str())
-            .bind(fence)
-            .bind(outcome.as_bytes())
-    }
-
-    /// The batch completion: `parts_json` (each lease's key, fence and its
-    /// outcome's place in `outcomes`) and the outcomes end to end; one row
-    /// per lease completed.
-    pub(crate) fn bind_complete_many(&self, parts_json: String, outcomes: Vec<u8>) -> Bound {
-        sqlx::query(AssertSqlSafe(self.complete_many.clone()))
-            .bind(parts_json)
-            .bind(outcomes)
-    }
-
-    /// A release fenced by `fence`: one row changed, or none.
-    pub(crate) fn bind_release(&self, key: &EffectKey, fence: i64) -> Bound {
-        sqlx::query(AssertSqlSafe(self.release.clone()))
-            .bind(key.as_str())
-            .bind(fence)
-    }
-
-    /// A renewal by `extend_us` fenced by `fence`: the new lease end's row,
-    /// or none.
-    pub(crate) fn bind_renew(&self, key: &EffectKey, fence: i64, extend_us: i64) -> Bound {
-        sqlx::query(AssertSqlSafe(self.renew.clone()))
-            .bind(key.as_str())
-            .bind(fence)
-            .bind(extend_us)
-    }
-
-    /// One key's record row, or none.
-    pub(crate) fn bind_get(&self, key: &EffectKey) -> Bound {
-        sqlx::query(AssertSqlSafe(self.get.clone())).bind(key.as_str())
-    }
-
-    /// A tenant's abandoned steps, at most `limit`: record rows.
-    pub(crate) fn bind_abandoned(&self, tenant: &Tenant, limit: i64) -> Bound {
-        sqlx::query(AssertSqlSafe(self.abandoned.clone()))
-            .bind(tenant.as_str())
-            .bind(limit)
-    }
-
-    /// The watermark of a tenant and kind (µs); no row when there is none.
-    pub(crate) fn bind_horizon<'q>(
-        &self,
-        tenant: &'q Tenant,
-        kind: &'q str,
-    ) -> QueryScalar<'q, Sqlite, i64, SqliteArguments> {
-        sqlx::query_scalar(AssertSqlSafe(self.horizon.clone()))
-            .bind(tenant.as_str())
-            .bind(kind)
-    }
-
-    /// The database clock (µs), prune's cutoff.
-    pub(crate) fn bind_now(&self) -> QueryScalar<'static, Sqlite, i64, SqliteArguments> {
-        sqlx::query_scalar(AssertSqlSafe(self.now.clone()))
-    }
-
-    /// One prune batch of at most `batch` records retained until before
-    /// `cutoff`: the deleted records' tenant, kind and creation time (µs).
-    pub(crate) fn bind_prune(
-        &self,
-        batch: i64,
-        cutoff: i64,
-    ) -> QueryAs<'static, Sqlite, (String, String, i64), SqliteArguments> {
-        sqlx::query_as(AssertSqlSafe(self.prune.clone()))
-            .bind(batch)
-            .bind(cutoff)
-    }
-
-    /// `Admin::forget` of `key` at `fence`: one row changed, or none.
-    pub(crate) fn bind_forget(&self, key: &EffectKey, fence: i64) -> Bound {
-        sqlx::query(AssertSqlSafe(self.forget.clone()))
-            .bind(key.as_str())
-            .bind(fence)
-    }
-
-    /// `Admin::prunable`: how many records prune would delete now.
-    pub(crate) fn bind_prunable_count(&self) -> QueryScalar<'static, Sqlite, i64, SqliteArguments> {
-        sqlx::query_scalar(AssertSqlSafe(self.prunable_count.clone()))
-    }
-
-    /// Raises the watermark of a tenant and kind to `watermark` (µs).
-    pub(crate) fn bind_prune_horizon(&self, tenant: &str, kind: &str, watermark: i64) -> Bound {
-        sqlx::query(AssertSqlSafe(self.prune_horizon.clone()))
-            .bind(tenant)
-            .bind(kind)
-            .bind(watermark)
-    }
-}
-
-/// An operator listing built by [`records`] or [`stats`] (its text and
-/// arguments), bound.
-pub(crate) fn bind_listing(text: String, args: Vec<Arg>) -> Bound {
-    args.into_iter()
-        .fold(sqlx::query(AssertSqlSafe(text)), |query, a| match a {
-            Arg::Text(s) => query.bind(s),
-            Arg::Int(i) => query.bind(i),
-        })
-}
-
 impl Queries {
     pub(crate) fn new(table: &str) -> Result<Self, Error> {
         check_table_name(table)?;
@@ -567,140 +411,6 @@ impl Queries {
             )),
         })
     }
-}
-
-// The operator's statements (`oncely::admin::Admin`): built per query,
-// because which filters apply decides which index serves it.
-
-/// A value bound to an admin statement, in the order of its `?`s.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Arg {
-    Text(String),
-    Int(i64),
-}
-
-/// What a record is, as an operator sees it, on the statement's clock
-/// `c.now` (`oncely::admin::Filter`). Abandoned and stuck leases are
-/// stored in progress; the clock tells them from live ones.
-fn filter_sql(filter: Filter) -> &'static str {
-    match filter {
-        Filter::State(RecordState::InProgress) => {
-            "e.state = 'in_progress' AND NOT (e.at_most_once = 1 AND e.lease_expires_at <= c.now)"
-        }
-        Filter::State(RecordState::Completed) => "e.state = 'completed'",
-        Filter::State(RecordState::Released) => "e.state = 'released'",
-        Filter::State(RecordState::Abandoned) | Filter::Abandoned => {
-            "e.state = 'in_progress' AND e.at_most_once = 1 AND e.lease_expires_at <= c.now"
-        }
-        Filter::Live => "e.state = 'in_progress' AND e.lease_expires_at > c.now",
-        Filter::Stuck => "e.state = 'in_progress' AND e.at_most_once = 0 AND e.lease_expires_at <= c.now",
-        // Filter and RecordState are non-exhaustive: a state this crate does
-        // not know matches nothing rather than everything.
-        Filter::Any => "1",
-        _ => "0",
-    }
-}
-
-/// The part of the WHERE that picks a tenant (and kind, and subject): a
-/// range of the primary key (`key_range`: `tenant/`, `tenant/kind:`), or the key itself
-/// when all three are given, so the key's index serves it. The columns are
-/// compared too, which keeps the range exact.
-fn scope_sql(
-    tenant: Option<&Tenant>,
-    kind: Option<&str>,
-    subject: Option<&str>,
-    args: &mut Vec<Arg>,
-) -> String {
-    let mut w = Vec::new();
-    match key_range(tenant, kind, subject) {
-        KeyRange::Key(key) => {
-            w.push("e.key = ?".to_owned());
-            args.push(Arg::Text(key));
-        }
-        KeyRange::Prefix { start, end } => {
-            w.push("e.key >= ? AND e.key < ?".to_owned());
-            args.push(Arg::Text(start));
-            args.push(Arg::Text(end));
-        }
-        KeyRange::All => {}
-    }
-    if let Some(t) = tenant {
-        w.push("e.tenant = ?".to_owned());
-        args.push(Arg::Text(t.as_str().to_owned()));
-    }
-    if let Some(k) = kind {
-        w.push("e.kind = ?".to_owned());
-        args.push(Arg::Text(k.to_owned()));
-    }
-    if let Some(s) = subject {
-        w.push("e.subject = ?".to_owned());
-        args.push(Arg::Text(s.to_owned()));
-    }
-    if w.is_empty() {
-        "1".to_owned()
-    } else {
-        w.join(" AND ")
-    }
-}
-
-/// `Admin::records`: the records `q` selects, oldest first (`created_at`,
-/// then the key, BINARY: byte order), after its cursor, at most its page
-/// size, each with the statement's clock (`now`).
-pub(crate) fn records(t: &str, q: &RecordQuery) -> Result<(String, Vec<Arg>), Error> {
-    let mut args = Vec::new();
-    let mut w = vec![scope_sql(
-        q.tenant.as_ref(),
-        q.kind.as_deref(),
-        q.subject.as_deref(),
-        &mut args,
-    )];
-    if let Some(since) = q.since {
-        w.push("e.created_at >= ?".to_owned());
-        args.push(Arg::Int(oncely::backend::to_micros(since)?));
-    }
-    if let Some(c) = &q.after {
-        let at = oncely::backend::to_micros(c.created_at)?;
-        w.push("(e.created_at > ? OR (e.created_at = ? AND e.key > ?))".to_owned());
-        args.extend([Arg::Int(at), Arg::Int(at), Arg::Text(c.key.as_str().to_owned())]);
-    }
-    w.push(filter_sql(q.filter).to_owned());
-    args.push(Arg::Int(i64::from(q.page_size())));
-    Ok((
-        format!(
-            "SELECT {RECORD_COLUMNS}, c.now
-             FROM (SELECT {NOW_US} AS now) AS c
-             JOIN \"{t}\" AS e ON {}
-             ORDER BY e.created_at, e.key
-             LIMIT ?",
-            w.join(" AND ")
-        ),
-        args,
-    ))
-}
-
-/// `Admin::stats`: per tenant and kind, the records in each class and the
-/// oldest `created_at` of the open ones, on one clock reading.
-pub(crate) fn stats(t: &str, tenant: Option<&Tenant>) -> (String, Vec<Arg>) {
-    let mut args = Vec::new();
-    let scope = scope_sql(tenant, None, None, &mut args);
-    let live = filter_sql(Filter::Live);
-    let stuck = filter_sql(Filter::Stuck);
-    let abandoned = filter_sql(Filter::Abandoned);
-    (
-        format!(
-            "SELECT e.tenant AS tenant, e.kind AS kind, c.now AS now,
-                sum({live}) AS live, sum({stuck}) AS stuck, sum({abandoned}) AS abandoned,
-                sum(e.state = 'completed') AS completed, sum(e.state = 'released') AS released,
-                min(CASE WHEN {live} THEN e.created_at END) AS oldest_live,
-                min(CASE WHEN {stuck} THEN e.created_at END) AS oldest_stuck,
-                min(CASE WHEN {abandoned} THEN e.created_at END) AS oldest_abandoned
-             FROM (SELECT {NOW_US} AS now) AS c
-             JOIN \"{t}\" AS e ON {scope}
-             GROUP BY e.tenant, e.kind
-             ORDER BY e.tenant, e.kind"
-        ),
-        args,
-    )
 }
 
 // What a database is: read on connect, by `durability::Probe` and the

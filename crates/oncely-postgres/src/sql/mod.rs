@@ -1,5 +1,12 @@
 //! Every SQL statement of the backend, built once per ledger from the
-//! validated (and quoted) schema and table names.
+//! validated (and quoted) schema and table names ([`Queries::new`], here).
+//! The function that binds each statement and the row type that decodes
+//! what it returns (every column read by the name given here, never by
+//! position) sit together, one module per concern: [`claim`],
+//! [`record`](mod@record) (`get`, `abandoned`), [`write`](mod@write) (the
+//! fenced writes), [`prune`] (and the horizon), [`admin`] (the operator's
+//! statements, whose listings are also built there); [`decode`] holds the
+//! column readers they share.
 //!
 //! Architecture invariant: no other module contains SQL.
 //!
@@ -12,13 +19,22 @@
 
 use std::sync::Arc;
 
-use oncely::admin::{Filter, RecordQuery};
-use oncely::backend::{KeyRange, duration_micros, key_range};
-use oncely::backend::{Outcome, RecordState};
-use oncely::{ClaimOptions, EffectKey, Tenant};
+use sqlx::Postgres;
 use sqlx::postgres::PgArguments;
 use sqlx::query::Query;
-use sqlx::{AssertSqlSafe, Postgres};
+
+mod admin;
+mod claim;
+mod decode;
+mod prune;
+mod record;
+mod write;
+
+pub(crate) use admin::{Arg, bind_listing, kind_stats, records, stats};
+pub(crate) use claim::{ClaimRow, claim_leaked, claimed_key, own_lease};
+pub(crate) use prune::{prune_counts, watermark};
+pub(crate) use record::{RecordRow, has_record, key};
+pub(crate) use write::{completed, guard_ok, written};
 
 /// A timestamp as microseconds since the Unix epoch (`extract` is exact
 /// `numeric` since PostgreSQL 14), for fences, the horizon and the renewed
@@ -76,9 +92,9 @@ fn guard(param: &str) -> String {
     )
 }
 
-/// The record columns every read returns, named as `row::RecordRow` reads
+/// The record columns every read returns, named as [`RecordRow`] reads
 /// them, ending with the clock the record was read at (`now`). Timestamps
-/// travel as binary `timestamptz` (see `row::Micros`).
+/// travel as binary `timestamptz` (see `decode::Micros`).
 fn cols(a: &str) -> String {
     format!(
         "{a}.state AS state, {a}.fence AS fence, {a}.fingerprint AS fingerprint, {a}.outcome AS outcome, \
@@ -157,167 +173,6 @@ pub(crate) struct Queries {
 
 /// A statement with its binds, ready to run on a connection.
 pub(crate) type Bound = Query<'static, Postgres, PgArguments>;
-
-/// One function per statement, each returning it bound: the placeholders
-/// are filled here, in order, and nowhere else. The rows they return are
-/// read in `row.rs` (`ClaimRow`, `RecordRow`, the guard's `ok`).
-impl Queries {
-    /// The claim (`claim`, or `claim_horizon` with `sent_at`, µs): one
-    /// `ClaimRow`.
-    pub(crate) fn bind_claim(
-        &self,
-        key: &EffectKey,
-        opts: &ClaimOptions,
-        guarded: bool,
-        token: &[u8],
-        sent_at: Option<i64>,
-    ) -> Bound {
-        let text = if sent_at.is_some() {
-            &self.claim_horizon
-        } else {
-            &self.claim
-        };
-        let query = sqlx::query(AssertSqlSafe(text.clone()))
-            .bind(key.as_str())
-            .bind(key.tenant().as_str())
-            .bind(key.kind())
-            .bind(key.subject())
-            .bind(opts.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
-            .bind(opts.at_most_once)
-            .bind(duration_micros(opts.lease))
-            .bind(duration_micros(opts.retention))
-            .bind(guarded)
-            .bind(token);
-        match sent_at {
-            Some(sent_at) => query.bind(sent_at),
-            None => query,
-        }
-    }
-
-    /// The batch claim over the keys' columns (`claim_many`, or
-    /// `claim_many_horizon` with `sent_at`): one `ClaimRow` per key.
-    pub(crate) fn bind_claim_many(
-        &self,
-        keys: &[&EffectKey],
-        opts: &ClaimOptions,
-        token: &[u8],
-        sent_at: Option<i64>,
-    ) -> Bound {
-        let text = if sent_at.is_some() {
-            &self.claim_many_horizon
-        } else {
-            &self.claim_many
-        };
-        let column = |f: fn(&EffectKey) -> &str| keys.iter().map(|k| f(k)).collect::<Vec<_>>();
-        let query = sqlx::query(AssertSqlSafe(text.clone()))
-            .bind(column(EffectKey::as_str))
-            .bind(column(|k| k.tenant().as_str()))
-            .bind(column(EffectKey::kind))
-            .bind(column(EffectKey::subject))
-            .bind(opts.fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
-            .bind(opts.at_most_once)
-            .bind(duration_micros(opts.lease))
-            .bind(duration_micros(opts.retention))
-            .bind(true)
-            .bind(token);
-        match sent_at {
-            Some(sent_at) => query.bind(sent_at),
-            None => query,
-        }
-    }
-
-    /// A completion fenced by `fence` (`complete`, or `complete_in` in a
-    /// caller's transaction, unguarded): the written row, or none.
-    pub(crate) fn bind_complete(
-        &self,
-        key: &EffectKey,
-        fence: i64,
-        outcome: &Outcome,
-        guarded: bool,
-    ) -> Bound {
-        let text = if guarded {
-            &self.complete
-        } else {
-            &self.complete_in
-        };
-        sqlx::query(AssertSqlSafe(text.clone()))
-            .bind(key.as_str())
-            .bind(fence)
-            .bind(outcome.as_bytes())
-            .bind(guarded)
-    }
-
-    /// The batch completion: one row per lease it completed.
-    pub(crate) fn bind_complete_many(&self, keys: &[&str], fences: &[i64], outcomes: &[&[u8]]) -> Bound {
-        sqlx::query(AssertSqlSafe(self.complete_many.clone()))
-            .bind(keys)
-            .bind(fences)
-            .bind(outcomes)
-            .bind(true)
-    }
-
-    /// A release fenced by `fence`: the written row, or none.
-    pub(crate) fn bind_release(&self, key: &EffectKey, fence: i64, guarded: bool) -> Bound {
-        sqlx::query(AssertSqlSafe(self.release.clone()))
-            .bind(key.as_str())
-            .bind(fence)
-            .bind(guarded)
-    }
-
-    /// A renewal by `extend_us` fenced by `fence`: the written row, or none.
-    pub(crate) fn bind_renew(&self, key: &EffectKey, fence: i64, extend_us: i64, guarded: bool) -> Bound {
-        sqlx::query(AssertSqlSafe(self.renew.clone()))
-            .bind(key.as_str())
-            .bind(fence)
-            .bind(extend_us)
-            .bind(guarded)
-    }
-
-    /// One prune batch of at most `batch` records, from `from` (µs): one
-    /// row of counts.
-    pub(crate) fn bind_prune(&self, batch: i64, from: Option<i64>) -> Bound {
-        sqlx::query(AssertSqlSafe(self.prune.clone()))
-            .bind(batch)
-            .bind(from)
-    }
-
-    /// One key's record: one `RecordRow` (with `has_record`).
-    pub(crate) fn bind_get(&self, key: &EffectKey) -> Bound {
-        sqlx::query(AssertSqlSafe(self.get.clone())).bind(key.as_str())
-    }
-
-    /// A tenant's abandoned steps, at most `limit`: `RecordRow`s.
-    pub(crate) fn bind_abandoned(&self, tenant: &Tenant, limit: i64) -> Bound {
-        sqlx::query(AssertSqlSafe(self.abandoned.clone()))
-            .bind(tenant.as_str())
-            .bind(limit)
-    }
-
-    /// The watermark of a tenant and kind: one row.
-    pub(crate) fn bind_horizon(&self, tenant: &Tenant, kind: &str) -> Bound {
-        sqlx::query(AssertSqlSafe(self.horizon.clone()))
-            .bind(tenant.as_str())
-            .bind(kind)
-    }
-
-    /// `Admin::forget` of `key` at `fence`, guarded: a row when it wrote.
-    pub(crate) fn bind_forget(&self, key: &EffectKey, fence: i64) -> Bound {
-        sqlx::query(AssertSqlSafe(self.forget.clone()))
-            .bind(key.as_str())
-            .bind(fence)
-            .bind(true)
-    }
-}
-
-/// An operator listing built by [`records`] or [`stats`] (its text and
-/// arguments), bound.
-pub(crate) fn bind_listing(text: &str, args: &[Arg]) -> Bound {
-    args.iter()
-        .fold(sqlx::query(AssertSqlSafe(text.to_owned())), |query, a| match a {
-            Arg::Text(s) => query.bind(s.clone()),
-            Arg::Int(i) => query.bind(*i),
-        })
-}
 
 impl Queries {
     pub(crate) fn new(schema: &str, table: &str) -> Self {
@@ -432,7 +287,7 @@ impl Queries {
         // the clock its lease was measured from (`lease_expires_at - lease`),
         // and whether it took a record over. The first branch of the UNION
         // names the columns: `src`, `key`, those of `cols`, then
-        // `taken_over`, `own` (`row::ClaimRow` reads them by name).
+        // `taken_over`, `own` ([`ClaimRow`] reads them by name).
         let claim = |batch: bool, horizon: bool| {
             let (input, lock, keys) = if batch {
                 (
@@ -797,145 +652,6 @@ impl Queries {
             channel: channel.into(),
         }
     }
-}
-
-// The operator's statements (`oncely::admin::Admin`): built per query from
-// the filters it has. Reads carry no leaked-transaction guard (inside a
-// stray transaction they still read correctly, like `abandoned`).
-
-/// A value bound to an admin statement, `$1` first.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Arg {
-    Text(String),
-    Int(i64),
-}
-
-/// The statement's one clock reading, `c.now`: `clock_timestamp()` is
-/// volatile and would be read again per row; a materialized CTE reads it
-/// once, so every record of an answer is judged at the same instant.
-const CLOCK: &str = "WITH c AS MATERIALIZED (SELECT clock_timestamp() AS now)";
-
-/// What a record is, as an operator sees it, at `c.now`
-/// (`oncely::admin::Filter`).
-fn filter_sql(filter: Filter) -> &'static str {
-    match filter {
-        Filter::State(RecordState::InProgress) => {
-            "e.state = 'in_progress' AND NOT (e.at_most_once AND e.lease_expires_at <= c.now)"
-        }
-        Filter::State(RecordState::Completed) => "e.state = 'completed'",
-        Filter::State(RecordState::Released) => "e.state = 'released'",
-        Filter::State(RecordState::Abandoned) | Filter::Abandoned => {
-            "e.state = 'in_progress' AND e.at_most_once AND e.lease_expires_at <= c.now"
-        }
-        Filter::Live => "e.state = 'in_progress' AND e.lease_expires_at > c.now",
-        Filter::Stuck => "e.state = 'in_progress' AND NOT e.at_most_once AND e.lease_expires_at <= c.now",
-        Filter::Any => "true",
-        // Non-exhaustive enums: an unknown filter matches nothing.
-        _ => "false",
-    }
-}
-
-/// The statement's placeholders, numbered as values are added.
-struct Binds(Vec<Arg>);
-
-impl Binds {
-    fn push(&mut self, a: Arg) -> String {
-        self.0.push(a);
-        format!("${}", self.0.len())
-    }
-}
-
-/// Tenant, kind and subject: the key itself (its primary key) when all
-/// three are given, else the columns.
-fn scope_sql(tenant: Option<&Tenant>, kind: Option<&str>, subject: Option<&str>, b: &mut Binds) -> String {
-    let mut w = Vec::new();
-    if let KeyRange::Key(key) = key_range(tenant, kind, subject) {
-        w.push(format!("e.key = {}", b.push(Arg::Text(key))));
-    }
-    if let Some(t) = tenant {
-        w.push(format!("e.tenant = {}", b.push(Arg::Text(t.as_str().to_owned()))));
-    }
-    if let Some(k) = kind {
-        w.push(format!("e.kind = {}", b.push(Arg::Text(k.to_owned()))));
-    }
-    if let Some(s) = subject {
-        w.push(format!("e.subject = {}", b.push(Arg::Text(s.to_owned()))));
-    }
-    if w.is_empty() {
-        "true".to_owned()
-    } else {
-        w.join(" AND ")
-    }
-}
-
-/// A `bigint` of microseconds since the Unix epoch as a `timestamptz`,
-/// exactly (no floating point on the way).
-fn at(p: &str) -> String {
-    format!("(timestamptz 'epoch' + {})", micros(p))
-}
-
-/// `Admin::records`: oldest first (`created_at`, then the key in byte
-/// order, `COLLATE "C"`, whatever the column's collation), after the
-/// cursor, at most a page. A tenant's listing is served by its rows
-/// (`tenant`, no index but the partial one of abandoned steps); a key's by
-/// the primary key.
-pub(crate) fn records(t: &str, q: &RecordQuery) -> Result<(String, Vec<Arg>), oncely::Error> {
-    let mut b = Binds(Vec::new());
-    let mut w = vec![scope_sql(
-        q.tenant.as_ref(),
-        q.kind.as_deref(),
-        q.subject.as_deref(),
-        &mut b,
-    )];
-    if let Some(since) = q.since {
-        let p = b.push(Arg::Int(oncely::backend::to_micros(since)?));
-        w.push(format!("e.created_at >= {}", at(&p)));
-    }
-    if let Some(c) = &q.after {
-        let p = b.push(Arg::Int(oncely::backend::to_micros(c.created_at)?));
-        let k = b.push(Arg::Text(c.key.as_str().to_owned()));
-        w.push(format!(
-            "(e.created_at > {at} OR (e.created_at = {at} AND e.key COLLATE \"C\" > {k}))",
-            at = at(&p)
-        ));
-    }
-    w.push(filter_sql(q.filter).to_owned());
-    let limit = b.push(Arg::Int(i64::from(q.page_size())));
-    Ok((
-        format!(
-            "{CLOCK} SELECT e.key AS key, {ce} FROM c CROSS JOIN {t} e WHERE {w} \
-             ORDER BY e.created_at, e.key COLLATE \"C\" LIMIT {limit}",
-            ce = cols("e").replace("clock_timestamp() AS now", "c.now AS now"),
-            w = w.join(" AND "),
-        ),
-        b.0,
-    ))
-}
-
-/// `Admin::stats`: per tenant and kind (byte order), the records in each
-/// class and the oldest `created_at` of the open ones, at one clock reading.
-pub(crate) fn stats(t: &str, tenant: Option<&Tenant>) -> (String, Vec<Arg>) {
-    let mut b = Binds(Vec::new());
-    let scope = scope_sql(tenant, None, None, &mut b);
-    let live = filter_sql(Filter::Live);
-    let stuck = filter_sql(Filter::Stuck);
-    let abandoned = filter_sql(Filter::Abandoned);
-    (
-        format!(
-            "{CLOCK} SELECT e.tenant AS tenant, e.kind AS kind, c.now AS now, \
-               count(*) FILTER (WHERE {live}) AS live, count(*) FILTER (WHERE {stuck}) AS stuck, \
-               count(*) FILTER (WHERE {abandoned}) AS abandoned, \
-               count(*) FILTER (WHERE e.state = 'completed') AS completed, \
-               count(*) FILTER (WHERE e.state = 'released') AS released, \
-               min(e.created_at) FILTER (WHERE {live}) AS oldest_live, \
-               min(e.created_at) FILTER (WHERE {stuck}) AS oldest_stuck, \
-               min(e.created_at) FILTER (WHERE {abandoned}) AS oldest_abandoned \
-             FROM c CROSS JOIN {t} e WHERE {scope} \
-             GROUP BY e.tenant, e.kind, c.now \
-             ORDER BY e.tenant COLLATE \"C\", e.kind COLLATE \"C\""
-        ),
-        b.0,
-    )
 }
 
 /// Serialises migrations of one schema and table across processes

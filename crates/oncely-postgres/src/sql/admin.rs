@@ -1,0 +1,190 @@
+//! The operator's statements (`oncely::admin::Admin`): forget, and the
+//! listings built per query ([`records`], [`stats`]) with their rows.
+
+use oncely::admin::{Filter, RecordQuery};
+use oncely::backend::{KeyRange, RecordState, from_micros, key_range};
+use oncely::{EffectKey, Result, Tenant};
+use sqlx::AssertSqlSafe;
+use sqlx::postgres::PgRow;
+
+use super::decode::{get, micros, micros_opt, unsigned};
+use super::{Bound, Queries, cols, micros as interval_micros};
+use crate::error::corrupt;
+
+impl Queries {
+    /// `Admin::forget` of `key` at `fence`, guarded: a row when it wrote.
+    pub(crate) fn bind_forget(&self, key: &EffectKey, fence: i64) -> Bound {
+        sqlx::query(AssertSqlSafe(self.forget.clone()))
+            .bind(key.as_str())
+            .bind(fence)
+            .bind(true)
+    }
+}
+
+/// An operator listing built by [`records`] or [`stats`] (its text and
+/// arguments), bound.
+pub(crate) fn bind_listing(text: &str, args: &[Arg]) -> Bound {
+    args.iter()
+        .fold(sqlx::query(AssertSqlSafe(text.to_owned())), |query, a| match a {
+            Arg::Text(s) => query.bind(s.clone()),
+            Arg::Int(i) => query.bind(*i),
+        })
+}
+
+// The operator's statements (`oncely::admin::Admin`): built per query from
+// the filters it has. Reads carry no leaked-transaction guard (inside a
+// stray transaction they still read correctly, like `abandoned`).
+
+/// A value bound to an admin statement, `$1` first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Arg {
+    Text(String),
+    Int(i64),
+}
+
+/// The statement's one clock reading, `c.now`: `clock_timestamp()` is
+/// volatile and would be read again per row; a materialized CTE reads it
+/// once, so every record of an answer is judged at the same instant.
+const CLOCK: &str = "WITH c AS MATERIALIZED (SELECT clock_timestamp() AS now)";
+
+/// What a record is, as an operator sees it, at `c.now`
+/// (`oncely::admin::Filter`).
+fn filter_sql(filter: Filter) -> &'static str {
+    match filter {
+        Filter::State(RecordState::InProgress) => {
+            "e.state = 'in_progress' AND NOT (e.at_most_once AND e.lease_expires_at <= c.now)"
+        }
+        Filter::State(RecordState::Completed) => "e.state = 'completed'",
+        Filter::State(RecordState::Released) => "e.state = 'released'",
+        Filter::State(RecordState::Abandoned) | Filter::Abandoned => {
+            "e.state = 'in_progress' AND e.at_most_once AND e.lease_expires_at <= c.now"
+        }
+        Filter::Live => "e.state = 'in_progress' AND e.lease_expires_at > c.now",
+        Filter::Stuck => "e.state = 'in_progress' AND NOT e.at_most_once AND e.lease_expires_at <= c.now",
+        Filter::Any => "true",
+        // Non-exhaustive enums: an unknown filter matches nothing.
+        _ => "false",
+    }
+}
+
+/// The statement's placeholders, numbered as values are added.
+struct Binds(Vec<Arg>);
+
+impl Binds {
+    fn push(&mut self, a: Arg) -> String {
+        self.0.push(a);
+        format!("${}", self.0.len())
+    }
+}
+
+/// Tenant, kind and subject: the key itself (its primary key) when all
+/// three are given, else the columns.
+fn scope_sql(tenant: Option<&Tenant>, kind: Option<&str>, subject: Option<&str>, b: &mut Binds) -> String {
+    let mut w = Vec::new();
+    if let KeyRange::Key(key) = key_range(tenant, kind, subject) {
+        w.push(format!("e.key = {}", b.push(Arg::Text(key))));
+    }
+    if let Some(t) = tenant {
+        w.push(format!("e.tenant = {}", b.push(Arg::Text(t.as_str().to_owned()))));
+    }
+    if let Some(k) = kind {
+        w.push(format!("e.kind = {}", b.push(Arg::Text(k.to_owned()))));
+    }
+    if let Some(s) = subject {
+        w.push(format!("e.subject = {}", b.push(Arg::Text(s.to_owned()))));
+    }
+    if w.is_empty() {
+        "true".to_owned()
+    } else {
+        w.join(" AND ")
+    }
+}
+
+/// A `bigint` of microseconds since the Unix epoch as a `timestamptz`,
+/// exactly (no floating point on the way).
+fn at(p: &str) -> String {
+    format!("(timestamptz 'epoch' + {})", interval_micros(p))
+}
+
+/// `Admin::records`: oldest first (`created_at`, then the key in byte
+/// order, `COLLATE "C"`, whatever the column's collation), after the
+/// cursor, at most a page. A tenant's listing is served by its rows
+/// (`tenant`, no index but the partial one of abandoned steps); a key's by
+/// the primary key.
+pub(crate) fn records(t: &str, q: &RecordQuery) -> Result<(String, Vec<Arg>), oncely::Error> {
+    let mut b = Binds(Vec::new());
+    let mut w = vec![scope_sql(
+        q.tenant.as_ref(),
+        q.kind.as_deref(),
+        q.subject.as_deref(),
+        &mut b,
+    )];
+    if let Some(since) = q.since {
+        let p = b.push(Arg::Int(oncely::backend::to_micros(since)?));
+        w.push(format!("e.created_at >= {}", at(&p)));
+    }
+    if let Some(c) = &q.after {
+        let p = b.push(Arg::Int(oncely::backend::to_micros(c.created_at)?));
+        let k = b.push(Arg::Text(c.key.as_str().to_owned()));
+        w.push(format!(
+            "(e.created_at > {at} OR (e.created_at = {at} AND e.key COLLATE \"C\" > {k}))",
+            at = at(&p)
+        ));
+    }
+    w.push(filter_sql(q.filter).to_owned());
+    let limit = b.push(Arg::Int(i64::from(q.page_size())));
+    Ok((
+        format!(
+            "{CLOCK} SELECT e.key AS key, {ce} FROM c CROSS JOIN {t} e WHERE {w} \
+             ORDER BY e.created_at, e.key COLLATE \"C\" LIMIT {limit}",
+            ce = cols("e").replace("clock_timestamp() AS now", "c.now AS now"),
+            w = w.join(" AND "),
+        ),
+        b.0,
+    ))
+}
+
+/// `Admin::stats`: per tenant and kind (byte order), the records in each
+/// class and the oldest `created_at` of the open ones, at one clock reading.
+pub(crate) fn stats(t: &str, tenant: Option<&Tenant>) -> (String, Vec<Arg>) {
+    let mut b = Binds(Vec::new());
+    let scope = scope_sql(tenant, None, None, &mut b);
+    let live = filter_sql(Filter::Live);
+    let stuck = filter_sql(Filter::Stuck);
+    let abandoned = filter_sql(Filter::Abandoned);
+    (
+        format!(
+            "{CLOCK} SELECT e.tenant AS tenant, e.kind AS kind, c.now AS now, \
+               count(*) FILTER (WHERE {live}) AS live, count(*) FILTER (WHERE {stuck}) AS stuck, \
+               count(*) FILTER (WHERE {abandoned}) AS abandoned, \
+               count(*) FILTER (WHERE e.state = 'completed') AS completed, \
+               count(*) FILTER (WHERE e.state = 'released') AS released, \
+               min(e.created_at) FILTER (WHERE {live}) AS oldest_live, \
+               min(e.created_at) FILTER (WHERE {stuck}) AS oldest_stuck, \
+               min(e.created_at) FILTER (WHERE {abandoned}) AS oldest_abandoned \
+             FROM c CROSS JOIN {t} e WHERE {scope} \
+             GROUP BY e.tenant, e.kind, c.now \
+             ORDER BY e.tenant COLLATE \"C\", e.kind COLLATE \"C\""
+        ),
+        b.0,
+    )
+}
+
+/// A row of `sql::stats`, by name.
+pub(crate) fn kind_stats(row: &PgRow) -> Result<oncely::admin::KindStats> {
+    let tenant: String = get(row, "tenant")?;
+    let tenant = oncely::Tenant::parse(&tenant).map_err(|e| corrupt(format!("tenant {tenant:?}: {e}")))?;
+    let kind: String = get(row, "kind")?;
+    let count = |c: &str| unsigned(row, c, |n| format!("negative count {n}"));
+    let at = |c: &str| micros_opt(row, c).map(|m| m.map(from_micros));
+    let mut s = oncely::admin::KindStats::new(tenant, kind, from_micros(micros(row, "now")?));
+    s.live = count("live")?;
+    s.stuck = count("stuck")?;
+    s.abandoned = count("abandoned")?;
+    s.completed = count("completed")?;
+    s.released = count("released")?;
+    s.oldest_live = at("oldest_live")?;
+    s.oldest_stuck = at("oldest_stuck")?;
+    s.oldest_abandoned = at("oldest_abandoned")?;
+    Ok(s)
+}
