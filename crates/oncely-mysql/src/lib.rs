@@ -59,7 +59,7 @@
 //! | atomic claim | a plain read of the key first (a duplicate is answered by it: no lock, no write); then, for an absent, released or expired key only, one `INSERT … ON DUPLICATE KEY UPDATE` on the primary key, which decides again on its own: the insert, or the takeover of an expired lease or a released record, in the same statement |
 //! | caller's transaction | yes: [`TransactionalLedger`](oncely::backend::TransactionalLedger) on `&mut` [`MySqlConnection`]; a concurrent duplicate blocks on the row lock until the first commits. When several wait on one that rolls back, InnoDB may make one of them a deadlock victim (each held a share lock on the duplicate): a retryable [`oncely::Error::Backend`]; redo the transaction |
 //! | durability | what the server's InnoDB settings give (`innodb_flush_log_at_trx_commit = 1`: committed claims survive a crash); on a MariaDB Galera node, also every other node of the primary component (a write returns once the cluster certified it): see "Galera" |
-//! | replication | MariaDB Galera: detected at the first operation (`@@wsrep_on`, [`Capabilities::replicated`](oncely::backend::Capabilities)), one ledger per node, claims through any node: see "Galera". Otherwise none before a claim returns (asynchronous replicas lag: claim on the primary only). Statements read `SYSDATE()`: use row-based or mixed binary logging, not `binlog_format = STATEMENT` |
+//! | replication | MariaDB Galera: detected when the ledger connects (at its first operation for one made with `from_pool`; `@@wsrep_on`, [`Capabilities::replicated`](oncely::backend::Capabilities)), one ledger per node, claims through any node: see "Galera". Otherwise none before a claim returns (asynchronous replicas lag: claim on the primary only). Statements read `SYSDATE()`: use row-based or mixed binary logging, not `binlog_format = STATEMENT` |
 //! | clock | the database server's, read when each write takes effect (after any lock wait): `UTC_TIMESTAMP(6)` plus the time elapsed since, measured with `SYSDATE(6)`, independent of the session time zone (see below). A server started with `--sysdate-is-now` is refused. On Galera, each write's node's clock: node clocks must differ by less than the runner's safety margin (see "Galera") |
 //! | fences | the server clock's µs at the grant, or the previous fence + 1, whichever is higher ([`oncely::backend::next_fence`]): never repeated for a key, prunes included (one caveat below) |
 //! | horizon | a watermark per tenant and kind in `<table>_horizon`, raised by `prune` in the transaction that deletes; a claim with `sent_at` at or before it fails with `BeyondHorizon` when its key is absent. A claim without `sent_at` cannot be told from new work |
@@ -103,8 +103,9 @@
 //!   as `SET STATEMENT wsrep_sync_wait = 1 FOR …`: it first applies what the
 //!   cluster committed before it began, so a duplicate right after another
 //!   node's completion is answered with the outcome, and a waiter's poll
-//!   sees it. Measured on three nodes on one machine: 25 to 30 µs more per
-//!   read at the median (one round of the group's messages); per delivery
+//!   sees it. Measured on three nodes on one machine: about 23 µs more per
+//!   read at the median (64 µs plain, 87 µs causal: one round of the
+//!   group's messages); per delivery
 //!   within the noise of the same runs, and under `Reject` about half as
 //!   many duplicates on another node turned away as "in progress" (the
 //!   repository's docs/benchmarks.md, "Galera").
