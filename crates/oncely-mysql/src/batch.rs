@@ -4,8 +4,9 @@
 //!
 //! **`claim_many`**, per chunk of up to [`CHUNK`] distinct keys:
 //!
-//! 1. one plain read of every key ([`Statements::peek_many`]): no lock, no
-//!    write. A completed record, a live lease, an abandoned step or another
+//! 1. one plain read of every key
+//!    ([`Statements::peek_many`](crate::sql::Statements::peek_many)): no
+//!    lock, no write. A completed record, a live lease, an abandoned step or another
 //!    fingerprint is answered from it, by the kit's rules
 //!    (`backend::answer_existing`), as a single claim's read would be.
 //! 2. with `sent_at` only, one plain read of the watermarks of the absent
@@ -13,8 +14,8 @@
 //!    refused (`BeyondHorizon`) without a write.
 //! 3. one claim statement for every key left (absent, released, expired),
 //!    one `VALUES` row each, sorted by key, each with its own claim token
-//!    ([`Statements::claim_many`]): the very statement a single claim runs,
-//!    so it decides every row again on its own (insert, take over, or find
+//!    ([`Statements::claim_many`](crate::sql::Statements::claim_many)): the
+//!    very statement a single claim runs, so it decides every row again on its own (insert, take over, or find
 //!    it taken meanwhile), with the clock after any lock wait. MariaDB
 //!    returns every row (`RETURNING`), in `VALUES` order; MySQL 8 reads them
 //!    back with a locking read (one more round trip).
