@@ -4,8 +4,9 @@
 //!
 //! **`claim_many`**, per chunk of up to [`CHUNK`] distinct keys:
 //!
-//! 1. one plain read of every key ([`Statements::peek_many`]): no lock, no
-//!    write. A completed record, a live lease, an abandoned step or another
+//! 1. one plain read of every key
+//!    ([`Statements::peek_many`](crate::sql::Statements::peek_many)): no
+//!    lock, no write. A completed record, a live lease, an abandoned step or another
 //!    fingerprint is answered from it, by the kit's rules
 //!    (`backend::answer_existing`), as a single claim's read would be.
 //! 2. with `sent_at` only, one plain read of the watermarks of the absent
@@ -13,8 +14,8 @@
 //!    refused (`BeyondHorizon`) without a write.
 //! 3. one claim statement for every key left (absent, released, expired),
 //!    one `VALUES` row each, sorted by key, each with its own claim token
-//!    ([`Statements::claim_many`]): the very statement a single claim runs,
-//!    so it decides every row again on its own (insert, take over, or find
+//!    ([`Statements::claim_many`](crate::sql::Statements::claim_many)): the
+//!    very statement a single claim runs, so it decides every row again on its own (insert, take over, or find
 //!    it taken meanwhile), with the clock after any lock wait. MariaDB
 //!    returns every row (`RETURNING`), in `VALUES` order; MySQL 8 reads them
 //!    back with a locking read (one more round trip).
@@ -52,13 +53,13 @@ use oncely::backend::{
     is_beyond_horizon, repeated_claim, repeated_completion,
 };
 use oncely::{ClaimOptions, EffectKey, Error, Result};
-use sqlx::{MySqlConnection, Row};
+use sqlx::MySqlConnection;
 
 use crate::MySqlLedger;
 use crate::claim::{Attempt, claim_token};
 use crate::error::{self, corrupt, lease_lost, map};
 use crate::guard::{Retry, retry_on_lock};
-use crate::row::{Stored, stored};
+use crate::sql::{Settled, Stored, Watermark, stored};
 
 /// The most keys (or leases) one statement carries: ten parameters a key,
 /// far below the 65,535 a prepared statement takes, and a statement short
@@ -154,11 +155,12 @@ impl MySqlLedger {
         let mut slots: Vec<Option<Slot>> = keys.iter().map(|_| None).collect();
 
         // 1. Read every key: duplicates are answered here.
-        let mut q = sqlx::query(sqlx::AssertSqlSafe(self.sql().peek_many(keys.len())));
-        for k in keys {
-            q = q.bind(k.as_str());
-        }
-        let rows = q.fetch_all(&mut *conn).await.map_err(retry_on_lock)?;
+        let rows = self
+            .sql()
+            .bind_peek_many(keys)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(retry_on_lock)?;
         let mut found: HashMap<String, Stored> = HashMap::with_capacity(rows.len());
         for r in &rows {
             let row = stored(r, true, false)?;
@@ -209,7 +211,7 @@ impl MySqlLedger {
             let attempts: Vec<Attempt<'_>> =
                 writes.iter().map(|&i| Attempt::on_pool(&keys[i], opts)).collect();
             let started = Instant::now();
-            let rows = self.write_rows(conn, &attempts).await?;
+            let rows = self.write_rows(conn, opts, &attempts).await?;
             let took = duration_micros(started.elapsed());
 
             // 4. Each row as a single claim's row.
@@ -243,42 +245,39 @@ impl MySqlLedger {
             .collect::<HashSet<_>>()
             .into_iter()
             .collect();
-        let mut q = sqlx::query(sqlx::AssertSqlSafe(self.sql().watermarks(pairs.len())));
-        for (tenant, kind) in &pairs {
-            q = q.bind(*tenant).bind(*kind);
-        }
-        let rows = q.fetch_all(&mut *conn).await.map_err(retry_on_lock)?;
+        let rows = self
+            .sql()
+            .bind_watermarks(&pairs)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(retry_on_lock)?;
         let mut marks: HashMap<(&str, &str), Option<SystemTime>> = pairs.iter().map(|p| (*p, None)).collect();
         for r in &rows {
-            let g = |e: sqlx::Error| corrupt(format!("unreadable watermark row: {e}"));
-            let tenant: String = r.try_get("tenant").map_err(g)?;
-            let kind: String = r.try_get("kind").map_err(g)?;
-            let mark: Option<i64> = r.try_get("watermark_us").map_err(g)?;
+            let Watermark {
+                tenant,
+                kind,
+                watermark_us,
+            } = Watermark::read(r)?;
             if let Some(pair) = pairs.iter().find(|(t, k)| *t == tenant && *k == kind) {
-                marks.insert(*pair, mark.map(from_micros));
+                marks.insert(*pair, watermark_us.map(from_micros));
             }
         }
         Ok(marks)
     }
 
-    /// Runs the claim statement for `attempts` (and, without `RETURNING`,
-    /// its read-back); one row per attempt, in order (`None`: no row for
-    /// that key).
+    /// Runs the claim statement for `attempts`, all with `opts` (and,
+    /// without `RETURNING`, its read-back); one row per attempt, in order
+    /// (`None`: no row for that key).
     async fn write_rows(
         &self,
         conn: &mut MySqlConnection,
+        opts: &ClaimOptions,
         attempts: &[Attempt<'_>],
     ) -> Result<Vec<Option<Stored>>, Retry> {
         let returning = self.inner.returning.load(Ordering::Relaxed);
         let horizon = attempts.first().is_some_and(|a| a.opts.sent_at.is_some());
-        let mut q = sqlx::query(sqlx::AssertSqlSafe(self.sql().claim_many(
-            attempts.len(),
-            returning,
-            horizon,
-        )));
-        for a in attempts {
-            q = a.bind(q);
-        }
+        let rows: Vec<(&EffectKey, &[u8; 16])> = attempts.iter().map(|a| (a.key, &a.token)).collect();
+        let q = self.sql().bind_claim_many(returning, horizon, opts, &rows);
         if returning {
             let rows = match q.fetch_all(&mut *conn).await {
                 Ok(rows) => rows,
@@ -303,13 +302,13 @@ impl MySqlLedger {
             return Ok(attempts.iter().map(|_| rows.next()).collect());
         }
         q.execute(&mut *conn).await.map_err(retry_on_lock)?;
-        let mut read = sqlx::query(sqlx::AssertSqlSafe(
-            self.sql().read_back_many(attempts.len(), horizon),
-        ));
-        for a in attempts {
-            read = read.bind(a.key.as_str());
-        }
-        let rows = read.fetch_all(&mut *conn).await.map_err(retry_on_lock)?;
+        let keys: Vec<&EffectKey> = attempts.iter().map(|a| a.key).collect();
+        let rows = self
+            .sql()
+            .bind_read_back_many(horizon, &keys)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(retry_on_lock)?;
         let mut by_key: HashMap<String, Stored> = HashMap::with_capacity(rows.len());
         for r in &rows {
             let row = stored(r, true, horizon)?;
@@ -427,18 +426,12 @@ impl MySqlLedger {
         work: &[(Lease, Outcome)],
     ) -> Result<Vec<bool>, Retry> {
         let token = claim_token();
-        let mut q =
-            sqlx::query(sqlx::AssertSqlSafe(self.sql().complete_many(work.len()))).bind(token.to_vec());
-        for (lease, outcome) in work {
-            q = q.bind(lease.key().as_str()).bind(outcome.as_bytes());
-        }
-        for (lease, _) in work {
-            q = q.bind(lease.key().as_str());
-        }
-        for (lease, _) in work {
-            q = q.bind(lease.key().as_str()).bind(lease.fence());
-        }
-        let done = q.bind(false).execute(&mut *conn).await.map_err(retry_on_lock)?;
+        let done = self
+            .sql()
+            .bind_complete_many(&token, work)
+            .execute(&mut *conn)
+            .await
+            .map_err(retry_on_lock)?;
         // sqlx sets CLIENT_FOUND_ROWS: this is the number of rows matched.
         if done.rows_affected() == work.len() as u64 {
             return Ok(vec![true; work.len()]);
@@ -448,20 +441,17 @@ impl MySqlLedger {
         }
         // Some leases missed: the rows this statement completed carry its
         // token (a plain read after our commit sees them).
-        let mut read = sqlx::query(sqlx::AssertSqlSafe(self.sql().settled(work.len())));
-        for (lease, _) in work {
-            read = read.bind(lease.key().as_str());
-        }
-        let rows = read.fetch_all(&mut *conn).await.map_err(map)?;
+        let rows = self
+            .sql()
+            .bind_settled(work.iter().map(|(lease, _)| lease))
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(map)?;
         let mut ours: HashSet<(String, u64)> = HashSet::with_capacity(rows.len());
         for r in &rows {
-            let g = |e: sqlx::Error| corrupt(format!("unreadable ledger row: {e}"));
-            let key: String = r.try_get("effect_key").map_err(g)?;
-            let fence: u64 = r.try_get("fence").map_err(g)?;
-            let state: String = r.try_get("state").map_err(g)?;
-            let tok: Vec<u8> = r.try_get("claim_token").map_err(g)?;
-            if state == "completed" && tok.as_slice() == token.as_slice() {
-                ours.insert((key, fence));
+            let row = Settled::read(r)?;
+            if row.state == "completed" && row.token.as_slice() == token.as_slice() {
+                ours.insert((row.key, row.fence));
             }
         }
         Ok(work

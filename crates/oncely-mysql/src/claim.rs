@@ -64,7 +64,8 @@ use sqlx::MySqlConnection;
 use crate::MySqlLedger;
 use crate::error::{self, corrupt, unexpected_violation};
 use crate::guard::{Retry, retry_on_lock};
-use crate::row::{Stored, first, stored};
+use crate::row::first;
+use crate::sql::{Stored, stored};
 
 /// A fresh grant whose statement took longer than this from its start to
 /// its write waited on a lock, and is refreshed (new expiry, new fence), even
@@ -118,26 +119,7 @@ impl<'a> Attempt<'a> {
             in_caller_tx: false,
         }
     }
-
-    /// Binds one row of the claim statement: the ten parameters of
-    /// [`Statements::claim`](crate::sql::Statements).
-    pub(crate) fn bind<'q>(&self, q: ClaimQuery<'q>) -> ClaimQuery<'q> {
-        let retention_us = duration_micros(self.opts.retention);
-        q.bind(self.key.as_str())
-            .bind(self.key.tenant().as_str())
-            .bind(self.key.kind())
-            .bind(self.key.subject())
-            .bind(self.opts.fingerprint.map(|f| f.as_bytes().to_vec()))
-            .bind(self.opts.at_most_once)
-            .bind(self.token.to_vec())
-            .bind(duration_micros(self.opts.lease))
-            .bind(retention_us)
-            .bind(retention_us)
-    }
 }
-
-/// A claim statement being bound.
-pub(crate) type ClaimQuery<'q> = sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments>;
 
 /// Which claim statement to run.
 #[derive(Clone, Copy)]
@@ -224,26 +206,19 @@ impl MySqlLedger {
         form: Form,
     ) -> Result<Option<Stored>, Retry> {
         let Attempt {
-            key, in_caller_tx, ..
+            key,
+            opts,
+            ref token,
+            in_caller_tx,
         } = *a;
         let returning = self.inner.returning.load(Ordering::Relaxed);
         let s = self.sql();
         let horizon = !matches!(form, Form::Plain);
-        let text = match (returning, form) {
-            (true, Form::Plain) => &s.claim_returning,
-            (true, Form::Pre(_)) => &s.claim_pre_returning_h,
-            (true, Form::Post) => &s.claim_returning_h,
-            (false, Form::Pre(_)) => &s.claim_pre,
-            (false, _) => &s.claim,
+        let q = match form {
+            Form::Plain => s.bind_claim(returning, key, opts, token),
+            Form::Pre(sent_us) => s.bind_claim_pre(returning, key, opts, token, in_caller_tx, sent_us),
+            Form::Post => s.bind_claim_h(returning, key, opts, token),
         };
-        let mut q = a.bind(sqlx::query(sqlx::AssertSqlSafe(text.as_str())));
-        if let Form::Pre(sent_us) = form {
-            q = q
-                .bind(in_caller_tx)
-                .bind(key.tenant().as_str())
-                .bind(key.kind())
-                .bind(sent_us);
-        }
         if returning {
             // Read to the end: on Galera the certification failure of this
             // autocommit statement comes after its row.
@@ -278,9 +253,12 @@ impl MySqlLedger {
             return Ok(None);
         }
         let s = self.sql();
-        let read = if horizon { &s.read_back_h } else { &s.read_back };
-        let read = sqlx::query(sqlx::AssertSqlSafe(read.as_str()))
-            .bind(key.as_str())
+        let read = if horizon {
+            s.bind_read_back_h(key)
+        } else {
+            s.bind_read_back(key)
+        };
+        let read = read
             .fetch_all(&mut *conn)
             .await
             .map(first)
@@ -302,8 +280,9 @@ impl MySqlLedger {
         conn: &mut MySqlConnection,
         key: &EffectKey,
     ) -> Result<Option<Stored>, Retry> {
-        let row = sqlx::query(sqlx::AssertSqlSafe(self.sql().peek.as_str()))
-            .bind(key.as_str())
+        let row = self
+            .sql()
+            .bind_peek(key)
             .fetch_all(&mut *conn)
             .await
             .map(first)
@@ -323,8 +302,9 @@ impl MySqlLedger {
         key: &EffectKey,
         in_caller_tx: bool,
     ) -> Result<Option<Stored>, Retry> {
-        let row = sqlx::query(sqlx::AssertSqlSafe(self.sql().read_back.as_str()))
-            .bind(key.as_str())
+        let row = self
+            .sql()
+            .bind_read_back(key)
             .fetch_all(&mut *conn)
             .await
             .map(first)
@@ -418,12 +398,15 @@ impl MySqlLedger {
         } = *a;
         tracing::debug!(effect_key = %stale.key(), fence = stale.fence(),
             "claim waited on a lock after computing its grant; refreshing it");
-        let done = sqlx::query(sqlx::AssertSqlSafe(self.sql().refresh.as_str()))
-            .bind(duration_micros(opts.lease))
-            .bind(stale.key().as_str())
-            .bind(&token[..])
-            .bind(stale.fence())
-            .bind(in_caller_tx)
+        let done = self
+            .sql()
+            .bind_refresh(
+                duration_micros(opts.lease),
+                stale.key(),
+                token,
+                stale.fence(),
+                in_caller_tx,
+            )
             .execute(&mut *conn)
             .await
             .map_err(retry_on_lock)?;
@@ -468,11 +451,9 @@ impl MySqlLedger {
         fence: u64,
         in_caller_tx: bool,
     ) -> Result<(), Retry> {
-        let done = sqlx::query(sqlx::AssertSqlSafe(self.sql().undo.as_str()))
-            .bind(key.as_str())
-            .bind(&token[..])
-            .bind(fence)
-            .bind(in_caller_tx)
+        let done = self
+            .sql()
+            .bind_undo(key, token, fence, in_caller_tx)
             .execute(&mut *conn)
             .await
             .map_err(retry_on_lock)?;

@@ -19,7 +19,8 @@ use sqlx::{Executor, MySql, MySqlConnection, Row};
 use crate::error::{
     self, BACKEND, autocommit_off, corrupt, join_error, lease_lost, map, unexpected_violation,
 };
-use crate::row::{first, only, stored};
+use crate::row::{first, only};
+use crate::sql::stored;
 use crate::{MySqlLedger, sql};
 
 /// How many times a ledger operation on the pool runs before a deadlock or
@@ -318,8 +319,9 @@ impl MySqlLedger {
             // nothing on the usual path; only a miss asks, with a causal
             // read (which first applies everything committed before it):
             // is the lease live after all? Then the write runs again.
-            let row = sqlx::query(sqlx::AssertSqlSafe(self.sql().read_back.as_str()))
-                .bind(lease.key().as_str())
+            let row = self
+                .sql()
+                .bind_read_back(lease.key())
                 .fetch_all(&mut *conn)
                 .await
                 .map(first)

@@ -23,9 +23,9 @@ use crate::error::{self, BACKEND, corrupt, join_error, map};
 use crate::guard::{Retry, retry_on_lock};
 use crate::hosts::Hosts;
 use crate::options::{self, MySqlLedgerOptions};
-use crate::row::{first, only, stored};
+use crate::row::{first, only};
 use crate::schema;
-use crate::sql::{self, Statements};
+use crate::sql::{self, Statements, stored};
 
 /// The MySQL / MariaDB effect ledger. Cheap to clone (an `Arc`).
 #[derive(Clone)]
@@ -370,10 +370,9 @@ impl MySqlLedger {
         self.on_pool(move |this, conn| {
             let lease = lease.clone();
             Box::pin(async move {
-                let done = sqlx::query(sqlx::AssertSqlSafe(this.sql().release.as_str()))
-                    .bind(lease.key().as_str())
-                    .bind(lease.fence())
-                    .bind(false)
+                let done = this
+                    .sql()
+                    .bind_release(lease.key(), lease.fence(), false)
                     .execute(&mut *conn)
                     .await
                     .map_err(retry_on_lock)?;
@@ -436,11 +435,9 @@ impl MySqlLedger {
         outcome: &Outcome,
         in_caller_tx: bool,
     ) -> Result<(), Retry> {
-        let done = sqlx::query(sqlx::AssertSqlSafe(self.sql().complete.as_str()))
-            .bind(outcome.as_bytes())
-            .bind(lease.key().as_str())
-            .bind(lease.fence())
-            .bind(in_caller_tx)
+        let done = self
+            .sql()
+            .bind_complete(outcome, lease.key(), lease.fence(), in_caller_tx)
             .execute(&mut *conn)
             .await
             .map_err(retry_on_lock)?;
@@ -558,11 +555,9 @@ impl Ledger for MySqlLedger {
             .on_pool(move |this, conn| {
                 let lease = held.clone();
                 Box::pin(async move {
-                    let done = sqlx::query(sqlx::AssertSqlSafe(this.sql().renew.as_str()))
-                        .bind(duration_micros(extend_by))
-                        .bind(lease.key().as_str())
-                        .bind(lease.fence())
-                        .bind(false)
+                    let done = this
+                        .sql()
+                        .bind_renew(duration_micros(extend_by), lease.key(), lease.fence(), false)
                         .execute(&mut *conn)
                         .await
                         .map_err(retry_on_lock)?;
@@ -591,12 +586,7 @@ impl Ledger for MySqlLedger {
         let k = key.clone();
         let row = self
             .read_on_pool(move |this, conn| {
-                Box::pin(async move {
-                    sqlx::query(sqlx::AssertSqlSafe(this.sql().get.as_str()))
-                        .bind(k.as_str())
-                        .fetch_all(&mut *conn)
-                        .await
-                })
+                Box::pin(async move { this.sql().bind_get(&k).fetch_all(&mut *conn).await })
             })
             .await?;
         first(row)
@@ -614,9 +604,8 @@ impl Ledger for MySqlLedger {
         let rows = self
             .read_on_pool(move |this, conn| {
                 Box::pin(async move {
-                    sqlx::query(sqlx::AssertSqlSafe(this.sql().abandoned.as_str()))
-                        .bind(tenant.as_str())
-                        .bind(limit)
+                    this.sql()
+                        .bind_abandoned(&tenant, limit)
                         .fetch_all(&mut *conn)
                         .await
                 })
@@ -632,9 +621,8 @@ impl Ledger for MySqlLedger {
         let watermark = self
             .read_on_pool(move |this, conn| {
                 Box::pin(async move {
-                    sqlx::query_scalar::<_, Option<i64>>(sqlx::AssertSqlSafe(this.sql().horizon.as_str()))
-                        .bind(tenant.as_str())
-                        .bind(kind.as_str())
+                    this.sql()
+                        .bind_horizon(&tenant, &kind)
                         .fetch_all(&mut *conn)
                         .await
                 })
@@ -751,7 +739,7 @@ impl Admin for MySqlLedger {
     async fn stats(&self, tenant: Option<&Tenant>) -> Result<Vec<KindStats>> {
         let (text, args) = sql::stats(&self.inner.table, tenant);
         let rows = self.admin_rows(text, args).await?;
-        rows.iter().map(crate::row::kind_stats).collect()
+        rows.iter().map(sql::kind_stats).collect()
     }
 
     async fn forget(&self, key: &EffectKey, fence: u64) -> Result<()> {
@@ -761,10 +749,9 @@ impl Admin for MySqlLedger {
             .on_pool(move |this, conn| {
                 let k = k.clone();
                 Box::pin(async move {
-                    let done = sqlx::query(sqlx::AssertSqlSafe(this.sql().forget.as_str()))
-                        .bind(k.as_str())
-                        .bind(fence)
-                        .bind(false)
+                    let done = this
+                        .sql()
+                        .bind_forget(&k, fence, false)
                         .execute(&mut *conn)
                         .await
                         .map_err(retry_on_lock)?;
@@ -789,7 +776,8 @@ impl Admin for MySqlLedger {
         let n: i64 = self
             .read_on_pool(move |this, conn| {
                 Box::pin(async move {
-                    sqlx::query_scalar(sqlx::AssertSqlSafe(this.sql().prunable.as_str()))
+                    this.sql()
+                        .bind_prunable()
                         .fetch_all(&mut *conn)
                         .await
                         .and_then(only)
@@ -802,29 +790,12 @@ impl Admin for MySqlLedger {
 
 impl MySqlLedger {
     /// An operator listing's rows: the ledger's read prefix (the session's
-    /// causal-read setting on Galera) before `text`, with its arguments.
+    /// causal-read setting on Galera) before `text`, with its arguments
+    /// ([`Statements::bind_listing`]).
     async fn admin_rows(&self, text: String, args: Vec<sql::Arg>) -> Result<Vec<sqlx::mysql::MySqlRow>> {
         self.read_on_pool(move |this, conn| {
-            Box::pin(async move {
-                let text = format!("{}{text}", this.sql().read);
-                bind(sqlx::query(sqlx::AssertSqlSafe(text)), args)
-                    .fetch_all(&mut *conn)
-                    .await
-            })
+            Box::pin(async move { this.sql().bind_listing(&text, &args).fetch_all(&mut *conn).await })
         })
         .await
     }
-}
-
-fn bind<'q>(
-    mut query: sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments>,
-    args: Vec<sql::Arg>,
-) -> sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments> {
-    for a in args {
-        query = match a {
-            sql::Arg::Text(s) => query.bind(s),
-            sql::Arg::Int(i) => query.bind(i),
-        };
-    }
-    query
 }

@@ -441,10 +441,10 @@ mod hosts; // a URL's host list, the check of every new connection, moving to an
 mod ledger; // MySqlLedger: constructors, Ledger, TransactionalLedger, FromUrl
 mod options; // MySqlLedgerOptions, this backend's URLs
 mod prune; // prune's batches: lock the watermarks, raise them, delete
-mod row; // a stored row (read by column name) to Record
+mod row; // reading a result to its end (first, only)
 mod schema; // migrations and the check of the tables
 mod server; // what the server supports, asked once
-mod sql; // every statement
+mod sql; // every statement, bound by one function each, with the row it returns
 
 pub use crate::ledger::MySqlLedger;
 pub use crate::options::{DEFAULT_TABLE, MySqlLedgerOptions};

@@ -23,11 +23,12 @@
 use std::collections::BTreeMap;
 
 use oncely::Result;
-use sqlx::{Connection, MySqlConnection, Row};
+use sqlx::{Connection, MySqlConnection};
 
 use crate::MySqlLedger;
 use crate::error::{join_error, map};
 use crate::guard::{Retry, retry_on_lock};
+use crate::sql::{Candidate, Doomed};
 
 /// Records per transaction: bounds how many row locks one prune holds.
 const BATCH: u64 = 500;
@@ -81,8 +82,8 @@ impl MySqlLedger {
 
     async fn prune_in(&self, tx: &mut MySqlConnection, n: u64) -> Result<(u64, u64), Retry> {
         let s = self.sql();
-        let candidates = sqlx::query(sqlx::AssertSqlSafe(s.prune_candidates.as_str()))
-            .bind(n)
+        let candidates = s
+            .bind_prune_candidates(n)
             .fetch_all(&mut *tx)
             .await
             .map_err(retry_on_lock)?;
@@ -93,44 +94,43 @@ impl MySqlLedger {
         let mut keys = Vec::with_capacity(candidates.len());
         let mut groups: BTreeMap<(String, String), Option<i64>> = BTreeMap::new();
         for r in &candidates {
-            keys.push(r.try_get::<String, _>("effect_key").map_err(map)?);
-            groups.insert(
-                (r.try_get("tenant").map_err(map)?, r.try_get("kind").map_err(map)?),
-                None,
-            );
+            let Candidate { key, tenant, kind } = Candidate::read(r).map_err(map)?;
+            keys.push(key);
+            groups.insert((tenant, kind), None);
         }
         // 2. lock (and create) the watermark rows, in key order.
         self.upsert_watermarks(tx, &groups).await?;
         // 3. lock what is still prunable.
         keys.sort();
-        let mut q = sqlx::query(sqlx::AssertSqlSafe(s.prune_lock(keys.len())));
-        for k in &keys {
-            q = q.bind(k.as_str());
-        }
-        let locked = q.fetch_all(&mut *tx).await.map_err(retry_on_lock)?;
+        let locked = s
+            .bind_prune_lock(&keys)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(retry_on_lock)?;
         if locked.is_empty() {
             return Ok((seen, 0));
         }
         let mut doomed = Vec::with_capacity(locked.len());
         for r in &locked {
-            doomed.push(r.try_get::<String, _>("effect_key").map_err(map)?);
-            let created: i64 = r.try_get("created_us").map_err(map)?;
-            let group = (
-                r.try_get::<String, _>("tenant").map_err(map)?,
-                r.try_get::<String, _>("kind").map_err(map)?,
-            );
-            let w = groups.entry(group).or_insert(None);
-            *w = Some(w.map_or(created, |w| w.max(created)));
+            let Doomed {
+                key,
+                tenant,
+                kind,
+                created_us,
+            } = Doomed::read(r).map_err(map)?;
+            doomed.push(key);
+            let w = groups.entry((tenant, kind)).or_insert(None);
+            *w = Some(w.map_or(created_us, |w| w.max(created_us)));
         }
         // 4. raise the watermarks, before the delete, in this transaction.
         groups.retain(|_, w| w.is_some());
         self.upsert_watermarks(tx, &groups).await?;
         // 5. delete.
-        let mut q = sqlx::query(sqlx::AssertSqlSafe(s.prune_delete(doomed.len())));
-        for k in &doomed {
-            q = q.bind(k.as_str());
-        }
-        let done = q.execute(&mut *tx).await.map_err(retry_on_lock)?;
+        let done = s
+            .bind_prune_delete(&doomed)
+            .execute(&mut *tx)
+            .await
+            .map_err(retry_on_lock)?;
         Ok((seen, done.rows_affected()))
     }
 
@@ -144,12 +144,11 @@ impl MySqlLedger {
         if groups.is_empty() {
             return Ok(());
         }
-        let text = self.sql().watermark_upsert(groups.len());
-        let mut q = sqlx::query(sqlx::AssertSqlSafe(text));
-        for ((tenant, kind), w) in groups {
-            q = q.bind(tenant.as_str()).bind(kind.as_str()).bind(*w);
-        }
-        q.execute(&mut *tx).await.map_err(retry_on_lock)?;
+        self.sql()
+            .bind_watermark_upsert(groups)
+            .execute(&mut *tx)
+            .await
+            .map_err(retry_on_lock)?;
         Ok(())
     }
 }

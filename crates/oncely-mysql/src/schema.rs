@@ -187,8 +187,7 @@ async fn verify_one(conn: &mut MySqlConnection, table: &str, spec: Spec, key_col
         ));
     };
     let name = format!("`{db}`.`{table}`");
-    let found = sqlx::query(sql::IS_TABLE)
-        .bind(table)
+    let found = sql::bind_is_table(table)
         .fetch_all(&mut *conn)
         .await
         .map(first)
@@ -213,8 +212,7 @@ async fn verify_one(conn: &mut MySqlConnection, table: &str, spec: Spec, key_col
             engine.unwrap_or_default()
         ));
     }
-    let rows = sqlx::query(sql::IS_COLUMNS)
-        .bind(table)
+    let rows = sql::bind_is_columns(table)
         .fetch_all(&mut *conn)
         .await
         .map_err(map)?;
@@ -236,8 +234,7 @@ async fn verify_one(conn: &mut MySqlConnection, table: &str, spec: Spec, key_col
             Some(c) => problems.extend(c.problem(*want, *nullable)),
         }
     }
-    let rows = sqlx::query(sql::IS_INDEXES)
-        .bind(table)
+    let rows = sql::bind_is_indexes(table)
         .fetch_all(&mut *conn)
         .await
         .map_err(map)?;
@@ -289,8 +286,7 @@ async fn verify_one(conn: &mut MySqlConnection, table: &str, spec: Spec, key_col
 /// table the ledger cannot use gets no DDL at all.
 pub(crate) async fn migrate(conn: &mut MySqlConnection, table: &str) -> Result<()> {
     let lock = format!("oncely.migrate.{table}");
-    let got: Option<i64> = sqlx::query_scalar(sql::MIGRATION_LOCK)
-        .bind(&lock)
+    let got: Option<i64> = sql::bind_migration_lock(&lock)
         .fetch_all(&mut *conn)
         .await
         .and_then(only)
@@ -305,18 +301,14 @@ pub(crate) async fn migrate(conn: &mut MySqlConnection, table: &str) -> Result<(
     let result = apply(conn, table).await;
     // A session lock outlives the statement: release it before the
     // connection goes back to the pool, whatever happened.
-    let released = sqlx::query(sql::MIGRATION_UNLOCK)
-        .bind(&lock)
-        .execute(&mut *conn)
-        .await;
+    let released = sql::bind_migration_unlock(&lock).execute(&mut *conn).await;
     result?;
     released.map_err(map)?;
     verify(conn, table).await
 }
 
 async fn apply(conn: &mut MySqlConnection, table: &str) -> Result<()> {
-    let exists: i64 = sqlx::query_scalar(sql::IS_TABLE_COUNT)
-        .bind(table)
+    let exists: i64 = sql::bind_is_table_count(table)
         .fetch_all(&mut *conn)
         .await
         .and_then(only)
@@ -325,8 +317,7 @@ async fn apply(conn: &mut MySqlConnection, table: &str) -> Result<()> {
         verify_one(conn, table, EFFECTS, &["effect_key"]).await?;
     }
     conn.execute(sql::MIGRATIONS_TABLE).await.map_err(map)?;
-    let applied: Vec<u32> = sqlx::query_scalar(sql::APPLIED_VERSIONS)
-        .bind(table)
+    let applied: Vec<u32> = sql::bind_applied_versions(table)
         .fetch_all(&mut *conn)
         .await
         .map_err(map)?;
@@ -362,9 +353,7 @@ async fn apply_version(
     for s in statements {
         conn.execute(sqlx::AssertSqlSafe(s.as_str())).await?;
     }
-    sqlx::query(sql::RECORD_VERSION)
-        .bind(table)
-        .bind(version)
+    sql::bind_record_version(table, version)
         .execute(&mut *conn)
         .await?;
     Ok(())

@@ -33,10 +33,17 @@
 //! A server started with `--sysdate-is-now` makes `SYSDATE()` the statement
 //! start again; the ledger refuses such a server at its first operation.
 
-use oncely::Tenant;
+use std::collections::BTreeMap;
+
 use oncely::admin::{Filter, RecordQuery};
-use oncely::backend::RecordState;
-use oncely::backend::{KeyRange, key_range};
+use oncely::backend::{Fingerprint, Lease, Outcome, Record, RecordState};
+use oncely::backend::{KeyRange, duration_micros, effective_state, from_micros, key_range};
+use oncely::{ClaimOptions, EffectKey, Result, Tenant};
+use sqlx::mysql::{MySqlArguments, MySqlRow};
+use sqlx::query::{Query, QueryScalar};
+use sqlx::{AssertSqlSafe, MySql, Row};
+
+use crate::error::corrupt;
 
 /// The statement's start, UTC, in µs since the epoch; independent of the
 /// session time zone and constant within one statement.
@@ -91,6 +98,16 @@ pub(crate) const MIGRATION_LOCK: &str = "SELECT GET_LOCK(?, 60)";
 /// Releases [`MIGRATION_LOCK`]. Parameter: the lock's name.
 pub(crate) const MIGRATION_UNLOCK: &str = "SELECT RELEASE_LOCK(?)";
 
+/// [`MIGRATION_LOCK`] of `lock`: 1 when taken, 0 on timeout, NULL on error.
+pub(crate) fn bind_migration_lock(lock: &str) -> BoundScalar<Option<i64>> {
+    sqlx::query_scalar(MIGRATION_LOCK).bind(lock.to_owned())
+}
+
+/// [`MIGRATION_UNLOCK`] of `lock` (its row is not read).
+pub(crate) fn bind_migration_unlock(lock: &str) -> Bound {
+    sqlx::query(MIGRATION_UNLOCK).bind(lock.to_owned())
+}
+
 /// Makes a read on a Galera node causal: before it reads, the node applies
 /// every write set the cluster committed before the read began, so it sees
 /// every write acknowledged on any node by then (a node applies other
@@ -125,7 +142,17 @@ pub(crate) const APPLIED_VERSIONS: &str = "SELECT version FROM oncely_schema_mig
 pub(crate) const RECORD_VERSION: &str = "INSERT INTO oncely_schema_migrations (table_name, version, applied_at) \
      VALUES (?, ?, UTC_TIMESTAMP(6)) ON DUPLICATE KEY UPDATE version = version";
 
-/// The columns every read of a record returns (`row::stored` reads them by
+/// [`APPLIED_VERSIONS`] of `table`: one version per row.
+pub(crate) fn bind_applied_versions(table: &str) -> BoundScalar<u32> {
+    sqlx::query_scalar(APPLIED_VERSIONS).bind(table.to_owned())
+}
+
+/// [`RECORD_VERSION`]: `version` of `table` applied. No rows.
+pub(crate) fn bind_record_version(table: &str, version: u32) -> Bound {
+    sqlx::query(RECORD_VERSION).bind(table.to_owned()).bind(version)
+}
+
+/// The columns every read of a record returns ([`stored`] reads them by
 /// name).
 const COLUMNS: &str = "effect_key, state, fence, fingerprint, outcome, at_most_once, claim_token, \
                        created_us, updated_us, lease_expires_us, retain_until_us";
@@ -213,6 +240,29 @@ pub(crate) const IS_INDEXES: &str = "SELECT CAST(INDEX_NAME AS CHAR) AS idx, CAS
      CAST(COLUMN_NAME AS CHAR) AS col, CAST(SUB_PART AS SIGNED) AS sub_part \
      FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? \
      ORDER BY INDEX_NAME, SEQ_IN_INDEX";
+
+/// [`IS_TABLE`] of `table`: one row (`kind`, `engine`), or none.
+pub(crate) fn bind_is_table(table: &str) -> Bound {
+    sqlx::query(IS_TABLE).bind(table.to_owned())
+}
+
+/// [`IS_TABLE_COUNT`] of `table`: one count.
+pub(crate) fn bind_is_table_count(table: &str) -> BoundScalar<i64> {
+    sqlx::query_scalar(IS_TABLE_COUNT).bind(table.to_owned())
+}
+
+/// [`IS_COLUMNS`] of `table`: one row per column (`name`, `data_type`,
+/// `column_type`, `nullable`, `max_len`, `charset`, `collation`), read
+/// by `schema::verify`.
+pub(crate) fn bind_is_columns(table: &str) -> Bound {
+    sqlx::query(IS_COLUMNS).bind(table.to_owned())
+}
+
+/// [`IS_INDEXES`] of `table`: one row per index column (`idx`,
+/// `non_unique`, `col`, `sub_part`), read by `schema::verify`.
+pub(crate) fn bind_is_indexes(table: &str) -> Bound {
+    sqlx::query(IS_INDEXES).bind(table.to_owned())
+}
 
 // The operator's statements (`oncely::admin::Admin`): built per query,
 // because which filters apply decides which index serves it.
@@ -739,6 +789,577 @@ impl Statements {
     /// (after [`Statements::complete_many`] matched fewer rows than leases).
     pub(crate) fn settled(&self, n: usize) -> String {
         format!("{}{}", self.batch.settled_prefix, placeholders(n, "?"))
+    }
+}
+
+/// A statement with its binds, ready to run on a connection.
+pub(crate) type Bound = Query<'static, MySql, MySqlArguments>;
+
+/// A statement with its binds whose rows are one column of type `O`.
+pub(crate) type BoundScalar<O> = QueryScalar<'static, MySql, O, MySqlArguments>;
+
+fn query(text: &str) -> Bound {
+    sqlx::query(AssertSqlSafe(text))
+}
+
+// One function per statement, each returning it bound: the placeholders
+// are filled here, in the order the function's parameters name them, and
+// nowhere else. Each statement's row type, and how it is read, sits next to
+// it; the callers pick a statement and interpret its row.
+
+/// The rows of [`Statements::peek`], the claim statements, their
+/// read-backs, [`Statements::get`], [`Statements::abandoned`] and
+/// [`records`]: a row as stored, plus the server's clock at the read
+/// (`now_us`) and, for the statements that read it, the horizon of the
+/// row's tenant and kind. Read by column name ([`stored`]).
+#[derive(Debug)]
+pub(crate) struct Stored {
+    pub key: String,
+    pub state: RecordState,
+    pub fence: u64,
+    pub fingerprint: Option<Vec<u8>>,
+    pub outcome: Option<Vec<u8>>,
+    pub at_most_once: bool,
+    pub token: Vec<u8>,
+    pub created_us: i64,
+    pub updated_us: i64,
+    pub lease_expires_us: Option<i64>,
+    pub retain_until_us: i64,
+    pub now_us: i64,
+    /// Whether the statement ran inside an open transaction (claims only).
+    pub in_tx: bool,
+    /// The watermark read after the write (claims with `sent_at` only).
+    pub horizon_us: Option<i64>,
+}
+
+/// Reads a [`Stored`] row by column name; `in_tx` and `horizon`: whether
+/// the statement returned those columns (the claim statements, their
+/// read-backs and [`Statements::peek`] return `in_tx`; the `_h` forms
+/// `horizon_us`).
+pub(crate) fn stored(row: &MySqlRow, in_tx: bool, horizon: bool) -> Result<Stored> {
+    let g = |e: sqlx::Error| corrupt(format!("unreadable ledger row: {e}"));
+    let state: String = row.try_get("state").map_err(g)?;
+    Ok(Stored {
+        key: row.try_get("effect_key").map_err(g)?,
+        state: RecordState::parse(&state).map_err(|e| corrupt(e.to_string()))?,
+        fence: row.try_get("fence").map_err(g)?,
+        fingerprint: row.try_get("fingerprint").map_err(g)?,
+        outcome: row.try_get("outcome").map_err(g)?,
+        at_most_once: row.try_get("at_most_once").map_err(g)?,
+        token: row.try_get("claim_token").map_err(g)?,
+        created_us: row.try_get("created_us").map_err(g)?,
+        updated_us: row.try_get("updated_us").map_err(g)?,
+        lease_expires_us: row.try_get("lease_expires_us").map_err(g)?,
+        retain_until_us: row.try_get("retain_until_us").map_err(g)?,
+        now_us: row.try_get("now_us").map_err(g)?,
+        in_tx: if in_tx {
+            row.try_get::<u64, _>("in_tx").map_err(g)? != 0
+        } else {
+            false
+        },
+        horizon_us: if horizon {
+            row.try_get("horizon_us").map_err(g)?
+        } else {
+            None
+        },
+    })
+}
+
+impl Stored {
+    /// Whether this row was written by the claim attempt holding `token`.
+    pub fn ours(&self, token: &[u8]) -> bool {
+        self.token.as_slice() == token
+    }
+
+    /// Whether the row is a fresh insert rather than a takeover: an insert
+    /// writes the statement's start as both fence and creation time, and
+    /// every later grant raises the fence above it (`GREATEST(fence + 1,
+    /// now)`; a version 1 row's small fence jumps to the clock).
+    pub fn fresh(&self) -> bool {
+        i64::try_from(self.fence).is_ok_and(|f| f == self.created_us)
+    }
+
+    /// The record, with an expired at-most-once lease reported as abandoned
+    /// (the kit's rule).
+    pub fn record(&self, key: Option<&EffectKey>) -> Result<Record> {
+        let key = match key {
+            Some(k) if k.as_str() == self.key => k.clone(),
+            _ => EffectKey::parse(&self.key)
+                .map_err(|e| corrupt(format!("stored key {:?} does not parse: {e}", self.key)))?,
+        };
+        let fingerprint = match &self.fingerprint {
+            Some(b) => Some(Fingerprint::from_bytes(b).map_err(|e| corrupt(e.to_string()))?),
+            None => None,
+        };
+        let outcome = match &self.outcome {
+            Some(b) => Some(Outcome::from_bytes(b.clone()).map_err(|e| corrupt(e.to_string()))?),
+            None => None,
+        };
+        let lease_expires_at = self.lease_expires_us.map(from_micros);
+        let read_at = from_micros(self.now_us);
+        Ok(Record {
+            key,
+            state: effective_state(self.state, self.at_most_once, lease_expires_at, read_at),
+            fence: self.fence,
+            fingerprint,
+            outcome,
+            at_most_once: self.at_most_once,
+            created_at: from_micros(self.created_us),
+            updated_at: from_micros(self.updated_us),
+            lease_expires_at,
+            retain_until: from_micros(self.retain_until_us),
+            read_at,
+        })
+    }
+}
+
+/// Binds one `VALUES` row of a claim statement: key, tenant, kind, subject
+/// (from `key`), fingerprint, at_most_once (from `opts`), `token`, then
+/// lease µs, retention µs, retention µs (from `opts`).
+fn claim_values(q: Bound, key: &EffectKey, opts: &ClaimOptions, token: &[u8; 16]) -> Bound {
+    let retention_us = duration_micros(opts.retention);
+    q.bind(key.as_str())
+        .bind(key.tenant().as_str())
+        .bind(key.kind())
+        .bind(key.subject())
+        .bind(opts.fingerprint.map(|f| f.as_bytes().to_vec()))
+        .bind(opts.at_most_once)
+        .bind(token.to_vec())
+        .bind(duration_micros(opts.lease))
+        .bind(retention_us)
+        .bind(retention_us)
+}
+
+/// The statements whose rows are [`Stored`] rows.
+impl Statements {
+    /// [`Statements::peek`] of `key`: a [`Stored`] row with `in_tx`, or none.
+    pub(crate) fn bind_peek(&self, key: &EffectKey) -> Bound {
+        query(&self.peek).bind(key.as_str())
+    }
+
+    /// [`Statements::read_back`] of `key`: a [`Stored`] row with `in_tx`, or
+    /// none.
+    pub(crate) fn bind_read_back(&self, key: &EffectKey) -> Bound {
+        query(&self.read_back).bind(key.as_str())
+    }
+
+    /// [`Statements::read_back_h`] of `key`: a [`Stored`] row with `in_tx`
+    /// and `horizon_us`, or none.
+    pub(crate) fn bind_read_back_h(&self, key: &EffectKey) -> Bound {
+        query(&self.read_back_h).bind(key.as_str())
+    }
+
+    /// The claim of `key` with `token`, without `sent_at`: with `returning`
+    /// ([`Statements::claim_returning`]) one [`Stored`] row with `in_tx`;
+    /// without ([`Statements::claim`]) no row (read it back with
+    /// [`Statements::bind_read_back`]).
+    pub(crate) fn bind_claim(
+        &self,
+        returning: bool,
+        key: &EffectKey,
+        opts: &ClaimOptions,
+        token: &[u8; 16],
+    ) -> Bound {
+        let text = if returning {
+            &self.claim_returning
+        } else {
+            &self.claim
+        };
+        claim_values(query(text), key, opts, token)
+    }
+
+    /// The claim of `key` with `token` and the horizon after the write, no
+    /// pre-check: with `returning` ([`Statements::claim_returning_h`]) one
+    /// [`Stored`] row with `in_tx` and `horizon_us`; without
+    /// ([`Statements::claim`]) no row (read it back with
+    /// [`Statements::bind_read_back_h`]).
+    pub(crate) fn bind_claim_h(
+        &self,
+        returning: bool,
+        key: &EffectKey,
+        opts: &ClaimOptions,
+        token: &[u8; 16],
+    ) -> Bound {
+        let text = if returning {
+            &self.claim_returning_h
+        } else {
+            &self.claim
+        };
+        claim_values(query(text), key, opts, token)
+    }
+
+    /// The claim of `key` with `token` that inserts only after the horizon
+    /// (`sent_us`): the claim's ten parameters, then the guard
+    /// (`in_caller_tx`), the key's tenant and kind, `sent_us`. With
+    /// `returning` ([`Statements::claim_pre_returning_h`]) one [`Stored`]
+    /// row with `in_tx` and `horizon_us`, none when refused; without
+    /// ([`Statements::claim_pre`]) no row, and 0 rows affected when refused.
+    pub(crate) fn bind_claim_pre(
+        &self,
+        returning: bool,
+        key: &EffectKey,
+        opts: &ClaimOptions,
+        token: &[u8; 16],
+        in_caller_tx: bool,
+        sent_us: i64,
+    ) -> Bound {
+        let text = if returning {
+            &self.claim_pre_returning_h
+        } else {
+            &self.claim_pre
+        };
+        claim_values(query(text), key, opts, token)
+            .bind(in_caller_tx)
+            .bind(key.tenant().as_str())
+            .bind(key.kind())
+            .bind(sent_us)
+    }
+
+    /// [`Statements::get`] of `key`: a [`Stored`] row without `in_tx`, or
+    /// none.
+    pub(crate) fn bind_get(&self, key: &EffectKey) -> Bound {
+        query(&self.get).bind(key.as_str())
+    }
+
+    /// [`Statements::abandoned`]: `tenant`'s abandoned steps, at most
+    /// `limit`, as [`Stored`] rows without `in_tx`.
+    pub(crate) fn bind_abandoned(&self, tenant: &Tenant, limit: u64) -> Bound {
+        query(&self.abandoned).bind(tenant.as_str()).bind(limit)
+    }
+
+    /// [`Statements::peek_many`] of distinct `keys`: a [`Stored`] row with
+    /// `in_tx` per key found, in no particular order.
+    pub(crate) fn bind_peek_many(&self, keys: &[EffectKey]) -> Bound {
+        keys.iter()
+            .fold(query(&self.peek_many(keys.len())), |q, k| q.bind(k.as_str()))
+    }
+
+    /// [`Statements::claim_many`]: one `VALUES` row per (key, token), in
+    /// order, all with `opts`. With `returning`, one [`Stored`] row with
+    /// `in_tx` (and with `horizon`, `horizon_us`) per `VALUES` row, in
+    /// order; without, no row (read them back with
+    /// [`Statements::bind_read_back_many`]).
+    pub(crate) fn bind_claim_many(
+        &self,
+        returning: bool,
+        horizon: bool,
+        opts: &ClaimOptions,
+        rows: &[(&EffectKey, &[u8; 16])],
+    ) -> Bound {
+        rows.iter().fold(
+            query(&self.claim_many(rows.len(), returning, horizon)),
+            |q, (key, token)| claim_values(q, key, opts, token),
+        )
+    }
+
+    /// [`Statements::read_back_many`] of distinct `keys`: a [`Stored`] row
+    /// with `in_tx` (and with `horizon`, `horizon_us`) per key found, in no
+    /// particular order.
+    pub(crate) fn bind_read_back_many(&self, horizon: bool, keys: &[&EffectKey]) -> Bound {
+        keys.iter()
+            .fold(query(&self.read_back_many(keys.len(), horizon)), |q, k| {
+                q.bind(k.as_str())
+            })
+    }
+}
+
+/// The fenced writes: no rows; the callers read `rows_affected` (sqlx sets
+/// CLIENT_FOUND_ROWS, so it is the number of rows matched). `in_caller_tx`
+/// is the leaked-transaction guard's parameter: true on a caller's
+/// transaction.
+impl Statements {
+    /// [`Statements::refresh`]: a new expiry `lease_us` from now for the
+    /// fresh grant of `key` held by `token` at `fence`.
+    pub(crate) fn bind_refresh(
+        &self,
+        lease_us: i64,
+        key: &EffectKey,
+        token: &[u8; 16],
+        fence: u64,
+        in_caller_tx: bool,
+    ) -> Bound {
+        query(&self.refresh)
+            .bind(lease_us)
+            .bind(key.as_str())
+            .bind(&token[..])
+            .bind(fence)
+            .bind(in_caller_tx)
+    }
+
+    /// [`Statements::undo`]: deletes the fresh row of `key` held by `token`
+    /// at `fence`.
+    pub(crate) fn bind_undo(
+        &self,
+        key: &EffectKey,
+        token: &[u8; 16],
+        fence: u64,
+        in_caller_tx: bool,
+    ) -> Bound {
+        query(&self.undo)
+            .bind(key.as_str())
+            .bind(&token[..])
+            .bind(fence)
+            .bind(in_caller_tx)
+    }
+
+    /// [`Statements::complete`]: `outcome` for the lease of `key` at `fence`.
+    pub(crate) fn bind_complete(
+        &self,
+        outcome: &Outcome,
+        key: &EffectKey,
+        fence: u64,
+        in_caller_tx: bool,
+    ) -> Bound {
+        query(&self.complete)
+            .bind(outcome.as_bytes())
+            .bind(key.as_str())
+            .bind(fence)
+            .bind(in_caller_tx)
+    }
+
+    /// [`Statements::release`] of the lease of `key` at `fence`.
+    pub(crate) fn bind_release(&self, key: &EffectKey, fence: u64, in_caller_tx: bool) -> Bound {
+        query(&self.release)
+            .bind(key.as_str())
+            .bind(fence)
+            .bind(in_caller_tx)
+    }
+
+    /// [`Statements::renew`]: the lease of `key` at `fence` until
+    /// `extend_us` from now, reported as `last_insert_id`.
+    pub(crate) fn bind_renew(
+        &self,
+        extend_us: i64,
+        key: &EffectKey,
+        fence: u64,
+        in_caller_tx: bool,
+    ) -> Bound {
+        query(&self.renew)
+            .bind(extend_us)
+            .bind(key.as_str())
+            .bind(fence)
+            .bind(in_caller_tx)
+    }
+
+    /// [`Statements::forget`] of the completed record of `key` at `fence`.
+    pub(crate) fn bind_forget(&self, key: &EffectKey, fence: u64, in_caller_tx: bool) -> Bound {
+        query(&self.forget)
+            .bind(key.as_str())
+            .bind(fence)
+            .bind(in_caller_tx)
+    }
+}
+
+/// A row of [`Statements::watermarks`]: a (tenant, kind) pair's watermark
+/// as committed (NULL: locked by a prune that deleted nothing there).
+#[derive(Debug)]
+pub(crate) struct Watermark {
+    pub tenant: String,
+    pub kind: String,
+    pub watermark_us: Option<i64>,
+}
+
+impl Watermark {
+    /// Reads a row of [`Statements::bind_watermarks`] by column name.
+    pub(crate) fn read(row: &MySqlRow) -> Result<Self> {
+        let g = |e: sqlx::Error| corrupt(format!("unreadable watermark row: {e}"));
+        Ok(Watermark {
+            tenant: row.try_get("tenant").map_err(g)?,
+            kind: row.try_get("kind").map_err(g)?,
+            watermark_us: row.try_get("watermark_us").map_err(g)?,
+        })
+    }
+}
+
+/// The horizon's statements.
+impl Statements {
+    /// [`Statements::watermarks`] of distinct (tenant, kind) `pairs`: a
+    /// [`Watermark`] row per pair that has a watermark row.
+    pub(crate) fn bind_watermarks(&self, pairs: &[(&str, &str)]) -> Bound {
+        pairs
+            .iter()
+            .fold(query(&self.watermarks(pairs.len())), |q, (tenant, kind)| {
+                q.bind(*tenant).bind(*kind)
+            })
+    }
+
+    /// [`Statements::horizon`] of `tenant` and `kind`: the watermark (µs),
+    /// NULL or no row when there is none.
+    pub(crate) fn bind_horizon(&self, tenant: &Tenant, kind: &str) -> BoundScalar<Option<i64>> {
+        // `QueryScalar::bind` keeps its values for the query's lifetime:
+        // owned, so the bound statement borrows nothing.
+        sqlx::query_scalar(AssertSqlSafe(self.horizon.as_str()))
+            .bind(tenant.as_str().to_owned())
+            .bind(kind.to_owned())
+    }
+}
+
+/// A row of [`Statements::settled`]: a key's state, fence and claim token.
+#[derive(Debug)]
+pub(crate) struct Settled {
+    pub key: String,
+    pub fence: u64,
+    pub state: String,
+    pub token: Vec<u8>,
+}
+
+impl Settled {
+    /// Reads a row of [`Statements::bind_settled`] by column name.
+    pub(crate) fn read(row: &MySqlRow) -> Result<Self> {
+        let g = |e: sqlx::Error| corrupt(format!("unreadable ledger row: {e}"));
+        Ok(Settled {
+            key: row.try_get("effect_key").map_err(g)?,
+            fence: row.try_get("fence").map_err(g)?,
+            state: row.try_get("state").map_err(g)?,
+            token: row.try_get("claim_token").map_err(g)?,
+        })
+    }
+}
+
+/// `complete_many`'s statements.
+impl Statements {
+    /// [`Statements::complete_many`] of leases of distinct keys, on the pool:
+    /// the call's `token`; (key, outcome) per lease; the keys; (key, fence)
+    /// per lease; the guard, false. No rows: `rows_affected` is the number of
+    /// leases it matched.
+    pub(crate) fn bind_complete_many(&self, token: &[u8; 16], work: &[(Lease, Outcome)]) -> Bound {
+        let mut q = query(&self.complete_many(work.len())).bind(token.to_vec());
+        for (lease, outcome) in work {
+            q = q.bind(lease.key().as_str()).bind(outcome.as_bytes());
+        }
+        for (lease, _) in work {
+            q = q.bind(lease.key().as_str());
+        }
+        for (lease, _) in work {
+            q = q.bind(lease.key().as_str()).bind(lease.fence());
+        }
+        q.bind(false)
+    }
+
+    /// [`Statements::settled`] of the keys of `leases` (distinct): a
+    /// [`Settled`] row per key found.
+    pub(crate) fn bind_settled<'l>(&self, leases: impl ExactSizeIterator<Item = &'l Lease>) -> Bound {
+        let n = leases.len();
+        leases.fold(query(&self.settled(n)), |q, l| q.bind(l.key().as_str()))
+    }
+}
+
+/// A row of [`Statements::prune_candidates`]: a prunable key, with its
+/// tenant and kind.
+#[derive(Debug)]
+pub(crate) struct Candidate {
+    pub key: String,
+    pub tenant: String,
+    pub kind: String,
+}
+
+impl Candidate {
+    /// Reads a row of [`Statements::bind_prune_candidates`] by column name.
+    pub(crate) fn read(row: &MySqlRow) -> std::result::Result<Self, sqlx::Error> {
+        Ok(Candidate {
+            key: row.try_get("effect_key")?,
+            tenant: row.try_get("tenant")?,
+            kind: row.try_get("kind")?,
+        })
+    }
+}
+
+/// A row of [`Statements::prune_lock`]: a key locked for deletion, with its
+/// tenant, kind and creation time (µs).
+#[derive(Debug)]
+pub(crate) struct Doomed {
+    pub key: String,
+    pub tenant: String,
+    pub kind: String,
+    pub created_us: i64,
+}
+
+impl Doomed {
+    /// Reads a row of [`Statements::bind_prune_lock`] by column name.
+    pub(crate) fn read(row: &MySqlRow) -> std::result::Result<Self, sqlx::Error> {
+        Ok(Doomed {
+            key: row.try_get("effect_key")?,
+            created_us: row.try_get("created_us")?,
+            tenant: row.try_get("tenant")?,
+            kind: row.try_get("kind")?,
+        })
+    }
+}
+
+/// Prune's statements, in the order a batch runs them (`prune.rs`).
+impl Statements {
+    /// [`Statements::prune_candidates`]: at most `limit` [`Candidate`] rows.
+    pub(crate) fn bind_prune_candidates(&self, limit: u64) -> Bound {
+        query(&self.prune_candidates).bind(limit)
+    }
+
+    /// [`Statements::watermark_upsert`] of (tenant, kind) → watermark
+    /// (`None` only locks the row), in the map's order. No rows.
+    pub(crate) fn bind_watermark_upsert(&self, marks: &BTreeMap<(String, String), Option<i64>>) -> Bound {
+        marks.iter().fold(
+            query(&self.watermark_upsert(marks.len())),
+            |q, ((tenant, kind), w)| q.bind(tenant.as_str()).bind(kind.as_str()).bind(*w),
+        )
+    }
+
+    /// [`Statements::prune_lock`] of `keys`, sorted by the caller: a
+    /// [`Doomed`] row per key still prunable.
+    pub(crate) fn bind_prune_lock(&self, keys: &[String]) -> Bound {
+        keys.iter()
+            .fold(query(&self.prune_lock(keys.len())), |q, k| q.bind(k.as_str()))
+    }
+
+    /// [`Statements::prune_delete`] of `keys`. No rows.
+    pub(crate) fn bind_prune_delete(&self, keys: &[String]) -> Bound {
+        keys.iter()
+            .fold(query(&self.prune_delete(keys.len())), |q, k| q.bind(k.as_str()))
+    }
+
+    /// [`Statements::prunable`]: one count.
+    pub(crate) fn bind_prunable(&self) -> BoundScalar<i64> {
+        sqlx::query_scalar(AssertSqlSafe(self.prunable.as_str()))
+    }
+}
+
+/// A row of [`stats`], by name.
+pub(crate) fn kind_stats(row: &MySqlRow) -> Result<oncely::admin::KindStats> {
+    let g = |e: sqlx::Error| corrupt(format!("unreadable stats row: {e}"));
+    let tenant: String = row.try_get("tenant").map_err(g)?;
+    let tenant = oncely::Tenant::parse(&tenant).map_err(|e| corrupt(format!("tenant {tenant:?}: {e}")))?;
+    let kind: String = row.try_get("kind").map_err(g)?;
+    let now: i64 = row.try_get("now_us").map_err(g)?;
+    let count = |c: &str| -> Result<u64> {
+        let n: i64 = row.try_get(c).map_err(g)?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    };
+    let at = |c: &str| -> Result<Option<std::time::SystemTime>> {
+        Ok(row.try_get::<Option<i64>, _>(c).map_err(g)?.map(from_micros))
+    };
+    let mut s = oncely::admin::KindStats::new(tenant, kind, from_micros(now));
+    s.live = count("live")?;
+    s.stuck = count("stuck")?;
+    s.abandoned = count("abandoned")?;
+    s.completed = count("completed")?;
+    s.released = count("released")?;
+    s.oldest_live = at("oldest_live")?;
+    s.oldest_stuck = at("oldest_stuck")?;
+    s.oldest_abandoned = at("oldest_abandoned")?;
+    Ok(s)
+}
+
+impl Statements {
+    /// An operator listing built by [`records`] (rows: [`Stored`] without
+    /// `in_tx`) or [`stats`] (rows: [`kind_stats`]), its text and
+    /// arguments, behind the ledger's read prefix ([`Statements::read`]),
+    /// bound.
+    pub(crate) fn bind_listing(&self, text: &str, args: &[Arg]) -> Bound {
+        args.iter().fold(
+            sqlx::query(AssertSqlSafe(format!("{}{text}", self.read))),
+            |q, a| match a {
+                Arg::Text(s) => q.bind(s.clone()),
+                Arg::Int(i) => q.bind(*i),
+            },
+        )
     }
 }
 
