@@ -25,6 +25,11 @@ const ER_QUERY_INTERRUPTED: u16 = 1317;
 /// On a Galera node, "WSREP has not yet prepared node for application use":
 /// the node is not in the primary component (joining, partitioned, leaving).
 const ER_UNKNOWN_COM_ERROR: u16 = 1047;
+/// "Got error during COMMIT": the transaction was rolled back. On Galera a
+/// node that left the primary component while the write set was being
+/// replicated answers it ("Not connected to Primary Component"), as it
+/// answers 1047 to the next statement.
+const ER_ERROR_DURING_COMMIT: u16 = 1180;
 
 /// The server's error number, if the error came from the server.
 pub(crate) fn number(e: &sqlx::Error) -> Option<u16> {
@@ -113,7 +118,8 @@ pub(crate) fn map(e: sqlx::Error) -> Error {
                 | ER_ACCESS_DENIED
                 | ER_BAD_DB
                 | ER_SERVER_SHUTDOWN
-                | ER_UNKNOWN_COM_ERROR,
+                | ER_UNKNOWN_COM_ERROR
+                | ER_ERROR_DURING_COMMIT,
             ) => Error::Unavailable {
                 backend: BACKEND,
                 message: e.to_string(),

@@ -126,8 +126,10 @@
 //!   once is tested).
 //! - **A node that leaves.** A node outside the primary component
 //!   (partitioned, joining, shut down) answers writes with 1047 ("WSREP has
-//!   not yet prepared node"), and a causal read with 1205 once
-//!   `repl.causal_read_timeout` has passed (30 s by default): both are
+//!   not yet prepared node"), a `COMMIT` under way as it leaves with 1180
+//!   ("Not connected to Primary Component": rolled back), and a causal read
+//!   with 1205 once
+//!   `repl.causal_read_timeout` has passed (30 s by default): all are
 //!   [`oncely::Error::Unavailable`] (1205 is told from a lock wait by
 //!   `wsrep_ready`). A ledger on one node's URL stays on that node (and
 //!   refuses new connections to it until it is synced again): give it the

@@ -326,6 +326,11 @@ impl Shared {
             Error::LeaseLost { .. } => "lease_lost",
             Error::OutcomeUnknown { .. } => "outcome_unknown",
             Error::Unavailable { .. } => "unavailable",
+            // A step's own write failed (the transactional step's row on a
+            // node that went away): rolled back with its claim.
+            Error::Handler(_) => "handler",
+            // A conflict or a lock wait the backend rolled back.
+            Error::Backend { .. } => "backend",
             _ => "other",
         };
         *self
