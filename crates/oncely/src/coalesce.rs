@@ -242,7 +242,7 @@ impl<L: Ledger + 'static> Shared<L> {
                 Err(e) => fail_each(e, batch.len()),
             };
             for (p, answer) in batch.into_iter().zip(answers) {
-                if let Err(Ok(Claim::Acquired(lease))) = p.answer.send(answer).map_err(|_| Err::<Claim, Error>(Error::Misuse(String::new()))) { // NAIVE
+                if let Err(Ok(Claim::Acquired(lease))) = p.answer.send(answer) {
                     // Its caller is gone: give the key back now rather than
                     // at the end of the lease. A failed release leaves the
                     // lease to expire, as a crashed holder's would.
@@ -267,8 +267,10 @@ impl<L: Ledger + 'static> Shared<L> {
 
     async fn drive_completions(self: Arc<Self>) {
         while let Some(batch) = self.next_completions() {
-            let (items, answers): (Vec<(Lease, Outcome)>, Vec<_>) =
-                batch.into_iter().map(|p| ((p.lease, p.outcome), p.answer)).unzip();
+            let (items, answers): (Vec<(Lease, Outcome)>, Vec<_>) = batch
+                .into_iter()
+                .map(|p| ((p.lease, p.outcome), p.answer))
+                .unzip();
             let results = self.inner.complete_many(&items).await;
             let results = if results.len() == items.len() {
                 results
@@ -276,7 +278,11 @@ impl<L: Ledger + 'static> Shared<L> {
                 fail_each(
                     Error::Corrupt {
                         backend: self.inner.backend(),
-                        message: format!("complete_many answered {} of {} leases", results.len(), items.len()),
+                        message: format!(
+                            "complete_many answered {} of {} leases",
+                            results.len(),
+                            items.len()
+                        ),
                     },
                     items.len(),
                 )
@@ -381,7 +387,11 @@ impl<L: Ledger + 'static> Ledger for Coalescing<L> {
         self.shared.inner.abandoned(tenant, limit)
     }
 
-    fn horizon(&self, tenant: &Tenant, kind: &str) -> impl Future<Output = Result<Option<SystemTime>>> + Send {
+    fn horizon(
+        &self,
+        tenant: &Tenant,
+        kind: &str,
+    ) -> impl Future<Output = Result<Option<SystemTime>>> + Send {
         self.shared.inner.horizon(tenant, kind)
     }
 

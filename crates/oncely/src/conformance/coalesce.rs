@@ -108,7 +108,11 @@ impl<L: Ledger> Ledger for Gated<L> {
     fn abandoned(&self, tenant: &Tenant, limit: u64) -> impl Future<Output = Result<Vec<Record>>> + Send {
         self.inner.abandoned(tenant, limit)
     }
-    fn horizon(&self, tenant: &Tenant, kind: &str) -> impl Future<Output = Result<Option<SystemTime>>> + Send {
+    fn horizon(
+        &self,
+        tenant: &Tenant,
+        kind: &str,
+    ) -> impl Future<Output = Result<Option<SystemTime>>> + Send {
         self.inner.horizon(tenant, kind)
     }
     fn watch(&self, key: &EffectKey) -> impl Future<Output = Watch> + Send {
@@ -162,9 +166,16 @@ pub async fn coalesced_claimants_one_holder<L: Ledger + Clone + 'static>(ledger:
                 other => panic!("unexpected {other:?}"),
             }
         }
-        assert_eq!(won.len(), 1, "exactly one of {RACERS} coalesced claimants must acquire");
+        assert_eq!(
+            won.len(),
+            1,
+            "exactly one of {RACERS} coalesced claimants must acquire"
+        );
         assert_eq!(busy.len(), RACERS - 1);
-        assert!(busy.iter().all(|f| *f == won[0]), "every loser saw the winner's fence");
+        assert!(
+            busy.iter().all(|f| *f == won[0]),
+            "every loser saw the winner's fence"
+        );
     }
 }
 
@@ -178,7 +189,8 @@ pub async fn coalesced_runs_run_once<L: Ledger + Clone + 'static>(ledger: L) {
     let barrier = Arc::new(tokio::sync::Barrier::new(RACERS));
     let mut tasks = Vec::new();
     for worker in 0..RACERS {
-        let (effects, k, performed, barrier) = (effects.clone(), k.clone(), performed.clone(), barrier.clone());
+        let (effects, k, performed, barrier) =
+            (effects.clone(), k.clone(), performed.clone(), barrier.clone());
         tasks.push(tokio::spawn(async move {
             barrier.wait().await;
             let policy = OnInProgress::Wait {
@@ -198,7 +210,11 @@ pub async fn coalesced_runs_run_once<L: Ledger + Clone + 'static>(ledger: L) {
     for t in tasks {
         seen.insert(t.await.unwrap());
     }
-    assert_eq!(performed.load(Ordering::SeqCst), 1, "the effect ran more than once");
+    assert_eq!(
+        performed.load(Ordering::SeqCst),
+        1,
+        "the effect ran more than once"
+    );
     assert_eq!(seen.len(), 1, "all deliveries see the one outcome: {seen:?}");
 }
 
@@ -265,7 +281,10 @@ pub async fn coalesced_batch_answers_each_slot<L: Ledger + Clone + 'static>(ledg
         matches!(next(), Ok(Claim::Completed(r)) if r.fence == done.fence() && r.outcome == Some(o("done"))),
         "completed key"
     );
-    assert!(matches!(next(), Err(Error::FingerprintMismatch { .. })), "another payload");
+    assert!(
+        matches!(next(), Err(Error::FingerprintMismatch { .. })),
+        "another payload"
+    );
     assert!(
         matches!(next(), Ok(Claim::InProgress { fence, .. }) if fence == live.fence()),
         "live lease"
@@ -292,9 +311,15 @@ pub async fn coalesced_batch_answers_each_slot<L: Ledger + Clone + 'static>(ledg
         (fresh1.clone(), o("again")),
         (refund.clone(), o("refund")),
     ];
-    let mut calls: Vec<_> = items.iter().map(|(l, o)| Box::pin(ledger.complete(l, o))).collect();
+    let mut calls: Vec<_> = items
+        .iter()
+        .map(|(l, o)| Box::pin(ledger.complete(l, o)))
+        .collect();
     for c in &mut calls {
-        assert!(poll_once(c).await.is_none(), "a completion behind one in flight waits");
+        assert!(
+            poll_once(c).await.is_none(),
+            "a completion behind one in flight waits"
+        );
     }
     gated.open();
     first.await.unwrap();
@@ -304,16 +329,29 @@ pub async fn coalesced_batch_answers_each_slot<L: Ledger + Clone + 'static>(ledg
     }
     assert_eq!(*gated.complete_batches.lock().unwrap(), [5], "one batch");
     assert!(answers[0].is_ok(), "{answers:?}");
-    assert!(answers[1].as_ref().is_err_and(Error::is_lease_lost), "stale: {answers:?}");
+    assert!(
+        answers[1].as_ref().is_err_and(Error::is_lease_lost),
+        "stale: {answers:?}"
+    );
     assert!(answers[2].is_ok(), "{answers:?}");
     assert!(
         answers[3].as_ref().is_err_and(Error::is_lease_lost),
         "completed twice: {answers:?}"
     );
     assert!(answers[4].is_ok(), "{answers:?}");
-    for (l, want) in [(&fresh1, "fresh1"), (&fresh2, "fresh2"), (&refund, "refund"), (&done, "done")] {
+    for (l, want) in [
+        (&fresh1, "fresh1"),
+        (&fresh2, "fresh2"),
+        (&refund, "refund"),
+        (&done, "done"),
+    ] {
         let r = ledger.get(l.key()).await.unwrap().unwrap();
-        assert_eq!((r.state, r.outcome), (RecordState::Completed, Some(o(want))), "{}", l.key());
+        assert_eq!(
+            (r.state, r.outcome),
+            (RecordState::Completed, Some(o(want))),
+            "{}",
+            l.key()
+        );
     }
 }
 
@@ -351,7 +389,11 @@ pub async fn coalesced_dropped_caller_leaves_no_lease<L: Ledger + Clone + 'stati
     drop(b);
     gated.open();
     let lc = acquired(c.await.unwrap());
-    assert_eq!(*gated.claim_batches.lock().unwrap(), [2], "b and c in one batch, d left out");
+    assert_eq!(
+        *gated.claim_batches.lock().unwrap(),
+        [2],
+        "b and c in one batch, d left out"
+    );
 
     let again = ledger.claim(&kb, &long).await.unwrap();
     match &again {
@@ -365,7 +407,15 @@ pub async fn coalesced_dropped_caller_leaves_no_lease<L: Ledger + Clone + 'stati
     );
     for l in [&la, &lc] {
         let r = ledger.get(l.key()).await.unwrap().unwrap();
-        assert_eq!((r.state, r.fence), (RecordState::InProgress, l.fence()), "{}", l.key());
-        ledger.complete(l, &Outcome::from_json(&()).unwrap()).await.unwrap();
+        assert_eq!(
+            (r.state, r.fence),
+            (RecordState::InProgress, l.fence()),
+            "{}",
+            l.key()
+        );
+        ledger
+            .complete(l, &Outcome::from_json(&()).unwrap())
+            .await
+            .unwrap();
     }
 }
