@@ -228,6 +228,10 @@ impl<L: Ledger + 'static> Shared<L> {
     }
 
     async fn drive_claims(self: Arc<Self>) {
+        let abandon = Abandon {
+            queue: &self.claims,
+            armed: true,
+        };
         while let Some((opts, batch)) = self.next_claims() {
             let keys: Vec<EffectKey> = batch.iter().map(|p| p.key.clone()).collect();
             let answers = match self.inner.claim_many(&keys, &opts).await {
@@ -241,18 +245,24 @@ impl<L: Ledger + 'static> Shared<L> {
                 ),
                 Err(e) => fail_each(e, batch.len()),
             };
+            // Answers first, so a dropped caller costs the others nothing;
+            // then its grant is given back now rather than at the end of the
+            // lease, before the next statement (a failed release leaves the
+            // lease to expire, as a crashed holder's would).
+            let mut orphans = Vec::new();
             for (p, answer) in batch.into_iter().zip(answers) {
                 if let Err(Ok(Claim::Acquired(lease))) = p.answer.send(answer) {
-                    // Its caller is gone: give the key back now rather than
-                    // at the end of the lease. A failed release leaves the
-                    // lease to expire, as a crashed holder's would.
-                    if let Err(e) = self.inner.release(&lease).await {
-                        tracing::warn!(key = %lease.key(), fence = lease.fence(), error = %e,
-                            "coalescing: releasing a dropped claimant's lease failed");
-                    }
+                    orphans.push(lease);
+                }
+            }
+            for lease in orphans {
+                if let Err(e) = self.inner.release(&lease).await {
+                    tracing::warn!(key = %lease.key(), fence = lease.fence(), error = %e,
+                        "coalescing: releasing a dropped claimant's lease failed");
                 }
             }
         }
+        abandon.disarm();
     }
 
     fn next_completions(&self) -> Option<Vec<PendingCompletion>> {
@@ -266,6 +276,10 @@ impl<L: Ledger + 'static> Shared<L> {
     }
 
     async fn drive_completions(self: Arc<Self>) {
+        let abandon = Abandon {
+            queue: &self.completions,
+            armed: true,
+        };
         while let Some(batch) = self.next_completions() {
             let (items, answers): (Vec<(Lease, Outcome)>, Vec<_>) = batch
                 .into_iter()
@@ -291,6 +305,32 @@ impl<L: Ledger + 'static> Shared<L> {
                 // A caller gone: its completion happened (or not) all the same.
                 let _ = answer.send(result);
             }
+        }
+        abandon.disarm();
+    }
+}
+
+/// A driver task dropped before its queue was empty (its runtime shut
+/// down): its waiting callers answer `Unavailable` and the queue goes idle,
+/// so the ledger still works on another runtime.
+struct Abandon<'a, T> {
+    queue: &'a Mutex<Queue<T>>,
+    armed: bool,
+}
+
+impl<T> Abandon<'_, T> {
+    /// The driver emptied its queue and left it idle itself.
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl<T> Drop for Abandon<'_, T> {
+    fn drop(&mut self) {
+        if self.armed {
+            let mut q = lock(self.queue);
+            q.waiting.clear();
+            q.busy = false;
         }
     }
 }

@@ -419,3 +419,11 @@ pub async fn coalesced_dropped_caller_leaves_no_lease<L: Ledger + Clone + 'stati
             .unwrap();
     }
 }
+
+/// Claims and completions through a coalescing ledger aborted at random
+/// points never lose a committed result and leave it working
+/// ([`cancellation_is_safe`](super::cancellation_is_safe), coalesced); an
+/// aborted claimant's key may also be left released: its grant given back.
+pub async fn coalesced_cancellation_is_safe<L: Ledger + Clone + 'static>(ledger: L) {
+    super::ledger::cancellation_case(Coalescing::new(ledger), "coalesced_cancellation_is_safe", true).await;
+}

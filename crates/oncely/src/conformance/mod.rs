@@ -259,6 +259,7 @@ macro_rules! __conformance_tests {
             coalesced_runs_run_once,
             coalesced_batch_answers_each_slot,
             coalesced_dropped_caller_leaves_no_lease,
+            coalesced_cancellation_is_safe,
         );
     };
     (@each $make:path; $($name:ident),* $(,)?) => {
