@@ -56,7 +56,7 @@ use std::future::Future;
 use std::time::{Duration, SystemTime};
 
 pub use crate::backoff::Backoff;
-pub use crate::coalesce::{Coalescing, DEFAULT_MAX_BATCH};
+pub use crate::coalesce::{Coalescing, DEFAULT_MAX_BATCH, DEFAULT_MAX_IN_FLIGHT};
 pub use crate::key::{MAX_KEY_BYTES, MAX_KIND_BYTES, MAX_TENANT_BYTES};
 pub use crate::ledger::{Capabilities, Ledger, TransactionalLedger};
 pub use crate::record::{

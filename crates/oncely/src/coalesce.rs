@@ -15,8 +15,13 @@ use crate::slots::fail_each;
 use crate::watch::Watch;
 
 /// The most calls one gathered statement carries, unless
-/// [`Coalescing::with_max_batch`] says otherwise.
+/// [`Coalescing::with_limits`] says otherwise.
 pub const DEFAULT_MAX_BATCH: usize = 128;
+
+/// How many claim statements (and completion statements) one coalescing
+/// ledger keeps in flight before later calls queue, unless
+/// [`Coalescing::with_limits`] says otherwise.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 1;
 
 /// A [`Ledger`] that gathers the concurrent [`claim`](Ledger::claim) and
 /// [`complete`](Ledger::complete) calls of many tasks into one
@@ -26,11 +31,12 @@ pub const DEFAULT_MAX_BATCH: usize = 128;
 ///
 /// **How.** A call with nothing in flight goes straight to the inner
 /// ledger, in the caller's own task: a lone, sequential caller pays nothing
-/// (no extra task, no wait, one uncontended lock). While a claim statement
-/// is in flight, later claims queue; when it returns, the queue is sent as
-/// one `claim_many` (at most `max_batch` ([`Coalescing::with_max_batch`]) calls,
-/// only calls with equal [`ClaimOptions`] share one), and so on until the
-/// queue is empty. Completions queue behind completions the same way, and
+/// (no extra task, no wait, two uncontended lock operations). While a claim
+/// statement is in flight (or `max_in_flight` of them,
+/// [`Coalescing::with_limits`]), later claims queue; when it returns, the
+/// queue is sent as one `claim_many` (at most `max_batch` calls, only calls
+/// with equal [`ClaimOptions`] share one), and so on until the queue is
+/// empty. Completions queue behind completions the same way, and
 /// independently of claims. So the gathering lasts exactly as long as the
 /// previous statement: no timer, no added latency when the ledger is idle.
 ///
@@ -88,6 +94,7 @@ impl<L> std::fmt::Debug for Coalescing<L> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Coalescing")
             .field("max_batch", &self.shared.max_batch)
+            .field("max_in_flight", &self.shared.max_in_flight)
             .finish_non_exhaustive()
     }
 }
@@ -95,21 +102,33 @@ impl<L> std::fmt::Debug for Coalescing<L> {
 struct Shared<L> {
     inner: L,
     max_batch: usize,
+    max_in_flight: usize,
     claims: Mutex<Queue<PendingClaim>>,
     completions: Mutex<Queue<PendingCompletion>>,
 }
 
-/// Calls waiting for the statement in flight, and whether one is.
+/// Calls waiting for a statement in flight, and how many are.
 struct Queue<T> {
-    busy: bool,
+    /// Statements in flight (at most `max_in_flight`).
+    in_flight: usize,
     waiting: Vec<T>,
 }
 
 impl<T> Queue<T> {
     const fn new() -> Self {
         Queue {
-            busy: false,
+            in_flight: 0,
             waiting: Vec::new(),
+        }
+    }
+
+    /// A statement's slot ends with nobody to drive the queue (no runtime):
+    /// when it was the last, the waiting callers are dropped, and answer
+    /// `Unavailable`.
+    fn end_without_driver(&mut self) {
+        self.in_flight -= 1;
+        if self.in_flight == 0 {
+            self.waiting.clear();
         }
     }
 }
@@ -135,15 +154,19 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl<L: Ledger + 'static> Coalescing<L> {
     /// Wraps `inner`; statements carry at most [`DEFAULT_MAX_BATCH`] calls.
     pub fn new(inner: L) -> Self {
-        Self::with_max_batch(inner, DEFAULT_MAX_BATCH)
+        Self::with_limits(inner, DEFAULT_MAX_BATCH, DEFAULT_MAX_IN_FLIGHT)
     }
 
-    /// Wraps `inner`; statements carry at most `max_batch` calls (at least 1).
-    pub fn with_max_batch(inner: L, max_batch: usize) -> Self {
+    /// Wraps `inner`: statements carry at most `max_batch` calls, and at
+    /// most `max_in_flight` claim statements (and as many completion
+    /// statements) are in flight at once, calls beyond them queue (each at
+    /// least 1).
+    pub fn with_limits(inner: L, max_batch: usize, max_in_flight: usize) -> Self {
         Coalescing {
             shared: Arc::new(Shared {
                 inner,
                 max_batch: max_batch.max(1),
+                max_in_flight: max_in_flight.max(1),
                 claims: Mutex::new(Queue::new()),
                 completions: Mutex::new(Queue::new()),
             }),
@@ -156,7 +179,7 @@ impl<L: Ledger + 'static> Coalescing<L> {
     }
 }
 
-/// Clears a queue's busy flag when its statement ends (or its caller is
+/// Frees a queue's slot when its statement ends (or its caller is
 /// dropped), or hands the queue to a driver task if callers are waiting.
 struct Direct<'a, L: Ledger + 'static> {
     shared: &'a Arc<Shared<L>>,
@@ -178,28 +201,26 @@ impl<L: Ledger + 'static> Shared<L> {
     fn claims_done(this: &Arc<Self>) {
         let mut q = lock(&this.claims);
         if q.waiting.is_empty() {
-            q.busy = false;
+            q.in_flight -= 1;
         } else if let Ok(rt) = tokio::runtime::Handle::try_current() {
             drop(q);
             rt.spawn(this.clone().drive_claims());
         } else {
             // No runtime (one shutting down): nobody can drive the queue.
             // Its callers answer `Unavailable` (their senders dropped).
-            q.waiting.clear();
-            q.busy = false;
+            q.end_without_driver();
         }
     }
 
     fn completions_done(this: &Arc<Self>) {
         let mut q = lock(&this.completions);
         if q.waiting.is_empty() {
-            q.busy = false;
+            q.in_flight -= 1;
         } else if let Ok(rt) = tokio::runtime::Handle::try_current() {
             drop(q);
             rt.spawn(this.clone().drive_completions());
         } else {
-            q.waiting.clear();
-            q.busy = false;
+            q.end_without_driver();
         }
     }
 
@@ -210,7 +231,7 @@ impl<L: Ledger + 'static> Shared<L> {
         let mut q = lock(&self.claims);
         q.waiting.retain(|p| !p.answer.is_closed());
         if q.waiting.is_empty() {
-            q.busy = false;
+            q.in_flight -= 1;
             return None;
         }
         let opts = q.waiting[0].opts.clone();
@@ -268,7 +289,7 @@ impl<L: Ledger + 'static> Shared<L> {
     fn next_completions(&self) -> Option<Vec<PendingCompletion>> {
         let mut q = lock(&self.completions);
         if q.waiting.is_empty() {
-            q.busy = false;
+            q.in_flight -= 1;
             return None;
         }
         let n = q.waiting.len().min(self.max_batch);
@@ -329,8 +350,7 @@ impl<T> Drop for Abandon<'_, T> {
     fn drop(&mut self) {
         if self.armed {
             let mut q = lock(self.queue);
-            q.waiting.clear();
-            q.busy = false;
+            q.end_without_driver();
         }
     }
 }
@@ -354,7 +374,7 @@ impl<L: Ledger + 'static> Ledger for Coalescing<L> {
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
         let waiting = {
             let mut q = lock(&self.shared.claims);
-            if q.busy {
+            if q.in_flight >= self.shared.max_in_flight {
                 let (tx, rx) = oneshot::channel();
                 q.waiting.push(PendingClaim {
                     key: key.clone(),
@@ -363,7 +383,7 @@ impl<L: Ledger + 'static> Ledger for Coalescing<L> {
                 });
                 Some(rx)
             } else {
-                q.busy = true;
+                q.in_flight += 1;
                 None
             }
         };
@@ -382,7 +402,7 @@ impl<L: Ledger + 'static> Ledger for Coalescing<L> {
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
         let waiting = {
             let mut q = lock(&self.shared.completions);
-            if q.busy {
+            if q.in_flight >= self.shared.max_in_flight {
                 let (tx, rx) = oneshot::channel();
                 q.waiting.push(PendingCompletion {
                     lease: lease.clone(),
@@ -391,7 +411,7 @@ impl<L: Ledger + 'static> Ledger for Coalescing<L> {
                 });
                 Some(rx)
             } else {
-                q.busy = true;
+                q.in_flight += 1;
                 None
             }
         };
