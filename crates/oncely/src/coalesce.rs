@@ -59,11 +59,14 @@ pub const DEFAULT_MAX_IN_FLIGHT: usize = 1;
 ///
 /// **When to wrap.** Many tasks sharing one ledger in one process (a
 /// consumer with concurrency, a server's request handlers), on a backend
-/// where a statement's round trip and commit cost more than its rows:
-/// PostgreSQL, MySQL, SQLite, Redis. It changes nothing for one sequential
-/// caller, so there is no switch: not wrapping is turning it off. Every
-/// other method (`release`, `renew`, `get`, `watch`, `claim_many`, the
-/// transactional ones…) goes straight to the inner ledger.
+/// where a statement's round trip and commit cost more than its rows. On
+/// PostgreSQL, 32 tasks delivering 5,000 jobs twice each (`Effects::run`,
+/// `Wait`) ran a little over twice the deliveries per second through it,
+/// and one statement in flight measured faster than two or four; one
+/// sequential caller ran as fast as unwrapped. It changes nothing for a
+/// lone caller, so there is no switch: not wrapping is turning it off.
+/// Every other method (`release`, `renew`, `get`, `watch`, `claim_many`,
+/// the transactional ones…) goes straight to the inner ledger.
 ///
 /// Batches are driven with [`tokio::spawn`]: use it inside a Tokio runtime.
 ///
