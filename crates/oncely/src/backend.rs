@@ -13,6 +13,10 @@
 //! operator's side of a ledger is [`crate::admin`]; opening one from a URL
 //! is [`crate::open`].
 //!
+//! **Around a ledger.** [`Coalescing`] wraps any ledger and gathers the
+//! concurrent claims and completions of many tasks into one `claim_many` /
+//! `complete_many` statement (a lone caller goes straight through).
+//!
 //! **The rules.** A backend writes its atomic operations (a statement, a
 //! script, a revision-checked update) and maps its rows; what a record
 //! *means* is decided here, so that the backends cannot drift apart:
@@ -52,6 +56,7 @@ use std::future::Future;
 use std::time::{Duration, SystemTime};
 
 pub use crate::backoff::Backoff;
+pub use crate::coalesce::{Coalescing, DEFAULT_MAX_BATCH, DEFAULT_MAX_IN_FLIGHT};
 pub use crate::key::{MAX_KEY_BYTES, MAX_KIND_BYTES, MAX_TENANT_BYTES};
 pub use crate::ledger::{Capabilities, Ledger, TransactionalLedger};
 pub use crate::record::{

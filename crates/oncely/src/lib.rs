@@ -73,6 +73,7 @@
 pub mod admin;
 pub mod backend;
 mod backoff;
+mod coalesce;
 mod effects;
 mod error;
 mod held;

@@ -19,6 +19,9 @@
 //! - `runner.rs`: `Effects::run` over the backend (duplicates, the in-progress
 //!   policy, failures, the safety margin, renewal under [`Faulty`] faults,
 //!   telemetry counted once);
+//! - `coalesce.rs`: the backend's ledger wrapped in
+//!   [`Coalescing`](crate::backend::Coalescing) (many claimants of one key,
+//!   a gathered batch answered per slot, a caller dropped mid-batch);
 //! - `admin.rs`: the operator capability [`Admin`](crate::admin::Admin) (paging,
 //!   tenant isolation, stuck and abandoned on the backend's clock, stats,
 //!   forget) ([`admin_conformance_tests!`](crate::conformance::admin_conformance_tests));
@@ -58,6 +61,7 @@ pub use crate::__transactional_conformance_tests as transactional_conformance_te
 pub use crate::__transactional_nodes_conformance_tests as transactional_nodes_conformance_tests;
 
 mod admin;
+mod coalesce;
 mod faulty;
 mod ledger;
 mod metrics;
@@ -68,6 +72,7 @@ mod runner;
 mod transactional;
 
 pub use admin::*;
+pub use coalesce::*;
 pub use faulty::{Faulty, InjectedUniqueViolation};
 pub use ledger::*;
 pub use metrics::{counter, metrics_snapshotter};
@@ -250,6 +255,11 @@ macro_rules! __conformance_tests {
             run_waiter_is_answered_when_the_holder_finishes,
             run_waiter_survives_a_lost_notification,
             naive_guard_double_applies,
+            coalesced_claimants_one_holder,
+            coalesced_runs_run_once,
+            coalesced_batch_answers_each_slot,
+            coalesced_dropped_caller_leaves_no_lease,
+            coalesced_cancellation_is_safe,
         );
     };
     (@each $make:path; $($name:ident),* $(,)?) => {
