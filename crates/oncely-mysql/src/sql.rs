@@ -37,7 +37,7 @@ use std::collections::BTreeMap;
 
 use oncely::admin::{Filter, RecordQuery};
 use oncely::backend::{Fingerprint, Lease, Outcome, Record, RecordState};
-use oncely::backend::{KeyRange, duration_micros, effective_state, from_micros, key_range};
+use oncely::backend::{duration_micros, effective_state, from_micros, scope_where};
 use oncely::{ClaimOptions, EffectKey, Result, Tenant};
 use sqlx::mysql::{MySqlArguments, MySqlRow};
 use sqlx::query::{Query, QueryScalar};
@@ -301,46 +301,21 @@ fn filter_sql(filter: Filter) -> &'static str {
     }
 }
 
-/// Tenant, kind and subject: a range of the primary key (`key_range`: `tenant/`,
-/// `tenant/kind:`; `utf8mb4_bin` compares code points, which is byte
-/// order), or the key itself when all three are given; the columns are
-/// compared too, which keeps the range exact.
+/// Tenant, kind and subject ([`scope_where`]): a range of the primary key
+/// (`utf8mb4_bin` compares code points, which is byte order), or the key
+/// itself when all three are given; the columns are compared too, which
+/// keeps the range exact.
 fn scope_sql(
     tenant: Option<&Tenant>,
     kind: Option<&str>,
     subject: Option<&str>,
     args: &mut Vec<Arg>,
 ) -> String {
-    let mut w = Vec::new();
-    match key_range(tenant, kind, subject) {
-        KeyRange::Key(key) => {
-            w.push("e.effect_key = ?".to_owned());
-            args.push(Arg::Text(key));
-        }
-        KeyRange::Prefix { start, end } => {
-            w.push("e.effect_key >= ? AND e.effect_key < ?".to_owned());
-            args.push(Arg::Text(start));
-            args.push(Arg::Text(end));
-        }
-        KeyRange::All => {}
-    }
-    if let Some(t) = tenant {
-        w.push("e.tenant = ?".to_owned());
-        args.push(Arg::Text(t.as_str().to_owned()));
-    }
-    if let Some(k) = kind {
-        w.push("e.kind = ?".to_owned());
-        args.push(Arg::Text(k.to_owned()));
-    }
-    if let Some(s) = subject {
-        w.push("e.subject = ?".to_owned());
-        args.push(Arg::Text(s.to_owned()));
-    }
-    if w.is_empty() {
-        "TRUE".to_owned()
-    } else {
-        w.join(" AND ")
-    }
+    let columns = ["e.effect_key", "e.tenant", "e.kind", "e.subject"];
+    scope_where(tenant, kind, subject, true, columns, "TRUE", |v| {
+        args.push(Arg::Text(v));
+        "?".to_owned()
+    })
 }
 
 /// `Admin::records`: oldest first (`created_us`, then the key), after the

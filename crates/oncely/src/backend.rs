@@ -43,8 +43,9 @@
 //!   of a batch; [`earlier_listings`], [`repeated_claim`],
 //!   [`repeated_completion`]: what a key or lease listed twice in one batch
 //!   answers (what the same call made again right after would);
-//! - [`key_range`]: the range of keys an operator listing of a tenant (and
-//!   kind) reads;
+//! - [`key_range`], [`scope_terms`], [`scope_where`]: the range of keys an operator listing
+//!   of a tenant (and kind) reads, and the one WHERE every SQL backend's
+//!   listing builds from it;
 //! - [`to_micros`], [`from_micros`], [`duration_micros`], [`MAX_MICROS`]: the
 //!   one time unit backends store (microseconds since the Unix epoch), with
 //!   checked arithmetic.
@@ -71,7 +72,7 @@ use crate::key::EffectKey;
 use crate::record::ClaimOptions;
 
 pub use crate::retry::{Attempts, retry, retry_with};
-pub use crate::scope::{KeyRange, key_range};
+pub use crate::scope::{KeyRange, ScopeColumn, ScopeOp, ScopeTerm, key_range, scope_terms, scope_where};
 pub use crate::slots::{copy_error, earlier_listings, fail_each, repeated_claim, repeated_completion};
 
 /// The parts of a lease a backend has just granted. [`Grant::into_lease`]

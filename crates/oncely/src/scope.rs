@@ -40,6 +40,125 @@ pub fn key_range(tenant: Option<&Tenant>, kind: Option<&str>, subject: Option<&s
     }
 }
 
+/// A column an operator listing's scope compares ([`scope_terms`]).
+// Exhaustive by design (ARCHITECTURE.md, API boundaries): a key has these
+// four parts and no other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScopeColumn {
+    /// The whole displayed key (`tenant/kind:subject`), the table's primary key.
+    Key,
+    /// The tenant column.
+    Tenant,
+    /// The kind column.
+    Kind,
+    /// The subject column.
+    Subject,
+}
+
+/// How a [`ScopeTerm`] compares its column with its value.
+// Exhaustive by design: the three comparisons a key range needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScopeOp {
+    /// `=`.
+    Eq,
+    /// `>=`: the range's first key.
+    AtLeast,
+    /// `<`: past the range's last key.
+    Below,
+}
+
+impl ScopeOp {
+    /// The SQL operator.
+    pub fn sql(self) -> &'static str {
+        match self {
+            ScopeOp::Eq => "=",
+            ScopeOp::AtLeast => ">=",
+            ScopeOp::Below => "<",
+        }
+    }
+}
+
+/// One condition of a listing's scope: `column op value`, the value bound
+/// as text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScopeTerm {
+    /// The column compared.
+    pub column: ScopeColumn,
+    /// How.
+    pub op: ScopeOp,
+    /// The text it is compared with.
+    pub value: String,
+}
+
+/// The conditions (joined with `AND`; none: every record) that scope an
+/// operator listing to `tenant`, `kind` and `subject`, for every SQL
+/// backend: the whole key when all three are given; with `ranges`, a
+/// tenant's (or tenant and kind's) [`KeyRange::Prefix`] on the key, for a
+/// backend whose key column compares bytes in order (SQLite's `BINARY`,
+/// MySQL's `utf8mb4_bin`), so the key's index serves the listing; then the
+/// tenant, kind and subject columns themselves, which keep the range exact
+/// (a kind's prefix also holds kinds that extend it).
+pub fn scope_terms(tenant: Option<&Tenant>, kind: Option<&str>, subject: Option<&str>, ranges: bool) -> Vec<ScopeTerm> {
+    let term = |column, op, value: &str| ScopeTerm {
+        column,
+        op,
+        value: value.to_owned(),
+    };
+    let mut terms = Vec::new();
+    match key_range(tenant, kind, subject) {
+        KeyRange::Key(key) => terms.push(term(ScopeColumn::Key, ScopeOp::Eq, &key)),
+        KeyRange::Prefix { start, end } if ranges => {
+            terms.push(term(ScopeColumn::Key, ScopeOp::AtLeast, &start));
+            terms.push(term(ScopeColumn::Key, ScopeOp::Below, &end));
+        }
+        KeyRange::Prefix { .. } | KeyRange::All => {}
+    }
+    if let Some(t) = tenant {
+        terms.push(term(ScopeColumn::Tenant, ScopeOp::Eq, t.as_str()));
+    }
+    if let Some(k) = kind {
+        terms.push(term(ScopeColumn::Kind, ScopeOp::Eq, k));
+    }
+    if let Some(s) = subject {
+        terms.push(term(ScopeColumn::Subject, ScopeOp::Eq, s));
+    }
+    terms
+}
+
+/// The WHERE fragment of [`scope_terms`] for a SQL backend: each term as
+/// `column op placeholder`, joined with `AND`, or `everything` (the
+/// dialect's true) when there is none. `columns` names the key, tenant,
+/// kind and subject columns as the statement spells them; `bind` takes
+/// each term's value and returns its placeholder (`?`, `$3`).
+pub fn scope_where(
+    tenant: Option<&Tenant>,
+    kind: Option<&str>,
+    subject: Option<&str>,
+    ranges: bool,
+    columns: [&str; 4],
+    everything: &str,
+    mut bind: impl FnMut(String) -> String,
+) -> String {
+    let w: Vec<String> = scope_terms(tenant, kind, subject, ranges)
+        .into_iter()
+        .map(|t| {
+            let column = match t.column {
+                ScopeColumn::Key => columns[0],
+                ScopeColumn::Tenant => columns[1],
+                ScopeColumn::Kind => columns[2],
+                ScopeColumn::Subject => columns[3],
+            };
+            let op = t.op.sql();
+            format!("{column} {op} {}", bind(t.value))
+        })
+        .collect();
+    if w.is_empty() {
+        everything.to_owned()
+    } else {
+        w.join(" AND ")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -69,5 +188,42 @@ mod tests {
         // The next byte after the separator bounds the prefix.
         assert_eq!(b'/' + 1, b'0');
         assert_eq!(b':' + 1, b';');
+    }
+
+    #[test]
+    fn scope_terms_compare_the_key_then_each_column_given() {
+        let t = Tenant::new("acme").unwrap();
+        let shown = |terms: Vec<ScopeTerm>| -> Vec<String> {
+            terms
+                .into_iter()
+                .map(|t| format!("{:?} {} {}", t.column, t.op.sql(), t.value))
+                .collect()
+        };
+        assert!(scope_terms(None, None, None, true).is_empty());
+        assert_eq!(shown(scope_terms(None, Some("capture"), None, true)), ["Kind = capture"]);
+        assert_eq!(
+            shown(scope_terms(Some(&t), Some("capture"), None, true)),
+            ["Key >= acme/capture:", "Key < acme/capture;", "Tenant = acme", "Kind = capture"]
+        );
+        assert_eq!(
+            shown(scope_terms(Some(&t), Some("capture"), None, false)),
+            ["Tenant = acme", "Kind = capture"]
+        );
+        assert_eq!(
+            shown(scope_terms(Some(&t), Some("capture"), Some("o-1"), false)),
+            ["Key = acme/capture:o-1", "Tenant = acme", "Kind = capture", "Subject = o-1"]
+        );
+        let mut values = Vec::new();
+        let mut bind = |v: String| {
+            values.push(v);
+            format!("${}", values.len())
+        };
+        let columns = ["e.key", "e.tenant", "e.kind", "e.subject"];
+        assert_eq!(
+            scope_where(Some(&t), None, None, true, columns, "true", &mut bind),
+            "e.key >= $1 AND e.key < $2 AND e.tenant = $3"
+        );
+        assert_eq!(scope_where(None, None, None, true, columns, "true", &mut bind), "true");
+        assert_eq!(values, ["acme/", "acme0", "acme"]);
     }
 }

@@ -2,7 +2,7 @@
 //! listings built per query ([`records`], [`stats`]) with their rows.
 
 use oncely::admin::{Filter, RecordQuery};
-use oncely::backend::{KeyRange, RecordState, from_micros, key_range};
+use oncely::backend::{RecordState, from_micros, scope_where};
 use oncely::{EffectKey, Result, Tenant};
 use sqlx::AssertSqlSafe;
 use sqlx::postgres::PgRow;
@@ -77,27 +77,12 @@ impl Binds {
     }
 }
 
-/// Tenant, kind and subject: the key itself (its primary key) when all
-/// three are given, else the columns.
+/// Tenant, kind and subject ([`scope_where`] without ranges: the key
+/// column's collation need not be byte order): the key itself (its primary
+/// key) when all three are given, else the columns.
 fn scope_sql(tenant: Option<&Tenant>, kind: Option<&str>, subject: Option<&str>, b: &mut Binds) -> String {
-    let mut w = Vec::new();
-    if let KeyRange::Key(key) = key_range(tenant, kind, subject) {
-        w.push(format!("e.key = {}", b.push(Arg::Text(key))));
-    }
-    if let Some(t) = tenant {
-        w.push(format!("e.tenant = {}", b.push(Arg::Text(t.as_str().to_owned()))));
-    }
-    if let Some(k) = kind {
-        w.push(format!("e.kind = {}", b.push(Arg::Text(k.to_owned()))));
-    }
-    if let Some(s) = subject {
-        w.push(format!("e.subject = {}", b.push(Arg::Text(s.to_owned()))));
-    }
-    if w.is_empty() {
-        "true".to_owned()
-    } else {
-        w.join(" AND ")
-    }
+    let columns = ["e.key", "e.tenant", "e.kind", "e.subject"];
+    scope_where(tenant, kind, subject, false, columns, "true", |v| b.push(Arg::Text(v)))
 }
 
 /// A `bigint` of microseconds since the Unix epoch as a `timestamptz`,

@@ -5,7 +5,7 @@
 use std::time::SystemTime;
 
 use oncely::admin::{Filter, RecordQuery};
-use oncely::backend::{KeyRange, RecordState, from_micros, key_range};
+use oncely::backend::{RecordState, from_micros, scope_where};
 use oncely::{EffectKey, Error, Result, Tenant};
 use sqlx::query::QueryScalar;
 use sqlx::sqlite::{SqliteArguments, SqliteRow};
@@ -70,9 +70,9 @@ fn filter_sql(filter: Filter) -> &'static str {
     }
 }
 
-/// The part of the WHERE that picks a tenant (and kind, and subject): a
-/// range of the primary key (`key_range`: `tenant/`, `tenant/kind:`), or the key itself
-/// when all three are given, so the key's index serves it. The columns are
+/// The part of the WHERE that picks a tenant (and kind, and subject)
+/// ([`scope_where`]): a range of the primary key, or the key itself when
+/// all three are given, so the key's index serves it. The columns are
 /// compared too, which keeps the range exact.
 fn scope_sql(
     tenant: Option<&Tenant>,
@@ -80,36 +80,11 @@ fn scope_sql(
     subject: Option<&str>,
     args: &mut Vec<Arg>,
 ) -> String {
-    let mut w = Vec::new();
-    match key_range(tenant, kind, subject) {
-        KeyRange::Key(key) => {
-            w.push("e.key = ?".to_owned());
-            args.push(Arg::Text(key));
-        }
-        KeyRange::Prefix { start, end } => {
-            w.push("e.key >= ? AND e.key < ?".to_owned());
-            args.push(Arg::Text(start));
-            args.push(Arg::Text(end));
-        }
-        KeyRange::All => {}
-    }
-    if let Some(t) = tenant {
-        w.push("e.tenant = ?".to_owned());
-        args.push(Arg::Text(t.as_str().to_owned()));
-    }
-    if let Some(k) = kind {
-        w.push("e.kind = ?".to_owned());
-        args.push(Arg::Text(k.to_owned()));
-    }
-    if let Some(s) = subject {
-        w.push("e.subject = ?".to_owned());
-        args.push(Arg::Text(s.to_owned()));
-    }
-    if w.is_empty() {
-        "1".to_owned()
-    } else {
-        w.join(" AND ")
-    }
+    let columns = ["e.key", "e.tenant", "e.kind", "e.subject"];
+    scope_where(tenant, kind, subject, true, columns, "1", |v| {
+        args.push(Arg::Text(v));
+        "?".to_owned()
+    })
 }
 
 /// `Admin::records`: the records `q` selects, oldest first (`created_at`,
