@@ -98,7 +98,12 @@ pub struct ScopeTerm {
 /// MySQL's `utf8mb4_bin`), so the key's index serves the listing; then the
 /// tenant, kind and subject columns themselves, which keep the range exact
 /// (a kind's prefix also holds kinds that extend it).
-pub fn scope_terms(tenant: Option<&Tenant>, kind: Option<&str>, subject: Option<&str>, ranges: bool) -> Vec<ScopeTerm> {
+pub fn scope_terms(
+    tenant: Option<&Tenant>,
+    kind: Option<&str>,
+    subject: Option<&str>,
+    ranges: bool,
+) -> Vec<ScopeTerm> {
     let term = |column, op, value: &str| ScopeTerm {
         column,
         op,
@@ -200,10 +205,18 @@ mod tests {
                 .collect()
         };
         assert!(scope_terms(None, None, None, true).is_empty());
-        assert_eq!(shown(scope_terms(None, Some("capture"), None, true)), ["Kind = capture"]);
+        assert_eq!(
+            shown(scope_terms(None, Some("capture"), None, true)),
+            ["Kind = capture"]
+        );
         assert_eq!(
             shown(scope_terms(Some(&t), Some("capture"), None, true)),
-            ["Key >= acme/capture:", "Key < acme/capture;", "Tenant = acme", "Kind = capture"]
+            [
+                "Key >= acme/capture:",
+                "Key < acme/capture;",
+                "Tenant = acme",
+                "Kind = capture"
+            ]
         );
         assert_eq!(
             shown(scope_terms(Some(&t), Some("capture"), None, false)),
@@ -211,7 +224,12 @@ mod tests {
         );
         assert_eq!(
             shown(scope_terms(Some(&t), Some("capture"), Some("o-1"), false)),
-            ["Key = acme/capture:o-1", "Tenant = acme", "Kind = capture", "Subject = o-1"]
+            [
+                "Key = acme/capture:o-1",
+                "Tenant = acme",
+                "Kind = capture",
+                "Subject = o-1"
+            ]
         );
         let mut values = Vec::new();
         let mut bind = |v: String| {
@@ -223,7 +241,10 @@ mod tests {
             scope_where(Some(&t), None, None, true, columns, "true", &mut bind),
             "e.key >= $1 AND e.key < $2 AND e.tenant = $3"
         );
-        assert_eq!(scope_where(None, None, None, true, columns, "true", &mut bind), "true");
+        assert_eq!(
+            scope_where(None, None, None, true, columns, "true", &mut bind),
+            "true"
+        );
         assert_eq!(values, ["acme/", "acme0", "acme"]);
     }
 }

@@ -82,7 +82,9 @@ impl Binds {
 /// key) when all three are given, else the columns.
 fn scope_sql(tenant: Option<&Tenant>, kind: Option<&str>, subject: Option<&str>, b: &mut Binds) -> String {
     let columns = ["e.key", "e.tenant", "e.kind", "e.subject"];
-    scope_where(tenant, kind, subject, false, columns, "true", |v| b.push(Arg::Text(v)))
+    scope_where(tenant, kind, subject, false, columns, "true", |v| {
+        b.push(Arg::Text(v))
+    })
 }
 
 /// A `bigint` of microseconds since the Unix epoch as a `timestamptz`,
