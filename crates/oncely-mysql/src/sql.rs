@@ -36,8 +36,8 @@
 use std::collections::BTreeMap;
 
 use oncely::admin::{Filter, RecordQuery};
+use oncely::backend::{FilterSql, duration_micros, effective_state, filter_where, from_micros, scope_where};
 use oncely::backend::{Fingerprint, Lease, Outcome, Record, RecordState};
-use oncely::backend::{duration_micros, effective_state, from_micros, scope_where};
 use oncely::{ClaimOptions, EffectKey, Result, Tenant};
 use sqlx::mysql::{MySqlArguments, MySqlRow};
 use sqlx::query::{Query, QueryScalar};
@@ -282,23 +282,18 @@ fn clock() -> String {
 }
 
 /// What a record is, as an operator sees it, at `c.now_us`
-/// (`oncely::admin::Filter`).
-fn filter_sql(filter: Filter) -> &'static str {
-    match filter {
-        Filter::State(RecordState::InProgress) => {
-            "e.state = 'in_progress' AND NOT (e.at_most_once = 1 AND e.lease_expires_us <= c.now_us)"
-        }
-        Filter::State(RecordState::Completed) => "e.state = 'completed'",
-        Filter::State(RecordState::Released) => "e.state = 'released'",
-        Filter::State(RecordState::Abandoned) | Filter::Abandoned => {
-            "e.state = 'in_progress' AND e.at_most_once = 1 AND e.lease_expires_us <= c.now_us"
-        }
-        Filter::Live => "e.state = 'in_progress' AND e.lease_expires_us > c.now_us",
-        Filter::Stuck => "e.state = 'in_progress' AND e.at_most_once = 0 AND e.lease_expires_us <= c.now_us",
-        Filter::Any => "TRUE",
-        // Non-exhaustive enums: an unknown filter matches nothing.
-        _ => "FALSE",
-    }
+/// ([`filter_where`]).
+fn filter_sql(filter: Filter) -> String {
+    filter_where(
+        filter,
+        &FilterSql {
+            at_most_once: "e.at_most_once = 1",
+            not_at_most_once: "e.at_most_once = 0",
+            ended: "e.lease_expires_us <= c.now_us",
+            running: "e.lease_expires_us > c.now_us",
+            truth: "TRUE",
+        },
+    )
 }
 
 /// Tenant, kind and subject ([`scope_where`]): a range of the primary key
@@ -337,7 +332,7 @@ pub(crate) fn records(t: &str, q: &RecordQuery) -> Result<(String, Vec<Arg>), on
         w.push("(e.created_us > ? OR (e.created_us = ? AND e.effect_key > ?))".to_owned());
         args.extend([Arg::Int(at), Arg::Int(at), Arg::Text(c.key.as_str().to_owned())]);
     }
-    w.push(filter_sql(q.filter).to_owned());
+    w.push(filter_sql(q.filter));
     args.push(Arg::Int(i64::from(q.page_size())));
     let cols: Vec<String> = COLUMNS.split(',').map(|c| format!("e.{}", c.trim())).collect();
     Ok((

@@ -2,7 +2,9 @@
 //! listing scoped to a tenant (and kind) reads a range of the key's index,
 //! not the whole table.
 
+use crate::admin::Filter;
 use crate::key::Tenant;
+use crate::state::RecordState;
 
 /// The keys a listing of `tenant`, `kind` and `subject`
 /// ([`RecordQuery`](crate::admin::RecordQuery)) can match, in the keys'
@@ -164,6 +166,51 @@ pub fn scope_where(
     }
 }
 
+/// How a SQL dialect spells what [`filter_where`] compares: the record
+/// `e`'s at-most-once flag (and its negation), its lease ended and not
+/// ended on the statement's clock `c`, and its true.
+#[derive(Debug, Clone, Copy)]
+pub struct FilterSql<'a> {
+    /// `e.at_most_once` (or `e.at_most_once = 1`).
+    pub at_most_once: &'a str,
+    /// `NOT e.at_most_once` (or `e.at_most_once = 0`).
+    pub not_at_most_once: &'a str,
+    /// The lease has ended: `e.lease_expires_at <= c.now`.
+    pub ended: &'a str,
+    /// The lease has not ended: `e.lease_expires_at > c.now`.
+    pub running: &'a str,
+    /// The dialect's true.
+    pub truth: &'a str,
+}
+
+/// What a record is, as an operator sees it ([`Filter`]), as a WHERE
+/// condition: the one rule every SQL backend's listings and counts use.
+/// Abandoned and stuck leases are stored in progress, and the statement's
+/// clock tells them from live ones: abandoned is an at-most-once lease
+/// that ended, stuck any other lease that ended.
+pub fn filter_where(filter: Filter, sql: &FilterSql<'_>) -> String {
+    let FilterSql {
+        at_most_once,
+        not_at_most_once,
+        ended,
+        running,
+        truth,
+    } = *sql;
+    match filter {
+        Filter::State(RecordState::InProgress) => {
+            format!("e.state = 'in_progress' AND NOT ({at_most_once} AND {ended})")
+        }
+        Filter::State(RecordState::Completed) => "e.state = 'completed'".to_owned(),
+        Filter::State(RecordState::Released) => "e.state = 'released'".to_owned(),
+        Filter::State(RecordState::Abandoned) | Filter::Abandoned => {
+            format!("e.state = 'in_progress' AND {at_most_once} AND {ended}")
+        }
+        Filter::Live => format!("e.state = 'in_progress' AND {running}"),
+        Filter::Stuck => format!("e.state = 'in_progress' AND {not_at_most_once} AND {ended}"),
+        Filter::Any => truth.to_owned(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -246,5 +293,43 @@ mod tests {
             "true"
         );
         assert_eq!(values, ["acme/", "acme0", "acme"]);
+    }
+
+    #[test]
+    fn filters_are_the_one_rule_in_each_dialect() {
+        let pg = FilterSql {
+            at_most_once: "e.at_most_once",
+            not_at_most_once: "NOT e.at_most_once",
+            ended: "e.lease_expires_at <= c.now",
+            running: "e.lease_expires_at > c.now",
+            truth: "true",
+        };
+        for (filter, sql) in [
+            (
+                Filter::State(RecordState::InProgress),
+                "e.state = 'in_progress' AND NOT (e.at_most_once AND e.lease_expires_at <= c.now)",
+            ),
+            (Filter::State(RecordState::Completed), "e.state = 'completed'"),
+            (Filter::State(RecordState::Released), "e.state = 'released'"),
+            (
+                Filter::Abandoned,
+                "e.state = 'in_progress' AND e.at_most_once AND e.lease_expires_at <= c.now",
+            ),
+            (
+                Filter::Live,
+                "e.state = 'in_progress' AND e.lease_expires_at > c.now",
+            ),
+            (
+                Filter::Stuck,
+                "e.state = 'in_progress' AND NOT e.at_most_once AND e.lease_expires_at <= c.now",
+            ),
+            (Filter::Any, "true"),
+        ] {
+            assert_eq!(filter_where(filter, &pg), sql, "{filter:?}");
+        }
+        assert_eq!(
+            filter_where(Filter::State(RecordState::Abandoned), &pg),
+            filter_where(Filter::Abandoned, &pg)
+        );
     }
 }

@@ -2,7 +2,7 @@
 //! listings built per query ([`records`], [`stats`]) with their rows.
 
 use oncely::admin::{Filter, RecordQuery};
-use oncely::backend::{RecordState, from_micros, scope_where};
+use oncely::backend::{FilterSql, filter_where, from_micros, scope_where};
 use oncely::{EffectKey, Result, Tenant};
 use sqlx::AssertSqlSafe;
 use sqlx::postgres::PgRow;
@@ -47,24 +47,19 @@ pub(crate) enum Arg {
 /// once, so every record of an answer is judged at the same instant.
 const CLOCK: &str = "WITH c AS MATERIALIZED (SELECT clock_timestamp() AS now)";
 
-/// What a record is, as an operator sees it, at `c.now`
-/// (`oncely::admin::Filter`).
-fn filter_sql(filter: Filter) -> &'static str {
-    match filter {
-        Filter::State(RecordState::InProgress) => {
-            "e.state = 'in_progress' AND NOT (e.at_most_once AND e.lease_expires_at <= c.now)"
-        }
-        Filter::State(RecordState::Completed) => "e.state = 'completed'",
-        Filter::State(RecordState::Released) => "e.state = 'released'",
-        Filter::State(RecordState::Abandoned) | Filter::Abandoned => {
-            "e.state = 'in_progress' AND e.at_most_once AND e.lease_expires_at <= c.now"
-        }
-        Filter::Live => "e.state = 'in_progress' AND e.lease_expires_at > c.now",
-        Filter::Stuck => "e.state = 'in_progress' AND NOT e.at_most_once AND e.lease_expires_at <= c.now",
-        Filter::Any => "true",
-        // Non-exhaustive enums: an unknown filter matches nothing.
-        _ => "false",
-    }
+/// What a record is, as an operator sees it, on the statement's clock
+/// `c.now` ([`filter_where`]).
+fn filter_sql(filter: Filter) -> String {
+    filter_where(
+        filter,
+        &FilterSql {
+            at_most_once: "e.at_most_once",
+            not_at_most_once: "NOT e.at_most_once",
+            ended: "e.lease_expires_at <= c.now",
+            running: "e.lease_expires_at > c.now",
+            truth: "true",
+        },
+    )
 }
 
 /// The statement's placeholders, numbered as values are added.
@@ -118,7 +113,7 @@ pub(crate) fn records(t: &str, q: &RecordQuery) -> Result<(String, Vec<Arg>), on
             at = at(&p)
         ));
     }
-    w.push(filter_sql(q.filter).to_owned());
+    w.push(filter_sql(q.filter));
     let limit = b.push(Arg::Int(i64::from(q.page_size())));
     Ok((
         format!(

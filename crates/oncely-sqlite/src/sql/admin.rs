@@ -5,7 +5,7 @@
 use std::time::SystemTime;
 
 use oncely::admin::{Filter, RecordQuery};
-use oncely::backend::{RecordState, from_micros, scope_where};
+use oncely::backend::{FilterSql, filter_where, from_micros, scope_where};
 use oncely::{EffectKey, Error, Result, Tenant};
 use sqlx::query::QueryScalar;
 use sqlx::sqlite::{SqliteArguments, SqliteRow};
@@ -49,25 +49,18 @@ pub(crate) enum Arg {
 }
 
 /// What a record is, as an operator sees it, on the statement's clock
-/// `c.now` (`oncely::admin::Filter`). Abandoned and stuck leases are
-/// stored in progress; the clock tells them from live ones.
-fn filter_sql(filter: Filter) -> &'static str {
-    match filter {
-        Filter::State(RecordState::InProgress) => {
-            "e.state = 'in_progress' AND NOT (e.at_most_once = 1 AND e.lease_expires_at <= c.now)"
-        }
-        Filter::State(RecordState::Completed) => "e.state = 'completed'",
-        Filter::State(RecordState::Released) => "e.state = 'released'",
-        Filter::State(RecordState::Abandoned) | Filter::Abandoned => {
-            "e.state = 'in_progress' AND e.at_most_once = 1 AND e.lease_expires_at <= c.now"
-        }
-        Filter::Live => "e.state = 'in_progress' AND e.lease_expires_at > c.now",
-        Filter::Stuck => "e.state = 'in_progress' AND e.at_most_once = 0 AND e.lease_expires_at <= c.now",
-        // Filter and RecordState are non-exhaustive: a state this crate does
-        // not know matches nothing rather than everything.
-        Filter::Any => "1",
-        _ => "0",
-    }
+/// `c.now` ([`filter_where`]).
+fn filter_sql(filter: Filter) -> String {
+    filter_where(
+        filter,
+        &FilterSql {
+            at_most_once: "e.at_most_once = 1",
+            not_at_most_once: "e.at_most_once = 0",
+            ended: "e.lease_expires_at <= c.now",
+            running: "e.lease_expires_at > c.now",
+            truth: "1",
+        },
+    )
 }
 
 /// The part of the WHERE that picks a tenant (and kind, and subject)
@@ -107,7 +100,7 @@ pub(crate) fn records(t: &str, q: &RecordQuery) -> Result<(String, Vec<Arg>), Er
         w.push("(e.created_at > ? OR (e.created_at = ? AND e.key > ?))".to_owned());
         args.extend([Arg::Int(at), Arg::Int(at), Arg::Text(c.key.as_str().to_owned())]);
     }
-    w.push(filter_sql(q.filter).to_owned());
+    w.push(filter_sql(q.filter));
     args.push(Arg::Int(i64::from(q.page_size())));
     Ok((
         format!(
