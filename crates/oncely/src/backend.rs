@@ -45,7 +45,7 @@
 //!   answers (what the same call made again right after would);
 //! - [`filter_where`]: what a record is as an operator sees it (live,
 //!   stuck, abandoned, …), as one WHERE condition for every SQL backend;
-//! - [`key_range`], [`scope_terms`], [`scope_where`]: the range of keys an operator listing
+//! - [`key_range`], [`scope_where`]: the range of keys an operator listing
 //!   of a tenant (and kind) reads, and the one WHERE every SQL backend's
 //!   listing builds from it;
 //! - [`to_micros`], [`from_micros`], [`duration_micros`], [`MAX_MICROS`]: the
@@ -74,9 +74,7 @@ use crate::key::EffectKey;
 use crate::record::ClaimOptions;
 
 pub use crate::retry::{Attempts, retry, retry_with};
-pub use crate::scope::{
-    FilterSql, KeyRange, ScopeColumn, ScopeOp, ScopeTerm, filter_where, key_range, scope_terms, scope_where,
-};
+pub use crate::scope::{FilterSql, KeyRange, filter_where, key_range, scope_where};
 pub use crate::slots::{copy_error, earlier_listings, fail_each, repeated_claim, repeated_completion};
 
 /// The parts of a lease a backend has just granted. [`Grant::into_lease`]

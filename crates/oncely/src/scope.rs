@@ -46,7 +46,7 @@ pub fn key_range(tenant: Option<&Tenant>, kind: Option<&str>, subject: Option<&s
 // Exhaustive by design (ARCHITECTURE.md, API boundaries): a key has these
 // four parts and no other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScopeColumn {
+pub(crate) enum ScopeColumn {
     /// The whole displayed key (`tenant/kind:subject`), the table's primary key.
     Key,
     /// The tenant column.
@@ -60,7 +60,7 @@ pub enum ScopeColumn {
 /// How a [`ScopeTerm`] compares its column with its value.
 // Exhaustive by design: the three comparisons a key range needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScopeOp {
+pub(crate) enum ScopeOp {
     /// `=`.
     Eq,
     /// `>=`: the range's first key.
@@ -71,7 +71,7 @@ pub enum ScopeOp {
 
 impl ScopeOp {
     /// The SQL operator.
-    pub fn sql(self) -> &'static str {
+    pub(crate) fn sql(self) -> &'static str {
         match self {
             ScopeOp::Eq => "=",
             ScopeOp::AtLeast => ">=",
@@ -83,13 +83,13 @@ impl ScopeOp {
 /// One condition of a listing's scope: `column op value`, the value bound
 /// as text.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ScopeTerm {
+pub(crate) struct ScopeTerm {
     /// The column compared.
-    pub column: ScopeColumn,
+    pub(crate) column: ScopeColumn,
     /// How.
-    pub op: ScopeOp,
+    pub(crate) op: ScopeOp,
     /// The text it is compared with.
-    pub value: String,
+    pub(crate) value: String,
 }
 
 /// The conditions (joined with `AND`; none: every record) that scope an
@@ -100,7 +100,7 @@ pub struct ScopeTerm {
 /// MySQL's `utf8mb4_bin`), so the key's index serves the listing; then the
 /// tenant, kind and subject columns themselves, which keep the range exact
 /// (a kind's prefix also holds kinds that extend it).
-pub fn scope_terms(
+pub(crate) fn scope_terms(
     tenant: Option<&Tenant>,
     kind: Option<&str>,
     subject: Option<&str>,
@@ -132,9 +132,16 @@ pub fn scope_terms(
     terms
 }
 
-/// The WHERE fragment of [`scope_terms`] for a SQL backend: each term as
-/// `column op placeholder`, joined with `AND`, or `everything` (the
-/// dialect's true) when there is none. `columns` names the key, tenant,
+/// The WHERE condition that scopes an operator listing to `tenant`, `kind`
+/// and `subject`, for every SQL backend: the whole key when all three are
+/// given; with `ranges`, a tenant's (or tenant and kind's)
+/// [`KeyRange::Prefix`] on the key, for a backend whose key column
+/// compares bytes in order (SQLite's `BINARY`, MySQL's `utf8mb4_bin`), so
+/// the key's index serves the listing; then the tenant, kind and subject
+/// columns themselves, which keep the range exact (a kind's prefix also
+/// holds kinds that extend it). Each condition is `column op placeholder`,
+/// joined with `AND`, or `everything` (the dialect's true) when there is
+/// none. `columns` names the key, tenant,
 /// kind and subject columns as the statement spells them; `bind` takes
 /// each term's value and returns its placeholder (`?`, `$3`).
 pub fn scope_where(

@@ -9,7 +9,7 @@
 //! `capture` step (a fake provider that deduplicates by idempotency key, as
 //! real ones do, and counts every call and every distinct charge), then, on
 //! the SQL backends, a transactional `mark-paid` step whose business row
-//! commits with its claim and completion ([`marks`]), then an at-most-once
+//! commits with its claim and completion (`chaos/marks.rs`), then an at-most-once
 //! `receipt` step (a fake mailer nobody deduplicates). A
 //! delivery that fails retryably (in progress elsewhere, a node that went
 //! away, an outcome unknown) is redelivered after a short back-off until it
