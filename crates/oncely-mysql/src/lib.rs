@@ -446,7 +446,7 @@ mod prune; // prune's batches: lock the watermarks, raise them, delete
 mod row; // reading a result to its end (first, only)
 mod schema; // migrations and the check of the tables
 mod server; // what the server supports, asked once
-mod sql; // every statement, bound by one function each, with the row it returns
+mod sql; // every statement, bound by one function each beside its row; one file per concern
 
 pub use crate::ledger::MySqlLedger;
 pub use crate::options::{DEFAULT_TABLE, MySqlLedgerOptions};

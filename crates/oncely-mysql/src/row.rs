@@ -1,5 +1,5 @@
 //! Reading a statement's result: the row types sit next to their
-//! statements in `sql.rs`; what is left here is how a result is read.
+//! statements in `sql/`; what is left here is how a result is read.
 
 /// The first row of a result read to its end (`fetch_all`): this crate
 /// never stops reading at a first row (`fetch_optional`, `fetch_one`). A
