@@ -159,7 +159,7 @@ pub(crate) fn kind_stats(row: &MySqlRow) -> Result<oncely::admin::KindStats> {
 }
 
 impl Statements {
-    /// An operator listing built by [`records`] (rows: [`Stored`] without
+    /// An operator listing built by [`records`] (rows: [`Stored`](super::Stored) without
     /// `in_tx`) or [`stats`] (rows: [`kind_stats`]), its text and
     /// arguments, behind the ledger's read prefix ([`Statements::read`]),
     /// bound.

@@ -12,7 +12,7 @@ use crate::error::corrupt;
 
 /// `claim_many`'s statements: their rows are [`Stored`](super::Stored) rows.
 impl Statements {
-    /// [`Statements::peek_many`] of distinct `keys`: a [`Stored`] row with
+    /// [`Statements::peek_many`] of distinct `keys`: a [`Stored`](super::Stored) row with
     /// `in_tx` per key found, in no particular order.
     pub(crate) fn bind_peek_many(&self, keys: &[EffectKey]) -> Bound {
         keys.iter()
@@ -20,7 +20,7 @@ impl Statements {
     }
 
     /// [`Statements::claim_many`]: one `VALUES` row per (key, token), in
-    /// order, all with `opts`. With `returning`, one [`Stored`] row with
+    /// order, all with `opts`. With `returning`, one [`Stored`](super::Stored) row with
     /// `in_tx` (and with `horizon`, `horizon_us`) per `VALUES` row, in
     /// order; without, no row (read them back with
     /// [`Statements::bind_read_back_many`]).
@@ -37,7 +37,7 @@ impl Statements {
         )
     }
 
-    /// [`Statements::read_back_many`] of distinct `keys`: a [`Stored`] row
+    /// [`Statements::read_back_many`] of distinct `keys`: a [`Stored`](super::Stored) row
     /// with `in_tx` (and with `horizon`, `horizon_us`) per key found, in no
     /// particular order.
     pub(crate) fn bind_read_back_many(&self, horizon: bool, keys: &[&EffectKey]) -> Bound {

@@ -8,25 +8,25 @@ use super::{Bound, Statements, claim_values, query};
 
 /// The claim's statements: their rows are [`Stored`](super::Stored) rows.
 impl Statements {
-    /// [`Statements::peek`] of `key`: a [`Stored`] row with `in_tx`, or none.
+    /// [`Statements::peek`] of `key`: a [`Stored`](super::Stored) row with `in_tx`, or none.
     pub(crate) fn bind_peek(&self, key: &EffectKey) -> Bound {
         query(&self.peek).bind(key.as_str())
     }
 
-    /// [`Statements::read_back`] of `key`: a [`Stored`] row with `in_tx`, or
+    /// [`Statements::read_back`] of `key`: a [`Stored`](super::Stored) row with `in_tx`, or
     /// none.
     pub(crate) fn bind_read_back(&self, key: &EffectKey) -> Bound {
         query(&self.read_back).bind(key.as_str())
     }
 
-    /// [`Statements::read_back_h`] of `key`: a [`Stored`] row with `in_tx`
+    /// [`Statements::read_back_h`] of `key`: a [`Stored`](super::Stored) row with `in_tx`
     /// and `horizon_us`, or none.
     pub(crate) fn bind_read_back_h(&self, key: &EffectKey) -> Bound {
         query(&self.read_back_h).bind(key.as_str())
     }
 
     /// The claim of `key` with `token`, without `sent_at`: with `returning`
-    /// ([`Statements::claim_returning`]) one [`Stored`] row with `in_tx`;
+    /// ([`Statements::claim_returning`]) one [`Stored`](super::Stored) row with `in_tx`;
     /// without ([`Statements::claim`]) no row (read it back with
     /// [`Statements::bind_read_back`]).
     pub(crate) fn bind_claim(
@@ -46,7 +46,7 @@ impl Statements {
 
     /// The claim of `key` with `token` and the horizon after the write, no
     /// pre-check: with `returning` ([`Statements::claim_returning_h`]) one
-    /// [`Stored`] row with `in_tx` and `horizon_us`; without
+    /// [`Stored`](super::Stored) row with `in_tx` and `horizon_us`; without
     /// ([`Statements::claim`]) no row (read it back with
     /// [`Statements::bind_read_back_h`]).
     pub(crate) fn bind_claim_h(
@@ -67,7 +67,7 @@ impl Statements {
     /// The claim of `key` with `token` that inserts only after the horizon
     /// (`sent_us`): the claim's ten parameters, then the guard
     /// (`in_caller_tx`), the key's tenant and kind, `sent_us`. With
-    /// `returning` ([`Statements::claim_pre_returning_h`]) one [`Stored`]
+    /// `returning` ([`Statements::claim_pre_returning_h`]) one [`Stored`](super::Stored)
     /// row with `in_tx` and `horizon_us`, none when refused; without
     /// ([`Statements::claim_pre`]) no row, and 0 rows affected when refused.
     pub(crate) fn bind_claim_pre(

@@ -11,7 +11,7 @@ use crate::error::corrupt;
 
 /// The rows of [`Statements::peek`], the claim statements, their
 /// read-backs, [`Statements::get`], [`Statements::abandoned`] and
-/// [`records`]: a row as stored, plus the server's clock at the read
+/// [`records`](super::records): a row as stored, plus the server's clock at the read
 /// (`now_us`) and, for the statements that read it, the horizon of the
 /// row's tenant and kind. Read by column name ([`stored`]).
 #[derive(Debug)]
