@@ -100,6 +100,11 @@
 //! its URL is given.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
+// The commands' futures nest deep (a command's run over AnyLedger's
+// dispatch over each backend's operation): the release build computes
+// their layout past the default limit ("queries overflow the depth limit",
+// first seen on audit::write once AnyLedger moved to oncely-any).
+#![recursion_limit = "256"]
 
 pub mod audit;
 pub mod chaos;
