@@ -365,6 +365,26 @@ fn driver_gone(backend: &'static str) -> Error {
     }
 }
 
+/// Admits a call: with fewer than `max_in_flight` statements in flight it
+/// takes a slot and goes straight to the inner ledger (`None`); otherwise
+/// it queues the request `make` builds around its answer's sender, for the
+/// driver's next batch, and returns the receiver.
+fn admit<T, A>(
+    queue: &Mutex<Queue<T>>,
+    max_in_flight: usize,
+    make: impl FnOnce(oneshot::Sender<A>) -> T,
+) -> Option<oneshot::Receiver<A>> {
+    let mut q = lock(queue);
+    if q.in_flight >= max_in_flight {
+        let (tx, rx) = oneshot::channel();
+        q.waiting.push(make(tx));
+        Some(rx)
+    } else {
+        q.in_flight += 1;
+        None
+    }
+}
+
 impl<L: Ledger + 'static> Ledger for Coalescing<L> {
     fn backend(&self) -> &'static str {
         self.shared.inner.backend()
@@ -375,21 +395,13 @@ impl<L: Ledger + 'static> Ledger for Coalescing<L> {
     }
 
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
-        let waiting = {
-            let mut q = lock(&self.shared.claims);
-            if q.in_flight >= self.shared.max_in_flight {
-                let (tx, rx) = oneshot::channel();
-                q.waiting.push(PendingClaim {
-                    key: key.clone(),
-                    opts: opts.clone(),
-                    answer: tx,
-                });
-                Some(rx)
-            } else {
-                q.in_flight += 1;
-                None
+        let waiting = admit(&self.shared.claims, self.shared.max_in_flight, |answer| {
+            PendingClaim {
+                key: key.clone(),
+                opts: opts.clone(),
+                answer,
             }
-        };
+        });
         match waiting {
             Some(rx) => rx.await.unwrap_or_else(|_| Err(driver_gone(self.backend()))),
             None => {
@@ -403,21 +415,13 @@ impl<L: Ledger + 'static> Ledger for Coalescing<L> {
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
-        let waiting = {
-            let mut q = lock(&self.shared.completions);
-            if q.in_flight >= self.shared.max_in_flight {
-                let (tx, rx) = oneshot::channel();
-                q.waiting.push(PendingCompletion {
-                    lease: lease.clone(),
-                    outcome: outcome.clone(),
-                    answer: tx,
-                });
-                Some(rx)
-            } else {
-                q.in_flight += 1;
-                None
+        let waiting = admit(&self.shared.completions, self.shared.max_in_flight, |answer| {
+            PendingCompletion {
+                lease: lease.clone(),
+                outcome: outcome.clone(),
+                answer,
             }
-        };
+        });
         match waiting {
             Some(rx) => rx.await.unwrap_or_else(|_| Err(driver_gone(self.backend()))),
             None => {
