@@ -358,7 +358,7 @@ impl RowRun {
     }
 
     /// `Effects::run` on the job's key, the effect in the handler.
-    async fn oncely_run<L: Ledger>(
+    async fn oncely_run<L: Ledger + 'static>(
         &self,
         effects: &Effects<L>,
         job: usize,

@@ -2,6 +2,7 @@
 //! into `claim_many` / `complete_many` statements.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
@@ -104,6 +105,8 @@ impl<L> std::fmt::Debug for Coalescing<L> {
 
 struct Shared<L> {
     inner: L,
+    /// Off: every call goes straight to `inner`.
+    enabled: AtomicBool,
     max_batch: usize,
     max_in_flight: usize,
     claims: Mutex<Queue<PendingClaim>>,
@@ -168,6 +171,7 @@ impl<L: Ledger + 'static> Coalescing<L> {
         Coalescing {
             shared: Arc::new(Shared {
                 inner,
+                enabled: AtomicBool::new(true),
                 max_batch: max_batch.max(1),
                 max_in_flight: max_in_flight.max(1),
                 claims: Mutex::new(Queue::new()),
@@ -179,6 +183,18 @@ impl<L: Ledger + 'static> Coalescing<L> {
     /// The inner ledger.
     pub fn inner(&self) -> &L {
         &self.shared.inner
+    }
+
+    /// Turns gathering on (the default) or off, for this ledger and its
+    /// clones: off, each call goes straight to the inner ledger (calls
+    /// already queued are still sent).
+    pub fn set_enabled(&self, on: bool) {
+        self.shared.enabled.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether calls are gathered ([`Coalescing::set_enabled`]).
+    pub fn is_enabled(&self) -> bool {
+        self.shared.enabled.load(Ordering::Relaxed)
     }
 }
 
@@ -395,6 +411,9 @@ impl<L: Ledger + 'static> Ledger for Coalescing<L> {
     }
 
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
+        if !self.is_enabled() {
+            return self.shared.inner.claim(key, opts).await;
+        }
         let waiting = admit(&self.shared.claims, self.shared.max_in_flight, |answer| {
             PendingClaim {
                 key: key.clone(),
@@ -415,6 +434,9 @@ impl<L: Ledger + 'static> Ledger for Coalescing<L> {
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<()> {
+        if !self.is_enabled() {
+            return self.shared.inner.complete(lease, outcome).await;
+        }
         let waiting = admit(&self.shared.completions, self.shared.max_in_flight, |answer| {
             PendingCompletion {
                 lease: lease.clone(),

@@ -2,12 +2,15 @@
 //! the stored outcome back.
 
 use std::future::Future;
+use std::sync::Arc;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tracing::Instrument;
 
+use crate::coalesce::Coalescing;
 use crate::error::Result;
+use crate::flight::Flights;
 use crate::held::HeldLease;
 use crate::job::Job;
 use crate::key::{EffectKey, Tenant};
@@ -17,20 +20,52 @@ use crate::record::ClaimOptions;
 use crate::telemetry;
 
 /// Runs effects once against a [`Ledger`].
+///
+/// Two things happen underneath when many tasks share one runner (clones
+/// share them too), and neither changes an answer:
+///
+/// - **Coalescing** (on unless [`Effects::coalescing`] turns it off): the
+///   concurrent claims and completions of the runner's tasks are gathered
+///   into one [`claim_many`](Ledger::claim_many) or
+///   [`complete_many`](Ledger::complete_many) statement while the previous
+///   one is in flight ([`Coalescing`]); a lone caller goes straight to the
+///   ledger.
+/// - **Single-flight**: a duplicate under [`OnInProgress::Wait`] that
+///   arrives while a task of this runner holds its key waits for that task
+///   in memory, and gets the outcome once the ledger has acknowledged its
+///   completion, without a round trip of its own. Any other ending (a
+///   release, a lost lease, a failed completion, a lease that may have
+///   ended) sends it to the ledger as usual. Duplicates in other processes
+///   are woken by the ledger's notifications, as before.
+///
+/// [`OnInProgress::Wait`]: crate::OnInProgress::Wait
 #[derive(Debug, Clone)]
 pub struct Effects<L> {
-    ledger: L,
+    ledger: Coalescing<L>,
+    flights: Arc<Flights>,
 }
 
-impl<L: Ledger> Effects<L> {
-    /// A runner over a ledger.
+impl<L: Ledger + 'static> Effects<L> {
+    /// A runner over a ledger, coalescing its tasks' claims and completions.
     pub fn new(ledger: L) -> Self {
-        Effects { ledger }
+        Effects {
+            ledger: Coalescing::new(ledger),
+            flights: Arc::default(),
+        }
+    }
+
+    /// Turns coalescing on (the default) or off for this runner and its
+    /// clones: off, every claim and completion is its own statement, as on
+    /// the bare ledger. Single-flight stays on either way (it never costs a
+    /// round trip).
+    pub fn coalescing(self, on: bool) -> Self {
+        self.ledger.set_enabled(on);
+        self
     }
 
     /// The ledger underneath.
     pub fn ledger(&self) -> &L {
-        &self.ledger
+        self.ledger.inner()
     }
 
     /// A job with several effects on one business subject (an order): each
@@ -38,7 +73,7 @@ impl<L: Ledger> Effects<L> {
     /// unfinished step. `job_type` names the job in error messages; it is not
     /// part of the step keys, so two job types that perform the same effect
     /// on the same subject share its record.
-    pub fn job(&self, tenant: &Tenant, job_type: &str, subject: &str) -> Job<'_, L> {
+    pub fn job(&self, tenant: &Tenant, job_type: &str, subject: &str) -> Job<'_, Coalescing<L>> {
         Job::new(&self.ledger, tenant, job_type, subject)
     }
 
@@ -109,7 +144,8 @@ impl<L: Ledger> Effects<L> {
         opts.validate()?;
         let ledger = &self.ledger;
         async move {
-            let (lease, deadline) = match pipeline::claim(ledger, key, opts).await? {
+            let flights = &*self.flights;
+            let (lease, deadline) = match pipeline::claim(ledger, key, opts, Some(flights)).await? {
                 Resolved::Lease(lease, deadline) => (lease, deadline),
                 Resolved::Stored(outcome) => {
                     return pipeline::decode(key, &outcome).map(|value| Reported {
@@ -118,9 +154,10 @@ impl<L: Ledger> Effects<L> {
                     });
                 }
             };
+            let holding = flights.hold(&lease, opts, deadline);
             let result = pipeline::run_held(ledger, &lease, deadline, opts, f).await;
             let settlement = pipeline::settlement(ledger, &lease, opts, result);
-            pipeline::settle(ledger, &lease, settlement)
+            pipeline::settle(ledger, &lease, settlement, Some(holding))
                 .await
                 .map(|value| Reported { value, how: How::Ran })
         }

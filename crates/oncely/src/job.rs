@@ -396,7 +396,7 @@ impl<'a, L: Ledger> Job<'a, L> {
         let ledger = self.ledger;
         let span = telemetry::claim_span(&key);
         async move {
-            let (lease, deadline) = match pipeline::claim(ledger, &key, &opts).await? {
+            let (lease, deadline) = match pipeline::claim(ledger, &key, &opts, None).await? {
                 Resolved::Lease(lease, deadline) => (lease, deadline),
                 Resolved::Stored(outcome) => return pipeline::decode(&key, &outcome),
             };
@@ -408,7 +408,7 @@ impl<'a, L: Ledger> Job<'a, L> {
             })
             .await;
             let settlement = pipeline::settlement(ledger, &lease, &opts, result);
-            pipeline::settle(ledger, &lease, settlement).await
+            pipeline::settle(ledger, &lease, settlement, None).await
         }
         .instrument(span)
         .await

@@ -75,6 +75,7 @@ pub mod backend;
 mod backoff;
 mod coalesce;
 mod effects;
+mod flight;
 mod error;
 mod held;
 mod job;

@@ -20,6 +20,7 @@ use crate::key::EffectKey;
 use crate::ledger::{Ledger, TransactionalLedger};
 use crate::record::{Claim, ClaimOptions, Lease, OnInProgress, Outcome};
 use crate::telemetry;
+use crate::flight::{Answer, Flights, Holding};
 use crate::watch::Watch;
 
 /// How a handler failed.
@@ -109,8 +110,27 @@ fn stored(ledger: &impl Ledger, key: &EffectKey, claim: Claim) -> Result<Outcome
 /// backend said was left when it wrote the grant: the lease ends no earlier
 /// than that, whatever the round trip did. A grant that arrives with less
 /// than [`ClaimOptions::margin`] left is released (fenced) and claimed again.
-pub(crate) async fn claim<L: Ledger>(ledger: &L, key: &EffectKey, opts: &ClaimOptions) -> Result<Resolved> {
+///
+/// Given the runner's [`Flights`], a duplicate under `Wait` first waits for
+/// this process's own holder of the key, if there is one, and takes its
+/// acknowledged outcome without a round trip; so does one the ledger found
+/// in progress at a fence this process holds.
+pub(crate) async fn claim<L: Ledger>(
+    ledger: &L,
+    key: &EffectKey,
+    opts: &ClaimOptions,
+    flights: Option<&Flights>,
+) -> Result<Resolved> {
     let started = Instant::now();
+    let wait_max = match opts.on_in_progress {
+        OnInProgress::Reject => Duration::ZERO,
+        OnInProgress::Wait { max } => max,
+    };
+    if let Some(flights) = flights.filter(|_| !wait_max.is_zero())
+        && let Some(answer) = flights.wait(key, opts, None, started + wait_max).await
+    {
+        return Ok(answered_in_process(key, answer));
+    }
     let mut watch: Option<Watch> = None;
     let mut stale = 0;
     loop {
@@ -148,16 +168,19 @@ pub(crate) async fn claim<L: Ledger>(ledger: &L, key: &EffectKey, opts: &ClaimOp
                 read_at,
                 ..
             } => {
-                let max = match opts.on_in_progress {
-                    OnInProgress::Reject => Duration::ZERO,
-                    OnInProgress::Wait { max } => max,
-                };
+                let max = wait_max;
                 let waited = started.elapsed();
                 if waited >= max {
                     return Err(Error::InProgress {
                         key: key.to_string(),
                         fence,
                     });
+                }
+                // The holder is this process's own: wait for it in memory.
+                if let Some(flights) = flights
+                    && let Some(answer) = flights.wait(key, opts, Some(fence), started + max).await
+                {
+                    return Ok(answered_in_process(key, answer));
                 }
                 let w = match watch.as_mut() {
                     Some(w) => w,
@@ -183,6 +206,14 @@ pub(crate) async fn claim<L: Ledger>(ledger: &L, key: &EffectKey, opts: &ClaimOp
             other => return stored(ledger, key, other).map(Resolved::Stored),
         }
     }
+}
+
+/// A duplicate answered by this process's holder: counted as a suppressed
+/// duplicate, as a claim that found the effect completed would be.
+fn answered_in_process(key: &EffectKey, answer: Answer) -> Resolved {
+    tracing::Span::current().record("result", "completed_in_process");
+    telemetry::duplicate_seen(key, true, answer.first_claimed_at, answer.read_at);
+    Resolved::Stored(answer.outcome)
 }
 
 /// [`claim`] on the caller's transaction: no waiting (the transaction would
@@ -322,7 +353,16 @@ pub(crate) fn settlement<L: Ledger, T: Serialize>(
 /// completion that fails for any reason but a lost lease leaves the effect
 /// done and unrecorded: [`Error::OutcomeUnknown`], never the backend's error
 /// alone (which says nothing ran).
-pub(crate) async fn settle<L: Ledger, T>(ledger: &L, lease: &Lease, settlement: Settlement<T>) -> Result<T> {
+///
+/// A [`Holding`] given tells this process's waiters on the key how it landed:
+/// the outcome once the ledger acknowledged its completion, else "ask the
+/// ledger" (when it is dropped).
+pub(crate) async fn settle<L: Ledger, T>(
+    ledger: &L,
+    lease: &Lease,
+    settlement: Settlement<T>,
+    holding: Option<Holding<'_>>,
+) -> Result<T> {
     match settlement {
         Settlement::Complete(outcome, result) => {
             ledger.complete(lease, &outcome).await.map_err(|e| {
@@ -338,6 +378,9 @@ pub(crate) async fn settle<L: Ledger, T>(ledger: &L, lease: &Lease, settlement: 
                     source: Box::new(e),
                 }
             })?;
+            if let Some(holding) = holding {
+                holding.completed(&outcome);
+            }
             result
         }
         Settlement::Release(e) => {

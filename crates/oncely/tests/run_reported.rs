@@ -22,7 +22,7 @@ fn opts() -> ClaimOptions {
 
 /// The first run reports `Ran`; a sequential duplicate reports `Replayed`
 /// with the first value, and its closure never runs.
-async fn first_ran_then_replayed<L: Ledger>(ledger: L) {
+async fn first_ran_then_replayed<L: Ledger + 'static>(ledger: L) {
     let effects = Effects::new(ledger);
     let k = key("reported-seq", "order-1");
     let runs = AtomicUsize::new(0);
@@ -83,7 +83,7 @@ async fn concurrent_one_ran_rest_replayed<L: Ledger + 'static>(ledger: L) {
 
 /// A retryable failure releases the key: the next delivery reports `Ran`
 /// (it really ran), not `Replayed`.
-async fn retry_after_release_reports_ran<L: Ledger>(ledger: L) {
+async fn retry_after_release_reports_ran<L: Ledger + 'static>(ledger: L) {
     let effects = Effects::new(ledger);
     let k = key("reported-retry", "order-3");
     let failed = effects
@@ -105,7 +105,7 @@ async fn retry_after_release_reports_ran<L: Ledger>(ledger: L) {
 
 /// A terminal failure is an error for the first run and for the replay
 /// alike (the stored failure is replayed, not reported as a value).
-async fn terminal_failure_is_replayed_as_error<L: Ledger>(ledger: L) {
+async fn terminal_failure_is_replayed_as_error<L: Ledger + 'static>(ledger: L) {
     let effects = Effects::new(ledger);
     let k = key("reported-terminal", "order-4");
     for _ in 0..2 {
@@ -120,7 +120,7 @@ async fn terminal_failure_is_replayed_as_error<L: Ledger>(ledger: L) {
 }
 
 /// `run` is `run_reported` without the report: both see the same record.
-async fn run_and_run_reported_share_records<L: Ledger>(ledger: L) {
+async fn run_and_run_reported_share_records<L: Ledger + 'static>(ledger: L) {
     let effects = Effects::new(ledger);
     let k = key("reported-shared", "order-5");
     let first: String = effects

@@ -115,7 +115,7 @@ pub struct Payments<L> {
     pub redelivered: Arc<AtomicU64>,
 }
 
-impl<L: Ledger + Clone> Payments<L> {
+impl<L: Ledger + Clone + 'static> Payments<L> {
     pub fn new(ledger: L, tenant: Tenant, provider: Arc<FakeProvider>, mailer: Arc<FakeMailer>) -> Self {
         Payments {
             effects: Effects::new(ledger),
@@ -189,7 +189,7 @@ impl<L: Ledger + Clone + 'static> Handler for Payments<L> {
 /// job would, from the mailer's log: a sent receipt is completed, an unsent
 /// one released, and the delivery the consumer holds for it then sends it.
 /// Returns how many were settled.
-pub async fn reconcile_abandoned<L: Ledger>(
+pub async fn reconcile_abandoned<L: Ledger + 'static>(
     ledger: &L,
     tenant: &Tenant,
     provider: &Arc<FakeProvider>,

@@ -26,6 +26,10 @@ pub struct Faulty<L> {
     complete_failures: Arc<AtomicU64>,
     /// Completions whose answer to lose after the backend applied them.
     complete_answers_lost: Arc<AtomicU64>,
+    /// How long each completion waits before it is sent (or failed).
+    complete_delay: Duration,
+    /// Claims sent to the backend (each key of a batch counts).
+    claims_sent: Arc<AtomicU64>,
 }
 
 /// A handler error that a [`Faulty::unique_violations`] ledger reports as a
@@ -48,7 +52,22 @@ impl<L: Ledger> Faulty<L> {
             unique_violations: false,
             complete_failures: Arc::new(AtomicU64::new(0)),
             complete_answers_lost: Arc::new(AtomicU64::new(0)),
+            complete_delay: Duration::ZERO,
+            claims_sent: Arc::new(AtomicU64::new(0)),
         }
+    }
+
+    /// Holds every completion `delay` before it is sent (or failed): a
+    /// slow commit.
+    pub fn complete_delay(mut self, delay: Duration) -> Self {
+        self.complete_delay = delay;
+        self
+    }
+
+    /// How many claims reached the backend through this ledger (each key
+    /// of a `claim_many` counts once), shared by its clones.
+    pub fn claims_sent(&self) -> u64 {
+        self.claims_sent.load(Ordering::SeqCst)
     }
 
     /// Fails the next `n` completions with `Error::Unavailable` before they
@@ -119,6 +138,7 @@ impl<L: Ledger> Ledger for Faulty<L> {
     }
 
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
+        self.claims_sent.fetch_add(1, Ordering::SeqCst);
         let claim = self.inner.claim(key, opts).await;
         tokio::time::sleep(self.claim_delay).await;
         claim
@@ -129,6 +149,7 @@ impl<L: Ledger> Ledger for Faulty<L> {
             backend: self.inner.backend(),
             message: format!("{what} on purpose (conformance::Faulty)"),
         };
+        tokio::time::sleep(self.complete_delay).await;
         if take_one(&self.complete_failures) {
             return Err(unavailable("completion failed"));
         }

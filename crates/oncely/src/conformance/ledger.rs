@@ -14,7 +14,7 @@ use crate::{EffectKey, Effects, Error};
 
 /// The first claim of a key acquires a fence (at least 1) and the record is
 /// in progress at that fence.
-pub async fn first_claim_acquires<L: Ledger>(ledger: L) {
+pub async fn first_claim_acquires<L: Ledger + 'static>(ledger: L) {
     let k = key(&fresh_tenant(), "capture", "order-1");
     assert!(ledger.get(&k).await.unwrap().is_none());
     let lease = acquired(ledger.claim(&k, &opts()).await.unwrap());
@@ -28,7 +28,7 @@ pub async fn first_claim_acquires<L: Ledger>(ledger: L) {
 }
 
 /// A sequential duplicate gets `Completed` with the byte-identical outcome.
-pub async fn sequential_duplicate_returns_outcome<L: Ledger>(ledger: L) {
+pub async fn sequential_duplicate_returns_outcome<L: Ledger + 'static>(ledger: L) {
     let k = key(&fresh_tenant(), "capture", "order-2");
     let lease = acquired(ledger.claim(&k, &opts()).await.unwrap());
     let outcome =
@@ -79,7 +79,7 @@ pub async fn concurrent_claims_one_winner<L: Ledger + Clone + 'static>(ledger: L
 }
 
 /// A released key is acquired again by the next claim, at a higher fence.
-pub async fn release_then_claim_acquires<L: Ledger>(ledger: L) {
+pub async fn release_then_claim_acquires<L: Ledger + 'static>(ledger: L) {
     let k = key(&fresh_tenant(), "capture", "order-3");
     let l1 = acquired(ledger.claim(&k, &opts()).await.unwrap());
     ledger.release(&l1).await.unwrap();
@@ -95,7 +95,7 @@ pub async fn release_then_claim_acquires<L: Ledger>(ledger: L) {
 }
 
 /// An expired lease is taken over with a higher fence; a live one is not.
-pub async fn expired_lease_is_taken_over<L: Ledger>(ledger: L) {
+pub async fn expired_lease_is_taken_over<L: Ledger + 'static>(ledger: L) {
     let k = key(&fresh_tenant(), "capture", "order-4");
     let short = opts().lease(SHORT_LEASE);
     let l1 = acquired(ledger.claim(&k, &short).await.unwrap());
@@ -154,7 +154,7 @@ pub async fn concurrent_takeovers_one_winner<L: Ledger + Clone + 'static>(ledger
 
 /// Complete, renew and release with a stale fence fail with `LeaseLost` and
 /// leave the record as the new holder has it.
-pub async fn stale_fence_is_rejected<L: Ledger>(ledger: L) {
+pub async fn stale_fence_is_rejected<L: Ledger + 'static>(ledger: L) {
     let k = key(&fresh_tenant(), "capture", "order-5");
     let short = opts().lease(SHORT_LEASE);
     let zombie = acquired(ledger.claim(&k, &short).await.unwrap());
@@ -195,7 +195,7 @@ pub async fn stale_fence_is_rejected<L: Ledger>(ledger: L) {
 }
 
 /// Renewal keeps a live holder from being taken over past its first expiry.
-pub async fn renew_extends_the_lease<L: Ledger>(ledger: L) {
+pub async fn renew_extends_the_lease<L: Ledger + 'static>(ledger: L) {
     let k = key(&fresh_tenant(), "capture", "order-6");
     let short = opts().lease(SHORT_LEASE);
     let l = acquired(ledger.claim(&k, &short).await.unwrap());
@@ -215,7 +215,7 @@ pub async fn renew_extends_the_lease<L: Ledger>(ledger: L) {
 
 /// A claim with another fingerprint fails and changes nothing, in progress
 /// and completed alike; the same fingerprint passes.
-pub async fn fingerprint_mismatch_changes_nothing<L: Ledger>(ledger: L) {
+pub async fn fingerprint_mismatch_changes_nothing<L: Ledger + 'static>(ledger: L) {
     let k = key(&fresh_tenant(), "capture", "order-7");
     let fp1 = Fingerprint::of_json(&serde_json::json!({"amount": 100})).unwrap();
     let fp2 = Fingerprint::of_json(&serde_json::json!({"amount": 999})).unwrap();
@@ -254,7 +254,7 @@ pub async fn fingerprint_mismatch_changes_nothing<L: Ledger>(ledger: L) {
 
 /// The same subject under two tenants, and under two kinds, are four
 /// independent effects.
-pub async fn tenants_and_kinds_are_independent<L: Ledger>(ledger: L) {
+pub async fn tenants_and_kinds_are_independent<L: Ledger + 'static>(ledger: L) {
     let (a, b) = (fresh_tenant(), fresh_tenant());
     let keys = [
         key(&a, "capture", "order-8"),
@@ -278,7 +278,7 @@ pub async fn tenants_and_kinds_are_independent<L: Ledger>(ledger: L) {
 
 /// Keys with quotes, `%`, `_`, backslashes, unicode and SQL metacharacters
 /// round-trip exactly and never match each other as patterns.
-pub async fn awkward_keys_round_trip<L: Ledger>(ledger: L) {
+pub async fn awkward_keys_round_trip<L: Ledger + 'static>(ledger: L) {
     let t = fresh_tenant();
     let subjects = [
         "o'1",
@@ -316,7 +316,7 @@ pub async fn awkward_keys_round_trip<L: Ledger>(ledger: L) {
 }
 
 /// Bad input fails with a typed error and never reaches the ledger.
-pub async fn invalid_input_is_rejected<L: Ledger>(ledger: L) {
+pub async fn invalid_input_is_rejected<L: Ledger + 'static>(ledger: L) {
     let t = fresh_tenant();
     for bad in ["", "a\0b", "line\nbreak", " lead"] {
         assert!(
@@ -359,7 +359,7 @@ pub async fn invalid_input_is_rejected<L: Ledger>(ledger: L) {
 
 /// An outcome at the backend's limit round-trips; one over it is refused and
 /// the record stays in progress.
-pub async fn outcome_size_limit<L: Ledger>(ledger: L) {
+pub async fn outcome_size_limit<L: Ledger + 'static>(ledger: L) {
     let t = fresh_tenant();
     let max = ledger.capabilities().max_outcome_bytes;
     assert!(max <= crate::record::MAX_OUTCOME_BYTES);
@@ -389,7 +389,7 @@ pub async fn outcome_size_limit<L: Ledger>(ledger: L) {
 
 /// Prune deletes completed and released records past retention, and never a
 /// live lease, a young record or an abandoned step.
-pub async fn prune_keeps_what_it_must<L: Ledger>(ledger: L) {
+pub async fn prune_keeps_what_it_must<L: Ledger + 'static>(ledger: L) {
     let t = fresh_tenant();
     let brief = opts()
         .lease(Duration::from_millis(100))
@@ -452,7 +452,7 @@ pub async fn prune_keeps_what_it_must<L: Ledger>(ledger: L) {
 /// passes: an old first delivery of a never-pruned kind is new work, and a
 /// replay of a pruned effect fails with `BeyondHorizon` even when it claims
 /// with a longer retention than the record had (a configuration change).
-pub async fn beyond_horizon_is_detected<L: Ledger>(ledger: L) {
+pub async fn beyond_horizon_is_detected<L: Ledger + 'static>(ledger: L) {
     let t = fresh_tenant();
     let hour_ago = SystemTime::now() - Duration::from_secs(3600);
     let brief = opts()
@@ -535,10 +535,11 @@ pub async fn beyond_horizon_is_detected<L: Ledger>(ledger: L) {
 /// Times the ledger cannot store (before 1970, past 9999) are refused with
 /// `InvalidInput` before any write, by the ledger and by the runner; they
 /// never panic or wrap into another time.
-pub async fn out_of_range_times_are_refused<L: Ledger>(ledger: L) {
+pub async fn out_of_range_times_are_refused<L: Ledger + 'static>(ledger: L) {
+    let ledger = Arc::new(ledger);
     let t = fresh_tenant();
     let k = key(&t, "capture", "time-travel");
-    let effects = Effects::new(&ledger);
+    let effects = Effects::new(ledger.clone());
     for at in [
         UNIX_EPOCH - Duration::from_secs(86_400),
         UNIX_EPOCH + Duration::from_secs(1 << 40),
@@ -565,7 +566,7 @@ pub async fn out_of_range_times_are_refused<L: Ledger>(ledger: L) {
 /// A fence is never reused for a key, across prune: a worker that stalled
 /// with an old lease cannot match the lease of whoever claims the key after
 /// its record was pruned, and that later holder's lease stays exclusive.
-pub async fn fences_never_repeat_after_prune<L: Ledger>(ledger: L) {
+pub async fn fences_never_repeat_after_prune<L: Ledger + 'static>(ledger: L) {
     let t = fresh_tenant();
     let k = key(&t, "capture", "zombie");
     let brief = opts()
@@ -612,7 +613,7 @@ pub async fn fences_never_repeat_after_prune<L: Ledger>(ledger: L) {
 
 /// An at-most-once claim whose lease runs out is `Abandoned`: not taken over,
 /// listed for reconciliation, and resolvable with its reconciliation lease.
-pub async fn at_most_once_is_abandoned_not_rerun<L: Ledger>(ledger: L) {
+pub async fn at_most_once_is_abandoned_not_rerun<L: Ledger + 'static>(ledger: L) {
     let t = fresh_tenant();
     let k = key(&t, "receipt", "order-10");
     let amo = opts().lease(SHORT_LEASE).at_most_once(true);
@@ -780,7 +781,7 @@ pub async fn naive_guard_double_applies<L: Ledger + Clone + 'static>(ledger: L) 
 /// progress, a released or expired one is taken over, a key listed twice is
 /// acquired once and found in progress the second time, and a fingerprint
 /// mismatch fails its own slot only.
-pub async fn claim_many_answers_each_key_in_order<L: Ledger>(ledger: L) {
+pub async fn claim_many_answers_each_key_in_order<L: Ledger + 'static>(ledger: L) {
     let t = fresh_tenant();
     let k = |s: &str| key(&t, "capture", s);
     let done = acquired(ledger.claim(&k("done"), &opts()).await.unwrap());
@@ -889,7 +890,7 @@ pub async fn overlapping_batches_acquire_each_key_once<L: Ledger + Clone + 'stat
 
 /// `complete_many` completes each lease in order, fenced by its own lease: a
 /// stale one fails in its slot only.
-pub async fn complete_many_is_fenced_per_lease<L: Ledger>(ledger: L) {
+pub async fn complete_many_is_fenced_per_lease<L: Ledger + 'static>(ledger: L) {
     let t = fresh_tenant();
     let a = acquired(ledger.claim(&key(&t, "capture", "a"), &opts()).await.unwrap());
     let stale = acquired(ledger.claim(&key(&t, "capture", "b"), &opts()).await.unwrap());
@@ -924,7 +925,7 @@ pub async fn complete_many_is_fenced_per_lease<L: Ledger>(ledger: L) {
 /// abandoned or mismatched record answers the same again; a lease completed
 /// first is lost after, and the stored outcome is the first one; a stale
 /// lease beside the current one of its key fails alone.
-pub async fn batch_duplicates_answer_as_sequential_calls<L: Ledger>(ledger: L) {
+pub async fn batch_duplicates_answer_as_sequential_calls<L: Ledger + 'static>(ledger: L) {
     let t = fresh_tenant();
     let k = |s: &str| key(&t, "capture", s);
     let o = |s: &str| Outcome::from_json(&s).unwrap();

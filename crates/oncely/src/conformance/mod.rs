@@ -22,6 +22,8 @@
 //! - `coalesce.rs`: the backend's ledger wrapped in
 //!   [`Coalescing`](crate::backend::Coalescing) (many claimants of one key,
 //!   a gathered batch answered per slot, a caller dropped mid-batch);
+//! - `flight.rs`: single-flight in [`Effects`](crate::Effects) (in-process
+//!   duplicates answered from memory with an acknowledged outcome only);
 //! - `admin.rs`: the operator capability [`Admin`](crate::admin::Admin) (paging,
 //!   tenant isolation, stuck and abandoned on the backend's clock, stats,
 //!   forget) ([`admin_conformance_tests!`](crate::conformance::admin_conformance_tests));
@@ -63,6 +65,7 @@ pub use crate::__transactional_nodes_conformance_tests as transactional_nodes_co
 mod admin;
 mod coalesce;
 mod faulty;
+mod flight;
 mod ledger;
 mod metrics;
 pub mod model;
@@ -74,6 +77,7 @@ mod transactional;
 pub use admin::*;
 pub use coalesce::*;
 pub use faulty::{Faulty, InjectedUniqueViolation};
+pub use flight::*;
 pub use ledger::*;
 pub use metrics::{counter, metrics_snapshotter};
 pub use nodes::*;
@@ -171,7 +175,7 @@ impl Rng {
 
 /// Calls `prune` until `key` is gone (other tests prune the same table
 /// concurrently, and a backend may prune in batches).
-pub async fn prune_until_gone<L: Ledger>(ledger: &L, key: &EffectKey) {
+pub async fn prune_until_gone<L: Ledger + 'static>(ledger: &L, key: &EffectKey) {
     for _ in 0..100 {
         ledger.prune(u64::MAX).await.unwrap();
         if ledger.get(key).await.unwrap().is_none() {
@@ -260,6 +264,9 @@ macro_rules! __conformance_tests {
             coalesced_batch_answers_each_slot,
             coalesced_dropped_caller_leaves_no_lease,
             coalesced_cancellation_is_safe,
+            single_flight_answers_local_duplicates_without_a_claim,
+            single_flight_never_answers_an_unacknowledged_outcome,
+            single_flight_answers_only_the_same_request,
         );
     };
     (@each $make:path; $($name:ident),* $(,)?) => {

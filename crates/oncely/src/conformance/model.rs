@@ -128,7 +128,7 @@ fn fp(key: u8, altered: bool) -> Fingerprint {
 ///
 /// `exact_prune`: whether this run has the ledger to itself, so prune's count
 /// can be predicted (on a shared database other tests' records count too).
-pub async fn check<L: Ledger>(ledger: &L, ops: &[Op], exact_prune: bool) {
+pub async fn check<L: Ledger + 'static>(ledger: &L, ops: &[Op], exact_prune: bool) {
     let tenant = fresh_tenant();
     let keys: Vec<EffectKey> = (0..KEYS)
         .map(|k| EffectKey::new(&tenant, "step", format!("order-{k}")).unwrap())

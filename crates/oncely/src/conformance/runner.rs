@@ -16,7 +16,7 @@ use crate::{ClaimOptions, EffectKey, Effects, Error, Failure, OnInProgress, tele
 
 /// `Effects::run` twice in a row: the effect happens once and the second
 /// call returns the first outcome.
-pub async fn run_sequential_duplicate_runs_once<L: Ledger>(ledger: L) {
+pub async fn run_sequential_duplicate_runs_once<L: Ledger + 'static>(ledger: L) {
     let effects = Effects::new(ledger);
     let k = key(&fresh_tenant(), "capture", "order-11");
     let performed = AtomicUsize::new(0);
@@ -117,7 +117,7 @@ pub async fn run_in_progress_is_rejected_not_skipped<L: Ledger + Clone + 'static
 
 /// A retryable failure releases the claim and the next delivery performs
 /// the effect; a terminal failure is stored and replayed.
-pub async fn run_failures_follow_policy<L: Ledger>(ledger: L) {
+pub async fn run_failures_follow_policy<L: Ledger + 'static>(ledger: L) {
     let effects = Effects::new(ledger);
     let t = fresh_tenant();
     let k = key(&t, "capture", "order-14");
@@ -180,10 +180,11 @@ pub async fn run_failures_follow_policy<L: Ledger>(ledger: L) {
 /// A grant that arrives with less than the safety margin left (the answer
 /// took longer than the lease) never starts the handler: the runner gives it
 /// back and, when every grant arrives too late, fails retryably.
-pub async fn run_never_starts_on_an_expired_lease<L: Ledger>(ledger: L) {
+pub async fn run_never_starts_on_an_expired_lease<L: Ledger + 'static>(ledger: L) {
+    let ledger = Arc::new(ledger);
     let k = key(&fresh_tenant(), "capture", "late-grant");
     let lease = Duration::from_millis(400);
-    let slow = Effects::new(Faulty::new(&ledger).claim_delay(Duration::from_millis(500)));
+    let slow = Effects::new(Faulty::new(ledger.clone()).claim_delay(Duration::from_millis(500)));
     let ran = AtomicUsize::new(0);
     let e = slow
         .run::<u32, _, _>(&k, &opts().lease(lease), |_| {
@@ -203,7 +204,7 @@ pub async fn run_never_starts_on_an_expired_lease<L: Ledger>(ledger: L) {
         ledger.get(&k).await.unwrap().unwrap().state,
         RecordState::Released
     );
-    let v: u32 = Effects::new(&ledger)
+    let v: u32 = Effects::new(ledger)
         .run(&k, &opts().lease(lease), |_| async { Ok(2) })
         .await
         .unwrap();
@@ -286,7 +287,7 @@ pub async fn handler_learns_its_lease_is_lost<L: Ledger + Clone + 'static>(ledge
 /// `Effects::run` of an at-most-once effect whose value is too large to
 /// store does not release the key: the effect happened, so the next delivery
 /// finds it abandoned instead of repeating it.
-pub async fn run_at_most_once_unstorable_outcome_is_not_repeated<L: Ledger>(ledger: L) {
+pub async fn run_at_most_once_unstorable_outcome_is_not_repeated<L: Ledger + 'static>(ledger: L) {
     let max = ledger.capabilities().max_outcome_bytes;
     let effects = Effects::new(ledger);
     let k = key(&fresh_tenant(), "receipt", "huge");
@@ -320,7 +321,7 @@ pub async fn run_at_most_once_unstorable_outcome_is_not_repeated<L: Ledger>(ledg
 /// started, then a redelivery once the lease ended: the handler must have
 /// run once, the first run's error must satisfy `first`, and the redelivery
 /// must find the step abandoned instead of performing it again.
-async fn at_most_once_failure_is_not_repeated<L: Ledger>(
+async fn at_most_once_failure_is_not_repeated<L: Ledger + 'static>(
     ledger: L,
     amo: ClaimOptions,
     fail: impl Fn() -> Failure,
@@ -366,7 +367,7 @@ async fn at_most_once_failure_is_not_repeated<L: Ledger>(
 /// in its own writes, reported as [`Error::ConstraintViolation`]) may have
 /// performed its effect already: the step is not released, so the next
 /// delivery finds it abandoned instead of repeating it.
-pub async fn run_at_most_once_constraint_violation_is_not_repeated<L: Ledger>(ledger: L) {
+pub async fn run_at_most_once_constraint_violation_is_not_repeated<L: Ledger + 'static>(ledger: L) {
     at_most_once_failure_is_not_repeated(
         super::Faulty::new(ledger).unique_violations(),
         opts(),
@@ -379,7 +380,7 @@ pub async fn run_at_most_once_constraint_violation_is_not_repeated<L: Ledger>(le
 /// An at-most-once handler's terminal failure with failures not cached
 /// ([`ClaimOptions::cache_failures`] off) is not released either: the step
 /// is left to be abandoned and reconciled, never performed again.
-pub async fn run_at_most_once_uncached_terminal_failure_is_not_repeated<L: Ledger>(ledger: L) {
+pub async fn run_at_most_once_uncached_terminal_failure_is_not_repeated<L: Ledger + 'static>(ledger: L) {
     at_most_once_failure_is_not_repeated(
         ledger,
         opts().cache_failures(false),
@@ -395,7 +396,7 @@ pub async fn run_at_most_once_uncached_terminal_failure_is_not_repeated<L: Ledge
 /// effect over once the lease ends, at a higher fence, and runs it again
 /// (why effects carry provider keys); when it was applied and only its
 /// answer was lost, the next delivery replays the outcome.
-pub async fn run_completion_failure_is_outcome_unknown<L: Ledger + Clone>(ledger: L) {
+pub async fn run_completion_failure_is_outcome_unknown<L: Ledger + Clone + 'static>(ledger: L) {
     let t = fresh_tenant();
     let short = opts().lease(SHORT_LEASE);
     let runs = AtomicUsize::new(0);
@@ -450,13 +451,14 @@ pub async fn run_completion_failure_is_outcome_unknown<L: Ledger + Clone>(ledger
 /// Telemetry is recorded once per claim, by the runner: a scripted run gives
 /// exactly the documented counts (a backend that records its own would
 /// double them).
-pub async fn telemetry_counts_each_claim_once<L: Ledger>(ledger: L) {
+pub async fn telemetry_counts_each_claim_once<L: Ledger + 'static>(ledger: L) {
+    let ledger = Arc::new(ledger);
     metrics_snapshotter();
     let t = fresh_tenant();
     // The kind is a metric label: one no other test uses isolates the counts.
     let kind = format!("tm{}", t.as_str().replace(['.', '@', '+'], "-"));
     let k = |s: &str| key(&t, &kind, s);
-    let effects = Effects::new(&ledger);
+    let effects = Effects::new(ledger.clone());
     let run = |key: EffectKey, o: ClaimOptions| {
         let effects = &effects;
         async move { effects.run(&key, &o, |_| async { Ok(1u32) }).await }
