@@ -183,37 +183,55 @@ pub struct RowSpec {
     pub batch: usize,
     /// Hand-written or oncely.
     pub guard: Guard,
+    /// Whether oncely gathers the row's concurrent claims and completions
+    /// into batched statements ([`Effects::coalescing`](oncely::Effects::coalescing);
+    /// on by default). Always `true` for the hand-written rows, which have
+    /// nothing to gather.
+    pub coalescing: bool,
 }
 
 impl RowSpec {
     /// The rows of a run, each oncely row after the hand-written row it is
     /// compared with. Sequential rows have no oncely `Reject` row: a
     /// sequential duplicate never finds the effect in progress, so both
-    /// policies do the same.
+    /// policies do the same. Concurrent single claims under `Wait` also run
+    /// with coalescing off, to show what it gains.
     pub fn all(batch: usize) -> Vec<RowSpec> {
         let mut rows = Vec::new();
+        let row = |mode, batch, guard, coalescing| RowSpec {
+            mode,
+            batch,
+            guard,
+            coalescing,
+        };
         for mode in [Mode::Sequential, Mode::Concurrent] {
             for size in [1, batch] {
-                rows.push(RowSpec {
-                    mode,
-                    batch: size,
-                    guard: Guard::HandWritten,
-                });
-                rows.push(RowSpec {
-                    mode,
-                    batch: size,
-                    guard: Guard::Oncely(Policy::Wait),
-                });
+                rows.push(row(mode, size, Guard::HandWritten, true));
+                rows.push(row(mode, size, Guard::Oncely(Policy::Wait), true));
+                if mode == Mode::Concurrent && size == 1 {
+                    rows.push(row(mode, size, Guard::Oncely(Policy::Wait), false));
+                }
                 if mode == Mode::Concurrent {
-                    rows.push(RowSpec {
-                        mode,
-                        batch: size,
-                        guard: Guard::Oncely(Policy::Reject),
-                    });
+                    rows.push(row(mode, size, Guard::Oncely(Policy::Reject), true));
                 }
             }
         }
         rows
+    }
+
+    /// How tables name the row's guard: `hand-written`, `oncely` (both
+    /// policies, sequentially), `oncely Wait`, `oncely Wait, no coalescing`.
+    pub fn guard_name(&self) -> String {
+        let guard = match (self.mode, self.guard) {
+            // Both policies act alike on sequential duplicates.
+            (Mode::Sequential, Guard::Oncely(_)) => "oncely",
+            (_, g) => g.name(),
+        };
+        if self.coalescing || self.guard == Guard::HandWritten {
+            guard.to_owned()
+        } else {
+            format!("{guard}, no coalescing")
+        }
     }
 
     /// `single` or `batch N`.
@@ -227,12 +245,7 @@ impl RowSpec {
 
     /// How messages name the row: `concurrent, batch 100, oncely Wait`.
     pub fn name(&self) -> String {
-        let guard = match (self.mode, self.guard) {
-            // Both policies act alike on sequential duplicates.
-            (Mode::Sequential, Guard::Oncely(_)) => "oncely",
-            (_, g) => g.name(),
-        };
-        format!("{}, {}, {guard}", self.mode.name(), self.claims())
+        format!("{}, {}, {}", self.mode.name(), self.claims(), self.guard_name())
     }
 
     /// A short, key-safe name, unique per row: the kind of its effect keys
@@ -247,7 +260,8 @@ impl RowSpec {
             Guard::Oncely(Policy::Wait) => "wait",
             Guard::Oncely(Policy::Reject) => "reject",
         };
-        format!("{mode}{}-{guard}", self.batch)
+        let solo = if self.coalescing { "" } else { "-solo" };
+        format!("{mode}{}-{guard}{solo}", self.batch)
     }
 }
 
@@ -375,11 +389,12 @@ mod tests {
     #[test]
     fn rows_pair_each_oncely_row_with_its_baseline() {
         let rows = RowSpec::all(100);
-        assert_eq!(rows.len(), 10);
+        assert_eq!(rows.len(), 11);
         let names: Vec<String> = rows.iter().map(RowSpec::name).collect();
         assert_eq!(names[0], "sequential, single, hand-written");
         assert_eq!(names[1], "sequential, single, oncely");
-        assert_eq!(names[9], "concurrent, batch 100, oncely Reject");
+        assert_eq!(names[6], "concurrent, single, oncely Wait, no coalescing");
+        assert_eq!(names[10], "concurrent, batch 100, oncely Reject");
         for (i, r) in rows.iter().enumerate() {
             if r.guard != Guard::HandWritten {
                 assert!(
@@ -432,7 +447,7 @@ mod tests {
         };
         let report = run(&config, Arc::new(NoProgress)).await.unwrap();
         assert_eq!(report.backend, "memory");
-        assert_eq!(report.rows.len(), 10);
+        assert_eq!(report.rows.len(), 11);
         for row in &report.rows {
             assert_eq!(row.deliveries, 240, "{row:?}");
             assert_eq!(row.effects, 120, "{row:?}");

@@ -52,6 +52,11 @@ pub struct RowReport {
     pub guard: Guard,
     /// oncely's in-progress policy (`None` for the hand-written rows).
     pub policy: Option<Policy>,
+    /// Whether oncely coalesced the row's claims and completions (`None`
+    /// for the hand-written rows).
+    pub coalescing: Option<bool>,
+    /// How the table names the guard (`oncely Wait, no coalescing`).
+    pub guard_name: String,
     /// Jobs of the row.
     pub jobs: u64,
     /// Deliveries answered in the timed part (jobs × 2).
@@ -157,10 +162,7 @@ impl BenchReport {
             "ratio",
         ]);
         for r in &self.rows {
-            let guard = match (r.mode, r.guard) {
-                (Mode::Sequential, Guard::Oncely(_)) => "oncely",
-                (_, g) => g.name(),
-            };
+            let guard = &r.guard_name;
             let claims = if r.batch == 1 {
                 "single".to_owned()
             } else {
@@ -215,6 +217,8 @@ mod tests {
             batch: 1,
             guard: Guard::Oncely(Policy::Wait),
             policy: Some(Policy::Wait),
+            coalescing: Some(true),
+            guard_name: "oncely Wait".to_owned(),
             jobs,
             deliveries: 2 * jobs,
             seconds: 1.0,

@@ -251,7 +251,7 @@ impl RowRun {
             },
             tenant: tenant.clone(),
             kind: spec.slug(),
-            effects: Effects::new(timed.clone()),
+            effects: Effects::new(timed.clone()).coalescing(spec.coalescing),
             ledger: timed,
             plain: Effects::new(ledger.clone()),
             opts: ClaimOptions::default()
@@ -642,6 +642,11 @@ impl RowRun {
                 Guard::Oncely(p) => Some(p),
                 Guard::HandWritten => None,
             },
+            coalescing: match self.spec.guard {
+                Guard::Oncely(_) => Some(self.spec.coalescing),
+                Guard::HandWritten => None,
+            },
+            guard_name: self.spec.guard_name(),
             jobs: self.jobs as u64,
             deliveries,
             seconds,

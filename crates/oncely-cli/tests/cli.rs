@@ -757,8 +757,9 @@ fn bench_on(url: Option<&str>, backend: &str) {
     assert_eq!(v["backend"], backend, "{v}");
     let rows = v["rows"].as_array().expect("rows");
     // Sequential and concurrent, single and batch; hand-written, oncely
-    // Wait, and concurrently oncely Reject.
-    assert_eq!(rows.len(), 10, "{v}");
+    // Wait, and concurrently oncely Reject; concurrent single Wait also
+    // without coalescing.
+    assert_eq!(rows.len(), 11, "{v}");
     for row in rows {
         let name = row["name"].as_str().unwrap();
         assert_eq!(row["jobs"], 60, "{name}: {row}");
@@ -778,6 +779,7 @@ fn bench_on(url: Option<&str>, backend: &str) {
         "sequential, single, hand-written",
         "concurrent, single, oncely Wait",
         "concurrent, single, oncely Reject",
+        "concurrent, single, oncely Wait, no coalescing",
         "concurrent, batch 20, oncely Wait",
     ] {
         assert!(names.contains(&want), "no row {want:?} in {names:?}");

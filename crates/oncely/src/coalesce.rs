@@ -64,8 +64,11 @@ pub const DEFAULT_MAX_IN_FLIGHT: usize = 1;
 /// PostgreSQL, 32 tasks delivering 5,000 jobs twice each (`Effects::run`,
 /// `Wait`) ran a little over twice the deliveries per second through it,
 /// and one statement in flight measured faster than two or four; one
-/// sequential caller ran as fast as unwrapped. It changes nothing for a
-/// lone caller, so there is no switch: not wrapping is turning it off.
+/// sequential caller ran as fast as unwrapped. [`Effects`](crate::Effects)
+/// wraps its ledger in one (shared by its clones) unless
+/// [`Effects::coalescing`](crate::Effects::coalescing) turns it off; wrap a
+/// ledger yourself where you call it directly from many tasks.
+/// [`Coalescing::set_enabled`] switches a wrapper off and on.
 /// Every other method (`release`, `renew`, `get`, `watch`, `claim_many`,
 /// the transactional ones…) goes straight to the inner ledger.
 ///

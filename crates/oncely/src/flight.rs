@@ -105,7 +105,8 @@ impl Flights {
         let (flight, mut landed) = {
             let held = lock(&self.held);
             let flight = held.get(key)?;
-            let same_request = flight.fingerprint == opts.fingerprint && flight.at_most_once == opts.at_most_once;
+            let same_request =
+                flight.fingerprint == opts.fingerprint && flight.at_most_once == opts.at_most_once;
             if !same_request || fence.is_some_and(|f| f != flight.fence) {
                 return None;
             }

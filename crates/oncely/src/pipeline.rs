@@ -15,12 +15,12 @@ use serde::de::DeserializeOwned;
 
 use crate::backend::check_outcome;
 use crate::error::{BoxError, Error, Result};
+use crate::flight::{Answer, Flights, Holding};
 use crate::held::{HeldLease, with_renewal};
 use crate::key::EffectKey;
 use crate::ledger::{Ledger, TransactionalLedger};
 use crate::record::{Claim, ClaimOptions, Lease, OnInProgress, Outcome};
 use crate::telemetry;
-use crate::flight::{Answer, Flights, Holding};
 use crate::watch::Watch;
 
 /// How a handler failed.

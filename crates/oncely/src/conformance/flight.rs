@@ -70,7 +70,10 @@ pub async fn single_flight_answers_local_duplicates_without_a_claim<L: Ledger + 
         1,
         "in-process duplicates of a held key sent claims of their own"
     );
-    assert!(duplicates.iter().all(|d| !d.is_finished()), "a duplicate answered before the holder");
+    assert!(
+        duplicates.iter().all(|d| !d.is_finished()),
+        "a duplicate answered before the holder"
+    );
     go.notify_one();
     let first = holder.await.unwrap().unwrap();
     assert_eq!((first.value, first.how), (41, How::Ran));
@@ -79,7 +82,11 @@ pub async fn single_flight_answers_local_duplicates_without_a_claim<L: Ledger + 
         assert_eq!((got.value, got.how), (41, How::Replayed));
     }
     assert_eq!(ran.load(Ordering::SeqCst), 1, "the handler ran more than once");
-    assert_eq!(faulty.claims_sent(), 1, "a duplicate claimed after it was answered");
+    assert_eq!(
+        faulty.claims_sent(),
+        1,
+        "a duplicate claimed after it was answered"
+    );
 }
 
 /// The holder's completion is slow and then fails (the effect ran; nothing
@@ -135,7 +142,11 @@ pub async fn single_flight_never_answers_an_unacknowledged_outcome<L: Ledger + '
             other => panic!("a duplicate of an unrecorded effect must find it in progress: {other:?}"),
         }
     }
-    assert_eq!(ran.load(Ordering::SeqCst), 1, "the handler ran again under a live lease");
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        1,
+        "the handler ran again under a live lease"
+    );
 }
 
 /// An in-process duplicate that claims differently from the holder (another
@@ -148,7 +159,8 @@ pub async fn single_flight_answers_only_the_same_request<L: Ledger + 'static>(le
     let ran = Arc::new(AtomicUsize::new(0));
     let go = Arc::new(tokio::sync::Notify::new());
     let holder = {
-        let (effects, k, ran, go, first) = (effects.clone(), k.clone(), ran.clone(), go.clone(), first.clone());
+        let (effects, k, ran, go, first) =
+            (effects.clone(), k.clone(), ran.clone(), go.clone(), first.clone());
         tokio::spawn(async move {
             effects
                 .run::<u32, _, _>(&k, &first, |_| async move {
