@@ -138,6 +138,10 @@ impl Mode {
 pub enum Guard {
     /// The hand-written minimum on the same database (see the module docs).
     HandWritten,
+    /// The same guarantees as oncely's, by hand, on the same database: an
+    /// in-progress row with a lease, a fenced completion, a duplicate that
+    /// polls while the lease is live (single claims only).
+    Leased,
     /// oncely, with this in-progress policy.
     Oncely(Policy),
 }
@@ -157,16 +161,18 @@ impl Serialize for Guard {
     fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         s.serialize_str(match self {
             Guard::HandWritten => "hand-written",
+            Guard::Leased => "hand-written-leased",
             Guard::Oncely(_) => "oncely",
         })
     }
 }
 
 impl Guard {
-    /// `hand-written`, `oncely Wait` or `oncely Reject`.
+    /// `hand-written`, `hand-written, leased`, `oncely Wait` or `oncely Reject`.
     pub fn name(self) -> &'static str {
         match self {
             Guard::HandWritten => "hand-written",
+            Guard::Leased => "hand-written, leased",
             Guard::Oncely(Policy::Wait) => "oncely Wait",
             Guard::Oncely(Policy::Reject) => "oncely Reject",
         }
@@ -184,19 +190,21 @@ pub struct RowSpec {
     /// Hand-written or oncely.
     pub guard: Guard,
     /// Whether oncely gathers the row's concurrent claims and completions
-    /// into batched statements ([`Effects::coalescing`](oncely::Effects::coalescing);
-    /// on by default). Always `true` for the hand-written rows, which have
-    /// nothing to gather.
-    pub coalescing: bool,
+    /// into batched statements ([`Effects::coalescing`](oncely::Effects::coalescing)):
+    /// `None` for the backend's default, and for the hand-written rows,
+    /// which have nothing to gather.
+    pub coalescing: Option<bool>,
 }
 
 impl RowSpec {
     /// The rows of a run, each oncely row after the hand-written row it is
     /// compared with. Sequential rows have no oncely `Reject` row: a
     /// sequential duplicate never finds the effect in progress, so both
-    /// policies do the same. Concurrent single claims under `Wait` also run
-    /// with coalescing off, to show what it gains.
-    pub fn all(batch: usize) -> Vec<RowSpec> {
+    /// policies do the same. Single claims also run through the
+    /// same-guarantees hand-written code, and concurrent single claims under
+    /// `Wait` also with coalescing the other way round from the backend's
+    /// default (`coalescing`), to show what it gains or costs.
+    pub fn all(batch: usize, coalescing: bool) -> Vec<RowSpec> {
         let mut rows = Vec::new();
         let row = |mode, batch, guard, coalescing| RowSpec {
             mode,
@@ -206,13 +214,16 @@ impl RowSpec {
         };
         for mode in [Mode::Sequential, Mode::Concurrent] {
             for size in [1, batch] {
-                rows.push(row(mode, size, Guard::HandWritten, true));
-                rows.push(row(mode, size, Guard::Oncely(Policy::Wait), true));
+                rows.push(row(mode, size, Guard::HandWritten, None));
+                if size == 1 {
+                    rows.push(row(mode, size, Guard::Leased, None));
+                }
+                rows.push(row(mode, size, Guard::Oncely(Policy::Wait), None));
                 if mode == Mode::Concurrent && size == 1 {
-                    rows.push(row(mode, size, Guard::Oncely(Policy::Wait), false));
+                    rows.push(row(mode, size, Guard::Oncely(Policy::Wait), Some(!coalescing)));
                 }
                 if mode == Mode::Concurrent {
-                    rows.push(row(mode, size, Guard::Oncely(Policy::Reject), true));
+                    rows.push(row(mode, size, Guard::Oncely(Policy::Reject), None));
                 }
             }
         }
@@ -220,17 +231,17 @@ impl RowSpec {
     }
 
     /// How tables name the row's guard: `hand-written`, `oncely` (both
-    /// policies, sequentially), `oncely Wait`, `oncely Wait, no coalescing`.
+    /// policies, sequentially), `oncely Wait`, `oncely Wait, coalescing off`.
     pub fn guard_name(&self) -> String {
         let guard = match (self.mode, self.guard) {
             // Both policies act alike on sequential duplicates.
             (Mode::Sequential, Guard::Oncely(_)) => "oncely",
             (_, g) => g.name(),
         };
-        if self.coalescing || self.guard == Guard::HandWritten {
-            guard.to_owned()
-        } else {
-            format!("{guard}, no coalescing")
+        match self.coalescing {
+            Some(true) => format!("{guard}, coalescing on"),
+            Some(false) => format!("{guard}, coalescing off"),
+            None => guard.to_owned(),
         }
     }
 
@@ -257,10 +268,15 @@ impl RowSpec {
         };
         let guard = match self.guard {
             Guard::HandWritten => "hw",
+            Guard::Leased => "lease",
             Guard::Oncely(Policy::Wait) => "wait",
             Guard::Oncely(Policy::Reject) => "reject",
         };
-        let solo = if self.coalescing { "" } else { "-solo" };
+        let solo = match self.coalescing {
+            Some(true) => "-gather",
+            Some(false) => "-solo",
+            None => "",
+        };
         format!("{mode}{}-{guard}{solo}", self.batch)
     }
 }
@@ -308,13 +324,13 @@ pub async fn run(config: &BenchConfig, progress: Arc<dyn Progress>) -> Result<Be
     let result = match Baseline::open(&ledger, &url, &run_id).await {
         Ok(baseline) => {
             let baseline = Arc::new(baseline);
-            let rows = RowSpec::all(config.batch);
+            let rows = RowSpec::all(config.batch, ledger.capabilities().coalescing);
             let report = run_rows(config, &run_id, &rows, &ledger, &baseline, progress).await;
             // Remove the baseline's data whatever happened; a failure to do
             // so must not hide the run's own error.
             let keys: Vec<String> = rows
                 .iter()
-                .filter(|r| r.guard == Guard::HandWritten)
+                .filter(|r| !matches!(r.guard, Guard::Oncely(_)))
                 .flat_map(|r| (0..config.jobs as usize).map(|job| baseline.key(&r.slug(), job)))
                 .collect();
             let cleaned = baseline.remove(&keys).await;
@@ -347,11 +363,18 @@ async fn run_rows(
             &tenant,
         );
         let mut row = run.run(progress.clone()).await?;
-        row.ratio = reports
-            .iter()
-            .find(|r| r.mode == spec.mode && r.batch == spec.batch as u64 && r.guard == Guard::HandWritten)
-            .map(|b| row.deliveries_per_sec / b.deliveries_per_sec)
-            .or((spec.guard == Guard::HandWritten).then_some(1.0));
+        let over = |guard: Guard| {
+            reports
+                .iter()
+                .find(|r| r.mode == spec.mode && r.batch == spec.batch as u64 && r.guard == guard)
+                .map(|b| row.deliveries_per_sec / b.deliveries_per_sec)
+        };
+        row.ratio = over(Guard::HandWritten).or((spec.guard == Guard::HandWritten).then_some(1.0));
+        row.ratio_leased = match spec.guard {
+            Guard::Oncely(_) => over(Guard::Leased),
+            Guard::Leased => Some(1.0),
+            Guard::HandWritten => None,
+        };
         reports.push(row);
     }
     Ok(BenchReport {
@@ -362,6 +385,7 @@ async fn run_rows(
         batch: config.batch as u64,
         tenant: tenant.as_str().to_owned(),
         baseline: baseline.describe(),
+        baseline_leased: baseline.describe_leased(),
         rows: reports,
     })
 }
@@ -388,15 +412,20 @@ mod tests {
 
     #[test]
     fn rows_pair_each_oncely_row_with_its_baseline() {
-        let rows = RowSpec::all(100);
-        assert_eq!(rows.len(), 11);
+        assert_eq!(
+            RowSpec::all(100, false)[8].name(),
+            "concurrent, single, oncely Wait, coalescing on"
+        );
+        let rows = RowSpec::all(100, true);
+        assert_eq!(rows.len(), 13);
         let names: Vec<String> = rows.iter().map(RowSpec::name).collect();
         assert_eq!(names[0], "sequential, single, hand-written");
-        assert_eq!(names[1], "sequential, single, oncely");
-        assert_eq!(names[6], "concurrent, single, oncely Wait, no coalescing");
-        assert_eq!(names[10], "concurrent, batch 100, oncely Reject");
+        assert_eq!(names[1], "sequential, single, hand-written, leased");
+        assert_eq!(names[2], "sequential, single, oncely");
+        assert_eq!(names[8], "concurrent, single, oncely Wait, coalescing off");
+        assert_eq!(names[12], "concurrent, batch 100, oncely Reject");
         for (i, r) in rows.iter().enumerate() {
-            if r.guard != Guard::HandWritten {
+            if matches!(r.guard, Guard::Oncely(_)) {
                 assert!(
                     rows[..i]
                         .iter()
@@ -447,7 +476,7 @@ mod tests {
         };
         let report = run(&config, Arc::new(NoProgress)).await.unwrap();
         assert_eq!(report.backend, "memory");
-        assert_eq!(report.rows.len(), 11);
+        assert_eq!(report.rows.len(), 13);
         for row in &report.rows {
             assert_eq!(row.deliveries, 240, "{row:?}");
             assert_eq!(row.effects, 120, "{row:?}");

@@ -55,7 +55,7 @@ pub struct RowReport {
     /// Whether oncely coalesced the row's claims and completions (`None`
     /// for the hand-written rows).
     pub coalescing: Option<bool>,
-    /// How the table names the guard (`oncely Wait, no coalescing`).
+    /// How the table names the guard (`oncely Wait, coalescing off`).
     pub guard_name: String,
     /// Jobs of the row.
     pub jobs: u64,
@@ -96,6 +96,10 @@ pub struct RowReport {
     /// Deliveries per second over those of the hand-written row with the
     /// same mode and batch size (1 for that row itself).
     pub ratio: Option<f64>,
+    /// Deliveries per second over those of the same-guarantees hand-written
+    /// row with the same mode and batch size (single claims only; 1 for
+    /// that row itself).
+    pub ratio_leased: Option<f64>,
 }
 
 /// The bench's result: every row, on one database, in one run.
@@ -116,6 +120,8 @@ pub struct BenchReport {
     pub tenant: String,
     /// What the hand-written rows do on this backend.
     pub baseline: &'static str,
+    /// What the same-guarantees hand-written rows do on this backend.
+    pub baseline_leased: &'static str,
     /// The rows, in the order they ran.
     pub rows: Vec<RowReport>,
 }
@@ -160,6 +166,7 @@ impl BenchReport {
             "wake-up p99",
             "effects",
             "ratio",
+            "vs leased",
         ]);
         for r in &self.rows {
             let guard = &r.guard_name;
@@ -182,6 +189,7 @@ impl BenchReport {
                 latency(r.wake_up_latency, |l| l.p99_us),
                 r.effects.to_string(),
                 r.ratio.map_or("–".to_owned(), |x| format!("{x:.2}")),
+                r.ratio_leased.map_or("–".to_owned(), |x| format!("{x:.2}")),
             ]);
         }
         for (i, column) in table.column_iter_mut().enumerate() {
@@ -235,6 +243,7 @@ mod tests {
             jobs_not_run: 0,
             wrong_outcomes: 0,
             ratio: Some(0.5),
+            ratio_leased: Some(0.9),
         }
     }
 
@@ -247,6 +256,7 @@ mod tests {
             batch: 100,
             tenant: "bench-x".to_owned(),
             baseline: "a mutex-guarded map",
+            baseline_leased: "a mutex-guarded map of leases",
             rows,
         }
     }

@@ -14,7 +14,7 @@ use oncely::backend::{Capabilities, Claim, Lease, Ledger, Outcome, Record, Store
 use oncely::{ClaimOptions, EffectKey, Effects, Error, Failure, OnInProgress, Result, Tenant};
 use oncely_any::AnyLedger;
 
-use super::baseline::{Answer, Baseline};
+use super::baseline::{Answer, Baseline, Leased};
 use super::report::{Latency, RowReport};
 use super::{Guard, Mode, Policy, Progress, RowSpec};
 
@@ -48,6 +48,14 @@ impl Stats {
 
     fn call(&self, took: Duration) {
         self.claims.lock().unwrap_or_else(|p| p.into_inner()).push(took);
+    }
+
+    /// A same-guarantees duplicate found job `job`'s lease live.
+    fn busy(&self, job: usize) {
+        self.in_progress.fetch_add(1, Ordering::Relaxed);
+        if let Some(seen) = self.saw_in_progress.get(job) {
+            seen.store(true, Ordering::Relaxed);
+        }
     }
 
     fn answered(&self, key: &EffectKey, claim: &Claim) {
@@ -251,7 +259,10 @@ impl RowRun {
             },
             tenant: tenant.clone(),
             kind: spec.slug(),
-            effects: Effects::new(timed.clone()).coalescing(spec.coalescing),
+            effects: match spec.coalescing {
+                Some(on) => Effects::new(timed.clone()).coalescing(on),
+                None => Effects::new(timed.clone()),
+            },
             ledger: timed,
             plain: Effects::new(ledger.clone()),
             opts: ClaimOptions::default()
@@ -319,6 +330,10 @@ impl RowRun {
         match (self.spec.guard, self.spec.batch) {
             (Guard::HandWritten, 1) => Ok(vec![self.baseline_single(jobs.start).await?]),
             (Guard::HandWritten, _) => self.baseline_batch(jobs).await,
+            (Guard::Leased, 1) => Ok(vec![self.leased_single(jobs.start).await?]),
+            (Guard::Leased, _) => Err(Error::Misuse(
+                "the same-guarantees baseline has single claims only".to_owned(),
+            )),
             (Guard::Oncely(_), 1) => Ok(vec![self.oncely_single(jobs.start).await?]),
             (Guard::Oncely(_), _) => self.oncely_batch(jobs).await,
         }
@@ -570,6 +585,67 @@ impl RowRun {
         Ok(self.baseline_answered(job, answer))
     }
 
+    /// The same guarantees by hand: take the key's lease (or find its
+    /// outcome), run the effect, complete fenced; a duplicate that finds
+    /// the lease live polls, 1 ms at first, doubling up to 50 ms.
+    async fn leased_single(&self, job: usize) -> Result<Answered> {
+        let key = self.baseline.key(&self.kind, job);
+        let mut attempt = 1;
+        let mut pause = Duration::from_millis(1);
+        loop {
+            let sent = Instant::now();
+            let answer = self.baseline.lease(&key).await;
+            self.stats.call(sent.elapsed());
+            let answer = match answer {
+                Ok(a) => a,
+                Err(e) => {
+                    if !self.retry(&mut attempt, &e).await {
+                        return Err(e);
+                    }
+                    continue;
+                }
+            };
+            match answer {
+                Leased::Won(fence) => {
+                    let value = self.effect(job);
+                    loop {
+                        match self.baseline.finish(&key, fence, &value).await {
+                            Ok(true) => break,
+                            Ok(false) => {
+                                return Err(Error::Misuse(format!(
+                                    "bench baseline: {key}: the lease was taken over before its completion"
+                                )));
+                            }
+                            Err(e) => {
+                                if !self.retry(&mut attempt, &e).await {
+                                    return Err(e);
+                                }
+                            }
+                        }
+                    }
+                    return Ok(Answered {
+                        ran: true,
+                        rejected: false,
+                        at: Instant::now(),
+                    });
+                }
+                Leased::Done(stored) => {
+                    self.check(job, &stored);
+                    return Ok(Answered {
+                        ran: false,
+                        rejected: false,
+                        at: Instant::now(),
+                    });
+                }
+                Leased::Busy => {
+                    self.stats.busy(job);
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(50));
+                }
+            }
+        }
+    }
+
     async fn baseline_batch(&self, jobs: Range<usize>) -> Result<Vec<Answered>> {
         let items: Vec<(String, String)> = jobs
             .clone()
@@ -640,11 +716,15 @@ impl RowRun {
             guard: self.spec.guard,
             policy: match self.spec.guard {
                 Guard::Oncely(p) => Some(p),
-                Guard::HandWritten => None,
+                Guard::HandWritten | Guard::Leased => None,
             },
             coalescing: match self.spec.guard {
-                Guard::Oncely(_) => Some(self.spec.coalescing),
-                Guard::HandWritten => None,
+                Guard::Oncely(_) => Some(
+                    self.spec
+                        .coalescing
+                        .unwrap_or(self.ledger.capabilities().coalescing),
+                ),
+                Guard::HandWritten | Guard::Leased => None,
             },
             guard_name: self.spec.guard_name(),
             jobs: self.jobs as u64,
@@ -663,6 +743,7 @@ impl RowRun {
             jobs_not_run: counts.iter().filter(|&&c| c == 0).count() as u64,
             wrong_outcomes: self.wrong.load(Ordering::Relaxed),
             ratio: None,
+            ratio_leased: None,
         }
     }
 }

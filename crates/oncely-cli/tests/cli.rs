@@ -758,8 +758,9 @@ fn bench_on(url: Option<&str>, backend: &str) {
     let rows = v["rows"].as_array().expect("rows");
     // Sequential and concurrent, single and batch; hand-written, oncely
     // Wait, and concurrently oncely Reject; concurrent single Wait also
-    // without coalescing.
-    assert_eq!(rows.len(), 11, "{v}");
+    // without coalescing; single claims also by hand with the same
+    // guarantees (leased).
+    assert_eq!(rows.len(), 13, "{v}");
     for row in rows {
         let name = row["name"].as_str().unwrap();
         assert_eq!(row["jobs"], 60, "{name}: {row}");
@@ -779,7 +780,12 @@ fn bench_on(url: Option<&str>, backend: &str) {
         "sequential, single, hand-written",
         "concurrent, single, oncely Wait",
         "concurrent, single, oncely Reject",
-        "concurrent, single, oncely Wait, no coalescing",
+        if matches!(backend, "memory" | "nats") {
+            "concurrent, single, oncely Wait, coalescing on"
+        } else {
+            "concurrent, single, oncely Wait, coalescing off"
+        },
+        "concurrent, single, hand-written, leased",
         "concurrent, batch 20, oncely Wait",
     ] {
         assert!(names.contains(&want), "no row {want:?} in {names:?}");

@@ -472,6 +472,7 @@ impl Ledger for MySqlLedger {
             )
         };
         Capabilities::new(durability, clock)
+            .coalescing(true)
             .replicated(galera)
             .caller_transaction(true)
             .max_outcome_bytes(self.max_outcome_bytes())

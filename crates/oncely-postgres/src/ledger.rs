@@ -510,6 +510,7 @@ impl Ledger for PgLedger {
             "PostgreSQL commit (WAL, as synchronous_commit is configured)",
             "PostgreSQL clock_timestamp() when each write takes effect (database server clock)",
         )
+        .coalescing(true)
         .caller_transaction(true)
     }
 

@@ -545,7 +545,9 @@ impl Ledger for RedisLedger {
     fn capabilities(&self) -> Capabilities {
         // With WAIT, a claim returns once that many replicas have it: the
         // field's meaning, though WAIT is not consensus (crate docs).
-        Capabilities::new(self.durability, "Redis server TIME").replicated(self.opts.wait.is_some())
+        Capabilities::new(self.durability, "Redis server TIME")
+            .coalescing(true)
+            .replicated(self.opts.wait.is_some())
     }
 
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {

@@ -430,6 +430,7 @@ impl Ledger for SqliteLedger {
             self.durability.get().copied().unwrap_or(DURABLE_UNCHECKED),
             "SQLite unixepoch('subsec') on the host that opens the file, read after the write lock is taken",
         )
+        .coalescing(true)
         .caller_transaction(true)
     }
 

@@ -24,12 +24,16 @@ use crate::telemetry;
 /// Two things happen underneath when many tasks share one runner (clones
 /// share them too), and neither changes an answer:
 ///
-/// - **Coalescing** (on unless [`Effects::coalescing`] turns it off): the
-///   concurrent claims and completions of the runner's tasks are gathered
-///   into one [`claim_many`](Ledger::claim_many) or
+/// - **Coalescing**: the concurrent claims and completions of the
+///   runner's tasks are gathered into one
+///   [`claim_many`](Ledger::claim_many) or
 ///   [`complete_many`](Ledger::complete_many) statement while the previous
 ///   one is in flight ([`Coalescing`]); a lone caller goes straight to the
-///   ledger.
+///   ledger. On where the backend measured it faster
+///   ([`Capabilities::coalescing`](crate::backend::Capabilities::coalescing):
+///   PostgreSQL, MySQL/MariaDB, SQLite and Redis), off on NATS (whose
+///   batches are pipelined single writes: gathering them only queued them)
+///   and the memory ledger; [`Effects::coalescing`] overrides it.
 /// - **Single-flight**: a duplicate under [`OnInProgress::Wait`] that
 ///   arrives while a task of this runner holds its key waits for that task
 ///   in memory, and gets the outcome once the ledger has acknowledged its
@@ -46,18 +50,23 @@ pub struct Effects<L> {
 }
 
 impl<L: Ledger + 'static> Effects<L> {
-    /// A runner over a ledger, coalescing its tasks' claims and completions.
+    /// A runner over a ledger, coalescing its tasks' claims and completions
+    /// where the backend says that is faster
+    /// ([`Capabilities::coalescing`](crate::backend::Capabilities::coalescing)).
     pub fn new(ledger: L) -> Self {
+        let on = ledger.capabilities().coalescing;
+        let ledger = Coalescing::new(ledger);
+        ledger.set_enabled(on);
         Effects {
-            ledger: Coalescing::new(ledger),
+            ledger,
             flights: Arc::default(),
         }
     }
 
-    /// Turns coalescing on (the default) or off for this runner and its
-    /// clones: off, every claim and completion is its own statement, as on
-    /// the bare ledger. Single-flight stays on either way (it never costs a
-    /// round trip).
+    /// Turns coalescing on or off for this runner and its clones (the
+    /// default is the backend's): off, every claim and completion is its
+    /// own statement, as on the bare ledger. Single-flight stays on either
+    /// way (it never costs a round trip).
     pub fn coalescing(self, on: bool) -> Self {
         self.ledger.set_enabled(on);
         self

@@ -27,12 +27,20 @@ pub struct Capabilities {
     pub max_key_bytes: usize,
     /// Largest outcome the backend stores, in bytes.
     pub max_outcome_bytes: usize,
+    /// Whether gathering concurrent calls into one
+    /// [`claim_many`](Ledger::claim_many) /
+    /// [`complete_many`](Ledger::complete_many) measured faster than
+    /// sending each on its own (`oncely bench`): the default of
+    /// [`Effects::new`](crate::Effects::new), which
+    /// [`Effects::coalescing`](crate::Effects::coalescing) overrides.
+    pub coalescing: bool,
 }
 
 impl Capabilities {
     /// A backend whose records survive `durability` and whose `clock`
-    /// decides expiry; no caller transaction, not replicated, and the core's
-    /// key and outcome limits until the setters say otherwise.
+    /// decides expiry; no caller transaction, not replicated, no coalescing
+    /// by default, and the core's key and outcome limits until the setters
+    /// say otherwise.
     pub fn new(durability: &'static str, clock: &'static str) -> Self {
         Capabilities {
             caller_transaction: false,
@@ -41,7 +49,14 @@ impl Capabilities {
             clock,
             max_key_bytes: crate::key::MAX_KEY_BYTES,
             max_outcome_bytes: crate::record::MAX_OUTCOME_BYTES,
+            coalescing: false,
         }
+    }
+
+    /// Sets [`Capabilities::coalescing`](#structfield.coalescing).
+    pub fn coalescing(mut self, yes: bool) -> Self {
+        self.coalescing = yes;
+        self
     }
 
     /// Sets [`Capabilities::caller_transaction`](#structfield.caller_transaction).

@@ -131,6 +131,8 @@ impl Ledger for MemoryLedger {
             clock: "process clock",
             max_key_bytes: crate::key::MAX_KEY_BYTES,
             max_outcome_bytes: MAX_OUTCOME_BYTES,
+            // One lock per call already; gathering calls only queues them.
+            coalescing: false,
         }
     }
 

@@ -4,15 +4,18 @@
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::sync::Mutex;
+use std::time::Instant;
 
 use oncely::Result;
 
-use super::Answer;
+use super::{Answer, LEASE, Leased};
 
 /// The baseline's map.
 #[derive(Default)]
 pub(crate) struct MemoryBaseline {
     map: Mutex<HashMap<String, String>>,
+    /// The same-guarantees rows' keys: fence, lease end, outcome once done.
+    leased: Mutex<HashMap<String, (u64, Instant, Option<String>)>>,
 }
 
 impl MemoryBaseline {
@@ -44,8 +47,45 @@ impl MemoryBaseline {
         Ok(items.iter().map(|(k, o)| Self::answer(&mut map, k, o)).collect())
     }
 
+    pub(super) fn describe_leased(&self) -> &'static str {
+        "a mutex-guarded map of in-progress entries with a lease and a fence, completed fenced; \
+         a duplicate polls"
+    }
+
+    pub(super) async fn lease(&self, key: &str) -> Result<Leased> {
+        let mut map = self.leased.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        Ok(match map.entry(key.to_owned()) {
+            Entry::Vacant(e) => {
+                e.insert((1, now + LEASE, None));
+                Leased::Won(1)
+            }
+            Entry::Occupied(mut e) => match e.get() {
+                (_, _, Some(outcome)) => Leased::Done(outcome.clone()),
+                (_, until, None) if *until > now => Leased::Busy,
+                (fence, _, None) => {
+                    let fence = fence + 1;
+                    e.insert((fence, now + LEASE, None));
+                    Leased::Won(fence)
+                }
+            },
+        })
+    }
+
+    pub(super) async fn finish(&self, key: &str, fence: u64, outcome: &str) -> Result<bool> {
+        let mut map = self.leased.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(match map.get_mut(key) {
+            Some((f, _, done @ None)) if *f == fence => {
+                *done = Some(outcome.to_owned());
+                true
+            }
+            _ => false,
+        })
+    }
+
     pub(super) async fn remove(&self, _keys: &[String]) -> Result<()> {
         self.map.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.leased.lock().unwrap_or_else(|p| p.into_inner()).clear();
         Ok(())
     }
 }

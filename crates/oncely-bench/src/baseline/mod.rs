@@ -22,6 +22,23 @@ pub(super) enum Answer {
     Duplicate(String),
 }
 
+/// What the same-guarantees hand-written code answered for one key: the
+/// delivery that wrote the key's in-progress row (or took over one whose
+/// lease had ended) holds it under a fence and completes it, fenced; a
+/// duplicate reads the outcome, or polls while the lease is live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Leased {
+    /// This delivery holds the key's lease under this fence.
+    Won(u64),
+    /// The effect completed: its stored outcome.
+    Done(String),
+    /// Another delivery holds a live lease: poll again.
+    Busy,
+}
+
+/// The lease the same-guarantees code takes, as oncely's default.
+pub(super) const LEASE: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// The hand-written baseline on one backend.
 pub(super) enum Baseline {
     Sql(sql::SqlBaseline),
@@ -96,6 +113,24 @@ impl Baseline {
             return Ok(Vec::new());
         }
         each!(self, b => b.claim_many(items).await)
+    }
+
+    /// The same guarantees by hand: writes the key's in-progress row with a
+    /// [`LEASE`] unless it exists; else reads it, and takes a row whose lease
+    /// ended over (fenced) on the database's clock where it has one.
+    pub(super) async fn lease(&self, key: &str) -> Result<Leased> {
+        each!(self, b => b.lease(key).await)
+    }
+
+    /// Completes the key's lease with `outcome` if `fence` still holds it;
+    /// `false` when it was taken over.
+    pub(super) async fn finish(&self, key: &str, fence: u64, outcome: &str) -> Result<bool> {
+        each!(self, b => b.finish(key, fence, outcome).await)
+    }
+
+    /// What the same-guarantees code does, for the report.
+    pub(super) fn describe_leased(&self) -> &'static str {
+        each!(self, b => b.describe_leased())
     }
 
     /// Removes what the baseline created: the table, the bucket, or `keys`

@@ -5,13 +5,13 @@
 //! duplicates' gets.
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_nats::jetstream::{self, kv, stream};
 use futures_util::future::join_all;
 use oncely::{Error, Result};
 
-use super::{Answer, backend_error, merge};
+use super::{Answer, LEASE, Leased, backend_error, merge};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -90,10 +90,15 @@ impl NatsBaseline {
     /// From the stream leader, as `oncely-nats` reads: on a replicated
     /// bucket a direct get may come from a replica that lags the create.
     async fn read(&self, key: &str) -> Result<String> {
+        self.read_revision(key).await.map(|(value, _)| value)
+    }
+
+    /// [`NatsBaseline::read`] with the value's revision.
+    async fn read_revision(&self, key: &str) -> Result<(String, u64)> {
         use async_nats::jetstream::stream::LastRawMessageErrorKind;
         let subject = format!("$KV.{}.{key}", self.bucket);
         match self.kv.stream.get_last_raw_message_by_subject(&subject).await {
-            Ok(m) => Ok(String::from_utf8_lossy(&m.payload).into_owned()),
+            Ok(m) => Ok((String::from_utf8_lossy(&m.payload).into_owned(), m.sequence)),
             Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Err(backend_error(
                 "nats",
                 format!("{key} was neither created nor found"),
@@ -133,6 +138,50 @@ impl NatsBaseline {
             .collect();
         let won: HashMap<&str, bool> = items.iter().map(|(k, _)| k.as_str()).zip(created).collect();
         merge(items, |k| won.get(k).copied().unwrap_or(false), stored, "nats")
+    }
+
+    pub(super) fn describe_leased(&self) -> &'static str {
+        "KV create of an in-progress value with a lease end (this worker's clock), get on a duplicate \
+         and an update at its revision to take an expired lease over, an update at the lease's revision \
+         with the outcome (fenced); a duplicate in flight polls"
+    }
+
+    /// Writes `value` at `revision` (0: creates it); `None` when another
+    /// write came first.
+    async fn write_at(&self, key: &str, value: String, revision: u64) -> Result<Option<u64>> {
+        match self.kv.update(key, value.into(), revision).await {
+            Ok(rev) => Ok(Some(rev)),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(None),
+            Err(e) => Err(backend_error("nats", e, true)),
+        }
+    }
+
+    pub(super) async fn lease(&self, key: &str) -> Result<Leased> {
+        let now_ms = || {
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64)
+        };
+        let until = || format!("p:{}", now_ms() + LEASE.as_millis() as u64);
+        if let Some(rev) = self.write_at(key, until(), 0).await? {
+            return Ok(Leased::Won(rev));
+        }
+        let (value, revision) = self.read_revision(key).await?;
+        if let Some(outcome) = value.strip_prefix("d:") {
+            return Ok(Leased::Done(outcome.to_owned()));
+        }
+        let ends: u64 = value.strip_prefix("p:").and_then(|t| t.parse().ok()).unwrap_or(0);
+        if ends > now_ms() {
+            return Ok(Leased::Busy);
+        }
+        Ok(match self.write_at(key, until(), revision).await? {
+            Some(rev) => Leased::Won(rev),
+            None => Leased::Busy,
+        })
+    }
+
+    pub(super) async fn finish(&self, key: &str, fence: u64, outcome: &str) -> Result<bool> {
+        Ok(self.write_at(key, format!("d:{outcome}"), fence).await?.is_some())
     }
 
     pub(super) async fn remove(&self, _keys: &[String]) -> Result<()> {

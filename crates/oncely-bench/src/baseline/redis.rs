@@ -10,16 +10,17 @@
 //! after an hour anyway.
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures_util::future::join_all;
 use oncely::{Error, Result};
 use redis::aio::MultiplexedConnection;
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, FromRedisValue, RedisError};
+use redis::{Cmd, FromRedisValue, RedisError, Script};
 
-use super::{Answer, KEY_TTL, backend_error, merge};
+use super::{Answer, KEY_TTL, LEASE, Leased, backend_error, merge};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -38,7 +39,24 @@ impl Conn {
         }
         .map_err(error)
     }
+
+    async fn script<T: FromRedisValue>(&self, script: &Script, key: &str, args: &[&str]) -> Result<T> {
+        let mut invocation = script.key(key);
+        for a in args {
+            invocation.arg(*a);
+        }
+        match self {
+            Conn::Single(c) => invocation.invoke_async(&mut c.clone()).await,
+            Conn::Cluster(c) => invocation.invoke_async(&mut c.clone()).await,
+        }
+        .map_err(error)
+    }
 }
+
+/// The same-guarantees completion: the outcome replaces the key's
+/// in-progress value only if it still carries this delivery's token.
+const FINISH: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
+    redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1 end return 0";
 
 fn error(e: RedisError) -> Error {
     let retryable = e.is_io_error() || e.is_timeout() || e.is_connection_dropped();
@@ -51,6 +69,9 @@ pub(crate) struct RedisBaseline {
     conn: Conn,
     prefix: String,
     wait: Option<(u32, u64)>,
+    /// The next in-progress token (the fence), unique per run.
+    token: AtomicU64,
+    finish: Script,
 }
 
 impl RedisBaseline {
@@ -94,6 +115,12 @@ impl RedisBaseline {
             wait: ledger
                 .wait_replicas()
                 .map(|(n, t)| (n, u64::try_from(t.as_millis()).unwrap_or(u64::MAX))),
+            token: AtomicU64::new(
+                SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(1, |d| d.as_micros() as u64),
+            ),
+            finish: Script::new(FINISH),
         })
     }
 
@@ -184,6 +211,50 @@ impl RedisBaseline {
         let won: Vec<bool> = set.iter().map(Option::is_some).collect();
         let won: HashMap<&str, bool> = items.iter().map(|(k, _)| k.as_str()).zip(won).collect();
         merge(items, |k| won.get(k).copied().unwrap_or(false), stored, "redis")
+    }
+
+    pub(super) fn describe_leased(&self) -> &'static str {
+        "SET NX PX of an in-progress token (the lease: Redis expires it), GET on a duplicate, a script \
+         that replaces the token with the outcome (fenced); a duplicate in flight polls"
+    }
+
+    pub(super) async fn lease(&self, key: &str) -> Result<Leased> {
+        loop {
+            let token = self.token.fetch_add(1, Ordering::Relaxed);
+            let mut set = redis::cmd("SET");
+            set.arg(key)
+                .arg(format!("p:{token}"))
+                .arg("NX")
+                .arg("PX")
+                .arg(LEASE.as_millis() as u64);
+            let won: Option<String> = self.conn.query(&set).await?;
+            if won.is_some() {
+                self.replicated().await?;
+                return Ok(Leased::Won(token));
+            }
+            let stored: Option<String> = self.conn.query(&Self::get(key)).await?;
+            match stored {
+                Some(v) if v.starts_with("d:") => {
+                    self.replicated().await?;
+                    return Ok(Leased::Done(v[2..].to_owned()));
+                }
+                Some(_) => return Ok(Leased::Busy),
+                // The lease ended between the two: set it again.
+                None => continue,
+            }
+        }
+    }
+
+    pub(super) async fn finish(&self, key: &str, fence: u64, outcome: &str) -> Result<bool> {
+        let ttl = KEY_TTL.as_millis().to_string();
+        let token = format!("p:{fence}");
+        let done = format!("d:{outcome}");
+        let set: i64 = self
+            .conn
+            .script(&self.finish, key, &[&token, &done, &ttl])
+            .await?;
+        self.replicated().await?;
+        Ok(set == 1)
     }
 
     pub(super) async fn remove(&self, keys: &[String]) -> Result<()> {

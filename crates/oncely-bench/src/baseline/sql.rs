@@ -19,7 +19,7 @@ use oncely_any::AnyPool;
 use oncely_any::scratch::sql_error;
 use sqlx::{AssertSqlSafe, Row};
 
-use super::{Answer, merge, no_baseline};
+use super::{Answer, LEASE, Leased, merge, no_baseline};
 
 /// The ledger's pool, on a backend the baseline has SQL for.
 enum Pool {
@@ -77,13 +77,200 @@ impl SqlBaseline {
                  outcome VARCHAR(255) NOT NULL, owner BIGINT NOT NULL)"
             ),
         };
+        let leased = match &pool {
+            Pool::Postgres(_) => format!(
+                "CREATE TABLE {table}_l (key TEXT PRIMARY KEY, done BOOLEAN NOT NULL, fence BIGINT NOT NULL, \
+                 lease_until TIMESTAMPTZ NOT NULL, outcome TEXT)"
+            ),
+            Pool::Sqlite(_) => format!(
+                "CREATE TABLE {table}_l (key TEXT PRIMARY KEY, done INTEGER NOT NULL, fence INTEGER NOT NULL, \
+                 lease_until INTEGER NOT NULL, outcome TEXT)"
+            ),
+            #[cfg(feature = "mysql")]
+            Pool::MySql(_) => format!(
+                "CREATE TABLE {table}_l (k VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PRIMARY KEY, \
+                 done BOOLEAN NOT NULL, fence BIGINT NOT NULL, lease_until DATETIME(6) NOT NULL, \
+                 outcome VARCHAR(255))"
+            ),
+        };
         let baseline = SqlBaseline {
             pool,
             table,
             token: AtomicI64::new(1),
         };
         baseline.exec(ddl).await?;
+        baseline.exec(leased).await?;
         Ok(baseline)
+    }
+
+    pub(super) fn describe_leased(&self) -> &'static str {
+        match &self.pool {
+            Pool::Postgres(_) => {
+                "INSERT … ON CONFLICT DO NOTHING of an in-progress row with a lease (clock_timestamp()), \
+                 SELECT on a duplicate and a fenced UPDATE to take an expired lease over, a fenced UPDATE \
+                 with the outcome; a duplicate in flight polls"
+            }
+            Pool::Sqlite(_) => {
+                "INSERT … ON CONFLICT DO NOTHING of an in-progress row with a lease, SELECT on a duplicate \
+                 and a fenced UPDATE to take an expired lease over, a fenced UPDATE with the outcome; a \
+                 duplicate in flight polls"
+            }
+            #[cfg(feature = "mysql")]
+            Pool::MySql(_) => {
+                "INSERT IGNORE of an in-progress row with a lease (SYSDATE(6)), SELECT on a duplicate and a \
+                 fenced UPDATE to take an expired lease over, a fenced UPDATE with the outcome; a duplicate \
+                 in flight polls"
+            }
+        }
+    }
+
+    pub(super) async fn lease(&self, key: &str) -> Result<Leased> {
+        let l = format!("{}_l", self.table);
+        let ms = LEASE.as_millis() as i64;
+        // SQLite's clock in milliseconds.
+        const NOW: &str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
+        let inserted = match &self.pool {
+            Pool::Postgres(p) => sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO {l} (key, done, fence, lease_until) \
+                 VALUES ($1, false, 1, clock_timestamp() + $2 * interval '1 millisecond') ON CONFLICT DO NOTHING"
+            )))
+            .bind(key)
+            .bind(ms)
+            .execute(p)
+            .await
+            .map(|done| done.rows_affected() == 1),
+            Pool::Sqlite(p) => sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO {l} (key, done, fence, lease_until) VALUES (?1, 0, 1, {NOW} + ?2) \
+                 ON CONFLICT DO NOTHING"
+            )))
+            .bind(key)
+            .bind(ms)
+            .execute(p)
+            .await
+            .map(|done| done.rows_affected() == 1),
+            #[cfg(feature = "mysql")]
+            Pool::MySql(p) => sqlx::query(AssertSqlSafe(format!(
+                "INSERT IGNORE INTO {l} (k, done, fence, lease_until) \
+                 VALUES (?, FALSE, 1, SYSDATE(6) + INTERVAL ? MICROSECOND)"
+            )))
+            .bind(key)
+            .bind(ms * 1000)
+            .execute(p)
+            .await
+            .map(|done| done.rows_affected() == 1),
+        }
+        .map_err(|e| self.error(e))?;
+        if inserted {
+            return Ok(Leased::Won(1));
+        }
+        let (done, fence, expired, outcome): (bool, i64, bool, Option<String>) = match &self.pool {
+            Pool::Postgres(p) => {
+                sqlx::query_as(AssertSqlSafe(format!(
+                    "SELECT done, fence, lease_until < clock_timestamp(), outcome FROM {l} WHERE key = $1"
+                )))
+                .bind(key)
+                .fetch_one(p)
+                .await
+            }
+            Pool::Sqlite(p) => {
+                sqlx::query_as(AssertSqlSafe(format!(
+                    "SELECT done, fence, lease_until < {NOW}, outcome FROM {l} WHERE key = ?1"
+                )))
+                .bind(key)
+                .fetch_one(p)
+                .await
+            }
+            #[cfg(feature = "mysql")]
+            Pool::MySql(p) => sqlx::query_as::<_, (bool, i64, i64, Option<String>)>(AssertSqlSafe(format!(
+                "SELECT done, fence, lease_until < SYSDATE(6), outcome FROM {l} WHERE k = ?"
+            )))
+            .bind(key)
+            .fetch_one(p)
+            .await
+            .map(|(d, f, e, o)| (d, f, e != 0, o)),
+        }
+        .map_err(|e| self.error(e))?;
+        if done {
+            return Ok(Leased::Done(outcome.unwrap_or_default()));
+        }
+        if !expired {
+            return Ok(Leased::Busy);
+        }
+        let took = match &self.pool {
+            Pool::Postgres(p) => sqlx::query(AssertSqlSafe(format!(
+                "UPDATE {l} SET fence = fence + 1, lease_until = clock_timestamp() + $3 * interval '1 millisecond' \
+                 WHERE key = $1 AND fence = $2 AND NOT done AND lease_until < clock_timestamp()"
+            )))
+            .bind(key)
+            .bind(fence)
+            .bind(ms)
+            .execute(p)
+            .await
+            .map(|done| done.rows_affected() == 1),
+            Pool::Sqlite(p) => sqlx::query(AssertSqlSafe(format!(
+                "UPDATE {l} SET fence = fence + 1, lease_until = {NOW} + ?3 \
+                 WHERE key = ?1 AND fence = ?2 AND done = 0 AND lease_until < {NOW}"
+            )))
+            .bind(key)
+            .bind(fence)
+            .bind(ms)
+            .execute(p)
+            .await
+            .map(|done| done.rows_affected() == 1),
+            #[cfg(feature = "mysql")]
+            Pool::MySql(p) => sqlx::query(AssertSqlSafe(format!(
+                "UPDATE {l} SET fence = fence + 1, lease_until = SYSDATE(6) + INTERVAL ? MICROSECOND \
+                 WHERE k = ? AND fence = ? AND NOT done AND lease_until < SYSDATE(6)"
+            )))
+            .bind(ms * 1000)
+            .bind(key)
+            .bind(fence)
+            .execute(p)
+            .await
+            .map(|done| done.rows_affected() == 1),
+        }
+        .map_err(|e| self.error(e))?;
+        Ok(if took {
+            Leased::Won(fence as u64 + 1)
+        } else {
+            Leased::Busy
+        })
+    }
+
+    pub(super) async fn finish(&self, key: &str, fence: u64, outcome: &str) -> Result<bool> {
+        let l = format!("{}_l", self.table);
+        let fence = fence as i64;
+        match &self.pool {
+            Pool::Postgres(p) => sqlx::query(AssertSqlSafe(format!(
+                "UPDATE {l} SET done = true, outcome = $3 WHERE key = $1 AND fence = $2 AND NOT done"
+            )))
+            .bind(key)
+            .bind(fence)
+            .bind(outcome)
+            .execute(p)
+            .await
+            .map(|done| done.rows_affected() == 1),
+            Pool::Sqlite(p) => sqlx::query(AssertSqlSafe(format!(
+                "UPDATE {l} SET done = 1, outcome = ?3 WHERE key = ?1 AND fence = ?2 AND done = 0"
+            )))
+            .bind(key)
+            .bind(fence)
+            .bind(outcome)
+            .execute(p)
+            .await
+            .map(|done| done.rows_affected() == 1),
+            #[cfg(feature = "mysql")]
+            Pool::MySql(p) => sqlx::query(AssertSqlSafe(format!(
+                "UPDATE {l} SET done = TRUE, outcome = ? WHERE k = ? AND fence = ? AND NOT done"
+            )))
+            .bind(outcome)
+            .bind(key)
+            .bind(fence)
+            .execute(p)
+            .await
+            .map(|done| done.rows_affected() == 1),
+        }
+        .map_err(|e| self.error(e))
     }
 
     pub(super) fn describe(&self) -> &'static str {
@@ -296,6 +483,8 @@ impl SqlBaseline {
     }
 
     pub(super) async fn remove(&self, _keys: &[String]) -> Result<()> {
+        self.exec(format!("DROP TABLE IF EXISTS {}_l", self.table))
+            .await?;
         self.exec(format!("DROP TABLE IF EXISTS {}", self.table)).await
     }
 }

@@ -107,6 +107,7 @@ fn print_bench_table(r: &BenchReport) {
         r.jobs, r.deliveries_per_job, r.workers, r.batch, r.backend, r.tenant
     );
     println!("hand-written: {}", r.baseline);
+    println!("hand-written, leased: {}", r.baseline_leased);
     println!();
     println!("{}", r.table());
     println!();
@@ -132,6 +133,8 @@ mod tests {
             batch: 1,
             guard: Guard::Oncely(Policy::Wait),
             policy: Some(Policy::Wait),
+            coalescing: Some(true),
+            guard_name: "oncely Wait".to_owned(),
             jobs: 200,
             deliveries: 400,
             seconds: 0.5,
@@ -148,6 +151,7 @@ mod tests {
             jobs_not_run: 0,
             wrong_outcomes: 0,
             ratio: Some(0.7),
+            ratio_leased: Some(0.9),
         }
     }
 
@@ -160,6 +164,7 @@ mod tests {
             batch: 100,
             tenant: "bench-test".to_owned(),
             baseline: "a mutex-guarded map",
+            baseline_leased: "a mutex-guarded map of leases",
             rows: vec![row],
         }
     }
