@@ -74,7 +74,7 @@ impl Flights {
         let (landed, _) = watch::channel(None);
         let flight = Arc::new(Flight {
             fence: lease.fence,
-            fingerprint: opts.fingerprint.clone(),
+            fingerprint: opts.fingerprint,
             at_most_once: opts.at_most_once,
             first_claimed_at: lease.first_claimed_at,
             acquired_at: lease.acquired_at,

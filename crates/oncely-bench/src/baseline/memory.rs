@@ -14,9 +14,12 @@ use super::{Answer, LEASE, Leased};
 #[derive(Default)]
 pub(crate) struct MemoryBaseline {
     map: Mutex<HashMap<String, String>>,
-    /// The same-guarantees rows' keys: fence, lease end, outcome once done.
-    leased: Mutex<HashMap<String, (u64, Instant, Option<String>)>>,
+    /// The same-guarantees rows' keys.
+    leased: Mutex<HashMap<String, Lease>>,
 }
+
+/// A same-guarantees key: its fence, its lease's end, its outcome once done.
+type Lease = (u64, Instant, Option<String>);
 
 impl MemoryBaseline {
     pub(super) fn describe(&self) -> &'static str {
