@@ -426,6 +426,22 @@ pub struct ClaimOptions {
     /// lock, a slow round trip) is given back and claimed again. `None`: a
     /// quarter of the lease.
     pub safety_margin: Option<Duration>,
+    /// Whether the claim's in-progress write may be acknowledged before it
+    /// is flushed to disk (PostgreSQL: `synchronous_commit = off` for the
+    /// claim's own transaction; the other backends write as they always
+    /// do). The completion always waits for its flush. `false` by default.
+    ///
+    /// Only for an effect whose external call carries its provider
+    /// idempotency key ([`Lease::provider_key`]): a database crash can then
+    /// forget an acknowledged claim (and, on a synchronous standby, a
+    /// failover can: the claim does not wait for the standby either), so a
+    /// redelivery claims the key again and performs the effect a second time
+    /// with the same provider key, which the provider deduplicates. Its
+    /// fence is still above the forgotten one (fences follow the database
+    /// clock). Refused for at-most-once steps ([`Error::InvalidInput`]),
+    /// where the durable mark before the effect *is* the guarantee; claims
+    /// in the caller's transaction commit with it, as it is configured.
+    pub relaxed_claim: bool,
 }
 
 impl Default for ClaimOptions {
@@ -441,6 +457,7 @@ impl Default for ClaimOptions {
             sent_at: None,
             cache_failures: true,
             safety_margin: None,
+            relaxed_claim: false,
         }
     }
 }
@@ -461,6 +478,13 @@ impl ClaimOptions {
     /// Sets the request fingerprint.
     pub fn fingerprint(mut self, fingerprint: Fingerprint) -> Self {
         self.fingerprint = Some(fingerprint);
+        self
+    }
+
+    /// Sets [`ClaimOptions::relaxed_claim`](#structfield.relaxed_claim):
+    /// the claim is acknowledged before its flush, the completion is not.
+    pub fn relaxed_claim(mut self, yes: bool) -> Self {
+        self.relaxed_claim = yes;
         self
     }
 
@@ -523,6 +547,13 @@ impl ClaimOptions {
                 self.lease
             )));
         }
+        if self.relaxed_claim && self.at_most_once {
+            return Err(Error::InvalidInput(
+                "relaxed_claim is refused for an at-most-once step: its durable mark before the effect \
+                 is the guarantee (a crash that forgot it would perform the effect again)"
+                    .to_owned(),
+            ));
+        }
         if let Some(at) = self.sent_at {
             crate::time::to_micros(at).map_err(|_| {
                 Error::InvalidInput(format!("sent_at must lie between 1970 and 9999, got {at:?}"))
@@ -537,6 +568,17 @@ mod tests {
     use std::time::UNIX_EPOCH;
 
     use super::*;
+
+    #[test]
+    fn relaxed_claims_are_refused_for_at_most_once_steps() {
+        let relaxed = ClaimOptions::default().relaxed_claim(true);
+        relaxed.validate().unwrap();
+        let e = relaxed.at_most_once(true).validate().unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidInput(ref m) if m.contains("at-most-once")),
+            "{e:?}"
+        );
+    }
 
     #[test]
     fn fingerprint_ignores_field_order() {

@@ -23,10 +23,14 @@ impl Queries {
         token: &[u8],
         sent_at: Option<i64>,
     ) -> Bound {
-        let text = if sent_at.is_some() {
-            &self.claim_horizon
-        } else {
-            &self.claim
+        // Relaxed only on the ledger's own connection: a claim in the
+        // caller's transaction (`guarded` false) commits with the caller's
+        // writes and its completion, as the caller's transaction is set.
+        let text = match (sent_at.is_some(), opts.relaxed_claim && guarded) {
+            (false, false) => &self.claim,
+            (true, false) => &self.claim_horizon,
+            (false, true) => &self.claim_relaxed[0],
+            (true, true) => &self.claim_relaxed[1],
         };
         let query = sqlx::query(AssertSqlSafe(text.clone()))
             .bind(key.as_str())
@@ -54,10 +58,11 @@ impl Queries {
         token: &[u8],
         sent_at: Option<i64>,
     ) -> Bound {
-        let text = if sent_at.is_some() {
-            &self.claim_many_horizon
-        } else {
-            &self.claim_many
+        let text = match (sent_at.is_some(), opts.relaxed_claim) {
+            (false, false) => &self.claim_many,
+            (true, false) => &self.claim_many_horizon,
+            (false, true) => &self.claim_relaxed[2],
+            (true, true) => &self.claim_relaxed[3],
         };
         let column = |f: fn(&EffectKey) -> &str| keys.iter().map(|k| f(k)).collect::<Vec<_>>();
         let query = sqlx::query(AssertSqlSafe(text.clone()))

@@ -144,6 +144,10 @@ pub(crate) struct Queries {
     pub claim_horizon: Arc<str>,
     pub claim_many: Arc<str>,
     pub claim_many_horizon: Arc<str>,
+    /// The four claims above with `synchronous_commit = off` for their own
+    /// transaction ([`ClaimOptions::relaxed_claim`](oncely::ClaimOptions)),
+    /// in the same order.
+    pub claim_relaxed: [Arc<str>; 4],
     pub complete: Arc<str>,
     pub complete_in: Arc<str>,
     pub complete_many: Arc<str>,
@@ -288,7 +292,19 @@ impl Queries {
         // and whether it took a record over. The first branch of the UNION
         // names the columns: `src`, `key`, those of `cols`, then
         // `taken_over`, `own` ([`ClaimRow`] reads them by name).
-        let claim = |batch: bool, horizon: bool| {
+        // A relaxed claim sets `synchronous_commit = off` for its own
+        // (implicit) transaction in the guard's sub-query, which runs once,
+        // before anything is written: PostgreSQL reads the setting when the
+        // transaction commits, after the statement.
+        let claim = |batch: bool, horizon: bool, relaxed: bool| {
+            let guard_claim = |param: &str| {
+                let ok = guard(param);
+                if relaxed {
+                    format!("({ok}) AND (set_config('synchronous_commit', 'off', true) IS NOT NULL)")
+                } else {
+                    ok
+                }
+            };
             let (input, lock, keys) = if batch {
                 (
                     "SELECT i.key, i.tenant, i.kind, i.subject \
@@ -362,7 +378,7 @@ impl Queries {
                    {own} \
                  FROM i CROSS JOIN g LEFT JOIN cur e ON e.key = i.key{beyond_join} \
                  WHERE NOT EXISTS (SELECT 1 FROM won w WHERE w.key = i.key)",
-                guard = guard("$9"),
+                guard = guard_claim("$9"),
                 now_us = us("g.now"),
                 lease = micros("$7"),
                 ret = micros("$8"),
@@ -605,10 +621,16 @@ impl Queries {
         let v3 = format!("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS claim_token bytea;");
 
         Queries {
-            claim: claim(false, false).into(),
-            claim_horizon: claim(false, true).into(),
-            claim_many: claim(true, false).into(),
-            claim_many_horizon: claim(true, true).into(),
+            claim: claim(false, false, false).into(),
+            claim_horizon: claim(false, true, false).into(),
+            claim_many: claim(true, false, false).into(),
+            claim_many_horizon: claim(true, true, false).into(),
+            claim_relaxed: [
+                claim(false, false, true).into(),
+                claim(false, true, true).into(),
+                claim(true, false, true).into(),
+                claim(true, true, true).into(),
+            ],
             complete: complete.into(),
             complete_in: complete_in.into(),
             complete_many: complete_many.into(),
