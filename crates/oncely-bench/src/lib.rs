@@ -30,6 +30,15 @@
 //! effect, and a duplicate never waits: that is the floor oncely is compared
 //! with.
 //!
+//! Single claims also run through hand-written code with oncely's
+//! guarantees ([`Guard::Leased`]: an in-progress row with a lease, a fenced
+//! completion, a duplicate that polls), so a report separates what the
+//! guarantee costs from what oncely's implementation costs
+//! ([`RowReport::ratio_leased`]). The concurrent single `Wait` row also runs
+//! with coalescing the other way round from the backend's default, and on
+//! PostgreSQL the single rows also run with relaxed claim durability
+//! ([`RowSpec::relaxed`]).
+//!
 //! Every row counts the effects it executed: each job's must run exactly
 //! once ([`BenchReport::problems`] names any row where one ran twice, or
 //! never). A delivery rejected under the `Reject` policy is delivered again
@@ -194,6 +203,10 @@ pub struct RowSpec {
     /// `None` for the backend's default, and for the hand-written rows,
     /// which have nothing to gather.
     pub coalescing: Option<bool>,
+    /// Whether oncely's claims are acknowledged before their flush
+    /// ([`ClaimOptions::relaxed_claim`](oncely::ClaimOptions::relaxed_claim);
+    /// PostgreSQL only). The completion is flushed either way.
+    pub relaxed: bool,
 }
 
 impl RowSpec {
@@ -204,13 +217,18 @@ impl RowSpec {
     /// same-guarantees hand-written code, and concurrent single claims under
     /// `Wait` also with coalescing the other way round from the backend's
     /// default (`coalescing`), to show what it gains or costs.
-    pub fn all(batch: usize, coalescing: bool) -> Vec<RowSpec> {
+    ///
+    /// With `relaxed` (a backend that honours
+    /// [`ClaimOptions::relaxed_claim`](oncely::ClaimOptions::relaxed_claim)),
+    /// single claims also run with relaxed claim durability.
+    pub fn all(batch: usize, coalescing: bool, relaxed: bool) -> Vec<RowSpec> {
         let mut rows = Vec::new();
         let row = |mode, batch, guard, coalescing| RowSpec {
             mode,
             batch,
             guard,
             coalescing,
+            relaxed: false,
         };
         for mode in [Mode::Sequential, Mode::Concurrent] {
             for size in [1, batch] {
@@ -219,6 +237,12 @@ impl RowSpec {
                     rows.push(row(mode, size, Guard::Leased, None));
                 }
                 rows.push(row(mode, size, Guard::Oncely(Policy::Wait), None));
+                if relaxed && size == 1 {
+                    rows.push(RowSpec {
+                        relaxed: true,
+                        ..row(mode, size, Guard::Oncely(Policy::Wait), None)
+                    });
+                }
                 if mode == Mode::Concurrent && size == 1 {
                     rows.push(row(mode, size, Guard::Oncely(Policy::Wait), Some(!coalescing)));
                 }
@@ -238,10 +262,15 @@ impl RowSpec {
             (Mode::Sequential, Guard::Oncely(_)) => "oncely",
             (_, g) => g.name(),
         };
-        match self.coalescing {
+        let guard = match self.coalescing {
             Some(true) => format!("{guard}, coalescing on"),
             Some(false) => format!("{guard}, coalescing off"),
             None => guard.to_owned(),
+        };
+        if self.relaxed {
+            format!("{guard}, relaxed claim")
+        } else {
+            guard
         }
     }
 
@@ -277,7 +306,8 @@ impl RowSpec {
             Some(false) => "-solo",
             None => "",
         };
-        format!("{mode}{}-{guard}{solo}", self.batch)
+        let relaxed = if self.relaxed { "-rx" } else { "" };
+        format!("{mode}{}-{guard}{solo}{relaxed}", self.batch)
     }
 }
 
@@ -324,7 +354,9 @@ pub async fn run(config: &BenchConfig, progress: Arc<dyn Progress>) -> Result<Be
     let result = match Baseline::open(&ledger, &url, &run_id).await {
         Ok(baseline) => {
             let baseline = Arc::new(baseline);
-            let rows = RowSpec::all(config.batch, ledger.capabilities().coalescing);
+            // Only PostgreSQL acts on a relaxed claim.
+            let relaxed = ledger.backend() == "postgres";
+            let rows = RowSpec::all(config.batch, ledger.capabilities().coalescing, relaxed);
             let report = run_rows(config, &run_id, &rows, &ledger, &baseline, progress).await;
             // Remove the baseline's data whatever happened; a failure to do
             // so must not hide the run's own error.
@@ -413,10 +445,11 @@ mod tests {
     #[test]
     fn rows_pair_each_oncely_row_with_its_baseline() {
         assert_eq!(
-            RowSpec::all(100, false)[8].name(),
+            RowSpec::all(100, false, false)[8].name(),
             "concurrent, single, oncely Wait, coalescing on"
         );
-        let rows = RowSpec::all(100, true);
+        assert_eq!(RowSpec::all(100, true, true).len(), 15);
+        let rows = RowSpec::all(100, true, false);
         assert_eq!(rows.len(), 13);
         let names: Vec<String> = rows.iter().map(RowSpec::name).collect();
         assert_eq!(names[0], "sequential, single, hand-written");

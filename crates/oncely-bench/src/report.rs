@@ -55,6 +55,9 @@ pub struct RowReport {
     /// Whether oncely coalesced the row's claims and completions (`None`
     /// for the hand-written rows).
     pub coalescing: Option<bool>,
+    /// Whether oncely's claims were acknowledged before their flush
+    /// (`relaxed_claim`; PostgreSQL only).
+    pub relaxed_claim: bool,
     /// How the table names the guard (`oncely Wait, coalescing off`).
     pub guard_name: String,
     /// Jobs of the row.
@@ -226,6 +229,7 @@ mod tests {
             guard: Guard::Oncely(Policy::Wait),
             policy: Some(Policy::Wait),
             coalescing: Some(true),
+            relaxed_claim: false,
             guard_name: "oncely Wait".to_owned(),
             jobs,
             deliveries: 2 * jobs,

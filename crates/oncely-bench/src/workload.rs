@@ -267,7 +267,8 @@ impl RowRun {
             plain: Effects::new(ledger.clone()),
             opts: ClaimOptions::default()
                 .retention(RETENTION)
-                .on_in_progress(policy),
+                .on_in_progress(policy)
+                .relaxed_claim(spec.relaxed),
             baseline: baseline.clone(),
             stats,
             counts: (0..jobs).map(|_| AtomicU32::new(0)).collect(),
@@ -726,6 +727,7 @@ impl RowRun {
                 ),
                 Guard::HandWritten | Guard::Leased => None,
             },
+            relaxed_claim: self.spec.relaxed,
             guard_name: self.spec.guard_name(),
             jobs: self.jobs as u64,
             deliveries,

@@ -760,7 +760,9 @@ fn bench_on(url: Option<&str>, backend: &str) {
     // Wait, and concurrently oncely Reject; concurrent single Wait also
     // without coalescing; single claims also by hand with the same
     // guarantees (leased).
-    assert_eq!(rows.len(), 13, "{v}");
+    // PostgreSQL also runs its single claims with relaxed claim durability.
+    let want = if backend == "postgres" { 15 } else { 13 };
+    assert_eq!(rows.len(), want, "{v}");
     for row in rows {
         let name = row["name"].as_str().unwrap();
         assert_eq!(row["jobs"], 60, "{name}: {row}");

@@ -136,7 +136,7 @@
 //! | --- | --- |
 //! | atomic claim | one statement, one round trip: a per-key advisory lock, then `INSERT … ON CONFLICT (key) DO NOTHING`, a fenced takeover `UPDATE` only of a released or expired record, and a read of the existing row. A duplicate of a completed or live effect is a read: no row lock, no transaction id, no WAL |
 //! | caller's transaction | yes: [`TransactionalLedger`] on `&mut PgConnection` (`&mut *tx`); the claim holds its key's transaction-scoped advisory lock until the transaction ends |
-//! | durability | a PostgreSQL commit (WAL, as `synchronous_commit` is configured) |
+//! | durability | a PostgreSQL commit (WAL, as `synchronous_commit` is configured). With [`ClaimOptions::relaxed_claim`] the claim's own transaction commits with `synchronous_commit = off` (set in the claim statement), so it is acknowledged before its WAL flush and before a synchronous standby has it: a crash or failover can forget it, and the next delivery runs the effect again, with the same provider key. The completion always waits; a claim in the caller's transaction (`claim_in`) is left as that transaction is set; refused for at-most-once steps. 1 WAL flush per job instead of 2 (`tests/relaxed.rs`) |
 //! | replication | a primary with streaming standbys, through a host list: with a synchronous standby (`synchronous_standby_names`, `synchronous_commit = on` or `remote_apply`) a failover loses no acknowledged claim or completion; with asynchronous replication it can (see [Replication and failover](#replication-and-failover)). Tested with one standby, the primary killed and frozen. Not tested: CockroachDB, YugabyteDB (not runnable here; CockroachDB's advisory locks are no-ops, and it has no `LISTEN`) |
 //! | clock | the database's `clock_timestamp()` at the moment each write takes effect: after the claim's wait on its key's lock, and inside a caller's transaction too (never `now()`, the transaction's start). It decides lease expiry, takeover and retention; the worker's clock never does |
 //! | fences | the clock's microseconds when the lease is written, or the previous fence + 1 if that is higher ([`next_fence`](oncely::backend::next_fence)): a key never gets a fence it had before, prunes included, as long as the server's clock never steps back by more than the shortest retention in use |
@@ -480,6 +480,7 @@
 //! [`Claim::InProgress`]: oncely::backend::Claim::InProgress
 //! [`Claim::Acquired`]: oncely::backend::Claim::Acquired
 //! [`ClaimOptions::sent_at`]: oncely::ClaimOptions::sent_at
+//! [`ClaimOptions::relaxed_claim`]: field@oncely::ClaimOptions::relaxed_claim
 //! [`Error::Backend`]: oncely::Error::Backend
 //! [`Error::BeyondHorizon`]: oncely::Error::BeyondHorizon
 //! [`Error::Config`]: oncely::Error::Config

@@ -134,6 +134,7 @@ mod tests {
             guard: Guard::Oncely(Policy::Wait),
             policy: Some(Policy::Wait),
             coalescing: Some(true),
+            relaxed_claim: false,
             guard_name: "oncely Wait".to_owned(),
             jobs: 200,
             deliveries: 400,
