@@ -21,6 +21,31 @@ use sqlx::{AssertSqlSafe, Row};
 
 use super::{Answer, LEASE, Leased, merge, no_baseline};
 
+/// Runs the dialect's statement of `sql` (PostgreSQL, SQLite, MySQL, in
+/// that order) with the same binds, in order: whether it changed one row.
+macro_rules! one_row {
+    ($self:expr, $sql:expr, $($bind:expr),+ $(,)?) => {{
+        let [pg, sqlite, mysql] = $sql;
+        let _ = (&pg, &sqlite, &mysql);
+        match &$self.pool {
+            Pool::Postgres(p) => sqlx::query(AssertSqlSafe(pg))$(.bind($bind))+
+                .execute(p)
+                .await
+                .map(|done| done.rows_affected() == 1),
+            Pool::Sqlite(p) => sqlx::query(AssertSqlSafe(sqlite))$(.bind($bind))+
+                .execute(p)
+                .await
+                .map(|done| done.rows_affected() == 1),
+            #[cfg(feature = "mysql")]
+            Pool::MySql(p) => sqlx::query(AssertSqlSafe(mysql))$(.bind($bind))+
+                .execute(p)
+                .await
+                .map(|done| done.rows_affected() == 1),
+        }
+        .map_err(|e| $self.error(e))
+    }};
+}
+
 /// The ledger's pool, on a backend the baseline has SQL for.
 enum Pool {
     // Both drivers are always compiled in (sqlx); a variant is built only
@@ -127,39 +152,28 @@ impl SqlBaseline {
     pub(super) async fn lease(&self, key: &str) -> Result<Leased> {
         let l = format!("{}_l", self.table);
         let ms = LEASE.as_millis() as i64;
-        // SQLite's clock in milliseconds.
-        const NOW: &str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
-        let inserted = match &self.pool {
-            Pool::Postgres(p) => sqlx::query(AssertSqlSafe(format!(
-                "INSERT INTO {l} (key, done, fence, lease_until) \
-                 VALUES ($1, false, 1, clock_timestamp() + $2 * interval '1 millisecond') ON CONFLICT DO NOTHING"
-            )))
-            .bind(key)
-            .bind(ms)
-            .execute(p)
-            .await
-            .map(|done| done.rows_affected() == 1),
-            Pool::Sqlite(p) => sqlx::query(AssertSqlSafe(format!(
-                "INSERT INTO {l} (key, done, fence, lease_until) VALUES (?1, 0, 1, {NOW} + ?2) \
-                 ON CONFLICT DO NOTHING"
-            )))
-            .bind(key)
-            .bind(ms)
-            .execute(p)
-            .await
-            .map(|done| done.rows_affected() == 1),
-            #[cfg(feature = "mysql")]
-            Pool::MySql(p) => sqlx::query(AssertSqlSafe(format!(
-                "INSERT IGNORE INTO {l} (k, done, fence, lease_until) \
-                 VALUES (?, FALSE, 1, SYSDATE(6) + INTERVAL ? MICROSECOND)"
-            )))
-            .bind(key)
-            .bind(ms * 1000)
-            .execute(p)
-            .await
-            .map(|done| done.rows_affected() == 1),
-        }
-        .map_err(|e| self.error(e))?;
+        // The clock in milliseconds: PostgreSQL's and MySQL's when the
+        // statement runs, SQLite's of the host.
+        const SQLITE_NOW: &str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
+        let inserted = one_row!(
+            self,
+            [
+                format!(
+                    "INSERT INTO {l} (key, done, fence, lease_until) \
+                     VALUES ($1, false, 1, clock_timestamp() + $2 * interval '1 millisecond') ON CONFLICT DO NOTHING"
+                ),
+                format!(
+                    "INSERT INTO {l} (key, done, fence, lease_until) VALUES (?1, 0, 1, {SQLITE_NOW} + ?2) \
+                     ON CONFLICT DO NOTHING"
+                ),
+                format!(
+                    "INSERT IGNORE INTO {l} (k, done, fence, lease_until) \
+                     VALUES (?, FALSE, 1, SYSDATE(6) + INTERVAL (? * 1000) MICROSECOND)"
+                ),
+            ],
+            key,
+            ms
+        )?;
         if inserted {
             return Ok(Leased::Won(1));
         }
@@ -174,7 +188,7 @@ impl SqlBaseline {
             }
             Pool::Sqlite(p) => {
                 sqlx::query_as(AssertSqlSafe(format!(
-                    "SELECT done, fence, lease_until < {NOW}, outcome FROM {l} WHERE key = ?1"
+                    "SELECT done, fence, lease_until < {SQLITE_NOW}, outcome FROM {l} WHERE key = ?1"
                 )))
                 .bind(key)
                 .fetch_one(p)
@@ -196,40 +210,28 @@ impl SqlBaseline {
         if !expired {
             return Ok(Leased::Busy);
         }
-        let took = match &self.pool {
-            Pool::Postgres(p) => sqlx::query(AssertSqlSafe(format!(
-                "UPDATE {l} SET fence = fence + 1, lease_until = clock_timestamp() + $3 * interval '1 millisecond' \
-                 WHERE key = $1 AND fence = $2 AND NOT done AND lease_until < clock_timestamp()"
-            )))
-            .bind(key)
-            .bind(fence)
-            .bind(ms)
-            .execute(p)
-            .await
-            .map(|done| done.rows_affected() == 1),
-            Pool::Sqlite(p) => sqlx::query(AssertSqlSafe(format!(
-                "UPDATE {l} SET fence = fence + 1, lease_until = {NOW} + ?3 \
-                 WHERE key = ?1 AND fence = ?2 AND done = 0 AND lease_until < {NOW}"
-            )))
-            .bind(key)
-            .bind(fence)
-            .bind(ms)
-            .execute(p)
-            .await
-            .map(|done| done.rows_affected() == 1),
-            #[cfg(feature = "mysql")]
-            Pool::MySql(p) => sqlx::query(AssertSqlSafe(format!(
-                "UPDATE {l} SET fence = fence + 1, lease_until = SYSDATE(6) + INTERVAL ? MICROSECOND \
-                 WHERE k = ? AND fence = ? AND NOT done AND lease_until < SYSDATE(6)"
-            )))
-            .bind(ms * 1000)
-            .bind(key)
-            .bind(fence)
-            .execute(p)
-            .await
-            .map(|done| done.rows_affected() == 1),
-        }
-        .map_err(|e| self.error(e))?;
+        // Binds in the order MySQL's `?` need them: the lease, the key, the
+        // fence read.
+        let took = one_row!(
+            self,
+            [
+                format!(
+                    "UPDATE {l} SET fence = fence + 1, lease_until = clock_timestamp() + $1 * interval '1 millisecond' \
+                     WHERE key = $2 AND fence = $3 AND NOT done AND lease_until < clock_timestamp()"
+                ),
+                format!(
+                    "UPDATE {l} SET fence = fence + 1, lease_until = {SQLITE_NOW} + ?1 \
+                     WHERE key = ?2 AND fence = ?3 AND done = 0 AND lease_until < {SQLITE_NOW}"
+                ),
+                format!(
+                    "UPDATE {l} SET fence = fence + 1, lease_until = SYSDATE(6) + INTERVAL (? * 1000) MICROSECOND \
+                     WHERE k = ? AND fence = ? AND NOT done AND lease_until < SYSDATE(6)"
+                ),
+            ],
+            ms,
+            key,
+            fence
+        )?;
         Ok(if took {
             Leased::Won(fence as u64 + 1)
         } else {
@@ -239,38 +241,19 @@ impl SqlBaseline {
 
     pub(super) async fn finish(&self, key: &str, fence: u64, outcome: &str) -> Result<bool> {
         let l = format!("{}_l", self.table);
-        let fence = fence as i64;
-        match &self.pool {
-            Pool::Postgres(p) => sqlx::query(AssertSqlSafe(format!(
-                "UPDATE {l} SET done = true, outcome = $3 WHERE key = $1 AND fence = $2 AND NOT done"
-            )))
-            .bind(key)
-            .bind(fence)
-            .bind(outcome)
-            .execute(p)
-            .await
-            .map(|done| done.rows_affected() == 1),
-            Pool::Sqlite(p) => sqlx::query(AssertSqlSafe(format!(
-                "UPDATE {l} SET done = 1, outcome = ?3 WHERE key = ?1 AND fence = ?2 AND done = 0"
-            )))
-            .bind(key)
-            .bind(fence)
-            .bind(outcome)
-            .execute(p)
-            .await
-            .map(|done| done.rows_affected() == 1),
-            #[cfg(feature = "mysql")]
-            Pool::MySql(p) => sqlx::query(AssertSqlSafe(format!(
-                "UPDATE {l} SET done = TRUE, outcome = ? WHERE k = ? AND fence = ? AND NOT done"
-            )))
-            .bind(outcome)
-            .bind(key)
-            .bind(fence)
-            .execute(p)
-            .await
-            .map(|done| done.rows_affected() == 1),
-        }
-        .map_err(|e| self.error(e))
+        one_row!(
+            self,
+            [
+                format!(
+                    "UPDATE {l} SET done = true, outcome = $1 WHERE key = $2 AND fence = $3 AND NOT done"
+                ),
+                format!("UPDATE {l} SET done = 1, outcome = ?1 WHERE key = ?2 AND fence = ?3 AND done = 0"),
+                format!("UPDATE {l} SET done = TRUE, outcome = ? WHERE k = ? AND fence = ? AND NOT done"),
+            ],
+            outcome,
+            key,
+            fence as i64
+        )
     }
 
     pub(super) fn describe(&self) -> &'static str {
