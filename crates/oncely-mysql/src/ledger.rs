@@ -471,8 +471,11 @@ impl Ledger for MySqlLedger {
                 "database server clock when each write takes effect (UTC_TIMESTAMP(6) + elapsed SYSDATE(6))",
             )
         };
+        // Off on Galera until a hang seen once in the chaos run with a node
+        // killed (coalescing on; every delivery queued behind a statement
+        // that never returned) is understood; never measured there either.
         Capabilities::new(durability, clock)
-            .coalescing(true)
+            .coalescing(!galera)
             .replicated(galera)
             .caller_transaction(true)
             .max_outcome_bytes(self.max_outcome_bytes())

@@ -31,9 +31,10 @@ use crate::telemetry;
 ///   one is in flight ([`Coalescing`]); a lone caller goes straight to the
 ///   ledger. On where the backend measured it faster
 ///   ([`Capabilities::coalescing`](crate::backend::Capabilities::coalescing):
-///   PostgreSQL, MySQL/MariaDB, SQLite and Redis), off on NATS (whose
-///   batches are pipelined single writes: gathering them only queued them)
-///   and the memory ledger; [`Effects::coalescing`] overrides it.
+///   PostgreSQL, MySQL/MariaDB on one server, SQLite and Redis), off on
+///   NATS (whose batches are pipelined single writes: gathering them only
+///   queued them), on a Galera cluster and on the memory ledger;
+///   [`Effects::coalescing`] overrides it.
 /// - **Single-flight**: a duplicate under [`OnInProgress::Wait`] that
 ///   arrives while a task of this runner holds its key waits for that task
 ///   in memory, and gets the outcome once the ledger has acknowledged its
