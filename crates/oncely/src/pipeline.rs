@@ -168,9 +168,8 @@ pub(crate) async fn claim<L: Ledger>(
                 read_at,
                 ..
             } => {
-                let max = wait_max;
                 let waited = started.elapsed();
-                if waited >= max {
+                if waited >= wait_max {
                     return Err(Error::InProgress {
                         key: key.to_string(),
                         fence,
@@ -178,7 +177,7 @@ pub(crate) async fn claim<L: Ledger>(
                 }
                 // The holder is this process's own: wait for it in memory.
                 if let Some(flights) = flights
-                    && let Some(answer) = flights.wait(key, opts, Some(fence), started + max).await
+                    && let Some(answer) = flights.wait(key, opts, Some(fence), started + wait_max).await
                 {
                     return Ok(answered_in_process(key, answer));
                 }
@@ -201,7 +200,8 @@ pub(crate) async fn claim<L: Ledger>(
                     .duration_since(read_at)
                     .unwrap_or_default()
                     .saturating_add(Duration::from_millis(1));
-                w.changed(Instant::now() + until_expiry.min(max - waited)).await;
+                w.changed(Instant::now() + until_expiry.min(wait_max - waited))
+                    .await;
             }
             other => return stored(ledger, key, other).map(Resolved::Stored),
         }
