@@ -355,6 +355,44 @@ pub async fn coalesced_batch_answers_each_slot<L: Ledger + Clone + 'static>(ledg
     }
 }
 
+/// `Effects::new` gathers its tasks' claims exactly where the backend says
+/// it should ([`Capabilities::coalescing`]): with a claim held in flight,
+/// 8 more deliveries of fresh keys go out as one `claim_many` on a backend
+/// that coalesces, and each as its own claim on one that does not; and
+/// `Effects::coalescing` turns it the other way.
+pub async fn effects_coalesce_as_the_backend_says<L: Ledger + Clone + 'static>(ledger: L) {
+    let default = ledger.capabilities().coalescing;
+    let t = fresh_tenant();
+    for (round, on) in [(0, None), (1, Some(!default))] {
+        let gated = Gated::new(ledger.clone());
+        let effects = match on {
+            None => Effects::new(gated.clone()),
+            Some(on) => Effects::new(gated.clone()).coalescing(on),
+        };
+        gated.close();
+        let run = |i: usize| {
+            let (effects, k) = (effects.clone(), key(&t, "capture", &format!("r{round}-{i}")));
+            tokio::spawn(async move { effects.run(&k, &opts(), |_| async { Ok(1_u8) }).await })
+        };
+        let first = run(0);
+        gated.reached(1).await;
+        let rest: Vec<_> = (1..=8).map(run).collect();
+        // Time for the 8 to reach the ledger (queued, or at the gate).
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        gated.open();
+        first.await.unwrap().unwrap();
+        for r in rest {
+            r.await.unwrap().unwrap();
+        }
+        let batched = !gated.claim_batches.lock().unwrap().is_empty();
+        assert_eq!(
+            batched,
+            on.unwrap_or(default),
+            "round {round}: claims gathered {batched}, the backend's default is {default}"
+        );
+    }
+}
+
 /// A caller dropped while its batch is in flight: the batch still runs for
 /// the others (their answers unaffected), and the lease granted to the
 /// dropped caller is released at once, so its key is claimable right after

@@ -264,6 +264,7 @@ macro_rules! __conformance_tests {
             coalesced_batch_answers_each_slot,
             coalesced_dropped_caller_leaves_no_lease,
             coalesced_cancellation_is_safe,
+            effects_coalesce_as_the_backend_says,
             single_flight_answers_local_duplicates_without_a_claim,
             single_flight_never_answers_an_unacknowledged_outcome,
             single_flight_answers_only_the_same_request,
