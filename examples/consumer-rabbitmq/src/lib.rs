@@ -198,8 +198,18 @@ pub async fn run<L: Ledger + Clone + 'static>(
                 )
                 .await?
                 .message_count();
-            let in_flight: u64 = consumers.iter().map(|c| c.stats().in_flight()).sum();
-            if provider.captures().len() == orders && queued == 0 && dead == 2 && in_flight == 0 {
+            // The queue's count is of ready messages only: one delivered
+            // into a consumer's prefetch and not yet handled is in neither
+            // it nor `in_flight`, so wait until every published message has
+            // been acked (ran, replayed or dead-lettered) once.
+            let seen = consumers.iter().fold(Stats::default(), |s, c| s.plus(c.stats()));
+            let settled = seen.ran + seen.replayed + seen.dead_lettered;
+            if provider.captures().len() == orders
+                && queued == 0
+                && dead == 2
+                && seen.in_flight() == 0
+                && settled == publish.len() as u64
+            {
                 break dead;
             }
             anyhow::ensure!(tokio::time::Instant::now() < deadline, "not done after a minute");
