@@ -69,10 +69,12 @@ use serde::Serialize;
 
 mod baseline;
 mod report;
+mod server;
 mod workload;
 
 use baseline::Baseline;
 pub use report::{BenchReport, Latency, RowReport};
+pub use server::ServerUse;
 use workload::RowRun;
 
 /// What the bench runs.
@@ -357,7 +359,8 @@ pub async fn run(config: &BenchConfig, progress: Arc<dyn Progress>) -> Result<Be
             // Only PostgreSQL acts on a relaxed claim.
             let relaxed = ledger.backend() == "postgres";
             let rows = RowSpec::all(config.batch, ledger.capabilities().coalescing, relaxed);
-            let report = run_rows(config, &run_id, &rows, &ledger, &baseline, progress).await;
+            let processes = server::local_processes(ledger.backend(), &url);
+            let report = run_rows(config, &run_id, &rows, &ledger, &baseline, processes, progress).await;
             // Remove the baseline's data whatever happened; a failure to do
             // so must not hide the run's own error.
             let keys: Vec<String> = rows
@@ -380,6 +383,7 @@ async fn run_rows(
     rows: &[RowSpec],
     ledger: &AnyLedger,
     baseline: &Arc<Baseline>,
+    processes: &[&str],
     progress: Arc<dyn Progress>,
 ) -> Result<BenchReport> {
     let tenant = Tenant::new(format!("bench-{run_id}"))?;
@@ -394,7 +398,28 @@ async fn run_rows(
             baseline,
             &tenant,
         );
+        // The server's counters around the row, its redeliveries included;
+        // CPU from /proc where the backend does not report its own.
+        let sample = || async {
+            let (mut s, own) = baseline.sample().await?;
+            s.cpu_us = s.cpu_us.or_else(|| server::proc_cpu_us(processes));
+            Ok::<_, Error>((s, own))
+        };
+        let (before, own) = sample().await?;
         let mut row = run.run(progress.clone()).await?;
+        let (after, _) = sample().await?;
+        row.server = before.until(&after, row.jobs, own);
+        let floor = reports
+            .iter()
+            .find(|r| r.mode == spec.mode && r.batch == spec.batch as u64 && r.guard == Guard::HandWritten);
+        row.cpu_ratio = match (
+            row.server.cpu_us_per_job,
+            floor.and_then(|f| f.server.cpu_us_per_job),
+        ) {
+            (Some(cpu), Some(f)) if f > 0.0 => Some(cpu / f),
+            (Some(_), _) if spec.guard == Guard::HandWritten => Some(1.0),
+            _ => None,
+        };
         let over = |guard: Guard| {
             reports
                 .iter()
@@ -519,7 +544,10 @@ mod tests {
                 "{row:?}"
             );
             assert!(row.ratio.is_some(), "{row:?}");
+            // No server: nothing to count.
+            assert!(row.server.is_empty() && row.cpu_ratio.is_none(), "{row:?}");
         }
+        assert!(report.server_table().is_none());
         assert!(report.problems().is_empty(), "{:?}", report.problems());
     }
 }

@@ -7,7 +7,7 @@ use comfy_table::presets::NOTHING;
 use comfy_table::{CellAlignment, Table};
 use serde::Serialize;
 
-use super::{Guard, Mode, Policy};
+use super::{Guard, Mode, Policy, ServerUse};
 
 /// The median and the 99th percentile of a set of durations, in
 /// microseconds.
@@ -103,6 +103,12 @@ pub struct RowReport {
     /// row with the same mode and batch size (single claims only; 1 for
     /// that row itself).
     pub ratio_leased: Option<f64>,
+    /// What the server did per job, from its own counters
+    /// ([`ServerUse`]; empty where it has none, as SQLite and memory).
+    pub server: ServerUse,
+    /// Server CPU per job over the hand-written row's with the same mode
+    /// and batch size (1 for that row itself).
+    pub cpu_ratio: Option<f64>,
 }
 
 /// The bench's result: every row, on one database, in one run.
@@ -173,17 +179,12 @@ impl BenchReport {
         ]);
         for r in &self.rows {
             let guard = &r.guard_name;
-            let claims = if r.batch == 1 {
-                "single".to_owned()
-            } else {
-                format!("batch {}", r.batch)
-            };
             let latency = |l: Option<Latency>, pick: fn(&Latency) -> u64| {
                 l.as_ref().map_or("–".to_owned(), |l| micros(pick(l)))
             };
             table.add_row([
                 r.mode.name().to_owned(),
-                claims,
+                claims(r.batch),
                 guard.to_owned(),
                 format!("{:.0}", r.deliveries_per_sec),
                 latency(r.claim_latency, |l| l.p50_us),
@@ -195,15 +196,83 @@ impl BenchReport {
                 r.ratio_leased.map_or("–".to_owned(), |x| format!("{x:.2}")),
             ]);
         }
-        for (i, column) in table.column_iter_mut().enumerate() {
-            // Three spaces between columns, none at the ends of a line; the
-            // numbers right-aligned.
-            column.set_padding((if i == 0 { 0 } else { 3 }, 0));
-            if i > 2 {
-                column.set_cell_alignment(CellAlignment::Right);
-            }
-        }
+        align(&mut table);
         table
+    }
+}
+
+impl BenchReport {
+    /// What the server did per job, one line per row, with a column for
+    /// each counter the backend has ([`ServerUse`]); `None` when it has
+    /// none (SQLite, memory). The binary prints it under [`BenchReport::table`].
+    pub fn server_table(&self) -> Option<Table> {
+        let columns: [Column; 7] = [
+            (
+                "CPU/job",
+                |r| r.server.cpu_us_per_job,
+                |x| micros(x.round() as u64),
+            ),
+            ("CPU vs floor", |r| r.cpu_ratio, |x| format!("{x:.2}")),
+            (
+                "statements/job",
+                |r| r.server.statements_per_job,
+                |x| format!("{x:.2}"),
+            ),
+            ("scripts/job", |r| r.server.scripts_per_job, |x| format!("{x:.2}")),
+            (
+                "write txns/job",
+                |r| r.server.write_transactions_per_job,
+                |x| format!("{x:.2}"),
+            ),
+            ("fsyncs/job", |r| r.server.fsyncs_per_job, |x| format!("{x:.2}")),
+            ("WAL/job", |r| r.server.wal_bytes_per_job, |x| format!("{x:.0} B")),
+        ];
+        let present: Vec<_> = columns
+            .iter()
+            .filter(|(_, pick, _)| self.rows.iter().any(|r| pick(r).is_some()))
+            .collect();
+        if present.is_empty() {
+            return None;
+        }
+        let mut table = Table::new();
+        let mut header = vec!["mode", "claims", "guard"];
+        header.extend(present.iter().map(|(name, _, _)| *name));
+        table.load_preset(NOTHING).set_header(header);
+        for r in &self.rows {
+            let mut line = vec![r.mode.name().to_owned(), claims(r.batch), r.guard_name.clone()];
+            line.extend(
+                present
+                    .iter()
+                    .map(|(_, pick, show)| pick(r).map_or("–".to_owned(), show)),
+            );
+            table.add_row(line);
+        }
+        align(&mut table);
+        Some(table)
+    }
+}
+
+/// A column of the server table: its header, what it reads of a row, and
+/// how it prints that.
+type Column = (&'static str, fn(&RowReport) -> Option<f64>, fn(f64) -> String);
+
+/// `single` or `batch N`.
+fn claims(batch: u64) -> String {
+    if batch == 1 {
+        "single".to_owned()
+    } else {
+        format!("batch {batch}")
+    }
+}
+
+/// Three spaces between columns, none at the ends of a line; the numbers
+/// (after mode, claims and guard) right-aligned.
+fn align(table: &mut Table) {
+    for (i, column) in table.column_iter_mut().enumerate() {
+        column.set_padding((if i == 0 { 0 } else { 3 }, 0));
+        if i > 2 {
+            column.set_cell_alignment(CellAlignment::Right);
+        }
     }
 }
 
@@ -248,6 +317,8 @@ mod tests {
             wrong_outcomes: 0,
             ratio: Some(0.5),
             ratio_leased: Some(0.9),
+            server: ServerUse::default(),
+            cpu_ratio: None,
         }
     }
 

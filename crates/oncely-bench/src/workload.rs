@@ -16,7 +16,7 @@ use oncely_any::AnyLedger;
 
 use super::baseline::{Answer, Baseline, Leased};
 use super::report::{Latency, RowReport};
-use super::{Guard, Mode, Policy, Progress, RowSpec};
+use super::{Guard, Mode, Policy, Progress, RowSpec, ServerUse};
 
 /// Bench records are kept this long, as the demo's: enough to inspect them,
 /// short enough that `oncely prune` clears them the same day.
@@ -746,6 +746,8 @@ impl RowRun {
             wrong_outcomes: self.wrong.load(Ordering::Relaxed),
             ratio: None,
             ratio_leased: None,
+            server: ServerUse::default(),
+            cpu_ratio: None,
         }
     }
 }

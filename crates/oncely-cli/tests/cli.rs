@@ -776,6 +776,22 @@ fn bench_on(url: Option<&str>, backend: &str) {
             row["claim_latency"]["samples"].as_u64().unwrap() > 0,
             "{name}: {row}"
         );
+        // The server's own counters, per job, where it has them (other
+        // tests share the server: only their presence is asserted here;
+        // oncely-bench's tests/server.rs checks their values).
+        let counted = |field: &str| row["server"][field].as_f64().is_some();
+        match backend {
+            "postgres" => assert!(
+                counted("write_transactions_per_job") && counted("cpu_us_per_job"),
+                "{row}"
+            ),
+            "mysql" => assert!(
+                counted("statements_per_job") && counted("fsyncs_per_job"),
+                "{row}"
+            ),
+            "redis" => assert!(counted("scripts_per_job") && counted("cpu_us_per_job"), "{row}"),
+            _ => assert!(!counted("statements_per_job"), "{row}"),
+        }
     }
     let names: Vec<&str> = rows.iter().map(|r| r["name"].as_str().unwrap()).collect();
     for want in [

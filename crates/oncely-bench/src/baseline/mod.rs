@@ -6,6 +6,8 @@
 use oncely::{Error, Result};
 use oncely_any::AnyLedger;
 
+use crate::server::Sample;
+
 mod memory;
 #[cfg(feature = "nats")]
 mod nats;
@@ -131,6 +133,20 @@ impl Baseline {
     /// What the same-guarantees code does, for the report.
     pub(super) fn describe_leased(&self) -> &'static str {
         each!(self, b => b.describe_leased())
+    }
+
+    /// The server's live counters, read on the baseline's connection
+    /// ([`crate::server`]), and how many statements that reading adds to
+    /// them.
+    pub(super) async fn sample(&self) -> Result<(Sample, u64)> {
+        match self {
+            Baseline::Sql(b) => Ok((b.sample().await?, b.own_statements())),
+            #[cfg(feature = "redis")]
+            Baseline::Redis(b) => Ok((b.sample().await?, 0)),
+            #[cfg(feature = "nats")]
+            Baseline::Nats(_) => Ok((Sample::default(), 0)),
+            Baseline::Memory(_) => Ok((Sample::default(), 0)),
+        }
     }
 
     /// Removes what the baseline created: the table, the bucket, or `keys`

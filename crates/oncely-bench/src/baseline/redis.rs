@@ -21,6 +21,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, FromRedisValue, RedisError, Script};
 
 use super::{Answer, KEY_TTL, LEASE, Leased, backend_error, merge};
+use crate::server::{Sample, redis_info};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -255,6 +256,20 @@ impl RedisBaseline {
             .await?;
         self.replicated().await?;
         Ok(set == 1)
+    }
+
+    /// The server's CPU, commands and scripts (`INFO cpu commandstats`);
+    /// none on a cluster, whose counters are per node.
+    pub(super) async fn sample(&self) -> Result<Sample> {
+        match &self.conn {
+            Conn::Single(_) => {
+                let mut cmd = redis::cmd("INFO");
+                cmd.arg("cpu").arg("commandstats");
+                let info: String = self.conn.query(&cmd).await?;
+                Ok(redis_info(&info))
+            }
+            Conn::Cluster(_) => Ok(Sample::default()),
+        }
     }
 
     pub(super) async fn remove(&self, keys: &[String]) -> Result<()> {

@@ -20,6 +20,7 @@ use oncely_any::scratch::sql_error;
 use sqlx::{AssertSqlSafe, Row};
 
 use super::{Answer, LEASE, Leased, merge, no_baseline};
+use crate::server::Sample;
 
 /// Runs the dialect's statement of `sql` (PostgreSQL, SQLite, MySQL, in
 /// that order) with the same binds, in order: whether it changed one row.
@@ -276,6 +277,60 @@ impl SqlBaseline {
 
     pub(super) fn key(&self, row: &str, job: usize) -> String {
         format!("{row}:{job}")
+    }
+
+    /// The server's live counters ([`crate::server`]): PostgreSQL's next
+    /// transaction id and WAL position, MariaDB's `Questions` and
+    /// `Innodb_data_fsyncs`; none on SQLite (no server).
+    pub(super) async fn sample(&self) -> Result<Sample> {
+        match &self.pool {
+            Pool::Sqlite(_) => Ok(Sample::default()),
+            Pool::Postgres(p) => {
+                // Neither call hands out a transaction id of its own.
+                let (xid, wal): (i64, i64) = sqlx::query_as(
+                    "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint, \
+                     (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint",
+                )
+                .fetch_one(p)
+                .await
+                .map_err(|e| self.error(e))?;
+                Ok(Sample {
+                    write_transactions: Some(xid as u64),
+                    wal_bytes: Some(wal as u64),
+                    ..Sample::default()
+                })
+            }
+            #[cfg(feature = "mysql")]
+            Pool::MySql(p) => {
+                let rows: Vec<(String, String)> = sqlx::query_as(
+                    "SELECT VARIABLE_NAME, VARIABLE_VALUE FROM information_schema.GLOBAL_STATUS \
+                     WHERE VARIABLE_NAME IN ('QUESTIONS', 'INNODB_DATA_FSYNCS')",
+                )
+                .fetch_all(p)
+                .await
+                .map_err(|e| self.error(e))?;
+                let value = |name: &str| {
+                    rows.iter()
+                        .find(|(n, _)| n.eq_ignore_ascii_case(name))
+                        .and_then(|(_, v)| v.parse().ok())
+                };
+                Ok(Sample {
+                    statements: value("QUESTIONS"),
+                    fsyncs: value("INNODB_DATA_FSYNCS"),
+                    ..Sample::default()
+                })
+            }
+        }
+    }
+
+    /// Statements each [`SqlBaseline::sample`] adds to the server's count:
+    /// MariaDB counts its own query in `Questions`.
+    pub(super) fn own_statements(&self) -> u64 {
+        match &self.pool {
+            #[cfg(feature = "mysql")]
+            Pool::MySql(_) => 1,
+            _ => 0,
+        }
     }
 
     fn backend(&self) -> &'static str {

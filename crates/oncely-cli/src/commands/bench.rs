@@ -111,6 +111,11 @@ fn print_bench_table(r: &BenchReport) {
     println!();
     println!("{}", r.table());
     println!();
+    if let Some(server) = r.server_table() {
+        println!("the server, per job (both deliveries; its own counters, read before and after each row):");
+        println!("{server}");
+        println!();
+    }
     println!(
         "claim: one claim or claim_many call (hand-written: its insert, and its read on a duplicate); \
          wake-up: from the first delivery's return to the waiting duplicate's; \
@@ -153,6 +158,8 @@ mod tests {
             wrong_outcomes: 0,
             ratio: Some(0.7),
             ratio_leased: Some(0.9),
+            server: oncely_bench::ServerUse::default(),
+            cpu_ratio: None,
         }
     }
 
