@@ -45,6 +45,14 @@
 //! after the row's timed part, as a broker would redeliver it, and must get
 //! the stored outcome.
 //!
+//! Around each row the bench reads the server's own counters and reports
+//! what it did per job ([`RowReport::server`], [`ServerUse`]): its CPU
+//! (`/proc` for a server on this machine, `INFO cpu` on Redis), and where
+//! the backend counts them live PostgreSQL's write transactions and WAL
+//! bytes, MariaDB's statements and fsyncs, Redis's commands and scripts;
+//! [`RowReport::cpu_ratio`] puts the CPU next to the floor's. They are the
+//! server's totals: run the bench on a server nobody else uses meanwhile.
+//!
 //! Each run has its own tenant (`bench-<run id>`, records kept one hour, as
 //! the demo's) and its own baseline table, bucket or keys, removed at the
 //! end. [`run`] returns a [`BenchReport`]; it prints nothing.
