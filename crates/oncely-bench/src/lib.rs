@@ -58,8 +58,9 @@
 //! end. [`run`] returns a [`BenchReport`]; it prints nothing.
 //!
 //! The code, by file: `workload.rs` (the deliveries, the workers and what
-//! they measure), `baseline/` (the hand-written code, per backend),
-//! `report.rs` (what a run reports, and its table).
+//! they measure), `baseline/` (the hand-written code, per backend, and
+//! where it reads its server's counters), `server.rs` (those counters, per
+//! job), `report.rs` (what a run reports, and its tables).
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 // A worker's future (a row's deliveries through `Effects::run` on any
