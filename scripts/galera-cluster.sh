@@ -10,6 +10,11 @@
 #   scripts/galera-cluster.sh start N   start node N again (it rejoins) and wait for the cluster;
 #                                       with ONCELY_GALERA_FAKETIME=OFFSET (libfaketime's form,
 #                                       e.g. +8 for 8 s ahead) its clock runs off by OFFSET
+#   scripts/galera-cluster.sh recover   if every running node answers and none has been in the
+#                                       primary component for 10 s (quorum lost: a starved
+#                                       machine can split the survivors of a kill), bootstrap the
+#                                       most advanced one (pc.bootstrap) and wait for the cluster;
+#                                       prints "re-bootstrapped nN" when it did
 #   scripts/galera-cluster.sh urls      print the client URLs (comma-separated)
 #   scripts/galera-cluster.sh status    print each node's pid or "down"
 #
@@ -64,7 +69,7 @@ pid_of() { # prints the pid of node $1 if it is running
 }
 
 sql() { # node statement: runs it over the node's socket, prints tab-separated rows
-    mariadb --no-defaults -uroot --socket="$DIR/n$1.sock" -N -B -e "$2" 2>/dev/null
+    mariadb --no-defaults -uroot --socket="$DIR/n$1.sock" --connect-timeout=2 -N -B -e "$2" 2>/dev/null
 }
 
 config() { # node: writes its option file
@@ -176,9 +181,57 @@ stop_node() {
     return 1
 }
 
+# Prints the running nodes' wsrep_cluster_status, one "n status" a line
+# ("n ?" for a node that does not answer).
+cluster_status() {
+    local n
+    for n in 1 2 3; do
+        pid_of "$n" >/dev/null || continue
+        echo "$n $(sql "$n" "SELECT VARIABLE_VALUE FROM information_schema.GLOBAL_STATUS WHERE VARIABLE_NAME = 'wsrep_cluster_status'" || echo '?')"
+    done
+}
+
+# Quorum lost: every running node answers, none is Primary, for 10 s in a
+# row. Bootstraps the node with the highest wsrep_last_committed (Galera's
+# own recovery: the others rejoin its new primary component) and prints
+# "re-bootstrapped nN". Returns 1 when there was nothing to recover.
+recover_quorum() {
+    local since=$SECONDS line n st nonprim
+    while ((SECONDS - since < 10)); do
+        nonprim=0
+        while read -r n st; do
+            [[ $st == Primary || $st == '?' ]] && return 1
+            nonprim=$((nonprim + 1))
+        done < <(cluster_status)
+        ((nonprim == 0)) && return 1
+        sleep 0.5
+    done
+    local best='' best_seq=-2 seq
+    while read -r n st; do
+        seq=$(sql "$n" "SELECT VARIABLE_VALUE FROM information_schema.GLOBAL_STATUS WHERE VARIABLE_NAME = 'wsrep_last_committed'") || continue
+        if ((seq > best_seq)); then best=$n best_seq=$seq; fi
+    done < <(cluster_status)
+    [[ -n $best ]] || return 1
+    echo "galera-cluster.sh: quorum lost ($(cluster_status | tr '\n' ' ')); bootstrapping n$best at seqno $best_seq" >&2
+    sql "$best" "SET GLOBAL wsrep_provider_options = 'pc.bootstrap=YES'" || return 1
+    echo "re-bootstrapped n$best"
+}
+
+# Prints every node's status and the end of its log, for a failed wait.
+dump_logs() {
+    local n
+    cluster_status >&2
+    for n in 1 2 3; do
+        [[ -f $DIR/n$n.log ]] || continue
+        echo "--- n$n.log (last 40 lines)" >&2
+        tail -n 40 "$DIR/n$n.log" >&2
+    done
+}
+
 # Waits until every running node is synced, ready and sees all of them.
+# Recovers a lost quorum on the way (recover_quorum).
 wait_ready() {
-    local deadline=$((SECONDS + WAIT_SECS)) running n ok
+    local deadline=$((SECONDS + WAIT_SECS)) running n ok last_check=$SECONDS
     while ((SECONDS < deadline)); do
         running=0 ok=0
         for n in 1 2 3; do
@@ -191,18 +244,23 @@ wait_ready() {
             [[ $s == "$expected,Primary,Synced,ON" ]] && ok=$((ok + 1))
         done
         ((running == expected && ok == expected)) && return 0
+        if ((SECONDS - last_check >= 15)); then
+            recover_quorum >&2 || true
+            last_check=$SECONDS
+        fi
         sleep 0.3
     done
     echo "the Galera cluster is not ready with $expected nodes after ${WAIT_SECS}s; logs in $DIR" >&2
+    dump_logs
     return 1
 }
 
 cmd=${1:-}
 node=${2:-}
 case $cmd in
-    up | down | kill | stop | start | freeze | thaw | status) ;;
+    up | down | kill | stop | start | freeze | thaw | status | recover) ;;
     urls) urls; exit 0 ;;
-    *) echo "usage: $0 up|down|kill N|stop N|start N|freeze N|thaw N|urls|status" >&2; exit 2 ;;
+    *) echo "usage: $0 up|down|kill N|stop N|start N|freeze N|thaw N|recover|urls|status" >&2; exit 2 ;;
 esac
 if [[ $cmd =~ ^(kill|stop|start|freeze|thaw)$ ]] && [[ ! $node =~ ^[123]$ ]]; then
     echo "node must be 1, 2 or 3" >&2
@@ -248,9 +306,21 @@ case $cmd in
         wait_ready
         ;;
     start)
-        if (($(running_nodes) == 0)); then start_node "$node" new; else start_node "$node"; fi
+        if (($(running_nodes) == 0)); then
+            start_node "$node" new
+        else
+            # A joiner cannot join survivors that lost their quorum.
+            recover_quorum >&2 || true
+            start_node "$node"
+        fi
         expected=$(running_nodes)
         wait_ready
+        ;;
+    recover)
+        if recover_quorum; then
+            expected=$(running_nodes)
+            wait_ready
+        fi
         ;;
     status)
         for n in 1 2 3; do echo "n$n $(pid_of "$n" || echo down)"; done
