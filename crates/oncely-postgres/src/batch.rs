@@ -188,7 +188,7 @@ impl PgLedger {
         conn: &mut PgConnection,
         items: &[(Lease, Outcome)],
         send: &[usize],
-    ) -> Result<Vec<(String, i64)>> {
+    ) -> Result<Vec<(String, i64, bool)>> {
         let keys: Vec<&str> = send.iter().map(|&n| items[n].0.key().as_str()).collect();
         let fences: Vec<i64> = send
             .iter()
@@ -213,8 +213,8 @@ impl PgLedger {
                     }
                     let mut done = Vec::with_capacity(rows.len());
                     for r in &rows {
-                        if let Some(pair) = sql::completed(r)? {
-                            done.push(pair);
+                        if let Some((key, fence)) = sql::completed(r)? {
+                            done.push((key, fence, sql::watched(r)?));
                         }
                     }
                     Ok(Run::Done(done))
@@ -308,13 +308,13 @@ impl PgLedger {
             };
             match done {
                 Ok(done) => {
-                    let done: std::collections::HashSet<(&str, i64)> =
-                        done.iter().map(|(k, f)| (k.as_str(), *f)).collect();
+                    let done: HashMap<(&str, i64), bool> =
+                        done.iter().map(|(k, f, w)| ((k.as_str(), *f), *w)).collect();
                     for &n in &send {
                         let lease = &items[n].0;
                         let fence = i64::try_from(lease.fence()).unwrap_or(i64::MAX);
-                        answers[n] = Some(if done.contains(&(lease.key().as_str(), fence)) {
-                            self.inner.changes.finished(lease.key().as_str());
+                        answers[n] = Some(if let Some(&watched) = done.get(&(lease.key().as_str(), fence)) {
+                            self.inner.changes.finished(lease.key().as_str(), watched);
                             Ok(())
                         } else {
                             Err(lost(lease))

@@ -420,14 +420,15 @@ impl PgLedger {
     }
 
     /// A fenced write (complete, release, renew) on `conn`; returns the
-    /// statement's value column (the new expiry for renew).
+    /// statement's value column (the new expiry for renew) and whether a
+    /// waiter marked the record (then its end is announced).
     async fn fenced_on(
         &self,
         conn: &mut PgConnection,
         lease: &Lease,
         write: Write<'_>,
         guarded: bool,
-    ) -> Result<i64> {
+    ) -> Result<(i64, bool)> {
         self.writable()?;
         let lost = || Error::LeaseLost {
             key: lease.key().to_string(),
@@ -451,9 +452,35 @@ impl PgLedger {
                         Write::Renew(us) => q.bind_renew(lease.key(), fence, us, guarded),
                     };
                     match query.fetch_optional(&mut *conn).await? {
-                        Some(row) => Ok(Run::Done(sql::written(&row)?)),
+                        Some(row) => Ok(Run::Done((sql::written(&row)?, sql::watched(&row)?))),
                         None if guarded && !guard::autocommit(conn, &q.probe).await? => Ok(Run::Leaked),
                         None => Err(Failed::from(lost())),
+                    }
+                }
+                .await;
+                (conn, run)
+            },
+        )
+        .await
+    }
+
+    /// A waiter's mark on `key`'s record (`sql.rs`, `watch_mark`), behind
+    /// the leaked-transaction guard like every ledger statement.
+    async fn mark_watched(&self, key: &EffectKey) -> Result<()> {
+        let mut conn = self.acquire().await?;
+        let q = &self.inner.q;
+        guard::retry(
+            &mut conn,
+            true,
+            || format!("{key}: the waiter's mark"),
+            |conn| async move {
+                let run = async {
+                    match q.bind_watch_mark(key).fetch_optional(&mut *conn).await? {
+                        Some(_) => Ok(Run::Done(())),
+                        // Nothing to mark (no longer in progress, or marked
+                        // already), unless the guard tripped.
+                        None if !guard::autocommit(conn, &q.probe).await? => Ok(Run::Leaked),
+                        None => Ok(Run::Done(())),
                     }
                 }
                 .await;
@@ -528,12 +555,16 @@ impl Ledger for PgLedger {
                 self.claim_on(&mut conn, key, opts, true, &attempt).await
             })
             .await;
-        match claimed {
+        let claimed = match claimed {
             Err(lost @ Error::Unavailable { .. }) if attempt.sent() => {
                 self.resolve_claim(key, opts, &attempt, lost).await
             }
             claimed => claimed,
+        };
+        if let Ok(Claim::Acquired(lease)) = &claimed {
+            self.inner.changes.holding(lease);
         }
+        claimed
     }
 
     /// A completion whose answer is lost (the connection died during the
@@ -550,14 +581,22 @@ impl Ledger for PgLedger {
                 self.fenced_on(&mut conn, lease, write, true).await
             })
             .await;
-        match wrote {
-            Ok(_) => {}
-            Err(lost @ Error::Unavailable { .. }) => self.resolve(lease, write, lost).await?,
-            Err(e) => return Err(e),
-        }
+        let watched = match wrote {
+            Ok((_, watched)) => watched,
+            // Resolved from the record: whether it was marked is not known,
+            // so it is announced.
+            Err(lost @ Error::Unavailable { .. }) => self.resolve(lease, write, lost).await.map(|()| true)?,
+            Err(e) => {
+                if e.is_lease_lost() {
+                    self.inner.changes.let_go(lease.key().as_str());
+                }
+                return Err(e);
+            }
+        };
         // Committed: wake this process's waiters now, and announce it to the
-        // others' (after the commit, from a transaction of its own).
-        self.inner.changes.finished(lease.key().as_str());
+        // others' if one marked it (after the commit, from a transaction of
+        // its own).
+        self.inner.changes.finished(lease.key().as_str(), watched);
         Ok(())
     }
 
@@ -570,23 +609,48 @@ impl Ledger for PgLedger {
                 self.fenced_on(&mut conn, lease, Write::Release, true).await
             })
             .await;
-        match wrote {
-            Ok(_) => {}
-            Err(lost @ Error::Unavailable { .. }) => self.resolve(lease, Write::Release, lost).await?,
-            Err(e) => return Err(e),
-        }
-        self.inner.changes.finished(lease.key().as_str());
+        let watched = match wrote {
+            Ok((_, watched)) => watched,
+            Err(lost @ Error::Unavailable { .. }) => {
+                self.resolve(lease, Write::Release, lost).await.map(|()| true)?
+            }
+            Err(e) => {
+                if e.is_lease_lost() {
+                    self.inner.changes.let_go(lease.key().as_str());
+                }
+                return Err(e);
+            }
+        };
+        self.inner.changes.finished(lease.key().as_str(), watched);
         Ok(())
     }
 
     /// A notified watch while the ledger's listener is connected (it starts
     /// with the first call, which waits a moment for its first connection),
     /// else a polling one; always polling on a read-only ledger.
+    ///
+    /// A notified watch marks the key's record, if it is in progress and
+    /// its lease is not this ledger's own, so that its completion or
+    /// release is announced (completions nobody marked are not): the runner
+    /// reads the record again after this returns, so a completion that
+    /// committed before the mark is seen there. If the mark cannot be
+    /// written, the watch polls.
     async fn watch(&self, key: &EffectKey) -> Watch {
         if self.inner.read_only {
             return Watch::polling();
         }
-        self.inner.changes.watch(key).await
+        let watch = self.inner.changes.watch(key).await;
+        // A lease this ledger holds: its completion wakes this watch itself.
+        if !watch.is_notified() || self.inner.changes.holds(key.as_str()) {
+            return watch;
+        }
+        match self.bounded(self.mark_watched(key)).await {
+            Ok(()) => watch,
+            Err(e) => {
+                tracing::debug!(key = %key, error = %e, "could not mark the record watched; polling");
+                Watch::polling()
+            }
+        }
     }
 
     /// One statement per batch of up to 500 distinct keys, each key
@@ -607,6 +671,11 @@ impl Ledger for PgLedger {
             Err(e) => return Err(e),
         };
         self.resolve_batch(keys, opts, &attempt, &mut answers).await;
+        for answer in &answers {
+            if let Ok(Claim::Acquired(lease)) = answer {
+                self.inner.changes.holding(lease);
+            }
+        }
         Ok(answers)
     }
 
@@ -627,14 +696,16 @@ impl Ledger for PgLedger {
     async fn renew(&self, lease: &Lease, extend_by: Duration) -> Result<Lease> {
         oncely::backend::check_extension(extend_by)?;
         self.writable()?;
-        let expires_us = self
+        let (expires_us, _) = self
             .bounded(async {
                 let mut conn = self.acquire().await?;
                 self.fenced_on(&mut conn, lease, Write::Renew(duration_micros(extend_by)), true)
                     .await
             })
             .await?;
-        Ok(lease.renewed_until(from_micros(expires_us)))
+        let renewed = lease.renewed_until(from_micros(expires_us));
+        self.inner.changes.holding(&renewed);
+        Ok(renewed)
     }
 
     async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {

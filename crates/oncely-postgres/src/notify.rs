@@ -31,12 +31,14 @@
 //! standby, and a listener whose ledger moved to another host (a frozen
 //! primary's connection may never report its loss) reconnects.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use oncely::EffectKey;
 use oncely::backend::Backoff;
+use oncely::backend::Lease;
 use oncely::backend::{Notifier, Watch};
 use sqlx::PgPool;
 use sqlx::postgres::{PgListener, PgPoolOptions};
@@ -97,6 +99,8 @@ struct Announcer {
     /// Announcements sent (one per key) and dropped.
     sent: AtomicU64,
     dropped: AtomicU64,
+    /// Ends of leases not announced: no waiter had marked the record.
+    unmarked: AtomicU64,
 }
 
 /// Whether the listener is listening.
@@ -133,7 +137,16 @@ pub(crate) struct Changes {
     moved: Option<Receiver<u64>>,
     announcer: Arc<Announcer>,
     announce_task: Mutex<Option<JoinHandle<()>>>,
+    /// The keys whose leases this ledger holds (claimed, not yet completed
+    /// or released), each with when its lease ends on this process's clock:
+    /// a waiter in this process needs no mark on their records, since the
+    /// holder's completion wakes it directly ([`Changes::holds`]).
+    held: Mutex<HashMap<Box<str>, Instant>>,
 }
+
+/// Held leases kept at most before the expired ones are swept (a lease
+/// whose holder never completed nor released it, its future dropped).
+const HELD_SWEEP: usize = 10_000;
 
 /// The state of a ledger's change listener, from
 /// [`PgLedger::listener_status`](crate::PgLedger::listener_status): for a
@@ -162,6 +175,10 @@ pub struct ListenerStatus {
     /// 10,000 waiting to be sent): their waiters elsewhere woke by their
     /// fallback instead.
     pub unannounced: u64,
+    /// How many of this ledger's completions and releases it did not need
+    /// to announce: no waiter in any process had marked the record (a
+    /// waiter marks it when it starts waiting on a notification).
+    pub unwatched: u64,
 }
 
 impl Changes {
@@ -179,14 +196,53 @@ impl Changes {
             moved,
             announcer: Arc::new(Announcer::default()),
             announce_task: Mutex::new(None),
+            held: Mutex::new(HashMap::new()),
         }
     }
 
+    /// This ledger holds `lease` now (a claim or a renewal granted it).
+    pub(crate) fn holding(&self, lease: &Lease) {
+        let left = lease
+            .expires_at()
+            .duration_since(lease.acquired_at())
+            .unwrap_or_default();
+        let now = Instant::now();
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        if held.len() >= HELD_SWEEP {
+            held.retain(|_, until| *until > now);
+        }
+        held.insert(lease.key().as_str().into(), now + left);
+    }
+
+    /// This ledger no longer holds `key`'s lease (it ended it, or lost it).
+    pub(crate) fn let_go(&self, key: &str) {
+        self.held.lock().unwrap_or_else(|p| p.into_inner()).remove(key);
+    }
+
+    /// Whether this ledger holds a live lease on `key`: its own completion
+    /// or release will wake this process's waiters, so their watch need not
+    /// mark the record. A holder that lost its lease unnoticed (its future
+    /// dropped) counts until the lease's end; a waiter that skipped the mark
+    /// then wakes by its fallback if another process completes the effect.
+    pub(crate) fn holds(&self, key: &str) -> bool {
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(key)
+            .is_some_and(|until| *until > Instant::now())
+    }
+
     /// After the ledger's own write that ended `key`'s lease committed:
-    /// wakes this process's watches on it now, and has it announced to
-    /// other processes' listeners (see the module docs).
-    pub(crate) fn finished(&self, key: &str) {
+    /// wakes this process's watches on it now, and, if a waiter marked the
+    /// record (`watched`), has it announced to other processes' listeners
+    /// (see the module docs).
+    pub(crate) fn finished(&self, key: &str, watched: bool) {
+        self.let_go(key);
         self.shared.notifier.notify(key);
+        if !watched {
+            self.announcer.unmarked.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         let announcer = &self.announcer;
         {
             let mut pending = announcer.pending.lock().unwrap_or_else(|p| p.into_inner());
@@ -240,6 +296,7 @@ impl Changes {
             connects: self.shared.connects.load(Ordering::Relaxed),
             announced: self.announcer.sent.load(Ordering::Relaxed),
             unannounced: self.announcer.dropped.load(Ordering::Relaxed),
+            unwatched: self.announcer.unmarked.load(Ordering::Relaxed),
         }
     }
 

@@ -87,6 +87,12 @@ const EFFECTS: &[Column] = &[
         kind: Kind::Bytes,
         since: 3,
     },
+    // The waiter's mark (`sql.rs`, `watch_mark`).
+    Column {
+        name: "watched",
+        kind: Kind::Bool,
+        since: 4,
+    },
 ];
 
 /// The horizon table.
@@ -165,8 +171,8 @@ impl PgLedger {
     /// Checks, without changing anything, that the schema is one the ledger
     /// can rely on: the ledger table, the `<table>_horizon` table and the
     /// claim's `<table>_beyond` function exist, the tables have the columns
-    /// the ledger uses (schema version 3: the claim token's `claim_token`
-    /// too) with compatible types
+    /// the ledger uses (schema version 4: the claim token's `claim_token`
+    /// and the waiter's mark `watched` too) with compatible types
     /// (no other `NOT NULL` column without a default), a primary key or
     /// unique index on exactly `key` (and on `(tenant, kind)` for the
     /// horizon), not deferrable nor partial, and deterministic collations on

@@ -278,3 +278,60 @@ async fn a_claim_token_is_tied_to_the_row_version_its_claim_wrote() {
         c => panic!("{c:?}"),
     }
 }
+
+/// A waiter's mark (its watch sets `watched` on the record in progress)
+/// rewrites the row but not its holder: a token that matched the version
+/// before is tied to the version the mark wrote, so a claim resolving a
+/// lost answer still finds its own row; a token that no longer matched
+/// stays untied.
+#[tokio::test]
+async fn a_waiters_mark_keeps_the_claim_token_tied() {
+    let Some((url, ledger)) = setup().await else {
+        return;
+    };
+    let Ok(waiter) =
+        PgLedger::connect_with(&url, PgLedgerOptions::default().table(TABLE).max_connections(2)).await
+    else {
+        return;
+    };
+    let t = fresh_tenant();
+    let mut conn = PgConnection::connect(&url).await.unwrap();
+    let state = format!(
+        "SELECT claim_token = substring(claim_token from 1 for 16) || int8send(xmin::text::bigint), \
+           coalesce(watched, false), xmin::text \
+         FROM {TABLE} WHERE key = $1"
+    );
+    let read = async |conn: &mut PgConnection, key: &EffectKey| -> (bool, bool, String) {
+        sqlx::query_as(sqlx::AssertSqlSafe(state.clone()))
+            .bind(key.as_str())
+            .fetch_one(conn)
+            .await
+            .unwrap()
+    };
+
+    let key = EffectKey::new(&t, "lost", "marked").unwrap();
+    acquire(&ledger, &key).await;
+    let (own, watched, before) = read(&mut conn, &key).await;
+    assert_eq!((own, watched), (true, false));
+    assert!(
+        waiter.watch(&key).await.is_notified(),
+        "the waiter's listener listens"
+    );
+    let (own, watched, after) = read(&mut conn, &key).await;
+    assert_ne!(before, after, "the mark wrote a new version of the row");
+    assert_eq!((own, watched), (true, true), "still the claim's own row");
+
+    // A row the previous release took over (the token untied) stays untied.
+    let key = EffectKey::new(&t, "lost", "marked-untied").unwrap();
+    acquire(&ledger, &key).await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE {TABLE} SET fence = fence + 1, updated_at = clock_timestamp() WHERE key = $1"
+    )))
+    .bind(key.as_str())
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    assert!(waiter.watch(&key).await.is_notified());
+    let (own, watched, _) = read(&mut conn, &key).await;
+    assert_eq!((own, watched), (false, true));
+}

@@ -142,10 +142,12 @@ async fn a_waiter_in_another_process_is_woken_by_the_notification() {
     }
     // A write that ends no lease notifies nobody: a stale release fails and
     // sends nothing. So far: the holder's completion and release, the
-    // waiter's own completion after it took over the released key, and the
-    // release below (notifications arrive in commit order).
+    // waiter's own completion after it took over the released key (marked
+    // by its wait before), and the release below, of a record the waiter's
+    // watch marked (notifications arrive in commit order).
     let k = EffectKey::new(&t, "capture", "stale").unwrap();
     let stale = acquired(holder.claim(&k, &opts()).await.unwrap());
+    assert!(waiter.watch(&k).await.is_notified());
     holder.release(&stale).await.unwrap();
     eventually("the notifications so far arrive", async || {
         waiter.listener_status().notifications >= 4
@@ -154,18 +156,106 @@ async fn a_waiter_in_another_process_is_woken_by_the_notification() {
     let before = waiter.listener_status().notifications;
     assert!(holder.release(&stale).await.unwrap_err().is_lease_lost());
     // A later notification arrives after the stale one would have.
-    let marker = acquired(
-        holder
-            .claim(&EffectKey::new(&t, "capture", "marker").unwrap(), &opts())
-            .await
-            .unwrap(),
-    );
+    let marker_key = EffectKey::new(&t, "capture", "marker").unwrap();
+    let marker = acquired(holder.claim(&marker_key, &opts()).await.unwrap());
+    assert!(waiter.watch(&marker_key).await.is_notified());
     holder.release(&marker).await.unwrap();
     eventually("the marker arrives", async || {
         waiter.listener_status().notifications > before
     })
     .await;
     assert_eq!(waiter.listener_status().notifications, before + 1);
+}
+
+/// A completion or release is announced to other processes only when a
+/// waiter marked its record (the waiter's watch does, before it reads the
+/// record again): the holder's ledger counts the ends it announced and
+/// those it did not need to, and only the marked key's notification
+/// reaches the waiter's listener.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn only_a_completion_somebody_waits_for_is_announced() {
+    let Some(url) = url() else { return };
+    let Some(holder) = instance(&url, "oncely_pg_notify_marked").await else {
+        return;
+    };
+    let Some(waiter) = instance(&url, "oncely_pg_notify_marked").await else {
+        return;
+    };
+    let t = fresh_tenant();
+    let outcome = Outcome::value(&"done").unwrap();
+    listening(&waiter, &EffectKey::new(&t, "capture", "warm-up").unwrap()).await;
+
+    // Twenty completions and a release nobody waits for: none announced.
+    for n in 0..20 {
+        let k = EffectKey::new(&t, "capture", format!("alone-{n}")).unwrap();
+        let lease = acquired(holder.claim(&k, &opts()).await.unwrap());
+        holder.complete(&lease, &outcome).await.unwrap();
+    }
+    let k = EffectKey::new(&t, "capture", "alone-released").unwrap();
+    let lease = acquired(holder.claim(&k, &opts()).await.unwrap());
+    holder.release(&lease).await.unwrap();
+    let s = holder.listener_status();
+    assert_eq!((s.announced, s.unwatched), (0, 21), "{s:?}");
+
+    // A key a waiter in the other instance waits on: marked, announced,
+    // and the waiter gets the holder's outcome.
+    let k = EffectKey::new(&t, "capture", "awaited").unwrap();
+    let lease = acquired(holder.claim(&k, &opts()).await.unwrap());
+    let before = waiter.listener_status().notifications;
+    let task = wait_for(&waiter, &k);
+    let observer = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .unwrap();
+    eventually("the waiter marks the record", async || {
+        sqlx::query_scalar::<_, Option<bool>>("SELECT watched FROM oncely_pg_notify_marked WHERE key = $1")
+            .bind(k.as_str())
+            .fetch_one(&observer)
+            .await
+            .unwrap()
+            == Some(true)
+    })
+    .await;
+    holder.complete(&lease, &outcome).await.unwrap();
+    assert_eq!(task.await.unwrap().unwrap(), "done");
+    eventually("the announcement is sent", async || {
+        holder.listener_status().announced == 1
+    })
+    .await;
+    assert_eq!(holder.listener_status().unwatched, 21);
+    eventually("the waiter's listener relays it", async || {
+        waiter.listener_status().notifications > before
+    })
+    .await;
+    // A mark on a record no longer in progress writes nothing.
+    drop(waiter.watch(&k).await);
+    let rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM oncely_pg_notify_marked WHERE tenant = $1 AND watched")
+            .bind(t.as_str())
+            .fetch_one(&observer)
+            .await
+            .unwrap();
+    assert_eq!(rows, 1, "only the awaited key is marked");
+
+    // A waiter of the holder's own ledger marks nothing: the holder's
+    // completion wakes it in memory.
+    let k = EffectKey::new(&t, "capture", "own").unwrap();
+    let lease = acquired(holder.claim(&k, &opts()).await.unwrap());
+    listening(&holder, &k).await;
+    assert!(holder.watch(&k).await.is_notified());
+    let task = wait_for(&holder, &k);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    holder.complete(&lease, &outcome).await.unwrap();
+    assert_eq!(task.await.unwrap().unwrap(), "done");
+    let rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM oncely_pg_notify_marked WHERE tenant = $1 AND watched")
+            .bind(t.as_str())
+            .fetch_one(&observer)
+            .await
+            .unwrap();
+    assert_eq!(rows, 1, "the holder's own waiter marked nothing");
+    assert_eq!(holder.listener_status().unwatched, 22);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -189,7 +189,7 @@ async fn a_case_insensitive_key_is_refused() {
     sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE SCHEMA {schema}; \
          CREATE COLLATION {schema}.ci (provider = icu, locale = 'und-u-ks-level2', deterministic = false); \
-         CREATE TABLE {schema}.oncely_effects ({}, claim_token bytea, PRIMARY KEY (key))",
+         CREATE TABLE {schema}.oncely_effects ({}, claim_token bytea, watched boolean, PRIMARY KEY (key))",
         COLUMNS.replace(
             "key text NOT NULL",
             &format!("key text COLLATE {schema}.ci NOT NULL")
@@ -330,7 +330,7 @@ async fn connect_without_migrations_creates_nothing() {
         .fetch_one(&admin)
         .await
         .unwrap();
-    assert_eq!((before, after), (3, 3));
+    assert_eq!((before, after), (4, 4));
     // It is an ordinary ledger otherwise.
     assert!(matches!(
         ledger
@@ -568,7 +568,7 @@ async fn a_version_1_ledger_migrates() {
     .fetch_all(&admin)
     .await
     .unwrap();
-    assert_eq!(versions, vec![1, 2, 3]);
+    assert_eq!(versions, vec![1, 2, 3, 4]);
     match ledger.claim(&released, &ClaimOptions::default()).await.unwrap() {
         Claim::Acquired(l) => {
             assert!(l.taken_over());

@@ -34,7 +34,7 @@ pub(crate) use admin::{Arg, bind_listing, kind_stats, records, stats};
 pub(crate) use claim::{ClaimRow, claim_leaked, claimed_key, own_lease};
 pub(crate) use prune::{prune_counts, watermark};
 pub(crate) use record::{RecordRow, has_record, key};
-pub(crate) use write::{completed, guard_ok, written};
+pub(crate) use write::{completed, guard_ok, watched, written};
 
 /// A timestamp as microseconds since the Unix epoch (`extract` is exact
 /// `numeric` since PostgreSQL 14), for fences, the horizon and the renewed
@@ -135,7 +135,7 @@ pub(crate) fn channel(schema: &str, table: &str) -> String {
 }
 
 /// The current schema version: the last of [`Queries::migrations`].
-pub(crate) const SCHEMA_VERSION: i32 = 3;
+pub(crate) const SCHEMA_VERSION: i32 = 4;
 
 /// The statements of one ledger (one schema and table).
 #[derive(Debug)]
@@ -153,6 +153,8 @@ pub(crate) struct Queries {
     pub complete_many: Arc<str>,
     pub release: Arc<str>,
     pub renew: Arc<str>,
+    /// A waiter's mark (`$1` key, `$2` guard flag): see the statement.
+    pub watch_mark: Arc<str>,
     pub probe: Arc<str>,
     pub get: Arc<str>,
     pub prune: Arc<str>,
@@ -407,12 +409,22 @@ impl Queries {
         // statement: the notification then goes out when (and only if) the
         // caller commits. It is sent per updated row only, so a stale fence
         // notifies nobody.
-        let notify = format!("pg_notify('{channel}', e.key) IS NULL AS notified");
+        //
+        // Only a record a waiter marked (`watched`, schema version 4: see
+        // `watch_mark`) is announced or notified: a completion nobody waits
+        // for in another process costs no announcement. Every fenced write
+        // returns the mark (`watched`), read from the version it wrote: a
+        // mark committed before the write took the row's lock is seen; one
+        // after it finds the row no longer in progress and writes nothing,
+        // and its waiter reads the record again (the runner claims once more
+        // after subscribing), so no waiter is left unannounced.
+        let notify =
+            format!("(CASE WHEN e.watched THEN pg_notify('{channel}', e.key) END) IS NULL AS notified");
         let fenced = |set: &str, guard_param: &str, returning: &str, notifies: bool| {
             format!(
                 "UPDATE {t} AS e SET {set} \
                  WHERE e.key = $1 AND e.fence = $2 AND e.state = 'in_progress' AND {guard} \
-                 RETURNING {returning} AS value{notify}",
+                 RETURNING {returning} AS value, coalesce(e.watched, false) AS watched{notify}",
                 guard = guard(guard_param),
                 notify = if notifies {
                     format!(", {notify}")
@@ -458,10 +470,32 @@ impl Queries {
                FROM unnest($1::text[], $2::bigint[], $3::bytea[]) AS i(key, fence, outcome) \
                WHERE e.key = i.key AND e.fence = i.fence AND e.state = 'in_progress' \
                  AND (SELECT g.ok FROM g) \
-               RETURNING e.key, e.fence) \
-             SELECT g.ok AS ok, u.key AS key, u.fence AS fence FROM g LEFT JOIN u ON true",
+               RETURNING e.key, e.fence, coalesce(e.watched, false) AS watched) \
+             SELECT g.ok AS ok, u.key AS key, u.fence AS fence, u.watched AS watched FROM g LEFT JOIN u ON true",
             guard = guard("$4"),
             set = completed("i.outcome"),
+        );
+        // A waiter's mark, written by `PgLedger::watch` once its listener
+        // listens and before the runner reads the record again: the record's
+        // next completion or release is then announced to the channel (see
+        // `fenced`). Only a record in progress is marked, once (a second
+        // waiter writes nothing), with its commit not waiting for a WAL
+        // flush (a mark lost in a crash costs its waiter the fallback, as a
+        // lost announcement does: the crash dropped its listener anyway).
+        // The claim token stays tied to the row: the mark rewrites the row,
+        // so a token that matched the version before (`own`) is tied again
+        // to the version the mark writes; the holder of the lease is the
+        // same, and a claim whose answer was lost still finds its own row.
+        let watch_mark = format!(
+            "WITH s AS (SELECT set_config('synchronous_commit', 'off', true) OFFSET 0) \
+             UPDATE {t} AS e SET watched = true, \
+               claim_token = CASE WHEN e.claim_token = (substring(e.claim_token from 1 for 16) \
+                                   || int8send(e.xmin::text::bigint)) \
+                 THEN substring(e.claim_token from 1 for 16) || int8send(pg_current_xact_id()::text::bigint % 4294967296) \
+                 ELSE e.claim_token END \
+             FROM s WHERE e.key = $1 AND e.state = 'in_progress' AND e.watched IS NOT TRUE AND {guard} \
+             RETURNING true AS marked",
+            guard = guard("$2"),
         );
         // Bound to a parameter so that it, too, runs through Bind/Execute:
         // the guard relies on the protocol portal of the extended protocol.
@@ -619,6 +653,15 @@ impl Queries {
         // takeover by it leaves the token, which then no longer matches its
         // row (the row's `xmin` moved on: `own`).
         let v3 = format!("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS claim_token bytea;");
+        // Version 4: the waiter's mark (`watch_mark`). Nullable without a
+        // default, like version 3's column: a catalog change only. Records
+        // have none (NULL reads as not watched). A release before this one
+        // neither marks nor reads it: its completions announce every key,
+        // and its waiters, which do not mark, are announced to only by those
+        // (this release's completions of records nobody marked are not), so
+        // during a rolling upgrade an old release's waiter may be woken by
+        // its fallback (`oncely::backend::NOTIFIED_FALLBACK`, 1 s) instead.
+        let v4 = format!("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS watched boolean;");
 
         Queries {
             claim: claim(false, false, false).into(),
@@ -636,6 +679,7 @@ impl Queries {
             complete_many: complete_many.into(),
             release: release.into(),
             renew: renew.into(),
+            watch_mark: watch_mark.into(),
             probe: probe.into(),
             get: get.into(),
             prune: prune.into(),
@@ -667,6 +711,11 @@ impl Queries {
                     3,
                     "claim token: a claim whose answer was lost finds its own row",
                     v3.into(),
+                ),
+                (
+                    4,
+                    "waiter's mark: only a completion somebody waits for is announced",
+                    v4.into(),
                 ),
             ],
             horizon_table: horizon_name,

@@ -32,6 +32,13 @@ impl Queries {
             .bind(guarded)
     }
 
+    /// A waiter's mark on `key` (see `watch_mark`): a row when it wrote.
+    pub(crate) fn bind_watch_mark(&self, key: &EffectKey) -> Bound {
+        sqlx::query(AssertSqlSafe(self.watch_mark.clone()))
+            .bind(key.as_str())
+            .bind(true)
+    }
+
     /// The batch completion: one row per lease it completed.
     pub(crate) fn bind_complete_many(&self, keys: &[&str], fences: &[i64], outcomes: &[&[u8]]) -> Bound {
         sqlx::query(AssertSqlSafe(self.complete_many.clone()))
@@ -62,6 +69,12 @@ impl Queries {
 /// A fenced write's value column (the new expiry for renew).
 pub(crate) fn written(row: &PgRow) -> Result<i64> {
     get(row, "value")
+}
+
+/// Whether a waiter marked the record a fenced write (or a row of
+/// `complete_many`) wrote: then its end is announced (see `watch_mark`).
+pub(crate) fn watched(row: &PgRow) -> Result<bool> {
+    Ok(get::<Option<bool>>(row, "watched")?.unwrap_or(false))
 }
 
 /// The (key, fence) a `complete_many` row reports completed, if any (the
