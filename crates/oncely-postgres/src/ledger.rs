@@ -882,9 +882,12 @@ impl TransactionalLedger for PgLedger {
 
     async fn complete_in(&self, conn: &mut PgConnection, lease: &Lease, outcome: &Outcome) -> Result<()> {
         check_outcome(outcome, MAX_OUTCOME_BYTES)?;
-        self.fenced_on(conn, lease, Write::Complete(outcome), false)
-            .await
-            .map(|_| ())
+        let wrote = self.fenced_on(conn, lease, Write::Complete(outcome), false).await;
+        // Ended here, or not at all: from now on a waiter in this process
+        // marks the record, as for any lease this ledger does not hold (the
+        // notification leaves with the caller's commit, marked or not).
+        self.inner.changes.let_go(lease.key().as_str());
+        wrote.map(|_| ())
     }
 }
 

@@ -159,7 +159,8 @@
 //! ledger's completions and releases announced after they commit, coalesced
 //! into one `SELECT pg_notify(…) FROM unnest(…)` whose commit does not wait
 //! for a WAL flush (`synchronous_commit` off for that transaction only).
-//! Only a record a waiter marked is announced: a waiter's watch, once its
+//! Only a record a waiter marked is announced (`complete_in` notifies in
+//! the caller's transaction whatever the mark): a waiter's watch, once its
 //! listener listens, sets the record's `watched` column (one `UPDATE` of a
 //! record in progress, not yet marked, whose commit does not wait for a
 //! flush either), and the claim runs once more before the waiter sleeps.

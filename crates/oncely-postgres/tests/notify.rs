@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use oncely::backend::{Claim, Lease, Ledger, Outcome};
+use oncely::backend::{Claim, Lease, Ledger, Outcome, TransactionalLedger};
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
 use oncely::{ClaimOptions, EffectKey, Effects, OnInProgress};
 use oncely_postgres::{PgLedger, PgLedgerOptions};
@@ -256,6 +256,31 @@ async fn only_a_completion_somebody_waits_for_is_announced() {
             .unwrap();
     assert_eq!(rows, 1, "the holder's own waiter marked nothing");
     assert_eq!(holder.listener_status().unwatched, 22);
+
+    // The same, completed in the caller's transaction: its commit notifies
+    // (the waiter left no mark, and the ledger cannot wake it after a
+    // commit it does not see).
+    let k = EffectKey::new(&t, "capture", "own-in-transaction").unwrap();
+    let lease = acquired(holder.claim(&k, &opts()).await.unwrap());
+    assert!(holder.watch(&k).await.is_notified());
+    let before = holder.listener_status().notifications;
+    let task = wait_for(&holder, &k);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut tx = holder.begin().await.unwrap();
+    holder.complete_in(&mut tx, &lease, &outcome).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(task.await.unwrap().unwrap(), "done");
+    eventually("the commit's notification arrives", async || {
+        holder.listener_status().notifications > before
+    })
+    .await;
+    let marked: Option<bool> =
+        sqlx::query_scalar("SELECT watched FROM oncely_pg_notify_marked WHERE key = $1")
+            .bind(k.as_str())
+            .fetch_one(&observer)
+            .await
+            .unwrap();
+    assert_eq!(marked, None, "the holder's own waiter marked nothing");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -411,15 +411,18 @@ impl Queries {
         // notifies nobody.
         //
         // Only a record a waiter marked (`watched`, schema version 4: see
-        // `watch_mark`) is announced or notified: a completion nobody waits
-        // for in another process costs no announcement. Every fenced write
+        // `watch_mark`) is announced: a completion nobody waits for in
+        // another process costs no announcement. (`complete_in` notifies
+        // whatever the mark: a waiter of the holder's own ledger marks
+        // nothing, counting on the ledger to wake it after the completion,
+        // and a completion in the caller's transaction can only wake it by
+        // the notification its commit sends.) Every fenced write
         // returns the mark (`watched`), read from the version it wrote: a
         // mark committed before the write took the row's lock is seen; one
         // after it finds the row no longer in progress and writes nothing,
         // and its waiter reads the record again (the runner claims once more
         // after subscribing), so no waiter is left unannounced.
-        let notify =
-            format!("(CASE WHEN e.watched THEN pg_notify('{channel}', e.key) END) IS NULL AS notified");
+        let notify = format!("pg_notify('{channel}', e.key) IS NULL AS notified");
         let fenced = |set: &str, guard_param: &str, returning: &str, notifies: bool| {
             format!(
                 "UPDATE {t} AS e SET {set} \
