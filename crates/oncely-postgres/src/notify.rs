@@ -141,11 +141,20 @@ pub(crate) struct Changes {
     /// or released), each with when its lease ends on this process's clock:
     /// a waiter in this process needs no mark on their records, since the
     /// holder's completion wakes it directly ([`Changes::holds`]).
-    held: Mutex<HashMap<Box<str>, Instant>>,
+    held: Mutex<Held>,
 }
 
-/// Held leases kept at most before the expired ones are swept (a lease
-/// whose holder never completed nor released it, its future dropped).
+/// [`Changes::held`]: the live leases, and the size at which the expired
+/// ones are swept next (a lease whose holder never completed nor released
+/// it, its future dropped, stays until then): twice what was left by the
+/// last sweep, at least [`HELD_SWEEP`], so sweeping costs O(1) per lease.
+#[derive(Debug, Default)]
+struct Held {
+    until: HashMap<Box<str>, Instant>,
+    sweep_at: usize,
+}
+
+/// The fewest held leases at which a sweep runs.
 const HELD_SWEEP: usize = 10_000;
 
 /// The state of a ledger's change listener, from
@@ -196,7 +205,7 @@ impl Changes {
             moved,
             announcer: Arc::new(Announcer::default()),
             announce_task: Mutex::new(None),
-            held: Mutex::new(HashMap::new()),
+            held: Mutex::new(Held::default()),
         }
     }
 
@@ -208,15 +217,20 @@ impl Changes {
             .unwrap_or_default();
         let now = Instant::now();
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        if held.len() >= HELD_SWEEP {
-            held.retain(|_, until| *until > now);
+        if held.until.len() >= held.sweep_at.max(HELD_SWEEP) {
+            held.until.retain(|_, until| *until > now);
+            held.sweep_at = held.until.len() * 2;
         }
-        held.insert(lease.key().as_str().into(), now + left);
+        held.until.insert(lease.key().as_str().into(), now + left);
     }
 
     /// This ledger no longer holds `key`'s lease (it ended it, or lost it).
     pub(crate) fn let_go(&self, key: &str) {
-        self.held.lock().unwrap_or_else(|p| p.into_inner()).remove(key);
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .until
+            .remove(key);
     }
 
     /// Whether this ledger holds a live lease on `key`: its own completion
@@ -228,6 +242,7 @@ impl Changes {
         self.held
             .lock()
             .unwrap_or_else(|p| p.into_inner())
+            .until
             .get(key)
             .is_some_and(|until| *until > Instant::now())
     }
