@@ -317,6 +317,8 @@ async fn listener_follows(ledger: &PgLedger, url: &str, tenant: &Tenant) {
         oncely::backend::Claim::Acquired(lease) => lease,
         c => panic!("{c:?}"),
     };
+    // A waiter marks the record (only marked completions are announced).
+    assert!(ledger.watch(&key).await.is_notified());
     other
         .complete(&lease, &oncely::backend::Outcome::from_json(&1).unwrap())
         .await
