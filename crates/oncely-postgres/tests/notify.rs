@@ -167,6 +167,15 @@ async fn a_waiter_in_another_process_is_woken_by_the_notification() {
     assert_eq!(waiter.listener_status().notifications, before + 1);
 }
 
+/// How many of `tenant`'s records in the marked test's table a waiter marked.
+async fn marked(observer: &sqlx::PgPool, tenant: &oncely::Tenant) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM oncely_pg_notify_marked WHERE tenant = $1 AND watched")
+        .bind(tenant.as_str())
+        .fetch_one(observer)
+        .await
+        .unwrap()
+}
+
 /// A completion or release is announced to other processes only when a
 /// waiter marked its record (the waiter's watch does, before it reads the
 /// record again): the holder's ledger counts the ends it announced and
@@ -230,12 +239,7 @@ async fn only_a_completion_somebody_waits_for_is_announced() {
     .await;
     // A mark on a record no longer in progress writes nothing.
     drop(waiter.watch(&k).await);
-    let rows: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM oncely_pg_notify_marked WHERE tenant = $1 AND watched")
-            .bind(t.as_str())
-            .fetch_one(&observer)
-            .await
-            .unwrap();
+    let rows = marked(&observer, &t).await;
     assert_eq!(rows, 1, "only the awaited key is marked");
 
     // A waiter of the holder's own ledger marks nothing: the holder's
@@ -248,12 +252,7 @@ async fn only_a_completion_somebody_waits_for_is_announced() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     holder.complete(&lease, &outcome).await.unwrap();
     assert_eq!(task.await.unwrap().unwrap(), "done");
-    let rows: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM oncely_pg_notify_marked WHERE tenant = $1 AND watched")
-            .bind(t.as_str())
-            .fetch_one(&observer)
-            .await
-            .unwrap();
+    let rows = marked(&observer, &t).await;
     assert_eq!(rows, 1, "the holder's own waiter marked nothing");
     assert_eq!(holder.listener_status().unwatched, 22);
 
