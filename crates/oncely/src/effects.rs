@@ -84,7 +84,7 @@ impl<L: Ledger + 'static> Effects<L> {
     /// part of the step keys, so two job types that perform the same effect
     /// on the same subject share its record.
     pub fn job(&self, tenant: &Tenant, job_type: &str, subject: &str) -> Job<'_, Coalescing<L>> {
-        Job::new(&self.ledger, tenant, job_type, subject)
+        Job::new(&self.ledger, Some(&self.flights), tenant, job_type, subject)
     }
 
     /// Claims `key`, runs `f` if this caller acquired it, and stores its

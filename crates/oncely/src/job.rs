@@ -11,6 +11,7 @@ use serde::de::DeserializeOwned;
 use tracing::Instrument;
 
 use crate::error::{Error, Result};
+use crate::flight::Flights;
 use crate::held::HeldLease;
 use crate::key::{EffectKey, Tenant};
 use crate::ledger::{Ledger, TransactionalLedger};
@@ -145,6 +146,15 @@ pub type StepFuture<'c, T> = Pin<Box<dyn Future<Output = Result<T, Failure>> + S
 /// A step that is naturally idempotent (set a field to a fixed value, upsert
 /// on a natural key) needs no key at all: just run it.
 ///
+/// A duplicate step under [`OnInProgress::Wait`] that arrives while another
+/// task of the same [`Effects`](crate::Effects) runner holds it (the second
+/// delivery of a job, handled by this process while the first still runs)
+/// waits for that task in memory and replays its outcome once the ledger
+/// has acknowledged the completion, without a claim of its own: the
+/// runner's single-flight, as for [`Effects::run`](crate::Effects::run).
+/// Transactional steps reject such a duplicate instead (their completion is
+/// acknowledged only by the caller's commit).
+///
 /// ## The exact windows
 ///
 /// - **Transactional.** None for the writes inside the transaction, provided
@@ -233,6 +243,10 @@ pub type StepFuture<'c, T> = Pin<Box<dyn Future<Output = Result<T, Failure>> + S
 /// in-progress policy, fingerprint); the mode decides the rest.
 pub struct Job<'a, L> {
     ledger: &'a L,
+    /// The runner's single-flight table, when the job came from
+    /// [`Effects::job`](crate::Effects::job): a duplicate step in this
+    /// process waits for the holder in memory.
+    flights: Option<&'a Flights>,
     tenant: Tenant,
     job_type: String,
     subject: String,
@@ -252,9 +266,16 @@ impl<L> fmt::Debug for Job<'_, L> {
 }
 
 impl<'a, L: Ledger> Job<'a, L> {
-    pub(crate) fn new(ledger: &'a L, tenant: &Tenant, job_type: &str, subject: &str) -> Self {
+    pub(crate) fn new(
+        ledger: &'a L,
+        flights: Option<&'a Flights>,
+        tenant: &Tenant,
+        job_type: &str,
+        subject: &str,
+    ) -> Self {
         Job {
             ledger,
+            flights,
             tenant: tenant.clone(),
             job_type: job_type.to_owned(),
             subject: subject.to_owned(),
@@ -393,13 +414,14 @@ impl<'a, L: Ledger> Job<'a, L> {
         Fut: Future<Output = Result<T, Failure>>,
     {
         let (key, opts) = self.prepare(kind, discriminator, Mode::Leased(mode))?;
-        let ledger = self.ledger;
+        let (ledger, flights) = (self.ledger, self.flights);
         let span = telemetry::claim_span(&key);
         async move {
-            let (lease, deadline) = match pipeline::claim(ledger, &key, &opts, None).await? {
+            let (lease, deadline) = match pipeline::claim(ledger, &key, &opts, flights).await? {
                 Resolved::Lease(lease, deadline) => (lease, deadline),
                 Resolved::Stored(outcome) => return pipeline::decode(&key, &outcome),
             };
+            let holding = flights.map(|f| f.hold(&lease, &opts, deadline));
             let result = pipeline::run_held(ledger, &lease, deadline, &opts, |held| {
                 f(StepContext {
                     lease: held,
@@ -408,7 +430,7 @@ impl<'a, L: Ledger> Job<'a, L> {
             })
             .await;
             let settlement = pipeline::settlement(ledger, &lease, &opts, result);
-            pipeline::settle(ledger, &lease, settlement, None).await
+            pipeline::settle(ledger, &lease, settlement, holding).await
         }
         .instrument(span)
         .await

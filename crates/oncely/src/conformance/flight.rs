@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::{Faulty, fresh_tenant, key, opts};
 use crate::ledger::Ledger;
 use crate::record::Fingerprint;
-use crate::{ClaimOptions, Effects, Error, How, OnInProgress};
+use crate::{ClaimOptions, Effects, Error, How, OnInProgress, StepMode};
 
 /// How many in-process duplicates wait on one holder.
 const WAITERS: usize = 16;
@@ -86,6 +86,62 @@ pub async fn single_flight_answers_local_duplicates_without_a_claim<L: Ledger + 
         faulty.claims_sent(),
         1,
         "a duplicate claimed after it was answered"
+    );
+}
+
+/// The second delivery of a job arrives in the same process while the
+/// first still runs its provider-keyed step: the duplicate's step sends no
+/// claim (the ledger sees only the holder's), waits for the holder in
+/// memory and replays its outcome; the step ran once.
+pub async fn single_flight_answers_a_jobs_duplicate_step<L: Ledger + 'static>(ledger: L) {
+    let faulty = Faulty::new(Arc::new(ledger));
+    let effects = Arc::new(Effects::new(faulty.clone()));
+    let tenant = fresh_tenant();
+    let ran = Arc::new(AtomicUsize::new(0));
+    let go = Arc::new(tokio::sync::Notify::new());
+    let delivery = |value: u32, go: Option<Arc<tokio::sync::Notify>>| {
+        let (effects, tenant, ran) = (effects.clone(), tenant.clone(), ran.clone());
+        tokio::spawn(async move {
+            let job = effects
+                .job(&tenant, "payment", "order-job-flight")
+                .options(waiting(Duration::from_secs(30)));
+            job.step("capture", StepMode::ProviderKeyed, |_| async move {
+                ran.fetch_add(1, Ordering::SeqCst);
+                if let Some(go) = go {
+                    go.notified().await;
+                }
+                Ok(value)
+            })
+            .await
+        })
+    };
+    let holder = delivery(41, Some(go.clone()));
+    started(&ran, 1).await;
+    let duplicates: Vec<_> = (0..WAITERS).map(|_| delivery(0, None)).collect();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        faulty.claims_sent(),
+        1,
+        "in-process duplicates of a held step sent claims of their own"
+    );
+    assert!(
+        duplicates.iter().all(|d| !d.is_finished()),
+        "a duplicate step answered before the holder"
+    );
+    go.notify_one();
+    assert_eq!(holder.await.unwrap().unwrap(), 41);
+    for d in duplicates {
+        assert_eq!(
+            d.await.unwrap().unwrap(),
+            41,
+            "a duplicate step did not replay the holder's outcome"
+        );
+    }
+    assert_eq!(ran.load(Ordering::SeqCst), 1, "the step ran more than once");
+    assert_eq!(
+        faulty.claims_sent(),
+        1,
+        "a duplicate step claimed after it was answered"
     );
 }
 

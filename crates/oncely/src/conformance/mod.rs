@@ -266,6 +266,7 @@ macro_rules! __conformance_tests {
             coalesced_cancellation_is_safe,
             effects_coalesce_as_the_backend_says,
             single_flight_answers_local_duplicates_without_a_claim,
+            single_flight_answers_a_jobs_duplicate_step,
             single_flight_never_answers_an_unacknowledged_outcome,
             single_flight_answers_only_the_same_request,
         );

@@ -217,7 +217,10 @@ pub async fn renewal_survives_a_transient_failure<L: Ledger + Clone + 'static>(l
     let k = key(&fresh_tenant(), "capture", "renew-blip");
     let flaky = Faulty::new(ledger.clone()).fail_renewals(1);
     let effects = Effects::new(flaky.clone());
-    let lease = SHORT_LEASE;
+    // Longer than SHORT_LEASE: with 300 ms, one failed renewal left a retry
+    // under 200 ms to land, which a loaded machine (the whole suite running
+    // in parallel on two cores) sometimes missed.
+    let lease = Duration::from_secs(1);
     let stop = Arc::new(AtomicBool::new(false));
     let stolen = Arc::new(AtomicUsize::new(0));
     let out: u32 = effects
@@ -234,7 +237,7 @@ pub async fn renewal_survives_a_transient_failure<L: Ledger + Clone + 'static>(l
                 }
             });
             async move {
-                tokio::time::sleep(lease * 5).await;
+                tokio::time::sleep(lease * 3).await;
                 assert!(!held.is_lost(), "renewal gave up after one failure");
                 Ok(7)
             }
