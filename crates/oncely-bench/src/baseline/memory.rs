@@ -4,11 +4,11 @@
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use oncely::Result;
 
-use super::{Answer, LEASE, Leased};
+use super::{Answer, Leased};
 
 /// The baseline's map.
 #[derive(Default)]
@@ -55,12 +55,12 @@ impl MemoryBaseline {
          a duplicate polls"
     }
 
-    pub(super) async fn lease(&self, key: &str) -> Result<Leased> {
+    pub(super) async fn lease(&self, key: &str, len: Duration) -> Result<Leased> {
         let mut map = self.leased.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
         Ok(match map.entry(key.to_owned()) {
             Entry::Vacant(e) => {
-                e.insert((1, now + LEASE, None));
+                e.insert((1, now + len, None));
                 Leased::Won(1)
             }
             Entry::Occupied(mut e) => match e.get() {
@@ -68,7 +68,7 @@ impl MemoryBaseline {
                 (_, until, None) if *until > now => Leased::Busy,
                 (fence, _, None) => {
                     let fence = fence + 1;
-                    e.insert((fence, now + LEASE, None));
+                    e.insert((fence, now + len, None));
                     Leased::Won(fence)
                 }
             },

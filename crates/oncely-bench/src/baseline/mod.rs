@@ -121,7 +121,12 @@ impl Baseline {
     /// [`LEASE`] unless it exists; else reads it, and takes a row whose lease
     /// ended over (fenced) on the database's clock where it has one.
     pub(super) async fn lease(&self, key: &str) -> Result<Leased> {
-        each!(self, b => b.lease(key).await)
+        self.lease_for(key, LEASE).await
+    }
+
+    /// [`Baseline::lease`] with a lease of `len` (the tests' short leases).
+    async fn lease_for(&self, key: &str, len: std::time::Duration) -> Result<Leased> {
+        each!(self, b => b.lease(key, len).await)
     }
 
     /// Completes the key's lease with `outcome` if `fence` still holds it;
@@ -203,4 +208,120 @@ fn merge(
                 .ok_or_else(|| backend_error(backend, format!("{key} was neither inserted nor found"), false))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    //! The same-guarantees baseline's takeover path, on every backend: the
+    //! bench's 30 s lease never ends within a row, so only here does an
+    //! expired lease get taken over and its old holder fenced out.
+
+    use std::time::Duration;
+
+    use oncely::conformance::{service_url, skip_or_fail};
+    use oncely_any::AnyLedger;
+    use oncely_any::scratch::{run_id, scratch_dir, scratch_ledger, sqlite_url};
+
+    use super::{Baseline, Leased};
+
+    const SHORT: Duration = Duration::from_millis(300);
+
+    /// Holds, is refused while live, is taken over once expired (a higher
+    /// fence), fences the old holder's completion out, completes under the
+    /// new fence, and answers a later delivery with that outcome.
+    async fn takes_an_expired_lease_over(ledger: &AnyLedger, url: &str) {
+        let run = run_id();
+        let baseline = Baseline::open(ledger, url, &run).await.unwrap();
+        let key = baseline.key("leased-takeover", 0);
+        let first = match baseline.lease_for(&key, SHORT).await.unwrap() {
+            Leased::Won(fence) => fence,
+            other => panic!("a fresh key was not won: {other:?}"),
+        };
+        assert_eq!(baseline.lease_for(&key, SHORT).await.unwrap(), Leased::Busy);
+        tokio::time::sleep(SHORT * 3).await;
+        let second = match baseline.lease_for(&key, SHORT).await.unwrap() {
+            Leased::Won(fence) => fence,
+            other => panic!("an expired lease was not taken over: {other:?}"),
+        };
+        assert!(
+            second > first,
+            "the takeover's fence {second} is not above {first}"
+        );
+        assert!(
+            !baseline.finish(&key, first, "stale").await.unwrap(),
+            "the old holder completed after a takeover"
+        );
+        assert!(baseline.finish(&key, second, "new").await.unwrap());
+        assert_eq!(
+            baseline.lease_for(&key, SHORT).await.unwrap(),
+            Leased::Done("new".to_owned())
+        );
+        assert!(!baseline.finish(&key, second, "again").await.unwrap());
+        baseline.remove(std::slice::from_ref(&key)).await.unwrap();
+    }
+
+    async fn on(var: &str, default: &str, port: u16) {
+        let Some(url) = service_url(var, Some(default)) else {
+            return;
+        };
+        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+            return skip_or_fail(&format!("nothing answers at {url}")).unwrap_or(());
+        }
+        let ledger = AnyLedger::connect(&url).await.unwrap();
+        takes_an_expired_lease_over(&ledger, &url).await;
+        ledger.close().await;
+    }
+
+    #[tokio::test]
+    async fn sqlite() {
+        let dir = scratch_dir("oncely-bench-test-").unwrap();
+        let url = sqlite_url(&dir.path().join("bench.db"));
+        let ledger = scratch_ledger(&url).await.unwrap();
+        takes_an_expired_lease_over(&ledger, &url).await;
+        ledger.close().await;
+    }
+
+    #[tokio::test]
+    async fn memory() {
+        let ledger = AnyLedger::connect("memory:").await.unwrap();
+        takes_an_expired_lease_over(&ledger, "memory:").await;
+    }
+
+    #[tokio::test]
+    async fn postgres() {
+        on(
+            "ONCELY_POSTGRES_URL",
+            "postgres://postgres@127.0.0.1:5432/test",
+            5432,
+        )
+        .await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test]
+    async fn mysql() {
+        on("ONCELY_MYSQL_URL", "mysql://root@127.0.0.1:3306/test", 3306).await;
+    }
+
+    #[cfg(feature = "redis")]
+    #[tokio::test]
+    async fn redis() {
+        let Some(url) = service_url("ONCELY_REDIS_URL", Some("redis://127.0.0.1:6379")) else {
+            return;
+        };
+        let sep = if url.contains('?') { '&' } else { '?' };
+        // The machine's Redis persists nothing; the ledger refuses it unless told.
+        on(
+            "ONCELY_BENCH_REDIS_URL",
+            &format!("{url}{sep}ephemeral=true"),
+            6379,
+        )
+        .await;
+    }
+
+    #[cfg(feature = "nats")]
+    #[tokio::test]
+    async fn nats() {
+        on("ONCELY_NATS_URL", "nats://127.0.0.1:4222", 4222).await;
+    }
 }

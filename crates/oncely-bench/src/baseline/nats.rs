@@ -11,7 +11,7 @@ use async_nats::jetstream::{self, kv, stream};
 use futures_util::future::join_all;
 use oncely::{Error, Result};
 
-use super::{Answer, LEASE, Leased, backend_error, merge};
+use super::{Answer, Leased, backend_error, merge};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -156,13 +156,13 @@ impl NatsBaseline {
         }
     }
 
-    pub(super) async fn lease(&self, key: &str) -> Result<Leased> {
+    pub(super) async fn lease(&self, key: &str, len: Duration) -> Result<Leased> {
         let now_ms = || {
             SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_millis() as u64)
         };
-        let until = || format!("p:{}", now_ms() + LEASE.as_millis() as u64);
+        let until = || format!("p:{}", now_ms() + len.as_millis() as u64);
         if let Some(rev) = self.write_at(key, until(), 0).await? {
             return Ok(Leased::Won(rev));
         }

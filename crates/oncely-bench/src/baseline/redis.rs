@@ -20,7 +20,7 @@ use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, FromRedisValue, RedisError, Script};
 
-use super::{Answer, KEY_TTL, LEASE, Leased, backend_error, merge};
+use super::{Answer, KEY_TTL, Leased, backend_error, merge};
 use crate::server::{Sample, redis_info};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -219,7 +219,7 @@ impl RedisBaseline {
          that replaces the token with the outcome (fenced); a duplicate in flight polls"
     }
 
-    pub(super) async fn lease(&self, key: &str) -> Result<Leased> {
+    pub(super) async fn lease(&self, key: &str, len: Duration) -> Result<Leased> {
         loop {
             let token = self.token.fetch_add(1, Ordering::Relaxed);
             let mut set = redis::cmd("SET");
@@ -227,7 +227,7 @@ impl RedisBaseline {
                 .arg(format!("p:{token}"))
                 .arg("NX")
                 .arg("PX")
-                .arg(LEASE.as_millis() as u64);
+                .arg(len.as_millis() as u64);
             let won: Option<String> = self.conn.query(&set).await?;
             if won.is_some() {
                 self.replicated().await?;

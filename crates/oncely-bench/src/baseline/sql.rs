@@ -13,13 +13,14 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicI64;
+use std::time::Duration;
 
 use oncely::Result;
 use oncely_any::AnyPool;
 use oncely_any::scratch::sql_error;
 use sqlx::{AssertSqlSafe, Row};
 
-use super::{Answer, LEASE, Leased, merge, no_baseline};
+use super::{Answer, Leased, merge, no_baseline};
 use crate::server::Sample;
 
 /// Runs the dialect's statement of `sql` (PostgreSQL, SQLite, MySQL, in
@@ -150,9 +151,9 @@ impl SqlBaseline {
         }
     }
 
-    pub(super) async fn lease(&self, key: &str) -> Result<Leased> {
+    pub(super) async fn lease(&self, key: &str, len: Duration) -> Result<Leased> {
         let l = format!("{}_l", self.table);
-        let ms = LEASE.as_millis() as i64;
+        let ms = len.as_millis() as i64;
         // The clock in milliseconds: PostgreSQL's and MySQL's when the
         // statement runs, SQLite's of the host.
         const SQLITE_NOW: &str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
