@@ -467,12 +467,16 @@ async fn a_zombie_cannot_overwrite_the_new_holders_work() {
     let fx = effects();
     let orders = Arc::new(Orders::default());
     // The zombie acquires, then stalls past its lease (a long pause: its
-    // renewals do not get through).
+    // renewals do not get through). It is another process: its own runner
+    // on the same ledger. (A duplicate in the holder's own process waits for
+    // it in memory until the lease's end on the worker's clock, which
+    // `advance` does not move; past that end it goes to the ledger too.)
+    let zombie_fx = Effects::new(fx.ledger().clone());
     let (stalled, resume) = (
         Arc::new(tokio::sync::Notify::new()),
         Arc::new(tokio::sync::Notify::new()),
     );
-    let (fx2, o2, s2, r2) = (fx.clone(), orders.clone(), stalled.clone(), resume.clone());
+    let (fx2, o2, s2, r2) = (zombie_fx, orders.clone(), stalled.clone(), resume.clone());
     let zombie = tokio::spawn(async move {
         fx2.job(&acme(), "fulfil", "order-8")
             .step("ship", StepMode::ProviderKeyed, |ctx| async move {
