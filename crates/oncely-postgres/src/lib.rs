@@ -460,8 +460,9 @@
 //! One table (default `public.oncely_effects`, both configurable through
 //! [`PgLedgerOptions`]) keyed by the displayed effect key, with partial indexes
 //! for pruning and for listing abandoned steps; a `<table>_horizon` table
-//! (the watermark per tenant and kind), a `<table>_beyond` function (the
-//! claim's horizon check, which needs a snapshot of its own) and a
+//! (the watermark per tenant and kind), the `<table>_beyond` and
+//! `<table>_current` functions (the claim's horizon check and its read of
+//! the records, which need a snapshot taken after the key's lock) and a
 //! `<table>_migrations` table. [`PgLedger::migrate`] applies the embedded
 //! migrations under a transaction-scoped advisory lock, so concurrent
 //! processes can run it at once, and checks the result before it commits.
@@ -492,6 +493,12 @@
 //! [`oncely::backend::NOTIFIED_FALLBACK`]) when this release completes the
 //! effect. The mark rewrites the row, so it ties a claim token that matched
 //! the version before to the version it writes: the holder has not changed.
+//!
+//! Schema version 5 adds the function `<table>_current(text[])`, the
+//! claim's read of the records once it holds their locks; it changes no
+//! table. A process of the previous release never calls it, so the two
+//! work side by side; this release refuses a table of version 4 opened
+//! without migrations, naming the function and `oncely migrate`.
 //!
 //! [`Access::Existing`]: oncely::open::Access::Existing
 //! [`Access::Migrate`]: oncely::open::Access::Migrate

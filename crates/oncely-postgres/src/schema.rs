@@ -170,7 +170,8 @@ impl PgLedger {
 
     /// Checks, without changing anything, that the schema is one the ledger
     /// can rely on: the ledger table, the `<table>_horizon` table and the
-    /// claim's `<table>_beyond` function exist, the tables have the columns
+    /// claim's `<table>_beyond` and `<table>_current` functions (schema
+    /// version 5) exist, the tables have the columns
     /// the ledger uses (schema version 4: the claim token's `claim_token`
     /// and the waiter's mark `watched` too) with compatible types
     /// (no other `NOT NULL` column without a default), a primary key or
@@ -216,14 +217,18 @@ impl PgLedger {
             Some(p) if !p.is_empty() => return Err(refusal(schema, &q.horizon_table, &p)),
             Some(_) => {}
         }
-        let function: bool = sqlx::query_scalar(sql::FUNCTION_EXISTS)
-            .bind(schema)
-            .bind(&q.beyond_function)
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(map)?;
-        if !function {
-            return Err(missing(&q.beyond_function, "function"));
+        for (name, args, returns) in sql::claim_functions(q) {
+            let function: bool = sqlx::query_scalar(sql::FUNCTION_EXISTS)
+                .bind(schema)
+                .bind(name)
+                .bind(args)
+                .bind(returns)
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(map)?;
+            if !function {
+                return Err(missing(name, "function"));
+            }
         }
         Ok(())
     }

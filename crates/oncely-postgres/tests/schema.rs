@@ -189,7 +189,14 @@ async fn a_case_insensitive_key_is_refused() {
     sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE SCHEMA {schema}; \
          CREATE COLLATION {schema}.ci (provider = icu, locale = 'und-u-ks-level2', deterministic = false); \
-         CREATE TABLE {schema}.oncely_effects ({}, claim_token bytea, watched boolean, PRIMARY KEY (key))",
+         CREATE TABLE {schema}.oncely_effects ({}, claim_token bytea, watched boolean, PRIMARY KEY (key)); \
+         CREATE FUNCTION {schema}.oncely_effects_current(p_keys text[]) \
+           RETURNS TABLE (key text, state text, fence bigint, fingerprint bytea, outcome bytea, \
+             at_most_once boolean, created_at timestamptz, updated_at timestamptz, \
+             lease_expires_at timestamptz, retain_until timestamptz, claim_token bytea, row_xmin xid) \
+           LANGUAGE sql VOLATILE AS $f$ SELECT e.key, e.state, e.fence, e.fingerprint, e.outcome, \
+             e.at_most_once, e.created_at, e.updated_at, e.lease_expires_at, e.retain_until, \
+             e.claim_token, e.xmin FROM {schema}.oncely_effects e WHERE e.key = ANY(p_keys) $f$",
         COLUMNS.replace(
             "key text NOT NULL",
             &format!("key text COLLATE {schema}.ci NOT NULL")
@@ -199,7 +206,9 @@ async fn a_case_insensitive_key_is_refused() {
     .await
     .unwrap();
 
-    // What accepting it would do (from_pool_with runs no check).
+    // What accepting it would do (from_pool_with runs no check; the claim's
+    // read of the records, which the migrations would add, is written by
+    // hand).
     let unchecked = PgLedger::from_pool_with(admin.clone(), options(&schema)).unwrap();
     let t = fresh_tenant();
     let upper = EffectKey::new(&t, "capture", "Order-Acme").unwrap();
@@ -213,13 +222,26 @@ async fn a_case_insensitive_key_is_refused() {
         .complete(&lease, &Outcome::from_json(&"charged Acme").unwrap())
         .await
         .unwrap();
-    match unchecked.claim(&lower, &ClaimOptions::default()).await.unwrap() {
-        Claim::Completed(r) => assert_eq!(
+    // The other key reads the first one's record, and its claim is never
+    // granted: the unique index holds one row for both. (The claim's read
+    // of the records compares keys under the column's collation, its
+    // answer under the statement's, so it finds the row but not its key,
+    // and gives up after its attempts.)
+    match unchecked.get(&lower).await.unwrap() {
+        Some(r) => assert_eq!(
             r.outcome.unwrap().to_value::<String>().unwrap(),
             "charged Acme",
             "another effect's outcome"
         ),
-        other => panic!("expected the shared record, got {other:?}"),
+        None => panic!("expected the shared record"),
+    }
+    match unchecked.claim(&lower, &ClaimOptions::default()).await {
+        Ok(Claim::Acquired(_)) => panic!("two records under one unique index"),
+        Ok(Claim::Completed(r)) => {
+            assert_eq!(r.outcome.unwrap().to_value::<String>().unwrap(), "charged Acme")
+        }
+        Ok(other) => panic!("{other:?}"),
+        Err(e) => assert!(e.to_string().contains("did not settle"), "{e}"),
     }
 
     for opts in [options(&schema), options(&schema).migrate(false)] {
@@ -330,7 +352,7 @@ async fn connect_without_migrations_creates_nothing() {
         .fetch_one(&admin)
         .await
         .unwrap();
-    assert_eq!((before, after), (4, 4));
+    assert_eq!((before, after), (5, 5));
     // It is an ordinary ledger otherwise.
     assert!(matches!(
         ledger
@@ -568,7 +590,7 @@ async fn a_version_1_ledger_migrates() {
     .fetch_all(&admin)
     .await
     .unwrap();
-    assert_eq!(versions, vec![1, 2, 3, 4]);
+    assert_eq!(versions, vec![1, 2, 3, 4, 5]);
     match ledger.claim(&released, &ClaimOptions::default()).await.unwrap() {
         Claim::Acquired(l) => {
             assert!(l.taken_over());
@@ -727,5 +749,46 @@ async fn prune_batches_and_honours_its_limit() {
     assert_eq!(ledger.horizon(&b, "receipt").await.unwrap(), Some(at(1203)));
     assert_eq!(ledger.horizon(&b, "refund").await.unwrap(), None);
     ledger.pool().close().await;
+    drop_schema(&admin, &schema).await;
+}
+
+/// A ledger of schema version 4 (no `<table>_current` function yet) is
+/// refused when opened without migrations, naming the function and
+/// `oncely migrate`; opened with migrations it gets version 5 and claims.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_version_4_ledger_is_refused_until_migrated() {
+    let Some(url) = url() else { return };
+    let Some(admin) = admin(&url).await else { return };
+    let schema = fresh_schema(&admin, "v4").await;
+    PgLedger::connect_with(&url, options(&schema))
+        .await
+        .unwrap()
+        .pool()
+        .close()
+        .await;
+    // Back to version 4: what that release left.
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP FUNCTION {schema}.oncely_effects_current(text[]); \
+         DELETE FROM {schema}.oncely_effects_migrations WHERE version = 5"
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+
+    let e = PgLedger::connect_with(&url, options(&schema).migrate(false))
+        .await
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::Config(m) if m.contains(&format!("function {schema}.oncely_effects_current"))
+            && m.contains("oncely migrate") && m.contains("schema version 5")),
+        "{e:?}"
+    );
+    let ledger = PgLedger::connect_with(&url, options(&schema)).await.unwrap();
+    let k = key("after-v4");
+    assert!(matches!(
+        ledger.claim(&k, &ClaimOptions::default()).await.unwrap(),
+        Claim::Acquired(_)
+    ));
     drop_schema(&admin, &schema).await;
 }

@@ -135,7 +135,7 @@ pub(crate) fn channel(schema: &str, table: &str) -> String {
 }
 
 /// The current schema version: the last of [`Queries::migrations`].
-pub(crate) const SCHEMA_VERSION: i32 = 4;
+pub(crate) const SCHEMA_VERSION: i32 = 5;
 
 /// The statements of one ledger (one schema and table).
 #[derive(Debug)]
@@ -173,6 +173,8 @@ pub(crate) struct Queries {
     /// The names the schema check reports (`schema.table`).
     pub horizon_table: String,
     pub beyond_function: String,
+    /// The claim's fresh-snapshot read (`<table>_current`, version 5).
+    pub current_function: String,
     /// The `LISTEN`/`NOTIFY` channel of this ledger ([`channel`]).
     pub channel: Arc<str>,
 }
@@ -188,6 +190,8 @@ impl Queries {
         let h = format!("{}.{}", quote(schema), quote(&horizon_name));
         let beyond_name = format!("{table}_beyond");
         let beyond = format!("{}.{}", quote(schema), quote(&beyond_name));
+        let current_name = format!("{table}_current");
+        let current = format!("{}.{}", quote(schema), quote(&current_name));
         let channel = channel(schema, table);
         // The per-key lock every claim takes before it reads the clock, and
         // prune tries before it deletes.
@@ -258,24 +262,38 @@ impl Queries {
         //   reads as absent, so such a claim may fail with BeyondHorizon
         //   where READ COMMITTED would answer the record. It never inserts
         //   either way.)
-        // - `cur`: the records as the statement's snapshot shows them.
+        // - `cur`: the records as they are once the locks are held, read by
+        //   the `_current` function (schema version 5; each row with its
+        //   `xmin` as `row_xmin`). It is VOLATILE, so its query takes a new
+        //   snapshot when it runs, after the locks, as `_beyond`'s do. The
+        //   statement's own snapshot predates any wait on the lock: a
+        //   duplicate that waited while the first delivery's claim inserted
+        //   the key would not see that row, and had to run the whole
+        //   statement again (`missing`); now it reads the row and is
+        //   answered in one run.
         // - `ins` inserts the keys `cur` does not show, with fence = the
         //   clock's microseconds. `ON CONFLICT DO NOTHING` (not DO UPDATE):
-        //   a row committed after the snapshot (while this claim waited on a
-        //   lock) is left alone, and reported `missing`.
-        // - `upd` takes over the records whose takeover condition holds. A
-        //   record it does not take over is only read: no row lock, no
-        //   transaction id, no WAL record. (`ON CONFLICT DO UPDATE … WHERE`
-        //   would lock the existing row even when its WHERE is false, which
-        //   takes a transaction id and writes a WAL record, so a duplicate of
-        //   a completed effect would wait on a disk flush at commit.)
+        //   a row `cur` did not show but the unique index holds (written by
+        //   something that does not take the key's lock) is left alone, and
+        //   reported `missing`.
+        // - `upd` takes over the records whose takeover condition holds. It
+        //   runs only when `cur` found a record (a one-time filter): a fresh
+        //   key's claim does not probe the index a third time. A record it
+        //   does not take over is only read: no row lock, no transaction id,
+        //   no WAL record. (`ON CONFLICT DO UPDATE … WHERE` would lock the
+        //   existing row even when its WHERE is false, which takes a
+        //   transaction id and writes a WAL record, so a duplicate of a
+        //   completed effect would wait on a disk flush at commit.) It scans
+        //   with the statement's snapshot, so a record committed after it
+        //   (seen only by `cur`) is not taken over here: it is answered as
+        //   `existing`, and the caller claims again if it could be taken
+        //   over (below).
         // - Otherwise the existing record is returned (`existing`), or a
         //   status row: `leaked` (guard tripped: nothing was written, no lock
-        //   taken), `beyond`, or `missing` (a row committed after this
-        //   statement's snapshot, e.g. while it waited on the lock; the
-        //   caller runs the statement again for that key and the next
-        //   snapshot shows it). An `existing` record that could be taken over
-        //   by now (the UPDATE found it changed, or its lease ended since)
+        //   taken), `beyond`, or `missing` (above; the caller runs the
+        //   statement again for that key and the next snapshot shows it).
+        //   An `existing` record that could be taken over by now (the UPDATE
+        //   found it changed or could not see it, or its lease ended since)
         //   is claimed again the same way.
         // - Every row the claim inserts or takes over carries the call's
         //   token (`claim_token`: 16 random bytes and the writing
@@ -307,7 +325,7 @@ impl Queries {
                     ok
                 }
             };
-            let (input, lock, keys) = if batch {
+            let (input, lock, keys, cur_keys) = if batch {
                 (
                     "SELECT i.key, i.tenant, i.kind, i.subject \
                      FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) AS i(key, tenant, kind, subject)"
@@ -318,6 +336,7 @@ impl Queries {
                         seed = lock_seed(schema, table),
                     ),
                     "= ANY($1::text[])",
+                    "$1::text[]",
                 )
             } else {
                 (
@@ -325,6 +344,7 @@ impl Queries {
                         .to_owned(),
                     key_lock("pg_advisory_xact_lock", "$1"),
                     "= $1",
+                    "ARRAY[$1::text]",
                 )
             };
             let (beyond_cte, not_beyond, beyond_join, beyond_status) = if horizon {
@@ -352,7 +372,7 @@ impl Queries {
                    FROM (SELECT g0.ok, CASE WHEN g0.ok THEN {lock} END AS locked \
                          FROM (SELECT {guard} AS ok OFFSET 0) g0) l), \
                  {beyond_cte}\
-                 cur AS (SELECT e.*, e.xmin AS row_xmin FROM {t} e WHERE e.key {keys} AND (SELECT g.ok FROM g)), \
+                 cur AS (SELECT e.* FROM {current}({cur_keys}) e WHERE (SELECT g.ok FROM g)), \
                  ins AS (\
                    INSERT INTO {t} AS e (key, tenant, kind, subject, state, fence, fingerprint, outcome, \
                      at_most_once, created_at, updated_at, lease_expires_at, retain_until, retention_us, \
@@ -365,7 +385,8 @@ impl Queries {
                    RETURNING {returning}), \
                  upd AS (\
                    UPDATE {t} AS e SET {takeover_set} \
-                   WHERE e.key {keys} AND (SELECT g.ok FROM g) AND {takeover_when} \
+                   WHERE e.key {keys} AND (SELECT g.ok FROM g) AND EXISTS (SELECT 1 FROM cur) \
+                     AND {takeover_when} \
                    RETURNING {returning}), \
                  won AS (SELECT x.*, false AS taken_over FROM ins x \
                          UNION ALL SELECT y.*, true AS taken_over FROM upd y) \
@@ -665,6 +686,26 @@ impl Queries {
         // during a rolling upgrade an old release's waiter may be woken by
         // its fallback (`oncely::backend::NOTIFIED_FALLBACK`, 1 s) instead.
         let v4 = format!("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS watched boolean;");
+        // Version 5: the claim's read of the records once it holds their
+        // locks (`cur` in the claim statement). PL/pgSQL rather than SQL: a
+        // VOLATILE SQL function is planned again on every call, a PL/pgSQL
+        // one keeps its plan for the session; its query still takes a new
+        // snapshot on each call. The text columns are cast because a table
+        // found in place may declare them `varchar` (the schema check
+        // accepts it), and RETURN QUERY wants the declared types exactly.
+        // A release before this one never calls it.
+        let v5 = format!(
+            "CREATE OR REPLACE FUNCTION {current}(p_keys text[]) \
+               RETURNS TABLE (key text, state text, fence bigint, fingerprint bytea, outcome bytea, \
+                 at_most_once boolean, created_at timestamptz, updated_at timestamptz, \
+                 lease_expires_at timestamptz, retain_until timestamptz, claim_token bytea, row_xmin xid) \
+               LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE \
+               AS $oncely$ BEGIN \
+                 RETURN QUERY SELECT e.key::text, e.state::text, e.fence, e.fingerprint, e.outcome, \
+                   e.at_most_once, e.created_at, e.updated_at, e.lease_expires_at, e.retain_until, \
+                   e.claim_token, e.xmin FROM {t} e WHERE e.key = ANY(p_keys); \
+               END $oncely$;"
+        );
 
         Queries {
             claim: claim(false, false, false).into(),
@@ -720,9 +761,15 @@ impl Queries {
                     "waiter's mark: only a completion somebody waits for is announced",
                     v4.into(),
                 ),
+                (
+                    5,
+                    "the claim reads the records after their locks, on a fresh snapshot",
+                    v5.into(),
+                ),
             ],
             horizon_table: horizon_name,
             beyond_function: beyond_name,
+            current_function: current_name,
             channel: channel.into(),
         }
     }
@@ -782,13 +829,24 @@ pub(crate) const UNIQUE_KEYS: &str = "\
     WHERE n.nspname = $1 AND r.relname = $2 AND i.indisunique AND i.indisvalid AND i.indimmediate \
       AND i.indpred IS NULL AND i.indexprs IS NULL";
 
-/// Whether the claim's horizon function exists (`$1` schema, `$2` name), with
-/// the signature the claim calls.
+/// Whether one of the claim's functions exists (`$1` schema, `$2` name),
+/// with the argument types the claim calls it with (`$3`, an `oidvector`'s
+/// text) and its return type (`$4`, a type's name).
 pub(crate) const FUNCTION_EXISTS: &str = "\
     SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_proc p \
       JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace \
       WHERE n.nspname = $1 AND p.proname = $2 \
-        AND p.proargtypes = '25 25 25 20'::pg_catalog.oidvector AND p.prorettype = 16)";
+        AND p.proargtypes = $3::text::pg_catalog.oidvector AND p.prorettype = $4::text::pg_catalog.regtype)";
+
+/// The claim's functions and their signatures, as [`FUNCTION_EXISTS`]
+/// binds them: `_beyond(text, text, text, bigint) boolean` and
+/// `_current(text[])`, which returns a table (`record`).
+pub(crate) fn claim_functions(q: &Queries) -> [(&str, &'static str, &'static str); 2] {
+    [
+        (&q.beyond_function, "25 25 25 20", "boolean"),
+        (&q.current_function, "1009", "record"),
+    ]
+}
 
 #[cfg(test)]
 mod tests {
