@@ -312,12 +312,19 @@ impl RowRun {
             }
             let jobs = start..(start + self.spec.batch).min(self.jobs);
             let (a, b) = match self.spec.mode {
+                // The second delivery after the first returned is a broker's
+                // redelivery (a lost ack), which the broker flags as such;
+                // two at once are a re-publication racing the original,
+                // which it does not.
                 Mode::Sequential => {
-                    let a = self.deliver(jobs.clone()).await?;
-                    (a, self.deliver(jobs.clone()).await?)
+                    let a = self.deliver(jobs.clone(), false).await?;
+                    (a, self.deliver(jobs.clone(), true).await?)
                 }
                 Mode::Concurrent => {
-                    let (a, b) = tokio::join!(self.deliver(jobs.clone()), self.deliver(jobs.clone()));
+                    let (a, b) = tokio::join!(
+                        self.deliver(jobs.clone(), false),
+                        self.deliver(jobs.clone(), false)
+                    );
                     (a?, b?)
                 }
             };
@@ -327,7 +334,9 @@ impl RowRun {
     }
 
     /// One delivery of `jobs` (one job, or a batch): one answer per job.
-    async fn deliver(&self, jobs: Range<usize>) -> Result<Vec<Answered>> {
+    /// A `redelivered` delivery tells oncely so (`ClaimOptions::redelivered`),
+    /// as a consumer does from the broker's delivery count.
+    async fn deliver(&self, jobs: Range<usize>, redelivered: bool) -> Result<Vec<Answered>> {
         match (self.spec.guard, self.spec.batch) {
             (Guard::HandWritten, 1) => Ok(vec![self.baseline_single(jobs.start).await?]),
             (Guard::HandWritten, _) => self.baseline_batch(jobs).await,
@@ -335,7 +344,7 @@ impl RowRun {
             (Guard::Leased, _) => Err(Error::Misuse(
                 "the same-guarantees baseline has single claims only".to_owned(),
             )),
-            (Guard::Oncely(_), 1) => Ok(vec![self.oncely_single(jobs.start).await?]),
+            (Guard::Oncely(_), 1) => Ok(vec![self.oncely_single(jobs.start, redelivered).await?]),
             (Guard::Oncely(_), _) => self.oncely_batch(jobs).await,
         }
     }
@@ -369,7 +378,11 @@ impl RowRun {
         true
     }
 
-    async fn oncely_single(&self, job: usize) -> Result<Answered> {
+    async fn oncely_single(&self, job: usize, redelivered: bool) -> Result<Answered> {
+        if redelivered {
+            let opts = self.opts.clone().redelivered(true);
+            return self.oncely_run(&self.effects, job, &opts).await;
+        }
         self.oncely_run(&self.effects, job, &self.opts).await
     }
 

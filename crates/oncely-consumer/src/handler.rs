@@ -15,6 +15,19 @@ pub struct Context {
     pub delivery_count: Option<u32>,
 }
 
+impl Context {
+    /// Whether the broker delivered this message before (a delivery count
+    /// above 1): then it is probably a duplicate of an effect that
+    /// completed, and [`ClaimOptions::redelivered`] lets a backend answer it
+    /// from a plain read where that is cheaper (Redis). A broker that gives
+    /// no count says `false`.
+    ///
+    /// [`ClaimOptions::redelivered`]: oncely::ClaimOptions::redelivered
+    pub fn redelivered(&self) -> bool {
+        self.delivery_count.is_some_and(|c| c > 1)
+    }
+}
+
 /// A message handler made safe to run twice with oncely.
 ///
 /// `decode` turns the payload into a message (a failure dead-letters it as
@@ -43,12 +56,13 @@ pub struct Context {
 ///         json(payload)
 ///     }
 ///
-///     async fn handle(&self, msg: Capture, _ctx: Context) -> Result<How, HandlerError> {
+///     async fn handle(&self, msg: Capture, ctx: Context) -> Result<How, HandlerError> {
 ///         let order = msg.order_id.ok_or(HandlerError::missing_field("order_id"))?;
 ///         let key = EffectKey::new(&self.tenant, "capture", &order)?;
+///         let opts = ClaimOptions::default().redelivered(ctx.redelivered());
 ///         let ran = self
 ///             .effects
-///             .run_reported(&key, &ClaimOptions::default(), |lease| async move {
+///             .run_reported(&key, &opts, |lease| async move {
 ///                 // provider.capture(msg.amount, idempotency_key = lease.provider_key())
 ///                 Ok(format!("ch_{}_{}", msg.amount, lease.fence()))
 ///             })

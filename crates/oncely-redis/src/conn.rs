@@ -162,17 +162,30 @@ impl Conn {
             .arg(replicas)
             .arg(timeout_ms)
             .ignore_errors();
+        self.pipeline_on(pipe, 2, slot).await
+    }
+
+    /// Sends `pipe` (`count` commands) as one pipeline to the master of
+    /// `slot` on a cluster, or to the one server (the Sentinel's primary):
+    /// commands that must reach the same node, such as a record's read and
+    /// the clock it is read at.
+    pub(crate) async fn pipeline_on(
+        &mut self,
+        pipe: Pipeline,
+        count: usize,
+        slot: u16,
+    ) -> RedisResult<Vec<Value>> {
         match self {
             Conn::Cluster(c) => {
                 c.route_pipeline(
                     pipe,
                     0,
-                    2,
+                    count,
                     SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master)),
                 )
                 .await
             }
-            conn => conn.req_packed_commands(&pipe, 0, 2).await,
+            conn => conn.req_packed_commands(&pipe, 0, count).await,
         }
     }
 

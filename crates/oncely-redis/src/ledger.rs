@@ -19,7 +19,10 @@ use crate::keys::{horizon_key, record_key, record_pattern, slot};
 use crate::lua::{self, CLAIM, ClaimItem, FENCED, FencedItem, GET};
 use crate::notify::{Notifications, Source};
 use crate::options::{RedisLedgerOptions, RedisUrl, Target, check_scheme};
-use crate::reply::{Unchecked, Written, array, corrupt, corrupt_horizon, grant, in_progress, record, tag};
+use crate::reply::{
+    FIELDS, Unchecked, Written, array, corrupt, corrupt_horizon, grant, in_progress, plain_record, record,
+    tag,
+};
 
 /// How many times one claim runs the claim script. It runs again only after
 /// it found an unchecked record ([`RedisLedger::recheck`]) and removed it or
@@ -482,6 +485,46 @@ impl RedisLedger {
         answer().unwrap_or_else(|e| Answer::Done(Err(e)))
     }
 
+    /// A claim that is probably a duplicate of a completed effect
+    /// ([`ClaimOptions::redelivered`]) answered by a plain read: `TIME` and
+    /// `HMGET` of the record in one pipeline, on the record's master, where
+    /// the claim script would cost the server several times as much
+    /// (docs/benchmarks.md, "Why Redis costs more per call"). Only what the
+    /// script would answer without writing is answered here, by the kit's
+    /// rule (`answer_existing`): a completed effect, an abandoned step, a
+    /// fingerprint mismatch. `None` (the claim script decides) for anything
+    /// else: no record, a live lease (the script marks it for its waiter),
+    /// one to take over, a hash that is not a well-formed record (the
+    /// script names what is wrong). Never with `wait_replicas`: the claim
+    /// answers a duplicate only once the replicas have the record, which
+    /// only the script's write on this connection can make `WAIT` count.
+    async fn plain_answer(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Option<Claim>> {
+        if !opts.redelivered || self.opts.wait.is_some() {
+            return Ok(None);
+        }
+        let rkey = self.redis_key(key);
+        let mut pipe = redis::Pipeline::with_capacity(2);
+        pipe.cmd("TIME")
+            .cmd("HMGET")
+            .arg(&rkey)
+            .arg(&FIELDS[..])
+            .ignore_errors();
+        let replies = self
+            .conn
+            .clone()
+            .pipeline_on(pipe, 2, slot(&rkey))
+            .await
+            .map_err(map_err)?;
+        let Some(record) = plain_record(&rkey, key, replies) else {
+            return Ok(None);
+        };
+        Ok(match answer_existing(key, opts, record) {
+            Ok(Some(c @ (Claim::Completed(_) | Claim::Abandoned(_)))) => Some(c),
+            Err(e @ Error::FingerprintMismatch { .. }) => return Err(e),
+            _ => None,
+        })
+    }
+
     /// One claim: the script, and on a cluster the horizon check after an
     /// insert ([`RedisLedger::settle_horizon`]). An expired record that the
     /// script will not take over before its creating claim's check is
@@ -553,6 +596,9 @@ impl Ledger for RedisLedger {
     async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
         opts.validate()?;
         self.writable("claim")?;
+        if let Some(answer) = self.plain_answer(key, opts).await? {
+            return Ok(answer);
+        }
         if self.is_cluster() && opts.sent_at.is_some() {
             // A claim that inserts on a cluster writes, then reads the
             // watermark, then may take its insert back: it runs as a task of

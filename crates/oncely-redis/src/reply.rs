@@ -264,6 +264,33 @@ pub(crate) const FIELDS: [&str; 14] = [
     "v", "k", "s", "f", "c", "r", "hz", "w", "amo", "le", "fp", "o", "u", "ru",
 ];
 
+/// The record a plain read found (`RedisLedger::plain_answer`): the replies
+/// of `TIME` and of `HMGET` of [`FIELDS`], in that order. `None` when there
+/// is no record, or anything the claim script would refuse or report as
+/// corrupt (its own `load` checks, restated: a record format, the key it
+/// belongs to, a known state, a fence below 2^53): the script then says
+/// what is wrong.
+pub(crate) fn plain_record(rkey: &str, key: &EffectKey, replies: Vec<Value>) -> Option<Record> {
+    // A server error in either place (a key of another type) comes back as
+    // a value: not a record.
+    let [Value::Array(time), fields] = <[Value; 2]>::try_from(replies).ok()? else {
+        return None;
+    };
+    let Value::Array(values) = &fields else {
+        return None;
+    };
+    let part = |v: Option<&Value>| text(v?)?.parse::<i64>().ok();
+    let now = part(time.first())?
+        .checked_mul(1_000_000)?
+        .checked_add(part(time.get(1))?)?;
+    let format = values.first().and_then(text);
+    if !matches!(format.as_deref(), Some("1" | "2")) {
+        return None;
+    }
+    let record = record(rkey, Some(key), &[Value::Nil, Value::Int(now), fields]).ok()?;
+    (record.fence < 1 << 53).then_some(record)
+}
+
 /// Builds a record from a script's `{'record', now, fields}` reply, the
 /// fields in the order of [`FIELDS`]. A field that does not parse means the
 /// hash is not oncely's: [`Error::Corrupt`].

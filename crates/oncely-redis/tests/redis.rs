@@ -1725,6 +1725,106 @@ async fn only_completions_that_someone_waits_for_publish() {
     assert_eq!(calls(&mut admin, "publish").await, 1);
 }
 
+/// A claim flagged as a redelivery (`ClaimOptions::redelivered`) that finds
+/// the effect completed is answered by a plain read (`TIME` and `HMGET`),
+/// with no script: a fraction of the claim script's server time. What the
+/// script would answer otherwise (a live lease, which it marks for its
+/// waiter; an absent key; a key of another type) still goes to the script,
+/// and a fingerprint mismatch is refused as by the script. A duplicate in
+/// another process woken by the holder's completion claims again flagged,
+/// so it too reads plainly. On a server of the test's own, so the counts
+/// are the test's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivered_duplicate_of_a_completed_effect_runs_no_script() {
+    let Some(server) = TempRedis::start(&[]).await else {
+        return;
+    };
+    let url = server.url();
+    let a = RedisLedger::connect(&ephemeral(&url)).await.unwrap();
+    let b = RedisLedger::connect(&ephemeral(&url)).await.unwrap();
+    let mut admin = raw(&url).await;
+    let t = fresh_tenant();
+    let redelivered = ClaimOptions::default().redelivered(true);
+    let fp = |s: &str| oncely::backend::Fingerprint::of_bytes(s.as_bytes());
+
+    let done = EffectKey::new(&t, "capture", "done").unwrap();
+    let l = acquired(
+        a.claim(&done, &ClaimOptions::default().fingerprint(fp("100")))
+            .await
+            .unwrap(),
+    );
+    a.complete(&l, &Outcome::value(&"ch_1").unwrap()).await.unwrap();
+    let (scripts, reads) = (
+        calls(&mut admin, "evalsha").await,
+        calls(&mut admin, "hmget").await,
+    );
+    for _ in 0..3 {
+        match b
+            .claim(&done, &redelivered.clone().fingerprint(fp("100")))
+            .await
+            .unwrap()
+        {
+            Claim::Completed(r) => assert_eq!(
+                r.outcome.unwrap().as_bytes(),
+                Outcome::value(&"ch_1").unwrap().as_bytes()
+            ),
+            other => panic!("{other:?}"),
+        }
+    }
+    let e = b
+        .claim(&done, &redelivered.clone().fingerprint(fp("200")))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::FingerprintMismatch { .. }), "{e:?}");
+    assert_eq!(
+        calls(&mut admin, "evalsha").await,
+        scripts,
+        "a redelivered duplicate of a completed effect ran a script"
+    );
+    assert_eq!(calls(&mut admin, "hmget").await, reads + 4);
+
+    // Not flagged: the claim script, as always.
+    assert!(matches!(
+        b.claim(&done, &ClaimOptions::default()).await.unwrap(),
+        Claim::Completed(_)
+    ));
+    assert_eq!(calls(&mut admin, "evalsha").await, scripts + 1);
+    // Flagged, but nothing to answer from a read: the script decides.
+    let fresh = EffectKey::new(&t, "capture", "fresh").unwrap();
+    let l = acquired(b.claim(&fresh, &redelivered).await.unwrap());
+    let reject = redelivered.clone().on_in_progress(oncely::OnInProgress::Reject);
+    assert!(matches!(
+        a.claim(&fresh, &reject).await.unwrap(),
+        Claim::InProgress { .. }
+    ));
+    assert_eq!(calls(&mut admin, "evalsha").await, scripts + 3);
+    b.release(&l).await.unwrap();
+    let foreign = EffectKey::new(&t, "capture", "foreign").unwrap();
+    let _: () = admin.set(a.redis_key(&foreign), "not a record").await.unwrap();
+    assert!(is_corrupt(&a.claim(&foreign, &redelivered).await.unwrap_err()));
+
+    // A duplicate in another process, woken by the completion.
+    let k = EffectKey::new(&t, "capture", "woken").unwrap();
+    let l = acquired(a.claim(&k, &ClaimOptions::default()).await.unwrap());
+    let waiter = waiting_run(b.clone(), &k);
+    eventually("b's waiter marks the record", || async {
+        waiter_mark(&url, &a, &k).await.is_some()
+    })
+    .await;
+    // Its watch follows the marking claim's answer at once; leave it time.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let scripts = calls(&mut admin, "evalsha").await;
+    a.complete(&l, &Outcome::value(&"holder ran").unwrap())
+        .await
+        .unwrap();
+    assert_eq!(waiter.await.unwrap().unwrap(), "holder ran");
+    assert_eq!(
+        calls(&mut admin, "evalsha").await,
+        scripts + 1,
+        "the completion's script only: the woken duplicate read the record"
+    );
+}
+
 // ---- Batches ----
 
 /// A batch is one script call on one server, whatever its size, and so is

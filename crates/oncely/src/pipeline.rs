@@ -133,9 +133,13 @@ pub(crate) async fn claim<L: Ledger>(
     }
     let mut watch: Option<Watch> = None;
     let mut stale = 0;
+    // Once woken, the effect has most likely completed: the claims after a
+    // wake-up say so (`ClaimOptions::redelivered`), and a backend whose
+    // plain read is cheaper answers from it.
+    let mut woken: Option<ClaimOptions> = None;
     loop {
         let sent = Instant::now();
-        let claim = ledger.claim(key, opts).await?;
+        let claim = ledger.claim(key, woken.as_ref().unwrap_or(opts)).await?;
         observe(ledger, key, &claim, sent.elapsed());
         match claim {
             Claim::Acquired(lease) => {
@@ -202,6 +206,9 @@ pub(crate) async fn claim<L: Ledger>(
                     .saturating_add(Duration::from_millis(1));
                 w.changed(Instant::now() + until_expiry.min(wait_max - waited))
                     .await;
+                if woken.is_none() && !opts.redelivered {
+                    woken = Some(opts.clone().redelivered(true));
+                }
             }
             other => return stored(ledger, key, other).map(Resolved::Stored),
         }

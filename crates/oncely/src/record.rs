@@ -442,6 +442,17 @@ pub struct ClaimOptions {
     /// where the durable mark before the effect *is* the guarantee; claims
     /// in the caller's transaction commit with it, as it is configured.
     pub relaxed_claim: bool,
+    /// Whether this claim is probably a duplicate of a completed effect:
+    /// the broker says the message was delivered before (a delivery count
+    /// above 1: `oncely_consumer::Context::redelivered`), or the runner
+    /// claims again after the holder's completion woke it. A backend whose
+    /// plain read costs its server less than a claim (Redis: `HMGET`
+    /// against the claim script) then reads the record first and answers a
+    /// completed effect (or an abandoned step, or another fingerprint) from
+    /// it, and claims as usual otherwise: one round trip more for a
+    /// redelivery that finds nothing done. The answer is the same either
+    /// way; only its cost changes. `false` by default.
+    pub redelivered: bool,
 }
 
 impl Default for ClaimOptions {
@@ -458,6 +469,7 @@ impl Default for ClaimOptions {
             cache_failures: true,
             safety_margin: None,
             relaxed_claim: false,
+            redelivered: false,
         }
     }
 }
@@ -485,6 +497,13 @@ impl ClaimOptions {
     /// the claim is acknowledged before its flush, the completion is not.
     pub fn relaxed_claim(mut self, yes: bool) -> Self {
         self.relaxed_claim = yes;
+        self
+    }
+
+    /// Sets [`ClaimOptions::redelivered`](#structfield.redelivered): the
+    /// claim is probably a duplicate of a completed effect.
+    pub fn redelivered(mut self, yes: bool) -> Self {
+        self.redelivered = yes;
         self
     }
 
