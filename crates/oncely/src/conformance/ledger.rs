@@ -252,6 +252,77 @@ pub async fn fingerprint_mismatch_changes_nothing<L: Ledger + 'static>(ledger: L
     );
 }
 
+/// A claim flagged as a redelivery ([`ClaimOptions::redelivered`], which
+/// lets a backend answer from a plain read) answers exactly as any claim, in
+/// every state a record can be in: a fresh key is acquired, a live lease is
+/// in progress and stays so, a completed effect replays its outcome, another
+/// fingerprint is refused, a released record and an expired lease are taken
+/// over with a higher fence, an expired at-most-once step is abandoned.
+pub async fn redelivered_claims_answer_as_any_claim<L: Ledger + 'static>(ledger: L) {
+    let t = fresh_tenant();
+    let again = |o: crate::record::ClaimOptions| o.redelivered(true);
+    let fp = Fingerprint::of_json(&serde_json::json!({"amount": 100})).unwrap();
+    let other = Fingerprint::of_json(&serde_json::json!({"amount": 999})).unwrap();
+    let outcome = Outcome::from_json(&"ch_1").unwrap();
+
+    let fresh = key(&t, "capture", "redelivered-fresh");
+    let live = acquired(ledger.claim(&fresh, &again(opts())).await.unwrap());
+    assert!(matches!(
+        ledger.claim(&fresh, &again(opts())).await.unwrap(),
+        Claim::InProgress { fence, .. } if fence == live.fence
+    ));
+
+    let done = key(&t, "capture", "redelivered-done");
+    let l = acquired(ledger.claim(&done, &opts().fingerprint(fp)).await.unwrap());
+    ledger.complete(&l, &outcome).await.unwrap();
+    for o in [again(opts().fingerprint(fp)), again(opts())] {
+        match ledger.claim(&done, &o).await.unwrap() {
+            Claim::Completed(r) => {
+                assert_eq!(r.outcome.unwrap().as_bytes(), outcome.as_bytes());
+                assert_eq!((r.fence, r.state), (l.fence, RecordState::Completed));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let e = ledger
+        .claim(&done, &again(opts().fingerprint(other)))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::FingerprintMismatch { .. }), "{e:?}");
+
+    let released = key(&t, "capture", "redelivered-released");
+    let l = acquired(ledger.claim(&released, &opts()).await.unwrap());
+    ledger.release(&l).await.unwrap();
+    let l2 = acquired(ledger.claim(&released, &again(opts())).await.unwrap());
+    assert!(l2.taken_over && l2.fence > l.fence);
+
+    let expired = key(&t, "capture", "redelivered-expired");
+    let amo = key(&t, "receipt", "redelivered-expired");
+    let l = acquired(ledger.claim(&expired, &opts().lease(SHORT_LEASE)).await.unwrap());
+    let a = acquired(
+        ledger
+            .claim(&amo, &opts().lease(SHORT_LEASE).at_most_once(true))
+            .await
+            .unwrap(),
+    );
+    tokio::time::sleep(SHORT_LEASE_WAIT).await;
+    let l2 = acquired(ledger.claim(&expired, &again(opts())).await.unwrap());
+    assert!(l2.taken_over && l2.fence > l.fence);
+    match ledger
+        .claim(&amo, &again(opts().at_most_once(true)))
+        .await
+        .unwrap()
+    {
+        Claim::Abandoned(r) => assert_eq!(r.fence, a.fence),
+        other => panic!("expected Abandoned, got {other:?}"),
+    }
+    assert_eq!(
+        ledger.get(&fresh).await.unwrap().unwrap().fence,
+        live.fence,
+        "nothing a redelivered claim did moved the live lease"
+    );
+}
+
 /// The same subject under two tenants, and under two kinds, are four
 /// independent effects.
 pub async fn tenants_and_kinds_are_independent<L: Ledger + 'static>(ledger: L) {

@@ -230,6 +230,7 @@ macro_rules! __conformance_tests {
             stale_fence_is_rejected,
             renew_extends_the_lease,
             fingerprint_mismatch_changes_nothing,
+            redelivered_claims_answer_as_any_claim,
             tenants_and_kinds_are_independent,
             awkward_keys_round_trip,
             invalid_input_is_rejected,
