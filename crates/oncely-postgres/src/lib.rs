@@ -461,8 +461,9 @@
 //! [`PgLedgerOptions`]) keyed by the displayed effect key, with partial indexes
 //! for pruning and for listing abandoned steps; a `<table>_horizon` table
 //! (the watermark per tenant and kind), the `<table>_beyond` and
-//! `<table>_current` functions (the claim's horizon check and its read of
-//! the records, which need a snapshot taken after the key's lock) and a
+//! `<table>_current` functions (the claim's horizon check and its read of a
+//! record committed while it waited, which need a snapshot taken after the
+//! key's lock) and a
 //! `<table>_migrations` table. [`PgLedger::migrate`] applies the embedded
 //! migrations under a transaction-scoped advisory lock, so concurrent
 //! processes can run it at once, and checks the result before it commits.
@@ -495,8 +496,8 @@
 //! the version before to the version it writes: the holder has not changed.
 //!
 //! Schema version 5 adds the function `<table>_current(text[])`, the
-//! claim's read of the records once it holds their locks; it changes no
-//! table. A process of the previous release never calls it, so the two
+//! claim's read of a record committed after its statement's snapshot (while
+//! it waited on the key's lock); it changes no table. A process of the previous release never calls it, so the two
 //! work side by side; this release refuses a table of version 4 opened
 //! without migrations, naming the function and `oncely migrate`.
 //!

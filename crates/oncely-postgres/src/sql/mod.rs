@@ -134,6 +134,23 @@ pub(crate) fn channel(schema: &str, table: &str) -> String {
     format!("{table}_{:08x}", h >> 32)
 }
 
+/// The record columns a claim reads (`cur` in the claim statement), in the
+/// order the `_current` function of schema version 5 returns them, which
+/// adds `row_xmin` (`xmin`) after them. Frozen with that migration.
+const FOUND_COLUMNS: [&str; 11] = [
+    "key",
+    "state",
+    "fence",
+    "fingerprint",
+    "outcome",
+    "at_most_once",
+    "created_at",
+    "updated_at",
+    "lease_expires_at",
+    "retain_until",
+    "claim_token",
+];
+
 /// The current schema version: the last of [`Queries::migrations`].
 pub(crate) const SCHEMA_VERSION: i32 = 5;
 
@@ -262,20 +279,11 @@ impl Queries {
         //   reads as absent, so such a claim may fail with BeyondHorizon
         //   where READ COMMITTED would answer the record. It never inserts
         //   either way.)
-        // - `cur`: the records as they are once the locks are held, read by
-        //   the `_current` function (schema version 5; each row with its
-        //   `xmin` as `row_xmin`). It is VOLATILE, so its query takes a new
-        //   snapshot when it runs, after the locks, as `_beyond`'s do. The
-        //   statement's own snapshot predates any wait on the lock: a
-        //   duplicate that waited while the first delivery's claim inserted
-        //   the key would not see that row, and had to run the whole
-        //   statement again (`missing`); now it reads the row and is
-        //   answered in one run.
+        // - `cur`: the records as the statement's snapshot shows them (the
+        //   columns of `FOUND_COLUMNS`, and each row's `xmin` as `row_xmin`).
         // - `ins` inserts the keys `cur` does not show, with fence = the
         //   clock's microseconds. `ON CONFLICT DO NOTHING` (not DO UPDATE):
-        //   a row `cur` did not show but the unique index holds (written by
-        //   something that does not take the key's lock) is left alone, and
-        //   reported `missing`.
+        //   a row committed after the snapshot is left alone (`late`).
         // - `upd` takes over the records whose takeover condition holds. It
         //   runs only when `cur` found a record (a one-time filter): a fresh
         //   key's claim does not probe the index a third time. A record it
@@ -283,18 +291,29 @@ impl Queries {
         //   no WAL record. (`ON CONFLICT DO UPDATE … WHERE` would lock the
         //   existing row even when its WHERE is false, which takes a
         //   transaction id and writes a WAL record, so a duplicate of a
-        //   completed effect would wait on a disk flush at commit.) It scans
-        //   with the statement's snapshot, so a record committed after it
-        //   (seen only by `cur`) is not taken over here: it is answered as
-        //   `existing`, and the caller claims again if it could be taken
-        //   over (below).
-        // - Otherwise the existing record is returned (`existing`), or a
-        //   status row: `leaked` (guard tripped: nothing was written, no lock
-        //   taken), `beyond`, or `missing` (above; the caller runs the
-        //   statement again for that key and the next snapshot shows it).
-        //   An `existing` record that could be taken over by now (the UPDATE
-        //   found it changed or could not see it, or its lease ended since)
-        //   is claimed again the same way.
+        //   completed effect would wait on a disk flush at commit.)
+        // - `gone`, `late`: the keys that `cur` did not show and that were
+        //   neither inserted nor taken over (nor beyond the horizon) were
+        //   refused by the unique index: their row was committed after the
+        //   statement's snapshot, which predates any wait on the lock (a
+        //   duplicate that waited while the first delivery's claim inserted
+        //   the key). `late` reads them through the `_current` function
+        //   (schema version 5): VOLATILE, so its query takes a new snapshot
+        //   when it runs, as `_beyond`'s do, and sees them; it runs only
+        //   when there is such a key (a one-time filter), and after `ins`,
+        //   whose rows it reads. Before it, such a claim reported the key
+        //   `missing` and the caller ran the whole statement again. A row
+        //   read there is not taken over by `upd` (whose scan uses the
+        //   statement's snapshot): it is answered as `existing`, and the
+        //   caller claims again if it could be taken over (below).
+        // - Otherwise the existing record is returned (`existing`, from
+        //   `cur` or `late`), or a status row: `leaked` (guard tripped:
+        //   nothing was written, no lock taken), `beyond`, or `missing` (a
+        //   row neither snapshot shows, written by something that does not
+        //   take the key's lock; the caller runs the statement again for
+        //   that key). An `existing` record that could be taken over by now
+        //   (the UPDATE found it changed or could not see it, or its lease
+        //   ended since) is claimed again the same way.
         // - Every row the claim inserts or takes over carries the call's
         //   token (`claim_token`: 16 random bytes and the writing
         //   transaction's id, `token_written`). An `existing` row with the
@@ -325,7 +344,7 @@ impl Queries {
                     ok
                 }
             };
-            let (input, lock, keys, cur_keys) = if batch {
+            let (input, lock, keys) = if batch {
                 (
                     "SELECT i.key, i.tenant, i.kind, i.subject \
                      FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) AS i(key, tenant, kind, subject)"
@@ -336,7 +355,6 @@ impl Queries {
                         seed = lock_seed(schema, table),
                     ),
                     "= ANY($1::text[])",
-                    "$1::text[]",
                 )
             } else {
                 (
@@ -344,7 +362,6 @@ impl Queries {
                         .to_owned(),
                     key_lock("pg_advisory_xact_lock", "$1"),
                     "= $1",
-                    "ARRAY[$1::text]",
                 )
             };
             let (beyond_cte, not_beyond, beyond_join, beyond_status) = if horizon {
@@ -372,7 +389,8 @@ impl Queries {
                    FROM (SELECT g0.ok, CASE WHEN g0.ok THEN {lock} END AS locked \
                          FROM (SELECT {guard} AS ok OFFSET 0) g0) l), \
                  {beyond_cte}\
-                 cur AS (SELECT e.* FROM {current}({cur_keys}) e WHERE (SELECT g.ok FROM g)), \
+                 cur AS (SELECT {found_cols}, e.xmin AS row_xmin FROM {t} e \
+                   WHERE e.key {keys} AND (SELECT g.ok FROM g)), \
                  ins AS (\
                    INSERT INTO {t} AS e (key, tenant, kind, subject, state, fence, fingerprint, outcome, \
                      at_most_once, created_at, updated_at, lease_expires_at, retain_until, retention_us, \
@@ -389,7 +407,12 @@ impl Queries {
                      AND {takeover_when} \
                    RETURNING {returning}), \
                  won AS (SELECT x.*, false AS taken_over FROM ins x \
-                         UNION ALL SELECT y.*, true AS taken_over FROM upd y) \
+                         UNION ALL SELECT y.*, true AS taken_over FROM upd y), \
+                 gone AS (SELECT i.key FROM i WHERE NOT EXISTS (SELECT 1 FROM cur c WHERE c.key = i.key) \
+                   AND NOT EXISTS (SELECT 1 FROM won w WHERE w.key = i.key){not_beyond}), \
+                 late AS (SELECT l.* FROM {current}(ARRAY(SELECT n.key FROM gone n)) l \
+                   WHERE (SELECT g.ok FROM g) AND EXISTS (SELECT 1 FROM gone)), \
+                 found AS (SELECT * FROM cur UNION ALL SELECT * FROM late) \
                  SELECT 'acquired'::text AS src, w.key AS key, NULL::text AS state, w.fence AS fence, \
                    NULL::bytea AS fingerprint, NULL::bytea AS outcome, w.at_most_once AS at_most_once, \
                    w.created_at AS created_at, w.acquired_at AS updated_at, \
@@ -399,7 +422,7 @@ impl Queries {
                  UNION ALL SELECT CASE WHEN NOT g.ok THEN 'leaked'{beyond_status} \
                    WHEN e.key IS NOT NULL THEN 'existing' ELSE 'missing' END, i.key, {ce}, NULL::boolean, \
                    {own} \
-                 FROM i CROSS JOIN g LEFT JOIN cur e ON e.key = i.key{beyond_join} \
+                 FROM i CROSS JOIN g LEFT JOIN found e ON e.key = i.key{beyond_join} \
                  WHERE NOT EXISTS (SELECT 1 FROM won w WHERE w.key = i.key)",
                 guard = guard_claim("$9"),
                 now_us = us("g.now"),
@@ -408,6 +431,11 @@ impl Queries {
                 ce = cols("e"),
                 token = token_written("$10"),
                 own = own("e", "$10"),
+                found_cols = FOUND_COLUMNS
+                    .iter()
+                    .map(|c| format!("e.{c}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
             )
         };
 
@@ -686,11 +714,12 @@ impl Queries {
         // during a rolling upgrade an old release's waiter may be woken by
         // its fallback (`oncely::backend::NOTIFIED_FALLBACK`, 1 s) instead.
         let v4 = format!("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS watched boolean;");
-        // Version 5: the claim's read of the records once it holds their
-        // locks (`cur` in the claim statement). PL/pgSQL rather than SQL: a
-        // VOLATILE SQL function is planned again on every call, a PL/pgSQL
-        // one keeps its plan for the session; its query still takes a new
-        // snapshot on each call. The text columns are cast because a table
+        // Version 5: the claim's read of records committed after its
+        // snapshot (`late` in the claim statement). PL/pgSQL rather than
+        // SQL: a VOLATILE SQL function is planned again on every call, a
+        // PL/pgSQL one keeps its plan for the session; its query still takes
+        // a new snapshot on each call. Its columns are `FOUND_COLUMNS`, then
+        // `row_xmin`. The text columns are cast because a table
         // found in place may declare them `varchar` (the schema check
         // accepts it), and RETURN QUERY wants the declared types exactly.
         // A release before this one never calls it.
@@ -874,6 +903,28 @@ mod tests {
             );
         }
         assert!(q.complete_in.contains("pg_notify"), "{}", q.complete_in);
+    }
+
+    /// The claim unions `cur` (the table's columns by name) with what the
+    /// `_current` function returns: the same columns in the same order.
+    #[test]
+    fn the_current_function_returns_the_found_columns() {
+        let q = Queries::new("public", "oncely_effects");
+        let v5 = &q.migrations.iter().find(|m| m.0 == 5).unwrap().2;
+        let declared = v5
+            .split("RETURNS TABLE (")
+            .nth(1)
+            .unwrap()
+            .split(')')
+            .next()
+            .unwrap();
+        let names: Vec<&str> = declared
+            .split(',')
+            .map(|c| c.split_whitespace().next().unwrap())
+            .collect();
+        let mut expected = FOUND_COLUMNS.to_vec();
+        expected.push("row_xmin");
+        assert_eq!(names, expected);
     }
 
     #[test]
