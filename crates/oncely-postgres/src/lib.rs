@@ -539,6 +539,7 @@ mod hosts;
 mod ledger;
 mod notify;
 mod options;
+mod outbox;
 mod schema;
 mod sql;
 mod token;

@@ -26,6 +26,7 @@ enum Kind {
     /// `text`, or `varchar` long enough for any part of a key (255).
     Text,
     BigInt,
+    Int,
     Bytes,
     Bool,
     Timestamp,
@@ -44,6 +45,7 @@ impl Kind {
                         .is_some_and(|n| n >= oncely::backend::MAX_KEY_BYTES)
             }
             Kind::BigInt => ty == "bigint",
+            Kind::Int => ty == "integer",
             Kind::Bytes => ty == "bytea",
             Kind::Bool => ty == "boolean",
             Kind::Timestamp => ty == "timestamp with time zone",
@@ -54,6 +56,7 @@ impl Kind {
         match self {
             Kind::Text => "text",
             Kind::BigInt => "bigint",
+            Kind::Int => "integer",
             Kind::Bytes => "bytea",
             Kind::Bool => "boolean",
             Kind::Timestamp => "timestamptz",
@@ -93,6 +96,25 @@ const EFFECTS: &[Column] = &[
         kind: Kind::Bool,
         since: 4,
     },
+];
+
+/// The outbox table (schema version 6: it exists whole or not at all).
+const OUTBOX: &[Column] = &[
+    col("id", Kind::BigInt),
+    col("key", Kind::Text),
+    col("tenant", Kind::Text),
+    col("ordering_key", Kind::Text),
+    col("destination", Kind::Text),
+    col("headers", Kind::Text),
+    col("payload", Kind::Bytes),
+    col("state", Kind::Text),
+    col("attempts", Kind::Int),
+    col("fence", Kind::BigInt),
+    col("lease_expires_at", Kind::Timestamp),
+    col("due_at", Kind::Timestamp),
+    col("enqueued_at", Kind::Timestamp),
+    col("sent_at", Kind::Timestamp),
+    col("last_error", Kind::Text),
 ];
 
 /// The horizon table.
@@ -171,7 +193,8 @@ impl PgLedger {
     /// Checks, without changing anything, that the schema is one the ledger
     /// can rely on: the ledger table, the `<table>_horizon` table and the
     /// claim's `<table>_beyond` and `<table>_current` functions (schema
-    /// version 5) exist, the tables have the columns
+    /// version 5) and the `<table>_outbox` table (version 6) exist, the
+    /// tables have the columns
     /// the ledger uses (schema version 4: the claim token's `claim_token`
     /// and the waiter's mark `watched` too) with compatible types
     /// (no other `NOT NULL` column without a default), a primary key or
@@ -215,6 +238,11 @@ impl PgLedger {
         {
             None => return Err(missing(&q.horizon_table, "table")),
             Some(p) if !p.is_empty() => return Err(refusal(schema, &q.horizon_table, &p)),
+            Some(_) => {}
+        }
+        match check_table(conn, schema, &q.outbox.table, OUTBOX, SCHEMA_VERSION, &["key"]).await? {
+            None => return Err(missing(&q.outbox.table, "table")),
+            Some(p) if !p.is_empty() => return Err(refusal(schema, &q.outbox.table, &p)),
             Some(_) => {}
         }
         for (name, args, returns) in sql::claim_functions(q) {

@@ -52,3 +52,32 @@ async fn processes() -> Option<Vec<PgLedger>> {
 
 oncely::conformance::nodes_conformance_tests!(processes);
 oncely::conformance::transactional_nodes_conformance_tests!(processes);
+
+/// A ledger on a table of its own per outbox case (`oncely_ob_<case>`,
+/// emptied first): a relay's claim takes any due message of its outbox.
+async fn outbox(case: &'static str) -> Option<PgLedger> {
+    let url = service_url(
+        "ONCELY_POSTGRES_URL",
+        Some("postgres://postgres@127.0.0.1:5432/test"),
+    )?;
+    let pool = match PgPoolOptions::new()
+        .max_connections(70)
+        .acquire_timeout(std::time::Duration::from_secs(30))
+        .connect(&url)
+        .await
+    {
+        Ok(pool) => pool,
+        Err(e) => return skip_or_fail(&format!("PostgreSQL at {url}: {e}")),
+    };
+    let table: String = format!("oncely_ob_{case}").chars().take(40).collect();
+    let ledger = PgLedger::from_pool_with(pool.clone(), PgLedgerOptions::default().table(&table))
+        .expect("valid options");
+    ledger.migrate().await.expect("migrations run");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DELETE FROM {table}_outbox")))
+        .execute(&pool)
+        .await
+        .expect("the outbox emptied");
+    Some(ledger)
+}
+
+oncely::conformance::outbox_conformance_tests!(outbox);

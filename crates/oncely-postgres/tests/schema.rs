@@ -352,7 +352,7 @@ async fn connect_without_migrations_creates_nothing() {
         .fetch_one(&admin)
         .await
         .unwrap();
-    assert_eq!((before, after), (5, 5));
+    assert_eq!((before, after), (6, 6));
     // It is an ordinary ledger otherwise.
     assert!(matches!(
         ledger
@@ -590,7 +590,7 @@ async fn a_version_1_ledger_migrates() {
     .fetch_all(&admin)
     .await
     .unwrap();
-    assert_eq!(versions, vec![1, 2, 3, 4, 5]);
+    assert_eq!(versions, vec![1, 2, 3, 4, 5, 6]);
     match ledger.claim(&released, &ClaimOptions::default()).await.unwrap() {
         Claim::Acquired(l) => {
             assert!(l.taken_over());
@@ -752,9 +752,10 @@ async fn prune_batches_and_honours_its_limit() {
     drop_schema(&admin, &schema).await;
 }
 
-/// A ledger of schema version 4 (no `<table>_current` function yet) is
-/// refused when opened without migrations, naming the function and
-/// `oncely migrate`; opened with migrations it gets version 5 and claims.
+/// A ledger of schema version 4 (no `<table>_current` function, no outbox
+/// yet) is refused when opened without migrations, naming what is missing
+/// and `oncely migrate`; opened with migrations it gets the current
+/// version and claims.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_version_4_ledger_is_refused_until_migrated() {
     let Some(url) = url() else { return };
@@ -768,8 +769,8 @@ async fn a_version_4_ledger_is_refused_until_migrated() {
         .await;
     // Back to version 4: what that release left.
     sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP FUNCTION {schema}.oncely_effects_current(text[]); \
-         DELETE FROM {schema}.oncely_effects_migrations WHERE version = 5"
+        "DROP FUNCTION {schema}.oncely_effects_current(text[]); DROP TABLE {schema}.oncely_effects_outbox; \
+         DELETE FROM {schema}.oncely_effects_migrations WHERE version >= 5"
     )))
     .execute(&admin)
     .await
@@ -780,8 +781,8 @@ async fn a_version_4_ledger_is_refused_until_migrated() {
         .map(|_| ())
         .unwrap_err();
     assert!(
-        matches!(&e, Error::Config(m) if m.contains(&format!("function {schema}.oncely_effects_current"))
-            && m.contains("oncely migrate") && m.contains("schema version 5")),
+        matches!(&e, Error::Config(m) if m.contains(&format!("table {schema}.oncely_effects_outbox does not exist"))
+            && m.contains("oncely migrate") && m.contains("schema version 6")),
         "{e:?}"
     );
     let ledger = PgLedger::connect_with(&url, options(&schema)).await.unwrap();

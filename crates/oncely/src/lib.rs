@@ -83,6 +83,7 @@ mod key;
 mod ledger;
 mod memory;
 pub mod open;
+pub mod outbox;
 mod pipeline;
 pub mod pruner;
 pub mod reconcile;

@@ -46,6 +46,11 @@ pub const PRUNER_SPAN: &str = "oncely.pruner";
 /// (`limit`, then `deleted` once known).
 pub const PRUNE_BATCH_SPAN: &str = "oncely.prune_batch";
 
+/// Counter `{result}`: outbox messages a [`Relay`](crate::outbox::Relay)
+/// handled, by result (`sent`; `fenced`: published, but another relay had
+/// taken it over; `retried`; `failed`).
+pub const OUTBOX_MESSAGES_TOTAL: &str = "oncely_outbox_messages_total";
+
 /// The span every claim runs in, with the fields of `docs/design.md` ("Observability") (`fence`
 /// and `result` are recorded once known).
 pub(crate) fn claim_span(key: &EffectKey) -> tracing::Span {
@@ -205,4 +210,18 @@ pub(crate) fn prune_batch_failed(
     metrics::counter!(PRUNE_BATCHES_TOTAL, "backend" => backend, "result" => "error").increment(1);
     tracing::warn!(parent: span, backend, %error, retry_in_ms = pause.as_millis() as u64,
         "prune batch failed; trying again later");
+}
+
+/// What a relay pass did, counted by result.
+pub(crate) fn relay_pass(pass: &crate::outbox::Pass) {
+    for (result, n) in [
+        ("sent", pass.sent),
+        ("fenced", pass.fenced),
+        ("retried", pass.retried),
+        ("failed", pass.failed),
+    ] {
+        if n > 0 {
+            metrics::counter!(OUTBOX_MESSAGES_TOTAL, "result" => result).increment(n);
+        }
+    }
 }

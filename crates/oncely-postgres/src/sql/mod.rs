@@ -26,12 +26,14 @@ use sqlx::query::Query;
 mod admin;
 mod claim;
 mod decode;
+mod outbox;
 mod prune;
 mod record;
 mod write;
 
 pub(crate) use admin::{Arg, bind_listing, kind_stats, records, stats};
 pub(crate) use claim::{ClaimRow, claim_leaked, claimed_key, own_lease};
+pub(crate) use outbox::{OutboxQueries, enqueued, pending, pruned, stats as outbox_stats, written_id};
 pub(crate) use prune::{prune_counts, watermark};
 pub(crate) use record::{RecordRow, has_record, key};
 pub(crate) use write::{completed, guard_ok, watched, written};
@@ -152,7 +154,7 @@ const FOUND_COLUMNS: [&str; 11] = [
 ];
 
 /// The current schema version: the last of [`Queries::migrations`].
-pub(crate) const SCHEMA_VERSION: i32 = 5;
+pub(crate) const SCHEMA_VERSION: i32 = 6;
 
 /// The statements of one ledger (one schema and table).
 #[derive(Debug)]
@@ -194,6 +196,8 @@ pub(crate) struct Queries {
     pub current_function: String,
     /// The `LISTEN`/`NOTIFY` channel of this ledger ([`channel`]).
     pub channel: Arc<str>,
+    /// The transactional outbox's statements (`<table>_outbox`).
+    pub outbox: OutboxQueries,
 }
 
 /// A statement with its binds, ready to run on a connection.
@@ -795,11 +799,17 @@ impl Queries {
                     "the claim reads the records after their locks, on a fresh snapshot",
                     v5.into(),
                 ),
+                (
+                    6,
+                    "the transactional outbox: messages committed with the business writes",
+                    outbox::migration(schema, table).into(),
+                ),
             ],
             horizon_table: horizon_name,
             beyond_function: beyond_name,
             current_function: current_name,
             channel: channel.into(),
+            outbox: OutboxQueries::new(schema, table),
         }
     }
 }

@@ -27,6 +27,10 @@
 //! - `admin.rs`: the operator capability [`Admin`](crate::admin::Admin) (paging,
 //!   tenant isolation, stuck and abandoned on the backend's clock, stats,
 //!   forget) ([`admin_conformance_tests!`](crate::conformance::admin_conformance_tests));
+//! - `outbox.rs`: the transactional outbox ([`crate::outbox`]) on a
+//!   backend that has one
+//!   ([`outbox_conformance_tests!`](crate::conformance::outbox_conformance_tests):
+//!   each case on an outbox of its own);
 //! - `transactional.rs`: claims on the caller's transaction
 //!   ([`transactional_conformance_tests!`](crate::conformance::transactional_conformance_tests));
 //! - `nodes.rs`: several ledgers on different nodes of one replicated
@@ -58,6 +62,8 @@ pub use crate::__conformance_tests as conformance_tests;
 #[doc(inline)]
 pub use crate::__nodes_conformance_tests as nodes_conformance_tests;
 #[doc(inline)]
+pub use crate::__outbox_conformance_tests as outbox_conformance_tests;
+#[doc(inline)]
 pub use crate::__transactional_conformance_tests as transactional_conformance_tests;
 #[doc(inline)]
 pub use crate::__transactional_nodes_conformance_tests as transactional_nodes_conformance_tests;
@@ -70,6 +76,7 @@ mod ledger;
 mod metrics;
 pub mod model;
 mod nodes;
+mod outbox;
 mod pruner;
 mod runner;
 mod transactional;
@@ -81,6 +88,7 @@ pub use flight::*;
 pub use ledger::*;
 pub use metrics::{counter, metrics_snapshotter};
 pub use nodes::*;
+pub use outbox::*;
 pub use pruner::*;
 pub use runner::*;
 pub use transactional::*;
