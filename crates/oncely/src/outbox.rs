@@ -455,6 +455,30 @@ pub trait Publisher: Send + Sync {
     fn describe(&self) -> String;
 }
 
+impl<P: Publisher + ?Sized> Publisher for &P {
+    fn publish(
+        &self,
+        message: &Pending,
+    ) -> impl Future<Output = std::result::Result<(), PublishError>> + Send {
+        (**self).publish(message)
+    }
+    fn describe(&self) -> String {
+        (**self).describe()
+    }
+}
+
+impl<P: Publisher + ?Sized> Publisher for std::sync::Arc<P> {
+    fn publish(
+        &self,
+        message: &Pending,
+    ) -> impl Future<Output = std::result::Result<(), PublishError>> + Send {
+        (**self).publish(message)
+    }
+    fn describe(&self) -> String {
+        (**self).describe()
+    }
+}
+
 /// How a [`Relay`] works.
 #[derive(Debug, Clone)]
 pub struct RelayOptions {
