@@ -252,7 +252,7 @@ pub async fn fingerprint_mismatch_changes_nothing<L: Ledger + 'static>(ledger: L
     );
 }
 
-/// A claim flagged as a redelivery ([`ClaimOptions::redelivered`], which
+/// A claim flagged as a redelivery ([`ClaimOptions::redelivered`](crate::ClaimOptions::redelivered), which
 /// lets a backend answer from a plain read) answers exactly as any claim, in
 /// every state a record can be in: a fresh key is acquired, a live lease is
 /// in progress and stays so, a completed effect replays its outcome, another
