@@ -444,7 +444,7 @@ async fn pipeline(
         orders,
         captured_once: provider.captures().values().filter(|n| **n == 1).count(),
         marked_paid: usize::try_from(marked_paid).unwrap_or(0),
-        events_enqueued: u64::try_from(enqueued).unwrap_or(0),
+        events_enqueued: enqueued,
         events_published: published,
         events_delivered: receipts.ran + receipts.replayed,
         receipts_sent: sends.values().map(|n| u64::from(*n)).sum(),
