@@ -45,6 +45,7 @@ use std::time::{Duration, SystemTime};
 use oncely::admin::{Admin, KindStats, RecordQuery};
 use oncely::backend::{Capabilities, Claim, Lease, Ledger, Outcome, Record, Watch};
 use oncely::open::{FromUrl, OpenOptions};
+use oncely::outbox::{Outbox, OutboxStats, Pending, Ticket};
 use oncely::{ClaimOptions, EffectKey, Error, MemoryLedger, Result, Tenant};
 
 pub use oncely::open::Access;
@@ -60,7 +61,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// The backends this crate knows, one line each: the variant, the name
 /// [`Ledger::backend`] reports, the cargo feature, the URL schemes, how the
 /// schemes are shown in messages, whether the ledger offers [`Admin`]
-/// (`admin` or `no_admin`), the SQL pool it runs on (`pool(type)`, for the
+/// (`admin` or `no_admin`), whether it has a transactional outbox
+/// ([`Outbox`]: `outbox` or `no_outbox`), the SQL pool it runs on (`pool(type)`, for the
 /// demo's orders table, or `no_pool`), and the ledger type (which opens
 /// them through [`FromUrl`]). The memory ledger of the core is always there
 /// and follows the list.
@@ -69,11 +71,11 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 macro_rules! with_backends {
     ($then:ident) => {
         $then! {
-            Sqlite("sqlite", "sqlite", ["sqlite"], "sqlite:", admin, pool(sqlx::SqlitePool)) => oncely_sqlite::SqliteLedger,
-            Postgres("postgres", "postgres", ["postgres", "postgresql"], "postgres://", admin, pool(sqlx::PgPool)) => oncely_postgres::PgLedger,
-            MySql("mysql", "mysql", ["mysql", "mariadb"], "mysql://, mariadb://", admin, pool(sqlx::MySqlPool)) => oncely_mysql::MySqlLedger,
-            Redis("redis", "redis", ["redis", "redis+cluster", "redis+sentinel"], "redis://, redis+cluster://, redis+sentinel://", no_admin, no_pool) => oncely_redis::RedisLedger,
-            Nats("nats", "nats", ["nats"], "nats://", no_admin, no_pool) => oncely_nats::NatsKvLedger,
+            Sqlite("sqlite", "sqlite", ["sqlite"], "sqlite:", admin, no_outbox, pool(sqlx::SqlitePool)) => oncely_sqlite::SqliteLedger,
+            Postgres("postgres", "postgres", ["postgres", "postgresql"], "postgres://", admin, outbox, pool(sqlx::PgPool)) => oncely_postgres::PgLedger,
+            MySql("mysql", "mysql", ["mysql", "mariadb"], "mysql://, mariadb://", admin, no_outbox, pool(sqlx::MySqlPool)) => oncely_mysql::MySqlLedger,
+            Redis("redis", "redis", ["redis", "redis+cluster", "redis+sentinel"], "redis://, redis+cluster://, redis+sentinel://", no_admin, no_outbox, no_pool) => oncely_redis::RedisLedger,
+            Nats("nats", "nats", ["nats"], "nats://", no_admin, no_outbox, no_pool) => oncely_nats::NatsKvLedger,
         }
     };
 }
@@ -97,6 +99,16 @@ macro_rules! if_admin {
         $yes
     };
     (no_admin, $yes:expr, $no:expr) => {
+        $no
+    };
+}
+
+/// `$yes` for a backend whose table line says `outbox`, else `$no`.
+macro_rules! if_outbox {
+    (outbox, $yes:expr, $no:expr) => {
+        $yes
+    };
+    (no_outbox, $yes:expr, $no:expr) => {
         $no
     };
 }
@@ -158,7 +170,7 @@ macro_rules! define_pool {
 }
 
 macro_rules! define_any {
-    ($($variant:ident($name:literal, $feature:literal, [$($scheme:literal),+], $shown:literal, $admin:ident, $pool:ident $(($pool_ty:ty))?) => $ty:ty,)+) => {
+    ($($variant:ident($name:literal, $feature:literal, [$($scheme:literal),+], $shown:literal, $admin:ident, $outbox:ident, $pool:ident $(($pool_ty:ty))?) => $ty:ty,)+) => {
         define_pool!(@keep [] $($variant $name $feature $pool $(($pool_ty))?,)+);
 
         /// The backend a database URL names.
@@ -337,6 +349,72 @@ macro_rules! define_any {
             }
         }
 
+        /// The relay's side of the transactional outbox ([`oncely::outbox`])
+        /// on the backends whose table line says `outbox`; on the others
+        /// every method fails with [`Error::Config`] naming the backend,
+        /// before any round trip.
+        impl Outbox for AnyLedger {
+            async fn claim_messages(&self, limit: u32, lease: Duration) -> Result<Vec<Pending>> {
+                match self {
+                    $(
+                        #[cfg(feature = $feature)]
+                        AnyLedger::$variant(l) => if_outbox!($outbox, l.claim_messages(limit, lease).await, { let _ = l; Err(no_outbox(self)) }),
+                    )+
+                    AnyLedger::Memory(_) => Err(no_outbox(self)),
+                }
+            }
+
+            async fn mark_sent(&self, tickets: &[Ticket]) -> Result<Vec<bool>> {
+                match self {
+                    $(
+                        #[cfg(feature = $feature)]
+                        AnyLedger::$variant(l) => if_outbox!($outbox, l.mark_sent(tickets).await, { let _ = l; Err(no_outbox(self)) }),
+                    )+
+                    AnyLedger::Memory(_) => Err(no_outbox(self)),
+                }
+            }
+
+            async fn retry_later(&self, ticket: Ticket, delay: Duration, error: &str) -> Result<bool> {
+                match self {
+                    $(
+                        #[cfg(feature = $feature)]
+                        AnyLedger::$variant(l) => if_outbox!($outbox, l.retry_later(ticket, delay, error).await, { let _ = l; Err(no_outbox(self)) }),
+                    )+
+                    AnyLedger::Memory(_) => Err(no_outbox(self)),
+                }
+            }
+
+            async fn mark_failed(&self, ticket: Ticket, error: &str) -> Result<bool> {
+                match self {
+                    $(
+                        #[cfg(feature = $feature)]
+                        AnyLedger::$variant(l) => if_outbox!($outbox, l.mark_failed(ticket, error).await, { let _ = l; Err(no_outbox(self)) }),
+                    )+
+                    AnyLedger::Memory(_) => Err(no_outbox(self)),
+                }
+            }
+
+            async fn prune_sent(&self, older_than: Duration, limit: u32) -> Result<u64> {
+                match self {
+                    $(
+                        #[cfg(feature = $feature)]
+                        AnyLedger::$variant(l) => if_outbox!($outbox, l.prune_sent(older_than, limit).await, { let _ = l; Err(no_outbox(self)) }),
+                    )+
+                    AnyLedger::Memory(_) => Err(no_outbox(self)),
+                }
+            }
+
+            async fn outbox_stats(&self) -> Result<OutboxStats> {
+                match self {
+                    $(
+                        #[cfg(feature = $feature)]
+                        AnyLedger::$variant(l) => if_outbox!($outbox, l.outbox_stats().await, { let _ = l; Err(no_outbox(self)) }),
+                    )+
+                    AnyLedger::Memory(_) => Err(no_outbox(self)),
+                }
+            }
+        }
+
         /// The operator capability ([`oncely::admin`]) on the backends whose
         /// table line says `admin` (SQLite, PostgreSQL, MySQL) and memory.
         /// The others (Redis and NATS JetStream KV) keep no index to list or
@@ -506,6 +584,14 @@ impl AnyLedger {
 
 // Only the backends whose table line says `no_admin` call it.
 #[cfg_attr(not(any(feature = "redis", feature = "nats")), allow(dead_code))]
+fn no_outbox(ledger: &AnyLedger) -> Error {
+    Error::Config(format!(
+        "the {} backend has no transactional outbox: messages are enqueued in the caller's SQL \
+         transaction, so only the SQL ledgers with one offer it",
+        ledger.scheme().name()
+    ))
+}
+
 fn no_admin(ledger: &AnyLedger, what: &str) -> Error {
     Error::Config(format!(
         "{what} is not available on the {} backend: it keeps no index to list or count records \

@@ -13,8 +13,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use oncely::Error;
 use oncely_cli::commands::{
-    abandoned, bench, chaos, demo, forget, get, history, inspect, migrate, prune, reconcile, resolve, serve,
-    stats, stuck,
+    abandoned, bench, chaos, demo, forget, get, history, inspect, migrate, prune, reconcile, relay, resolve,
+    serve, stats, stuck,
 };
 
 /// Make job and message handlers safe to run twice.
@@ -68,6 +68,7 @@ enum Command {
     Reconcile(reconcile::Args),
     Forget(forget::Args),
     Prune(prune::Args),
+    Relay(relay::Args),
     Migrate(migrate::Args),
     Serve(serve::Args),
 }
@@ -102,6 +103,7 @@ async fn run(command: Command) -> oncely::Result<ExitCode> {
         Command::Reconcile(args) => reconcile::run(args).await,
         Command::Forget(args) => forget::run(args).await,
         Command::Prune(args) => prune::run(args).await,
+        Command::Relay(args) => relay::run(args).await,
         Command::Migrate(args) => migrate::run(args).await,
         Command::Serve(args) => serve::run(args).await,
     }

@@ -555,7 +555,8 @@ pub struct Pass {
 }
 
 impl Pass {
-    fn add(&mut self, other: Pass) {
+    /// Adds `other`'s counts to these.
+    pub fn add(&mut self, other: Pass) {
         self.claimed += other.claimed;
         self.sent += other.sent;
         self.fenced += other.fenced;
