@@ -21,6 +21,38 @@
 //! # Ok(()) }
 //! ```
 //!
+//! The application's side, in one transaction with the business write and
+//! the step that names the message (a `Job::step_in`):
+//!
+//! ```no_run
+//! use oncely::backend::TransactionalLedger;
+//! use oncely::outbox::{Message, TransactionalOutbox};
+//! use oncely::{Effects, Failure, StepFuture, Tenant};
+//! use oncely_postgres::PgLedger;
+//!
+//! async fn mark_paid(effects: &Effects<PgLedger>, ledger: &PgLedger, order: &str, charge: &str) -> oncely::Result<()> {
+//!     let job = effects.job(&Tenant::global(), "payment", order);
+//!     let event = Message::json("order-events", &serde_json::json!({ "order": order, "charge": charge }))?;
+//!     let mut tx = ledger.begin().await?;
+//!     let (outbox, order, charge) = (ledger.clone(), order.to_owned(), charge.to_owned());
+//!     job.step_in("mark-paid", &mut *tx, move |conn, step| {
+//!         Box::pin(async move {
+//!             sqlx::query("UPDATE orders SET status = 'paid', charge_id = $2 WHERE id = $1")
+//!                 .bind(&order)
+//!                 .bind(&charge)
+//!                 .execute(&mut *conn)
+//!                 .await
+//!                 .map_err(Failure::retryable)?;
+//!             // Named by the step's key: the step never enqueues twice.
+//!             outbox.enqueue_in(conn, step.key(), &event).await?;
+//!             Ok(())
+//!         }) as StepFuture<'_, ()>
+//!     })
+//!     .await?;
+//!     ledger.commit(tx).await // the order, the event and the step: one commit
+//! }
+//! ```
+//!
 //! | broker | feature | `--to` | destination | message id | what drops a copy published twice |
 //! | --- | --- | --- | --- | --- | --- |
 //! | RabbitMQ | `rabbitmq` | `amqp://user:pass@host:5672/vhost[?exchange=NAME]` | routing key (default exchange: a queue name) | `message-id` property | the consumer's oncely ledger |
