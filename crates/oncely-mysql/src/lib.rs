@@ -442,6 +442,7 @@ mod guard; // running on the pool: one retry loop, the operation timeout, the le
 mod hosts; // a URL's host list, the check of every new connection, moving to another host
 mod ledger; // MySqlLedger: constructors, Ledger, TransactionalLedger, FromUrl
 mod options; // MySqlLedgerOptions, this backend's URLs
+mod outbox; // the transactional outbox: enqueue in the caller's transaction, the relay's claim and fenced writes
 mod prune; // prune's batches: lock the watermarks, raise them, delete
 mod row; // reading a result to its end (first, only)
 mod schema; // migrations and the check of the tables
