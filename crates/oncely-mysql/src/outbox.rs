@@ -18,8 +18,9 @@
 //!   ledger's completions; several messages sent are one transaction that
 //!   locks those still pending at their tickets' fences, then marks them,
 //!   so each ticket's answer is exact.
-//! - **Prune** deletes in batches of [`PRUNE_BATCH`], one statement each,
-//!   as the ledger's prune runs its batches.
+//! - **Prune** deletes in batches of [`PRUNE_BATCH`], as the ledger's
+//!   prune does: a plain read of candidates, then a write that checks
+//!   again.
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -203,24 +204,33 @@ impl MySqlLedger {
         Ok(false)
     }
 
-    /// One prune statement of at most `n` messages: how many it deleted.
+    /// One prune batch of at most `n` messages: how many it deleted (of
+    /// how many it found).
     async fn prune_sent_batch(
         &self,
         conn: &mut MySqlConnection,
         older_us: i64,
         n: u64,
-    ) -> Result<u64, Retry> {
-        let done = self
-            .sql()
-            .outbox
-            .bind_prune(older_us, n)
+    ) -> Result<(u64, u64), Retry> {
+        let o = &self.sql().outbox;
+        let rows = o
+            .bind_prunable(older_us, n)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(retry_on_lock)?;
+        let ids = rows.iter().map(sql::outbox_id).collect::<Result<Vec<u64>>>()?;
+        if ids.is_empty() {
+            return Ok((0, 0));
+        }
+        let done = o
+            .bind_prune(older_us, &ids)
             .execute(&mut *conn)
             .await
             .map_err(retry_on_lock)?;
         if done.rows_affected() == 0 && self.heal_if_leaked(conn).await? {
             return Err(Retry::Leaked);
         }
-        Ok(done.rows_affected())
+        Ok((ids.len() as u64, done.rows_affected()))
     }
 }
 
@@ -278,9 +288,10 @@ impl Outbox for MySqlLedger {
             .await
     }
 
-    /// In batches of at most 500 messages, one statement each, each run on
-    /// the pool like every write (to completion in a spawned task, within
-    /// the operation timeout, again after a conflict).
+    /// In batches of at most 500 messages, each a plain read of the oldest
+    /// sent messages and one `DELETE` of them that checks again, run on the
+    /// pool like every write (to completion in a spawned task, within the
+    /// operation timeout, again after a conflict).
     async fn prune_sent(&self, older_than: Duration, limit: u32) -> Result<u64> {
         self.writable("prune_sent")?;
         let older_us = duration_micros(older_than);
@@ -291,13 +302,13 @@ impl Outbox for MySqlLedger {
             let mut total = 0u64;
             while total < limit {
                 let n = (limit - total).min(PRUNE_BATCH);
-                let deleted = this
+                let (seen, deleted) = this
                     .bounded(
                         this.retrying(move |this, conn| Box::pin(this.prune_sent_batch(conn, older_us, n))),
                     )
                     .await?;
                 total += deleted;
-                if deleted < n {
+                if seen < n {
                     break;
                 }
             }
@@ -348,4 +359,34 @@ impl TransactionalOutbox for MySqlLedger {
             .map_err(map)?;
         Ok(sql::enqueued(done.last_insert_id()))
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MySqlLedgerOptions;
+
+    /// A ledger whose claims take MariaDB 10.5's path (plain `FOR UPDATE`,
+    /// waiting for another relay's claim instead of passing over its rows),
+    /// forced on whatever server the tests run against; on a table of its
+    /// own per case (`oncely_obw_<case>`, emptied first).
+    async fn waiting(case: &'static str) -> Option<MySqlLedger> {
+        let url =
+            oncely::conformance::service_url("ONCELY_MYSQL_URL", Some("mysql://root@127.0.0.1:3306/test"))?;
+        let table: String = format!("oncely_obw_{case}").chars().take(40).collect();
+        let opts = MySqlLedgerOptions::default().max_connections(70).table(&table);
+        let ledger = match MySqlLedger::connect_with(&url, opts).await {
+            Ok(l) => l,
+            Err(e) => return oncely::conformance::skip_or_fail(&format!("MySQL at {url}: {e}")),
+        };
+        // After the connect's probe, which detected `SKIP LOCKED`.
+        ledger.inner.skip_locked.store(false, Ordering::Relaxed);
+        sqlx::query(sqlx::AssertSqlSafe(sql::empty_outbox(&table)))
+            .execute(ledger.pool())
+            .await
+            .expect("the outbox emptied");
+        Some(ledger)
+    }
+
+    oncely::conformance::outbox_conformance_tests!(waiting);
 }

@@ -215,7 +215,11 @@ async fn migrations_through_every_node_at_once() {
         ledgers.push(t.await.unwrap().expect("connect and migrate through a node"));
     }
     use sqlx::Executor;
-    for t in [table.clone(), format!("{table}_horizon")] {
+    for t in [
+        table.clone(),
+        format!("{table}_horizon"),
+        format!("{table}_outbox"),
+    ] {
         ledgers[0]
             .pool()
             .execute(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS `{t}`")))

@@ -63,6 +63,8 @@ mod write;
 
 pub(crate) use admin::{Arg, kind_stats, records, stats};
 pub(crate) use batch::{Settled, Watermark};
+#[cfg(test)]
+pub(crate) use outbox::empty_outbox;
 pub(crate) use outbox::stats as outbox_stats;
 pub(crate) use outbox::{
     FencedState, OutboxStatements, READ_COMMITTED_NEXT, enqueued, id as outbox_id, locked, outbox_table,

@@ -1,7 +1,7 @@
 //! The transactional outbox's statements (`<table>_outbox`, schema version
 //! 3) and their rows: the enqueue in the caller's transaction, and the
 //! relay's claim (a short transaction: lock, grant, read back), fenced
-//! marks, retry, failure, prune and counts (`oncely::outbox`; the steps
+//! marks, retry, failure, prune (a read, then a delete) and counts (`oncely::outbox`; the steps
 //! are run by `outbox.rs`).
 //!
 //! The table is PostgreSQL's (`oncely-postgres`, schema version 6) in this
@@ -16,7 +16,7 @@ use oncely::{EffectKey, Result};
 use sqlx::Row;
 use sqlx::mysql::MySqlRow;
 
-use super::{Bound, NOW_US, placeholders, query};
+use super::{Bound, NOW_US, STMT_US, placeholders, query};
 use crate::error::{BACKEND, corrupt};
 
 /// The name of a ledger table's outbox table.
@@ -102,7 +102,8 @@ pub(crate) struct OutboxStatements {
     retry: String,
     fail: String,
     fenced_state: String,
-    prune: String,
+    prunable: String,
+    prune_prefix: String,
     stats: String,
 }
 
@@ -212,13 +213,24 @@ impl OutboxStatements {
         // node first applies what the cluster committed, such as the claim
         // through another node)? Parameter: id.
         let fenced_state = format!("{read}SELECT state, fence FROM `{o}` WHERE id = ?");
-        // Prune: up to `?` messages sent at least `?` µs ago, oldest first
-        // (`sent_idx`), guarded as the fenced writes. MySQL's `DELETE`
-        // takes `ORDER BY … LIMIT` itself. Parameters: older-than µs, guard,
-        // limit.
-        let prune = format!(
-            "DELETE FROM `{o}` WHERE state = 'sent' AND sent_us <= {NOW_US} - ? AND {guard} \
+        // Prune, step 1: up to `?` messages sent at least `?` µs ago, oldest
+        // first, by a plain read of `sent_idx` (no lock). The cutoff is the
+        // statement's start ([`STMT_US`], a constant), which a read that
+        // waits on nothing reads as the clock: [`NOW_US`] calls `SYSDATE()`
+        // per row, which the optimizer cannot bound an index range with.
+        // (MariaDB 10.11 plans a `DELETE … ORDER BY sent_us LIMIT n` as a
+        // sort of every sent message, hence two statements.) Parameters:
+        // older-than µs, limit.
+        let prunable = format!(
+            "SELECT id FROM `{o}` WHERE state = 'sent' AND sent_us <= {STMT_US} - ? \
              ORDER BY sent_us LIMIT ?"
+        );
+        // Prune, step 2: deletes those, restating what made them prunable
+        // (a concurrent prune may have deleted some: they count for it),
+        // guarded as the fenced writes. Parameters: older-than µs, guard,
+        // the ids.
+        let prune_prefix = format!(
+            "DELETE FROM `{o}` WHERE state = 'sent' AND sent_us <= {STMT_US} - ? AND {guard} AND id IN "
         );
         // The counts, in one read (causal on Galera). `COUNT` of a `CASE`
         // counts the rows it does not make NULL, and is a BIGINT even on an
@@ -245,7 +257,8 @@ impl OutboxStatements {
             retry,
             fail,
             fenced_state,
-            prune,
+            prunable,
+            prune_prefix,
             stats,
         }
     }
@@ -365,16 +378,36 @@ impl OutboxStatements {
         query(&self.fenced_state).bind(id)
     }
 
-    /// Deletes up to `limit` messages sent at least `older_than_us` ago. No
-    /// rows; the affected-row count is how many.
-    pub(crate) fn bind_prune(&self, older_than_us: i64, limit: u64) -> Bound {
-        query(&self.prune).bind(older_than_us).bind(false).bind(limit)
+    /// Prune, step 1: an `id` row per message sent at least
+    /// `older_than_us` ago, at most `limit`, oldest first.
+    pub(crate) fn bind_prunable(&self, older_than_us: i64, limit: u64) -> Bound {
+        query(&self.prunable).bind(older_than_us).bind(limit)
+    }
+
+    /// Prune, step 2, for `n` ids.
+    pub(crate) fn prune(&self, n: usize) -> String {
+        format!("{}{}", self.prune_prefix, placeholders(n, "?"))
+    }
+
+    /// Prune, step 2: deletes `ids` (found by step 1). No rows; the
+    /// affected-row count is how many.
+    pub(crate) fn bind_prune(&self, older_than_us: i64, ids: &[u64]) -> Bound {
+        ids.iter().fold(
+            query(&self.prune(ids.len())).bind(older_than_us).bind(false),
+            |q, id| q.bind(*id),
+        )
     }
 
     /// The counts: one row ([`stats`]).
     pub(crate) fn bind_stats(&self) -> Bound {
         query(&self.stats)
     }
+}
+
+/// Deletes every message of `<t>_outbox`: the tests' fresh start.
+#[cfg(test)]
+pub(crate) fn empty_outbox(t: &str) -> String {
+    format!("DELETE FROM `{}`", outbox_table(t))
 }
 
 /// `error`, cut to at most [`MAX_ERROR_BYTES`] at a character boundary.
@@ -398,7 +431,7 @@ fn unreadable(e: sqlx::Error) -> oncely::Error {
     corrupt(format!("unreadable outbox row: {e}"))
 }
 
-/// The `id` of a row of the claim's step 1.
+/// The `id` of a row of the claim's step 1, or of prune's.
 pub(crate) fn id(row: &MySqlRow) -> Result<u64> {
     row.try_get("id").map_err(unreadable)
 }
@@ -493,7 +526,8 @@ mod tests {
         assert_eq!(s.mark_sent.matches('?').count(), 3);
         assert_eq!(s.retry.matches('?').count(), 5);
         assert_eq!(s.fail.matches('?').count(), 4);
-        assert_eq!(s.prune.matches('?').count(), 3);
+        assert_eq!(s.prunable.matches('?').count(), 2);
+        assert_eq!(s.prune(3).matches('?').count(), 2 + 3);
         assert_eq!(s.grant(3).matches('?').count(), 1 + 3);
         assert_eq!(s.granted(3).matches('?').count(), 3);
         assert_eq!(s.lock_tickets(2).matches('?').count(), 4);
