@@ -1,8 +1,9 @@
 //! The outbox on MySQL / MariaDB, beyond the shared suite: a claim in
 //! flight (its rows locked, its lease not yet committed) is passed over and
 //! still holds back its ordering key; an enqueue that waits on another
-//! transaction's uncommitted message of the same key; the relay's writes on
-//! a pooled connection someone else left inside a transaction.
+//! transaction's uncommitted message of the same key; marking several
+//! messages sent answers each ticket; the relay's writes on a pooled
+//! connection someone else left inside a transaction.
 
 use std::time::Duration;
 
@@ -136,6 +137,44 @@ async fn an_enqueue_waits_for_an_uncommitted_message_of_its_key() {
         let tickets: Vec<_> = claimed.iter().map(Pending::ticket).collect();
         assert_eq!(ledger.mark_sent(&tickets).await.unwrap(), vec![true]);
     }
+}
+
+/// Marking several messages sent (one transaction) answers each ticket:
+/// a live claim's is written, a stale one's (its lease taken over) and a
+/// sent one's are not, whatever their place in the batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_of_marks_answers_each_ticket() {
+    let Some(ledger) = fresh("batch_marks", MySqlLedgerOptions::default()).await else {
+        return;
+    };
+    let t = fresh_tenant();
+    for i in 0..3 {
+        enqueue(
+            &ledger,
+            &key(&t, "order.paid", &format!("order-{i}")),
+            &format!("{i}"),
+        )
+        .await;
+    }
+    let first = ledger.claim_messages(10, Duration::from_secs(1)).await.unwrap();
+    assert_eq!(first.len(), 3);
+    // Not a measure: the lease ends on the server's clock by then.
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let second = ledger.claim_messages(10, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(second.len(), 3);
+    assert_eq!(ledger.mark_sent(&[second[2].ticket()]).await.unwrap(), vec![true]);
+    let tickets = [
+        first[0].ticket(),
+        second[0].ticket(),
+        second[2].ticket(),
+        first[1].ticket(),
+        second[1].ticket(),
+    ];
+    assert_eq!(
+        ledger.mark_sent(&tickets).await.unwrap(),
+        vec![false, true, false, false, true]
+    );
+    assert_eq!(ledger.outbox_stats().await.unwrap().sent, 3);
 }
 
 /// Leaves the pool's only connection inside an open transaction that sqlx
