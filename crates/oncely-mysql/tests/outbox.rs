@@ -163,6 +163,15 @@ async fn a_batch_of_marks_answers_each_ticket() {
     let second = ledger.claim_messages(10, Duration::from_secs(30)).await.unwrap();
     assert_eq!(second.len(), 3);
     assert_eq!(ledger.mark_sent(&[second[2].ticket()]).await.unwrap(), vec![true]);
+    // Stale tickets alone write nothing: the live claims still hold.
+    assert_eq!(
+        ledger
+            .mark_sent(&[first[0].ticket(), first[1].ticket()])
+            .await
+            .unwrap(),
+        vec![false, false]
+    );
+    assert_eq!(ledger.outbox_stats().await.unwrap().sent, 1);
     let tickets = [
         first[0].ticket(),
         second[0].ticket(),
