@@ -127,7 +127,11 @@ impl OutboxStatements {
         // statement's OK packet reports the new row's id for an insert and 0
         // for a key that names a message already, whether committed or
         // written earlier in this transaction (the affected-row count cannot
-        // tell: with CLIENT_FOUND_ROWS it is 1 both times). A key held
+        // tell: with CLIENT_FOUND_ROWS it is 1 both times). MariaDB 10.11
+        // reports 0 for an untouched duplicate without it too; MySQL's
+        // manual has an ODKU that touches a row report that row's
+        // `AUTO_INCREMENT` value, and an explicit `LAST_INSERT_ID(expr)`
+        // wins over it on both servers. A key held
         // uncommitted by another transaction makes this one wait on its row
         // lock, then write nothing, or its own row if that one rolled back.
         // The only other unique index is the `AUTO_INCREMENT` primary key,
