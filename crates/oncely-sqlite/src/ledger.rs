@@ -252,9 +252,14 @@ impl SqliteLedger {
         self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(map)
     }
 
+    /// The ledger's statements (the outbox's among them: `outbox.rs`).
+    pub(crate) fn queries(&self) -> &Queries {
+        &self.q
+    }
+
     /// Refuses a write on a read-only ledger before it reaches SQLite (whose
     /// `SQLITE_READONLY` would read as a retryable outage).
-    fn writable(&self, what: &str) -> Result<()> {
+    pub(crate) fn writable(&self, what: &str) -> Result<()> {
         if self.read_only {
             return Err(Error::Config(format!(
                 "{what}: the ledger on table {} was opened read-only",

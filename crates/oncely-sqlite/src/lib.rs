@@ -183,6 +183,7 @@ mod error;
 mod ledger;
 mod notify;
 mod options;
+mod outbox;
 mod schema;
 mod sql;
 
