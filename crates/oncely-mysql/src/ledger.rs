@@ -235,7 +235,8 @@ impl MySqlLedger {
         &self.inner.pool
     }
 
-    /// The ledger table's name (its horizon table is `<table>_horizon`).
+    /// The ledger table's name (its horizon table is `<table>_horizon`, its
+    /// outbox `<table>_outbox`).
     pub fn table(&self) -> &str {
         &self.inner.table
     }
