@@ -55,6 +55,9 @@ pub(crate) struct Inner {
     pub(crate) returning: AtomicBool,
     /// `MySqlLedgerOptions::returning`: `None` detects it.
     pub(crate) returning_pref: Option<bool>,
+    /// Whether the server takes `FOR UPDATE SKIP LOCKED` (the outbox's
+    /// claim; not MariaDB 10.5), detected by `server.rs`.
+    pub(crate) skip_locked: AtomicBool,
     read_only: bool,
     /// Set once the server has been asked what it supports and the tables
     /// were checked (`server.rs`).
@@ -215,6 +218,7 @@ impl MySqlLedger {
                 max_outcome: AtomicUsize::new(options.max_outcome_bytes),
                 returning: AtomicBool::new(options.returning.unwrap_or(false)),
                 returning_pref: options.returning,
+                skip_locked: AtomicBool::new(true),
                 read_only: options.read_only,
                 probed: tokio::sync::OnceCell::new(),
                 packet_budget: AtomicUsize::new(1 << 20),
@@ -231,7 +235,8 @@ impl MySqlLedger {
         &self.inner.pool
     }
 
-    /// The ledger table's name (its horizon table is `<table>_horizon`).
+    /// The ledger table's name (its horizon table is `<table>_horizon`, its
+    /// outbox `<table>_outbox`).
     pub fn table(&self) -> &str {
         &self.inner.table
     }

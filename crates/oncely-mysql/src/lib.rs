@@ -3,7 +3,9 @@
 //! The MySQL 8 / MariaDB 10.5+ backend of [oncely]: an effect ledger in one
 //! InnoDB table (plus a small horizon table), whose claims can also join the
 //! caller's own transaction (`claim_in` / `complete_in`), so a business write
-//! and its claim commit together.
+//! and its claim commit together; and a transactional outbox beside it
+//! (`<table>_outbox`, [`oncely::outbox`]), whose messages are enqueued in
+//! that transaction too.
 //!
 //! ```no_run
 //! use oncely::backend::{Claim, Ledger, Outcome, TransactionalLedger};
@@ -41,7 +43,7 @@
 //! | --- | --- |
 //! | `mysql://` or `mariadb://` `user:password@host:port/database` | the server, and the database the ledger's tables live in (MySQL's schema: there is no separate `?schema=`) |
 //! | `user:password@host1:port1,host2:port2,host3:port3/database` | a host list (a Galera cluster's nodes; sqlx alone refuses it): the ledger connects to one that will do and moves to another when it goes away. See "Host lists and failover". An empty entry (`h1,,h2`), a bad host or port, or `?socket=` with a list: [`oncely::Error::Config`] before anything connects |
-//! | `?table=effects` | [`MySqlLedgerOptions::table`] (default [`DEFAULT_TABLE`]); its horizon table is `<table>_horizon` |
+//! | `?table=effects` | [`MySqlLedgerOptions::table`] (default [`DEFAULT_TABLE`]); its horizon table is `<table>_horizon`, its outbox `<table>_outbox` |
 //! | `?ssl-mode=`, `?charset=`, `?socket=`, `?timezone=` … | sqlx's own parameters, handed to it |
 //! | any other parameter (`?tabel=x`, `?schema=x`) | refused: [`oncely::Error::Config`] naming it and the accepted ones, before anything connects |
 //!
@@ -63,8 +65,9 @@
 //! | clock | the database server's, read when each write takes effect (after any lock wait): `UTC_TIMESTAMP(6)` plus the time elapsed since, measured with `SYSDATE(6)`, independent of the session time zone (see below). A server started with `--sysdate-is-now` is refused. On Galera, each write's node's clock: node clocks must differ by less than the runner's safety margin (see "Galera") |
 //! | fences | the server clock's µs at the grant, or the previous fence + 1, whichever is higher ([`oncely::backend::next_fence`]): never repeated for a key, prunes included (one caveat below) |
 //! | horizon | a watermark per tenant and kind in `<table>_horizon`, raised by `prune` in the transaction that deletes; a claim with `sent_at` at or before it fails with `BeyondHorizon` when its key is absent. A claim without `sent_at` cannot be told from new work |
-//! | schema | checked on connect (every mode) and after `migrate`: columns and types, a primary key or unique index on exactly `effect_key`, binary collations on `effect_key`, `tenant`, `kind`, InnoDB; anything else is [`oncely::Error::Config`] naming the table and the problem |
-//! | read-only | [`MySqlLedgerOptions::read_only`]: no migration, read-only sessions; `get`, `abandoned` and `horizon` work for a user with `SELECT` on the two tables |
+//! | schema | checked on connect (every mode) and after `migrate`: columns and types, a primary key or unique index on exactly `effect_key`, binary collations on `effect_key`, `tenant`, `kind`, InnoDB; the same for the horizon table and the outbox table (schema version 3), which must exist; anything else is [`oncely::Error::Config`] naming the table and the problem |
+//! | read-only | [`MySqlLedgerOptions::read_only`]: no migration, read-only sessions; `get`, `abandoned` and `horizon` work for a user with `SELECT` on the ledger's three tables (the schema check reads the outbox's too) |
+//! | transactional outbox | [`oncely::outbox`] on `<table>_outbox`: [`enqueue_in`](oncely::outbox::TransactionalOutbox::enqueue_in) is one `INSERT … ON DUPLICATE KEY UPDATE` in the caller's transaction (a key that names a message already writes nothing, and only that conflict is taken for one: see "The outbox"). A relay's claim is a short READ COMMITTED transaction: `SELECT … ORDER BY id LIMIT n FOR UPDATE SKIP LOCKED` of the oldest pending message of each ordering key (due, not under a live lease), the lease and fence granted by an `UPDATE`, the rows read back, commit. Marks, retries and failures are fenced on (id, fence) and on the message being pending; each runs on the pool like the ledger's writes (retried on a deadlock or a Galera certification conflict, the commit's included; guarded against a leaked transaction) |
 //! | max key | 255 bytes (`VARCHAR(255)` utf8mb4, `utf8mb4_bin`) |
 //! | max outcome | 64 KiB ([`oncely::backend::MAX_OUTCOME_BYTES`]), lower if the server's `max_allowed_packet` is smaller; see [`MySqlLedger::max_outcome_bytes`] |
 //! | operator view | [`oncely::admin::Admin`]: `records` and `stats` read at one clock reading (a `LIMIT`ed derived table, never merged), scoped by a range of the primary key (`tenant/`, `tenant/kind:`), then sorted by `created_us`; `forget` is one guarded, fenced `UPDATE` run on the pool like every write (completed at that fence → released, outcome removed, row kept) |
@@ -379,11 +382,57 @@
 //! takes over once it expires (in `claim_in` the caller's rollback removes
 //! it).
 //!
+//! ## The outbox
+//!
+//! Messages live in `<table>_outbox` (schema version 3): PostgreSQL's table
+//! in this dialect (times in µs on the server's clock, the effect key as
+//! `effect_key`, an `AUTO_INCREMENT` id whose order is the relay's order per
+//! ordering key, `utf8mb4_bin` keys), with three indexes: `(state, id)` for
+//! the claim's scan in id order, `(ordering_key, state, id)` for its "no
+//! older pending message of this ordering key" test, `(state, sent_us)` for
+//! prune.
+//!
+//! - **Enqueue** ([`TransactionalOutbox::enqueue_in`](oncely::outbox::TransactionalOutbox::enqueue_in))
+//!   is `INSERT … ON DUPLICATE KEY UPDATE id = id + LAST_INSERT_ID(0)`: the
+//!   update changes nothing and pins the OK packet's insert id to 0, so the
+//!   new row's id tells a new message from one the key already names
+//!   (committed, or enqueued earlier in the same transaction). The
+//!   affected-row count cannot tell (`CLIENT_FOUND_ROWS`, above), and
+//!   `INSERT IGNORE` would hide every other error (above). It sets the
+//!   session's `LAST_INSERT_ID()`, as any insert into an `AUTO_INCREMENT`
+//!   table does.
+//! - **Claim** ([`Outbox::claim_messages`](oncely::outbox::Outbox::claim_messages)):
+//!   a READ COMMITTED transaction (no gap locks: an enqueue never waits
+//!   behind a claim) that locks the candidates with `FOR UPDATE SKIP LOCKED`
+//!   (rows another relay's claim holds are passed over; the row's own
+//!   conditions are judged on its latest version, on the clock when read),
+//!   grants each a lease on the server's clock and a fence above its last
+//!   one and the clock's µs ([`oncely::backend::next_fence`]), reads them
+//!   back and commits. The ordering-key test is a plain read (a locking
+//!   clause does not reach a subquery): a message another claim holds still
+//!   holds back its successors. MariaDB 10.5 has no `SKIP LOCKED`: there
+//!   the claim locks with plain `FOR UPDATE` and waits for another relay's
+//!   claim to commit, then judges the row again (claims take turns; the
+//!   answers are the same). On Galera, two nodes' claims of one message
+//!   both lock it locally, and the second to commit fails certification
+//!   (1213): the claim runs again and finds the first one's lease.
+//! - **Marks** are fenced on (id, fence, pending): one ticket is one
+//!   guarded autocommit `UPDATE`, as the ledger's completions (a miss on a
+//!   Galera node asks a causal read whether the claim, made through another
+//!   node, is there yet); several are one transaction that locks the
+//!   messages still pending at their tickets' fences, then marks them, so
+//!   each ticket's answer is exact.
+//! - **Prune** ([`Outbox::prune_sent`](oncely::outbox::Outbox::prune_sent))
+//!   deletes in batches of 500: a plain read of the oldest sent messages
+//!   (on the statement's clock, which can bound an index range where
+//!   `SYSDATE()` cannot), then a `DELETE` of them that checks again.
+//!
 //! ## Schema, migrations, read-only
 //!
 //! [`MySqlLedger::connect`] creates and upgrades the tables (versions are
 //! recorded in `oncely_schema_migrations`; version 2 adds the horizon table
-//! to a table of the previous release). `CREATE TABLE IF NOT EXISTS` would
+//! to a table of the first release, version 3 the outbox table
+//! `<table>_outbox` and its indexes; neither changes the ledger table). `CREATE TABLE IF NOT EXISTS` would
 //! accept any table of that name, so the tables are checked against what the
 //! ledger needs on connect, before a migration touches a table it did not
 //! create, and after it. With [`MySqlLedgerOptions::migrate`]`(false)` or
@@ -442,6 +491,7 @@ mod guard; // running on the pool: one retry loop, the operation timeout, the le
 mod hosts; // a URL's host list, the check of every new connection, moving to another host
 mod ledger; // MySqlLedger: constructors, Ledger, TransactionalLedger, FromUrl
 mod options; // MySqlLedgerOptions, this backend's URLs
+mod outbox; // the transactional outbox: enqueue in the caller's transaction, the relay's claim and fenced writes
 mod prune; // prune's batches: lock the watermarks, raise them, delete
 mod row; // reading a result to its end (first, only)
 mod schema; // migrations and the check of the tables

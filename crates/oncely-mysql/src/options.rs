@@ -55,7 +55,7 @@ impl MySqlLedgerOptions {
     }
 
     /// The ledger table (default [`DEFAULT_TABLE`]); its horizon table is
-    /// `<table>_horizon`. Must be an identifier: an ASCII letter or `_`, then
+    /// `<table>_horizon`, its outbox `<table>_outbox`. Must be an identifier: an ASCII letter or `_`, then
     /// letters, digits or `_`, at most 48 bytes.
     pub fn table(mut self, name: impl Into<String>) -> Self {
         self.table = name.into();
@@ -92,7 +92,7 @@ impl MySqlLedgerOptions {
     /// `migrate(false)`; the pool's sessions run `SET SESSION TRANSACTION
     /// READ ONLY`, and the ledger refuses every write (claims, completions,
     /// prune, `begin`) with [`Error::Config`] before any round trip. A user
-    /// with `SELECT` on the ledger's two tables can then `get`, list
+    /// with `SELECT` on the ledger's three tables can then `get`, list
     /// `abandoned` steps and read the `horizon` (operator tools, the CLI's
     /// read commands).
     pub fn read_only(mut self, read_only: bool) -> Self {

@@ -27,10 +27,13 @@ enum Want {
     /// A string that stores any key part without loss: `utf8mb4` or binary,
     /// at least this many characters.
     Text(i64),
-    /// `ENUM` with at least the three states.
-    State,
-    /// `BIGINT UNSIGNED` (fences).
+    /// `ENUM` with at least these values (a record's or a message's
+    /// states).
+    Enum(&'static [&'static str]),
+    /// `BIGINT UNSIGNED` (fences, outbox ids).
     Unsigned,
+    /// `INT UNSIGNED` or `BIGINT UNSIGNED` (a count: a message's attempts).
+    Count,
     /// `BIGINT` (signed: timestamps and durations in µs).
     Signed,
     /// `TINYINT` (`BOOLEAN`).
@@ -61,7 +64,7 @@ const EFFECTS: Spec = &[
         Want::Text(oncely::backend::MAX_KEY_BYTES as i64),
         false,
     ),
-    ("state", Want::State, false),
+    ("state", Want::Enum(RECORD_STATES), false),
     ("fence", Want::Unsigned, false),
     ("fingerprint", Want::Bytes(32), true),
     (
@@ -76,6 +79,49 @@ const EFFECTS: Spec = &[
     ("lease_expires_us", Want::Signed, true),
     ("retention_us", Want::Signed, false),
     ("retain_until_us", Want::Signed, false),
+];
+
+/// A record's stored states.
+const RECORD_STATES: &[&str] = &["in_progress", "completed", "released"];
+
+/// The outbox table (schema version 3: it exists whole or not at all).
+const OUTBOX: Spec = &[
+    ("id", Want::Unsigned, false),
+    (
+        "effect_key",
+        Want::Exact(oncely::backend::MAX_KEY_BYTES as i64),
+        false,
+    ),
+    (
+        "tenant",
+        Want::Text(oncely::backend::MAX_TENANT_BYTES as i64),
+        false,
+    ),
+    (
+        "ordering_key",
+        Want::Exact(oncely::outbox::MAX_ORDERING_KEY_BYTES as i64),
+        false,
+    ),
+    (
+        "destination",
+        Want::Text(oncely::outbox::MAX_DESTINATION_BYTES as i64),
+        false,
+    ),
+    // The headers' JSON: 32 headers of up to 4 KiB values, escaped.
+    ("headers", Want::Text(1 << 20), false),
+    (
+        "payload",
+        Want::Blob(oncely::outbox::MAX_PAYLOAD_BYTES as i64),
+        false,
+    ),
+    ("state", Want::Enum(&["pending", "sent", "failed"]), false),
+    ("attempts", Want::Count, false),
+    ("fence", Want::Unsigned, false),
+    ("lease_expires_us", Want::Signed, true),
+    ("due_us", Want::Signed, false),
+    ("enqueued_us", Want::Signed, false),
+    ("sent_us", Want::Signed, true),
+    ("last_error", Want::Text(0), true),
 ];
 
 const HORIZON: Spec = &[
@@ -135,16 +181,18 @@ impl Column {
                     None
                 }
             }
-            Want::State => {
-                let has_all = ["'in_progress'", "'completed'", "'released'"]
-                    .iter()
-                    .all(|v| ct.contains(v));
-                (dt != "enum" || !has_all)
-                    .then(|| "must be ENUM('in_progress', 'completed', 'released')".to_owned())
+            Want::Enum(values) => {
+                let has_all = values.iter().all(|v| ct.contains(&format!("'{v}'")));
+                (dt != "enum" || !has_all).then(|| {
+                    let list: Vec<String> = values.iter().map(|v| format!("'{v}'")).collect();
+                    format!("must be ENUM({})", list.join(", "))
+                })
             }
             Want::Unsigned => {
                 (dt != "bigint" || !ct.contains("unsigned")).then(|| "must be BIGINT UNSIGNED".to_owned())
             }
+            Want::Count => (!is(&["int", "bigint"]) || !ct.contains("unsigned"))
+                .then(|| "must be INT UNSIGNED".to_owned()),
             Want::Signed => {
                 (dt != "bigint" || ct.contains("unsigned")).then(|| "must be BIGINT (signed)".to_owned())
             }
@@ -164,12 +212,14 @@ impl Column {
     }
 }
 
-/// Checks the ledger table and its horizon table; [`Error::Config`] names the
-/// table and everything wrong with it. Reads `information_schema` only, so a
-/// user with `SELECT` on the two tables can run it.
+/// Checks the ledger table, its horizon table and its outbox table (schema
+/// version 3); [`Error::Config`] names the table and everything wrong with
+/// it. Reads `information_schema` only, so a user with `SELECT` on the
+/// tables can run it.
 pub(crate) async fn verify(conn: &mut MySqlConnection, table: &str) -> Result<()> {
     verify_one(conn, table, EFFECTS, &["effect_key"]).await?;
-    verify_one(conn, &sql::horizon_table(table), HORIZON, &["kind", "tenant"]).await
+    verify_one(conn, &sql::horizon_table(table), HORIZON, &["kind", "tenant"]).await?;
+    verify_one(conn, &sql::outbox_table(table), OUTBOX, &["effect_key"]).await
 }
 
 /// Checks one table: it exists as an InnoDB base table, has every column of
@@ -479,7 +529,7 @@ mod tests {
                 "utf8mb4",
                 "utf8mb4_bin"
             )
-            .problem(Want::State, false)
+            .problem(Want::Enum(RECORD_STATES), false)
             .is_none()
         );
         assert!(
@@ -490,7 +540,7 @@ mod tests {
                 "utf8mb4",
                 "utf8mb4_bin"
             )
-            .problem(Want::State, false)
+            .problem(Want::Enum(RECORD_STATES), false)
             .is_some()
         );
     }

@@ -1,5 +1,6 @@
 //! What the server supports, asked once before a ledger's first operation:
-//! `RETURNING` (MariaDB 10.5+), `max_allowed_packet`, `@@in_transaction`
+//! `RETURNING` (MariaDB 10.5+), `SKIP LOCKED` (MySQL 8, MariaDB 10.6+: the
+//! outbox's claim), `max_allowed_packet`, `@@in_transaction`
 //! (the leaked-transaction guard), a `SYSDATE()` that reads the clock,
 //! sessions that commit, and whether it is a Galera node (`@@wsrep_on`:
 //! causal reads, `Capabilities::replicated`); then the tables are checked.
@@ -14,10 +15,10 @@ use crate::guard::Conn;
 use crate::row::only;
 use crate::{MySqlLedger, schema, sql};
 
-/// Whether a `VERSION()` string is MariaDB 10.5 or later.
-pub(crate) fn mariadb_returning(version: &str) -> bool {
+/// A MariaDB `VERSION()` string's (major, minor); `None` for MySQL.
+fn mariadb_version(version: &str) -> Option<(u32, u32)> {
     if !version.to_ascii_lowercase().contains("mariadb") {
-        return false;
+        return None;
     }
     // Old replication-compatible servers prefix the real version with 5.5.5-.
     let version = version.strip_prefix("5.5.5-").unwrap_or(version);
@@ -26,7 +27,20 @@ pub(crate) fn mariadb_returning(version: &str) -> bool {
         .filter(|s| !s.is_empty());
     let major: u32 = parts.next().and_then(|s| s.parse().ok()).unwrap_or(0);
     let minor: u32 = parts.next().and_then(|s| s.parse().ok()).unwrap_or(0);
-    (major, minor) >= (10, 5)
+    Some((major, minor))
+}
+
+/// Whether a `VERSION()` string is MariaDB 10.5 or later.
+pub(crate) fn mariadb_returning(version: &str) -> bool {
+    mariadb_version(version).is_some_and(|v| v >= (10, 5))
+}
+
+/// Whether the server takes `SELECT … FOR UPDATE SKIP LOCKED`: MySQL 8
+/// (8.0.1+; this crate needs 8), MariaDB 10.6+. MariaDB 10.5 has no
+/// `SKIP LOCKED`: there the outbox's claim waits for another relay's
+/// claim instead of passing over its rows.
+pub(crate) fn skip_locked(version: &str) -> bool {
+    mariadb_version(version).is_none_or(|v| v >= (10, 6))
 }
 
 /// Whether `SYSDATE(6)` reads the clock at call time: it ran this many µs
@@ -131,6 +145,9 @@ impl MySqlLedger {
                     .returning_pref
                     .unwrap_or_else(|| mariadb_returning(&version));
                 self.inner.returning.store(returning, Ordering::Relaxed);
+                self.inner
+                    .skip_locked
+                    .store(skip_locked(&version), Ordering::Relaxed);
                 // The outcome travels in one packet with the key, the fence and
                 // the statement's framing; keep 4 KiB for those.
                 let fits = usize::try_from(packet.saturating_sub(4096)).unwrap_or(usize::MAX);
@@ -161,6 +178,17 @@ mod tests {
             mariadb_returning("5.5.5-10.11.6-MariaDB"),
             "the 5.5.5- prefix is not the version"
         );
+    }
+
+    #[test]
+    fn skip_locked_detection() {
+        assert!(skip_locked("10.11.19-MariaDB-0+deb12u1"));
+        assert!(skip_locked("10.6.0-MariaDB"));
+        assert!(skip_locked("11.4.2-MariaDB-log"));
+        assert!(!skip_locked("10.5.25-MariaDB"));
+        assert!(!skip_locked("5.5.5-10.5.25-MariaDB"));
+        assert!(skip_locked("8.0.36"));
+        assert!(skip_locked("8.4.0-commercial"));
     }
 
     #[test]

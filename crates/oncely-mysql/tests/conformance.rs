@@ -92,3 +92,22 @@ mod simultaneous_assignment {
     oncely::conformance::conformance_tests!(ledger);
     oncely::conformance::transactional_conformance_tests!(ledger);
 }
+
+/// A ledger on a table of its own per outbox case (`oncely_ob_<case>`,
+/// emptied first): a relay's claim takes any due message of its outbox.
+async fn outbox(case: &'static str) -> Option<MySqlLedger> {
+    let url = oncely::conformance::service_url("ONCELY_MYSQL_URL", Some("mysql://root@127.0.0.1:3306/test"))?;
+    let table: String = format!("oncely_ob_{case}").chars().take(40).collect();
+    let opts = MySqlLedgerOptions::default().max_connections(70).table(&table);
+    let ledger = match MySqlLedger::connect_with(&url, opts).await {
+        Ok(l) => l,
+        Err(e) => return oncely::conformance::skip_or_fail(&format!("MySQL at {url}: {e}")),
+    };
+    sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM `{table}_outbox`")))
+        .execute(ledger.pool())
+        .await
+        .expect("the outbox emptied");
+    Some(ledger)
+}
+
+oncely::conformance::outbox_conformance_tests!(outbox);

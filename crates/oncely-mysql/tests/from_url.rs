@@ -241,7 +241,11 @@ async fn the_url_names_the_table() {
     assert!(!shown.contains('@'), "{shown}");
     default.pool().close().await;
 
-    for t in [format!("{table}_horizon"), table.clone()] {
+    for t in [
+        format!("{table}_horizon"),
+        format!("{table}_outbox"),
+        table.clone(),
+    ] {
         sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS `{t}`")))
             .execute(app.pool())
             .await

@@ -2,7 +2,8 @@
 //! or the one scripts/galera-cluster.sh starts): the shared suite against
 //! one node, and the multi-node suite with one ledger per node racing for
 //! the same keys, on both claim paths; both suites again through a URL
-//! listing every node.
+//! listing every node; the outbox's suite on one node, and its claims and
+//! marks through several.
 
 mod common;
 
@@ -193,6 +194,140 @@ mod lag {
     }
 }
 
+/// The transactional outbox on Galera: no node's row locks reach another,
+/// so two nodes' claims of one message both lock it and the second to
+/// commit fails certification (1213), which the claim takes as "run
+/// again"; and a claim made through one node may be marked through another
+/// that has not applied it yet.
+mod outbox {
+    use std::collections::HashSet;
+    use std::time::Duration;
+
+    use oncely::backend::TransactionalLedger;
+    use oncely::conformance::fresh_tenant;
+    use oncely::outbox::{Enqueued, Message, Outbox, Pending, TransactionalOutbox};
+    use oncely::{EffectKey, Tenant};
+
+    use super::*;
+
+    /// One ledger per node on `table`, whose outbox is emptied first.
+    async fn nodes_on(table: &str) -> Option<Vec<MySqlLedger>> {
+        let nodes = common::nodes_with(opts().table(table)).await?;
+        sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM `{table}_outbox`")))
+            .execute(nodes[0].pool())
+            .await
+            .unwrap();
+        Some(nodes)
+    }
+
+    /// The suite on the first node, a table of its own per case.
+    async fn one_node(case: &'static str) -> Option<MySqlLedger> {
+        let table: String = format!("galera_ob_{case}").chars().take(40).collect();
+        nodes_on(&table).await.map(|mut n| n.swap_remove(0))
+    }
+
+    oncely::conformance::outbox_conformance_tests!(one_node);
+
+    async fn enqueue(ledger: &MySqlLedger, t: &Tenant, subject: &str) {
+        let k = EffectKey::new(t, "order.paid", subject).unwrap();
+        let m = Message::new("orders", subject.as_bytes().to_vec()).unwrap();
+        let mut tx = ledger.begin().await.unwrap();
+        assert!(matches!(
+            ledger.enqueue_in(&mut tx, &k, &m).await.unwrap(),
+            Enqueued::New(_)
+        ));
+        ledger.commit(tx).await.unwrap();
+    }
+
+    /// Relays on every node claim at once until nothing is left: every
+    /// message is held by exactly one of them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn claims_through_every_node_hold_each_message_once() {
+        let Some(nodes) = nodes_on("galera_ob_race").await else {
+            return;
+        };
+        let t = fresh_tenant();
+        const N: usize = 90;
+        for i in 0..N {
+            enqueue(&nodes[i % 3], &t, &format!("order-{i}")).await;
+        }
+        let mut relays = Vec::new();
+        for r in 0..6 {
+            let node = nodes[r % 3].clone();
+            relays.push(tokio::spawn(async move {
+                let mut held = Vec::new();
+                let mut idle = 0;
+                while idle < 3 {
+                    match node.claim_messages(4, Duration::from_secs(60)).await {
+                        Ok(c) if c.is_empty() => idle += 1,
+                        Ok(c) => {
+                            idle = 0;
+                            held.extend(c.iter().map(|m| m.id));
+                        }
+                        // A conflict that kept losing: a relay's next pass.
+                        Err(e) if e.is_retryable() => {}
+                        Err(e) => panic!("{e:?}"),
+                    }
+                }
+                held
+            }));
+        }
+        let mut seen = HashSet::new();
+        for relay in relays {
+            for id in relay.await.unwrap() {
+                assert!(seen.insert(id), "message {id} claimed twice");
+            }
+        }
+        assert_eq!(seen.len(), N, "every message was claimed");
+    }
+
+    /// A claim made through node A is marked sent, retried or failed
+    /// through node B at once: never refused for a claim node B had not
+    /// applied yet, whether one ticket or several.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_claim_on_one_node_is_marked_on_another() {
+        let Some(nodes) = nodes_on("galera_ob_moved").await else {
+            return;
+        };
+        let t = fresh_tenant();
+        let mut refused = Vec::new();
+        for round in 0..60 {
+            let (a, b) = (&nodes[round % 3], &nodes[(round + 1) % 3]);
+            let n = if round % 2 == 0 { 1 } else { 3 };
+            for i in 0..n {
+                enqueue(a, &t, &format!("moved-{round}-{i}")).await;
+            }
+            let claimed = a.claim_messages(10, Duration::from_secs(60)).await.unwrap();
+            assert_eq!(claimed.len(), n, "round {round}");
+            let wrote = match round % 6 {
+                3 => vec![
+                    b.retry_later(claimed[0].ticket(), Duration::from_secs(600), "down")
+                        .await
+                        .unwrap(),
+                ],
+                4 => vec![b.mark_failed(claimed[0].ticket(), "refused").await.unwrap()],
+                _ => {
+                    let tickets: Vec<_> = claimed.iter().map(Pending::ticket).collect();
+                    b.mark_sent(&tickets).await.unwrap()
+                }
+            };
+            if wrote.iter().any(|w| !w) {
+                refused.push((round, wrote));
+            }
+            // The round's leftovers (a retried message, the rest of a batch
+            // of which only one was failed) must not hold later rounds' keys.
+            let rest: Vec<_> = claimed.iter().skip(1).map(Pending::ticket).collect();
+            if matches!(round % 6, 3 | 4) && !rest.is_empty() {
+                a.mark_sent(&rest).await.unwrap();
+            }
+        }
+        assert!(
+            refused.is_empty(),
+            "live claims refused on another node: {refused:?}"
+        );
+    }
+}
+
 /// Three processes migrating a new table at once, each through its own
 /// node: `GET_LOCK` serialises migrations on one node only, so the cluster
 /// relies on each step being idempotent (DDL runs in the cluster's total
@@ -215,7 +350,11 @@ async fn migrations_through_every_node_at_once() {
         ledgers.push(t.await.unwrap().expect("connect and migrate through a node"));
     }
     use sqlx::Executor;
-    for t in [table.clone(), format!("{table}_horizon")] {
+    for t in [
+        table.clone(),
+        format!("{table}_horizon"),
+        format!("{table}_outbox"),
+    ] {
         ledgers[0]
             .pool()
             .execute(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS `{t}`")))

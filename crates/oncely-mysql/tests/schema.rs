@@ -1,12 +1,14 @@
 //! The ledger's tables: tables someone else created are checked before use
 //! (and refused when a claim could not rely on them), `migrate(false)` and
 //! `read_only(true)` create nothing, a user with only `SELECT` can read, and
-//! a table made by the previous release migrates.
+//! tables made by earlier releases migrate (version 1: no horizon; version
+//! 2: no outbox).
 
 use std::time::Duration;
 
-use oncely::backend::{Claim, Ledger, Outcome, RecordState};
+use oncely::backend::{Claim, Ledger, Outcome, RecordState, TransactionalLedger};
 use oncely::conformance::{fresh_tenant, service_url, skip_or_fail};
+use oncely::outbox::{Enqueued, Message, Outbox, TransactionalOutbox};
 use oncely::{ClaimOptions, EffectKey, Error};
 use oncely_mysql::{MySqlLedger, MySqlLedgerOptions};
 use sqlx::{Executor, MySqlPool};
@@ -38,7 +40,11 @@ async fn exec(pool: &MySqlPool, sql: String) {
 }
 
 async fn drop_tables(pool: &MySqlPool, t: &str) {
-    exec(pool, format!("DROP TABLE IF EXISTS `{t}`, `{t}_horizon`")).await;
+    exec(
+        pool,
+        format!("DROP TABLE IF EXISTS `{t}`, `{t}_horizon`, `{t}_outbox`"),
+    )
+    .await;
     // The bookkeeping table may not exist yet on a fresh database.
     let _ = sqlx::query("DELETE FROM oncely_schema_migrations WHERE table_name = ?")
         .bind(t)
@@ -278,7 +284,7 @@ async fn correct_pre_existing_table_is_accepted() {
     let ledger = MySqlLedger::connect_with(&url, MySqlLedgerOptions::default().table(&t))
         .await
         .unwrap();
-    assert_eq!(versions(&pool, &t).await, vec![1, 2]);
+    assert_eq!(versions(&pool, &t).await, vec![1, 2, 3]);
     let k = EffectKey::new(&fresh_tenant(), "capture", "hand-made").unwrap();
     let l = match ledger.claim(&k, &ClaimOptions::default()).await.unwrap() {
         Claim::Acquired(l) => l,
@@ -370,7 +376,7 @@ async fn select_only_user_reads() {
     let user = format!("oncely_ro_{}", std::process::id());
     exec(&pool, format!("DROP USER IF EXISTS '{user}'@'%'")).await;
     exec(&pool, format!("CREATE USER '{user}'@'%' IDENTIFIED BY 'ro-pw'")).await;
-    for tbl in [t.clone(), format!("{t}_horizon")] {
+    for tbl in [t.clone(), format!("{t}_horizon"), format!("{t}_outbox")] {
         exec(&pool, format!("GRANT SELECT ON `{tbl}` TO '{user}'@'%'")).await;
     }
     let ro_url = url.replacen("root@", &format!("{user}:ro-pw@"), 1);
@@ -503,7 +509,7 @@ async fn previous_release_table_migrates() {
     let ledger = MySqlLedger::connect_with(&url().unwrap(), MySqlLedgerOptions::default().table(&t))
         .await
         .unwrap();
-    assert_eq!(versions(&pool, &t).await, vec![1, 2]);
+    assert_eq!(versions(&pool, &t).await, vec![1, 2, 3]);
     assert!(exists(&pool, &format!("{t}_horizon")).await);
     match ledger
         .claim(&key("completed"), &ClaimOptions::default())
@@ -543,6 +549,81 @@ async fn previous_release_table_migrates() {
     assert!(ledger.release(&stale).await.unwrap_err().is_lease_lost());
     // Migrating again changes nothing.
     ledger.migrate().await.unwrap();
-    assert_eq!(versions(&pool, &t).await, vec![1, 2]);
+    assert_eq!(versions(&pool, &t).await, vec![1, 2, 3]);
+    drop_tables(&pool, &t).await;
+}
+
+/// A ledger of schema version 2 (no `<table>_outbox` yet) is refused when
+/// opened without migrations, naming the missing table and `oncely
+/// migrate`; migrating creates it (version 3), keeps the records, and the
+/// outbox works. An outbox table without its unique key on `effect_key`
+/// (two enqueues of one effect would both write a message) is refused too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_2_ledger_is_refused_until_migrated() {
+    let Some(pool) = admin().await else { return };
+    let t = table("v2");
+    drop_tables(&pool, &t).await;
+    let url = url().unwrap();
+    let ledger = MySqlLedger::connect_with(&url, MySqlLedgerOptions::default().table(&t))
+        .await
+        .unwrap();
+    let k = EffectKey::new(&fresh_tenant(), "capture", "kept").unwrap();
+    let l = match ledger.claim(&k, &ClaimOptions::default()).await.unwrap() {
+        Claim::Acquired(l) => l,
+        other => panic!("{other:?}"),
+    };
+    ledger
+        .complete(&l, &Outcome::from_json(&"v2").unwrap())
+        .await
+        .unwrap();
+    // Back to version 2: what that release left.
+    exec(&pool, format!("DROP TABLE `{t}_outbox`")).await;
+    sqlx::query("DELETE FROM oncely_schema_migrations WHERE table_name = ? AND version = 3")
+        .bind(&t)
+        .execute(&pool)
+        .await
+        .unwrap();
+    for opts in [
+        MySqlLedgerOptions::default().table(&t).migrate(false),
+        MySqlLedgerOptions::default().table(&t).read_only(true),
+    ] {
+        let e = MySqlLedger::connect_with(&url, opts).await.unwrap_err();
+        assert!(
+            matches!(&e, Error::Config(m) if m.contains(&format!("`{t}_outbox` does not exist"))
+                && m.contains("oncely migrate")),
+            "{e:?}"
+        );
+    }
+    assert!(!exists(&pool, &format!("{t}_outbox")).await);
+    let ledger = MySqlLedger::connect_with(&url, MySqlLedgerOptions::default().table(&t))
+        .await
+        .unwrap();
+    assert_eq!(versions(&pool, &t).await, vec![1, 2, 3]);
+    assert!(matches!(
+        ledger.claim(&k, &ClaimOptions::default()).await.unwrap(),
+        Claim::Completed(_)
+    ));
+    let mut tx = ledger.begin().await.unwrap();
+    let m = Message::new("orders", b"paid".to_vec()).unwrap();
+    assert!(matches!(
+        ledger.enqueue_in(&mut tx, &k, &m).await.unwrap(),
+        Enqueued::New(_)
+    ));
+    ledger.commit(tx).await.unwrap();
+    assert_eq!(
+        ledger
+            .claim_messages(10, Duration::from_secs(30))
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    // An outbox someone made without the unique key on the effect key.
+    exec(&pool, format!("ALTER TABLE `{t}_outbox` DROP INDEX effect_key")).await;
+    refused_everywhere(
+        &t,
+        &format!("`{t}_outbox` cannot be used by the mysql ledger: it has no PRIMARY KEY or UNIQUE index on exactly (effect_key)"),
+    )
+    .await;
     drop_tables(&pool, &t).await;
 }

@@ -190,8 +190,9 @@ impl SqliteLedger {
         })
     }
 
-    /// Creates or upgrades the ledger table and its horizon table, then
-    /// verifies them. Running it again is a no-op: the schema version is kept
+    /// Creates or upgrades the ledger table, its horizon table and its
+    /// outbox table (`<table>_outbox`, schema version 3), then verifies
+    /// them. Running it again is a no-op: the schema version is kept
     /// per table in `oncely_schema`, and the steps are applied in one
     /// `BEGIN IMMEDIATE` transaction, so concurrent migrators take turns. A
     /// table that already exists is checked first and refused with
@@ -204,10 +205,10 @@ impl SqliteLedger {
         schema::migrate(&mut conn, &self.q).await
     }
 
-    /// Checks, changing nothing, that the ledger's tables exist at this
-    /// crate's schema version with the columns (and type affinities), a
-    /// PRIMARY KEY or UNIQUE index on exactly the effect key, and BINARY
-    /// (case-sensitive) comparison of keys. Runs on every connect; for a
+    /// Checks, changing nothing, that the ledger's tables (its outbox's
+    /// included) exist at this crate's schema version with the columns (and
+    /// type affinities), a PRIMARY KEY or UNIQUE index on exactly the effect
+    /// key, and BINARY (case-sensitive) comparison of keys. Runs on every connect; for a
     /// ledger from [`SqliteLedger::from_pool`] call it (or `migrate`)
     /// yourself. Fails with [`Error::Config`] naming the table and what is
     /// wrong.
@@ -252,9 +253,14 @@ impl SqliteLedger {
         self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(map)
     }
 
+    /// The ledger's statements (the outbox's among them: `outbox.rs`).
+    pub(crate) fn queries(&self) -> &Queries {
+        &self.q
+    }
+
     /// Refuses a write on a read-only ledger before it reaches SQLite (whose
     /// `SQLITE_READONLY` would read as a retryable outage).
-    fn writable(&self, what: &str) -> Result<()> {
+    pub(crate) fn writable(&self, what: &str) -> Result<()> {
         if self.read_only {
             return Err(Error::Config(format!(
                 "{what}: the ledger on table {} was opened read-only",

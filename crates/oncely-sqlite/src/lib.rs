@@ -3,7 +3,10 @@
 //! The SQLite backend of [oncely]: the embedded default effect
 //! ledger. One file, no server; the ledger table can live in the same
 //! database as your business tables, so a claim, your writes and the
-//! completion commit in one transaction.
+//! completion commit in one transaction. So can an event you publish: the
+//! transactional outbox ([`oncely::outbox`], table `<table>_outbox`) takes
+//! messages in that transaction, and a relay publishes them once it has
+//! committed.
 //!
 //! ```no_run
 //! use oncely::{ClaimOptions, EffectKey, Effects, Tenant};
@@ -112,7 +115,7 @@
 //! | URL part | what it sets |
 //! | --- | --- |
 //! | `sqlite:PATH`, `sqlite://PATH`, or a bare path | the database file (`sqlite::memory:` and an empty path only with [`SqliteLedgerOptions::ephemeral`]) |
-//! | `?table=effects` | [`SqliteLedgerOptions::table`] (default `oncely_effects`); its horizon table is `<table>_horizon` |
+//! | `?table=effects` | [`SqliteLedgerOptions::table`] (default `oncely_effects`); its horizon table is `<table>_horizon`, its outbox `<table>_outbox` |
 //! | `?mode=ro\|rw\|rwc\|memory`, `?cache=`, `?immutable=`, `?vfs=` | SQLite's own parameters, handed to sqlx (`mode=ro`: read-only) |
 //! | any other parameter (`?tabel=x`) | refused: [`oncely::Error::Config`] naming it and the accepted ones, before anything opens |
 //!
@@ -134,7 +137,8 @@
 //! | horizon | prune raises a watermark per tenant and kind (table `<table>_horizon`) to the newest `created_at` it deletes, in the same transaction as the delete. A claim with [`ClaimOptions::sent_at`](oncely::ClaimOptions::sent_at) at or before it, for an absent key, fails with [`Error::BeyondHorizon`]; a claim without `sent_at` cannot be told from new work |
 //! | durability | WAL with `synchronous=FULL` by default: a completed record survives a process crash and a power loss once `complete` returns. `synchronous=NORMAL` ([`SqliteLedgerOptions::synchronous`]) is faster and survives process crashes, but a power loss may roll back the last commits, so an effect could run again. [`Capabilities::durability`](oncely::backend::Capabilities::durability) reports the journal mode and `synchronous` setting the database actually runs with, and says so when the file is on a memory file system. All of this holds for a file on a disk: on a memory file system (`tmpfs`, `ramfs`: `/dev/shm`, often `/tmp` and `/run`) every sync succeeds and a reboot, an OS crash or a power loss still loses the whole file |
 //! | storage that does not survive | refused with [`Error::Config`]: `sqlite::memory:`, `mode=memory`, `vfs=memdb`, an empty path (`sqlite:`, `sqlite://`: a private temporary database per connection), and a file on a memory file system (the directory is checked with `statfs` before anything is created, and the file SQLite opened after, which catches symbolic links and `file:` URIs; Linux and Android only: elsewhere a RAM disk is not recognised). [`SqliteLedgerOptions::ephemeral`] accepts them: the in-memory forms as one in-memory database shared by the whole pool, reported as not durable; a file on a memory file system as that file, reported as lasting until the machine stops. A read-only ledger may open a file on a memory file system without it (it writes nothing) |
-//! | schema | verified on connect and after [`SqliteLedger::migrate`]: the columns with their type affinities, a PRIMARY KEY or UNIQUE index on exactly `key`, BINARY collation on it; a table that fails is refused with [`Error::Config`] naming it and the problem |
+//! | schema | verified on connect and after [`SqliteLedger::migrate`]: the columns with their type affinities, a PRIMARY KEY or UNIQUE index on exactly `key`, BINARY collation on it, for the ledger table and for the outbox table; a table that fails is refused with [`Error::Config`] naming it and the problem. Versions are kept per table in `oncely_schema`: 1 the ledger table, 2 the horizon table, 3 the outbox table (`<table>_outbox` and its partial indexes). A file at a newer version than this crate knows is refused, so upgrade every process of a file before restarting an old one |
+//! | transactional outbox | [`oncely::outbox`] on `<table>_outbox`: [`enqueue_in`](oncely::outbox::TransactionalOutbox::enqueue_in) is one `INSERT … ON CONFLICT(key) DO NOTHING RETURNING id` in the caller's `BEGIN IMMEDIATE` transaction (a key that names a message already writes nothing). A relay's claim is one `UPDATE … RETURNING` in a `BEGIN IMMEDIATE` transaction of its own: per ordering key, the oldest pending message, if it is due and not under a live lease, oldest first, leased on SQLite's clock with a fence of `max(previous + 1, clock µs)`. Marks are one statement over the batch's tickets, retries and failures one statement, each fenced on (id, fence) and on the message being pending; prune deletes in batches of 500. Ids are `AUTOINCREMENT`: never handed out again, prunes included |
 //! | read-only | [`SqliteLedgerOptions::read_only`] opens the file with `mode=ro`: never creates it (a missing file is [`Error::Config`] naming the path), never migrates, verifies the schema, refuses writes |
 //! | replication | none: one file on one machine (use the PostgreSQL backend across machines) |
 //! | concurrency | many readers, one writer at a time; writers wait up to the busy timeout (5 s by default), then fail with a retryable `Error::Backend` |
@@ -160,7 +164,8 @@
 //!
 //! `options.rs`: [`SqliteLedgerOptions`] and the URL forms; `ledger.rs`:
 //! [`SqliteLedger`], each operation one statement; `batch.rs`: batches of
-//! claims and completions, one transaction each; `notify.rs`: wake-ups of
+//! claims and completions, one transaction each; `outbox.rs`: the
+//! transactional outbox; `notify.rs`: wake-ups of
 //! waiting duplicates; `sql/`: every statement, with why each clause is
 //! there, beside the function that binds it and what decodes its rows, by
 //! column name; `schema.rs`: migrations and the table check;
@@ -183,6 +188,7 @@ mod error;
 mod ledger;
 mod notify;
 mod options;
+mod outbox;
 mod schema;
 mod sql;
 

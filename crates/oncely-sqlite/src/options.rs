@@ -63,7 +63,7 @@ impl SqliteLedgerOptions {
     }
 
     /// The ledger table (default `oncely_effects`). Its horizon table is
-    /// `<table>_horizon`.
+    /// `<table>_horizon`, its outbox `<table>_outbox`.
     pub fn table(mut self, name: impl Into<String>) -> Self {
         self.table = name.into();
         self

@@ -82,6 +82,28 @@ const LEDGER: Shape = Shape {
     unique: &["key"],
 };
 
+/// The outbox table (schema version 3: it exists whole or not at all).
+const OUTBOX: Shape = Shape {
+    columns: &[
+        ("id", Affinity::Integer),
+        ("key", Affinity::Text),
+        ("tenant", Affinity::Text),
+        ("ordering_key", Affinity::Text),
+        ("destination", Affinity::Text),
+        ("headers", Affinity::Text),
+        ("payload", Affinity::Blob),
+        ("state", Affinity::Text),
+        ("attempts", Affinity::Integer),
+        ("fence", Affinity::Integer),
+        ("lease_expires_at", Affinity::Integer),
+        ("due_at", Affinity::Integer),
+        ("enqueued_at", Affinity::Integer),
+        ("sent_at", Affinity::Integer),
+        ("last_error", Affinity::Text),
+    ],
+    unique: &["key"],
+};
+
 const HORIZON: Shape = Shape {
     columns: &[
         ("tenant", Affinity::Text),
@@ -126,11 +148,13 @@ pub(crate) async fn migrate(conn: &mut SqliteConnection, q: &Queries) -> Result<
     }
     verify_table(&mut tx, &q.table, &LEDGER).await?;
     verify_table(&mut tx, &q.horizon_table, &HORIZON).await?;
+    verify_table(&mut tx, &q.outbox.table, &OUTBOX).await?;
     tx.commit().await.map_err(map)
 }
 
-/// Checks, changing nothing, that the tables exist at this crate's schema
-/// version and have the columns and keys the claim relies on.
+/// Checks, changing nothing, that the tables (the ledger's, its horizon's
+/// and its outbox's) exist at this crate's schema version and have the
+/// columns and keys the claim and the enqueue rely on.
 pub(crate) async fn verify(conn: &mut SqliteConnection, q: &Queries) -> Result<()> {
     let has_versions = exists(conn, "oncely_schema").await?;
     if has_versions && let Some(v) = read_version(conn, q).await? {
@@ -148,7 +172,8 @@ pub(crate) async fn verify(conn: &mut SqliteConnection, q: &Queries) -> Result<(
     // No version row: tables made by the application's own migrations are
     // fine as long as they have the right shape.
     verify_table(conn, &q.table, &LEDGER).await?;
-    verify_table(conn, &q.horizon_table, &HORIZON).await
+    verify_table(conn, &q.horizon_table, &HORIZON).await?;
+    verify_table(conn, &q.outbox.table, &OUTBOX).await
 }
 
 async fn read_version(conn: &mut SqliteConnection, q: &Queries) -> Result<Option<i64>> {

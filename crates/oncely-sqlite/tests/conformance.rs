@@ -39,3 +39,11 @@ async fn ledger() -> Option<SqliteLedger> {
 oncely::conformance::conformance_tests!(ledger);
 oncely::conformance::transactional_conformance_tests!(ledger);
 oncely::conformance::admin_conformance_tests!(ledger);
+
+/// The outbox suite: each case on a file of its own (a relay's claim takes
+/// any due message of its outbox).
+async fn outbox(_case: &'static str) -> Option<SqliteLedger> {
+    ledger().await
+}
+
+oncely::conformance::outbox_conformance_tests!(outbox);

@@ -1,11 +1,12 @@
 //! The ledger checks the tables it finds before it trusts them (on connect
-//! and at the end of `migrate`), and a file written by the previous release
-//! migrates cleanly.
+//! and at the end of `migrate`), and files written by earlier releases
+//! (version 1: no horizon; version 2: no outbox) migrate cleanly.
 
 use std::time::Duration;
 
-use oncely::backend::{Claim, Ledger, Outcome, RecordState};
+use oncely::backend::{Claim, Ledger, Outcome, RecordState, TransactionalLedger};
 use oncely::conformance::{fresh_tenant, prune_until_gone};
+use oncely::outbox::{Enqueued, Message, Outbox, TransactionalOutbox};
 use oncely::{ClaimOptions, EffectKey, Error};
 use oncely_sqlite::{SqliteLedger, SqliteLedgerOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
@@ -317,8 +318,8 @@ async fn a_table_broken_after_migration_is_caught() {
     refused(&url, ledger.pool(), &["oncely_effects", "Acme"]).await;
 }
 
-/// A file created by the previous release (schema version 1, fences 1, 2, …)
-/// migrates to version 2 in place: its records are kept and readable, a
+/// A file created by the first release (schema version 1, fences 1, 2, …)
+/// migrates to the current version in place: its records are kept and readable, a
 /// takeover of an old record gets a fence above the old one, prune of an old
 /// record raises the horizon, and a read-only or migrate(false) open of an
 /// unmigrated file is refused with a message saying to migrate.
@@ -359,7 +360,7 @@ async fn a_file_from_the_previous_release_migrates() {
         SqliteLedgerOptions::default().migrate(false),
     ] {
         let e = SqliteLedger::connect_with(&url, options).await.unwrap_err();
-        config_error(e, &["schema version 1", "needs version 2", "oncely migrate"]);
+        config_error(e, &["schema version 1", "needs version 3", "oncely migrate"]);
     }
     let ledger = SqliteLedger::connect(&url).await.unwrap();
     let version: i64 =
@@ -367,7 +368,7 @@ async fn a_file_from_the_previous_release_migrates() {
             .fetch_one(&pool)
             .await
             .unwrap();
-    assert_eq!(version, 2);
+    assert_eq!(version, 3);
     let r = ledger.get(&done).await.unwrap().unwrap();
     assert_eq!((r.state, r.fence), (RecordState::Completed, 1));
     assert_eq!(r.outcome.unwrap().to_value::<String>().unwrap(), "old");
@@ -390,4 +391,89 @@ async fn a_file_from_the_previous_release_migrates() {
     SqliteLedger::connect_with(&url, SqliteLedgerOptions::default().read_only(true))
         .await
         .unwrap();
+}
+
+/// An outbox table made by hand, with `key` for the key column's definition.
+fn outbox_table(key: &str) -> String {
+    format!(
+        "CREATE TABLE oncely_effects_outbox (
+            id INTEGER PRIMARY KEY AUTOINCREMENT, key {key}, tenant TEXT NOT NULL,
+            ordering_key TEXT NOT NULL, destination TEXT NOT NULL, headers TEXT NOT NULL,
+            payload BLOB NOT NULL, state TEXT NOT NULL, attempts INTEGER NOT NULL DEFAULT 0,
+            fence INTEGER NOT NULL DEFAULT 0, lease_expires_at INTEGER, due_at INTEGER NOT NULL,
+            enqueued_at INTEGER NOT NULL, sent_at INTEGER, last_error TEXT)"
+    )
+}
+
+/// A file of schema version 2 (no `<table>_outbox` yet) is refused when
+/// opened without migrations, saying to migrate; migrating adds the outbox
+/// (version 3), keeps the records, and the outbox works. An outbox table
+/// made by hand whose key compares case-insensitively, or without a unique
+/// key, would let two effects' enqueues share one message, or one effect
+/// enqueue two: refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_2_file_is_refused_until_migrated() {
+    let dir = tempfile::tempdir().unwrap();
+    let (url, pool) = open_pool(&dir, "v2.db").await;
+    let ledger = SqliteLedger::connect(&url).await.unwrap();
+    let k = key("kept");
+    let Claim::Acquired(l) = ledger.claim(&k, &ClaimOptions::default()).await.unwrap() else {
+        panic!("fresh key not acquired")
+    };
+    ledger
+        .complete(&l, &Outcome::from_json(&"v2").unwrap())
+        .await
+        .unwrap();
+    // Back to version 2: what that release left.
+    exec(
+        &pool,
+        "DROP TABLE oncely_effects_outbox; \
+         UPDATE oncely_schema SET version = 2 WHERE table_name = 'oncely_effects'",
+    )
+    .await;
+    for options in [
+        SqliteLedgerOptions::default().read_only(true),
+        SqliteLedgerOptions::default().migrate(false),
+    ] {
+        let e = SqliteLedger::connect_with(&url, options).await.unwrap_err();
+        config_error(e, &["schema version 2", "needs version 3", "oncely migrate"]);
+    }
+    let ledger = SqliteLedger::connect(&url).await.unwrap();
+    let version: i64 =
+        sqlx::query_scalar("SELECT version FROM oncely_schema WHERE table_name = 'oncely_effects'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(version, 3);
+    assert!(matches!(
+        ledger.claim(&k, &ClaimOptions::default()).await.unwrap(),
+        Claim::Completed(_)
+    ));
+    let mut tx = ledger.begin().await.unwrap();
+    let m = Message::new("orders", b"paid".to_vec()).unwrap();
+    assert!(matches!(
+        ledger.enqueue_in(&mut tx, &k, &m).await.unwrap(),
+        Enqueued::New(_)
+    ));
+    ledger.commit(tx).await.unwrap();
+    assert_eq!(
+        ledger
+            .claim_messages(10, Duration::from_secs(30))
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    drop(ledger);
+    for (key_col, wanted) in [
+        ("TEXT NOT NULL UNIQUE COLLATE NOCASE", "NOCASE"),
+        ("TEXT NOT NULL", "no PRIMARY KEY or UNIQUE index on exactly (key)"),
+    ] {
+        exec(
+            &pool,
+            &format!("DROP TABLE oncely_effects_outbox; {}", outbox_table(key_col)),
+        )
+        .await;
+        refused(&url, &pool, &["oncely_effects_outbox", wanted]).await;
+    }
 }

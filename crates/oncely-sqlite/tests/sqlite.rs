@@ -244,7 +244,7 @@ async fn migrations_run_twice_are_a_no_op() {
             .fetch_one(again.pool())
             .await
             .unwrap();
-    assert_eq!(version, 2);
+    assert_eq!(version, 3);
     let r = again.get(&k).await.unwrap().unwrap();
     assert_eq!((r.state, r.fence), (RecordState::InProgress, lease.fence()));
     again

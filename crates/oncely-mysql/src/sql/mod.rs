@@ -8,7 +8,8 @@
 //! fenced writes), [`batch`] (`claim_many`, `complete_many` and the
 //! horizon's batch read), [`prune`] (and the horizon), [`admin`] (the
 //! operator's statements, whose listings are also built there), [`schema`]
-//! (migrations and the `information_schema` reads).
+//! (migrations and the `information_schema` reads), [`outbox`] (the
+//! transactional outbox's table and statements).
 //!
 //! Architecture invariant: no other module contains SQL.
 //!
@@ -54,6 +55,7 @@ use sqlx::{AssertSqlSafe, MySql};
 mod admin;
 mod batch;
 mod claim;
+mod outbox;
 mod prune;
 mod record;
 mod schema;
@@ -61,6 +63,13 @@ mod write;
 
 pub(crate) use admin::{Arg, kind_stats, records, stats};
 pub(crate) use batch::{Settled, Watermark};
+#[cfg(test)]
+pub(crate) use outbox::empty_outbox;
+pub(crate) use outbox::stats as outbox_stats;
+pub(crate) use outbox::{
+    FencedState, OutboxStatements, READ_COMMITTED_NEXT, enqueued, id as outbox_id, locked, outbox_table,
+    pending,
+};
 pub(crate) use prune::{Candidate, Doomed};
 pub(crate) use record::{Stored, stored};
 pub(crate) use schema::{
@@ -221,6 +230,9 @@ pub(crate) struct Statements {
     /// The pieces [`Statements::claim_many`] and the other batch statements
     /// are assembled from.
     batch: Batch,
+    /// The transactional outbox's statements (`<table>_outbox`), with this
+    /// set's guard and reads.
+    pub outbox: OutboxStatements,
 }
 
 /// What the batch statements are built from: the single claim's pieces.
@@ -377,6 +389,7 @@ impl Statements {
         };
         Statements {
             read,
+            outbox: OutboxStatements::new(t, guard, read),
             peek: format!("{peek_cols} WHERE effect_key = ?"),
             batch,
             claim_returning: format!("{claim}{returning}"),

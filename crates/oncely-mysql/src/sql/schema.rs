@@ -2,7 +2,7 @@
 //! lock and bookkeeping, and the `information_schema` reads that check a
 //! table found in place.
 
-use super::{Bound, BoundScalar, horizon_table};
+use super::{Bound, BoundScalar, horizon_table, outbox};
 
 /// The connection's database (`schema::verify` reads tables in it).
 pub(crate) const DATABASE: &str = "SELECT CAST(DATABASE() AS CHAR)";
@@ -90,6 +90,9 @@ pub(crate) fn migrations(t: &str) -> Vec<(u32, Vec<String>)> {
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin"
             )],
         ),
+        // Version 3: the transactional outbox, `<table>_outbox` with its
+        // indexes (`outbox::migration`). The ledger's tables are unchanged.
+        (3, vec![outbox::migration(t)]),
     ]
 }
 

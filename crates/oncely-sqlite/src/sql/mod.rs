@@ -6,7 +6,7 @@
 //! concern: [`claim`], [`record`](mod@record) (`get`, `abandoned`),
 //! [`write`](mod@write) (the fenced writes), [`prune`] (and the horizon),
 //! [`admin`] (the operator's statements, whose listings are also built
-//! there).
+//! there), [`outbox`] (the transactional outbox's table and statements).
 //!
 //! Timestamps are INTEGER microseconds since the Unix epoch taken from
 //! SQLite's clock (`unixepoch('subsec')`, millisecond resolution, SQLite
@@ -24,12 +24,14 @@ use sqlx::sqlite::SqliteArguments;
 
 mod admin;
 mod claim;
+mod outbox;
 mod prune;
 mod record;
 mod write;
 
 pub(crate) use admin::{bind_listing, kind_stats, records, stats};
 pub(crate) use claim::{Found, found, lease};
+pub(crate) use outbox::{OutboxQueries, enqueued, pending, stats as outbox_stats, ticket};
 pub(crate) use record::record;
 pub(crate) use write::{fence_param, renewed_until};
 
@@ -40,8 +42,9 @@ const NOW_US: &str = "CAST(unixepoch('subsec') * 1000000 AS INTEGER)";
 pub(crate) const DEFAULT_TABLE: &str = "oncely_effects";
 
 /// The schema version this crate writes. Bump it with a new migration step.
-/// 1: the ledger table. 2: the horizon table (what prune deleted).
-pub(crate) const SCHEMA_VERSION: i64 = 2;
+/// 1: the ledger table. 2: the horizon table (what prune deleted). 3: the
+/// transactional outbox (`<table>_outbox`).
+pub(crate) const SCHEMA_VERSION: i64 = 3;
 
 /// The columns every record-reading statement returns, followed by the
 /// database clock (`now`). [`record()`] reads them by name.
@@ -94,6 +97,8 @@ pub(crate) struct Queries {
     pub(crate) forget: Arc<str>,
     /// `Admin::prunable`: how many records prune would delete now.
     pub(crate) prunable_count: Arc<str>,
+    /// The transactional outbox's statements (`<table>_outbox`).
+    pub(crate) outbox: OutboxQueries,
 }
 
 /// Accepts table names that need no quoting anywhere: ASCII letters, digits
@@ -308,7 +313,12 @@ impl Queries {
             write_version: s("INSERT INTO oncely_schema (table_name, version) VALUES (?1, ?2) \
                  ON CONFLICT(table_name) DO UPDATE SET version = excluded.version"
                 .to_owned()),
-            migrations: vec![s(ledger_table_sql(t)), s(horizon_table_sql(&h))],
+            migrations: vec![
+                s(ledger_table_sql(t)),
+                s(horizon_table_sql(&h)),
+                s(outbox::migration(t)),
+            ],
+            outbox: OutboxQueries::new(t),
             claim: claim_sql(t, &h, false),
             claim_horizon: claim_sql(t, &h, true),
             // The clock and the horizon come back even when the key is absent.
