@@ -71,9 +71,9 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 macro_rules! with_backends {
     ($then:ident) => {
         $then! {
-            Sqlite("sqlite", "sqlite", ["sqlite"], "sqlite:", admin, no_outbox, pool(sqlx::SqlitePool)) => oncely_sqlite::SqliteLedger,
+            Sqlite("sqlite", "sqlite", ["sqlite"], "sqlite:", admin, outbox, pool(sqlx::SqlitePool)) => oncely_sqlite::SqliteLedger,
             Postgres("postgres", "postgres", ["postgres", "postgresql"], "postgres://", admin, outbox, pool(sqlx::PgPool)) => oncely_postgres::PgLedger,
-            MySql("mysql", "mysql", ["mysql", "mariadb"], "mysql://, mariadb://", admin, no_outbox, pool(sqlx::MySqlPool)) => oncely_mysql::MySqlLedger,
+            MySql("mysql", "mysql", ["mysql", "mariadb"], "mysql://, mariadb://", admin, outbox, pool(sqlx::MySqlPool)) => oncely_mysql::MySqlLedger,
             Redis("redis", "redis", ["redis", "redis+cluster", "redis+sentinel"], "redis://, redis+cluster://, redis+sentinel://", no_admin, no_outbox, no_pool) => oncely_redis::RedisLedger,
             Nats("nats", "nats", ["nats"], "nats://", no_admin, no_outbox, no_pool) => oncely_nats::NatsKvLedger,
         }
