@@ -258,7 +258,9 @@ mod outbox {
                 let mut held = Vec::new();
                 let mut idle = 0;
                 while idle < 3 {
-                    match node.claim_messages(4, Duration::from_secs(60)).await {
+                    // A lease no slow run outlives: a message claimed here
+                    // is never marked, and an expired one is claimed again.
+                    match node.claim_messages(4, Duration::from_secs(3600)).await {
                         Ok(c) if c.is_empty() => idle += 1,
                         Ok(c) => {
                             idle = 0;
