@@ -17,7 +17,7 @@ use oncely::backend::{Notifier, Watch};
 use oncely::open::{FromUrl, OpenOptions};
 use oncely::{ClaimOptions, EffectKey, Error, Result, Tenant};
 use sqlx::mysql::MySqlPoolOptions;
-use sqlx::{MySql, MySqlConnection, MySqlPool, Transaction};
+use sqlx::{Connection, MySql, MySqlConnection, MySqlPool, Transaction};
 
 use crate::error::{self, BACKEND, corrupt, join_error, map};
 use crate::guard::{Retry, retry_on_lock};
@@ -260,13 +260,37 @@ impl MySqlLedger {
     /// to the pool inside an open transaction. Bounded by
     /// [`MySqlLedgerOptions::operation_timeout`]: past it,
     /// [`Error::Unavailable`] (the task runs on, and a transaction it still
-    /// begins is rolled back there).
+    /// begins is rolled back there). On a Galera node the transaction begins
+    /// after the node has applied what the cluster committed before it
+    /// (`sql::CAUSAL_BEGIN`), so it sees a lease granted through another
+    /// node.
     pub async fn begin(&self) -> Result<Transaction<'static, MySql>> {
         self.writable("begin")?;
         let pool = self.inner.pool.clone();
-        let begun = tokio::spawn(async move { pool.begin().await });
+        let causal = self.inner.causal.load(Ordering::Relaxed);
+        let begun = tokio::spawn(async move {
+            if causal {
+                pool.begin_with(sql::CAUSAL_BEGIN).await
+            } else {
+                pool.begin().await
+            }
+        });
         self.bounded(async move { begun.await.map_err(join_error)?.map_err(map) })
             .await
+    }
+
+    /// Begins a transaction of the ledger's own on `conn`, causally on a
+    /// Galera node (`sql::CAUSAL_BEGIN`): every transaction the ledger
+    /// begins goes through here or [`MySqlLedger::begin`].
+    pub(crate) async fn begin_on<'c>(
+        &self,
+        conn: &'c mut MySqlConnection,
+    ) -> sqlx::Result<Transaction<'c, MySql>> {
+        if self.inner.causal.load(Ordering::Relaxed) {
+            conn.begin_with(sql::CAUSAL_BEGIN).await
+        } else {
+            conn.begin().await
+        }
     }
 
     /// Creates or upgrades the tables, then checks them. Idempotent, and

@@ -112,6 +112,16 @@
 //!   within the noise of the same runs, and under `Reject` about half as
 //!   many duplicates on another node turned away as "in progress" (the
 //!   repository's docs/benchmarks.md, "Galera").
+//! - **Transactions begin causally.** MariaDB skips the causal wait for
+//!   every statement inside a transaction, so the ledger begins its
+//!   transactions, and the caller's from [`MySqlLedger::begin`], as
+//!   `SET STATEMENT wsrep_sync_wait = 1 FOR START TRANSACTION`: the node
+//!   first applies what the cluster committed, and a `complete_in` in a
+//!   transaction on another node than the claim's sees the lease (without
+//!   it, about one completion in 60 was refused as "lease lost", and some
+//!   commits failed certification; conformance case
+//!   `nodes_complete_in_on_another_node`). A transaction begun on a
+//!   connection of your own is not causal.
 //! - **Fenced writes through another node.** A lease granted through node
 //!   A may be completed, renewed or released through node B before B has
 //!   applied the grant. A fenced write that matches no row costs nothing

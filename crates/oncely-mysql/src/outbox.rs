@@ -29,7 +29,7 @@ use std::time::Duration;
 use oncely::backend::duration_micros;
 use oncely::outbox::{Enqueued, Message, Outbox, OutboxStats, Pending, Ticket, TransactionalOutbox};
 use oncely::{EffectKey, Error, Result};
-use sqlx::{Connection, Executor, MySqlConnection};
+use sqlx::{Executor, MySqlConnection};
 
 use crate::MySqlLedger;
 use crate::error::{BACKEND, corrupt, join_error, map};
@@ -47,8 +47,8 @@ const MARK_CHUNK: usize = 500;
 
 impl MySqlLedger {
     /// Runs `body` in a READ COMMITTED transaction on `conn` (see
-    /// [`sql::READ_COMMITTED_NEXT`]), after a causal read on a Galera node
-    /// (`OutboxStatements::bind_catch_up`), committing what it returns; an error
+    /// [`sql::READ_COMMITTED_NEXT`]), begun causally on a Galera node
+    /// ([`sql::CAUSAL_BEGIN`]), committing what it returns; an error
     /// rolls it back. A stray transaction on the pooled connection is
     /// rolled back first (MariaDB): `BEGIN` would commit it.
     async fn outbox_transaction<T, F>(&self, conn: &mut MySqlConnection, body: F) -> Result<T, Retry>
@@ -56,14 +56,10 @@ impl MySqlLedger {
         F: for<'t> FnOnce(&'t MySqlLedger, &'t mut MySqlConnection) -> BoxedFuture<'t, Result<T, Retry>>,
     {
         self.heal_if_leaked(conn).await?;
-        // Before `READ_COMMITTED_NEXT`: an autocommit read is a transaction.
-        if let Some(catch_up) = self.sql().outbox.bind_catch_up() {
-            catch_up.fetch_all(&mut *conn).await.map_err(retry_on_lock)?;
-        }
         conn.execute(sql::READ_COMMITTED_NEXT)
             .await
             .map_err(retry_on_lock)?;
-        let mut tx = conn.begin().await.map_err(retry_on_lock)?;
+        let mut tx = self.begin_on(conn).await.map_err(retry_on_lock)?;
         match body(self, &mut tx).await {
             Ok(done) => {
                 // On Galera the cluster certifies the write set here: a

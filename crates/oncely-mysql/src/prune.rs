@@ -23,7 +23,7 @@
 use std::collections::BTreeMap;
 
 use oncely::Result;
-use sqlx::{Connection, MySqlConnection};
+use sqlx::MySqlConnection;
 
 use crate::MySqlLedger;
 use crate::error::{join_error, map};
@@ -64,7 +64,7 @@ impl MySqlLedger {
         // BEGIN on a connection that someone else left inside a transaction
         // would commit their work: roll it back first (MariaDB).
         self.heal_if_leaked(conn).await?;
-        let mut tx = conn.begin().await.map_err(retry_on_lock)?;
+        let mut tx = self.begin_on(conn).await.map_err(retry_on_lock)?;
         let result = self.prune_in(&mut tx, n).await;
         match result {
             Ok(done) => {

@@ -128,6 +128,17 @@ pub(crate) const ROLLBACK: &str = "ROLLBACK";
 /// behind on a caller's connection.
 pub(crate) const CAUSAL: &str = "SET STATEMENT wsrep_sync_wait = 1 FOR ";
 
+/// Begins a transaction on a Galera node after the node has applied every
+/// write set the cluster committed before it (`wsrep_sync_wait`'s read bit
+/// covers `START TRANSACTION`). Needed because MariaDB skips the causal wait
+/// for every statement *inside* a transaction (`wsrep_must_sync_wait` is
+/// false in an active multi-statement transaction), so [`CAUSAL`] reads
+/// there are not causal: a transaction begun plainly could miss a lease
+/// granted through another node a moment ago (and refuse its holder's
+/// completion as "lease lost"), and Galera would refuse its writes of that
+/// row at commit. Elsewhere transactions begin as sqlx begins them.
+pub(crate) const CAUSAL_BEGIN: &str = "SET STATEMENT wsrep_sync_wait = 1 FOR START TRANSACTION";
+
 /// Whether the server is a Galera node (`wsrep_on`); MySQL without wsrep
 /// has no such variable (error 1193) (`server::probe`).
 pub(crate) const WSREP_ON: &str = "SELECT CAST(@@wsrep_on AS SIGNED)";

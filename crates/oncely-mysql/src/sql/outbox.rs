@@ -92,7 +92,6 @@ pub(crate) fn migration(t: &str) -> String {
 #[derive(Debug)]
 pub(crate) struct OutboxStatements {
     enqueue: String,
-    catch_up: Option<String>,
     claim_skip: String,
     claim_wait: String,
     grant_prefix: String,
@@ -250,19 +249,8 @@ impl OutboxStatements {
              FROM `{o}`"
         );
         let (claim_skip, claim_wait) = (claim("FOR UPDATE SKIP LOCKED"), claim("FOR UPDATE"));
-        // On a Galera node, run before the relay's transactions (the claim,
-        // marking several sent): a causal read, autocommit, so the node
-        // first applies what the cluster committed. Inside a transaction
-        // MariaDB skips `wsrep_sync_wait` (it waits only for a statement
-        // outside an active multi-statement transaction), so the claim's and
-        // the mark's reads could miss a claim committed through another node
-        // a moment ago: the mark would refuse a live ticket, the claim would
-        // lock a row another node leased (certification then refuses it).
-        // One primary-key probe of an id no message has.
-        let catch_up = (!read.is_empty()).then(|| format!("{read}SELECT id FROM `{o}` WHERE id = 0"));
         OutboxStatements {
             enqueue,
-            catch_up,
             claim_skip,
             claim_wait,
             grant_prefix,
@@ -290,12 +278,6 @@ impl OutboxStatements {
             .bind(message.destination())
             .bind(message.encoded_headers())
             .bind(message.payload())
-    }
-
-    /// The causal read that starts the relay's transactions on a Galera
-    /// node; none elsewhere.
-    pub(crate) fn bind_catch_up(&self) -> Option<Bound> {
-        self.catch_up.as_deref().map(query)
     }
 
     /// The claim, step 1: up to `limit` `id` rows, locked; `skip_locked`:
@@ -554,9 +536,5 @@ mod tests {
         assert_eq!(s.granted(3).matches('?').count(), 3);
         assert_eq!(s.lock_tickets(2).matches('?').count(), 4);
         assert_eq!(s.sent(2).matches('?').count(), 4);
-        assert!(s.catch_up.is_none());
-        let causal = OutboxStatements::new("t", "(? OR TRUE)", super::super::CAUSAL);
-        let catch_up = causal.catch_up.expect("a Galera node catches up");
-        assert!(catch_up.starts_with(super::super::CAUSAL) && !catch_up.contains('?'));
     }
 }

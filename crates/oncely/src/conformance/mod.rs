@@ -334,6 +334,7 @@ macro_rules! __transactional_nodes_conformance_tests {
     ($make:path) => {
         $crate::__conformance_tests!(@each $make;
             nodes_claim_in_transactions_on_two_nodes,
+            nodes_complete_in_on_another_node,
         );
     };
 }

@@ -302,3 +302,39 @@ where
         "transactions that all committed a claim, or none (round, [(node, fence)]): {doubles:?}"
     );
 }
+
+/// A lease granted through one node is completed in a transaction begun on
+/// another at once, as a job's local write does when the pool's connections
+/// reach different nodes: the completion commits, never "lease lost" because
+/// that node had not yet applied the grant (a read inside a transaction may
+/// not wait for the cluster: MariaDB skips `wsrep_sync_wait` there, so the
+/// transaction must start after the node caught up).
+pub async fn nodes_complete_in_on_another_node<L>(nodes: Vec<L>)
+where
+    L: TransactionalLedger + Clone + 'static,
+{
+    at_least_two(&nodes);
+    let t = fresh_tenant();
+    let mut refused = Vec::new();
+    for round in 0..120 {
+        let (a, b) = (&nodes[round % nodes.len()], &nodes[(round + 1) % nodes.len()]);
+        let k = key(&t, "mark-paid", &format!("moved-{round}"));
+        let lease = acquired(a.claim(&k, &opts()).await.unwrap());
+        let mut tx = b.begin().await.unwrap();
+        let outcome = Outcome::from_json(&round).unwrap();
+        match b.complete_in(&mut *tx, &lease, &outcome).await {
+            Ok(()) => b.commit(tx).await.unwrap(),
+            Err(e) => {
+                b.rollback(tx).await.unwrap();
+                refused.push((round, e.to_string()));
+                continue;
+            }
+        }
+        let r = a.get(&k).await.unwrap().expect("the completed record");
+        assert_eq!((r.state, r.fence), (RecordState::Completed, lease.fence()));
+    }
+    assert!(
+        refused.is_empty(),
+        "live leases refused by a transaction on another node: {refused:?}"
+    );
+}
