@@ -10,7 +10,7 @@ use oncely::{EffectKey, Result, Tenant};
 use oncely_any::{Access, AnyLedger};
 use serde::Serialize;
 
-use super::{DbArgs, Render, padded, plain_table, plural};
+use super::{ClientKeyArgs, DbArgs, Render, padded, plain_table, plural};
 use crate::audit::{self, AUDIT_KIND};
 use crate::read::{Read, with_admin};
 use crate::time::parse_rfc3339;
@@ -27,6 +27,9 @@ use crate::view::Inspection;
 /// Duplicates answered from a stored outcome are reads and leave no
 /// record; count them with the oncely_duplicates_suppressed_total
 /// metric. Read-only; SQL backends only.
+///
+/// An HTTP request (oncely-tower) is stored under a hash of its principal
+/// and Idempotency-Key: --principal P --client-key K finds it.
 #[derive(Debug, ClapArgs)]
 pub struct Args {
     /// The tenant.
@@ -36,8 +39,10 @@ pub struct Args {
     #[arg(long)]
     kind: Option<String>,
     /// Only this subject (order-123), in every kind unless --kind.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "principal")]
     subject: Option<String>,
+    #[command(flatten)]
+    client: ClientKeyArgs,
     /// Only records first claimed at or after this RFC 3339 time
     /// (2026-11-30T08:00:00Z) or date (2026-11-30).
     #[arg(long)]
@@ -81,16 +86,20 @@ pub struct History {
 /// the audit records of the ones listed and a verdict. Read-only.
 async fn history(q: &Args) -> Result<Read<History>> {
     let tenant = Tenant::parse(&q.tenant)?;
+    let subject = match q.client.subject()? {
+        Some(s) => Some(s),
+        None => q.subject.clone(),
+    };
     if let Some(k) = &q.kind {
         // Validates the kind (and the subject) as a key would.
-        EffectKey::new(&tenant, k, q.subject.as_deref().unwrap_or("x"))?;
+        EffectKey::new(&tenant, k, subject.as_deref().unwrap_or("x"))?;
     }
     let mut query = RecordQuery::tenant(&tenant);
     if let Some(k) = &q.kind {
         query = query.kind(k.clone());
     }
-    if let Some(s) = &q.subject {
-        query = query.subject(s.clone());
+    if let Some(s) = subject {
+        query = query.subject(s);
     }
     if let Some(since) = &q.since {
         query = query.since(parse_rfc3339(since)?);

@@ -6,6 +6,7 @@
 //! | `/` | records per tenant and kind: live, stuck, abandoned, completed, released | [`Admin::stats`](oncely::admin::Admin::stats) |
 //! | `/stuck`, `/abandoned` | those records, oldest first, with their ages, a page at a time | [`Admin::records`](oncely::admin::Admin::records) |
 //! | `/record/{key}` | one record: state, fence, timestamps, outcome size, fingerprint | [`Ledger::get`] |
+//! | `/lookup?tenant=T&principal=P&client_key=K` | redirects to the record `oncely-tower` stored for that principal's `Idempotency-Key` | [`EffectKey::client_subject`](oncely::EffectKey::client_subject) |
 //! | `/gaps` | the redelivery-gap distribution, with the retention drawn across it | the consumer's Prometheus endpoint ([`ServeConfig::metrics_url`]) |
 //!
 //! Why the gap chart reads Prometheus and not the ledger: the gap (how long

@@ -195,6 +195,7 @@ pub(crate) fn router(app: Arc<App>) -> Router {
         .route("/stuck", get(stuck))
         .route("/abandoned", get(abandoned))
         .route("/record/{*key}", get(record))
+        .route("/lookup", get(lookup))
         .route("/gaps", get(gaps_page))
         .route("/resolve", post(resolve))
         .fallback(not_found)
@@ -438,6 +439,48 @@ fn cursor(p: &Params) -> Result<Option<Cursor>, Failure> {
         _ => Err(Failure::bad_request(
             "?after_t and ?after_key go together (follow the \"next page\" link)".to_owned(),
         )),
+    }
+}
+
+/// `/lookup?tenant=T&principal=P&client_key=K[&kind=http]`: an HTTP
+/// request's key, as an operator knows it, to its record.
+#[derive(Debug, Default, Deserialize)]
+struct Lookup {
+    tenant: Option<String>,
+    kind: Option<String>,
+    principal: Option<String>,
+    client_key: Option<String>,
+}
+
+/// Sends the browser to the record `oncely-tower` stored for a principal's
+/// `Idempotency-Key` (the subject [`EffectKey::client_subject`] computes).
+async fn lookup(State(app): State<Arc<App>>, q: Result<Query<Lookup>, QueryRejection>) -> Response {
+    let result = (|| {
+        let Query(l) =
+            q.map_err(|e| Failure::bad_request(format!("unreadable query string: {}", e.body_text())))?;
+        let (Some(principal), Some(client_key)) = (l.principal, l.client_key) else {
+            return Err(Failure::bad_request(
+                "a lookup needs principal and client_key (the Idempotency-Key's value)".to_owned(),
+            ));
+        };
+        let tenant = match l.tenant.as_deref().filter(|t| !t.is_empty()) {
+            Some(t) => Tenant::parse(t)?,
+            None => Tenant::global(),
+        };
+        let kind = l
+            .kind
+            .filter(|k| !k.is_empty())
+            .unwrap_or_else(|| "http".to_owned());
+        let key = EffectKey::new(&tenant, kind, EffectKey::client_subject(&principal, &client_key)?)?;
+        Ok::<_, Failure>(key)
+    })();
+    match result {
+        Ok(key) => (
+            StatusCode::SEE_OTHER,
+            [(header::LOCATION, format!("/record/{}", key_path(key.as_str())))],
+        )
+            .into_response(),
+        Err(f) => app.fail(&app.chrome("", None), f),
     }
 }
 
