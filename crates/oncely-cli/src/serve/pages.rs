@@ -607,15 +607,38 @@ async fn gaps_page(State(app): State<Arc<App>>, q: Q) -> Response {
         metric: &'static str,
     }
     let mut page = Gaps {
-        metrics_url: app.config.metrics_url.as_ref().map(|u| u.to_string()),
+        metrics_url: (!app.config.metrics_urls.is_empty()).then(|| {
+            app.config
+                .metrics_urls
+                .iter()
+                .map(|u| u.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        }),
         retention: format_duration(app.config.retention),
         error: None,
         kinds: Vec::new(),
         metric: oncely::telemetry::REDELIVERY_GAP_SECONDS,
     };
     let mut status = StatusCode::OK;
-    if let Some(url) = &app.config.metrics_url {
-        match url.scrape().await.and_then(|s| gaps::parse_gap_histograms(&s)) {
+    if !app.config.metrics_urls.is_empty() {
+        // Every replica's scrape, one after the other: the parser sums the
+        // series of one bucket.
+        let mut scrapes = String::new();
+        let mut scraped = Ok(());
+        for url in &app.config.metrics_urls {
+            match url.scrape().await {
+                Ok(text) => {
+                    scrapes.push_str(&text);
+                    scrapes.push('\n');
+                }
+                Err(e) => {
+                    scraped = Err(e);
+                    break;
+                }
+            }
+        }
+        match scraped.and_then(|()| gaps::parse_gap_histograms(&scrapes)) {
             Ok(hs) => {
                 page.kinds = hs
                     .iter()
