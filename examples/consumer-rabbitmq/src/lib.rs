@@ -24,7 +24,7 @@ use oncely_consumer::rabbitmq::lapin::{BasicProperties, Connection, ConnectionPr
 use oncely_consumer::rabbitmq::{RabbitSource, RabbitTopology};
 use oncely_consumer::{Consumer, ConsumerOptions, Context, Handler, HandlerError, Stats, json};
 use oncely_testkit::fakes::{FakeMailer, FakeProvider};
-use oncely_testkit::{Drain, Progress};
+use oncely_testkit::{Drain, KillSwitch, Progress};
 use serde::{Deserialize, Serialize};
 
 /// The message: pay for an order.
@@ -48,6 +48,13 @@ pub struct Payments<L> {
     pub provider: Arc<FakeProvider>,
     /// The mailer (does not).
     pub mailer: Arc<FakeMailer>,
+    /// The capture's lease, sized to the handler (`run` keeps
+    /// [`ClaimOptions::for_consumer`]'s 30 s); renewed while it runs.
+    pub lease: Duration,
+    /// Where a test may kill this consumer the way a crash does: between
+    /// the provider's capture and its completion. Never armed outside
+    /// tests, where a point returns at once.
+    pub crash_points: KillSwitch,
 }
 
 impl<L: Ledger + 'static> Handler for Payments<L> {
@@ -60,7 +67,7 @@ impl<L: Ledger + 'static> Handler for Payments<L> {
     async fn handle(&self, msg: PayOrder, _ctx: Context) -> Result<How, HandlerError> {
         let order = msg.order_id.ok_or(HandlerError::missing_field("order_id"))?;
         // A short wait for a holder elsewhere, then the broker redelivers.
-        let opts = ClaimOptions::for_consumer();
+        let opts = ClaimOptions::for_consumer().lease(self.lease);
         let capture = EffectKey::new(&self.tenant, "capture", &order)?;
         let captured = self
             .effects
@@ -68,7 +75,9 @@ impl<L: Ledger + 'static> Handler for Payments<L> {
                 let order = &order;
                 async move {
                     let key = lease.provider_key();
-                    Ok(self.provider.capture(&key, order, msg.amount).await)
+                    let charge = self.provider.capture(&key, order, msg.amount).await;
+                    self.crash_points.point().await;
+                    Ok(charge)
                 }
             })
             .await?;
@@ -151,6 +160,8 @@ pub async fn run<L: Ledger + Clone + 'static>(
                 tenant: tenant.clone(),
                 provider: provider.clone(),
                 mailer: mailer.clone(),
+                lease: Duration::from_secs(30),
+                crash_points: KillSwitch::new(),
             };
             let consumer = Arc::new(
                 Consumer::new(format!("payments-{c}"), handler).options(
