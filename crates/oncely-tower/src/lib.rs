@@ -6,21 +6,30 @@
 //!
 //! ```no_run
 //! use std::sync::Arc;
+//!
 //! use axum::{Router, routing::post};
+//! use oncely::Tenant;
 //! use oncely_sqlite::SqliteLedger;
 //! use oncely_tower::{IdempotencyLayer, Principal};
 //!
-//! # async fn charge() -> &'static str { "{}" }
-//! # #[tokio::main] async fn main() -> oncely::Result<()> {
-//! let ledger = Arc::new(SqliteLedger::connect("sqlite:charges.db").await?);
-//! let app: Router = Router::new()
-//!     .route("/charges", post(charge))
-//!     // the principal is whatever your authentication says it is
-//!     .layer(IdempotencyLayer::new(ledger).principals(|req: &http::request::Parts| {
-//!         let user = req.headers.get("x-user")?.to_str().ok()?;
-//!         Some(Principal::new(oncely::Tenant::global(), user))
-//!     }));
-//! # Ok(()) }
+//! async fn charge(body: String) -> String {
+//!     format!("{{\"charged\": {body}}}") // runs once per Idempotency-Key
+//! }
+//!
+//! #[tokio::main]
+//! async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     let ledger = Arc::new(SqliteLedger::connect("sqlite:charges.db").await?);
+//!     let app: Router = Router::new()
+//!         .route("/charges", post(charge))
+//!         // The principal is whatever your authentication says it is.
+//!         .layer(IdempotencyLayer::new(ledger).principals(|req: &http::request::Parts| {
+//!             let user = req.headers.get("x-user")?.to_str().ok()?;
+//!             Some(Principal::new(Tenant::global(), user))
+//!         }));
+//!     let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+//!     axum::serve(listener, app).await?;
+//!     Ok(())
+//! }
 //! ```
 //!
 //! ## What it does with a request
