@@ -182,7 +182,8 @@ impl<D: Db> Pipeline<D> {
             tenant,
             provider,
             mailer: Arc::new(FakeMailer::default()),
-            opts: ClaimOptions::default()
+            // The consumer preset, with the simulation's lease and wait.
+            opts: ClaimOptions::for_consumer()
                 .lease(lease)
                 .on_in_progress(OnInProgress::Wait { max: wait }),
             capture_takeovers: Arc::default(),
