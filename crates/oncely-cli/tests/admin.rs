@@ -257,7 +257,7 @@ fn operate_on(url: &str) {
             .iter()
             .all(|r| r["class"] == "stuck" && r["kind"] == "capture")
     );
-    let listed = json(&["abandoned", "--tenant", t], url);
+    let listed = json(&["abandoned", "--tenant", t, "--json"], url);
     let keys: Vec<&str> = listed
         .as_array()
         .unwrap()
@@ -291,7 +291,7 @@ fn operate_on(url: &str) {
             .iter()
             .all(|r| r["state"] == "abandoned" && r["kind"] == "receipt")
     );
-    let none = json(&["abandoned", "--tenant", t, "--kind", "capture"], url);
+    let none = json(&["abandoned", "--tenant", t, "--kind", "capture", "--json"], url);
     assert_eq!(none, serde_json::json!([]));
 
     // history: every record of a subject, and the verdict.
@@ -314,6 +314,28 @@ fn operate_on(url: &str) {
         "{verdict}"
     );
     assert!(verdict.contains("1 abandoned at-most-once step"), "{verdict}");
+    assert_eq!(h["unfinished"], serde_json::json!([]), "{h}");
+    // A stuck effect is unfinished, not only "granted once".
+    let h = json(&["history", "--tenant", t, "--subject", "o-2", "--json"], url);
+    assert_eq!(h["unfinished"], serde_json::json!([s.stuck.as_str()]), "{h}");
+    let verdict = h["verdict"].as_str().unwrap();
+    assert!(verdict.starts_with("no, and it is unfinished"), "{verdict}");
+    assert!(verdict.contains("stuck"), "{verdict}");
+    let out = oncely(&[
+        "history",
+        "--tenant",
+        t,
+        "--subject",
+        "o-2",
+        "--database-url",
+        url,
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains(&format!("unfinished: {}", s.stuck.as_str())),
+        "{}",
+        stdout(&out)
+    );
     let h = json(
         &[
             "history",
@@ -904,7 +926,7 @@ fn redis_offers_inspect_and_resolve_and_refuses_the_rest() {
     std::thread::sleep(Duration::from_millis(900));
     let i = json(&["inspect", step.as_str(), "--json"], &url);
     assert_eq!(i["class"], "abandoned", "{i}");
-    let listed = json(&["abandoned", "--tenant", t.as_str()], &url);
+    let listed = json(&["abandoned", "--tenant", t.as_str(), "--json"], &url);
     assert_eq!(listed.as_array().unwrap().len(), 1, "{listed}");
     for args in [
         vec!["stats", "--tenant", t.as_str()],

@@ -149,9 +149,16 @@ fn demo_on(url: &str, backend: &str) -> Value {
     ]);
     assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
     // The demo completes every step: nothing abandoned.
-    let out = oncely(&["abandoned", "--tenant", tenant, "--database-url", url]);
+    let out = oncely(&["abandoned", "--tenant", tenant, "--json", "--database-url", url]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(stdout(&out).trim(), "[]");
+    let out = oncely(&["abandoned", "--tenant", tenant, "--database-url", url]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).starts_with("no abandoned records in "),
+        "{}",
+        stdout(&out)
+    );
     let out = oncely(&["migrate", "--database-url", url]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(
@@ -665,7 +672,21 @@ fn get_prune_abandoned_round_trip_after_a_demo() {
     // Let the lease and the retention run out on the database's clock.
     std::thread::sleep(Duration::from_millis(300));
 
+    // A table by default, like the other listings.
     let out = oncely(&["abandoned", "--tenant", &tenant, "--database-url", &url]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let table = stdout(&out);
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(lines[0].starts_with("ledger: sqlite"), "{table}");
+    for column in ["key", "state", "fence", "created", "lease ended", "provider key"] {
+        assert!(lines[1].contains(column), "{table}");
+    }
+    assert!(
+        lines[2].starts_with(receipt.as_str()) && lines[2].contains("abandoned"),
+        "{table}"
+    );
+    assert!(lines[3].contains("oncely resolve"), "{table}");
+    let out = oncely(&["abandoned", "--tenant", &tenant, "--json", "--database-url", &url]);
     assert!(out.status.success(), "{}", stderr(&out));
     let listed: Value = serde_json::from_str(&stdout(&out)).unwrap();
     let listed = listed.as_array().unwrap();
@@ -675,7 +696,14 @@ fn get_prune_abandoned_round_trip_after_a_demo() {
     assert_eq!(listed[0]["at_most_once"], true);
 
     // Another tenant sees nothing.
-    let out = oncely(&["abandoned", "--tenant", "someone-else", "--database-url", &url]);
+    let out = oncely(&[
+        "abandoned",
+        "--tenant",
+        "someone-else",
+        "--json",
+        "--database-url",
+        &url,
+    ]);
     assert_eq!(stdout(&out).trim(), "[]", "{}", stderr(&out));
 
     // Prune deletes only the expired completed record: not the demo's

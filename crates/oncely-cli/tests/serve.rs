@@ -693,6 +693,68 @@ fn the_gap_page_refuses_bounds_that_are_no_duration() {
     );
 }
 
+/// Several `--metrics-url`s (one per replica) are summed; retries that
+/// found their effect in progress are not redelivery gaps.
+#[test]
+fn the_gap_page_sums_every_replicas_scrape() {
+    let replica = |completed: u32, in_progress: u32| {
+        format!(
+            "# TYPE oncely_redelivery_gap_seconds histogram\n\
+             oncely_redelivery_gap_seconds_bucket{{kind=\"capture\",found=\"completed\",le=\"1\"}} {completed}\n\
+             oncely_redelivery_gap_seconds_bucket{{kind=\"capture\",found=\"completed\",le=\"+Inf\"}} {completed}\n\
+             oncely_redelivery_gap_seconds_bucket{{kind=\"capture\",found=\"in_progress\",le=\"1\"}} {in_progress}\n\
+             oncely_redelivery_gap_seconds_bucket{{kind=\"capture\",found=\"in_progress\",le=\"+Inf\"}} {in_progress}\n"
+        )
+    };
+    let exporter = fake_exporter(vec![("/a", replica(61, 180)), ("/b", replica(9, 61))]);
+    let (a, b) = (format!("http://{exporter}/a"), format!("http://{exporter}/b"));
+    let s = serve(&[
+        "--database-url",
+        "memory:",
+        "--all-tenants",
+        "--metrics-url",
+        &a,
+        "--metrics-url",
+        &b,
+    ]);
+    let (code, page) = request(&s.base, "GET", "/gaps", &[], "");
+    assert_eq!(code, 200, "{page}");
+    assert!(page.contains("70 gaps observed"), "{page}");
+    assert!(page.contains(&format!("Scraped from {a}, {b}")), "{page}");
+}
+
+/// `/lookup` sends an HTTP request's principal and key to its record.
+#[test]
+fn the_lookup_form_finds_an_http_requests_record() {
+    let s = serve(&["--database-url", "memory:", "--all-tenants"]);
+    let (code, page) = request(
+        &s.base,
+        "GET",
+        "/lookup?tenant=acme&principal=alice&client_key=refund-7f3a",
+        &[],
+        "",
+    );
+    assert_eq!(code, 303, "{page}");
+    let addr: SocketAddr = s.base.trim_start_matches("http://").parse().unwrap();
+    let mut stream = TcpStream::connect(addr).unwrap();
+    write!(
+        stream,
+        "GET /lookup?tenant=acme&principal=alice&client_key=refund-7f3a HTTP/1.0\r\nHost: {addr}\r\n\r\n"
+    )
+    .unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    let key = EffectKey::for_client(&Tenant::new("acme").unwrap(), "alice", "http", "refund-7f3a").unwrap();
+    assert!(
+        answer
+            .to_ascii_lowercase()
+            .contains(&format!("location: /record/{}", key.as_str()).to_ascii_lowercase()),
+        "{answer}"
+    );
+    let (code, page) = request(&s.base, "GET", "/lookup?principal=alice", &[], "");
+    assert_eq!(code, 400, "{page}");
+}
+
 /// What `serve` refuses before it listens: a non-loopback address, an
 /// unknown database or metrics URL scheme, a backend without listings.
 #[test]

@@ -59,8 +59,27 @@
 //! own, for states that are legitimately different after a crash (an
 //! at-most-once receipt that a crash abandons for reconciliation instead of
 //! sending twice).
+//!
+//! ## What else every user writes, shipped
+//!
+//! | module | for |
+//! | --- | --- |
+//! | [`fakes`] | a payment provider that honours idempotency keys and counts calls ([`FakeProvider`]), a mailer that counts sends ([`FakeMailer`]) |
+//! | [`drain`] | end-to-end tests: wait until the queue is drained and the consumers idle, any broker ([`Drain`]) |
+//! | [`kill`] | kill a consumer mid-handler the way a crash does, its broker connection with it ([`KillSwitch`]) |
+//!
+//! A handler that ran one step and replayed another reports
+//! `captured.how | sent.how` (`oncely::How::combine`).
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
+
+pub mod drain;
+pub mod fakes;
+pub mod kill;
+
+pub use drain::{Drain, NotDrained, Progress};
+pub use fakes::{Charge, FakeMailer, FakeProvider, MailLog, ProviderDown};
+pub use kill::KillSwitch;
 
 use std::fmt;
 use std::future::{Future, poll_fn};

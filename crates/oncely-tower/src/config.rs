@@ -26,6 +26,24 @@ pub enum KeyRequirement {
     Ignored,
 }
 
+/// How the request body enters the fingerprint
+/// ([`IdempotencyLayer::body_fingerprint`](crate::IdempotencyLayer::body_fingerprint)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum BodyFingerprint {
+    /// The body's exact bytes (the default): the same JSON with other
+    /// whitespace or another key order is another request, and its key a
+    /// 422 `key-reused`.
+    #[default]
+    Exact,
+    /// A body that parses as JSON is fingerprinted in a canonical form:
+    /// object keys sorted, no insignificant whitespace, strings and numbers
+    /// as `serde_json` writes them (so `1.0` and `1` still differ, as do
+    /// `"\u00e9"` and `"é"` only in their escapes: both parse to `é`). A body
+    /// that is not JSON is fingerprinted by its exact bytes.
+    CanonicalJson,
+}
+
 type RequirementFn = Arc<dyn Fn(&Parts) -> KeyRequirement + Send + Sync>;
 type RejectionFn = Arc<dyn Fn(&Rejection) -> Response<Bytes> + Send + Sync>;
 
@@ -36,6 +54,7 @@ pub(crate) struct Config<P> {
     pub(crate) kind: String,
     pub(crate) requirement: RequirementFn,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
+    pub(crate) body_fingerprint: BodyFingerprint,
     pub(crate) replay_headers: Vec<HeaderName>,
     pub(crate) max_request_bytes: usize,
     pub(crate) max_response_bytes: usize,
@@ -54,7 +73,7 @@ impl Config<FromExtensions> {
     pub(crate) fn new() -> Self {
         Config {
             principals: FromExtensions,
-            kind: "http".into(),
+            kind: crate::DEFAULT_KIND.into(),
             requirement: Arc::new(|parts: &Parts| {
                 if parts.method == Method::POST || parts.method == Method::PATCH {
                     KeyRequirement::Required
@@ -63,6 +82,7 @@ impl Config<FromExtensions> {
                 }
             }),
             fingerprint_headers: vec![header::CONTENT_TYPE],
+            body_fingerprint: BodyFingerprint::Exact,
             replay_headers: vec![
                 header::CONTENT_TYPE,
                 header::CONTENT_LANGUAGE,
@@ -90,6 +110,7 @@ impl<P> Config<P> {
             kind: self.kind,
             requirement: self.requirement,
             fingerprint_headers: self.fingerprint_headers,
+            body_fingerprint: self.body_fingerprint,
             replay_headers: self.replay_headers,
             max_request_bytes: self.max_request_bytes,
             max_response_bytes: self.max_response_bytes,

@@ -123,7 +123,10 @@ impl Rejection {
             Rejection::RequestTooLarge { limit } => format!("The request body exceeds {limit} bytes."),
             Rejection::RequestBodyFailed => "The request body ended with an error.".into(),
             Rejection::KeyReused => {
-                "The key was first used with another method, path, headers or body; use a new key.".into()
+                "The key was first used with another method, path, headers or body (the body is \
+                 compared byte for byte: the same JSON with other whitespace or key order differs); \
+                 use a new key, or send the first request's exact bytes."
+                    .into()
             }
             Rejection::InFlight => "Retry after the first request with this key has finished.".into(),
             Rejection::ResponseTooLarge { limit } => format!(

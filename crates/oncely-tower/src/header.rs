@@ -9,6 +9,12 @@ pub static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-ke
 /// The response header that marks a replayed response (`true`).
 pub static IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
+/// The response header on every answer the layer gives itself (a
+/// [`Rejection`](crate::Rejection)), whose value is its
+/// [`code`](crate::Rejection::code): `Idempotency-Rejection: key-reused`.
+/// An application's own 422 (a JSON body its extractor refused) has none.
+pub static IDEMPOTENCY_REJECTION: HeaderName = HeaderName::from_static("idempotency-rejection");
+
 /// The longest key accepted, in bytes (after unquoting).
 pub const MAX_CLIENT_KEY_BYTES: usize = 255;
 

@@ -11,7 +11,7 @@ use oncely::backend::Ledger;
 use oncely::{ClaimOptions, EffectKey, Effects, OnInProgress, Tenant};
 use tower_layer::Layer;
 
-use crate::config::{Config, KeyRequirement};
+use crate::config::{BodyFingerprint, Config, KeyRequirement};
 use crate::error::Rejection;
 use crate::principal::{FromExtensions, PrincipalSource};
 use crate::service::{Idempotency, Shared};
@@ -30,6 +30,7 @@ use crate::service::{Idempotency, Shared};
 /// | [`requirement`](Self::requirement) | `POST` and `PATCH` require a key, other methods are ignored |
 /// | [`kind`](Self::kind) | `http` (the effect key's kind) |
 /// | [`fingerprint_headers`](Self::fingerprint_headers) | `content-type` (with method, path + query, body) |
+/// | [`body_fingerprint`](Self::body_fingerprint) | [`BodyFingerprint::Exact`]: the body's exact bytes |
 /// | [`replay_headers`](Self::replay_headers) | `content-type`, `content-language`, `location`, `etag` |
 /// | [`max_request_bytes`](Self::max_request_bytes) | 1 MiB (413 beyond) |
 /// | [`max_response_bytes`](Self::max_response_bytes) | 32 KiB (and what the ledger stores) |
@@ -86,7 +87,9 @@ impl<L: Ledger + Clone + 'static, P: PrincipalSource> IdempotencyLayer<L, P> {
 
     /// The kind of the effect keys (`EffectKey::for_client(tenant, principal,
     /// kind, client_key)`). Two layers with different kinds keep separate
-    /// keys; give each API its own if their clients may reuse keys.
+    /// keys; give each API its own if their clients may reuse keys. An
+    /// operator then names it to find a request's record
+    /// (`oncely inspect --tenant T --kind K --principal P --client-key KEY`).
     ///
     /// # Panics
     /// If `kind` is not a valid effect-key kind (empty, `:`, `/`, whitespace).
@@ -103,6 +106,17 @@ impl<L: Ledger + Clone + 'static, P: PrincipalSource> IdempotencyLayer<L, P> {
     /// method, the path and query, and the body.
     pub fn fingerprint_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         self.config.fingerprint_headers = headers.into_iter().collect();
+        self
+    }
+
+    /// How the body enters the fingerprint: its exact bytes
+    /// ([`BodyFingerprint::Exact`], the default), or, for a JSON body, its
+    /// canonical form ([`BodyFingerprint::CanonicalJson`]: a client that
+    /// re-serialises the same JSON with other whitespace or key order on a
+    /// retry sends the same request). Changing it changes the fingerprint
+    /// of keys already stored: a retry across the change may get a 422.
+    pub fn body_fingerprint(mut self, how: BodyFingerprint) -> Self {
+        self.config.body_fingerprint = how;
         self
     }
 
@@ -199,7 +213,7 @@ impl<L: Ledger + Clone + 'static, P: PrincipalSource> IdempotencyLayer<L, P> {
     }
 
     fn claim_options(&self) -> ClaimOptions {
-        let opts = ClaimOptions::default()
+        let opts = ClaimOptions::for_http()
             .lease(self.config.lease)
             .retention(self.config.retention)
             .on_in_progress(self.config.on_in_flight)

@@ -6,21 +6,30 @@
 //!
 //! ```no_run
 //! use std::sync::Arc;
+//!
 //! use axum::{Router, routing::post};
+//! use oncely::Tenant;
 //! use oncely_sqlite::SqliteLedger;
 //! use oncely_tower::{IdempotencyLayer, Principal};
 //!
-//! # async fn charge() -> &'static str { "{}" }
-//! # #[tokio::main] async fn main() -> oncely::Result<()> {
-//! let ledger = Arc::new(SqliteLedger::connect("sqlite:charges.db").await?);
-//! let app: Router = Router::new()
-//!     .route("/charges", post(charge))
-//!     // the principal is whatever your authentication says it is
-//!     .layer(IdempotencyLayer::new(ledger).principals(|req: &http::request::Parts| {
-//!         let user = req.headers.get("x-user")?.to_str().ok()?;
-//!         Some(Principal::new(oncely::Tenant::global(), user))
-//!     }));
-//! # Ok(()) }
+//! async fn charge(body: String) -> String {
+//!     format!("{{\"charged\": {body}}}") // runs once per Idempotency-Key
+//! }
+//!
+//! #[tokio::main]
+//! async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     let ledger = Arc::new(SqliteLedger::connect("sqlite:charges.db").await?);
+//!     let app: Router = Router::new()
+//!         .route("/charges", post(charge))
+//!         // The principal is whatever your authentication says it is.
+//!         .layer(IdempotencyLayer::new(ledger).principals(|req: &http::request::Parts| {
+//!             let user = req.headers.get("x-user")?.to_str().ok()?;
+//!             Some(Principal::new(Tenant::global(), user))
+//!         }));
+//!     let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+//!     axum::serve(listener, app).await?;
+//!     Ok(())
+//! }
 //! ```
 //!
 //! ## What it does with a request
@@ -34,13 +43,24 @@
 //! | a body over [`max_request_bytes`](IdempotencyLayer::max_request_bytes) | 413 `request-too-large`, without reading past the limit |
 //! | the first request with its key | the handler runs once; its response goes to the caller and (status, [replay headers](IdempotencyLayer::replay_headers), body) is stored |
 //! | the same key, same request, after it completed | the stored response, with `Idempotent-Replayed: true` |
-//! | the same key with another method, path + query, [fingerprinted header](IdempotencyLayer::fingerprint_headers) or body | 422 `key-reused`; nothing runs |
+//! | the same key with another method, path + query, [fingerprinted header](IdempotencyLayer::fingerprint_headers) or body (its exact bytes unless [`BodyFingerprint::CanonicalJson`]) | 422 `key-reused`; nothing runs |
 //! | the same key while the first is still running | 409 `in-flight` with `Retry-After: 1`, or a wait of up to a bound ([`on_in_flight`](IdempotencyLayer::on_in_flight)) |
 //! | the ledger cannot be reached | 503 `ledger-unavailable` (fail closed: the handler does not run) |
 //! | the handler ran, and the ledger failed to store its response ([`oncely::Error::OutcomeUnknown`]) | the handler's response, unstored: the key stays held until its lease ends, then a retry runs the handler again (send provider keys from it) |
 //!
 //! Error bodies are `application/problem+json` (RFC 9457,
 //! [`Rejection::problem`]); [`IdempotencyLayer::rejection_response`] replaces them.
+//! Every answer the layer gives itself carries
+//! [`Idempotency-Rejection: <code>`](IDEMPOTENCY_REJECTION) (`key-reused`,
+//! `in-flight`, …), so a client tells the layer's 422 from one the
+//! application returned (a JSON extractor's rejection, say).
+//!
+//! **The fingerprint is exact bytes.** The body is compared byte for byte:
+//! the same JSON with other whitespace or another key order is another
+//! request, and reusing its key is a 422. A client that re-serialises its
+//! body on a retry should send the same bytes; where it cannot, turn on
+//! [`body_fingerprint(BodyFingerprint::CanonicalJson)`](IdempotencyLayer::body_fingerprint),
+//! which compares a JSON body by its parsed value.
 //!
 //! **The key.** The header is a structured-field string, as the draft
 //! specifies: `Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"`
@@ -113,10 +133,19 @@ mod principal;
 mod service;
 mod stored;
 
-pub use config::KeyRequirement;
+pub use config::{BodyFingerprint, KeyRequirement};
 pub use error::{PROBLEM_JSON, Rejection};
 pub use future::ResponseFuture;
-pub use header::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, MAX_CLIENT_KEY_BYTES};
+pub use header::{IDEMPOTENCY_KEY, IDEMPOTENCY_REJECTION, IDEMPOTENT_REPLAYED, MAX_CLIENT_KEY_BYTES};
 pub use layer::IdempotencyLayer;
 pub use principal::{FromExtensions, Principal, PrincipalSource};
 pub use service::Idempotency;
+
+/// The effect keys' kind unless [`IdempotencyLayer::kind`] says otherwise.
+///
+/// A request's record is `<principal's tenant>/http:<subject>`, the subject
+/// being [`EffectKey::client_subject`](oncely::EffectKey::client_subject)`(principal's
+/// id, client key)`: `oncely history --tenant T --principal P --client-key K`
+/// (and `oncely inspect`, and `oncely serve`'s lookup) find it from what an
+/// operator knows.
+pub const DEFAULT_KIND: &str = "http";

@@ -31,7 +31,14 @@ pub(crate) struct Shared<L, P> {
 
 impl<L, P> Shared<L, P> {
     fn reject<B: From<Bytes>>(&self, rejection: &Rejection) -> Response<B> {
-        (self.config.rejection)(rejection).map(B::from)
+        let mut response = (self.config.rejection)(rejection);
+        // Whatever body the application chose, the client can tell this
+        // answer from the application's own (a 422 from a JSON extractor).
+        response.headers_mut().insert(
+            header::IDEMPOTENCY_REJECTION.clone(),
+            http::HeaderValue::from_static(rejection.code()),
+        );
+        response.map(B::from)
     }
 }
 
@@ -151,7 +158,12 @@ where
         Err(ReadError::TooLarge) => return Ok(shared.reject(&Rejection::RequestTooLarge { limit })),
         Err(ReadError::Failed(_)) => return Ok(shared.reject(&Rejection::RequestBodyFailed)),
     };
-    let fingerprint = stored::fingerprint(&parts, &config.fingerprint_headers, &body);
+    let fingerprint = stored::fingerprint(
+        &parts,
+        &config.fingerprint_headers,
+        config.body_fingerprint,
+        &body,
+    );
     let request = Request::from_parts(parts, ReqB::from(body));
     // The handler runs in a task of its own: a client that hangs up does not
     // cancel it halfway, so its response is stored and the client's retry

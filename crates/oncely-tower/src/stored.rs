@@ -11,7 +11,9 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use oncely::BoxError;
 use oncely::backend::Fingerprint;
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
+use crate::config::BodyFingerprint;
 use crate::header::IDEMPOTENT_REPLAYED;
 
 /// The stored response: status, the headers chosen for replay, and the body
@@ -84,9 +86,15 @@ impl StoredResponse {
 }
 
 /// The request fingerprint: BLAKE3 over the method, the path and query, the
-/// chosen headers (name and every value, in the order given) and the body,
-/// each part length-prefixed so that no two requests frame alike.
-pub(crate) fn fingerprint(parts: &Parts, headers: &[HeaderName], body: &[u8]) -> Fingerprint {
+/// chosen headers (name and every value, in the order given) and the body
+/// (its bytes, or its canonical JSON), each part length-prefixed so that no
+/// two requests frame alike.
+pub(crate) fn fingerprint(
+    parts: &Parts,
+    headers: &[HeaderName],
+    how: BodyFingerprint,
+    body: &[u8],
+) -> Fingerprint {
     let mut h = blake3::Hasher::new_derive_key("oncely-tower 2026 request fingerprint");
     let mut part = |bytes: &[u8]| {
         h.update(&(bytes.len() as u64).to_le_bytes());
@@ -108,7 +116,17 @@ pub(crate) fn fingerprint(parts: &Parts, headers: &[HeaderName], body: &[u8]) ->
             part(v.as_bytes());
         }
     }
-    part(body);
+    match how {
+        BodyFingerprint::CanonicalJson => match serde_json::from_slice::<Value>(body) {
+            Ok(value) => {
+                let mut canonical = Vec::with_capacity(body.len());
+                write_canonical(&value, &mut canonical);
+                part(&canonical)
+            }
+            Err(_) => part(body),
+        },
+        BodyFingerprint::Exact => part(body),
+    }
     Fingerprint::from_bytes(h.finalize().as_bytes()).expect("a BLAKE3 hash is 32 bytes")
 }
 
@@ -135,5 +153,38 @@ where
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.is::<LengthLimitError>() => Err(ReadError::TooLarge),
         Err(e) => Err(ReadError::Failed(e)),
+    }
+}
+
+/// `value` as JSON with every object's keys sorted and no whitespace, so
+/// that two spellings of one value write the same bytes (whatever order
+/// `serde_json`'s map keeps).
+fn write_canonical(value: &Value, out: &mut Vec<u8>) {
+    match value {
+        Value::Object(map) => {
+            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(b.0));
+            out.push(b'{');
+            for (i, (k, v)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                out.extend_from_slice(Value::String(k.clone()).to_string().as_bytes());
+                out.push(b':');
+                write_canonical(v, out);
+            }
+            out.push(b'}');
+        }
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, v) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_canonical(v, out);
+            }
+            out.push(b']');
+        }
+        scalar => out.extend_from_slice(scalar.to_string().as_bytes()),
     }
 }

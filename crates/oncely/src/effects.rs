@@ -200,6 +200,41 @@ impl How {
     pub fn is_replayed(self) -> bool {
         self == How::Replayed
     }
+
+    /// How a delivery that ran two effects came about: [`How::Ran`] when
+    /// either ran (something happened in this delivery: a job that replayed
+    /// its capture and ran its receipt), [`How::Replayed`] only when both
+    /// were replayed (the delivery was a pure duplicate). Also `a | b`.
+    ///
+    /// ```
+    /// use oncely::How;
+    /// assert_eq!(How::Replayed.combine(How::Ran), How::Ran);
+    /// assert_eq!(How::Replayed | How::Replayed, How::Replayed);
+    /// let steps = [How::Replayed, How::Ran, How::Replayed];
+    /// assert_eq!(steps.into_iter().fold(How::Replayed, How::combine), How::Ran);
+    /// ```
+    pub fn combine(self, other: How) -> How {
+        if self == How::Ran || other == How::Ran {
+            How::Ran
+        } else {
+            How::Replayed
+        }
+    }
+}
+
+/// [`How::combine`].
+impl std::ops::BitOr for How {
+    type Output = How;
+    fn bitor(self, other: How) -> How {
+        self.combine(other)
+    }
+}
+
+/// [`How::combine`], in place.
+impl std::ops::BitOrAssign for How {
+    fn bitor_assign(&mut self, other: How) {
+        *self = self.combine(other);
+    }
 }
 
 impl std::fmt::Display for How {

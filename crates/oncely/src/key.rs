@@ -163,12 +163,35 @@ impl EffectKey {
     ///
     /// The principal and the client key are held to [`EffectKey::new`]'s
     /// rules on characters and normalisation.
+    ///
+    /// Its subject is [`EffectKey::client_subject`]`(principal, client_key)`.
     pub fn for_client(
         tenant: &Tenant,
         principal: &str,
         kind: impl AsRef<str>,
         client_key: &str,
     ) -> Result<Self> {
+        EffectKey::new(tenant, kind, EffectKey::client_subject(principal, client_key)?)
+    }
+
+    /// The subject [`EffectKey::for_client`] stores for a principal's client
+    /// key: `client-` and 40 hex digits of a hash of both. This is how an
+    /// operator finds the record of an HTTP request (`oncely-tower` stores
+    /// `<tenant>/http:client-…`): `oncely history --tenant T --principal P
+    /// --client-key K` computes it with this function.
+    ///
+    /// ```
+    /// use oncely::{EffectKey, Tenant};
+    /// let subject = EffectKey::client_subject("user-42", "8e03978e")?;
+    /// assert!(subject.starts_with("client-"));
+    /// let key = EffectKey::for_client(&Tenant::global(), "user-42", "http", "8e03978e")?;
+    /// assert_eq!(key.subject(), subject);
+    /// # Ok::<(), oncely::Error>(())
+    /// ```
+    ///
+    /// The principal and the client key are held to [`EffectKey::new`]'s
+    /// rules on characters and normalisation.
+    pub fn client_subject(principal: &str, client_key: &str) -> Result<String> {
         check_part("principal", principal, MAX_KEY_BYTES)?;
         check_part("client key", client_key, MAX_KEY_BYTES)?;
         // Hash so that neither a ':' in the principal nor a long client key can
@@ -177,8 +200,7 @@ impl EffectKey {
         h.update(&(principal.len() as u64).to_le_bytes());
         h.update(principal.as_bytes());
         h.update(client_key.as_bytes());
-        let subject = format!("client-{}", &h.finalize().to_hex()[..40]);
-        EffectKey::new(tenant, kind, subject)
+        Ok(format!("client-{}", &h.finalize().to_hex()[..40]))
     }
 
     /// Parses a displayed key (`tenant/kind:subject`) back into its parts.

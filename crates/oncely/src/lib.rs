@@ -30,6 +30,9 @@
 //! # Ok(()) }
 //! ```
 //!
+//! In a broker consumer, claim with [`ClaimOptions::for_consumer`]; in an
+//! HTTP handler, with [`ClaimOptions::for_http`]: each says what it trades.
+//!
 //! A job with several effects (capture, mark paid, send a receipt) gives each
 //! its own key with [`Effects::job`]: a redelivery resumes at the first
 //! unfinished step. [`Job`] explains the three [`StepMode`]s

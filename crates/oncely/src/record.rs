@@ -389,7 +389,10 @@ pub enum OnInProgress {
 
 /// Options of a claim. `ClaimOptions::default()` gives a 30 s lease, 7 days
 /// of retention, no fingerprint, `Wait { max: 30 s }`, and a safety margin
-/// of a quarter of the lease.
+/// of a quarter of the lease. Start from a preset instead:
+/// [`ClaimOptions::for_consumer`] for a broker consumer's handler (a short
+/// wait, then the broker redelivers) and [`ClaimOptions::for_http`] for an
+/// effect in an HTTP handler; each says why.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ClaimOptions {
     /// How long the lease lasts before another claimant may take it over.
@@ -475,6 +478,75 @@ impl Default for ClaimOptions {
 }
 
 impl ClaimOptions {
+    /// The options for a broker consumer's handler: a 30 s lease, 7 days of
+    /// retention, and a duplicate that finds the effect in progress elsewhere
+    /// waits at most 200 ms before it fails with [`Error::InProgress`] (which
+    /// `oncely-consumer` turns into a redelivery after its
+    /// `in_progress_delay`).
+    ///
+    /// **The trade.** A consumer has a broker that redelivers, so a duplicate
+    /// gains little by waiting: a long wait (the default's 30 s) holds one of
+    /// the consumer's concurrency slots, and the broker's prefetch behind it,
+    /// for as long as the first delivery runs, while a redelivery a moment
+    /// later finds the effect completed and acks at once. A short wait still
+    /// answers the common case where both copies arrive together and the
+    /// first finishes within milliseconds. **Size the lease to the handler**
+    /// with [`lease`](Self::lease): about twice its usual time and no less
+    /// than its slowest external call; the runner
+    /// ([`Effects::run`](crate::Effects::run)) renews it every third of its
+    /// length while the handler runs, so a longer handler is safe, and a
+    /// worker that dies is taken over once the lease ends: a shorter lease
+    /// means a crashed worker's message is redone sooner, a longer one means
+    /// fewer renewals. Pass [`sent_at`](Self::sent_at) from the message and
+    /// [`redelivered`](Self::redelivered) from the delivery count.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use oncely::{ClaimOptions, OnInProgress};
+    /// let opts = ClaimOptions::for_consumer().lease(Duration::from_secs(10));
+    /// assert_eq!(opts.on_in_progress, OnInProgress::Wait { max: Duration::from_millis(200) });
+    /// ```
+    pub fn for_consumer() -> Self {
+        ClaimOptions::default().on_in_progress(OnInProgress::Wait {
+            max: Duration::from_millis(200),
+        })
+    }
+
+    /// The options for an effect run inside an HTTP request handler: a 60 s
+    /// lease, 24 hours of retention, and a duplicate request that finds the
+    /// effect in progress waits up to 5 s for its outcome before it fails
+    /// with [`Error::InProgress`] (answer it with a 409 and `Retry-After`).
+    ///
+    /// **The trade.** Nothing redelivers an HTTP request: the client is on
+    /// the other end of the connection, waiting. A short wait gives a retry
+    /// that raced its first attempt (a client timeout, a double click) the
+    /// first attempt's answer instead of an error it must handle and retry;
+    /// beyond a few seconds the wait ties up the connection and runs into the
+    /// client's own timeout, so the bound is short, and an error is the
+    /// answer after it. The lease outlives any request the server would
+    /// still answer (renewed while the handler runs); the retention is what
+    /// the IETF draft asks servers to publish as a key's lifetime, 24 hours
+    /// here: lengthen it if your clients retry later than that.
+    /// `oncely-tower`'s layer uses this lease and retention, but answers an
+    /// in-flight duplicate at once with a 409 by default, as the draft
+    /// describes; `IdempotencyLayer::on_in_flight` makes it wait.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use oncely::{ClaimOptions, OnInProgress};
+    /// let opts = ClaimOptions::for_http();
+    /// assert_eq!(opts.on_in_progress, OnInProgress::Wait { max: Duration::from_secs(5) });
+    /// assert_eq!(opts.retention, Duration::from_secs(24 * 3600));
+    /// ```
+    pub fn for_http() -> Self {
+        ClaimOptions::default()
+            .lease(Duration::from_secs(60))
+            .retention(Duration::from_secs(24 * 3600))
+            .on_in_progress(OnInProgress::Wait {
+                max: Duration::from_secs(5),
+            })
+    }
+
     /// Sets the lease length.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;

@@ -18,7 +18,11 @@ pub const FENCE_REJECTIONS_TOTAL: &str = "oncely_fence_rejections_total";
 pub const UNEXPECTED_CONSTRAINT_VIOLATIONS_TOTAL: &str = "oncely_unexpected_constraint_violations_total";
 /// Histogram `{backend}`: claim latency in seconds.
 pub const CLAIM_SECONDS: &str = "oncely_claim_seconds";
-/// Histogram `{kind}`: age of the first claim when a duplicate arrives.
+/// Histogram `{kind,found}`: age of the first claim when a duplicate
+/// arrives. `found="completed"`: a duplicate of a completed effect (the
+/// gap retention must cover); `found="in_progress"`: a retry or a
+/// concurrent copy that found the effect still running (not a redelivery
+/// gap; counted apart so the two are not added up).
 pub const REDELIVERY_GAP_SECONDS: &str = "oncely_redelivery_gap_seconds";
 /// The span every claim runs in.
 pub const CLAIM_SPAN: &str = "oncely.claim";
@@ -119,7 +123,9 @@ pub(crate) fn duplicate_seen(
         metrics::counter!(DUPLICATES_SUPPRESSED_TOTAL, "kind" => key.kind().to_owned()).increment(1);
     }
     let gap = read_at.duration_since(first_claimed_at).unwrap_or_default();
-    metrics::histogram!(REDELIVERY_GAP_SECONDS, "kind" => key.kind().to_owned()).record(gap.as_secs_f64());
+    let found = if suppressed { "completed" } else { "in_progress" };
+    metrics::histogram!(REDELIVERY_GAP_SECONDS, "kind" => key.kind().to_owned(), "found" => found)
+        .record(gap.as_secs_f64());
 }
 
 /// Bucket bounds (seconds) for [`REDELIVERY_GAP_SECONDS`], from 1 s to 30

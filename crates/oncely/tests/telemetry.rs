@@ -34,6 +34,21 @@ fn histogram_samples(snap: &[(CompositeKey, DebugValue)], name: &str) -> usize {
         .sum()
 }
 
+fn histogram_samples_with(snap: &[(CompositeKey, DebugValue)], name: &str, labels: &[(&str, &str)]) -> usize {
+    snap.iter()
+        .filter(|(k, _)| k.key().name() == name)
+        .filter(|(k, _)| {
+            labels
+                .iter()
+                .all(|(l, v)| k.key().labels().any(|x| x.key() == *l && x.value() == *v))
+        })
+        .map(|(_, v)| match v {
+            DebugValue::Histogram(h) => h.len(),
+            _ => 0,
+        })
+        .sum()
+}
+
 fn snapshot(s: &Snapshotter) -> Vec<(CompositeKey, DebugValue)> {
     s.snapshot()
         .into_vec()
@@ -77,6 +92,13 @@ fn effects_emit_the_documented_metrics() {
                 .await
                 .unwrap_err();
             assert!(matches!(err, Error::LeaseLost { .. }), "{err:?}");
+            // A retry while the taker-over still holds the receipt: in progress.
+            let reject = ClaimOptions::default().on_in_progress(oncely::OnInProgress::Reject);
+            let err = effects
+                .run::<u32, _, _>(&slow, &reject, |_| async { Ok(3) })
+                .await
+                .unwrap_err();
+            assert!(matches!(err, Error::InProgress { .. }), "{err:?}");
             ledger.advance(Duration::from_secs(31));
             let v: u32 = effects.run(&slow, &opts, |_| async { Ok(2) }).await.unwrap();
             assert_eq!(v, 2);
@@ -111,8 +133,26 @@ fn effects_emit_the_documented_metrics() {
         ),
         1
     );
-    assert_eq!(histogram_samples(&snap, CLAIM_SECONDS), 5);
-    assert_eq!(histogram_samples(&snap, REDELIVERY_GAP_SECONDS), 2);
+    assert_eq!(histogram_samples(&snap, CLAIM_SECONDS), 6);
+    assert_eq!(histogram_samples(&snap, REDELIVERY_GAP_SECONDS), 3);
+    // The two duplicates of the completed capture are redelivery gaps; the
+    // retry that found the receipt still in progress is counted apart.
+    assert_eq!(
+        histogram_samples_with(
+            &snap,
+            REDELIVERY_GAP_SECONDS,
+            &[("kind", "capture"), ("found", "completed")]
+        ),
+        2
+    );
+    assert_eq!(
+        histogram_samples_with(
+            &snap,
+            REDELIVERY_GAP_SECONDS,
+            &[("kind", "receipt"), ("found", "in_progress")]
+        ),
+        1
+    );
 }
 
 /// Knows that receipts went out and captures did not.

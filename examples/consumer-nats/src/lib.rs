@@ -15,11 +15,12 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use oncely::backend::Ledger;
-use oncely::{ClaimOptions, EffectKey, Effects, How, OnInProgress, Tenant};
+use oncely::{ClaimOptions, EffectKey, Effects, How, Tenant};
 use oncely_consumer::nats::async_nats::{self, jetstream};
 use oncely_consumer::nats::{JetStreamSource, JetStreamTopology};
 use oncely_consumer::{Consumer, ConsumerOptions, Context, Handler, HandlerError, Stats, json};
-use payment_job::{FakeMailer, FakeProvider};
+use oncely_testkit::fakes::{FakeMailer, FakeProvider};
+use oncely_testkit::{Drain, Progress};
 use serde::{Deserialize, Serialize};
 
 /// The message: pay for an order.
@@ -54,10 +55,8 @@ impl<L: Ledger + 'static> Handler for Payments<L> {
 
     async fn handle(&self, msg: PayOrder, _ctx: Context) -> Result<How, HandlerError> {
         let order = msg.order_id.ok_or(HandlerError::missing_field("order_id"))?;
-        // Wait a little for a holder elsewhere, then let the broker come back.
-        let opts = ClaimOptions::default().on_in_progress(OnInProgress::Wait {
-            max: Duration::from_millis(200),
-        });
+        // A short wait for a holder elsewhere, then the broker redelivers.
+        let opts = ClaimOptions::for_consumer();
         let capture = EffectKey::new(&self.tenant, "capture", &order)?;
         let captured = self
             .effects
@@ -77,11 +76,8 @@ impl<L: Ledger + 'static> Handler for Payments<L> {
                 Ok(())
             })
             .await?;
-        Ok(if captured.how == How::Ran || sent.how == How::Ran {
-            How::Ran
-        } else {
-            How::Replayed
-        })
+        // Ran if either step ran; replayed only if both were.
+        Ok(captured.how | sent.how)
     }
 }
 
@@ -169,29 +165,34 @@ pub async fn run<L: Ledger + Clone + 'static>(
                     .await
             }));
         }
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-        let dead_lettered = loop {
-            let mut consumer = topology.consumer(&js).await.map_err(|e| anyhow::anyhow!(e))?;
-            let info = consumer.info().await?.clone();
-            let dead = js
-                .get_stream(&topology.dead_letter_stream)
-                .await?
-                .info()
-                .await?
-                .state
-                .messages;
-            let in_flight: u64 = consumers.iter().map(|c| c.stats().in_flight()).sum();
-            if provider.captures().len() == orders
-                && info.num_pending == 0
-                && info.num_ack_pending == 0
-                && dead == 2
-                && in_flight == 0
-            {
-                break dead as u32;
-            }
-            anyhow::ensure!(tokio::time::Instant::now() < deadline, "not done after a minute");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
+        // Until everything was settled and nothing has moved for a moment
+        // (the test kit's drain, any broker).
+        let mut dead_lettered = 0;
+        Drain::default()
+            .until(async || {
+                let mut consumer = topology.consumer(&js).await.map_err(|e| anyhow::anyhow!(e))?;
+                let info = consumer.info().await?.clone();
+                let dead = js
+                    .get_stream(&topology.dead_letter_stream)
+                    .await?
+                    .info()
+                    .await?
+                    .state
+                    .messages;
+                dead_lettered = dead as u32;
+                let seen = consumers.iter().fold(Stats::default(), |s, c| s.plus(c.stats()));
+                let drained = provider.captures().len() == orders
+                    && info.num_pending == 0
+                    && info.num_ack_pending == 0
+                    && dead == 2
+                    && seen.in_flight() == 0;
+                Ok::<_, anyhow::Error>(Progress::new(
+                    drained,
+                    seen.ran + seen.replayed + seen.dead_lettered,
+                ))
+            })
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         stop_tx.send(true)?;
         let mut stats = Stats::default();
         for r in runs {

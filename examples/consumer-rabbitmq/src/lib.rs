@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use oncely::backend::Ledger;
-use oncely::{ClaimOptions, EffectKey, Effects, How, OnInProgress, Tenant};
+use oncely::{ClaimOptions, EffectKey, Effects, How, Tenant};
 use oncely_consumer::rabbitmq::lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };
@@ -23,7 +23,8 @@ use oncely_consumer::rabbitmq::lapin::types::FieldTable;
 use oncely_consumer::rabbitmq::lapin::{BasicProperties, Connection, ConnectionProperties};
 use oncely_consumer::rabbitmq::{RabbitSource, RabbitTopology};
 use oncely_consumer::{Consumer, ConsumerOptions, Context, Handler, HandlerError, Stats, json};
-use payment_job::{FakeMailer, FakeProvider};
+use oncely_testkit::fakes::{FakeMailer, FakeProvider};
+use oncely_testkit::{Drain, KillSwitch, Progress};
 use serde::{Deserialize, Serialize};
 
 /// The message: pay for an order.
@@ -47,6 +48,13 @@ pub struct Payments<L> {
     pub provider: Arc<FakeProvider>,
     /// The mailer (does not).
     pub mailer: Arc<FakeMailer>,
+    /// The capture's lease, sized to the handler (`run` keeps
+    /// [`ClaimOptions::for_consumer`]'s 30 s); renewed while it runs.
+    pub lease: Duration,
+    /// Where a test may kill this consumer the way a crash does: between
+    /// the provider's capture and its completion. Never armed outside
+    /// tests, where a point returns at once.
+    pub crash_points: KillSwitch,
 }
 
 impl<L: Ledger + 'static> Handler for Payments<L> {
@@ -58,10 +66,8 @@ impl<L: Ledger + 'static> Handler for Payments<L> {
 
     async fn handle(&self, msg: PayOrder, _ctx: Context) -> Result<How, HandlerError> {
         let order = msg.order_id.ok_or(HandlerError::missing_field("order_id"))?;
-        // Wait a little for a holder elsewhere, then let the broker come back.
-        let opts = ClaimOptions::default().on_in_progress(OnInProgress::Wait {
-            max: Duration::from_millis(200),
-        });
+        // A short wait for a holder elsewhere, then the broker redelivers.
+        let opts = ClaimOptions::for_consumer().lease(self.lease);
         let capture = EffectKey::new(&self.tenant, "capture", &order)?;
         let captured = self
             .effects
@@ -69,7 +75,9 @@ impl<L: Ledger + 'static> Handler for Payments<L> {
                 let order = &order;
                 async move {
                     let key = lease.provider_key();
-                    Ok(self.provider.capture(&key, order, msg.amount).await)
+                    let charge = self.provider.capture(&key, order, msg.amount).await;
+                    self.crash_points.point().await;
+                    Ok(charge)
                 }
             })
             .await?;
@@ -81,11 +89,8 @@ impl<L: Ledger + 'static> Handler for Payments<L> {
                 Ok(())
             })
             .await?;
-        Ok(if captured.how == How::Ran || sent.how == How::Ran {
-            How::Ran
-        } else {
-            How::Replayed
-        })
+        // Ran if either step ran; replayed only if both were.
+        Ok(captured.how | sent.how)
     }
 }
 
@@ -155,6 +160,8 @@ pub async fn run<L: Ledger + Clone + 'static>(
                 tenant: tenant.clone(),
                 provider: provider.clone(),
                 mailer: mailer.clone(),
+                lease: Duration::from_secs(30),
+                crash_points: KillSwitch::new(),
             };
             let consumer = Arc::new(
                 Consumer::new(format!("payments-{c}"), handler).options(
@@ -184,37 +191,38 @@ pub async fn run<L: Ledger + Clone + 'static>(
             passive: true,
             ..QueueDeclareOptions::default()
         };
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-        let dead_lettered = loop {
-            let queued = admin
-                .queue_declare(topology.queue.as_str().into(), passive, FieldTable::default())
-                .await?
-                .message_count();
-            let dead = admin
-                .queue_declare(
-                    topology.dead_letter_queue.as_str().into(),
-                    passive,
-                    FieldTable::default(),
-                )
-                .await?
-                .message_count();
-            // The queue's count is of ready messages only: one delivered
-            // into a consumer's prefetch and not yet handled is in neither
-            // it nor `in_flight`, so wait until every published message has
-            // been acked (ran, replayed or dead-lettered) once.
-            let seen = consumers.iter().fold(Stats::default(), |s, c| s.plus(c.stats()));
-            let settled = seen.ran + seen.replayed + seen.dead_lettered;
-            if provider.captures().len() == orders
-                && queued == 0
-                && dead == 2
-                && seen.in_flight() == 0
-                && settled == publish.len() as u64
-            {
-                break dead;
-            }
-            anyhow::ensure!(tokio::time::Instant::now() < deadline, "not done after a minute");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
+        // Until every published message was settled once and nothing has
+        // moved for a moment (the test kit's drain, any broker).
+        let mut dead_lettered = 0;
+        Drain::default()
+            .until(async || {
+                let queued = admin
+                    .queue_declare(topology.queue.as_str().into(), passive, FieldTable::default())
+                    .await?
+                    .message_count();
+                dead_lettered = admin
+                    .queue_declare(
+                        topology.dead_letter_queue.as_str().into(),
+                        passive,
+                        FieldTable::default(),
+                    )
+                    .await?
+                    .message_count();
+                // The queue's count is of ready messages only: one delivered
+                // into a consumer's prefetch and not yet handled is in neither
+                // it nor `in_flight`, so wait until every published message has
+                // been acked (ran, replayed or dead-lettered) once.
+                let seen = consumers.iter().fold(Stats::default(), |s, c| s.plus(c.stats()));
+                let settled = seen.ran + seen.replayed + seen.dead_lettered;
+                let drained = provider.captures().len() == orders
+                    && queued == 0
+                    && dead_lettered == 2
+                    && seen.in_flight() == 0
+                    && settled == publish.len() as u64;
+                Ok::<_, anyhow::Error>(Progress::new(drained, settled))
+            })
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         stop_tx.send(true)?;
         let mut stats = Stats::default();
         for r in runs {

@@ -224,6 +224,17 @@ async fn the_scrape_shows_the_workloads_exact_numbers() {
     // histogram with exactly the declared buckets.
     let gap = "oncely_redelivery_gap_seconds";
     assert_eq!(count(&s, &format!("{gap}_count"), &capture), 7, "{text}");
+    // Every one found its effect completed: a redelivery gap, not a retry
+    // that found the effect in progress (`found="in_progress"`).
+    assert_eq!(
+        count(
+            &s,
+            &format!("{gap}_count"),
+            &[("kind", "capture"), ("found", "completed")]
+        ),
+        7,
+        "{text}"
+    );
     let buckets: Vec<(f64, u64)> = s
         .iter()
         .filter(|x| {

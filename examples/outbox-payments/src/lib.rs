@@ -30,7 +30,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use oncely::backend::TransactionalLedger;
 use oncely::outbox::{Message, Relay, RelayOptions, TransactionalOutbox};
-use oncely::{ClaimOptions, EffectKey, Effects, How, OnInProgress, StepFuture, StepMode, Tenant};
+use oncely::{ClaimOptions, EffectKey, Effects, How, StepFuture, StepMode, Tenant};
 use oncely_consumer::rabbitmq::lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };
@@ -40,7 +40,7 @@ use oncely_consumer::rabbitmq::{RabbitSource, RabbitTopology};
 use oncely_consumer::{Consumer, ConsumerOptions, Context, Handler, HandlerError, Stats, json};
 use oncely_postgres::PgLedger;
 use oncely_relay::rabbitmq::RabbitPublisher;
-use payment_job::{Charge, FakeMailer, FakeProvider};
+use oncely_testkit::fakes::{Charge, FakeMailer, FakeProvider};
 use serde::{Deserialize, Serialize};
 
 /// The command: pay for an order.
@@ -71,9 +71,7 @@ pub const ORDERS_TABLE: &str = "outbox_payments_orders";
 /// A consumer waits briefly for a duplicate's holder elsewhere, then lets
 /// the broker redeliver.
 fn claim_options() -> ClaimOptions {
-    ClaimOptions::default().on_in_progress(OnInProgress::Wait {
-        max: Duration::from_millis(200),
-    })
+    ClaimOptions::for_consumer()
 }
 
 /// Capture, then mark paid and enqueue `order.paid` in one transaction.

@@ -1,4 +1,5 @@
-//! `oncely abandoned`: the abandoned at-most-once steps, as JSON.
+//! `oncely abandoned`: the abandoned at-most-once steps, as a table (or
+//! JSON), like the other listings.
 
 use std::process::ExitCode;
 
@@ -8,19 +9,20 @@ use oncely::backend::{Ledger, Record};
 use oncely::{Result, Tenant};
 use oncely_any::Access;
 
-use super::{DbArgs, ScopeArgs, print_json};
-use crate::read::{Listing, Read, list_records, with_ledger};
-use crate::view::RecordView;
+use serde::Serialize;
 
-/// List abandoned at-most-once steps as a JSON array.
+use super::{DbArgs, Render, ScopeArgs, or_dash, padded, plain_table, print_json};
+use crate::read::{Listing, Read, list_records, with_ledger};
+use crate::view::{Inspection, RecordView};
+
+/// List abandoned at-most-once steps: a table, or a JSON array with --json.
 ///
 /// An at-most-once step (an email, a push) whose worker died between
 /// marking it attempted and completing it is never re-run
 /// automatically: it may or may not have happened, and someone has to
-/// check (then `resolve` it). This lists them, oldest first, as JSON
-/// (as it always has; --json says so explicitly). One tenant works on
-/// every backend; --all-tenants, --kind and --since need a SQL backend.
-/// Read-only, like `get`.
+/// check (then `resolve` it). This lists them, oldest first. One tenant
+/// works on every backend; --all-tenants, --kind and --since need a SQL
+/// backend. Read-only, like `get`.
 #[derive(Debug, ClapArgs)]
 pub struct Args {
     #[command(flatten)]
@@ -35,14 +37,15 @@ pub struct Args {
     /// At most this many records.
     #[arg(long, default_value_t = 100)]
     limit: u64,
-    /// Print JSON (the default and only format of this command).
+    /// Print a JSON array instead of the table.
     #[arg(long)]
     json: bool,
     #[command(flatten)]
     db: DbArgs,
 }
 
-/// Prints the abandoned steps as a JSON array (empty: says so on stderr).
+/// Prints the abandoned steps as a table, or as a JSON array (empty: says
+/// so on stderr).
 pub async fn run(args: Args) -> Result<ExitCode> {
     let tenant = args.scope.tenant()?;
     let records = abandoned_in(
@@ -53,12 +56,59 @@ pub async fn run(args: Args) -> Result<ExitCode> {
         args.limit,
     )
     .await?;
+    if !args.json {
+        let limited = records.value.len() as u64 == args.limit;
+        let code = records
+            .map(|r| Abandoned(r.iter().map(Inspection::from).collect()))
+            .render(false);
+        if limited {
+            eprintln!(
+                "showing the oldest {}; there may be more (narrow with --kind or --since, or \
+                 raise --limit)",
+                args.limit
+            );
+        }
+        return Ok(code);
+    }
     if records.value.is_empty() {
         eprintln!("no abandoned records in {}", records.ledger);
     }
     Ok(print_json(
         &records.map(|r| r.iter().map(RecordView::from).collect::<Vec<_>>()),
     ))
+}
+
+/// The abandoned steps as `abandoned` prints them for people.
+#[derive(Debug, Serialize)]
+#[serde(transparent)]
+struct Abandoned(Vec<Inspection>);
+
+/// The steps as a table, or "no abandoned records".
+impl Render for Abandoned {
+    fn print(&self, ledger: &str) {
+        if self.0.is_empty() {
+            println!("no abandoned records in {ledger}");
+            return;
+        }
+        println!("ledger: {ledger}");
+        let mut t = plain_table();
+        t.set_header(["key", "state", "fence", "created", "lease ended", "provider key"]);
+        for i in &self.0 {
+            t.add_row([
+                i.record.key.clone(),
+                i.class.to_owned(),
+                i.record.fence.to_string(),
+                i.record.created_at.clone(),
+                or_dash(i.record.lease_expires_at.as_deref()),
+                i.record.provider_key.clone(),
+            ]);
+        }
+        println!("{}", padded(t));
+        println!(
+            "each may have happened once or not at all: check, then `oncely resolve KEY \
+             --completed JSON` or `--released`"
+        );
+    }
 }
 
 /// Lists up to `limit` abandoned at-most-once steps of `tenant`, oldest first.

@@ -10,7 +10,7 @@ use oncely::{EffectKey, Result, Tenant};
 use oncely_any::{Access, AnyLedger};
 use serde::Serialize;
 
-use super::{DbArgs, Render, padded, plain_table, plural};
+use super::{ClientKeyArgs, DbArgs, Render, padded, plain_table, plural};
 use crate::audit::{self, AUDIT_KIND};
 use crate::read::{Read, with_admin};
 use crate::time::parse_rfc3339;
@@ -27,6 +27,9 @@ use crate::view::Inspection;
 /// Duplicates answered from a stored outcome are reads and leave no
 /// record; count them with the oncely_duplicates_suppressed_total
 /// metric. Read-only; SQL backends only.
+///
+/// An HTTP request (oncely-tower) is stored under a hash of its principal
+/// and Idempotency-Key: --principal P --client-key K finds it.
 #[derive(Debug, ClapArgs)]
 pub struct Args {
     /// The tenant.
@@ -36,8 +39,10 @@ pub struct Args {
     #[arg(long)]
     kind: Option<String>,
     /// Only this subject (order-123), in every kind unless --kind.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "principal")]
     subject: Option<String>,
+    #[command(flatten)]
+    client: ClientKeyArgs,
     /// Only records first claimed at or after this RFC 3339 time
     /// (2026-11-30T08:00:00Z) or date (2026-11-30).
     #[arg(long)]
@@ -73,6 +78,10 @@ pub struct History {
     pub audits: Vec<AuditView>,
     /// Whether the ledger's records show any effect granted more than once.
     pub claimed_more_than_once: bool,
+    /// The records not finished: in progress (`live`) or with a lease that
+    /// ended without a completion (`stuck`). Their effects may not have
+    /// happened yet, or may be happening.
+    pub unfinished: Vec<String>,
     /// "Did this run twice?", answered in one line from what is stored.
     pub verdict: String,
 }
@@ -81,16 +90,20 @@ pub struct History {
 /// the audit records of the ones listed and a verdict. Read-only.
 async fn history(q: &Args) -> Result<Read<History>> {
     let tenant = Tenant::parse(&q.tenant)?;
+    let subject = match q.client.subject()? {
+        Some(s) => Some(s),
+        None => q.subject.clone(),
+    };
     if let Some(k) = &q.kind {
         // Validates the kind (and the subject) as a key would.
-        EffectKey::new(&tenant, k, q.subject.as_deref().unwrap_or("x"))?;
+        EffectKey::new(&tenant, k, subject.as_deref().unwrap_or("x"))?;
     }
     let mut query = RecordQuery::tenant(&tenant);
     if let Some(k) = &q.kind {
         query = query.kind(k.clone());
     }
-    if let Some(s) = &q.subject {
-        query = query.subject(s.clone());
+    if let Some(s) = subject {
+        query = query.subject(s);
     }
     if let Some(since) = &q.since {
         query = query.since(parse_rfc3339(since)?);
@@ -115,10 +128,16 @@ async fn history(q: &Args) -> Result<Read<History>> {
     .await?;
     Ok(read.map(|(records, audits)| {
         let (claimed_more_than_once, verdict) = verdict(&records, &audits);
+        let unfinished = records
+            .iter()
+            .filter(|r| matches!(r.class, "live" | "stuck"))
+            .map(|r| r.record.key.clone())
+            .collect();
         History {
             records,
             audits,
             claimed_more_than_once,
+            unfinished,
             verdict,
         }
     }))
@@ -142,9 +161,22 @@ fn verdict(records: &[Inspection], audits: &[AuditView]) -> (bool, String) {
         .filter(|r| r.claims.claimed_again.is_none())
         .count();
     let abandoned = records.iter().filter(|r| r.class == "abandoned").count();
+    let live = records.iter().filter(|r| r.class == "live").count();
+    let stuck = records.iter().filter(|r| r.class == "stuck").count();
     let n = records.len();
     let mut line = if again.is_empty() {
-        if n == 1 {
+        if n == 1 && live + stuck == 1 {
+            format!(
+                "no, and it is unfinished: the effect was granted once (fence = first claim's \
+                 clock) and never completed ({})",
+                if stuck == 1 {
+                    "stuck: its lease ended with nobody holding it; the next delivery takes it \
+                     over, or resolve it"
+                } else {
+                    "live: a worker holds it now"
+                }
+            )
+        } else if n == 1 {
             "no: the effect was granted once (fence = first claim's clock)".to_owned()
         } else {
             format!("no: each of the {n} effects was granted once (fence = first claim's clock)")
@@ -168,6 +200,12 @@ fn verdict(records: &[Inspection], audits: &[AuditView]) -> (bool, String) {
             "; {} operator action{} recorded",
             audits.len(),
             plural(audits.len() as u64)
+        ));
+    }
+    if live + stuck > 0 && n > 1 {
+        line.push_str(&format!(
+            "; {} unfinished ({live} live: held now, {stuck} stuck: lease ended, never completed)",
+            live + stuck
         ));
     }
     if abandoned > 0 {
@@ -228,6 +266,9 @@ impl Render for History {
                 a.entry["at"].as_str().unwrap_or("?")
             );
         }
+        if !h.unfinished.is_empty() {
+            println!("unfinished: {}", h.unfinished.join(", "));
+        }
         println!("verdict: {}", h.verdict);
     }
 }
@@ -257,5 +298,19 @@ mod tests {
         );
         assert!(twice && line.starts_with("possibly: 1 of 2 effects"), "{line}");
         assert!(line.contains("oncely_duplicates_suppressed_total"), "{line}");
+        // A stuck effect is said to be unfinished, not only granted once.
+        let (twice, line) = verdict(&[view(&record(0, RecordState::InProgress))], &[]);
+        assert!(
+            !twice && line.starts_with("no, and it is unfinished") && line.contains("stuck"),
+            "{line}"
+        );
+        let (_, line) = verdict(
+            &[
+                view(&record(0, RecordState::Completed)),
+                view(&record(0, RecordState::InProgress)),
+            ],
+            &[],
+        );
+        assert!(line.contains("1 unfinished (0 live: held now, 1 stuck"), "{line}");
     }
 }

@@ -4,10 +4,10 @@ use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
 use oncely::backend::Ledger;
-use oncely::{EffectKey, Result};
+use oncely::{EffectKey, Error, Result, Tenant};
 use oncely_any::Access;
 
-use super::{DbArgs, Render, no_record, or_dash, padded, plain_table};
+use super::{ClientKeyArgs, DbArgs, Render, no_record, or_dash, padded, plain_table};
 use crate::read::{Read, with_ledger};
 use crate::view::Inspection;
 
@@ -26,10 +26,24 @@ use crate::view::Inspection;
 /// the exact count is not stored), with the latest grant's time read
 /// from the fence. Exits 3 when the key has no record. Read-only, every
 /// backend.
+///
+/// An HTTP request's record (oncely-tower) is found from who sent it and
+/// its Idempotency-Key: inspect --tenant T --principal P --client-key K
+/// (--kind when the layer's kind is not "http").
 #[derive(Debug, ClapArgs)]
 pub struct Args {
-    /// The effect key, tenant/kind:subject.
-    key: String,
+    /// The effect key, tenant/kind:subject (or --tenant with --principal
+    /// and --client-key).
+    #[arg(required_unless_present = "principal", conflicts_with = "principal")]
+    key: Option<String>,
+    /// The tenant of an HTTP request's principal (with --principal).
+    #[arg(long, requires = "principal")]
+    tenant: Option<String>,
+    /// The HTTP layer's kind (with --principal).
+    #[arg(long, default_value = "http", requires = "principal")]
+    kind: String,
+    #[command(flatten)]
+    client: ClientKeyArgs,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -39,7 +53,22 @@ pub struct Args {
 
 /// Prints the record, or "no record" (exit 3; `null` with `--json`).
 pub async fn run(args: Args) -> Result<ExitCode> {
-    let read = inspect(&args.db.database_url, &args.key).await?;
+    let key = match (&args.key, args.client.subject()?) {
+        (Some(key), _) => key.clone(),
+        (None, Some(subject)) => {
+            let tenant = match &args.tenant {
+                Some(t) => Tenant::parse(t)?,
+                None => Tenant::global(),
+            };
+            EffectKey::new(&tenant, &args.kind, subject)?.to_string()
+        }
+        (None, None) => {
+            return Err(Error::Misuse(
+                "give a key, or --principal and --client-key".into(),
+            ));
+        }
+    };
+    let read = inspect(&args.db.database_url, &key).await?;
     Ok(match read.value {
         Some(inspection) => Read {
             ledger: read.ledger,
@@ -50,7 +79,7 @@ pub async fn run(args: Args) -> Result<ExitCode> {
             if args.json {
                 println!("null");
             }
-            no_record(&args.key, &read.ledger)
+            no_record(&key, &read.ledger)
         }
     })
 }

@@ -86,6 +86,33 @@ impl ScopeArgs {
     }
 }
 
+/// An HTTP request's key as an operator knows it: who sent it and the
+/// `Idempotency-Key` it carried. `oncely-tower` stores the request under
+/// the subject [`EffectKey::client_subject`](oncely::EffectKey::client_subject)
+/// computes from both, which is what these arguments look up.
+#[derive(Debug, Args)]
+pub struct ClientKeyArgs {
+    /// The principal (the authenticated caller's id) an HTTP request's
+    /// Idempotency-Key is bound to; with --client-key, finds the record
+    /// oncely-tower stored for it.
+    #[arg(long, requires = "client_key")]
+    pub principal: Option<String>,
+    /// The Idempotency-Key header's value (without its quotes), with
+    /// --principal.
+    #[arg(long, requires = "principal")]
+    pub client_key: Option<String>,
+}
+
+impl ClientKeyArgs {
+    /// The stored subject, when both were given.
+    pub fn subject(&self) -> Result<Option<String>> {
+        match (self.principal.as_deref(), self.client_key.as_deref()) {
+            (Some(p), Some(k)) => Ok(Some(oncely::EffectKey::client_subject(p, k)?)),
+            _ => Ok(None),
+        }
+    }
+}
+
 /// An answer that prints itself for people; `--json` prints it through
 /// [`Read`]'s `Serialize` instead (the value with a `ledger` field).
 pub trait Render: Serialize {

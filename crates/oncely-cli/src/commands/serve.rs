@@ -43,9 +43,10 @@ pub struct Args {
     #[arg(long)]
     pub all_tenants: bool,
     /// A consumer's Prometheus endpoint (http://HOST:PORT/metrics), for the
-    /// redelivery-gap chart.
+    /// redelivery-gap chart. Give it once per replica: their histograms
+    /// are summed.
     #[arg(long)]
-    pub metrics_url: Option<String>,
+    pub metrics_url: Vec<String>,
     /// The retention your claims keep completed records for, drawn across
     /// the gap chart: 7d, 36h, 1h30m, 90s.
     #[arg(long, default_value = "7d")]
@@ -72,7 +73,11 @@ impl Args {
             listen: self.listen,
             allow_remote: self.allow_remote,
             scope,
-            metrics_url: self.metrics_url.as_deref().map(MetricsUrl::parse).transpose()?,
+            metrics_urls: self
+                .metrics_url
+                .iter()
+                .map(|u| MetricsUrl::parse(u))
+                .collect::<Result<_>>()?,
             retention: parse_duration(&self.retention)?,
             allow_resolve: self.allow_resolve,
         };

@@ -183,7 +183,10 @@ impl GapHistogram {
 }
 
 /// The `oncely_redelivery_gap_seconds_bucket` series of a Prometheus text
-/// scrape, one histogram per `kind`, sorted by kind. Lines that are not
+/// scrape (or of several replicas' scrapes, one after the other: the series
+/// of one bucket are summed), one histogram per `kind`, sorted by kind, of
+/// the duplicates that found their effect completed (`found="completed"`,
+/// or no `found` label, as before it existed). Lines that are not
 /// that metric's buckets are skipped; a bucket line it cannot read fails,
 /// as does one whose bound is no duration (NaN, negative, too large; `+Inf`
 /// is the last bucket's) or whose count is no count (NaN, negative, past
@@ -218,6 +221,11 @@ pub fn parse_gap_histograms(scrape: &str) -> Result<Vec<GapHistogram>> {
                  0 or more seconds, or +Inf): {line:?}"
             ))
         })?;
+        // A retry that found its effect still in progress is no redelivery
+        // gap: only duplicates of completed effects size the retention.
+        if labels.iter().any(|(k, v)| k == "found" && v != "completed") {
+            continue;
+        }
         let kind = labels
             .iter()
             .find(|(k, _)| k == "kind")
@@ -515,6 +523,25 @@ oncely_claims_total{kind="capture",result="acquired"} 12
         );
         assert_eq!(hs[1].kind, "mail, \"quoted\" }");
         assert_eq!(hs[1].total(), 2);
+    }
+
+    /// Retries that found the effect in progress are no redelivery gaps;
+    /// two replicas' scrapes, one after the other, are summed per bucket.
+    #[test]
+    fn in_progress_retries_are_left_out_and_replicas_summed() {
+        let replica = |completed: u32, in_progress: u32| {
+            format!(
+                "oncely_redelivery_gap_seconds_bucket{{kind=\"capture\",found=\"completed\",le=\"1\"}} {completed}\n\
+                 oncely_redelivery_gap_seconds_bucket{{kind=\"capture\",found=\"completed\",le=\"+Inf\"}} {completed}\n\
+                 oncely_redelivery_gap_seconds_bucket{{kind=\"capture\",found=\"in_progress\",le=\"1\"}} {in_progress}\n\
+                 oncely_redelivery_gap_seconds_bucket{{kind=\"capture\",found=\"in_progress\",le=\"+Inf\"}} {in_progress}\n"
+            )
+        };
+        let one = parse_gap_histograms(&replica(61, 180)).unwrap();
+        assert_eq!(one[0].total(), 61, "the 180 in-progress retries are not gaps");
+        let both = parse_gap_histograms(&(replica(61, 180) + &replica(9, 3))).unwrap();
+        assert_eq!(both.len(), 1);
+        assert_eq!(both[0].buckets, vec![(1.0, 70), (f64::INFINITY, 70)]);
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //! | `/` | records per tenant and kind: live, stuck, abandoned, completed, released | [`Admin::stats`](oncely::admin::Admin::stats) |
 //! | `/stuck`, `/abandoned` | those records, oldest first, with their ages, a page at a time | [`Admin::records`](oncely::admin::Admin::records) |
 //! | `/record/{key}` | one record: state, fence, timestamps, outcome size, fingerprint | [`Ledger::get`] |
-//! | `/gaps` | the redelivery-gap distribution, with the retention drawn across it | the consumer's Prometheus endpoint ([`ServeConfig::metrics_url`]) |
+//! | `/lookup?tenant=T&principal=P&client_key=K` | redirects to the record `oncely-tower` stored for that principal's `Idempotency-Key` | [`EffectKey::client_subject`](oncely::EffectKey::client_subject) |
+//! | `/gaps` | the redelivery-gap distribution, with the retention drawn across it | the consumers' Prometheus endpoints, summed ([`ServeConfig::metrics_urls`]) |
 //!
 //! Why the gap chart reads Prometheus and not the ledger: the gap (how long
 //! after the first claim a duplicate arrived) is observed by the workers
@@ -75,8 +76,9 @@ pub struct ServeConfig {
     pub allow_remote: bool,
     /// Which tenants the page shows.
     pub scope: Scope,
-    /// The consumer's Prometheus endpoint, for the redelivery-gap chart.
-    pub metrics_url: Option<MetricsUrl>,
+    /// The consumers' Prometheus endpoints (one per replica), for the
+    /// redelivery-gap chart: their histograms are summed.
+    pub metrics_urls: Vec<MetricsUrl>,
     /// The retention the chart draws across the gaps: how long completed
     /// records are kept ([`oncely::ClaimOptions::retention`]).
     pub retention: Duration,
@@ -192,7 +194,7 @@ mod tests {
             listen: listen.parse().unwrap(),
             allow_remote: false,
             scope: Scope::All,
-            metrics_url: None,
+            metrics_urls: Vec::new(),
             retention: Duration::from_secs(3600),
             allow_resolve: false,
         }

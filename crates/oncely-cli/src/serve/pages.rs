@@ -195,6 +195,7 @@ pub(crate) fn router(app: Arc<App>) -> Router {
         .route("/stuck", get(stuck))
         .route("/abandoned", get(abandoned))
         .route("/record/{*key}", get(record))
+        .route("/lookup", get(lookup))
         .route("/gaps", get(gaps_page))
         .route("/resolve", post(resolve))
         .fallback(not_found)
@@ -441,6 +442,48 @@ fn cursor(p: &Params) -> Result<Option<Cursor>, Failure> {
     }
 }
 
+/// `/lookup?tenant=T&principal=P&client_key=K[&kind=http]`: an HTTP
+/// request's key, as an operator knows it, to its record.
+#[derive(Debug, Default, Deserialize)]
+struct Lookup {
+    tenant: Option<String>,
+    kind: Option<String>,
+    principal: Option<String>,
+    client_key: Option<String>,
+}
+
+/// Sends the browser to the record `oncely-tower` stored for a principal's
+/// `Idempotency-Key` (the subject [`EffectKey::client_subject`] computes).
+async fn lookup(State(app): State<Arc<App>>, q: Result<Query<Lookup>, QueryRejection>) -> Response {
+    let result = (|| {
+        let Query(l) =
+            q.map_err(|e| Failure::bad_request(format!("unreadable query string: {}", e.body_text())))?;
+        let (Some(principal), Some(client_key)) = (l.principal, l.client_key) else {
+            return Err(Failure::bad_request(
+                "a lookup needs principal and client_key (the Idempotency-Key's value)".to_owned(),
+            ));
+        };
+        let tenant = match l.tenant.as_deref().filter(|t| !t.is_empty()) {
+            Some(t) => Tenant::parse(t)?,
+            None => Tenant::global(),
+        };
+        let kind = l
+            .kind
+            .filter(|k| !k.is_empty())
+            .unwrap_or_else(|| "http".to_owned());
+        let key = EffectKey::new(&tenant, kind, EffectKey::client_subject(&principal, &client_key)?)?;
+        Ok::<_, Failure>(key)
+    })();
+    match result {
+        Ok(key) => (
+            StatusCode::SEE_OTHER,
+            [(header::LOCATION, format!("/record/{}", key_path(key.as_str())))],
+        )
+            .into_response(),
+        Err(f) => app.fail(&app.chrome("", None), f),
+    }
+}
+
 async fn record(State(app): State<Arc<App>>, Path(raw): Path<String>) -> Response {
     let result = async {
         let key = EffectKey::parse(&raw).map_err(|e| {
@@ -564,15 +607,38 @@ async fn gaps_page(State(app): State<Arc<App>>, q: Q) -> Response {
         metric: &'static str,
     }
     let mut page = Gaps {
-        metrics_url: app.config.metrics_url.as_ref().map(|u| u.to_string()),
+        metrics_url: (!app.config.metrics_urls.is_empty()).then(|| {
+            app.config
+                .metrics_urls
+                .iter()
+                .map(|u| u.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        }),
         retention: format_duration(app.config.retention),
         error: None,
         kinds: Vec::new(),
         metric: oncely::telemetry::REDELIVERY_GAP_SECONDS,
     };
     let mut status = StatusCode::OK;
-    if let Some(url) = &app.config.metrics_url {
-        match url.scrape().await.and_then(|s| gaps::parse_gap_histograms(&s)) {
+    if !app.config.metrics_urls.is_empty() {
+        // Every replica's scrape, one after the other: the parser sums the
+        // series of one bucket.
+        let mut scrapes = String::new();
+        let mut scraped = Ok(());
+        for url in &app.config.metrics_urls {
+            match url.scrape().await {
+                Ok(text) => {
+                    scrapes.push_str(&text);
+                    scrapes.push('\n');
+                }
+                Err(e) => {
+                    scraped = Err(e);
+                    break;
+                }
+            }
+        }
+        match scraped.and_then(|()| gaps::parse_gap_histograms(&scrapes)) {
             Ok(hs) => {
                 page.kinds = hs
                     .iter()

@@ -21,7 +21,7 @@ use http_body_util::BodyExt;
 use oncely::backend::Ledger;
 use oncely::conformance::fresh_tenant;
 use oncely::{OnInProgress, Tenant};
-use oncely_tower::{IdempotencyLayer, Principal};
+use oncely_tower::{BodyFingerprint, IdempotencyLayer, Principal};
 use tower::ServiceExt;
 
 /// Runs every behaviour below against the ledger `$open` returns
@@ -48,6 +48,9 @@ macro_rules! layer_tests {
             oversized_response_is_stored_as_the_chosen_error,
             a_client_that_hangs_up_does_not_cancel_the_handler,
             optional_routes_pass_requests_without_a_key,
+            json_with_other_whitespace_is_422_byte_for_byte,
+            canonical_json_fingerprint_ignores_whitespace_and_key_order,
+            the_layers_422_is_told_from_the_applications,
         );
     };
     (@each $open:path, $($name:ident),* $(,)?) => {$(
@@ -190,6 +193,18 @@ async fn big() -> Response {
     (StatusCode::OK, vec![b'x'; 100 * 1024]).into_response()
 }
 
+#[derive(serde::Deserialize)]
+struct Amount {
+    #[allow(dead_code)]
+    amount: u64,
+}
+
+/// A handler behind axum's JSON extractor: a body of the wrong shape is
+/// the application's own 422.
+async fn typed(axum::Json(_): axum::Json<Amount>) -> Response {
+    (StatusCode::CREATED, "typed").into_response()
+}
+
 /// The app: POST /charges, /boom, /flaky, /body-fails, /body-panics, /big,
 /// GET /charges; the
 /// principal is the `x-user` header in this test's own tenant.
@@ -212,6 +227,7 @@ pub fn app<L: Ledger + Clone + 'static>(
         .route("/body-fails", post(body_fails))
         .route("/body-panics", post(body_panics))
         .route("/big", post(big))
+        .route("/typed", post(typed))
         .route("/health", get(|| async { "ok" }))
         .with_state(counts.clone())
         .layer(layer);
@@ -871,4 +887,97 @@ pub async fn optional_routes_pass_requests_without_a_key<L: Ledger + Clone + 'st
     }
     assert_eq!(counts(&c).0, 3);
     assert_eq!(counts(&c).2, 2);
+}
+
+/// By default the body is compared byte for byte: the same JSON with other
+/// whitespace and key order is another request (422), and the problem's
+/// detail says so.
+pub async fn json_with_other_whitespace_is_422_byte_for_byte<L: Ledger + Clone + 'static>(ledger: L) {
+    let (app, c) = app(ledger, |l| l);
+    let key = new_key();
+    let first = post_req("/charges", "alice", &key, r#"{"amount":1,"currency":"eur"}"#)
+        .send(&app)
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let respaced = post_req(
+        "/charges",
+        "alice",
+        &key,
+        "{ \"currency\": \"eur\",\n  \"amount\": 1 }",
+    )
+    .send(&app)
+    .await;
+    assert_eq!(respaced.status, StatusCode::UNPROCESSABLE_ENTITY, "{respaced:?}");
+    let detail = respaced.problem()["detail"].as_str().unwrap().to_owned();
+    assert!(detail.contains("byte for byte"), "{detail}");
+    assert_eq!(counts(&c).0, 1);
+}
+
+/// With `BodyFingerprint::CanonicalJson`, a retry that re-serialised the
+/// same JSON (other whitespace, other key order) is the same request and
+/// gets the stored response; another value is still a 422.
+pub async fn canonical_json_fingerprint_ignores_whitespace_and_key_order<L: Ledger + Clone + 'static>(
+    ledger: L,
+) {
+    let (app, c) = app(ledger, |l| l.body_fingerprint(BodyFingerprint::CanonicalJson));
+    let key = new_key();
+    let first = post_req(
+        "/charges",
+        "alice",
+        &key,
+        r#"{"amount":1,"currency":"eur","tags":[{"b":1,"a":2}]}"#,
+    )
+    .send(&app)
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let respaced = post_req(
+        "/charges",
+        "alice",
+        &key,
+        "{ \"tags\": [ { \"a\": 2, \"b\": 1 } ],\n  \"currency\": \"eur\", \"amount\": 1 }",
+    )
+    .send(&app)
+    .await;
+    assert_eq!(respaced.status, StatusCode::CREATED, "{respaced:?}");
+    assert!(respaced.replayed(), "{respaced:?}");
+    assert_eq!(respaced.body, first.body);
+    let other = post_req(
+        "/charges",
+        "alice",
+        &key,
+        r#"{"amount":2,"currency":"eur","tags":[{"b":1,"a":2}]}"#,
+    )
+    .send(&app)
+    .await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(counts(&c).0, 1);
+}
+
+/// The layer's own answers carry `Idempotency-Rejection: <code>`; the
+/// application's 422 (axum's JSON extractor refusing a body) does not.
+pub async fn the_layers_422_is_told_from_the_applications<L: Ledger + Clone + 'static>(ledger: L) {
+    let (app, _c) = app(ledger, |l| l);
+    let key = new_key();
+    let apps = post_req("/typed", "alice", &key, r#"{"amount":"twelve"}"#)
+        .send(&app)
+        .await;
+    assert_eq!(apps.status, StatusCode::UNPROCESSABLE_ENTITY, "{apps:?}");
+    assert!(apps.headers.get("idempotency-rejection").is_none(), "{apps:?}");
+    // The application's 422 is the key's answer; another body is the layer's.
+    let layers = post_req("/typed", "alice", &key, r#"{"amount":12}"#)
+        .send(&app)
+        .await;
+    assert_eq!(layers.status, StatusCode::UNPROCESSABLE_ENTITY, "{layers:?}");
+    assert_eq!(layers.headers.get("idempotency-rejection").unwrap(), "key-reused");
+    let missing = Req {
+        key: None,
+        ..post_req("/charges", "alice", "", "{}")
+    }
+    .send(&app)
+    .await;
+    assert_eq!(missing.status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        missing.headers.get("idempotency-rejection").unwrap(),
+        "missing-key"
+    );
 }
