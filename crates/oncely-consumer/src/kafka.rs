@@ -314,6 +314,8 @@ struct Shared {
     revoked: AtomicU64,
     abandoned: AtomicU64,
     commit_failures: AtomicU64,
+    /// A revocation is waiting for running handlers.
+    revoking: AtomicBool,
 }
 
 fn broker_id(topic: &str, partition: i32, offset: i64) -> String {
@@ -413,6 +415,7 @@ impl Shared {
         }
         let mut tpl = TopicPartitionList::new();
         if !aborted {
+            self.revoking.store(true, Ordering::Release);
             loop {
                 let running: usize = keys
                     .iter()
@@ -438,6 +441,7 @@ impl Shared {
                     .unwrap_or_else(|p| p.into_inner())
                     .0;
             }
+            self.revoking.store(false, Ordering::Release);
             tpl = st.advanced(Some(keys));
         }
         let mut gone = 0;
@@ -596,6 +600,12 @@ impl KafkaHandle {
         self.shared.commit_failures.load(Ordering::Relaxed)
     }
 
+    /// Whether a rebalance is revoking partitions from this member right
+    /// now, waiting for their running handlers.
+    pub fn revoking(&self) -> bool {
+        self.shared.revoking.load(Ordering::Acquire)
+    }
+
     /// Deliveries received and not finished.
     pub fn in_flight(&self) -> usize {
         self.shared.lock().open
@@ -618,6 +628,7 @@ impl KafkaSource {
             revoked: AtomicU64::new(0),
             abandoned: AtomicU64::new(0),
             commit_failures: AtomicU64::new(0),
+            revoking: AtomicBool::new(false),
         });
         let consumer: BaseConsumer<GroupContext> =
             config.consumer_config().create_with_context(GroupContext {
