@@ -66,6 +66,10 @@ pub const BROKER_ID_HEADER: &str = "oncely-broker-id";
 /// How long the poll thread waits for a message before it looks at
 /// backpressure, commits and the stop flag again.
 const POLL: Duration = Duration::from_millis(100);
+/// How often the poll thread commits every partition's commit point again,
+/// moved or not: a refusal librdkafka reports only per partition (or not at
+/// all to this client) never leaves an offset uncommitted for long.
+const RECOMMIT: Duration = Duration::from_secs(5);
 /// How long a dead-letter copy may wait in the producer's queue.
 const DEAD_LETTER_TIMEOUT: Duration = Duration::from_secs(30);
 /// When a dead-letter copy failed, how soon the delivery is tried again.
@@ -489,16 +493,31 @@ impl ConsumerContext for GroupContext {
     }
 
     fn commit_callback(&self, result: rdkafka::error::KafkaResult<()>, offsets: &TopicPartitionList) {
-        let Err(e) = result else { return };
+        // A refusal may be the whole request's or a partition's (Kafka
+        // answers REBALANCE_IN_PROGRESS per partition).
+        let refused: Vec<(PartitionKey, i64)> = offsets
+            .elements()
+            .iter()
+            .filter(|el| result.is_err() || el.error().is_err())
+            .filter_map(|el| match el.offset() {
+                Offset::Offset(o) => Some(((el.topic().to_owned(), el.partition()), o)),
+                _ => None,
+            })
+            .collect();
+        if refused.is_empty() {
+            return;
+        }
         // Committed again by the poll thread (a later commit covers it).
         self.shared.commit_failures.fetch_add(1, Ordering::Relaxed);
-        tracing::debug!(error = %e, "offset commit refused; trying again");
+        tracing::debug!(
+            ?result,
+            partitions = refused.len(),
+            "offset commit refused; trying again"
+        );
         let mut st = self.shared.lock();
-        for el in offsets.elements() {
-            if let (Some(p), Offset::Offset(o)) = (
-                st.parts.get_mut(&(el.topic().to_owned(), el.partition())),
-                el.offset(),
-            ) && p.committed >= o
+        for (key, o) in refused {
+            if let Some(p) = st.parts.get_mut(&key)
+                && p.committed <= o
             {
                 p.committed = -1;
             }
@@ -725,8 +744,16 @@ struct PollThread {
 impl PollThread {
     fn run(self) {
         let mut paused = false;
+        let mut recommit = Instant::now() + RECOMMIT;
         while !self.shared.stop.load(Ordering::Acquire) {
             self.backpressure(&mut paused);
+            if Instant::now() >= recommit {
+                recommit = Instant::now() + RECOMMIT;
+                for p in self.shared.lock().parts.values_mut() {
+                    p.committed = p.committed.min(p.commit_point() - 1);
+                }
+                self.shared.dirty.store(true, Ordering::Release);
+            }
             match self.consumer.poll(POLL) {
                 Some(Ok(m)) => {
                     let msg = m.detach();
