@@ -376,9 +376,6 @@ impl Shared {
     /// Settles a running delivery: `finished` (ack, dead-letter) or not
     /// (redelivered later).
     fn settle(&self, msg: &OwnedMessage, generation: u64, finished: bool) -> Result<(), KafkaError> {
-        if self.aborted.load(Ordering::Acquire) {
-            return Err(KafkaError::Aborted);
-        }
         let mut st = self.lock();
         let st = &mut *st;
         let key = (msg.topic().to_owned(), msg.partition());
@@ -387,7 +384,13 @@ impl Shared {
                 broker_id: broker_id(msg.topic(), msg.partition(), msg.offset()),
             });
         };
+        // Not running any more, whatever happens to it: a revocation waits
+        // for this.
         p.running = p.running.saturating_sub(1);
+        self.settled.notify_all();
+        if self.aborted.load(Ordering::Acquire) {
+            return Err(KafkaError::Aborted);
+        }
         if finished && p.open.remove(&msg.offset()) {
             st.open -= 1;
             self.dirty.store(true, Ordering::Release);
@@ -426,7 +429,7 @@ impl Shared {
                     .filter_map(|k| st.parts.get(k))
                     .map(|p| p.running)
                     .sum();
-                if running == 0 {
+                if running == 0 || self.aborted.load(Ordering::Acquire) {
                     break;
                 }
                 let now = Instant::now();
@@ -446,7 +449,9 @@ impl Shared {
                     .0;
             }
             self.revoking.store(false, Ordering::Release);
-            tpl = st.advanced(Some(keys));
+            if !self.aborted.load(Ordering::Acquire) {
+                tpl = st.advanced(Some(keys));
+            }
         }
         let mut gone = 0;
         for k in keys {
@@ -591,6 +596,7 @@ impl KafkaHandle {
     pub fn abort(&self) {
         self.shared.aborted.store(true, Ordering::Release);
         self.shared.stop.store(true, Ordering::Release);
+        self.shared.settled.notify_all();
         self.abort.send_replace(true);
     }
 
