@@ -292,13 +292,12 @@ impl Tracker {
                 continue;
             }
             let point = p.commit_point();
-            if point > p.committed {
-                if tpl
+            if point > p.committed
+                && tpl
                     .add_partition_offset(topic, *partition, Offset::Offset(point))
                     .is_ok()
-                {
-                    p.committed = point;
-                }
+            {
+                p.committed = point;
             }
         }
         tpl
