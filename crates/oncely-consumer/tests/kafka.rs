@@ -51,7 +51,7 @@ use tokio::sync::{Notify, watch};
 const ORDERS: usize = 500;
 const PARTITIONS: i32 = 6;
 const CONSUMERS: usize = 4;
-const KILLS: usize = 6;
+const KILLS: usize = 2;
 /// The whole end-to-end run, at most.
 const E2E_BOUND: Duration = Duration::from_secs(400);
 
