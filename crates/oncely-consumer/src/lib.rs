@@ -29,6 +29,7 @@
 //! | `rabbitmq` | `rabbitmq` | RabbitMQ through lapin: manual acks, prefetch, a quorum queue with its dead-letter exchange |
 //! | `nats` | `nats` | NATS JetStream pull consumers through async-nats: `AckWait`, `MaxDeliver`, in-progress acks, a dead-letter stream and `+TERM` |
 //! | `redis-streams` | `redis_streams` | Redis Streams through redis-rs: a consumer group, `XACK`, `XAUTOCLAIM` for deliveries stuck on a dead consumer, a dead-letter stream |
+//! | `kafka` | `kafka` | Kafka consumer groups through rdkafka (bundled librdkafka): offsets committed in order per partition once handling finished, revocation waits for in-flight handlers, pause/resume for backpressure, a dead-letter topic |
 //! | `apalis` | `apalis` | not a broker: an apalis 1.x tower layer that makes a job handler idempotent |
 //!
 //! ```
@@ -83,6 +84,8 @@ pub mod apalis;
 mod broker;
 mod consumer;
 mod handler;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 pub mod memory;
 #[cfg(feature = "nats")]
 pub mod nats;

@@ -58,6 +58,7 @@
 //! | RabbitMQ | `rabbitmq` | `amqp://user:pass@host:5672/vhost[?exchange=NAME]` | routing key (default exchange: a queue name) | `message-id` property | the consumer's oncely ledger |
 //! | NATS JetStream | `nats` | `nats://host:4222[,host:4223…]` | subject | `Nats-Msg-Id` header | the stream, within its duplicate window; after it, the consumer's ledger |
 //! | Redis Streams | `redis` | `redis://host:6379[/db]` | stream key | `message_id` field | the consumer's oncely ledger |
+//! | Kafka | `kafka` | `kafka://host:9092[,host:port…][?librdkafka.property=value&…]` | topic (the ordering key is the record key) | `oncely-message-id` header | the idempotent producer, within one producer session; after it, the consumer's ledger |
 //!
 //! Every copy of a message carries the same id, derived from the effect key
 //! that named it ([`Pending::message_id`](oncely::outbox::Pending::message_id)),
@@ -72,6 +73,8 @@ use oncely::outbox::{Pending, PublishError, Publisher};
 
 pub use oncely::outbox::{Relay, RelayOptions};
 
+#[cfg(feature = "kafka")]
+pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
 #[cfg(feature = "rabbitmq")]
@@ -93,6 +96,9 @@ pub enum AnyPublisher {
     /// `redis://`, `rediss://`.
     #[cfg(feature = "redis")]
     Redis(redis::StreamPublisher),
+    /// `kafka://`.
+    #[cfg(feature = "kafka")]
+    Kafka(kafka::KafkaPublisher),
 }
 
 impl AnyPublisher {
@@ -115,8 +121,25 @@ impl AnyPublisher {
             Some("nats" | "tls") => Ok(AnyPublisher::Nats(nats::JetStreamPublisher::connect(url).await?)),
             #[cfg(feature = "redis")]
             Some("redis" | "rediss") => Ok(AnyPublisher::Redis(redis::StreamPublisher::connect(url).await?)),
+            #[cfg(feature = "kafka")]
+            Some("kafka") => {
+                let rest = &url["kafka://".len()..];
+                let (brokers, query) = rest.split_once('?').unwrap_or((rest, ""));
+                let mut props = Vec::new();
+                for pair in query.split('&').filter(|p| !p.is_empty()) {
+                    let Some((k, v)) = pair.split_once('=') else {
+                        return Err(PublishError::permanent(format!(
+                            "kafka: {pair:?} in the URL's query is not NAME=VALUE (a librdkafka property)"
+                        )));
+                    };
+                    props.push((k.to_owned(), v.to_owned()));
+                }
+                Ok(AnyPublisher::Kafka(
+                    kafka::KafkaPublisher::connect(brokers, &props).await?,
+                ))
+            }
             _ => Err(PublishError::permanent(format!(
-                "no broker for {url:?}: give amqp://, nats:// or redis:// (this build has: {})",
+                "no broker for {url:?}: give amqp://, nats://, redis:// or kafka:// (this build has: {})",
                 AnyPublisher::schemes().join(", ")
             ))),
         }
@@ -134,6 +157,9 @@ impl AnyPublisher {
         if cfg!(feature = "redis") {
             s.push("redis");
         }
+        if cfg!(feature = "kafka") {
+            s.push("kafka");
+        }
         s
     }
 }
@@ -147,6 +173,8 @@ impl Publisher for AnyPublisher {
             AnyPublisher::Nats(p) => p.publish(message).await,
             #[cfg(feature = "redis")]
             AnyPublisher::Redis(p) => p.publish(message).await,
+            #[cfg(feature = "kafka")]
+            AnyPublisher::Kafka(p) => p.publish(message).await,
             #[allow(unreachable_patterns)]
             _ => {
                 let _ = message;
@@ -163,6 +191,8 @@ impl Publisher for AnyPublisher {
             AnyPublisher::Nats(p) => p.describe(),
             #[cfg(feature = "redis")]
             AnyPublisher::Redis(p) => p.describe(),
+            #[cfg(feature = "kafka")]
+            AnyPublisher::Kafka(p) => p.describe(),
             #[allow(unreachable_patterns)]
             _ => "no broker".to_owned(),
         }

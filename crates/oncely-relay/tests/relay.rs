@@ -1,4 +1,5 @@
-//! The relay on real brokers (RabbitMQ, NATS JetStream, Redis Streams), from
+//! The relay on real brokers (RabbitMQ, NATS JetStream, Redis Streams, Kafka
+//! on Tansu), from
 //! an outbox on PostgreSQL, through every crash the issue names:
 //!
 //! - committed messages wait for a relay (a crash between commit and
@@ -8,7 +9,9 @@
 //!   those messages again, and the downstream effect still happens once;
 //! - two relays race on one outbox;
 //! - the broker is unreachable for a while (a proxy in front of it cuts
-//!   every connection): the messages wait, none is lost.
+//!   every connection): the messages wait, none is lost. Kafka clients
+//!   connect to the address the broker advertises, past any proxy, so for
+//!   Kafka the broker goes down inside rdkafka's in-process MockCluster.
 //!
 //! Downstream, every delivered copy runs its effect through oncely (a
 //! receipt keyed on the event, on a PostgreSQL ledger), as a consumer would:
@@ -41,11 +44,12 @@ enum Broker {
     Rabbit,
     Nats,
     Redis,
+    Kafka,
 }
 
 impl Broker {
-    fn all() -> [Broker; 3] {
-        [Broker::Rabbit, Broker::Nats, Broker::Redis]
+    fn all() -> [Broker; 4] {
+        [Broker::Rabbit, Broker::Nats, Broker::Redis, Broker::Kafka]
     }
 
     fn url(self) -> Option<String> {
@@ -53,6 +57,7 @@ impl Broker {
             Broker::Rabbit => service_url("ONCELY_AMQP_URL", Some("amqp://guest:guest@127.0.0.1:5672/%2f")),
             Broker::Nats => service_url("ONCELY_NATS_URL", Some("nats://127.0.0.1:4222")),
             Broker::Redis => service_url("ONCELY_REDIS_URL", Some("redis://127.0.0.1:6379")),
+            Broker::Kafka => kafka_brokers().map(|b| format!("kafka://{b}")),
         }
     }
 
@@ -134,6 +139,28 @@ impl Destination {
                     stream,
                 }
             }
+            Broker::Kafka => {
+                use oncely_relay::kafka::rdkafka::admin::{
+                    AdminClient, AdminOptions, NewTopic, TopicReplication,
+                };
+                use oncely_relay::kafka::rdkafka::client::DefaultClientContext;
+                let brokers = url.trim_start_matches("kafka://");
+                let admin: AdminClient<DefaultClientContext> =
+                    oncely_relay::kafka::rdkafka::ClientConfig::new()
+                        .set("bootstrap.servers", brokers)
+                        .create()
+                        .unwrap();
+                let topic = NewTopic::new(&unique, 3, TopicReplication::Fixed(1));
+                for r in admin.create_topics([&topic], &AdminOptions::new()).await.unwrap() {
+                    r.unwrap();
+                }
+                Destination {
+                    broker,
+                    url: url.to_owned(),
+                    name: unique,
+                    stream: String::new(),
+                }
+            }
             Broker::Redis => Destination {
                 broker,
                 url: url.to_owned(),
@@ -189,6 +216,7 @@ impl Destination {
                 }
                 out
             }
+            Broker::Kafka => kafka_arrived(self.url.trim_start_matches("kafka://"), &self.name).await,
             Broker::Redis => {
                 let client = oncely_relay::redis::redis::Client::open(self.url.as_str()).unwrap();
                 let mut conn = client.get_multiplexed_async_connection().await.unwrap();
@@ -212,6 +240,91 @@ impl Destination {
             }
         }
     }
+}
+
+/// The Kafka bootstrap servers: `ONCELY_KAFKA_BROKERS`, or the Tansu that
+/// `scripts/kafka-broker.sh up` starts (it returns at once when the port
+/// answers).
+fn kafka_brokers() -> Option<String> {
+    if let Ok(b) = std::env::var("ONCELY_KAFKA_BROKERS") {
+        return Some(b);
+    }
+    static UP: std::sync::OnceLock<Result<String, String>> = std::sync::OnceLock::new();
+    let up = UP.get_or_init(|| {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/kafka-broker.sh");
+        match std::process::Command::new("bash")
+            .arg(script)
+            .arg("up")
+            .stdin(std::process::Stdio::null())
+            .output()
+        {
+            Ok(out) if out.status.success() => Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned()),
+            Ok(out) => Err(format!(
+                "{script} up failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            )),
+            Err(e) => Err(format!("{script}: {e}")),
+        }
+    });
+    match up {
+        Ok(b) => Some(b.clone()),
+        Err(e) => skip_or_fail(e),
+    }
+}
+
+/// Every record of `topic` (all partitions, from the start), as (message
+/// id, payload): read until nothing more comes for two seconds.
+async fn kafka_arrived(brokers: &str, topic: &str) -> Vec<(String, Vec<u8>)> {
+    use oncely_relay::kafka::rdkafka::consumer::{BaseConsumer, Consumer};
+    use oncely_relay::kafka::rdkafka::message::{Headers, Message};
+    let (brokers, topic) = (brokers.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let c: BaseConsumer = oncely_relay::kafka::rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", &brokers)
+            .set("group.id", format!("reader-{}", fresh_tenant()))
+            .set("auto.offset.reset", "earliest")
+            .set("enable.auto.commit", "false")
+            .create()
+            .unwrap();
+        // Assigned, not subscribed: no group to join, every partition
+        // from its start.
+        let partitions = c
+            .fetch_metadata(Some(&topic), Duration::from_secs(10))
+            .unwrap()
+            .topics()[0]
+            .partitions()
+            .len();
+        let mut tpl = oncely_relay::kafka::rdkafka::TopicPartitionList::new();
+        for p in 0..partitions {
+            tpl.add_partition_offset(&topic, p as i32, oncely_relay::kafka::rdkafka::Offset::Beginning)
+                .unwrap();
+        }
+        c.assign(&tpl).unwrap();
+        let mut out = Vec::new();
+        let start = Instant::now();
+        let mut last = Instant::now();
+        while start.elapsed() < Duration::from_secs(3) || last.elapsed() < Duration::from_secs(2) {
+            if start.elapsed() > Duration::from_secs(60) {
+                break;
+            }
+            if let Some(Ok(m)) = c.poll(Duration::from_millis(100)) {
+                let id = m
+                    .headers()
+                    .and_then(|h| {
+                        h.iter()
+                            .find(|h| h.key == oncely_relay::kafka::MESSAGE_ID_HEADER)
+                            .and_then(|h| h.value.map(|v| String::from_utf8_lossy(v).into_owned()))
+                    })
+                    .unwrap_or_default();
+                out.push((id, m.payload().unwrap_or_default().to_vec()));
+                last = Instant::now();
+            }
+        }
+        drop(c);
+        out
+    })
+    .await
+    .unwrap()
 }
 
 async fn async_nats(url: &str) -> oncely_consumer::nats::async_nats::Client {
@@ -552,7 +665,8 @@ impl Proxy {
 /// back every one is published and its effect runs once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_broker_down_for_a_while_loses_nothing() {
-    for broker in Broker::all() {
+    // Kafka: `kafka_broker_down_for_a_while_loses_nothing_mock_cluster`.
+    for broker in Broker::all().into_iter().filter(|b| !matches!(b, Broker::Kafka)) {
         let Some(url) = broker.url() else { return };
         let Some((outbox, downstream)) = ledgers("down").await else {
             return;
@@ -688,4 +802,55 @@ async fn a_stalled_relay_is_fenced_out() {
             late.fenced
         );
     }
+}
+
+/// Kafka's broker down for a while. A proxy cannot cut a Kafka client off
+/// (it connects to the address the broker advertises), and Tansu cannot be
+/// stopped for one test while others use it, so the broker goes down inside
+/// rdkafka's in-process MockCluster: the idempotent producer holds the
+/// messages, the outbox keeps them pending, and once the broker is back
+/// every one is published and its effect runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kafka_broker_down_for_a_while_loses_nothing_mock_cluster() {
+    use oncely_relay::kafka::rdkafka::mocking::MockCluster;
+    let Some((outbox, downstream)) = ledgers("kafka_down").await else {
+        return;
+    };
+    let mock = MockCluster::new(1).unwrap();
+    let url = format!("kafka://{}", mock.bootstrap_servers());
+    let topic = format!("down-{}", fresh_tenant());
+    mock.create_topic(&topic, 3, 1).unwrap();
+    let t = fresh_tenant();
+    let publisher = AnyPublisher::connect(&url).await.unwrap();
+    mock.broker_down(1).unwrap();
+    enqueue_all(&outbox, &t, &topic).await;
+    let relay = Relay::new(outbox.clone(), publisher, options()).unwrap();
+    let done = Arc::new(Notify::new());
+    let d2 = done.clone();
+    let task = tokio::spawn(async move { relay.run_until(d2.notified()).await });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let stats = outbox.outbox_stats().await.unwrap();
+    assert_eq!(
+        stats.pending, N as u64,
+        "while the broker is down, everything waits: {stats:?}"
+    );
+    assert_eq!(stats.failed, 0);
+    mock.broker_up(1).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while outbox.outbox_stats().await.unwrap().pending > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "not drained after the broker came back"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    done.notify_waiters();
+    let pass = task.await.unwrap();
+    let arrived = kafka_arrived(url.trim_start_matches("kafka://"), &topic).await;
+    let copies = check_downstream(&downstream, &t, &arrived).await;
+    eprintln!(
+        "Kafka (MockCluster): broker down 2 s; {} publishes retried, {copies} copies of {N} messages, each effect once",
+        pass.retried
+    );
+    drop(mock);
 }

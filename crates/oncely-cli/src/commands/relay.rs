@@ -29,7 +29,11 @@ use crate::time::parse_duration;
 /// (RabbitMQ: the destination is the routing key, the message-id property
 /// the id), nats://HOST:4222[,HOST:PORT...] (JetStream: the destination is
 /// the subject, Nats-Msg-Id the id), redis://HOST:6379[/DB] (Redis Streams:
-/// the destination is the stream, the message_id field the id).
+/// the destination is the stream, the message_id field the id),
+/// kafka://HOST:9092[,HOST:PORT...][?PROPERTY=VALUE&...] (Kafka, an
+/// idempotent producer: the destination is the topic, the ordering key the
+/// record key, the oncely-message-id header the id; the query sets
+/// librdkafka properties).
 #[derive(Debug, ClapArgs)]
 pub struct Args {
     /// The broker to publish to (see above).
