@@ -22,7 +22,7 @@ use oncely_consumer::kafka::rdkafka::client::DefaultClientContext;
 use oncely_consumer::kafka::rdkafka::producer::FutureRecord;
 use oncely_consumer::kafka::{KafkaConfig, KafkaSource};
 use oncely_consumer::{Consumer, ConsumerOptions, Context, Handler, HandlerError, Stats, json};
-use payment_job::{FakeMailer, FakeProvider};
+use oncely_testkit::fakes::{FakeMailer, FakeProvider};
 use serde::{Deserialize, Serialize};
 
 /// The message: pay for an order.
