@@ -820,10 +820,15 @@ impl PollThread {
         } else {
             open >= self.max_in_flight
         };
-        if want == *paused && !(want && changed) {
+        // After a rebalance the wanted state is applied to the whole new
+        // assignment, resumed as well as paused: a partition paused here,
+        // revoked and assigned back can come back paused, and nothing else
+        // would ever resume it (the group stops delivering).
+        if want == *paused && !changed {
             return;
         }
         let Ok(assignment) = self.consumer.assignment() else {
+            self.shared.assignment_changed.fetch_or(changed, Ordering::AcqRel);
             return;
         };
         let r = if want {
@@ -833,7 +838,10 @@ impl PollThread {
         };
         match r {
             Ok(()) => *paused = want,
-            Err(e) => tracing::debug!(error = %e, pause = want, "pause/resume"),
+            Err(e) => {
+                tracing::debug!(error = %e, pause = want, "pause/resume");
+                self.shared.assignment_changed.fetch_or(changed, Ordering::AcqRel);
+            }
         }
     }
 }
