@@ -735,18 +735,13 @@ async fn dead_letter_copy_carries_the_reason_and_the_broker_id() {
     assert_eq!(c.headers[BROKER_ID_HEADER], format!("{topic}/0@1"));
 }
 
-/// A member handling a message when a second member joins: the revocation
-/// waits for the handler, commits its offset, and the message is never
-/// delivered again — by either member.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn revocation_waits_for_the_running_handler_and_commits_it() {
-    let Some(brokers) = brokers() else { return };
-    let topic = unique("revoke");
-    if create_topics(&brokers, &[(&topic, 2)]).await.is_none() {
-        return;
-    }
-    let group = format!("{topic}-g");
-    let p = producer(&brokers);
+/// A fresh two-partition topic holding orders `o0`..`o5` (keys `k0`..):
+/// the topic, a group name for it, and each partition's end offset. `None`
+/// when the topic cannot be created (the broker is missing).
+async fn six_orders(brokers: &str, label: &str) -> Option<(String, String, [i64; 2])> {
+    let topic = unique(label);
+    create_topics(brokers, &[(&topic, 2)]).await?;
+    let p = producer(brokers);
     let mut ends = [0i64; 2];
     for i in 0..6 {
         let (part, off) = produce(
@@ -759,6 +754,18 @@ async fn revocation_waits_for_the_running_handler_and_commits_it() {
         .await;
         ends[part as usize] = off + 1;
     }
+    Some((topic.clone(), format!("{topic}-g"), ends))
+}
+
+/// A member handling a message when a second member joins: the revocation
+/// waits for the handler, commits its offset, and the message is never
+/// delivered again — by either member.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn revocation_waits_for_the_running_handler_and_commits_it() {
+    let Some(brokers) = brokers() else { return };
+    let Some((topic, group, ends)) = six_orders(&brokers, "revoke").await else {
+        return;
+    };
     let cfg = config(&brokers, &group, &topic).revoke_grace(Duration::from_secs(60));
     let first = Recorder::new(Some("o0"));
     let a = Arc::new(Consumer::new("a", first.clone()).options(ConsumerOptions::default().concurrency(6)));
@@ -804,24 +811,9 @@ async fn revocation_waits_for_the_running_handler_and_commits_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn revocation_past_its_grace_abandons_the_handler_to_the_next_owner() {
     let Some(brokers) = brokers() else { return };
-    let topic = unique("abandon");
-    if create_topics(&brokers, &[(&topic, 2)]).await.is_none() {
+    let Some((topic, group, ends)) = six_orders(&brokers, "abandon").await else {
         return;
-    }
-    let group = format!("{topic}-g");
-    let p = producer(&brokers);
-    let mut ends = [0i64; 2];
-    for i in 0..6 {
-        let (part, off) = produce(
-            &p,
-            &topic,
-            &format!("k{i}"),
-            &format!("m{i}"),
-            &common::PayMsg::order(&format!("o{i}"), 1),
-        )
-        .await;
-        ends[part as usize] = off + 1;
-    }
+    };
     let cfg = config(&brokers, &group, &topic).revoke_grace(Duration::from_millis(200));
     let first = Recorder::new(Some("o0"));
     let a = Arc::new(Consumer::new("a", first.clone()).options(ConsumerOptions::default().concurrency(6)));
