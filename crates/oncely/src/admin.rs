@@ -31,7 +31,7 @@ use std::time::SystemTime;
 use crate::error::Result;
 use crate::key::{EffectKey, Tenant};
 use crate::ledger::Ledger;
-use crate::record::{Record, RecordState};
+use crate::record::{Outcome, Record, RecordState};
 
 /// The largest page [`Admin::records`] returns; a larger
 /// [`RecordQuery::limit`] is cut to it.
@@ -312,6 +312,56 @@ impl KindStats {
     }
 }
 
+/// What [`Admin::erase`] did to one subject's records, on the backend's
+/// clock at [`Erasure::at`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Erasure {
+    /// The completed and released records of the subject: they hold no
+    /// outcome and no fingerprint now (whether this call or an earlier one
+    /// removed them). A completed one answers every later claim with
+    /// [`Error::Erased`](crate::Error::Erased).
+    pub erased: Vec<EffectKey>,
+    /// The subject's records in progress (a live lease, a stuck one, an
+    /// abandoned at-most-once step), left unchanged: their holder (or the
+    /// reconciliation) may still store an outcome. Erase again once they
+    /// are settled.
+    pub pending: Vec<EffectKey>,
+    /// The backend's clock when the erasure was written.
+    pub at: SystemTime,
+}
+
+impl Erasure {
+    /// An erasure at `at` that found nothing (backends fill the lists in).
+    pub fn new(at: SystemTime) -> Self {
+        Erasure {
+            erased: Vec::new(),
+            pending: Vec::new(),
+            at,
+        }
+    }
+
+    /// Whether every record of the subject is erased (none is pending).
+    pub fn is_complete(&self) -> bool {
+        self.pending.is_empty()
+    }
+
+    /// The lists in key order (backends return rows in no set order).
+    pub fn sorted(mut self) -> Self {
+        self.erased.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        self.pending.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        self
+    }
+}
+
+/// Whether [`Admin::erase`] removes a record's outcome and fingerprint now
+/// (completed or released), rather than leaving it pending (in progress:
+/// live, stuck or abandoned, whose holder or reconciliation may still store
+/// an outcome). The rule every backend's statement restates, written once.
+pub fn erasable(state: RecordState) -> bool {
+    matches!(state, RecordState::Completed | RecordState::Released)
+}
+
 /// Operator capabilities of a ledger, beyond the [`Ledger`] contract: list,
 /// count, and deliberately forget. Implemented by the SQL backends and
 /// [`MemoryLedger`](crate::MemoryLedger); not by Redis or NATS (see the
@@ -361,6 +411,51 @@ pub trait Admin: Ledger {
     /// How many records [`Ledger::prune`] would delete now (completed or
     /// released, past their retention), deleting nothing: a dry run.
     fn prunable(&self) -> impl Future<Output = Result<u64>> + Send;
+
+    /// Erases what the ledger holds of one subject's requests and results,
+    /// now, on a data-protection request (a right-to-erasure), without
+    /// reopening the subject's effects.
+    ///
+    /// Every record of `tenant` whose subject is exactly `subject` (any
+    /// kind), completed or released ([`erasable`]), loses its stored
+    /// outcome and its request fingerprint, in one statement (or one
+    /// transaction). What the guarantee needs stays: the key, the state,
+    /// the fence, `created_at` and the retention, so
+    /// - a duplicate of an erased **completed** effect fails with
+    ///   [`Error::Erased`](crate::Error::Erased): never a re-run, never the
+    ///   erased value ([`Record::is_erased`]);
+    /// - a released one is taken over by the next claim with a higher fence,
+    ///   as before (a release means "run it again");
+    /// - fences keep growing across it, and prune deletes the record at the
+    ///   end of its retention like any other.
+    ///
+    /// Records in progress are left unchanged and listed in
+    /// [`Erasure::pending`]: a live holder (or a zombie past its lease, or
+    /// the reconciliation of an abandoned step) may still store an outcome.
+    /// Erase again once they are settled. Erasing twice is harmless.
+    fn erase(&self, tenant: &Tenant, subject: &str) -> impl Future<Output = Result<Erasure>> + Send {
+        // TEMPORARY while the backends are written: removed before landing.
+        let _ = (tenant, subject);
+        async { Err(crate::Error::Config("erase: not yet".into())) }
+    }
+
+    /// Replaces the stored outcome of a completed record, at exactly
+    /// `fence` and only while it still holds exactly `expected`, with
+    /// `outcome`: one conditional write (what re-encrypting stored outcomes
+    /// under a new key does). `Ok(true)` when it wrote; `Ok(false)`, having
+    /// changed nothing, when the record is absent, not completed at `fence`,
+    /// erased, or holds another outcome (someone moved it on meanwhile).
+    fn replace_outcome(
+        &self,
+        key: &EffectKey,
+        fence: u64,
+        expected: &Outcome,
+        outcome: &Outcome,
+    ) -> impl Future<Output = Result<bool>> + Send {
+        // TEMPORARY while the backends are written: removed before landing.
+        let _ = (key, fence, expected, outcome);
+        async { Err(crate::Error::Config("replace_outcome: not yet".into())) }
+    }
 }
 
 impl<A: Admin + ?Sized> Admin for &A {
@@ -376,6 +471,18 @@ impl<A: Admin + ?Sized> Admin for &A {
     fn prunable(&self) -> impl Future<Output = Result<u64>> + Send {
         (**self).prunable()
     }
+    fn erase(&self, tenant: &Tenant, subject: &str) -> impl Future<Output = Result<Erasure>> + Send {
+        (**self).erase(tenant, subject)
+    }
+    fn replace_outcome(
+        &self,
+        key: &EffectKey,
+        fence: u64,
+        expected: &Outcome,
+        outcome: &Outcome,
+    ) -> impl Future<Output = Result<bool>> + Send {
+        (**self).replace_outcome(key, fence, expected, outcome)
+    }
 }
 
 impl<A: Admin + ?Sized> Admin for std::sync::Arc<A> {
@@ -390,5 +497,17 @@ impl<A: Admin + ?Sized> Admin for std::sync::Arc<A> {
     }
     fn prunable(&self) -> impl Future<Output = Result<u64>> + Send {
         (**self).prunable()
+    }
+    fn erase(&self, tenant: &Tenant, subject: &str) -> impl Future<Output = Result<Erasure>> + Send {
+        (**self).erase(tenant, subject)
+    }
+    fn replace_outcome(
+        &self,
+        key: &EffectKey,
+        fence: u64,
+        expected: &Outcome,
+        outcome: &Outcome,
+    ) -> impl Future<Output = Result<bool>> + Send {
+        (**self).replace_outcome(key, fence, expected, outcome)
     }
 }

@@ -34,7 +34,10 @@
 //! - [`resolve_lost_write`]: what a fenced write whose answer was lost did;
 //! - [`forget_refusal`]: why a forget that changed nothing was refused;
 //! - [`check_outcome`], [`check_extension`]: the outcome size limit and the
-//!   bounds of a renewal;
+//!   bounds of a renewal; [`check_subject`]: a subject given without a key
+//!   (an erasure's);
+//! - [`erasable`]: which records an erasure empties now, and which it
+//!   leaves pending;
 //! - [`report_unexpected_violation`]: the one telemetry call a backend makes;
 //! - [`Backoff`]: the delays of every retry loop; [`retry`] and
 //!   [`Attempts`]: the loop itself (a retryable error runs again after a
@@ -60,7 +63,8 @@ use std::time::{Duration, SystemTime};
 
 pub use crate::backoff::Backoff;
 pub use crate::coalesce::{Coalescing, DEFAULT_MAX_BATCH, DEFAULT_MAX_IN_FLIGHT};
-pub use crate::key::{MAX_KEY_BYTES, MAX_KIND_BYTES, MAX_TENANT_BYTES};
+pub use crate::key::{MAX_KEY_BYTES, MAX_KIND_BYTES, MAX_TENANT_BYTES, check_subject};
+pub use crate::admin::erasable;
 pub use crate::ledger::{Capabilities, Ledger, TransactionalLedger};
 pub use crate::record::{
     Claim, Fingerprint, Lease, MAX_OUTCOME_BYTES, Outcome, Record, RecordState, StoredOutcome,
@@ -169,6 +173,9 @@ pub fn effective_state(
 /// The answer to a claim that found `record` (read at `record.read_at` on the
 /// backend's clock, with its state already made effective).
 ///
+/// - completed and erased ([`Record::is_erased`]): [`Error::Erased`],
+///   whatever fingerprint the claim gives (the stored one was erased with
+///   the outcome, so there is nothing to compare, and the effect happened);
 /// - both fingerprints present and different: [`Error::FingerprintMismatch`];
 /// - completed: [`Claim::Completed`]; abandoned: [`Claim::Abandoned`];
 /// - in progress with a live lease: [`Claim::InProgress`];
@@ -177,6 +184,9 @@ pub fn effective_state(
 ///   [`next_fence`]), in the same atomic operation that re-checks this
 ///   decision against the record's current version.
 pub fn answer_existing(key: &EffectKey, opts: &ClaimOptions, record: Record) -> Result<Option<Claim>> {
+    if record.is_erased() {
+        return Err(Error::Erased { key: key.to_string() });
+    }
     if let (Some(stored), Some(given)) = (record.fingerprint, opts.fingerprint)
         && stored != given
     {

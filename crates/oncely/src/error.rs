@@ -112,6 +112,38 @@ pub enum Error {
         /// The state found.
         state: crate::state::RecordState,
     },
+    /// The effect completed, and an operator erased its stored outcome and
+    /// request fingerprint on a data-protection request
+    /// ([`Admin::erase`](crate::admin::Admin::erase)). The record is kept so
+    /// that the effect is never run again: a duplicate gets this error, never
+    /// a re-run and never the erased value. Not retryable; a consumer acks it.
+    #[error("{key}: the effect completed and its stored outcome was erased; it is not run again")]
+    Erased {
+        /// The displayed effect key.
+        key: String,
+    },
+    /// A stored outcome is sealed with a key the `OutcomeCodec`
+    /// does not hold (rotated out, or never given to this process). Nothing
+    /// was decrypted and nothing was written; give the codec that key (as a
+    /// decrypt-only key) to read it.
+    #[error("{key}: the stored outcome is sealed with key id {key_id:?}, which this codec does not hold")]
+    CodecKeyMissing {
+        /// The displayed effect key.
+        key: String,
+        /// The key id written in the stored envelope.
+        key_id: String,
+    },
+    /// A stored outcome could not be opened or sealed by the
+    /// `OutcomeCodec`: it fails authentication
+    /// (a wrong key under a known id, a tampered or moved value), or is not an
+    /// envelope this codec reads.
+    #[error("{key}: outcome codec: {message}")]
+    Codec {
+        /// The displayed effect key.
+        key: String,
+        /// What failed.
+        message: String,
+    },
     /// A value that cannot be used (a claim option out of range, a timestamp
     /// outside what the ledger stores); nothing was sent to the database.
     #[error("invalid input: {0}")]

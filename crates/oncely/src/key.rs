@@ -132,12 +132,7 @@ impl EffectKey {
         if kind.contains([':', '/']) || kind.chars().any(char::is_whitespace) {
             return Err(Error::invalid_key("kind must not contain ':', '/' or whitespace"));
         }
-        check_part("subject", subject, MAX_KEY_BYTES)?;
-        if subject.trim() != subject {
-            return Err(Error::invalid_key(
-                "subject must not start or end with whitespace",
-            ));
-        }
+        check_subject(subject)?;
         let mut full = String::with_capacity(tenant.as_str().len() + kind.len() + subject.len() + 2);
         for part in [tenant.as_str(), "/", kind, ":", subject] {
             full.push_str(part);
@@ -266,6 +261,19 @@ impl fmt::Debug for EffectKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "EffectKey({:?})", &*self.full)
     }
+}
+
+/// Checks a subject on its own as [`EffectKey::new`] checks it (what an
+/// operation given a subject without a key, [`Admin::erase`](crate::admin::Admin::erase),
+/// checks before any round trip): [`Error::InvalidKey`] otherwise.
+pub fn check_subject(subject: &str) -> Result<()> {
+    check_part("subject", subject, MAX_KEY_BYTES)?;
+    if subject.trim() != subject {
+        return Err(Error::invalid_key(
+            "subject must not start or end with whitespace",
+        ));
+    }
+    Ok(())
 }
 
 fn check_part(what: &str, s: &str, max: usize) -> Result<()> {

@@ -349,6 +349,42 @@ impl crate::admin::Admin for MemoryLedger {
         }
     }
 
+    async fn erase(&self, tenant: &Tenant, subject: &str) -> Result<crate::admin::Erasure> {
+        backend::check_subject(subject)?;
+        let now = self.now();
+        let mut erasure = crate::admin::Erasure::new(now);
+        for (key, row) in self.rows().records.iter_mut() {
+            if key.tenant() != tenant || key.subject() != subject {
+                continue;
+            }
+            let r = &mut row.record;
+            if crate::admin::erasable(r.state) {
+                r.outcome = None;
+                r.fingerprint = None;
+                erasure.erased.push(key.clone());
+            } else {
+                erasure.pending.push(key.clone());
+            }
+        }
+        Ok(erasure.sorted())
+    }
+
+    async fn replace_outcome(&self, key: &EffectKey, fence: u64, expected: &Outcome, outcome: &Outcome) -> Result<bool> {
+        check_outcome(outcome, MAX_OUTCOME_BYTES)?;
+        let mut rows = self.rows();
+        Ok(match rows.records.get_mut(key) {
+            Some(row)
+                if row.record.fence == fence
+                    && row.record.state == RecordState::Completed
+                    && row.record.outcome.as_ref() == Some(expected) =>
+            {
+                row.record.outcome = Some(outcome.clone());
+                true
+            }
+            _ => false,
+        })
+    }
+
     async fn prunable(&self) -> Result<u64> {
         let now = self.now();
         Ok(self

@@ -88,12 +88,11 @@ fn observe(ledger: &impl Ledger, key: &EffectKey, claim: &Claim, took: Duration)
     }
 }
 
-fn stored(ledger: &impl Ledger, key: &EffectKey, claim: Claim) -> Result<Outcome> {
+fn stored(key: &EffectKey, claim: Claim) -> Result<Outcome> {
     match claim {
-        Claim::Completed(record) => record.outcome.ok_or_else(|| Error::Corrupt {
-            backend: ledger.backend(),
-            message: format!("{key}: completed record without an outcome"),
-        }),
+        // A completed record without its outcome was erased (the ledger
+        // answers `Error::Erased` itself; a record read otherwise says so too).
+        Claim::Completed(record) => record.outcome.ok_or_else(|| Error::Erased { key: key.to_string() }),
         Claim::Abandoned(_) => Err(Error::Abandoned { key: key.to_string() }),
         Claim::InProgress { fence, .. } => Err(Error::InProgress {
             key: key.to_string(),
@@ -210,7 +209,7 @@ pub(crate) async fn claim<L: Ledger>(
                     woken = Some(opts.clone().redelivered(true));
                 }
             }
-            other => return stored(ledger, key, other).map(Resolved::Stored),
+            other => return stored(key, other).map(Resolved::Stored),
         }
     }
 }
@@ -244,7 +243,7 @@ pub(crate) async fn claim_in<L: TransactionalLedger>(
                 .unwrap_or_default();
             Ok(Resolved::Lease(lease, sent + granted))
         }
-        other => stored(ledger, key, other).map(Resolved::Stored),
+        other => stored(key, other).map(Resolved::Stored),
     }
 }
 

@@ -218,7 +218,8 @@ pub struct Record {
     pub fence: u64,
     /// The request fingerprint of the first claim, if it gave one.
     pub fingerprint: Option<Fingerprint>,
-    /// The stored outcome (completed records only).
+    /// The stored outcome (completed records only; `None` on a completed
+    /// record once it is erased, [`Record::is_erased`]).
     pub outcome: Option<Outcome>,
     /// Whether the record belongs to an at-most-once step.
     pub at_most_once: bool,
@@ -236,6 +237,15 @@ pub struct Record {
 }
 
 impl Record {
+    /// Whether the record is a completed effect whose outcome was erased
+    /// ([`Admin::erase`](crate::admin::Admin::erase)): completed, with no
+    /// outcome. A completion always stores one, so only an erasure leaves a
+    /// completed record without it. A claim of it fails with
+    /// [`Error::Erased`]; the effect is never run again.
+    pub fn is_erased(&self) -> bool {
+        self.state == RecordState::Completed && self.outcome.is_none()
+    }
+
     /// The stored outcome decoded as [`Outcome::decode`] does; `None` when
     /// the record holds no outcome (not completed).
     pub fn stored<T: DeserializeOwned>(&self) -> Result<Option<StoredOutcome<T>>> {

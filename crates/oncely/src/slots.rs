@@ -47,6 +47,15 @@ pub fn copy_error(error: &Error) -> Error {
             key: key.clone(),
             state: *state,
         },
+        Error::Erased { key } => Error::Erased { key: key.clone() },
+        Error::CodecKeyMissing { key, key_id } => Error::CodecKeyMissing {
+            key: key.clone(),
+            key_id: key_id.clone(),
+        },
+        Error::Codec { key, message } => Error::Codec {
+            key: key.clone(),
+            message: message.clone(),
+        },
         Error::InvalidInput(m) => Error::InvalidInput(m.clone()),
         Error::Serialization(m) => Error::Serialization(m.clone()),
         Error::Misuse(m) => Error::Misuse(m.clone()),
