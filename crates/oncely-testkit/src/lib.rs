@@ -67,6 +67,7 @@
 //! | [`fakes`] | a payment provider that honours idempotency keys and counts calls ([`FakeProvider`]), a mailer that counts sends ([`FakeMailer`]) |
 //! | [`drain`] | end-to-end tests: wait until the queue is drained and the consumers idle, any broker ([`Drain`]) |
 //! | [`kill`] | kill a consumer mid-handler the way a crash does, its broker connection with it ([`KillSwitch`]) |
+//! | [`dump`] | dump a ledger table with the database's own tool and search it for an outcome's bytes (data-protection tests) |
 //!
 //! A handler that ran one step and replayed another reports
 //! `captured.how | sent.how` (`oncely::How::combine`).
@@ -74,6 +75,7 @@
 #![deny(missing_docs)]
 
 pub mod drain;
+pub mod dump;
 pub mod fakes;
 pub mod kill;
 
