@@ -122,7 +122,8 @@ pub enum Error {
         /// The displayed effect key.
         key: String,
     },
-    /// A stored outcome is sealed with a key the `OutcomeCodec`
+    /// A stored outcome is sealed with a key the
+    /// [`OutcomeCodec`](crate::codec::OutcomeCodec)
     /// does not hold (rotated out, or never given to this process). Nothing
     /// was decrypted and nothing was written; give the codec that key (as a
     /// decrypt-only key) to read it.
@@ -134,7 +135,7 @@ pub enum Error {
         key_id: String,
     },
     /// A stored outcome could not be opened or sealed by the
-    /// `OutcomeCodec`: it fails authentication
+    /// [`OutcomeCodec`](crate::codec::OutcomeCodec): it fails authentication
     /// (a wrong key under a known id, a tampered or moved value), or is not an
     /// envelope this codec reads.
     #[error("{key}: outcome codec: {message}")]

@@ -53,6 +53,8 @@
 //!   contract, the records and leases it speaks, and every rule the backends
 //!   share (fences, horizons, lost writes, time units, backoff);
 //! - [`open`]: opening a ledger from a URL (`FromUrl`), for tools;
+//! - [`codec`]: stored outcomes encrypted at rest ([`Sealed`](codec::Sealed)
+//!   around any ledger, key rotation);
 //! - [`admin`]: the operator's listings and repairs; [`reconcile`]: settling
 //!   what a crash left in doubt; [`pruner`]: deleting records past their
 //!   retention; [`telemetry`]: the names of every span, event and metric;
@@ -77,6 +79,7 @@ pub mod admin;
 pub mod backend;
 mod backoff;
 mod coalesce;
+pub mod codec;
 mod effects;
 mod error;
 mod flight;
