@@ -24,6 +24,9 @@
 //!   a gathered batch answered per slot, a caller dropped mid-batch);
 //! - `flight.rs`: single-flight in [`Effects`](crate::Effects) (in-process
 //!   duplicates answered from memory with an acknowledged outcome only);
+//! - `codec.rs`: the backend's ledger wrapped in
+//!   [`Sealed`](crate::codec::Sealed) (nothing plain in a dump, rotation,
+//!   typed key errors), run by each backend's `tests/codec.rs`;
 //! - `admin.rs`: the operator capability [`Admin`](crate::admin::Admin) (paging,
 //!   tenant isolation, stuck and abandoned on the backend's clock, stats,
 //!   forget) ([`admin_conformance_tests!`](crate::conformance::admin_conformance_tests));
@@ -69,6 +72,7 @@ pub use crate::__transactional_conformance_tests as transactional_conformance_te
 pub use crate::__transactional_nodes_conformance_tests as transactional_nodes_conformance_tests;
 
 mod admin;
+mod codec;
 mod coalesce;
 mod faulty;
 mod flight;
@@ -82,6 +86,7 @@ mod runner;
 mod transactional;
 
 pub use admin::*;
+pub use codec::*;
 pub use coalesce::*;
 pub use faulty::{Faulty, InjectedUniqueViolation};
 pub use flight::*;
