@@ -178,7 +178,10 @@ pub fn check_key_id(id: &str) -> Result<()> {
             "outcome key id {id:?}: 1 to {MAX_KEY_ID} characters"
         )));
     }
-    if !id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')) {
+    if !id
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    {
         return Err(Error::Config(format!(
             "outcome key id {id:?}: only ASCII letters, digits, '-', '_' and '.'"
         )));
@@ -415,7 +418,9 @@ impl Keyring {
         }
         let marked = entries.iter().filter(|(m, ..)| *m).count();
         if marked > 1 {
-            return Err(Error::Config("outcome keys: more than one entry is marked active (*)".into()));
+            return Err(Error::Config(
+                "outcome keys: more than one entry is marked active (*)".into(),
+            ));
         }
         let active = entries.iter().position(|(m, ..)| *m).unwrap_or(0);
         if entries.is_empty() {
@@ -648,7 +653,11 @@ impl<L: Ledger, C: OutcomeCodec> Ledger for Sealed<L, C> {
     }
 
     async fn get(&self, key: &EffectKey) -> Result<Option<Record>> {
-        self.inner.get(key).await?.map(|r| self.open_record(r)).transpose()
+        self.inner
+            .get(key)
+            .await?
+            .map(|r| self.open_record(r))
+            .transpose()
     }
 
     fn prune(&self, limit: u64) -> impl Future<Output = Result<u64>> + Send {
@@ -662,7 +671,11 @@ impl<L: Ledger, C: OutcomeCodec> Ledger for Sealed<L, C> {
         records.into_iter().map(|r| self.open_record(r)).collect()
     }
 
-    fn horizon(&self, tenant: &Tenant, kind: &str) -> impl Future<Output = Result<Option<SystemTime>>> + Send {
+    fn horizon(
+        &self,
+        tenant: &Tenant,
+        kind: &str,
+    ) -> impl Future<Output = Result<Option<SystemTime>>> + Send {
         self.inner.horizon(tenant, kind)
     }
 
@@ -729,7 +742,12 @@ impl<L: TransactionalLedger, C: OutcomeCodec> TransactionalLedger for Sealed<L, 
         self.inner.rollback(tx)
     }
 
-    async fn claim_in(&self, conn: &mut Self::Connection, key: &EffectKey, opts: &ClaimOptions) -> Result<Claim> {
+    async fn claim_in(
+        &self,
+        conn: &mut Self::Connection,
+        key: &EffectKey,
+        opts: &ClaimOptions,
+    ) -> Result<Claim> {
         let claim = self.inner.claim_in(conn, key, opts).await?;
         self.open_claim(claim)
     }
@@ -838,7 +856,11 @@ pub struct ResealReport {
 ///
 /// `ledger` is the inner ledger or a [`Sealed`] one (its [`Admin`] works on
 /// stored bytes either way).
-pub async fn reseal<A: Admin>(ledger: &A, keyring: &Keyring, options: &ResealOptions) -> Result<ResealReport> {
+pub async fn reseal<A: Admin>(
+    ledger: &A,
+    keyring: &Keyring,
+    options: &ResealOptions,
+) -> Result<ResealReport> {
     let mut report = ResealReport::default();
     let mut query = RecordQuery {
         tenant: options.tenant.clone(),
@@ -881,7 +903,10 @@ pub async fn reseal<A: Admin>(ledger: &A, keyring: &Keyring, options: &ResealOpt
             };
             if options.dry_run {
                 report.resealed += 1;
-            } else if ledger.replace_outcome(&record.key, record.fence, stored, &resealed).await? {
+            } else if ledger
+                .replace_outcome(&record.key, record.fence, stored, &resealed)
+                .await?
+            {
                 report.resealed += 1;
             } else {
                 report.moved_on += 1;
@@ -913,8 +938,14 @@ mod tests {
         assert!(!sealed.as_bytes().windows(6).any(|w| w == b"secret"));
         assert_eq!(sealed.len(), plain.len() + ring.overhead());
         let e = Envelope::parse(sealed.as_bytes()).unwrap();
-        assert_eq!((e.key_id(), e.len(), e.plain_len()), ("k1", sealed.len(), plain.len()));
-        assert_eq!(e.to_string(), format!("encrypted (key k1, {} bytes)", sealed.len()));
+        assert_eq!(
+            (e.key_id(), e.len(), e.plain_len()),
+            ("k1", sealed.len(), plain.len())
+        );
+        assert_eq!(
+            e.to_string(),
+            format!("encrypted (key k1, {} bytes)", sealed.len())
+        );
         assert_eq!(ring.open(&key("o-1"), &sealed).unwrap(), plain);
         // A fresh nonce per seal: the same outcome never stores the same bytes.
         assert_ne!(ring.seal(&key("o-1"), &plain).unwrap(), sealed);
@@ -925,7 +956,10 @@ mod tests {
         let ring = Keyring::new("k1", k(1)).unwrap();
         let sealed = ring.seal(&key("o-1"), &Outcome::from_json(&1).unwrap()).unwrap();
         let err = ring.open(&key("o-2"), &sealed).unwrap_err();
-        assert!(matches!(err, Error::Codec { ref key, .. } if key == "_global/capture:o-2"), "{err:?}");
+        assert!(
+            matches!(err, Error::Codec { ref key, .. } if key == "_global/capture:o-2"),
+            "{err:?}"
+        );
     }
 
     #[test]
@@ -935,7 +969,10 @@ mod tests {
             .seal(&key("o-1"), &Outcome::from_json(&1).unwrap())
             .unwrap();
         let wrong = Keyring::new("k1", k(9)).unwrap();
-        assert!(matches!(wrong.open(&key("o-1"), &sealed), Err(Error::Codec { .. })));
+        assert!(matches!(
+            wrong.open(&key("o-1"), &sealed),
+            Err(Error::Codec { .. })
+        ));
         let other = Keyring::new("k2", k(1)).unwrap();
         match other.open(&key("o-1"), &sealed) {
             Err(Error::CodecKeyMissing { key, key_id }) => {
@@ -948,7 +985,9 @@ mod tests {
     #[test]
     fn a_tampered_byte_or_header_does_not_open() {
         let ring = Keyring::new("k1", k(1)).unwrap();
-        let sealed = ring.seal(&key("o-1"), &Outcome::from_json(&"x").unwrap()).unwrap();
+        let sealed = ring
+            .seal(&key("o-1"), &Outcome::from_json(&"x").unwrap())
+            .unwrap();
         let mut bytes = sealed.clone().into_bytes();
         let last = bytes.len() - 1;
         bytes[last] ^= 1;
@@ -957,7 +996,10 @@ mod tests {
             Err(Error::Codec { .. })
         ));
         let truncated = Outcome::from_bytes(&sealed.as_bytes()[..MAGIC.len() + 4]).unwrap();
-        assert!(matches!(ring.open(&key("o-1"), &truncated), Err(Error::Codec { .. })));
+        assert!(matches!(
+            ring.open(&key("o-1"), &truncated),
+            Err(Error::Codec { .. })
+        ));
         assert!(describe_sealed(truncated.as_bytes()).unwrap().contains("damaged"));
     }
 
@@ -966,7 +1008,10 @@ mod tests {
         let old = Keyring::new("k1", k(1)).unwrap();
         let plain = Outcome::from_json(&"old").unwrap();
         let sealed_old = old.seal(&key("o-1"), &plain).unwrap();
-        let rotated = Keyring::new("k2", k(2)).unwrap().with_decrypt_only("k1", k(1)).unwrap();
+        let rotated = Keyring::new("k2", k(2))
+            .unwrap()
+            .with_decrypt_only("k1", k(1))
+            .unwrap();
         assert_eq!(rotated.open(&key("o-1"), &sealed_old).unwrap(), plain);
         let sealed_new = rotated.seal(&key("o-1"), &plain).unwrap();
         assert_eq!(Envelope::parse(sealed_new.as_bytes()).unwrap().key_id(), "k2");
@@ -983,7 +1028,10 @@ mod tests {
         assert!(ring.needs_reseal(plain.as_bytes(), true));
         assert!(!ring.needs_reseal(plain.as_bytes(), false));
         let strict = ring.require_sealed(true);
-        assert!(matches!(strict.open(&key("o-1"), &plain), Err(Error::Codec { .. })));
+        assert!(matches!(
+            strict.open(&key("o-1"), &plain),
+            Err(Error::Codec { .. })
+        ));
     }
 
     #[test]
@@ -1004,13 +1052,23 @@ mod tests {
         let key = SecretKey::from_hex(&"ab".repeat(32)).unwrap();
         assert_eq!(key, SecretKey::from_bytes([0xab; 32]));
         assert_eq!(format!("{key:?}"), "SecretKey(..)");
-        let text = format!("# keys\nk1={}\n*k2={} , k3={}", "ab".repeat(32), "CD".repeat(32), "01".repeat(32));
+        let text = format!(
+            "# keys\nk1={}\n*k2={} , k3={}",
+            "ab".repeat(32),
+            "CD".repeat(32),
+            "01".repeat(32)
+        );
         let ring = Keyring::parse(&text).unwrap();
         assert_eq!(ring.active(), "k2");
         assert_eq!(ring.key_ids().collect::<Vec<_>>(), ["k1", "k2", "k3"]);
         let shown = format!("{ring:?}");
         assert!(shown.contains("k2") && !shown.to_lowercase().contains("abab") && !shown.contains("cdcd"));
-        assert_eq!(Keyring::parse(&format!("a={}", "11".repeat(32))).unwrap().active(), "a");
+        assert_eq!(
+            Keyring::parse(&format!("a={}", "11".repeat(32)))
+                .unwrap()
+                .active(),
+            "a"
+        );
         for bad in [
             String::new(),
             "k1".to_owned(),

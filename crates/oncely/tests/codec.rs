@@ -3,11 +3,10 @@
 //! SQL backends' `tests/codec.rs`).
 
 use oncely::backend::{Claim, Ledger, Outcome};
-use oncely::codec::{Envelope, Keyring, SecretKey, Sealed};
+use oncely::codec::{Envelope, Keyring, Sealed, SecretKey};
 use oncely::conformance::{
     codec_leaves_erased_records_alone, codec_reseal_leaves_a_record_that_moved_on,
-    codec_rotation_keeps_old_records_readable, codec_wrong_or_missing_key_is_a_typed_error,
-    fresh_tenant,
+    codec_rotation_keeps_old_records_readable, codec_wrong_or_missing_key_is_a_typed_error, fresh_tenant,
 };
 use oncely::{ClaimOptions, EffectKey, Error, MemoryLedger};
 
@@ -45,8 +44,16 @@ async fn batches_are_sealed_and_opened_per_slot() {
         .collect();
     let opts = ClaimOptions::default();
     let mut items = Vec::new();
-    for (i, answer) in sealed.claim_many(&keys, &opts).await.unwrap().into_iter().enumerate() {
-        let Ok(Claim::Acquired(lease)) = answer else { panic!("{answer:?}") };
+    for (i, answer) in sealed
+        .claim_many(&keys, &opts)
+        .await
+        .unwrap()
+        .into_iter()
+        .enumerate()
+    {
+        let Ok(Claim::Acquired(lease)) = answer else {
+            panic!("{answer:?}")
+        };
         let outcome = if i == 1 {
             // Over what is left of the limit once sealed: this slot alone fails.
             Outcome::from_bytes(vec![b'x'; oncely::backend::MAX_OUTCOME_BYTES]).unwrap()
@@ -57,15 +64,23 @@ async fn batches_are_sealed_and_opened_per_slot() {
     }
     let answers = sealed.complete_many(&items).await;
     assert!(answers[0].is_ok() && answers[2].is_ok(), "{answers:?}");
-    assert!(matches!(answers[1], Err(Error::OutcomeTooLarge { .. })), "{answers:?}");
+    assert!(
+        matches!(answers[1], Err(Error::OutcomeTooLarge { .. })),
+        "{answers:?}"
+    );
     for i in [0, 2] {
         let stored = inner.get(&keys[i]).await.unwrap().unwrap().outcome.unwrap();
         assert_eq!(Envelope::parse(stored.as_bytes()).unwrap().key_id(), "k1");
     }
     let again = sealed.claim_many(&keys, &opts).await.unwrap();
     for i in [0, 2] {
-        let Ok(Claim::Completed(r)) = &again[i] else { panic!("{:?}", again[i]) };
-        assert_eq!(r.outcome, Some(Outcome::from_json(&format!("value {i}")).unwrap()));
+        let Ok(Claim::Completed(r)) = &again[i] else {
+            panic!("{:?}", again[i])
+        };
+        assert_eq!(
+            r.outcome,
+            Some(Outcome::from_json(&format!("value {i}")).unwrap())
+        );
     }
     assert!(matches!(again[1], Ok(Claim::InProgress { .. })), "{:?}", again[1]);
 }

@@ -2,14 +2,15 @@
 //! [`Sealed`] with a [`Keyring`]. Each backend's `tests/codec.rs` calls them
 //! with its ledger (an [`Admin`] one) and, for
 //! [`codec_dump_holds_no_plain_outcome`], a function that dumps the ledger's
-//! table with the database's own tool.
+//! table with the database's own tool and the search of it
+//! (`oncely_testkit::dump`).
 
 use std::sync::Arc;
 
 use super::{acquired, fresh_tenant, key, opts};
 use crate::admin::{Admin, Filter, RecordQuery};
-use crate::backend::Ledger;
-use crate::codec::{Envelope, Keyring, ResealOptions, SecretKey, Sealed, reseal};
+use crate::backend::{Ledger, TransactionalLedger};
+use crate::codec::{Envelope, Keyring, ResealOptions, Sealed, SecretKey, reseal};
 use crate::record::{Claim, Fingerprint, Outcome, RecordState};
 use crate::{ClaimOptions, EffectKey, Effects, Error, Tenant};
 
@@ -46,7 +47,11 @@ fn marker(tenant: &Tenant, what: &str) -> String {
 /// sequence of an outcome (raw or in hex); an outcome written without the
 /// codec, in the same table, is found by the same search (the control:
 /// the search would see one). Duplicates still get the plain value back.
-pub async fn codec_dump_holds_no_plain_outcome<L: Admin + 'static>(ledger: L, dump: impl Fn() -> Vec<u8>) {
+pub async fn codec_dump_holds_no_plain_outcome<L: Admin + 'static>(
+    ledger: L,
+    dump: impl Fn() -> Vec<u8>,
+    contains: fn(&[u8], &[u8]) -> bool,
+) {
     let ledger = Arc::new(ledger);
     let t = fresh_tenant();
     let secret = marker(&t, "ch_sealed_4242");
@@ -63,33 +68,33 @@ pub async fn codec_dump_holds_no_plain_outcome<L: Admin + 'static>(ledger: L, du
         .await
         .unwrap();
     let again: String = effects
-        .run(&ks, &ClaimOptions::default(), |_| async { Ok("ran twice".to_owned()) })
+        .run(&ks, &ClaimOptions::default(), |_| async {
+            Ok("ran twice".to_owned())
+        })
         .await
         .unwrap();
-    assert_eq!((first.as_str(), again.as_str()), (secret.as_str(), secret.as_str()));
+    assert_eq!(
+        (first.as_str(), again.as_str()),
+        (secret.as_str(), secret.as_str())
+    );
 
     let bytes = stored(&ledger, &ks).await;
-    assert_eq!(Envelope::parse(&bytes).map(|e| e.key_id().to_owned()).as_deref(), Some("k1"));
+    assert_eq!(
+        Envelope::parse(&bytes).map(|e| e.key_id().to_owned()).as_deref(),
+        Some("k1")
+    );
     let dump = dump();
     assert!(
-        crate::conformance::codec::contains(&dump, control.as_bytes()),
+        contains(&dump, control.as_bytes()),
         "control: the plain outcome {control} is not in the dump, so the search proves nothing"
     );
     assert!(
-        !crate::conformance::codec::contains(&dump, secret.as_bytes()),
+        !contains(&dump, secret.as_bytes()),
         "the sealed outcome {secret} appears in the dump"
     );
     // The whole stored plain outcome, not only the marker inside it.
     let plain = Outcome::value(&secret).unwrap();
-    assert!(!crate::conformance::codec::contains(&dump, plain.as_bytes()));
-}
-
-/// Whether `dump` holds `needle` as it is or as hexadecimal digits (either
-/// case): how dump tools print bytes (`\x…`, `X'…'`, `0x…`).
-pub fn contains(dump: &[u8], needle: &[u8]) -> bool {
-    let hex: String = needle.iter().map(|b| format!("{b:02x}")).collect();
-    let lower = dump.to_ascii_lowercase();
-    dump.windows(needle.len()).any(|w| w == needle) || lower.windows(hex.len()).any(|w| w == hex.as_bytes())
+    assert!(!contains(&dump, plain.as_bytes()));
 }
 
 /// Rotation: with a new active key and the old one decrypt-only, records
@@ -119,31 +124,51 @@ pub async fn codec_rotation_keeps_old_records_readable<L: Admin>(ledger: L) {
     }
     let fresh = key(&t, "capture", "new");
     complete(&new, &fresh, "new value").await;
-    assert_eq!(Envelope::parse(&stored(&ledger, &fresh).await).unwrap().key_id(), "k2");
+    assert_eq!(
+        Envelope::parse(&stored(&ledger, &fresh).await).unwrap().key_id(),
+        "k2"
+    );
 
     let only_tenant = ResealOptions::default().tenant(t.clone());
     let dry = reseal(&ledger, new.codec(), &only_tenant.clone().dry_run(true))
         .await
         .unwrap();
-    assert_eq!((dry.scanned, dry.resealed, dry.current, dry.plain), (5, 3, 1, 1), "{dry:?}");
+    assert_eq!(
+        (dry.scanned, dry.resealed, dry.current, dry.plain),
+        (5, 3, 1, 1),
+        "{dry:?}"
+    );
     for k in &keys {
         assert_eq!(Envelope::parse(&stored(&ledger, k).await).unwrap().key_id(), "k1");
     }
 
     let done = reseal(&ledger, new.codec(), &only_tenant).await.unwrap();
-    assert_eq!((done.resealed, done.current, done.moved_on), (3, 1, 0), "{done:?}");
+    assert_eq!(
+        (done.resealed, done.current, done.moved_on),
+        (3, 1, 0),
+        "{done:?}"
+    );
     assert!(done.failed.is_empty(), "{:?}", done.failed);
     let without_old = Sealed::new(&ledger, ring("k2", 2));
     for (i, k) in keys.iter().enumerate() {
         assert_eq!(Envelope::parse(&stored(&ledger, k).await).unwrap().key_id(), "k2");
         let record = without_old.get(k).await.unwrap().unwrap();
-        assert_eq!(record.outcome, Some(Outcome::from_json(&format!("old value {i}")).unwrap()));
+        assert_eq!(
+            record.outcome,
+            Some(Outcome::from_json(&format!("old value {i}")).unwrap())
+        );
         assert_eq!(record.state, RecordState::Completed);
     }
     let again = reseal(&ledger, new.codec(), &only_tenant).await.unwrap();
-    assert_eq!((again.resealed, again.current, again.plain), (0, 4, 1), "{again:?}");
+    assert_eq!(
+        (again.resealed, again.current, again.plain),
+        (0, 4, 1),
+        "{again:?}"
+    );
 
-    let with_plain = reseal(&ledger, new.codec(), &only_tenant.plain(true)).await.unwrap();
+    let with_plain = reseal(&ledger, new.codec(), &only_tenant.plain(true))
+        .await
+        .unwrap();
     assert_eq!(with_plain.resealed, 1, "{with_plain:?}");
     assert!(Envelope::is_sealed(&stored(&ledger, &plain_key).await));
     let strict = Sealed::new(&ledger, ring("k2", 2).require_sealed(true));
@@ -164,7 +189,12 @@ pub async fn codec_reseal_leaves_a_record_that_moved_on<L: Admin>(ledger: L) {
     ledger.forget(&k, record.fence).await.unwrap();
     complete(&Sealed::new(&ledger, ring("k1", 1)), &k, "after").await;
     let replacement = Outcome::from_json(&"never").unwrap();
-    assert!(!ledger.replace_outcome(&k, record.fence, &stale, &replacement).await.unwrap());
+    assert!(
+        !ledger
+            .replace_outcome(&k, record.fence, &stale, &replacement)
+            .await
+            .unwrap()
+    );
     let current = ledger.get(&k).await.unwrap().unwrap();
     assert!(
         !ledger
@@ -203,10 +233,16 @@ pub async fn codec_wrong_or_missing_key_is_a_typed_error<L: Admin>(ledger: L) {
         }
         other => panic!("expected CodecKeyMissing, got {other:?}"),
     }
-    assert!(matches!(lacking.get(&k).await, Err(Error::CodecKeyMissing { .. })));
+    assert!(matches!(
+        lacking.get(&k).await,
+        Err(Error::CodecKeyMissing { .. })
+    ));
     let other_payload = opts().fingerprint(Fingerprint::of_bytes(b"request two"));
     assert!(
-        matches!(lacking.claim(&k, &other_payload).await, Err(Error::FingerprintMismatch { .. })),
+        matches!(
+            lacking.claim(&k, &other_payload).await,
+            Err(Error::FingerprintMismatch { .. })
+        ),
         "the fingerprint is checked before anything is opened"
     );
     match right.claim(&k, &opts().fingerprint(fp)).await.unwrap() {
@@ -224,7 +260,10 @@ pub async fn codec_leaves_erased_records_alone<L: Admin>(ledger: L) {
     let sealed = Sealed::new(&ledger, ring("k1", 1));
     complete(&sealed, &k, "personal data").await;
     ledger.erase(&t, "erased-subject").await.unwrap();
-    assert!(matches!(sealed.claim(&k, &opts()).await, Err(Error::Erased { .. })));
+    assert!(matches!(
+        sealed.claim(&k, &opts()).await,
+        Err(Error::Erased { .. })
+    ));
     assert!(sealed.get(&k).await.unwrap().unwrap().is_erased());
     let report = reseal(&ledger, &rotated(), &ResealOptions::default().tenant(t.clone()))
         .await
@@ -235,4 +274,30 @@ pub async fn codec_leaves_erased_records_alone<L: Admin>(ledger: L) {
         .await
         .unwrap();
     assert!(listed.iter().all(|r| r.outcome.is_none()));
+}
+
+/// In the caller's transaction ([`TransactionalLedger`]): `complete_in`
+/// through [`Sealed`] stores the outcome sealed, and a duplicate's
+/// `claim_in` gets it back opened.
+pub async fn codec_seals_in_the_callers_transaction<L: TransactionalLedger>(ledger: L) {
+    let t = fresh_tenant();
+    let k = key(&t, "capture", "in-tx");
+    let sealed = Sealed::new(ledger, ring("k1", 1));
+    let value = Outcome::from_json(&marker(&t, "tx secret")).unwrap();
+    let mut tx = sealed.begin().await.unwrap();
+    let lease = acquired(sealed.claim_in(&mut tx, &k, &opts()).await.unwrap());
+    sealed.complete_in(&mut tx, &lease, &value).await.unwrap();
+    sealed.commit(tx).await.unwrap();
+    assert_eq!(
+        Envelope::parse(&stored(sealed.inner(), &k).await)
+            .unwrap()
+            .key_id(),
+        "k1"
+    );
+    let mut tx = sealed.begin().await.unwrap();
+    match sealed.claim_in(&mut tx, &k, &opts()).await.unwrap() {
+        Claim::Completed(r) => assert_eq!(r.outcome, Some(value)),
+        other => panic!("expected Completed, got {other:?}"),
+    }
+    sealed.rollback(tx).await.unwrap();
 }

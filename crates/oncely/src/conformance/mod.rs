@@ -72,8 +72,8 @@ pub use crate::__transactional_conformance_tests as transactional_conformance_te
 pub use crate::__transactional_nodes_conformance_tests as transactional_nodes_conformance_tests;
 
 mod admin;
-mod codec;
 mod coalesce;
+mod codec;
 mod faulty;
 mod flight;
 mod ledger;
@@ -86,8 +86,8 @@ mod runner;
 mod transactional;
 
 pub use admin::*;
-pub use codec::*;
 pub use coalesce::*;
+pub use codec::*;
 pub use faulty::{Faulty, InjectedUniqueViolation};
 pub use flight::*;
 pub use ledger::*;

@@ -1,0 +1,70 @@
+//! The outcome codec on PostgreSQL: nothing plain in `pg_dump`, rotation,
+//! typed key errors, the caller's transaction. On a table of its own
+//! (`oncely_codec`); each case on a fresh tenant.
+
+use oncely::conformance::{self as c, service_url, skip_or_fail};
+use oncely_postgres::{PgLedger, PgLedgerOptions};
+
+const TABLE: &str = "oncely_codec";
+
+fn url() -> Option<String> {
+    service_url(
+        "ONCELY_POSTGRES_URL",
+        Some("postgres://postgres@127.0.0.1:5432/test"),
+    )
+}
+
+async fn ledger() -> Option<PgLedger> {
+    // Connecting migrates; one at a time, so two tests never create the
+    // table at once.
+    static CONNECT: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    let url = url()?;
+    let _one = CONNECT.lock().await;
+    match PgLedger::connect_with(&url, PgLedgerOptions::default().table(TABLE)).await {
+        Ok(l) => Some(l),
+        Err(e) => skip_or_fail(&format!("PostgreSQL at {url}: {e}")),
+    }
+}
+
+#[tokio::test]
+async fn a_dump_holds_no_plain_outcome() {
+    let (Some(ledger), Some(url)) = (ledger().await, url()) else {
+        return;
+    };
+    c::codec_dump_holds_no_plain_outcome(
+        ledger,
+        || oncely_testkit::dump::postgres(&url, &format!("public.{TABLE}")).expect("pg_dump runs"),
+        oncely_testkit::dump::contains,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn rotation_keeps_old_records_readable() {
+    let Some(ledger) = ledger().await else { return };
+    c::codec_rotation_keeps_old_records_readable(ledger).await;
+}
+
+#[tokio::test]
+async fn reseal_leaves_a_record_that_moved_on() {
+    let Some(ledger) = ledger().await else { return };
+    c::codec_reseal_leaves_a_record_that_moved_on(ledger).await;
+}
+
+#[tokio::test]
+async fn wrong_or_missing_key_is_a_typed_error() {
+    let Some(ledger) = ledger().await else { return };
+    c::codec_wrong_or_missing_key_is_a_typed_error(ledger).await;
+}
+
+#[tokio::test]
+async fn erased_records_pass_untouched() {
+    let Some(ledger) = ledger().await else { return };
+    c::codec_leaves_erased_records_alone(ledger).await;
+}
+
+#[tokio::test]
+async fn seals_in_the_callers_transaction() {
+    let Some(ledger) = ledger().await else { return };
+    c::codec_seals_in_the_callers_transaction(ledger).await;
+}

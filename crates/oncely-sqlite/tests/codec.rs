@@ -1,0 +1,61 @@
+//! The outcome codec on SQLite: nothing plain in `sqlite3 .dump`, rotation,
+//! typed key errors, the caller's transaction. Each test on a file of its own.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use oncely::conformance as c;
+use oncely_sqlite::SqliteLedger;
+
+fn dir() -> &'static tempfile::TempDir {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    DIR.get_or_init(|| tempfile::tempdir().expect("temp dir"))
+}
+
+async fn ledger() -> (SqliteLedger, PathBuf) {
+    static SEQ: AtomicUsize = AtomicUsize::new(0);
+    let path = dir()
+        .path()
+        .join(format!("codec-{}.db", SEQ.fetch_add(1, Ordering::Relaxed)));
+    let ledger = SqliteLedger::connect(&format!("sqlite:{}", path.display()))
+        .await
+        .expect("open the temporary SQLite database");
+    (ledger, path)
+}
+
+#[tokio::test]
+async fn a_dump_holds_no_plain_outcome() {
+    let (ledger, path) = ledger().await;
+    c::codec_dump_holds_no_plain_outcome(
+        ledger,
+        || oncely_testkit::dump::sqlite(&path).expect("sqlite3 .dump runs"),
+        oncely_testkit::dump::contains,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn rotation_keeps_old_records_readable() {
+    c::codec_rotation_keeps_old_records_readable(ledger().await.0).await;
+}
+
+#[tokio::test]
+async fn reseal_leaves_a_record_that_moved_on() {
+    c::codec_reseal_leaves_a_record_that_moved_on(ledger().await.0).await;
+}
+
+#[tokio::test]
+async fn wrong_or_missing_key_is_a_typed_error() {
+    c::codec_wrong_or_missing_key_is_a_typed_error(ledger().await.0).await;
+}
+
+#[tokio::test]
+async fn erased_records_pass_untouched() {
+    c::codec_leaves_erased_records_alone(ledger().await.0).await;
+}
+
+#[tokio::test]
+async fn seals_in_the_callers_transaction() {
+    c::codec_seals_in_the_callers_transaction(ledger().await.0).await;
+}
