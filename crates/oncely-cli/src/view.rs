@@ -6,11 +6,13 @@
 //! [`RecordView`] is not `Serialize` on [`Record`] itself: the commands'
 //! JSON has RFC 3339 times ([`rfc3339`]), the key split into tenant, kind
 //! and subject, the provider key, and the outcome as JSON when it is JSON
-//! (`{"bytes": n}` when not), none of which the core's record holds or
+//! (`{"bytes": n}` when not; a sealed one as `{"encrypted": {"key_id": "k1",
+//! "bytes": n}}`, never its bytes: [`outcome_json`]), none of which the core's record holds or
 //! should format.
 
 use oncely::backend::{Outcome, Record, RecordState};
 use oncely::backend::{lease_live, to_micros};
+use oncely::codec::{Envelope, describe_sealed};
 use serde::Serialize;
 
 use crate::time::rfc3339;
@@ -35,7 +37,9 @@ pub struct RecordView {
     pub at_most_once: bool,
     /// The request fingerprint (hex), if the first claim gave one.
     pub fingerprint: Option<String>,
-    /// The stored outcome: JSON as stored, or `{"bytes": n}` if it is not JSON.
+    /// The stored outcome: JSON as stored, or `{"bytes": n}` if it is not
+    /// JSON, or `{"encrypted": {"key_id": .., "bytes": n}}` when it is sealed
+    /// ([`outcome_json`]).
     pub outcome: Option<serde_json::Value>,
     /// The idempotency key the effect passed to external APIs.
     pub provider_key: String,
@@ -60,10 +64,7 @@ impl From<&Record> for RecordView {
             fence: r.fence,
             at_most_once: r.at_most_once,
             fingerprint: r.fingerprint.map(|f| f.to_hex()),
-            outcome: r.outcome.as_ref().map(|o| {
-                serde_json::from_slice(o.as_bytes())
-                    .unwrap_or_else(|_| serde_json::json!({ "bytes": o.len() }))
-            }),
+            outcome: r.outcome.as_ref().map(outcome_json),
             provider_key: r.key.provider_key(),
             created_at: rfc3339(r.created_at),
             updated_at: rfc3339(r.updated_at),
@@ -71,6 +72,26 @@ impl From<&Record> for RecordView {
             retain_until: rfc3339(r.retain_until),
         }
     }
+}
+
+/// A stored outcome as JSON: the JSON it holds; a sealed one
+/// ([`oncely::codec`]) as `{"encrypted": {"key_id": "k1", "bytes": 812}}`
+/// (a damaged envelope without `key_id`), never its bytes; anything else as
+/// `{"bytes": n}`.
+pub fn outcome_json(o: &Outcome) -> serde_json::Value {
+    if let Some(e) = Envelope::parse(o.as_bytes()) {
+        return serde_json::json!({ "encrypted": { "key_id": e.key_id(), "bytes": e.len() } });
+    }
+    if Envelope::is_sealed(o.as_bytes()) {
+        return serde_json::json!({ "encrypted": { "bytes": o.len() } });
+    }
+    serde_json::from_slice(o.as_bytes()).unwrap_or_else(|_| serde_json::json!({ "bytes": o.len() }))
+}
+
+/// A stored outcome in one line: `812 bytes`, or for a sealed one
+/// `encrypted (key k1, 812 bytes)` ([`describe_sealed`]).
+pub fn outcome_summary(o: &Outcome) -> String {
+    describe_sealed(o.as_bytes()).unwrap_or_else(|| format!("{} bytes", o.len()))
 }
 
 /// What an operator sees a record as, on the backend's clock when it was
@@ -146,6 +167,9 @@ pub struct Inspection {
     pub lease_left_seconds: Option<f64>,
     /// Size of the stored outcome in bytes.
     pub outcome_bytes: Option<usize>,
+    /// The stored outcome in one line ([`outcome_summary`]): `812 bytes`, or
+    /// `encrypted (key k1, 812 bytes)`.
+    pub outcome_summary: Option<String>,
     /// Whether the first claim gave a request fingerprint.
     pub fingerprint_present: bool,
     /// What the fence says about how often the key was claimed (derived).
@@ -165,6 +189,7 @@ impl From<&Record> for Inspection {
             class: class_of(r),
             lease_left_seconds,
             outcome_bytes: r.outcome.as_ref().map(Outcome::len),
+            outcome_summary: r.outcome.as_ref().map(outcome_summary),
             fingerprint_present: r.fingerprint.is_some(),
             claims: Claims::of(r),
             read_at: rfc3339(r.read_at),
@@ -260,5 +285,25 @@ pub(crate) mod tests {
         assert_eq!(v["outcome"]["ok"], "ch_1");
         assert_eq!(v["provider_key"], key.provider_key());
         assert!(v["created_at"].as_str().unwrap().ends_with('Z'));
+    }
+
+    #[test]
+    fn a_sealed_outcome_shows_as_encrypted_never_as_bytes() {
+        use oncely::codec::{Keyring, OutcomeCodec, SecretKey};
+        let keys = Keyring::new("k1", SecretKey::from_bytes([1; 32])).unwrap();
+        let mut r = record(0, RecordState::Completed);
+        let plain = Outcome::from_json(&serde_json::json!({"ok": "ch_secret"})).unwrap();
+        let sealed = keys.seal(&r.key, &plain).unwrap();
+        r.outcome = Some(sealed.clone());
+        let v = serde_json::to_value(Inspection::from(&r)).unwrap();
+        assert_eq!(
+            v["outcome"],
+            serde_json::json!({"encrypted": {"key_id": "k1", "bytes": sealed.len()}})
+        );
+        let summary = format!("encrypted (key k1, {} bytes)", sealed.len());
+        assert_eq!(v["outcome_summary"], summary.as_str());
+        assert!(!v.to_string().contains("ch_secret"));
+        r.outcome = Some(plain.clone());
+        assert_eq!(outcome_summary(&plain), format!("{} bytes", plain.len()));
     }
 }

@@ -252,7 +252,7 @@ impl Render for History {
                     i.claims.grants.to_owned(),
                     i.record.created_at.clone(),
                     i.record.updated_at.clone(),
-                    i.outcome_bytes.map_or("-".to_owned(), |n| format!("{n} B")),
+                    i.outcome_summary.clone().unwrap_or_else(|| "-".to_owned()),
                 ]);
             }
             println!("{}", padded(t));

@@ -131,8 +131,7 @@ impl Render for Inspection {
             ("retain until", r.retain_until.clone()),
             (
                 "outcome",
-                self.outcome_bytes
-                    .map_or("-".to_owned(), |n| format!("{n} bytes")),
+                self.outcome_summary.clone().unwrap_or_else(|| "-".to_owned()),
             ),
             (
                 "fingerprint",

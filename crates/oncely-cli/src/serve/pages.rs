@@ -539,7 +539,8 @@ struct RecordPage {
     lease_expires_at: Option<String>,
     lease: Option<String>,
     retain_until: String,
-    outcome_bytes: Option<usize>,
+    /// `812 bytes`, or `encrypted (key k1, 812 bytes)`: never the bytes.
+    outcome: Option<String>,
     fingerprint: Option<String>,
     provider_key: String,
     read_at: String,
@@ -583,7 +584,7 @@ impl RecordPage {
                 Err(e) => format!("ended {} ago", format_duration(e.duration())),
             }),
             retain_until: rfc3339(r.retain_until),
-            outcome_bytes: r.outcome.as_ref().map(|o| o.len()),
+            outcome: r.outcome.as_ref().map(crate::view::outcome_summary),
             fingerprint: r.fingerprint.map(|f| f.to_hex()),
             provider_key: r.key.provider_key(),
             read_at: rfc3339(now),
