@@ -42,7 +42,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use oncely::admin::{Admin, KindStats, RecordQuery};
+use oncely::admin::{Admin, Erasure, KindStats, RecordQuery};
 use oncely::backend::{Capabilities, Claim, Lease, Ledger, Outcome, Record, Watch};
 use oncely::open::{FromUrl, OpenOptions};
 use oncely::outbox::{Outbox, OutboxStats, Pending, Ticket};
@@ -458,6 +458,26 @@ macro_rules! define_any {
                         AnyLedger::$variant(l) => if_admin!($admin, l.prunable().await, { let _ = l; Err(no_admin(self, "a prune dry run")) }),
                     )+
                     AnyLedger::Memory(l) => l.prunable().await,
+                }
+            }
+
+            async fn erase(&self, tenant: &Tenant, subject: &str) -> Result<Erasure> {
+                match self {
+                    $(
+                        #[cfg(feature = $feature)]
+                        AnyLedger::$variant(l) => if_admin!($admin, l.erase(tenant, subject).await, { let _ = l; Err(no_admin(self, "erase")) }),
+                    )+
+                    AnyLedger::Memory(l) => l.erase(tenant, subject).await,
+                }
+            }
+
+            async fn replace_outcome(&self, key: &EffectKey, fence: u64, expected: &Outcome, outcome: &Outcome) -> Result<bool> {
+                match self {
+                    $(
+                        #[cfg(feature = $feature)]
+                        AnyLedger::$variant(l) => if_admin!($admin, l.replace_outcome(key, fence, expected, outcome).await, { let _ = l; Err(no_admin(self, "replacing an outcome")) }),
+                    )+
+                    AnyLedger::Memory(l) => l.replace_outcome(key, fence, expected, outcome).await,
                 }
             }
         }

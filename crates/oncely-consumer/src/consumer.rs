@@ -199,6 +199,9 @@ impl Action {
                     delay: opts.abandoned_delay,
                     reason: e.to_string(),
                 },
+                // The effect ran once and its outcome was erased on a
+                // data-protection request: nothing is left to do or replay.
+                Error::Erased { .. } => Action::Ack("erased"),
                 Error::Terminal { .. } => Action::DeadLetter {
                     class: "terminal",
                     reason: e.to_string(),
@@ -236,7 +239,8 @@ pub struct Stats {
     pub received: u64,
     /// Acked: an effect ran in this delivery.
     pub ran: u64,
-    /// Acked: every effect had been done before (suppressed duplicates).
+    /// Acked: every effect had been done before (suppressed duplicates;
+    /// an effect whose outcome was erased too, `Error::Erased`).
     pub replayed: u64,
     /// Held for a later delivery: an at-most-once step was found abandoned
     /// (awaiting reconciliation).
@@ -301,7 +305,7 @@ impl Counters {
     fn add(&self, result: &str) {
         let c = match result {
             "ran" => &self.ran,
-            "replayed" => &self.replayed,
+            "replayed" | "erased" => &self.replayed,
             "abandoned" => &self.abandoned,
             "in_progress" => &self.in_progress,
             "retry" => &self.retried,
@@ -337,6 +341,7 @@ impl Counters {
 /// | payload over [`ConsumerOptions::max_payload_bytes`] | dead-letter `oversized` |
 /// | `decode` failed | dead-letter `undecodable` |
 /// | `Ok(How::Ran)` / `Ok(How::Replayed)` | ack |
+/// | an effect whose outcome was erased ([`Error::Erased`]: it ran once, and is never run again) | ack |
 /// | an abandoned at-most-once step | held: redeliver after [`ConsumerOptions::abandoned_delay`] until the step is reconciled (then the delivery performs or replays it); dead-letter `abandoned` on the last allowed delivery |
 /// | in progress elsewhere, lease lost | redeliver after [`ConsumerOptions::in_progress_delay`] |
 /// | retryable failure, or an effect that ran with its completion not recorded ([`Error::OutcomeUnknown`]: the redelivery replays it or takes it over) | redeliver after backoff; dead-letter `max_deliveries` on the last allowed delivery |

@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use oncely::admin::{Admin, KindStats, RecordQuery};
-use oncely::backend::forget_refusal;
+use oncely::admin::{Admin, Erasure, KindStats, RecordQuery};
+use oncely::backend::{check_subject, forget_refusal};
 use oncely::backend::{Capabilities, Claim, Lease, Ledger, Outcome, Record, TransactionalLedger};
 use oncely::backend::{LostWrite, check_outcome, duration_micros, fail_each, from_micros};
 use oncely::backend::{Notifier, Watch};
@@ -803,6 +803,57 @@ impl Admin for MySqlLedger {
         }
         // Nothing changed; the read only names the reason.
         Err(forget_refusal(key, fence, self.get(key).await?))
+    }
+
+    async fn erase(&self, tenant: &Tenant, subject: &str) -> Result<Erasure> {
+        check_subject(subject)?;
+        self.writable("erase")?;
+        let (t, s) = (tenant.clone(), subject.to_owned());
+        let erasure = self
+            .on_pool(move |this, conn| {
+                let (t, s) = (t.clone(), s.clone());
+                Box::pin(async move {
+                    // BEGIN on a connection someone else left inside a
+                    // transaction would commit their work: roll it back first.
+                    this.heal_if_leaked(conn).await?;
+                    let mut tx = this.begin_on(conn).await.map_err(retry_on_lock)?;
+                    let locked = this.sql().bind_erase_lock(&t, &s).fetch_all(&mut *tx).await;
+                    let rows = match locked {
+                        Ok(rows) => rows,
+                        Err(e) => {
+                            tx.rollback().await.map_err(retry_on_lock)?;
+                            return Err(retry_on_lock(e));
+                        }
+                    };
+                    if let Err(e) = this.sql().bind_erase(&t, &s).execute(&mut *tx).await {
+                        tx.rollback().await.map_err(retry_on_lock)?;
+                        return Err(retry_on_lock(e));
+                    }
+                    tx.commit().await.map_err(retry_on_lock)?;
+                    sql::erasure(&rows).map_err(Retry::Fail)
+                })
+            })
+            .await?;
+        Ok(erasure.sorted())
+    }
+
+    async fn replace_outcome(&self, key: &EffectKey, fence: u64, expected: &Outcome, outcome: &Outcome) -> Result<bool> {
+        self.writable("replace_outcome")?;
+        check_outcome(outcome, self.capabilities().max_outcome_bytes)?;
+        let (k, expected, outcome) = (key.clone(), expected.clone(), outcome.clone());
+        self.on_pool(move |this, conn| {
+            let (k, expected, outcome) = (k.clone(), expected.clone(), outcome.clone());
+            Box::pin(async move {
+                let done = this
+                    .sql()
+                    .bind_replace_outcome(&k, fence, expected.as_bytes(), outcome.as_bytes())
+                    .execute(&mut *conn)
+                    .await
+                    .map_err(retry_on_lock)?;
+                Ok(done.rows_affected() == 1)
+            })
+        })
+        .await
     }
 
     async fn prunable(&self) -> Result<u64> {

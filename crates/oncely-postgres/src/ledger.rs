@@ -5,8 +5,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use oncely::admin::{Admin, KindStats, RecordQuery};
-use oncely::backend::forget_refusal;
+use oncely::admin::{Admin, Erasure, KindStats, RecordQuery};
+use oncely::backend::{check_subject, forget_refusal};
 use oncely::backend::{
     Attempts, Backoff, LostWrite, answer_existing, check_outcome, duration_micros, fail_each, from_micros,
     retry, to_micros,
@@ -979,6 +979,39 @@ impl Admin for PgLedger {
         }
         // Nothing changed; the read only names the reason.
         Err(forget_refusal(key, fence, self.get(key).await?))
+    }
+
+    async fn erase(&self, tenant: &Tenant, subject: &str) -> Result<Erasure> {
+        check_subject(subject)?;
+        self.writable()?;
+        let q = &self.inner.q;
+        self.bounded(async {
+            let mut tx = self.begin().await?;
+            let rows = q.bind_erase(tenant, subject).fetch_all(&mut *tx).await.map_err(map)?;
+            tx.commit().await.map_err(map)?;
+            sql::erasure(&rows)
+        })
+        .await
+    }
+
+    async fn replace_outcome(&self, key: &EffectKey, fence: u64, expected: &Outcome, outcome: &Outcome) -> Result<bool> {
+        self.writable()?;
+        check_outcome(outcome, self.capabilities().max_outcome_bytes)?;
+        let Ok(f) = i64::try_from(fence) else {
+            return Ok(false);
+        };
+        let q = &self.inner.q;
+        self.bounded(async {
+            let mut tx = self.begin().await?;
+            let row = q
+                .bind_replace_outcome(key, f, expected.as_bytes(), outcome.as_bytes())
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(map)?;
+            tx.commit().await.map_err(map)?;
+            Ok(row.is_some())
+        })
+        .await
     }
 
     async fn prunable(&self) -> Result<u64> {

@@ -6,8 +6,8 @@ use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
-use oncely::admin::{Admin, KindStats, RecordQuery};
-use oncely::backend::forget_refusal;
+use oncely::admin::{Admin, Erasure, KindStats, RecordQuery};
+use oncely::backend::{check_subject, forget_refusal};
 use oncely::backend::{Capabilities, Claim, Lease, Ledger, Outcome, Record, TransactionalLedger};
 use oncely::backend::{Notifier, Watch};
 use oncely::backend::{
@@ -718,6 +718,43 @@ impl Admin for SqliteLedger {
         }
         // Nothing changed; the read only names the reason.
         Err(forget_refusal(key, fence, self.get(key).await?))
+    }
+
+    async fn erase(&self, tenant: &Tenant, subject: &str) -> Result<Erasure> {
+        check_subject(subject)?;
+        self.writable("erase")?;
+        let mut conn = self.pool.acquire().await.map_err(map)?;
+        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await.map_err(map)?;
+        let now: i64 = self.q.bind_now().fetch_one(&mut *tx).await.map_err(map)?;
+        let erased = self.q.bind_erase(tenant, subject).fetch_all(&mut *tx).await.map_err(map)?;
+        let pending = self
+            .q
+            .bind_erase_pending(tenant, subject)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(map)?;
+        tx.commit().await.map_err(map)?;
+        let keys = |keys: Vec<String>| -> Result<Vec<EffectKey>> {
+            keys.iter()
+                .map(|k| EffectKey::parse(k).map_err(|e| crate::error::corrupt(format!("stored key {k:?}: {e}"))))
+                .collect()
+        };
+        let mut erasure = Erasure::new(from_micros(now));
+        erasure.erased = keys(erased)?;
+        erasure.pending = keys(pending)?;
+        Ok(erasure.sorted())
+    }
+
+    async fn replace_outcome(&self, key: &EffectKey, fence: u64, expected: &Outcome, outcome: &Outcome) -> Result<bool> {
+        self.writable("replace_outcome")?;
+        check_outcome(outcome, self.capabilities().max_outcome_bytes)?;
+        let done = self
+            .q
+            .bind_replace_outcome(key, sql::fence_param(fence), expected.as_bytes(), outcome.as_bytes())
+            .execute(&self.pool)
+            .await
+            .map_err(map)?;
+        Ok(done.rows_affected() == 1)
     }
 
     async fn prunable(&self) -> Result<u64> {

@@ -61,6 +61,11 @@ pub enum Rejection {
     /// 503: the ledger could not be reached or refused the operation; the
     /// request may be retried with the same key.
     LedgerUnavailable,
+    /// 410: the first request with this key ran, and its stored response
+    /// was erased on a data-protection request
+    /// ([`oncely::admin::Admin::erase`]): it cannot be returned, and the
+    /// operation is not run again.
+    Erased,
 }
 
 impl Rejection {
@@ -79,6 +84,7 @@ impl Rejection {
             }
             Rejection::ResponseBodyFailed => StatusCode::BAD_GATEWAY,
             Rejection::LedgerUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Rejection::Erased => StatusCode::GONE,
         }
     }
 
@@ -96,6 +102,7 @@ impl Rejection {
             Rejection::ResponseBodyFailed => "response-body-failed",
             Rejection::HandlerPanicked => "handler-panicked",
             Rejection::LedgerUnavailable => "ledger-unavailable",
+            Rejection::Erased => "erased",
         }
     }
 
@@ -112,6 +119,7 @@ impl Rejection {
             Rejection::ResponseBodyFailed => "Response body failed",
             Rejection::HandlerPanicked => "Internal error",
             Rejection::LedgerUnavailable => "Idempotency store unavailable",
+            Rejection::Erased => "The stored response of this Idempotency-Key was erased",
         }
     }
 
@@ -138,6 +146,10 @@ impl Rejection {
             }
             Rejection::HandlerPanicked => "The operation failed while it ran.".into(),
             Rejection::LedgerUnavailable => "Retry later with the same key.".into(),
+            Rejection::Erased => "The operation ran once; its stored response was erased on a \
+                                   data-protection request, so it cannot be returned, and the \
+                                   operation is not run again."
+                .into(),
         }
     }
 

@@ -233,6 +233,7 @@ where
         }),
         Err(Error::FingerprintMismatch { .. }) => Ok(shared.reject(&Rejection::KeyReused)),
         Err(Error::InProgress { .. }) => Ok(shared.reject(&Rejection::InFlight)),
+        Err(Error::Erased { .. }) => Ok(shared.reject(&Rejection::Erased)),
         // The handler ran and answered; only its record is missing. The
         // caller gets the answer (a 503 would make it retry, and a retry
         // after the lease ends runs the handler again).

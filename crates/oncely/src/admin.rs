@@ -433,11 +433,7 @@ pub trait Admin: Ledger {
     /// [`Erasure::pending`]: a live holder (or a zombie past its lease, or
     /// the reconciliation of an abandoned step) may still store an outcome.
     /// Erase again once they are settled. Erasing twice is harmless.
-    fn erase(&self, tenant: &Tenant, subject: &str) -> impl Future<Output = Result<Erasure>> + Send {
-        // TEMPORARY while the backends are written: removed before landing.
-        let _ = (tenant, subject);
-        async { Err(crate::Error::Config("erase: not yet".into())) }
-    }
+    fn erase(&self, tenant: &Tenant, subject: &str) -> impl Future<Output = Result<Erasure>> + Send;
 
     /// Replaces the stored outcome of a completed record, at exactly
     /// `fence` and only while it still holds exactly `expected`, with
@@ -451,11 +447,7 @@ pub trait Admin: Ledger {
         fence: u64,
         expected: &Outcome,
         outcome: &Outcome,
-    ) -> impl Future<Output = Result<bool>> + Send {
-        // TEMPORARY while the backends are written: removed before landing.
-        let _ = (key, fence, expected, outcome);
-        async { Err(crate::Error::Config("replace_outcome: not yet".into())) }
-    }
+    ) -> impl Future<Output = Result<bool>> + Send;
 }
 
 impl<A: Admin + ?Sized> Admin for &A {

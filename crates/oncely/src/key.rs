@@ -198,6 +198,55 @@ impl EffectKey {
         Ok(format!("client-{}", &h.finalize().to_hex()[..40]))
     }
 
+    /// A key whose subject is a keyed hash of `subject`
+    /// ([`EffectKey::hashed_subject`]), so the ledger never holds the raw
+    /// identifier: an email, an account number, a phone number.
+    ///
+    /// The same `(tenant, subject, key)` gives the same stored subject in
+    /// every kind, so [`Admin::erase`](crate::admin::Admin::erase) of the
+    /// hashed subject reaches all of a person's effects, and a lookup needs
+    /// the raw subject and the key (`oncely get` and `oncely history` with
+    /// `--subject-key-file`). Without the key, the stored subject says
+    /// nothing about the person and cannot be reversed or guessed from a
+    /// list of candidate emails.
+    ///
+    /// **Never change the key for live effects.** The key is part of every
+    /// effect's identity: with another key, every subject hashes to another
+    /// key, so a redelivery of old work finds no record and runs again.
+    /// Keep it with the ledger's other secrets, for at least the longest
+    /// retention; a new key starts new effects.
+    ///
+    /// ```
+    /// use oncely::{EffectKey, SubjectKey, Tenant};
+    /// let secret = SubjectKey::from_hex(&"7f".repeat(32))?;
+    /// let t = Tenant::new("acme")?;
+    /// let key = EffectKey::hashed(&t, "receipt", "alice@example.com", &secret)?;
+    /// assert!(key.subject().starts_with("h-"));
+    /// assert!(!key.as_str().contains("alice"));
+    /// // Same person, another kind: the same stored subject.
+    /// let other = EffectKey::hashed(&t, "refund", "alice@example.com", &secret)?;
+    /// assert_eq!(key.subject(), other.subject());
+    /// # Ok::<(), oncely::Error>(())
+    /// ```
+    pub fn hashed(tenant: &Tenant, kind: impl AsRef<str>, subject: &str, key: &SubjectKey) -> Result<Self> {
+        EffectKey::new(tenant, kind, EffectKey::hashed_subject(tenant, subject, key)?)
+    }
+
+    /// The subject [`EffectKey::hashed`] stores for `subject` in `tenant`:
+    /// `h-` and 40 hex digits (160 bits) of BLAKE3 keyed with `key` over the
+    /// tenant and the subject. The tenant is hashed in, so one person's
+    /// stored subjects cannot be linked across tenants. `subject` is held to
+    /// [`EffectKey::new`]'s rules first ([`Error::InvalidKey`]).
+    pub fn hashed_subject(tenant: &Tenant, subject: &str, key: &SubjectKey) -> Result<String> {
+        check_subject(subject)?;
+        let mut h = blake3::Hasher::new_keyed(&key.0);
+        h.update(b"oncely 2026 hashed subject");
+        h.update(&(tenant.as_str().len() as u64).to_le_bytes());
+        h.update(tenant.as_str().as_bytes());
+        h.update(subject.as_bytes());
+        Ok(format!("h-{}", &h.finalize().to_hex()[..40]))
+    }
+
     /// Parses a displayed key (`tenant/kind:subject`) back into its parts.
     pub fn parse(s: &str) -> Result<Self> {
         let (tenant, rest) = s
@@ -240,6 +289,40 @@ impl EffectKey {
             .finalize()
             .to_hex()
             .to_string()
+    }
+}
+
+/// The secret of [`EffectKey::hashed`]: 32 bytes, for BLAKE3's keyed hash.
+/// Its `Debug` form never shows the bytes.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SubjectKey([u8; 32]);
+
+impl SubjectKey {
+    /// A key of 32 bytes (from your secret store).
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        SubjectKey(bytes)
+    }
+
+    /// A key written as 64 hexadecimal digits (surrounding whitespace
+    /// ignored): what `oncely --subject-key-file` reads. Anything else is
+    /// [`Error::InvalidInput`] (the message never repeats the input).
+    pub fn from_hex(hex: &str) -> Result<Self> {
+        let hex = hex.trim();
+        let bad = || Error::InvalidInput("a subject key is 64 hexadecimal digits (32 bytes)".to_owned());
+        if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(bad());
+        }
+        let mut out = [0u8; 32];
+        for (i, byte) in out.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+        }
+        Ok(SubjectKey(out))
+    }
+}
+
+impl fmt::Debug for SubjectKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("SubjectKey(..)")
     }
 }
 
@@ -745,6 +828,29 @@ mod tests {
                 .unwrap()
                 .provider_key()
         );
+    }
+
+    #[test]
+    fn hashed_subjects_hide_the_subject_and_depend_on_key_and_tenant() {
+        let k1 = SubjectKey::from_hex(&"01".repeat(32)).unwrap();
+        let k2 = SubjectKey::from_bytes([2; 32]);
+        let (a, b) = (t(), Tenant::new("other").unwrap());
+        let e = EffectKey::hashed(&a, "receipt", "alice@example.com", &k1).unwrap();
+        assert!(!e.as_str().contains("alice"));
+        assert_eq!(e.subject().len(), 42);
+        assert_eq!(e, EffectKey::hashed(&a, "receipt", "alice@example.com", &k1).unwrap());
+        let s = |t: &Tenant, subject: &str, k: &SubjectKey| EffectKey::hashed_subject(t, subject, k).unwrap();
+        assert_ne!(s(&a, "alice@example.com", &k1), s(&a, "alice@example.com", &k2), "another key");
+        assert_ne!(s(&a, "alice@example.com", &k1), s(&b, "alice@example.com", &k1), "another tenant");
+        assert_ne!(s(&a, "alice@example.com", &k1), s(&a, "alice@example.co", &k1));
+        assert_eq!(format!("{k1:?}"), "SubjectKey(..)");
+        for bad in ["", "zz", &"0".repeat(63), &"g".repeat(64)] {
+            assert!(matches!(SubjectKey::from_hex(bad), Err(Error::InvalidInput(_))), "{bad:?}");
+        }
+        assert!(matches!(
+            EffectKey::hashed_subject(&a, " alice", &k1),
+            Err(Error::InvalidKey { .. })
+        ));
     }
 
     #[test]

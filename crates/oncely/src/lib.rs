@@ -109,7 +109,7 @@ pub use effects::{Effects, How, Reported};
 pub use error::{BoxError, Error, Result};
 pub use held::HeldLease;
 pub use job::{Job, StepContext, StepFuture, StepMode};
-pub use key::{EffectKey, Tenant};
+pub use key::{EffectKey, SubjectKey, Tenant};
 pub use memory::MemoryLedger;
 pub use pipeline::Failure;
 pub use record::{ClaimOptions, OnInProgress};

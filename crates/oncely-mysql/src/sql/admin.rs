@@ -132,6 +132,58 @@ impl Statements {
     }
 }
 
+/// `Admin::erase` and `Admin::replace_outcome`.
+impl Statements {
+    /// [`Statements::erase_lock`] of `tenant`'s `subject`.
+    pub(crate) fn bind_erase_lock(&self, tenant: &oncely::Tenant, subject: &str) -> Bound {
+        query(&self.erase_lock)
+            .bind(tenant.as_str().to_owned())
+            .bind(subject.to_owned())
+    }
+
+    /// [`Statements::erase`] of `tenant`'s `subject`.
+    pub(crate) fn bind_erase(&self, tenant: &oncely::Tenant, subject: &str) -> Bound {
+        query(&self.erase)
+            .bind(tenant.as_str().to_owned())
+            .bind(subject.to_owned())
+    }
+
+    /// [`Statements::replace_outcome`]: one row changed, or none.
+    pub(crate) fn bind_replace_outcome(&self, key: &EffectKey, fence: u64, expected: &[u8], outcome: &[u8]) -> Bound {
+        query(&self.replace_outcome)
+            .bind(outcome.to_vec())
+            .bind(key.as_str().to_owned())
+            .bind(fence)
+            .bind(expected.to_vec())
+    }
+}
+
+/// The locked rows of [`Statements::erase_lock`] as an erasure: each key
+/// erased or pending by its state (`oncely::backend::erasable`), at the
+/// clock the lock read.
+pub(crate) fn erasure(rows: &[MySqlRow]) -> Result<oncely::admin::Erasure> {
+    let g = |e: sqlx::Error| corrupt(format!("unreadable erase row: {e}"));
+    let mut at = None;
+    let mut e = oncely::admin::Erasure::new(std::time::SystemTime::UNIX_EPOCH);
+    for row in rows {
+        at = Some(row.try_get::<i64, _>("now_us").map_err(g)?);
+        let Some(k) = row.try_get::<Option<String>, _>("effect_key").map_err(g)? else {
+            continue;
+        };
+        let k = EffectKey::parse(&k).map_err(|err| corrupt(format!("stored key {k:?}: {err}")))?;
+        let state: String = row.try_get("state").map_err(g)?;
+        let state = oncely::backend::RecordState::parse(&state).map_err(|err| corrupt(format!("{k}: {err}")))?;
+        if oncely::backend::erasable(state) {
+            e.erased.push(k);
+        } else {
+            e.pending.push(k);
+        }
+    }
+    let at = at.ok_or_else(|| corrupt("erase read no clock row".to_owned()))?;
+    e.at = oncely::backend::from_micros(at);
+    Ok(e)
+}
+
 /// A row of [`stats`], by name.
 pub(crate) fn kind_stats(row: &MySqlRow) -> Result<oncely::admin::KindStats> {
     let g = |e: sqlx::Error| corrupt(format!("unreadable stats row: {e}"));

@@ -61,7 +61,7 @@ mod record;
 mod schema;
 mod write;
 
-pub(crate) use admin::{Arg, kind_stats, records, stats};
+pub(crate) use admin::{Arg, erasure, kind_stats, records, stats};
 pub(crate) use batch::{Settled, Watermark};
 #[cfg(test)]
 pub(crate) use outbox::empty_outbox;
@@ -226,6 +226,20 @@ pub(crate) struct Statements {
     /// key, fence, guard flag. The row stays, so the next claim's fence is
     /// `fence + 1` or more whatever the clock does.
     pub forget: String,
+    /// `Admin::erase`, step 1, in a transaction of the ledger's own: the
+    /// subject's records, locked (`effect_key`, `state`, `now_us`), or one
+    /// row with the clock only when there are none.
+    /// Parameters: tenant, subject.
+    pub erase_lock: String,
+    /// `Admin::erase`, step 2: the subject's completed and released records
+    /// (`oncely::backend::erasable`) lose their outcome and fingerprint;
+    /// key, state, fence, `created_us` and retention stay, so a completed
+    /// one answers every claim with `Error::Erased` and is never taken
+    /// over. Parameters: tenant, subject.
+    pub erase: String,
+    /// `Admin::replace_outcome`. Parameters: new outcome, key, fence,
+    /// expected outcome.
+    pub replace_outcome: String,
     /// `Admin::prunable`: how many records prune would delete now.
     pub prunable: String,
     pub horizon: String,
@@ -446,6 +460,19 @@ impl Statements {
                 "UPDATE `{t}` SET state = 'released', outcome = NULL, lease_expires_us = NULL, \
                  updated_us = {NOW_US}, retain_until_us = {NOW_US} + retention_us \
                  WHERE effect_key = ? AND fence = ? AND state = 'completed' AND {guard}"
+            ),
+            erase_lock: format!(
+                "SELECT e.effect_key AS effect_key, CAST(e.state AS CHAR) AS state, c.now_us AS now_us \
+                 FROM (SELECT {NOW_US} AS now_us) AS c \
+                 LEFT JOIN `{t}` AS e ON e.tenant = ? AND e.subject = ? FOR UPDATE"
+            ),
+            erase: format!(
+                "UPDATE `{t}` SET outcome = NULL, fingerprint = NULL \
+                 WHERE tenant = ? AND subject = ? AND state IN ('completed', 'released')"
+            ),
+            replace_outcome: format!(
+                "UPDATE `{t}` SET outcome = ? \
+                 WHERE effect_key = ? AND fence = ? AND state = 'completed' AND outcome = ?"
             ),
             prunable: format!(
                 "{read}SELECT COUNT(*) FROM `{t}` \

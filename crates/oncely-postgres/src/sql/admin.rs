@@ -1,7 +1,7 @@
 //! The operator's statements (`oncely::admin::Admin`): forget, and the
 //! listings built per query ([`records`], [`stats`]) with their rows.
 
-use oncely::admin::{Filter, RecordQuery};
+use oncely::admin::{Erasure, Filter, RecordQuery};
 use oncely::backend::{FilterSql, filter_where, from_micros, scope_where};
 use oncely::{EffectKey, Result, Tenant};
 use sqlx::AssertSqlSafe;
@@ -19,6 +19,47 @@ impl Queries {
             .bind(fence)
             .bind(true)
     }
+}
+
+impl Queries {
+    /// `Admin::erase` of `tenant`'s `subject`.
+    pub(crate) fn bind_erase(&self, tenant: &Tenant, subject: &str) -> Bound {
+        sqlx::query(AssertSqlSafe(self.erase.clone()))
+            .bind(tenant.as_str().to_owned())
+            .bind(subject.to_owned())
+    }
+
+    /// `Admin::replace_outcome`: a row when it wrote.
+    pub(crate) fn bind_replace_outcome(&self, key: &EffectKey, fence: i64, expected: &[u8], outcome: &[u8]) -> Bound {
+        sqlx::query(AssertSqlSafe(self.replace_outcome.clone()))
+            .bind(key.as_str().to_owned())
+            .bind(fence)
+            .bind(expected.to_vec())
+            .bind(outcome.to_vec())
+    }
+}
+
+/// The rows of `Admin::erase` as an [`Erasure`].
+pub(crate) fn erasure(rows: &[PgRow]) -> Result<Erasure> {
+    let mut at = None;
+    let (mut erased, mut pending) = (Vec::new(), Vec::new());
+    for row in rows {
+        let now = micros(row, "now")?;
+        at = Some(at.map_or(now, |a: i64| a.max(now)));
+        let Some(k) = get::<Option<String>>(row, "key")? else {
+            continue;
+        };
+        let k = EffectKey::parse(&k).map_err(|e| corrupt(format!("stored key {k:?}: {e}")))?;
+        if get::<bool>(row, "erased")? {
+            erased.push(k);
+        } else {
+            pending.push(k);
+        }
+    }
+    let mut e = Erasure::new(from_micros(at.ok_or_else(|| corrupt("erase returned no clock row".to_owned()))?));
+    e.erased = erased;
+    e.pending = pending;
+    Ok(e.sorted())
 }
 
 /// An operator listing built by [`records`] or [`stats`] (its text and

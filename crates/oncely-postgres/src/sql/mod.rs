@@ -31,7 +31,7 @@ mod prune;
 mod record;
 mod write;
 
-pub(crate) use admin::{Arg, bind_listing, kind_stats, records, stats};
+pub(crate) use admin::{Arg, bind_listing, erasure, kind_stats, records, stats};
 pub(crate) use claim::{ClaimRow, claim_leaked, claimed_key, own_lease};
 pub(crate) use outbox::{OutboxQueries, enqueued, pending, pruned, stats as outbox_stats, written_id};
 pub(crate) use prune::{prune_counts, watermark};
@@ -180,6 +180,12 @@ pub(crate) struct Queries {
     pub abandoned: Arc<str>,
     /// `Admin::forget` (`$1` key, `$2` fence, `$3` guard flag).
     pub forget: Arc<str>,
+    /// `Admin::erase` (`$1` tenant, `$2` subject): one row per key (`key`,
+    /// `erased`) and one clock row (`key` null), read with `now`.
+    pub erase: Arc<str>,
+    /// `Admin::replace_outcome` (`$1` key, `$2` fence, `$3` expected, `$4`
+    /// new): a row when it wrote.
+    pub replace_outcome: Arc<str>,
     /// `Admin::prunable`: how many records prune would delete now.
     pub prunable: Arc<str>,
     pub horizon: Arc<str>,
@@ -636,6 +642,31 @@ impl Queries {
             retention = micros("e.retention_us"),
             guard = guard("$3"),
         );
+        // Erase: the subject's completed and released records
+        // (`oncely::backend::erasable`) lose their outcome and fingerprint;
+        // key, state, fence, created_at and retention stay, so a completed
+        // one answers every claim with `Error::Erased` and is never taken
+        // over. Records in progress are listed, unchanged (pending): a
+        // holder may still complete them. A row the UPDATE waited on and
+        // then found completed is erased and not listed as pending (the
+        // second SELECT reads the statement's snapshot, from before).
+        let erase = format!(
+            "WITH u AS (UPDATE {t} AS e SET outcome = NULL, fingerprint = NULL \
+               WHERE e.tenant = $1 AND e.subject = $2 AND e.state IN ('completed', 'released') \
+               RETURNING e.key) \
+             SELECT u.key AS key, true AS erased, clock_timestamp() AS now FROM u \
+             UNION ALL \
+             SELECT e.key, false, clock_timestamp() FROM {t} AS e \
+               WHERE e.tenant = $1 AND e.subject = $2 AND e.state = 'in_progress' \
+                 AND e.key NOT IN (SELECT key FROM u) \
+             UNION ALL \
+             SELECT NULL, NULL, clock_timestamp()"
+        );
+        let replace_outcome = format!(
+            "UPDATE {t} SET outcome = $4 \
+             WHERE key = $1 AND fence = $2 AND state = 'completed' AND outcome = $3 \
+             RETURNING 0::bigint AS value"
+        );
         // `now()` (stable), as prune's own candidate search, so the prune
         // index serves the count.
         let prunable = format!(
@@ -762,6 +793,8 @@ impl Queries {
             prune: prune.into(),
             abandoned: abandoned.into(),
             forget: forget.into(),
+            erase: erase.into(),
+            replace_outcome: replace_outcome.into(),
             prunable: prunable.into(),
             horizon: horizon.into(),
             schema_exists: "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)".into(),

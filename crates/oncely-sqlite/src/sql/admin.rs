@@ -22,6 +22,33 @@ impl Queries {
             .bind(fence)
     }
 
+    /// `Admin::erase` of `tenant`'s `subject`: the keys it emptied.
+    pub(crate) fn bind_erase(&self, tenant: &Tenant, subject: &str) -> QueryScalar<'static, Sqlite, String, SqliteArguments> {
+        sqlx::query_scalar(AssertSqlSafe(self.erase.clone()))
+            .bind(tenant.as_str().to_owned())
+            .bind(subject.to_owned())
+    }
+
+    /// The keys of `tenant`'s `subject` in progress.
+    pub(crate) fn bind_erase_pending(
+        &self,
+        tenant: &Tenant,
+        subject: &str,
+    ) -> QueryScalar<'static, Sqlite, String, SqliteArguments> {
+        sqlx::query_scalar(AssertSqlSafe(self.erase_pending.clone()))
+            .bind(tenant.as_str().to_owned())
+            .bind(subject.to_owned())
+    }
+
+    /// `Admin::replace_outcome`: one row changed, or none.
+    pub(crate) fn bind_replace_outcome(&self, key: &EffectKey, fence: i64, expected: &[u8], outcome: &[u8]) -> Bound {
+        sqlx::query(AssertSqlSafe(self.replace_outcome.clone()))
+            .bind(key.as_str().to_owned())
+            .bind(fence)
+            .bind(expected.to_vec())
+            .bind(outcome.to_vec())
+    }
+
     /// `Admin::prunable`: how many records prune would delete now.
     pub(crate) fn bind_prunable_count(&self) -> QueryScalar<'static, Sqlite, i64, SqliteArguments> {
         sqlx::query_scalar(AssertSqlSafe(self.prunable_count.clone()))

@@ -97,6 +97,16 @@ pub(crate) struct Queries {
     pub(crate) forget: Arc<str>,
     /// `Admin::prunable`: how many records prune would delete now.
     pub(crate) prunable_count: Arc<str>,
+    /// `Admin::erase` (`?1` tenant, `?2` subject), in one `BEGIN IMMEDIATE`
+    /// transaction with [`Queries::erase_pending`]: the subject's completed
+    /// and released records (`oncely::backend::erasable`) lose their outcome
+    /// and fingerprint; their keys come back.
+    pub(crate) erase: Arc<str>,
+    /// The subject's records in progress, which the erasure leaves pending.
+    pub(crate) erase_pending: Arc<str>,
+    /// `Admin::replace_outcome` (`?1` key, `?2` fence, `?3` expected, `?4`
+    /// new): one row changed, or none.
+    pub(crate) replace_outcome: Arc<str>,
     /// The transactional outbox's statements (`<table>_outbox`).
     pub(crate) outbox: OutboxQueries,
 }
@@ -418,6 +428,21 @@ impl Queries {
             prunable_count: s(format!(
                 "SELECT count(*) FROM \"{t}\"
                  WHERE state IN ('completed', 'released') AND retain_until <= {NOW_US}"
+            )),
+            // Key, state, fence, created_at and retention stay: a completed
+            // record without its outcome answers every claim with
+            // `Error::Erased`, and is never taken over.
+            erase: s(format!(
+                "UPDATE \"{t}\" SET outcome = NULL, fingerprint = NULL
+                 WHERE tenant = ?1 AND subject = ?2 AND state IN ('completed', 'released')
+                 RETURNING key"
+            )),
+            erase_pending: s(format!(
+                "SELECT key FROM \"{t}\" WHERE tenant = ?1 AND subject = ?2 AND state = 'in_progress'"
+            )),
+            replace_outcome: s(format!(
+                "UPDATE \"{t}\" SET outcome = ?4
+                 WHERE key = ?1 AND fence = ?2 AND state = 'completed' AND outcome = ?3"
             )),
         })
     }

@@ -409,3 +409,140 @@ pub async fn prunable_counts_without_deleting<L: Admin>(ledger: L) {
         assert!(ledger.prunable().await.unwrap() >= 1, "a dry run deletes nothing");
     }
 }
+
+/// Erase by subject removes the outcome and fingerprint of the subject's
+/// completed and released records, and of nothing else (another subject,
+/// one that only starts like it, another tenant); keeps key, state, fence,
+/// `created_at` and retention; a duplicate of the erased completed effect
+/// fails with [`Error::Erased`] whatever fingerprint it brings, and the
+/// runner never runs its handler; a released one is taken over at a higher
+/// fence; a record in progress is left pending until its holder settles;
+/// fences keep growing across a later forget.
+pub async fn erase_keeps_the_effect_done<L: Admin + 'static>(ledger: L) {
+    let ledger = std::sync::Arc::new(ledger);
+    let (t, other_tenant) = (fresh_tenant(), fresh_tenant());
+    let subject = "person-7";
+    let fp = crate::record::Fingerprint::of_bytes(b"card 4242");
+    let with_fp = opts().fingerprint(fp);
+    let secret = "secret-outcome-of-person-7";
+    let capture = key(&t, "capture", subject);
+    let receipt = key(&t, "receipt", subject);
+    let refund = key(&t, "refund", subject);
+    let email = key(&t, "email", subject);
+    let kept = [
+        key(&t, "capture", "person-70"),
+        key(&t, "capture", "Person-7"),
+        key(&t, "capture", "person-7:invoice-1"),
+        key(&other_tenant, "capture", subject),
+    ];
+    let l = acquired(ledger.claim(&capture, &with_fp).await.unwrap());
+    ledger.complete(&l, &Outcome::value(&secret).unwrap()).await.unwrap();
+    let before = ledger.get(&capture).await.unwrap().unwrap();
+    completed(&ledger, &receipt, secret).await;
+    let lr = acquired(ledger.claim(&refund, &with_fp).await.unwrap());
+    ledger.release(&lr).await.unwrap();
+    let live = acquired(ledger.claim(&email, &opts()).await.unwrap());
+    for k in &kept {
+        let l = acquired(ledger.claim(k, &with_fp).await.unwrap());
+        ledger.complete(&l, &Outcome::value(&secret).unwrap()).await.unwrap();
+    }
+
+    let erasure = ledger.erase(&t, subject).await.unwrap();
+    let mut erased = vec![capture.clone(), receipt.clone(), refund.clone()];
+    erased.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+    assert_eq!(erasure.erased, erased);
+    assert_eq!(erasure.pending, vec![email.clone()]);
+    assert!(!erasure.is_complete());
+
+    let r = ledger.get(&capture).await.unwrap().unwrap();
+    assert!(r.is_erased(), "{r:?}");
+    assert_eq!(r.state, RecordState::Completed);
+    assert_eq!((r.outcome.as_ref(), r.fingerprint), (None, None));
+    assert_eq!(r.fence, before.fence, "erase keeps the fence");
+    assert_eq!(r.created_at, before.created_at, "erase keeps the horizon's instant");
+    assert_eq!(r.retain_until, before.retain_until, "erase keeps the retention");
+    let r = ledger.get(&refund).await.unwrap().unwrap();
+    assert_eq!((r.state, r.fingerprint), (RecordState::Released, None));
+    for k in &kept {
+        let r = ledger.get(k).await.unwrap().unwrap();
+        assert_eq!(r.fingerprint, Some(fp), "{k} is not the subject's");
+        assert_eq!(r.stored::<String>().unwrap().unwrap(), crate::record::StoredOutcome::Value(secret.to_owned()));
+    }
+
+    // A duplicate of the erased completed effect: refused, never re-run.
+    for o in [opts(), with_fp.clone(), opts().fingerprint(crate::record::Fingerprint::of_bytes(b"x"))] {
+        let e = ledger.claim(&capture, &o).await.unwrap_err();
+        assert!(matches!(e, Error::Erased { ref key } if *key == capture.to_string()), "{e:?}");
+        assert!(!e.is_retryable());
+    }
+    let runs = std::sync::atomic::AtomicU32::new(0);
+    let effects = crate::Effects::new(ledger.clone());
+    let e = effects
+        .run(&receipt, &opts(), async |_| {
+            runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok::<_, crate::Failure>("again".to_owned())
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Erased { .. }), "{e:?}");
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 0, "the handler never runs");
+    assert_eq!(ledger.get(&capture).await.unwrap().unwrap().fence, before.fence);
+
+    // Released: the next claim takes it over, above the erased fence.
+    let l2 = acquired(ledger.claim(&refund, &with_fp).await.unwrap());
+    assert!(l2.fence() > lr.fence() && l2.taken_over());
+    ledger.release(&l2).await.unwrap();
+
+    // The live holder settles; then the subject erases whole.
+    ledger.complete(&live, &Outcome::value(&secret).unwrap()).await.unwrap();
+    let again = ledger.erase(&t, subject).await.unwrap();
+    assert!(again.is_complete(), "{again:?}");
+    assert!(again.erased.contains(&email) && again.erased.contains(&capture));
+    assert!(ledger.get(&email).await.unwrap().unwrap().is_erased());
+    // Nothing of another tenant's subject, nor of one that starts alike.
+    assert!(ledger.erase(&fresh_tenant(), subject).await.unwrap().erased.is_empty());
+
+    // Fences keep growing: an operator forgets the erased effect on purpose;
+    // its next run is fenced above every earlier one.
+    ledger.forget(&capture, before.fence).await.unwrap();
+    let l3 = acquired(ledger.claim(&capture, &with_fp).await.unwrap());
+    assert!(l3.fence() > before.fence && l3.taken_over());
+}
+
+/// Erase refuses a subject a key could not hold, before any round trip,
+/// changing nothing.
+pub async fn erase_refuses_a_bad_subject<L: Admin>(ledger: L) {
+    let t = fresh_tenant();
+    for bad in ["", " person-7", "person-7 ", "a\u{200b}b", &"x".repeat(300)] {
+        let e = ledger.erase(&t, bad).await.unwrap_err();
+        assert!(matches!(e, Error::InvalidKey { .. }), "{bad:?}: {e:?}");
+    }
+}
+
+/// `replace_outcome` writes only a completed record at exactly that fence
+/// that still holds the expected outcome; otherwise it changes nothing.
+pub async fn replace_outcome_is_conditional<L: Admin>(ledger: L) {
+    let t = fresh_tenant();
+    let k = key(&t, "capture", "order-1");
+    let (a, b, c) = (
+        Outcome::value(&"a").unwrap(),
+        Outcome::value(&"b").unwrap(),
+        Outcome::value(&"c").unwrap(),
+    );
+    let absent = key(&t, "capture", "absent");
+    assert!(!ledger.replace_outcome(&absent, 1, &a, &b).await.unwrap());
+    assert!(ledger.get(&absent).await.unwrap().is_none(), "nothing created");
+    let l = acquired(ledger.claim(&k, &opts()).await.unwrap());
+    assert!(!ledger.replace_outcome(&k, l.fence(), &a, &b).await.unwrap(), "in progress");
+    ledger.complete(&l, &a).await.unwrap();
+    assert!(!ledger.replace_outcome(&k, l.fence() + 1, &a, &b).await.unwrap(), "another fence");
+    assert!(ledger.replace_outcome(&k, l.fence(), &a, &b).await.unwrap());
+    assert!(!ledger.replace_outcome(&k, l.fence(), &a, &c).await.unwrap(), "no longer holds a");
+    match ledger.claim(&k, &opts()).await.unwrap() {
+        Claim::Completed(r) => assert_eq!((r.outcome, r.fence), (Some(b.clone()), l.fence())),
+        other => panic!("expected Completed, got {other:?}"),
+    }
+    ledger.erase(&t, "order-1").await.unwrap();
+    assert!(!ledger.replace_outcome(&k, l.fence(), &b, &c).await.unwrap(), "erased");
+    assert!(ledger.get(&k).await.unwrap().unwrap().is_erased());
+}

@@ -361,6 +361,9 @@ macro_rules! __admin_conformance_tests {
             forget_then_claim_takes_over,
             forget_is_refused_unless_completed_at_the_fence,
             prunable_counts_without_deleting,
+            erase_keeps_the_effect_done,
+            erase_refuses_a_bad_subject,
+            replace_outcome_is_conditional,
         );
     };
 }
