@@ -25,6 +25,7 @@ pub mod migrate;
 pub(crate) mod progress;
 pub mod prune;
 pub mod reconcile;
+pub mod reencrypt;
 pub mod relay;
 pub mod resolve;
 pub mod serve;
