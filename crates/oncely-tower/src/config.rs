@@ -46,6 +46,9 @@ pub enum BodyFingerprint {
 
 type RequirementFn = Arc<dyn Fn(&Parts) -> KeyRequirement + Send + Sync>;
 type RejectionFn = Arc<dyn Fn(&Rejection) -> Response<Bytes> + Send + Sync>;
+/// A hook over the response as it will be stored
+/// ([`IdempotencyLayer::redact`](crate::IdempotencyLayer::redact)).
+pub(crate) type RedactFn = Arc<dyn Fn(&mut Response<Bytes>) + Send + Sync>;
 
 /// What the layer was configured with, shared by every service it makes.
 #[derive(Clone)]
@@ -65,6 +68,8 @@ pub(crate) struct Config<P> {
     pub(crate) release_panics: bool,
     pub(crate) accept_bare_key: bool,
     pub(crate) rejection: RejectionFn,
+    /// Run in order over each handler response before it is stored.
+    pub(crate) redact: Vec<RedactFn>,
 }
 
 impl Config<FromExtensions> {
@@ -98,6 +103,7 @@ impl Config<FromExtensions> {
             release_panics: true,
             accept_bare_key: true,
             rejection: Arc::new(Rejection::problem),
+            redact: Vec::new(),
         }
     }
 }
@@ -121,6 +127,7 @@ impl<P> Config<P> {
             release_panics: self.release_panics,
             accept_bare_key: self.accept_bare_key,
             rejection: self.rejection,
+            redact: self.redact,
         }
     }
 }

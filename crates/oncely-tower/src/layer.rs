@@ -202,6 +202,35 @@ impl<L: Ledger + Clone + 'static, P: PrincipalSource> IdempotencyLayer<L, P> {
         self
     }
 
+    /// A hook that removes what must not be stored from a handler's
+    /// response before it is stored: it gets the response as it would be
+    /// stored (the status, the [replay headers](Self::replay_headers) found,
+    /// the body) and may drop headers or rewrite the body. The first caller
+    /// gets the handler's response untouched; retries get the stored,
+    /// redacted one, so drop only what a retry can do without (a card
+    /// number, a one-time token). Hooks run in the order added; the layer's
+    /// own answers (its problem responses) are not passed to them.
+    ///
+    /// Headers not listed in [`replay_headers`](Self::replay_headers) are
+    /// never stored (`set-cookie`, `authorization` and every other header
+    /// outside the default list): this hook is for what is listed, and for
+    /// the body. For JSON members, [`redact_json`](Self::redact_json).
+    /// To encrypt what is stored instead, give the layer a ledger wrapped in
+    /// [`oncely::codec::Sealed`] (see the crate docs).
+    pub fn redact(mut self, f: impl Fn(&mut Response<Bytes>) + Send + Sync + 'static) -> Self {
+        self.config.redact.push(Arc::new(f));
+        self
+    }
+
+    /// A [`redact`](Self::redact) hook removing the members that `pointers`
+    /// name (JSON Pointers, RFC 6901: `/token`, `/card/number`) from a JSON
+    /// response body before it is stored. A body that is not JSON is stored
+    /// as it is; a changed body loses any `Content-Length` header.
+    pub fn redact_json(self, pointers: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        let pointers: Vec<String> = pointers.into_iter().map(Into::into).collect();
+        self.redact(move |response| crate::stored::remove_json_members(response, &pointers))
+    }
+
     /// The response for each [`Rejection`] (default:
     /// [`Rejection::problem`], `application/problem+json`).
     pub fn rejection_response(
@@ -254,6 +283,7 @@ impl<L, P: std::fmt::Debug> std::fmt::Debug for IdempotencyLayer<L, P> {
             .field("max_response_bytes", &self.config.max_response_bytes)
             .field("on_in_flight", &self.config.on_in_flight)
             .field("retention", &self.config.retention)
+            .field("redact_hooks", &self.config.redact.len())
             .finish_non_exhaustive()
     }
 }

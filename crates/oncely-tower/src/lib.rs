@@ -84,6 +84,22 @@
 //! - **The response, never the request body.** The request body is read (up
 //!   to [`max_request_bytes`](IdempotencyLayer::max_request_bytes)) only to
 //!   be fingerprinted; a BLAKE3 hash is all the ledger keeps of it.
+//! - **Only the [replay headers](IdempotencyLayer::replay_headers)** of the
+//!   response (`content-type`, `content-language`, `location`, `etag` by
+//!   default): `set-cookie`, `authorization` and every other header reach
+//!   the first caller only.
+//! - **Minus what you redact.** [`redact`](IdempotencyLayer::redact) hooks
+//!   see the response as it would be stored and drop headers or rewrite the
+//!   body; [`redact_json`](IdempotencyLayer::redact_json) removes JSON
+//!   members by pointer (`/card/number`). The first caller gets the whole
+//!   response, retries get the redacted one.
+//! - **Encrypted, if you say so.** Give the layer a ledger wrapped in
+//!   [`oncely::codec::Sealed`] with a [`Keyring`](oncely::codec::Keyring):
+//!   the stored response is sealed (XChaCha20-Poly1305, bound to its
+//!   effect key) and opened for a replay; a dump of the ledger shows
+//!   `encrypted (key k1, …)` and no byte of it. The layer's response limit
+//!   shrinks by the envelope's few dozen bytes on its own.
+//!   `IdempotencyLayer::new(Arc::new(Sealed::new(ledger, keyring)))`.
 //! - **Up to [`max_response_bytes`](IdempotencyLayer::max_response_bytes)**
 //!   (32 KiB by default, and within the ledger's outcome limit). A bigger
 //!   response is not read whole and not sent: the handler did run, so the

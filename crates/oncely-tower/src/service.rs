@@ -300,7 +300,13 @@ where
     // it again under the same key.
     match CatchUnwind(Box::pin(stored::read_limited(body, limit))).await {
         Ok(Ok(bytes)) => {
-            let stored = StoredResponse::new(parts.status, &parts.headers, &config.replay_headers, &bytes);
+            let stored = StoredResponse::redacted(
+                parts.status,
+                &parts.headers,
+                &config.replay_headers,
+                &bytes,
+                &config.redact,
+            );
             if stored.encoded_len() > shared.outcome_limit {
                 return failed(&shared, &cell, too_large);
             }

@@ -13,7 +13,7 @@ use oncely::backend::Fingerprint;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::config::BodyFingerprint;
+use crate::config::{BodyFingerprint, RedactFn};
 use crate::header::IDEMPOTENT_REPLAYED;
 
 /// The stored response: status, the headers chosen for replay, and the body
@@ -47,6 +47,33 @@ impl StoredResponse {
             headers: kept,
             body: STANDARD.encode(body),
         }
+    }
+
+    /// What is stored of a handler's response: its status, the `replay`
+    /// headers and the body, then each `redact` hook over them in order
+    /// (the response the first caller gets is not changed).
+    pub(crate) fn redacted(
+        status: StatusCode,
+        headers: &http::HeaderMap,
+        replay: &[HeaderName],
+        body: &Bytes,
+        redact: &[RedactFn],
+    ) -> Self {
+        if redact.is_empty() {
+            return StoredResponse::new(status, headers, replay, body);
+        }
+        let mut kept = Response::new(body.clone());
+        *kept.status_mut() = status;
+        for name in replay {
+            for value in headers.get_all(name) {
+                kept.headers_mut().append(name.clone(), value.clone());
+            }
+        }
+        for hook in redact {
+            hook(&mut kept);
+        }
+        let names: Vec<HeaderName> = kept.headers().keys().cloned().collect();
+        StoredResponse::new(kept.status(), kept.headers(), &names, kept.body())
     }
 
     /// The stored bytes' size when encoded as an outcome, roughly (for the
@@ -130,6 +157,30 @@ pub(crate) fn fingerprint(
     Fingerprint::from_bytes(h.finalize().as_bytes()).expect("a BLAKE3 hash is 32 bytes")
 }
 
+/// Removes the members that `pointers` (JSON Pointers, RFC 6901:
+/// `/card/number`) name from a JSON body; a body that is not JSON, or has
+/// none of them, is left as it is. A changed body loses any
+/// `Content-Length` header.
+pub(crate) fn remove_json_members(response: &mut Response<Bytes>, pointers: &[String]) {
+    let Ok(mut value) = serde_json::from_slice::<Value>(response.body()) else {
+        return;
+    };
+    let mut changed = false;
+    for pointer in pointers {
+        let Some((parent, last)) = pointer.rsplit_once('/') else {
+            continue;
+        };
+        let name = last.replace("~1", "/").replace("~0", "~");
+        if let Some(Value::Object(map)) = value.pointer_mut(parent) {
+            changed |= map.remove(&name).is_some();
+        }
+    }
+    if changed && let Ok(bytes) = serde_json::to_vec(&value) {
+        *response.body_mut() = Bytes::from(bytes);
+        response.headers_mut().remove(http::header::CONTENT_LENGTH);
+    }
+}
+
 /// How reading a body up to a limit ended, other than with its bytes.
 pub(crate) enum ReadError {
     /// It is longer than the limit; reading stopped at the first frame past it.
@@ -186,5 +237,38 @@ fn write_canonical(value: &Value, out: &mut Vec<u8>) {
             out.push(b']');
         }
         scalar => out.extend_from_slice(scalar.to_string().as_bytes()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn response(body: &'static str) -> Response<Bytes> {
+        let mut r = Response::new(Bytes::from_static(body.as_bytes()));
+        r.headers_mut()
+            .insert(http::header::CONTENT_LENGTH, HeaderValue::from(body.len()));
+        r
+    }
+
+    #[test]
+    fn json_members_are_removed_by_pointer_and_anything_else_is_left() {
+        let mut r = response(r#"{"a/b":1,"n":{"x~y":2,"keep":3},"list":[{"t":1}]}"#);
+        let pointers = ["/a~1b", "/n/x~0y", "/list/0/t", "/missing", "no-slash"].map(String::from);
+        remove_json_members(&mut r, &pointers);
+        let v: Value = serde_json::from_slice(r.body()).unwrap();
+        // Members of objects only: an array element's member is removed too
+        // (its parent is an object), an array element never is.
+        assert_eq!(v, serde_json::json!({"n": {"keep": 3}, "list": [{}]}));
+        assert!(!r.headers().contains_key(http::header::CONTENT_LENGTH));
+
+        let mut untouched = response("not json, token=abc");
+        remove_json_members(&mut untouched, &["/token".to_owned()]);
+        assert_eq!(untouched.body(), &Bytes::from_static(b"not json, token=abc"));
+        assert!(untouched.headers().contains_key(http::header::CONTENT_LENGTH));
+
+        let mut nothing_named = response(r#"{"id":1}"#);
+        remove_json_members(&mut nothing_named, &["/token".to_owned()]);
+        assert_eq!(nothing_named.body(), &Bytes::from_static(br#"{"id":1}"#));
     }
 }
