@@ -82,6 +82,25 @@ fn operate_on(url: &str) {
         assert_eq!(v["outcome"]["encrypted"]["key_id"], "k1", "{v}");
         assert!(!stdout(&out).contains(SECRET), "{}", stdout(&out));
     }
+    // Opened on request, with the keyring.
+    let k1 = format!("k1={}", hex(1));
+    let opened = run(&["get", keys[0].as_str(), "--decrypt"], url, Some(&k1));
+    assert!(opened.status.success(), "{}", stderr(&opened));
+    let v = json(&opened);
+    assert_eq!(
+        (v["outcome"]["ok"].as_str(), v["decrypted_with"].as_str()),
+        (Some(SECRET), Some("k1")),
+        "{v}"
+    );
+    let lacking = run(
+        &["get", keys[0].as_str(), "--decrypt"],
+        url,
+        Some(&format!("k9={}", hex(9))),
+    );
+    assert_eq!(lacking.status.code(), Some(1), "{}", stderr(&lacking));
+    assert!(stderr(&lacking).contains("\"k1\""), "{}", stderr(&lacking));
+    assert!(!stdout(&lacking).contains(SECRET));
+
     let text = run(&["inspect", keys[0].as_str()], url, None);
     assert!(stdout(&text).contains("encrypted (key k1, "), "{}", stdout(&text));
     let history = run(

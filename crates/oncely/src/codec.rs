@@ -34,7 +34,8 @@
 //! claim needs them to decide, in one statement, before anything is opened.
 //! So do not put secrets in subjects; a subject that names a person is
 //! removed with [`Admin::erase`](crate::admin::Admin::erase), not with a
-//! codec.
+//! codec. Outbox messages ([`outbox`](crate::outbox)) are payloads for a
+//! broker, not outcomes, and are not sealed either.
 //!
 //! ## The envelope
 //!
@@ -112,6 +113,7 @@ use crate::admin::{Admin, Cursor, Erasure, Filter, KindStats, RecordQuery};
 use crate::error::{Error, Result};
 use crate::key::{EffectKey, Tenant};
 use crate::ledger::{Capabilities, Ledger, TransactionalLedger};
+use crate::outbox::{Enqueued, Message, Outbox, OutboxStats, Pending, Ticket, TransactionalOutbox};
 use crate::record::{Claim, ClaimOptions, Lease, MAX_OUTCOME_BYTES, Outcome, Record, RecordState};
 use crate::watch::Watch;
 
@@ -567,8 +569,9 @@ impl OutcomeCodec for Keyring {
 /// [`abandoned`](Ledger::abandoned)) is opened before the caller sees it.
 /// Everything else goes straight to the inner ledger.
 ///
-/// It is a [`TransactionalLedger`] when the inner one is, and an [`Admin`]
-/// when the inner one is. [`Admin`] calls are the operator's view and work
+/// It is a [`TransactionalLedger`], an [`Admin`] and an [`Outbox`] when the
+/// inner one is (outbox messages are not sealed: they are payloads for a
+/// broker, not outcomes). [`Admin`] calls are the operator's view and work
 /// on what is **stored**: [`Admin::records`] lists outcomes sealed, as the
 /// table holds them (a page is listed even where this process lacks a key;
 /// open one with [`Sealed::open_record`]), and
@@ -787,6 +790,50 @@ impl<L: Admin, C: OutcomeCodec> Admin for Sealed<L, C> {
         outcome: &Outcome,
     ) -> impl Future<Output = Result<bool>> + Send {
         self.inner.replace_outcome(key, fence, expected, outcome)
+    }
+}
+
+/// Forwarded: outbox messages are payloads for a broker, not outcomes, and
+/// are stored as the inner ledger stores them (not sealed).
+impl<L: Outbox, C: OutcomeCodec> Outbox for Sealed<L, C> {
+    fn claim_messages(
+        &self,
+        limit: u32,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Vec<Pending>>> + Send {
+        self.inner.claim_messages(limit, lease)
+    }
+    fn mark_sent(&self, tickets: &[Ticket]) -> impl Future<Output = Result<Vec<bool>>> + Send {
+        self.inner.mark_sent(tickets)
+    }
+    fn retry_later(
+        &self,
+        ticket: Ticket,
+        delay: Duration,
+        error: &str,
+    ) -> impl Future<Output = Result<bool>> + Send {
+        self.inner.retry_later(ticket, delay, error)
+    }
+    fn mark_failed(&self, ticket: Ticket, error: &str) -> impl Future<Output = Result<bool>> + Send {
+        self.inner.mark_failed(ticket, error)
+    }
+    fn prune_sent(&self, older_than: Duration, limit: u32) -> impl Future<Output = Result<u64>> + Send {
+        self.inner.prune_sent(older_than, limit)
+    }
+    fn outbox_stats(&self) -> impl Future<Output = Result<OutboxStats>> + Send {
+        self.inner.outbox_stats()
+    }
+}
+
+/// Forwarded, as [`Outbox`] is: the message is not sealed.
+impl<L: TransactionalOutbox, C: OutcomeCodec> TransactionalOutbox for Sealed<L, C> {
+    fn enqueue_in(
+        &self,
+        conn: &mut Self::Connection,
+        key: &EffectKey,
+        message: &Message,
+    ) -> impl Future<Output = Result<Enqueued>> + Send {
+        self.inner.enqueue_in(conn, key, message)
     }
 }
 

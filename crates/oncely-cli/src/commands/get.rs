@@ -4,8 +4,10 @@ use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
 use oncely::backend::{Ledger, Record};
+use oncely::codec::{Envelope, Keyring, OutcomeCodec};
 use oncely::{EffectKey, Result};
 use oncely_any::Access;
+use serde::Serialize;
 
 use super::{DbArgs, no_record, print_json};
 use crate::read::{Read, with_ledger};
@@ -18,27 +20,79 @@ use crate::view::RecordView;
 /// no record. Opens the ledger read-only: it creates, migrates and
 /// writes nothing (a missing database or table is an error), so a role
 /// that may only SELECT can run it.
+///
+/// An encrypted outcome shows as {"encrypted": {"key_id", "bytes"}};
+/// with --decrypt it is opened with the outcome keyring (--keys-file,
+/// ONCELY_OUTCOME_KEYS_FILE or ONCELY_OUTCOME_KEYS, as for reencrypt) and
+/// shown in clear, with the key id in "decrypted_with".
 #[derive(Debug, ClapArgs)]
 pub struct Args {
     /// The effect key, tenant/kind:subject.
     key: String,
+    /// Open an encrypted outcome with the outcome keyring.
+    #[arg(long)]
+    decrypt: bool,
+    /// The keyring file, for --decrypt.
+    #[arg(
+        long,
+        env = "ONCELY_OUTCOME_KEYS_FILE",
+        value_name = "PATH",
+        requires = "decrypt"
+    )]
+    keys_file: Option<std::path::PathBuf>,
     #[command(flatten)]
     db: DbArgs,
 }
 
 /// Prints the record, or `null` and "no record" (exit 3).
 pub async fn run(args: Args) -> Result<ExitCode> {
+    let keys = if args.decrypt {
+        Some(super::reencrypt::load_keys(args.keys_file.as_deref())?)
+    } else {
+        None
+    };
     let read = get(&args.db.database_url, &args.key).await?;
     Ok(match read.value {
-        Some(record) => print_json(&Read {
-            ledger: read.ledger,
-            value: RecordView::from(&record),
-        }),
+        Some(record) => {
+            let (record, decrypted_with) = match &keys {
+                Some(keys) => decrypt(keys, record)?,
+                None => (record, None),
+            };
+            print_json(&Read {
+                ledger: read.ledger,
+                value: Shown {
+                    record: RecordView::from(&record),
+                    decrypted_with,
+                },
+            })
+        }
         None => {
             println!("null");
             no_record(&args.key, &read.ledger)
         }
     })
+}
+
+/// The record as `get` prints it.
+#[derive(Serialize)]
+struct Shown {
+    #[serde(flatten)]
+    record: RecordView,
+    /// The key id that opened the outcome (`--decrypt`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    decrypted_with: Option<String>,
+}
+
+/// `record` with its outcome opened by `keys`, and the key id that sealed
+/// it (`None`: it was not sealed). A key the keyring lacks is
+/// [`oncely::Error::CodecKeyMissing`].
+fn decrypt(keys: &Keyring, mut record: Record) -> Result<(Record, Option<String>)> {
+    let Some(stored) = record.outcome.take() else {
+        return Ok((record, None));
+    };
+    let key_id = Envelope::parse(stored.as_bytes()).map(|e| e.key_id().to_owned());
+    record.outcome = Some(keys.open(&record.key, &stored)?);
+    Ok((record, key_id))
 }
 
 /// Reads the record of a displayed key (`tenant/kind:subject`). An invalid
