@@ -69,13 +69,14 @@ async fn seed(url: &str, tenant: Tenant) -> Seeded {
         if i == 1 {
             completed_fence = lease.fence();
         }
-        ledger
-            .complete(
-                &lease,
-                &Outcome::from_json(&serde_json::json!({"charge": format!("ch_{i}")})).unwrap(),
-            )
-            .await
-            .unwrap();
+        let mut outcome = Outcome::from_json(&serde_json::json!({"charge": format!("ch_{i}")})).unwrap();
+        if i == 3 {
+            // Stored encrypted (oncely::codec): the page says so, never the bytes.
+            use oncely::codec::{Keyring, OutcomeCodec, SecretKey};
+            let keys = Keyring::new("k1", SecretKey::from_bytes([1; 32])).unwrap();
+            outcome = keys.seal(&k, &outcome).unwrap();
+        }
+        ledger.complete(&lease, &outcome).await.unwrap();
         completed.push(k);
     }
     let short = Duration::from_secs(1);
@@ -345,6 +346,8 @@ async fn look_at_every_view(chromium: &Path, s: &Serve, seeded: &Seeded, shots: 
     assert!(page.contains("Fingerprint present"), "{page}");
     let page = load(&format!("/record/{}", seeded.completed[1])).await.unwrap();
     assert!(page.contains("Fingerprint none"), "{page}");
+    let page = load(&format!("/record/{}", seeded.completed[2])).await.unwrap();
+    assert!(page.contains("Outcome encrypted (key k1, "), "{page}");
     let page = load(&format!("/record/{}", seeded.stuck)).await.unwrap();
     assert!(page.contains("State stuck"), "{page}");
     assert!(page.contains("Outcome none stored"), "{page}");
