@@ -17,10 +17,11 @@ use tower::{ServiceBuilder, ServiceExt};
 
 const BODY: &str = r#"{"id":"ch_1","card":{"number":"4242424242424242","brand":"visa"},"token":"tok_once"}"#;
 
+/// What the handler answers.
+type Answer = std::future::Ready<Result<Response<Full<Bytes>>, Infallible>>;
+
 /// The handler: counts its runs, answers `BODY` with a cookie and a secret header.
-fn handler(
-    runs: Arc<AtomicUsize>,
-) -> impl Fn(Request<Full<Bytes>>) -> std::future::Ready<Result<Response<Full<Bytes>>, Infallible>> + Clone {
+fn handler(runs: Arc<AtomicUsize>) -> impl Fn(Request<Full<Bytes>>) -> Answer + Clone {
     move |_req| {
         runs.fetch_add(1, Ordering::SeqCst);
         let response = Response::builder()

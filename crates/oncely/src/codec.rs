@@ -948,12 +948,13 @@ pub async fn reseal<A: Admin>(
                     continue;
                 }
             };
-            if options.dry_run {
-                report.resealed += 1;
-            } else if ledger
-                .replace_outcome(&record.key, record.fence, stored, &resealed)
-                .await?
-            {
+            // One conditional write at the fence and bytes read: `false` is
+            // a record that moved on meanwhile, left as it is.
+            let written = options.dry_run
+                || ledger
+                    .replace_outcome(&record.key, record.fence, stored, &resealed)
+                    .await?;
+            if written {
                 report.resealed += 1;
             } else {
                 report.moved_on += 1;
