@@ -33,7 +33,7 @@
 //! fingerprint, the state, the fence and every timestamp stay in clear: the
 //! claim needs them to decide, in one statement, before anything is opened.
 //! So do not put secrets in subjects; a subject that names a person is
-//! removed with [`Admin::erase`](crate::admin::Admin::erase), not with a
+//! removed with [`Admin::erase`], not with a
 //! codec. Outbox messages ([`outbox`](crate::outbox)) are payloads for a
 //! broker, not outcomes, and are not sealed either.
 //!
@@ -80,7 +80,7 @@
 //! 2. re-seal what is stored under the old key: [`reseal`] (the command
 //!    `oncely reencrypt`) pages through the completed records and rewrites
 //!    each with one conditional write
-//!    ([`Admin::replace_outcome`](crate::admin::Admin::replace_outcome)): a
+//!    ([`Admin::replace_outcome`]): a
 //!    record that moved on meanwhile is left alone and counted;
 //! 3. once it reports nothing left under the old key, remove the old key.
 //!
