@@ -93,8 +93,8 @@
 //!
 //! ## The fingerprint is checked first
 //!
-//! [`Sealed`] opens nothing the caller is not entitled to: the backend's
-//! claim compares request fingerprints before it answers
+//! A claim through [`Sealed`] opens nothing before the request matched: the
+//! backend's claim compares request fingerprints before it answers
 //! ([`answer_existing`](crate::backend::answer_existing)), so a claim with
 //! another payload fails with [`Error::FingerprintMismatch`] whether or not
 //! this process holds the record's key; only a matching claim gets a
@@ -192,8 +192,8 @@ pub fn check_key_id(id: &str) -> Result<()> {
 }
 
 /// A sealed outcome's parts, read without any key: what tools show instead
-/// of the bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// of the bytes. Its `Debug` shows the key id and the size, not the bytes.
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub struct Envelope<'a> {
     key_id: &'a str,
     header: &'a [u8],
@@ -250,6 +250,15 @@ impl<'a> Envelope<'a> {
     /// The plain outcome's size in bytes (the ciphertext less its tag).
     pub fn plain_len(&self) -> usize {
         self.ciphertext.len() - TAG_BYTES
+    }
+}
+
+impl fmt::Debug for Envelope<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Envelope")
+            .field("key_id", &self.key_id)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
     }
 }
 
@@ -369,7 +378,9 @@ impl Keyring {
     /// Refuses to open a plain (unsealed) outcome, with [`Error::Codec`],
     /// instead of returning it as it is: for a ledger whose every outcome is
     /// sealed (after `oncely reencrypt --plain`), so a plain value written
-    /// into the table by someone else is not replayed.
+    /// into the table by someone else is not replayed. What is written
+    /// without the codec (`oncely resolve --completed`, a process not given
+    /// the keyring) is plain until `oncely reencrypt --plain` seals it.
     pub fn require_sealed(mut self, yes: bool) -> Self {
         self.require_sealed = yes;
         self
