@@ -1,9 +1,11 @@
-//! The outcome codec cases on the memory ledger, and what only the memory
-//! ledger can show directly (batches and the caller's transaction are the
-//! SQL backends' `tests/codec.rs`).
+//! The outcome codec cases on the memory ledger, and what is shown once for
+//! every backend: batches sealed per slot, the limit a caller sees, and
+//! `reseal` meeting a record that moved on (the caller's transaction and
+//! the dumps are the SQL backends' `tests/codec.rs`).
 
+use oncely::admin::{Admin, RecordQuery};
 use oncely::backend::{Claim, Ledger, Outcome};
-use oncely::codec::{Envelope, Keyring, Sealed, SecretKey};
+use oncely::codec::{Envelope, Keyring, OutcomeCodec, ResealOptions, Sealed, SecretKey, reseal};
 use oncely::conformance::{
     codec_leaves_erased_records_alone, codec_reseal_leaves_a_record_that_moved_on,
     codec_rotation_keeps_old_records_readable, codec_wrong_or_missing_key_is_a_typed_error, fresh_tenant,
@@ -89,6 +91,150 @@ async fn batches_are_sealed_and_opened_per_slot() {
 fn the_limit_a_caller_sees_is_what_is_left_once_sealed() {
     let inner = MemoryLedger::new();
     let codec = ring();
-    let left = inner.capabilities().max_outcome_bytes - oncely::codec::OutcomeCodec::overhead(&codec);
+    let left = inner.capabilities().max_outcome_bytes - codec.overhead();
     assert_eq!(Sealed::new(inner, codec).capabilities().max_outcome_bytes, left);
+}
+
+/// A memory ledger whose record listing, once, lets another operator move
+/// the first completed record on (forget, then complete again) after the
+/// page was read: what `reseal` must count and leave alone.
+struct MovesOnceListed {
+    inner: MemoryLedger,
+    moved: std::sync::atomic::AtomicBool,
+}
+
+impl Ledger for MovesOnceListed {
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+    fn capabilities(&self) -> oncely::backend::Capabilities {
+        self.inner.capabilities()
+    }
+    async fn claim(&self, key: &EffectKey, opts: &ClaimOptions) -> oncely::Result<Claim> {
+        self.inner.claim(key, opts).await
+    }
+    async fn complete(&self, lease: &oncely::backend::Lease, outcome: &Outcome) -> oncely::Result<()> {
+        self.inner.complete(lease, outcome).await
+    }
+    async fn release(&self, lease: &oncely::backend::Lease) -> oncely::Result<()> {
+        self.inner.release(lease).await
+    }
+    async fn renew(
+        &self,
+        lease: &oncely::backend::Lease,
+        extend_by: std::time::Duration,
+    ) -> oncely::Result<oncely::backend::Lease> {
+        self.inner.renew(lease, extend_by).await
+    }
+    async fn get(&self, key: &EffectKey) -> oncely::Result<Option<oncely::backend::Record>> {
+        self.inner.get(key).await
+    }
+    async fn prune(&self, limit: u64) -> oncely::Result<u64> {
+        self.inner.prune(limit).await
+    }
+    async fn abandoned(
+        &self,
+        tenant: &oncely::Tenant,
+        limit: u64,
+    ) -> oncely::Result<Vec<oncely::backend::Record>> {
+        self.inner.abandoned(tenant, limit).await
+    }
+    async fn horizon(
+        &self,
+        tenant: &oncely::Tenant,
+        kind: &str,
+    ) -> oncely::Result<Option<std::time::SystemTime>> {
+        self.inner.horizon(tenant, kind).await
+    }
+}
+
+impl Admin for MovesOnceListed {
+    async fn records(&self, query: &RecordQuery) -> oncely::Result<Vec<oncely::backend::Record>> {
+        let page = self.inner.records(query).await?;
+        if let Some(first) = page.first()
+            && !self.moved.swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            self.inner.forget(&first.key, first.fence).await?;
+            let Claim::Acquired(lease) = self.inner.claim(&first.key, &ClaimOptions::default()).await? else {
+                panic!("a forgotten record is taken over")
+            };
+            let again = ring().seal(&first.key, &Outcome::from_json(&"redone").unwrap())?;
+            self.inner.complete(&lease, &again).await?;
+        }
+        Ok(page)
+    }
+    async fn stats(&self, tenant: Option<&oncely::Tenant>) -> oncely::Result<Vec<oncely::admin::KindStats>> {
+        self.inner.stats(tenant).await
+    }
+    async fn forget(&self, key: &EffectKey, fence: u64) -> oncely::Result<()> {
+        self.inner.forget(key, fence).await
+    }
+    async fn prunable(&self) -> oncely::Result<u64> {
+        self.inner.prunable().await
+    }
+    async fn erase(&self, tenant: &oncely::Tenant, subject: &str) -> oncely::Result<oncely::admin::Erasure> {
+        self.inner.erase(tenant, subject).await
+    }
+    async fn replace_outcome(
+        &self,
+        key: &EffectKey,
+        fence: u64,
+        expected: &Outcome,
+        outcome: &Outcome,
+    ) -> oncely::Result<bool> {
+        self.inner.replace_outcome(key, fence, expected, outcome).await
+    }
+}
+
+#[tokio::test]
+async fn reseal_counts_a_record_that_moved_on_between_its_read_and_its_write() {
+    let ledger = MovesOnceListed {
+        inner: MemoryLedger::new(),
+        moved: std::sync::atomic::AtomicBool::new(false),
+    };
+    let t = fresh_tenant();
+    let keys: Vec<EffectKey> = (0..2)
+        .map(|i| EffectKey::new(&t, "capture", format!("m-{i}")).unwrap())
+        .collect();
+    let sealed = Sealed::new(&ledger.inner, ring());
+    for k in &keys {
+        let Claim::Acquired(lease) = sealed.claim(k, &ClaimOptions::default()).await.unwrap() else {
+            panic!("fresh")
+        };
+        sealed
+            .complete(&lease, &Outcome::from_json(&"first").unwrap())
+            .await
+            .unwrap();
+    }
+    let rotated = Keyring::new("k2", SecretKey::from_bytes([8; 32]))
+        .unwrap()
+        .with_decrypt_only("k1", SecretKey::from_bytes([7; 32]))
+        .unwrap();
+    let report = reseal(&ledger, &rotated, &ResealOptions::default().tenant(t))
+        .await
+        .unwrap();
+    assert_eq!((report.resealed, report.moved_on), (1, 1), "{report:?}");
+    assert!(report.failed.is_empty());
+    // The moved record keeps what its new run stored, under the old key;
+    // a second pass moves it.
+    let moved = ledger.inner.get(&keys[0]).await.unwrap().unwrap();
+    assert_eq!(
+        Envelope::parse(moved.outcome.as_ref().unwrap().as_bytes())
+            .unwrap()
+            .key_id(),
+        "k1"
+    );
+    assert_eq!(
+        Sealed::new(&ledger.inner, rotated.clone())
+            .get(&keys[0])
+            .await
+            .unwrap()
+            .unwrap()
+            .outcome,
+        Some(Outcome::from_json(&"redone").unwrap())
+    );
+    let again = reseal(&ledger, &rotated, &ResealOptions::default())
+        .await
+        .unwrap();
+    assert_eq!((again.resealed, again.moved_on), (1, 0), "{again:?}");
 }
