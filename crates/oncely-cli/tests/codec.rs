@@ -1,5 +1,5 @@
 //! Encrypted outcomes at the command line, as the built `oncely` binary on
-//! SQLite and PostgreSQL: `get` and `inspect` show a sealed outcome as
+//! SQLite, PostgreSQL and MySQL: `get` and `inspect` show a sealed outcome as
 //! encrypted (key id and size), never its bytes; `reencrypt` moves outcomes
 //! to the active key (a dry run first), lists what it cannot open, and
 //! refuses to run without keys.
@@ -196,6 +196,15 @@ fn encrypted_outcomes_on_postgres() {
         "postgres://postgres@127.0.0.1:5432/test",
         "PostgreSQL",
     ) else {
+        return;
+    };
+    operate_on(&url);
+}
+
+#[cfg(feature = "mysql")]
+#[test]
+fn encrypted_outcomes_on_mysql() {
+    let Some(url) = reachable("ONCELY_MYSQL_URL", "mysql://root@127.0.0.1:3306/test", "MySQL/MariaDB") else {
         return;
     };
     operate_on(&url);
