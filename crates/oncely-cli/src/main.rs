@@ -13,8 +13,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use oncely::Error;
 use oncely_cli::commands::{
-    abandoned, bench, chaos, demo, forget, get, history, inspect, migrate, prune, reconcile, relay, resolve,
-    serve, stats, stuck,
+    abandoned, bench, chaos, demo, erase, forget, get, history, inspect, migrate, prune, reconcile, relay,
+    resolve, serve, stats, stuck,
 };
 
 /// Make job and message handlers safe to run twice.
@@ -67,6 +67,7 @@ enum Command {
     Resolve(resolve::Args),
     Reconcile(reconcile::Args),
     Forget(forget::Args),
+    Erase(erase::Args),
     Prune(prune::Args),
     Relay(relay::Args),
     Migrate(migrate::Args),
@@ -102,6 +103,7 @@ async fn run(command: Command) -> oncely::Result<ExitCode> {
         Command::Resolve(args) => resolve::run(args).await,
         Command::Reconcile(args) => reconcile::run(args).await,
         Command::Forget(args) => forget::run(args).await,
+        Command::Erase(args) => erase::run(args).await,
         Command::Prune(args) => prune::run(args).await,
         Command::Relay(args) => relay::run(args).await,
         Command::Migrate(args) => migrate::run(args).await,

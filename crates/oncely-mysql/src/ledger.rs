@@ -10,10 +10,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use oncely::admin::{Admin, Erasure, KindStats, RecordQuery};
-use oncely::backend::{check_subject, forget_refusal};
 use oncely::backend::{Capabilities, Claim, Lease, Ledger, Outcome, Record, TransactionalLedger};
 use oncely::backend::{LostWrite, check_outcome, duration_micros, fail_each, from_micros};
 use oncely::backend::{Notifier, Watch};
+use oncely::backend::{check_subject, forget_refusal};
 use oncely::open::{FromUrl, OpenOptions};
 use oncely::{ClaimOptions, EffectKey, Error, Result, Tenant};
 use sqlx::mysql::MySqlPoolOptions;
@@ -837,7 +837,13 @@ impl Admin for MySqlLedger {
         Ok(erasure.sorted())
     }
 
-    async fn replace_outcome(&self, key: &EffectKey, fence: u64, expected: &Outcome, outcome: &Outcome) -> Result<bool> {
+    async fn replace_outcome(
+        &self,
+        key: &EffectKey,
+        fence: u64,
+        expected: &Outcome,
+        outcome: &Outcome,
+    ) -> Result<bool> {
         self.writable("replace_outcome")?;
         check_outcome(outcome, self.capabilities().max_outcome_bytes)?;
         let (k, expected, outcome) = (key.clone(), expected.clone(), outcome.clone());

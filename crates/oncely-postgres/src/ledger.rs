@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use oncely::admin::{Admin, Erasure, KindStats, RecordQuery};
-use oncely::backend::{check_subject, forget_refusal};
 use oncely::backend::{
     Attempts, Backoff, LostWrite, answer_existing, check_outcome, duration_micros, fail_each, from_micros,
     retry, to_micros,
@@ -14,6 +13,7 @@ use oncely::backend::{
 use oncely::backend::{
     Capabilities, Claim, Lease, Ledger, MAX_OUTCOME_BYTES, Outcome, Record, TransactionalLedger, Watch,
 };
+use oncely::backend::{check_subject, forget_refusal};
 use oncely::open::{FromUrl, OpenOptions};
 use oncely::{ClaimOptions, EffectKey, Error, Result, Tenant};
 use sqlx::{PgConnection, PgPool, Postgres};
@@ -987,14 +987,24 @@ impl Admin for PgLedger {
         let q = &self.inner.q;
         self.bounded(async {
             let mut tx = self.begin().await?;
-            let rows = q.bind_erase(tenant, subject).fetch_all(&mut *tx).await.map_err(map)?;
+            let rows = q
+                .bind_erase(tenant, subject)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(map)?;
             tx.commit().await.map_err(map)?;
             sql::erasure(&rows)
         })
         .await
     }
 
-    async fn replace_outcome(&self, key: &EffectKey, fence: u64, expected: &Outcome, outcome: &Outcome) -> Result<bool> {
+    async fn replace_outcome(
+        &self,
+        key: &EffectKey,
+        fence: u64,
+        expected: &Outcome,
+        outcome: &Outcome,
+    ) -> Result<bool> {
         self.writable()?;
         check_outcome(outcome, self.capabilities().max_outcome_bytes)?;
         let Ok(f) = i64::try_from(fence) else {

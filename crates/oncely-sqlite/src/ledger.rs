@@ -7,12 +7,12 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use oncely::admin::{Admin, Erasure, KindStats, RecordQuery};
-use oncely::backend::{check_subject, forget_refusal};
 use oncely::backend::{Capabilities, Claim, Lease, Ledger, Outcome, Record, TransactionalLedger};
 use oncely::backend::{Notifier, Watch};
 use oncely::backend::{
     answer_existing, check_outcome, duration_micros, fail_each, from_micros, is_beyond_horizon, to_micros,
 };
+use oncely::backend::{check_subject, forget_refusal};
 use oncely::open::{FromUrl, OpenOptions};
 use oncely::{ClaimOptions, EffectKey, Error, Result, Tenant};
 use sqlx::sqlite::{Sqlite, SqliteConnection, SqlitePool, SqlitePoolOptions};
@@ -726,7 +726,12 @@ impl Admin for SqliteLedger {
         let mut conn = self.pool.acquire().await.map_err(map)?;
         let mut tx = conn.begin_with("BEGIN IMMEDIATE").await.map_err(map)?;
         let now: i64 = self.q.bind_now().fetch_one(&mut *tx).await.map_err(map)?;
-        let erased = self.q.bind_erase(tenant, subject).fetch_all(&mut *tx).await.map_err(map)?;
+        let erased = self
+            .q
+            .bind_erase(tenant, subject)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(map)?;
         let pending = self
             .q
             .bind_erase_pending(tenant, subject)
@@ -736,7 +741,9 @@ impl Admin for SqliteLedger {
         tx.commit().await.map_err(map)?;
         let keys = |keys: Vec<String>| -> Result<Vec<EffectKey>> {
             keys.iter()
-                .map(|k| EffectKey::parse(k).map_err(|e| crate::error::corrupt(format!("stored key {k:?}: {e}"))))
+                .map(|k| {
+                    EffectKey::parse(k).map_err(|e| crate::error::corrupt(format!("stored key {k:?}: {e}")))
+                })
                 .collect()
         };
         let mut erasure = Erasure::new(from_micros(now));
@@ -745,12 +752,23 @@ impl Admin for SqliteLedger {
         Ok(erasure.sorted())
     }
 
-    async fn replace_outcome(&self, key: &EffectKey, fence: u64, expected: &Outcome, outcome: &Outcome) -> Result<bool> {
+    async fn replace_outcome(
+        &self,
+        key: &EffectKey,
+        fence: u64,
+        expected: &Outcome,
+        outcome: &Outcome,
+    ) -> Result<bool> {
         self.writable("replace_outcome")?;
         check_outcome(outcome, self.capabilities().max_outcome_bytes)?;
         let done = self
             .q
-            .bind_replace_outcome(key, sql::fence_param(fence), expected.as_bytes(), outcome.as_bytes())
+            .bind_replace_outcome(
+                key,
+                sql::fence_param(fence),
+                expected.as_bytes(),
+                outcome.as_bytes(),
+            )
             .execute(&self.pool)
             .await
             .map_err(map)?;

@@ -61,10 +61,10 @@
 use std::future::Future;
 use std::time::{Duration, SystemTime};
 
+pub use crate::admin::erasable;
 pub use crate::backoff::Backoff;
 pub use crate::coalesce::{Coalescing, DEFAULT_MAX_BATCH, DEFAULT_MAX_IN_FLIGHT};
 pub use crate::key::{MAX_KEY_BYTES, MAX_KIND_BYTES, MAX_TENANT_BYTES, check_subject};
-pub use crate::admin::erasable;
 pub use crate::ledger::{Capabilities, Ledger, TransactionalLedger};
 pub use crate::record::{
     Claim, Fingerprint, Lease, MAX_OUTCOME_BYTES, Outcome, Record, RecordState, StoredOutcome,

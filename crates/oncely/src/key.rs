@@ -838,14 +838,28 @@ mod tests {
         let e = EffectKey::hashed(&a, "receipt", "alice@example.com", &k1).unwrap();
         assert!(!e.as_str().contains("alice"));
         assert_eq!(e.subject().len(), 42);
-        assert_eq!(e, EffectKey::hashed(&a, "receipt", "alice@example.com", &k1).unwrap());
+        assert_eq!(
+            e,
+            EffectKey::hashed(&a, "receipt", "alice@example.com", &k1).unwrap()
+        );
         let s = |t: &Tenant, subject: &str, k: &SubjectKey| EffectKey::hashed_subject(t, subject, k).unwrap();
-        assert_ne!(s(&a, "alice@example.com", &k1), s(&a, "alice@example.com", &k2), "another key");
-        assert_ne!(s(&a, "alice@example.com", &k1), s(&b, "alice@example.com", &k1), "another tenant");
+        assert_ne!(
+            s(&a, "alice@example.com", &k1),
+            s(&a, "alice@example.com", &k2),
+            "another key"
+        );
+        assert_ne!(
+            s(&a, "alice@example.com", &k1),
+            s(&b, "alice@example.com", &k1),
+            "another tenant"
+        );
         assert_ne!(s(&a, "alice@example.com", &k1), s(&a, "alice@example.co", &k1));
         assert_eq!(format!("{k1:?}"), "SubjectKey(..)");
         for bad in ["", "zz", &"0".repeat(63), &"g".repeat(64)] {
-            assert!(matches!(SubjectKey::from_hex(bad), Err(Error::InvalidInput(_))), "{bad:?}");
+            assert!(
+                matches!(SubjectKey::from_hex(bad), Err(Error::InvalidInput(_))),
+                "{bad:?}"
+            );
         }
         assert!(matches!(
             EffectKey::hashed_subject(&a, " alice", &k1),

@@ -369,7 +369,13 @@ impl crate::admin::Admin for MemoryLedger {
         Ok(erasure.sorted())
     }
 
-    async fn replace_outcome(&self, key: &EffectKey, fence: u64, expected: &Outcome, outcome: &Outcome) -> Result<bool> {
+    async fn replace_outcome(
+        &self,
+        key: &EffectKey,
+        fence: u64,
+        expected: &Outcome,
+        outcome: &Outcome,
+    ) -> Result<bool> {
         check_outcome(outcome, MAX_OUTCOME_BYTES)?;
         let mut rows = self.rows();
         Ok(match rows.records.get_mut(key) {

@@ -92,7 +92,9 @@ fn stored(key: &EffectKey, claim: Claim) -> Result<Outcome> {
     match claim {
         // A completed record without its outcome was erased (the ledger
         // answers `Error::Erased` itself; a record read otherwise says so too).
-        Claim::Completed(record) => record.outcome.ok_or_else(|| Error::Erased { key: key.to_string() }),
+        Claim::Completed(record) => record
+            .outcome
+            .ok_or_else(|| Error::Erased { key: key.to_string() }),
         Claim::Abandoned(_) => Err(Error::Abandoned { key: key.to_string() }),
         Claim::InProgress { fence, .. } => Err(Error::InProgress {
             key: key.to_string(),

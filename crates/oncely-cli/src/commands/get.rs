@@ -7,7 +7,7 @@ use oncely::backend::{Ledger, Record};
 use oncely::{EffectKey, Result};
 use oncely_any::Access;
 
-use super::{DbArgs, no_record, print_json};
+use super::{DbArgs, SubjectKeyArgs, no_record, print_json};
 use crate::read::{Read, with_ledger};
 use crate::view::RecordView;
 
@@ -17,18 +17,29 @@ use crate::view::RecordView;
 /// acme/capture:order-123. Exits 3 (and prints null) when the key has
 /// no record. Opens the ledger read-only: it creates, migrates and
 /// writes nothing (a missing database or table is an error), so a role
-/// that may only SELECT can run it.
+/// that may only SELECT can run it. With --subject-key-file, the key's
+/// subject is the raw identifier (acme/receipt:alice@example.com) and
+/// the record of its keyed hash is read.
 #[derive(Debug, ClapArgs)]
 pub struct Args {
     /// The effect key, tenant/kind:subject.
     key: String,
+    #[command(flatten)]
+    subject_key: SubjectKeyArgs,
     #[command(flatten)]
     db: DbArgs,
 }
 
 /// Prints the record, or `null` and "no record" (exit 3).
 pub async fn run(args: Args) -> Result<ExitCode> {
-    let read = get(&args.db.database_url, &args.key).await?;
+    let key = match args.subject_key.key()? {
+        Some(secret) => {
+            let raw = EffectKey::parse(&args.key)?;
+            EffectKey::hashed(raw.tenant(), raw.kind(), raw.subject(), &secret)?.to_string()
+        }
+        None => args.key.clone(),
+    };
+    let read = get(&args.db.database_url, &key).await?;
     Ok(match read.value {
         Some(record) => print_json(&Read {
             ledger: read.ledger,
@@ -36,7 +47,7 @@ pub async fn run(args: Args) -> Result<ExitCode> {
         }),
         None => {
             println!("null");
-            no_record(&args.key, &read.ledger)
+            no_record(&key, &read.ledger)
         }
     })
 }

@@ -149,7 +149,13 @@ impl Statements {
     }
 
     /// [`Statements::replace_outcome`]: one row changed, or none.
-    pub(crate) fn bind_replace_outcome(&self, key: &EffectKey, fence: u64, expected: &[u8], outcome: &[u8]) -> Bound {
+    pub(crate) fn bind_replace_outcome(
+        &self,
+        key: &EffectKey,
+        fence: u64,
+        expected: &[u8],
+        outcome: &[u8],
+    ) -> Bound {
         query(&self.replace_outcome)
             .bind(outcome.to_vec())
             .bind(key.as_str().to_owned())
@@ -172,7 +178,8 @@ pub(crate) fn erasure(rows: &[MySqlRow]) -> Result<oncely::admin::Erasure> {
         };
         let k = EffectKey::parse(&k).map_err(|err| corrupt(format!("stored key {k:?}: {err}")))?;
         let state: String = row.try_get("state").map_err(g)?;
-        let state = oncely::backend::RecordState::parse(&state).map_err(|err| corrupt(format!("{k}: {err}")))?;
+        let state =
+            oncely::backend::RecordState::parse(&state).map_err(|err| corrupt(format!("{k}: {err}")))?;
         if oncely::backend::erasable(state) {
             e.erased.push(k);
         } else {

@@ -30,7 +30,13 @@ impl Queries {
     }
 
     /// `Admin::replace_outcome`: a row when it wrote.
-    pub(crate) fn bind_replace_outcome(&self, key: &EffectKey, fence: i64, expected: &[u8], outcome: &[u8]) -> Bound {
+    pub(crate) fn bind_replace_outcome(
+        &self,
+        key: &EffectKey,
+        fence: i64,
+        expected: &[u8],
+        outcome: &[u8],
+    ) -> Bound {
         sqlx::query(AssertSqlSafe(self.replace_outcome.clone()))
             .bind(key.as_str().to_owned())
             .bind(fence)
@@ -56,7 +62,9 @@ pub(crate) fn erasure(rows: &[PgRow]) -> Result<Erasure> {
             pending.push(k);
         }
     }
-    let mut e = Erasure::new(from_micros(at.ok_or_else(|| corrupt("erase returned no clock row".to_owned()))?));
+    let mut e = Erasure::new(from_micros(
+        at.ok_or_else(|| corrupt("erase returned no clock row".to_owned()))?,
+    ));
     e.erased = erased;
     e.pending = pending;
     Ok(e.sorted())

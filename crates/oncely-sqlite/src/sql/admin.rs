@@ -23,7 +23,11 @@ impl Queries {
     }
 
     /// `Admin::erase` of `tenant`'s `subject`: the keys it emptied.
-    pub(crate) fn bind_erase(&self, tenant: &Tenant, subject: &str) -> QueryScalar<'static, Sqlite, String, SqliteArguments> {
+    pub(crate) fn bind_erase(
+        &self,
+        tenant: &Tenant,
+        subject: &str,
+    ) -> QueryScalar<'static, Sqlite, String, SqliteArguments> {
         sqlx::query_scalar(AssertSqlSafe(self.erase.clone()))
             .bind(tenant.as_str().to_owned())
             .bind(subject.to_owned())
@@ -41,7 +45,13 @@ impl Queries {
     }
 
     /// `Admin::replace_outcome`: one row changed, or none.
-    pub(crate) fn bind_replace_outcome(&self, key: &EffectKey, fence: i64, expected: &[u8], outcome: &[u8]) -> Bound {
+    pub(crate) fn bind_replace_outcome(
+        &self,
+        key: &EffectKey,
+        fence: i64,
+        expected: &[u8],
+        outcome: &[u8],
+    ) -> Bound {
         sqlx::query(AssertSqlSafe(self.replace_outcome.clone()))
             .bind(key.as_str().to_owned())
             .bind(fence)

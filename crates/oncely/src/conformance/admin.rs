@@ -436,7 +436,10 @@ pub async fn erase_keeps_the_effect_done<L: Admin + 'static>(ledger: L) {
         key(&other_tenant, "capture", subject),
     ];
     let l = acquired(ledger.claim(&capture, &with_fp).await.unwrap());
-    ledger.complete(&l, &Outcome::value(&secret).unwrap()).await.unwrap();
+    ledger
+        .complete(&l, &Outcome::value(&secret).unwrap())
+        .await
+        .unwrap();
     let before = ledger.get(&capture).await.unwrap().unwrap();
     completed(&ledger, &receipt, secret).await;
     let lr = acquired(ledger.claim(&refund, &with_fp).await.unwrap());
@@ -444,7 +447,10 @@ pub async fn erase_keeps_the_effect_done<L: Admin + 'static>(ledger: L) {
     let live = acquired(ledger.claim(&email, &opts()).await.unwrap());
     for k in &kept {
         let l = acquired(ledger.claim(k, &with_fp).await.unwrap());
-        ledger.complete(&l, &Outcome::value(&secret).unwrap()).await.unwrap();
+        ledger
+            .complete(&l, &Outcome::value(&secret).unwrap())
+            .await
+            .unwrap();
     }
 
     let erasure = ledger.erase(&t, subject).await.unwrap();
@@ -459,20 +465,33 @@ pub async fn erase_keeps_the_effect_done<L: Admin + 'static>(ledger: L) {
     assert_eq!(r.state, RecordState::Completed);
     assert_eq!((r.outcome.as_ref(), r.fingerprint), (None, None));
     assert_eq!(r.fence, before.fence, "erase keeps the fence");
-    assert_eq!(r.created_at, before.created_at, "erase keeps the horizon's instant");
+    assert_eq!(
+        r.created_at, before.created_at,
+        "erase keeps the horizon's instant"
+    );
     assert_eq!(r.retain_until, before.retain_until, "erase keeps the retention");
     let r = ledger.get(&refund).await.unwrap().unwrap();
     assert_eq!((r.state, r.fingerprint), (RecordState::Released, None));
     for k in &kept {
         let r = ledger.get(k).await.unwrap().unwrap();
         assert_eq!(r.fingerprint, Some(fp), "{k} is not the subject's");
-        assert_eq!(r.stored::<String>().unwrap().unwrap(), crate::record::StoredOutcome::Value(secret.to_owned()));
+        assert_eq!(
+            r.stored::<String>().unwrap().unwrap(),
+            crate::record::StoredOutcome::Value(secret.to_owned())
+        );
     }
 
     // A duplicate of the erased completed effect: refused, never re-run.
-    for o in [opts(), with_fp.clone(), opts().fingerprint(crate::record::Fingerprint::of_bytes(b"x"))] {
+    for o in [
+        opts(),
+        with_fp.clone(),
+        opts().fingerprint(crate::record::Fingerprint::of_bytes(b"x")),
+    ] {
         let e = ledger.claim(&capture, &o).await.unwrap_err();
-        assert!(matches!(e, Error::Erased { ref key } if *key == capture.to_string()), "{e:?}");
+        assert!(
+            matches!(e, Error::Erased { ref key } if *key == capture.to_string()),
+            "{e:?}"
+        );
         assert!(!e.is_retryable());
     }
     let runs = std::sync::atomic::AtomicU32::new(0);
@@ -485,7 +504,11 @@ pub async fn erase_keeps_the_effect_done<L: Admin + 'static>(ledger: L) {
         .await
         .unwrap_err();
     assert!(matches!(e, Error::Erased { .. }), "{e:?}");
-    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 0, "the handler never runs");
+    assert_eq!(
+        runs.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the handler never runs"
+    );
     assert_eq!(ledger.get(&capture).await.unwrap().unwrap().fence, before.fence);
 
     // Released: the next claim takes it over, above the erased fence.
@@ -494,13 +517,23 @@ pub async fn erase_keeps_the_effect_done<L: Admin + 'static>(ledger: L) {
     ledger.release(&l2).await.unwrap();
 
     // The live holder settles; then the subject erases whole.
-    ledger.complete(&live, &Outcome::value(&secret).unwrap()).await.unwrap();
+    ledger
+        .complete(&live, &Outcome::value(&secret).unwrap())
+        .await
+        .unwrap();
     let again = ledger.erase(&t, subject).await.unwrap();
     assert!(again.is_complete(), "{again:?}");
     assert!(again.erased.contains(&email) && again.erased.contains(&capture));
     assert!(ledger.get(&email).await.unwrap().unwrap().is_erased());
     // Nothing of another tenant's subject, nor of one that starts alike.
-    assert!(ledger.erase(&fresh_tenant(), subject).await.unwrap().erased.is_empty());
+    assert!(
+        ledger
+            .erase(&fresh_tenant(), subject)
+            .await
+            .unwrap()
+            .erased
+            .is_empty()
+    );
 
     // Fences keep growing: an operator forgets the erased effect on purpose;
     // its next run is fenced above every earlier one.
@@ -533,16 +566,28 @@ pub async fn replace_outcome_is_conditional<L: Admin>(ledger: L) {
     assert!(!ledger.replace_outcome(&absent, 1, &a, &b).await.unwrap());
     assert!(ledger.get(&absent).await.unwrap().is_none(), "nothing created");
     let l = acquired(ledger.claim(&k, &opts()).await.unwrap());
-    assert!(!ledger.replace_outcome(&k, l.fence(), &a, &b).await.unwrap(), "in progress");
+    assert!(
+        !ledger.replace_outcome(&k, l.fence(), &a, &b).await.unwrap(),
+        "in progress"
+    );
     ledger.complete(&l, &a).await.unwrap();
-    assert!(!ledger.replace_outcome(&k, l.fence() + 1, &a, &b).await.unwrap(), "another fence");
+    assert!(
+        !ledger.replace_outcome(&k, l.fence() + 1, &a, &b).await.unwrap(),
+        "another fence"
+    );
     assert!(ledger.replace_outcome(&k, l.fence(), &a, &b).await.unwrap());
-    assert!(!ledger.replace_outcome(&k, l.fence(), &a, &c).await.unwrap(), "no longer holds a");
+    assert!(
+        !ledger.replace_outcome(&k, l.fence(), &a, &c).await.unwrap(),
+        "no longer holds a"
+    );
     match ledger.claim(&k, &opts()).await.unwrap() {
         Claim::Completed(r) => assert_eq!((r.outcome, r.fence), (Some(b.clone()), l.fence())),
         other => panic!("expected Completed, got {other:?}"),
     }
     ledger.erase(&t, "order-1").await.unwrap();
-    assert!(!ledger.replace_outcome(&k, l.fence(), &b, &c).await.unwrap(), "erased");
+    assert!(
+        !ledger.replace_outcome(&k, l.fence(), &b, &c).await.unwrap(),
+        "erased"
+    );
     assert!(ledger.get(&k).await.unwrap().unwrap().is_erased());
 }
