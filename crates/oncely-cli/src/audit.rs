@@ -1,4 +1,4 @@
-//! Operator actions are recorded: after `resolve` or `forget` changes a
+//! Operator actions are recorded: after `resolve`, `forget` or `erase` changes a
 //! record, [`write`] stores an audit record in the ledger itself, a completed
 //! effect of the reserved kind [`AUDIT_KIND`] in the same tenant, whose
 //! outcome says what was done (`{"ok": {"action", "key", "fence",
@@ -102,12 +102,65 @@ pub(crate) async fn write(
         "at": rfc3339(at),
         "by": std::env::var("USER").ok(),
     });
+    record(ledger, &audit_key, &entry, action, key.as_str(), fence, new_fence).await?;
+    Ok(audit_key)
+}
+
+/// Writes the audit record of an erasure (`oncely erase`) and emits its
+/// tracing event. It names the subject only by [`subject_hash`], never as
+/// it is: the record outlives the erasure (kept [`AUDIT_RETENTION`]).
+pub(crate) async fn write_erasure(
+    ledger: &AnyLedger,
+    tenant: &oncely::Tenant,
+    subject: &str,
+    erased: usize,
+    pending: usize,
+    at: SystemTime,
+) -> Result<EffectKey> {
+    let hash = subject_hash(tenant, subject);
+    let at_us = oncely::backend::to_micros(at)?;
+    let audit_key = EffectKey::new(tenant, AUDIT_KIND, format!("erase:{at_us}:{}", &hash[..32]))?;
+    let entry = serde_json::json!({
+        "action": "erase",
+        "subject_hash": hash,
+        "erased": erased,
+        "pending": pending,
+        "at": rfc3339(at),
+        "by": std::env::var("USER").ok(),
+    });
+    record(ledger, &audit_key, &entry, "erase", &hash, 0, 0).await?;
+    Ok(audit_key)
+}
+
+/// How an erasure's audit record names the subject: 64 hex digits of a
+/// BLAKE3 hash of the tenant and the stored subject, so that "was this
+/// person's data erased?" can be answered by hashing their subject again,
+/// and the record itself holds nothing of them.
+pub fn subject_hash(tenant: &oncely::Tenant, subject: &str) -> String {
+    let mut h = blake3::Hasher::new_derive_key("oncely 2026 erased subject");
+    h.update(&(tenant.as_str().len() as u64).to_le_bytes());
+    h.update(tenant.as_str().as_bytes());
+    h.update(subject.as_bytes());
+    h.finalize().to_hex().to_string()
+}
+
+/// Stores `entry` as the completed audit record `audit_key` (once: the same
+/// key already recorded is left as it is) and emits the tracing event.
+async fn record(
+    ledger: &AnyLedger,
+    audit_key: &EffectKey,
+    entry: &serde_json::Value,
+    action: &'static str,
+    about: &str,
+    fence: u64,
+    new_fence: u64,
+) -> Result<()> {
     let written = async {
         let opts = ClaimOptions::default()
             .lease(Duration::from_secs(60))
             .retention(AUDIT_RETENTION);
-        match ledger.claim(&audit_key, &opts).await? {
-            Claim::Acquired(lease) => ledger.complete(&lease, &Outcome::value(&entry)?).await,
+        match ledger.claim(audit_key, &opts).await? {
+            Claim::Acquired(lease) => ledger.complete(&lease, &Outcome::value(entry)?).await,
             // Already recorded (the same action at the same fence).
             Claim::Completed(_) => Ok(()),
             other => Err(Error::Misuse(format!(
@@ -120,7 +173,7 @@ pub(crate) async fn write(
     tracing::info!(
         target: "oncely::audit",
         action,
-        effect_key = %key,
+        effect_key = %about,
         fence,
         new_fence,
         audit_key = %audit_key,
@@ -130,9 +183,8 @@ pub(crate) async fn write(
     written.map_err(|e| match e {
         Error::Unavailable { backend, message } => Error::Unavailable {
             backend,
-            message: format!("{action} of {key} was done, but its audit record was not written: {message}"),
+            message: format!("{action} of {about} was done, but its audit record was not written: {message}"),
         },
         other => other,
-    })?;
-    Ok(audit_key)
+    })
 }

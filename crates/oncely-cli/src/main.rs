@@ -13,8 +13,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use oncely::Error;
 use oncely_cli::commands::{
-    abandoned, bench, chaos, demo, forget, get, history, inspect, migrate, prune, reconcile, reencrypt,
-    relay, resolve, serve, stats, stuck,
+    abandoned, bench, chaos, demo, erase, forget, get, history, inspect, migrate, prune, reconcile,
+    reencrypt, relay, resolve, serve, stats, stuck,
 };
 
 /// Make job and message handlers safe to run twice.
@@ -68,6 +68,7 @@ enum Command {
     Reconcile(reconcile::Args),
     Forget(forget::Args),
     Reencrypt(reencrypt::Args),
+    Erase(erase::Args),
     Prune(prune::Args),
     Relay(relay::Args),
     Migrate(migrate::Args),
@@ -104,6 +105,7 @@ async fn run(command: Command) -> oncely::Result<ExitCode> {
         Command::Reconcile(args) => reconcile::run(args).await,
         Command::Forget(args) => forget::run(args).await,
         Command::Reencrypt(args) => reencrypt::run(args).await,
+        Command::Erase(args) => erase::run(args).await,
         Command::Prune(args) => prune::run(args).await,
         Command::Relay(args) => relay::run(args).await,
         Command::Migrate(args) => migrate::run(args).await,

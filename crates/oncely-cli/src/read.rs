@@ -4,7 +4,7 @@
 
 use std::future::Future;
 
-use oncely::admin::{Admin, Filter, MAX_PAGE, RecordQuery};
+use oncely::admin::{Admin, Cursor, Filter, MAX_PAGE, RecordQuery};
 use oncely::backend::Record;
 use oncely::{EffectKey, Error, Result, Tenant};
 use oncely_any::{Access, AnyLedger, Scheme};
@@ -139,4 +139,22 @@ pub async fn list_records(database_url: &str, filter: Filter, l: &Listing) -> Re
         l.records(&query).await
     })
     .await
+}
+
+/// Every record `query` lists, page after page (a cursor past each full
+/// page), oldest first.
+pub(crate) async fn all_pages(ledger: &AnyLedger, query: RecordQuery) -> Result<Vec<Record>> {
+    let mut out = Vec::new();
+    let mut after: Option<Cursor> = None;
+    loop {
+        let page = ledger
+            .records(&query.clone().after(after).limit(MAX_PAGE))
+            .await?;
+        let full = page.len() == MAX_PAGE as usize;
+        after = page.last().map(Cursor::after);
+        out.extend(page);
+        if !full {
+            return Ok(out);
+        }
+    }
 }

@@ -934,6 +934,7 @@ fn redis_offers_inspect_and_resolve_and_refuses_the_rest() {
         vec!["history", "--tenant", t.as_str()],
         vec!["abandoned", "--all-tenants"],
         vec!["forget", done.as_str()],
+        vec!["erase", "--tenant", t.as_str(), "--subject", "o-1"],
         vec!["prune", "--dry-run"],
     ] {
         refused(&args, &url, 2, "not available on the redis backend");

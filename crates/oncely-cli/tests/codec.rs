@@ -204,7 +204,11 @@ fn encrypted_outcomes_on_postgres() {
 #[cfg(feature = "mysql")]
 #[test]
 fn encrypted_outcomes_on_mysql() {
-    let Some(url) = reachable("ONCELY_MYSQL_URL", "mysql://root@127.0.0.1:3306/test", "MySQL/MariaDB") else {
+    let Some(url) = reachable(
+        "ONCELY_MYSQL_URL",
+        "mysql://root@127.0.0.1:3306/test",
+        "MySQL/MariaDB",
+    ) else {
         return;
     };
     operate_on(&url);

@@ -315,6 +315,10 @@ fn each_result_maps_to_its_broker_action() {
             ..
         }
     ));
+    // Ran once, its outcome erased on a data-protection request: nothing is
+    // left to do, and a redelivery would only be refused again.
+    let erased = oncely::Error::Erased { key: key.clone() };
+    assert_eq!(decide(Err(erased.into()), 1), Action::Ack("erased"));
     let mismatch = oncely::Error::FingerprintMismatch { key };
     assert!(matches!(
         decide(Err(mismatch.into()), 1),

@@ -988,12 +988,25 @@ impl Admin for PgLedger {
         self.bounded(async {
             let mut tx = self.begin().await?;
             let rows = q
-                .bind_erase(tenant, subject)
+                .bind_erase_lock(tenant, subject)
                 .fetch_all(&mut *tx)
                 .await
                 .map_err(map)?;
+            let Some(erasure) = sql::erasure(&rows)? else {
+                // Nothing of the subject: the clock only.
+                let row = sql::bind_listing(sql::CLOCK_NOW, &[])
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(map)?;
+                tx.commit().await.map_err(map)?;
+                return sql::clock_now(&row).map(Erasure::new);
+            };
+            q.bind_erase(tenant, subject)
+                .execute(&mut *tx)
+                .await
+                .map_err(map)?;
             tx.commit().await.map_err(map)?;
-            sql::erasure(&rows)
+            Ok(erasure)
         })
         .await
     }

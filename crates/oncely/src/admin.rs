@@ -1,6 +1,7 @@
 //! The operator's view of a ledger: list records across a tenant (or all
-//! tenants), count them per kind, and deliberately let a completed effect run
-//! again. An optional capability, separate from [`Ledger`]: the SQL backends
+//! tenants), count them per kind, deliberately let a completed effect run
+//! again, and erase a subject's stored outcomes on a data-protection request
+//! without letting its effects run again ([`Admin::erase`]). An optional capability, separate from [`Ledger`]: the SQL backends
 //! and [`MemoryLedger`](crate::MemoryLedger) implement it; Redis and NATS
 //! JetStream KV do not (their stores have no secondary index to list or
 //! count records by tenant and kind without scanning every key), and the

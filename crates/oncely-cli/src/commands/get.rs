@@ -9,7 +9,7 @@ use oncely::{EffectKey, Result};
 use oncely_any::Access;
 use serde::Serialize;
 
-use super::{DbArgs, no_record, print_json};
+use super::{DbArgs, SubjectKeyArgs, no_record, print_json};
 use crate::read::{Read, with_ledger};
 use crate::view::RecordView;
 
@@ -19,7 +19,9 @@ use crate::view::RecordView;
 /// acme/capture:order-123. Exits 3 (and prints null) when the key has
 /// no record. Opens the ledger read-only: it creates, migrates and
 /// writes nothing (a missing database or table is an error), so a role
-/// that may only SELECT can run it.
+/// that may only SELECT can run it. With --subject-key-file, the key's
+/// subject is the raw identifier (acme/receipt:alice@example.com) and
+/// the record of its keyed hash is read.
 ///
 /// An encrypted outcome shows as {"encrypted": {"key_id", "bytes"}};
 /// with --decrypt it is opened with the outcome keyring (--keys-file,
@@ -32,14 +34,11 @@ pub struct Args {
     /// Open an encrypted outcome with the outcome keyring.
     #[arg(long)]
     decrypt: bool,
-    /// The keyring file, for --decrypt.
-    #[arg(
-        long,
-        env = "ONCELY_OUTCOME_KEYS_FILE",
-        value_name = "PATH",
-        requires = "decrypt"
-    )]
+    /// The keyring file, for --decrypt (ignored without it).
+    #[arg(long, env = "ONCELY_OUTCOME_KEYS_FILE", value_name = "PATH")]
     keys_file: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    subject_key: SubjectKeyArgs,
     #[command(flatten)]
     db: DbArgs,
 }
@@ -51,7 +50,14 @@ pub async fn run(args: Args) -> Result<ExitCode> {
     } else {
         None
     };
-    let read = get(&args.db.database_url, &args.key).await?;
+    let key = match args.subject_key.key()? {
+        Some(secret) => {
+            let raw = EffectKey::parse(&args.key)?;
+            EffectKey::hashed(raw.tenant(), raw.kind(), raw.subject(), &secret)?.to_string()
+        }
+        None => args.key.clone(),
+    };
+    let read = get(&args.db.database_url, &key).await?;
     Ok(match read.value {
         Some(record) => {
             let (record, decrypted_with) = match &keys {
@@ -68,7 +74,7 @@ pub async fn run(args: Args) -> Result<ExitCode> {
         }
         None => {
             println!("null");
-            no_record(&args.key, &read.ledger)
+            no_record(&key, &read.ledger)
         }
     })
 }

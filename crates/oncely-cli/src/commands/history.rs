@@ -4,15 +4,14 @@
 use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
-use oncely::admin::{Admin, Cursor, MAX_PAGE, RecordQuery};
-use oncely::backend::Record;
+use oncely::admin::RecordQuery;
 use oncely::{EffectKey, Result, Tenant};
-use oncely_any::{Access, AnyLedger};
+use oncely_any::Access;
 use serde::Serialize;
 
-use super::{ClientKeyArgs, DbArgs, Render, padded, plain_table, plural};
+use super::{ClientKeyArgs, DbArgs, Render, SubjectKeyArgs, padded, plain_table, plural};
 use crate::audit::{self, AUDIT_KIND};
-use crate::read::{Read, with_admin};
+use crate::read::{Read, all_pages, with_admin};
 use crate::time::parse_rfc3339;
 use crate::view::Inspection;
 
@@ -29,7 +28,9 @@ use crate::view::Inspection;
 /// metric. Read-only; SQL backends only.
 ///
 /// An HTTP request (oncely-tower) is stored under a hash of its principal
-/// and Idempotency-Key: --principal P --client-key K finds it.
+/// and Idempotency-Key: --principal P --client-key K finds it. A subject
+/// your producers hash (EffectKey::hashed) is found from the raw one with
+/// --subject-key-file.
 #[derive(Debug, ClapArgs)]
 pub struct Args {
     /// The tenant.
@@ -43,6 +44,8 @@ pub struct Args {
     subject: Option<String>,
     #[command(flatten)]
     client: ClientKeyArgs,
+    #[command(flatten)]
+    subject_key: SubjectKeyArgs,
     /// Only records first claimed at or after this RFC 3339 time
     /// (2026-11-30T08:00:00Z) or date (2026-11-30).
     #[arg(long)]
@@ -92,7 +95,11 @@ async fn history(q: &Args) -> Result<Read<History>> {
     let tenant = Tenant::parse(&q.tenant)?;
     let subject = match q.client.subject()? {
         Some(s) => Some(s),
-        None => q.subject.clone(),
+        None => q
+            .subject
+            .as_deref()
+            .map(|s| q.subject_key.stored(&tenant, s))
+            .transpose()?,
     };
     if let Some(k) = &q.kind {
         // Validates the kind (and the subject) as a key would.
@@ -216,22 +223,6 @@ fn verdict(records: &[Inspection], audits: &[AuditView]) -> (bool, String) {
     }
     line.push_str("; duplicates answered from a stored outcome are reads, not stored (see the oncely_duplicates_suppressed_total metric)");
     (!again.is_empty(), line)
-}
-
-async fn all_pages(ledger: &AnyLedger, query: RecordQuery) -> Result<Vec<Record>> {
-    let mut out = Vec::new();
-    let mut after: Option<Cursor> = None;
-    loop {
-        let page = ledger
-            .records(&query.clone().after(after).limit(MAX_PAGE))
-            .await?;
-        let full = page.len() == MAX_PAGE as usize;
-        after = page.last().map(Cursor::after);
-        out.extend(page);
-        if !full {
-            return Ok(out);
-        }
-    }
 }
 
 /// The records as a table, the actions recorded on them, the verdict.

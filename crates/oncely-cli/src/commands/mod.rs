@@ -17,6 +17,7 @@ pub mod abandoned;
 pub mod bench;
 pub mod chaos;
 pub mod demo;
+pub mod erase;
 pub mod forget;
 pub mod get;
 pub mod history;
@@ -110,6 +111,43 @@ impl ClientKeyArgs {
         match (self.principal.as_deref(), self.client_key.as_deref()) {
             (Some(p), Some(k)) => Ok(Some(oncely::EffectKey::client_subject(p, k)?)),
             _ => Ok(None),
+        }
+    }
+}
+
+/// The key producers hash subjects with ([`EffectKey::hashed`](oncely::EffectKey::hashed)),
+/// so an operator can name a record by its raw subject (an email) and
+/// the command looks it up by the keyed hash the ledger stores.
+#[derive(Debug, Args)]
+pub struct SubjectKeyArgs {
+    /// A file holding the subject key (64 hex digits) your producers hash
+    /// subjects with (EffectKey::hashed): the subject given is then the raw
+    /// identifier (alice@example.com), and the stored one (h-…) is looked
+    /// up. The key never appears in any output.
+    #[arg(long, env = "ONCELY_SUBJECT_KEY_FILE")]
+    pub subject_key_file: Option<std::path::PathBuf>,
+}
+
+impl SubjectKeyArgs {
+    /// The key from the file, if one was named ([`Error::Config`] when it
+    /// cannot be read or is not 64 hex digits).
+    pub fn key(&self) -> Result<Option<oncely::SubjectKey>> {
+        let Some(path) = &self.subject_key_file else {
+            return Ok(None);
+        };
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::Config(format!("subject key file {}: {e}", path.display())))?;
+        oncely::SubjectKey::from_hex(&text)
+            .map(Some)
+            .map_err(|e| Error::Config(format!("subject key file {}: {e}", path.display())))
+    }
+
+    /// The subject as the ledger stores it: `subject` hashed with the key
+    /// when one was given, else `subject` as it is.
+    pub fn stored(&self, tenant: &Tenant, subject: &str) -> Result<String> {
+        match self.key()? {
+            Some(k) => oncely::EffectKey::hashed_subject(tenant, subject, &k),
+            None => Ok(subject.to_owned()),
         }
     }
 }

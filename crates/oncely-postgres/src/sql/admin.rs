@@ -22,7 +22,14 @@ impl Queries {
 }
 
 impl Queries {
-    /// `Admin::erase` of `tenant`'s `subject`.
+    /// `Admin::erase`, step 1: the subject's records, locked.
+    pub(crate) fn bind_erase_lock(&self, tenant: &Tenant, subject: &str) -> Bound {
+        sqlx::query(AssertSqlSafe(self.erase_lock.clone()))
+            .bind(tenant.as_str().to_owned())
+            .bind(subject.to_owned())
+    }
+
+    /// `Admin::erase`, step 2: the erasable ones emptied.
     pub(crate) fn bind_erase(&self, tenant: &Tenant, subject: &str) -> Bound {
         sqlx::query(AssertSqlSafe(self.erase.clone()))
             .bind(tenant.as_str().to_owned())
@@ -45,29 +52,39 @@ impl Queries {
     }
 }
 
-/// The rows of `Admin::erase` as an [`Erasure`].
-pub(crate) fn erasure(rows: &[PgRow]) -> Result<Erasure> {
+/// The locked rows of `Admin::erase` as an [`Erasure`]: each key erased or
+/// pending by its stored state (`oncely::backend::erasable`), at the clock
+/// the lock read; `None` when there are no rows (nothing to erase).
+pub(crate) fn erasure(rows: &[PgRow]) -> Result<Option<Erasure>> {
     let mut at = None;
     let (mut erased, mut pending) = (Vec::new(), Vec::new());
     for row in rows {
         let now = micros(row, "now")?;
         at = Some(at.map_or(now, |a: i64| a.max(now)));
-        let Some(k) = get::<Option<String>>(row, "key")? else {
-            continue;
-        };
+        let k: String = get(row, "key")?;
         let k = EffectKey::parse(&k).map_err(|e| corrupt(format!("stored key {k:?}: {e}")))?;
-        if get::<bool>(row, "erased")? {
+        let state: String = get(row, "state")?;
+        let state = oncely::backend::RecordState::parse(&state).map_err(|e| corrupt(format!("{k}: {e}")))?;
+        if oncely::backend::erasable(state) {
             erased.push(k);
         } else {
             pending.push(k);
         }
     }
-    let mut e = Erasure::new(from_micros(
-        at.ok_or_else(|| corrupt("erase returned no clock row".to_owned()))?,
-    ));
-    e.erased = erased;
-    e.pending = pending;
-    Ok(e.sorted())
+    Ok(at.map(|at| {
+        let mut e = Erasure::new(from_micros(at));
+        e.erased = erased;
+        e.pending = pending;
+        e.sorted()
+    }))
+}
+
+/// The database's clock alone (`now`): an erasure that found nothing.
+pub(crate) const CLOCK_NOW: &str = "SELECT clock_timestamp() AS now";
+
+/// The `now` of a [`CLOCK_NOW`] row.
+pub(crate) fn clock_now(row: &PgRow) -> Result<std::time::SystemTime> {
+    micros(row, "now").map(from_micros)
 }
 
 /// An operator listing built by [`records`] or [`stats`] (its text and

@@ -31,7 +31,7 @@ mod prune;
 mod record;
 mod write;
 
-pub(crate) use admin::{Arg, bind_listing, erasure, kind_stats, records, stats};
+pub(crate) use admin::{Arg, CLOCK_NOW, bind_listing, clock_now, erasure, kind_stats, records, stats};
 pub(crate) use claim::{ClaimRow, claim_leaked, claimed_key, own_lease};
 pub(crate) use outbox::{OutboxQueries, enqueued, pending, pruned, stats as outbox_stats, written_id};
 pub(crate) use prune::{prune_counts, watermark};
@@ -180,8 +180,10 @@ pub(crate) struct Queries {
     pub abandoned: Arc<str>,
     /// `Admin::forget` (`$1` key, `$2` fence, `$3` guard flag).
     pub forget: Arc<str>,
-    /// `Admin::erase` (`$1` tenant, `$2` subject): one row per key (`key`,
-    /// `erased`) and one clock row (`key` null), read with `now`.
+    /// `Admin::erase`, step 1 (`$1` tenant, `$2` subject): the subject's
+    /// records, locked (`key`, `state`, `now`).
+    pub erase_lock: Arc<str>,
+    /// `Admin::erase`, step 2 (`$1` tenant, `$2` subject).
     pub erase: Arc<str>,
     /// `Admin::replace_outcome` (`$1` key, `$2` fence, `$3` expected, `$4`
     /// new): a row when it wrote.
@@ -642,25 +644,23 @@ impl Queries {
             retention = micros("e.retention_us"),
             guard = guard("$3"),
         );
-        // Erase: the subject's completed and released records
-        // (`oncely::backend::erasable`) lose their outcome and fingerprint;
-        // key, state, fence, created_at and retention stay, so a completed
-        // one answers every claim with `Error::Erased` and is never taken
-        // over. Records in progress are listed, unchanged (pending): a
-        // holder may still complete them. A row the UPDATE waited on and
-        // then found completed is erased and not listed as pending (the
-        // second SELECT reads the statement's snapshot, from before).
+        // Erase, in a transaction of the ledger's own: first the subject's
+        // records, locked (a row some claim or completion is writing is
+        // waited for, and read as it is then), with the clock; then the
+        // completed and released ones (`oncely::backend::erasable`) lose
+        // their outcome and fingerprint. Key, state, fence, created_at and
+        // retention stay, so a completed one answers every claim with
+        // `Error::Erased` and is never taken over. The locked rows in
+        // progress are reported pending, unchanged: a holder may still
+        // complete them. (One statement reading its snapshot could miss a
+        // released record that a claim took over meanwhile: in neither list.)
+        let erase_lock = format!(
+            "SELECT e.key AS key, e.state AS state, clock_timestamp() AS now FROM {t} AS e \
+             WHERE e.tenant = $1 AND e.subject = $2 FOR UPDATE"
+        );
         let erase = format!(
-            "WITH u AS (UPDATE {t} AS e SET outcome = NULL, fingerprint = NULL \
-               WHERE e.tenant = $1 AND e.subject = $2 AND e.state IN ('completed', 'released') \
-               RETURNING e.key) \
-             SELECT u.key AS key, true AS erased, clock_timestamp() AS now FROM u \
-             UNION ALL \
-             SELECT e.key, false, clock_timestamp() FROM {t} AS e \
-               WHERE e.tenant = $1 AND e.subject = $2 AND e.state = 'in_progress' \
-                 AND e.key NOT IN (SELECT key FROM u) \
-             UNION ALL \
-             SELECT NULL, NULL, clock_timestamp()"
+            "UPDATE {t} SET outcome = NULL, fingerprint = NULL \
+             WHERE tenant = $1 AND subject = $2 AND state IN ('completed', 'released')"
         );
         let replace_outcome = format!(
             "UPDATE {t} SET outcome = $4 \
@@ -793,6 +793,7 @@ impl Queries {
             prune: prune.into(),
             abandoned: abandoned.into(),
             forget: forget.into(),
+            erase_lock: erase_lock.into(),
             erase: erase.into(),
             replace_outcome: replace_outcome.into(),
             prunable: prunable.into(),

@@ -363,6 +363,7 @@ macro_rules! __admin_conformance_tests {
             prunable_counts_without_deleting,
             erase_keeps_the_effect_done,
             erase_refuses_a_bad_subject,
+            erase_lists_every_record_once_under_concurrent_claims,
             replace_outcome_is_conditional,
         );
     };
