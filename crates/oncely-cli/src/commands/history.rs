@@ -268,7 +268,7 @@ impl Render for History {
 mod tests {
     use super::*;
     use crate::view::tests::record;
-    use oncely::backend::RecordState;
+    use oncely::backend::{Record, RecordState};
 
     #[test]
     fn the_verdict_says_what_the_records_show() {
