@@ -45,8 +45,9 @@ fn marker(tenant: &Tenant, what: &str) -> String {
 
 /// With the codec, the table as its dump tool prints it holds no byte
 /// sequence of an outcome (raw or in hex); an outcome written without the
-/// codec, in the same table, is found by the same search (the control:
-/// the search would see one). Duplicates still get the plain value back.
+/// codec, in the same table, is found by the same search, and so is the
+/// sealed row's stored envelope (the controls: the search sees rows, and
+/// this one was dumped). Duplicates still get the plain value back.
 pub async fn codec_dump_holds_no_plain_outcome<L: Admin + 'static>(
     ledger: L,
     dump: impl Fn() -> Vec<u8>,
@@ -87,6 +88,10 @@ pub async fn codec_dump_holds_no_plain_outcome<L: Admin + 'static>(
     assert!(
         contains(&dump, control.as_bytes()),
         "control: the plain outcome {control} is not in the dump, so the search proves nothing"
+    );
+    assert!(
+        contains(&dump, &bytes),
+        "the sealed row itself is not in the dump, so its absence proves nothing"
     );
     assert!(
         !contains(&dump, secret.as_bytes()),
