@@ -283,7 +283,8 @@ pub fn describe_sealed(stored: &[u8]) -> Option<String> {
     }
 }
 
-/// 32 bytes of key material for [`Keyring`]. Its `Debug` never prints them.
+/// 32 bytes of key material for [`Keyring`]. Its `Debug` never prints them,
+/// and they are wiped when it is dropped (so is the keyring's cipher state).
 #[derive(Clone, PartialEq, Eq)]
 pub struct SecretKey([u8; 32]);
 
@@ -332,6 +333,12 @@ fn nibble(c: u8) -> Option<u8> {
         b'a'..=b'f' => Some(c - b'a' + 10),
         b'A'..=b'F' => Some(c - b'A' + 10),
         _ => None,
+    }
+}
+
+impl Drop for SecretKey {
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(&mut self.0);
     }
 }
 
