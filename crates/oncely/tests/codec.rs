@@ -238,3 +238,20 @@ async fn reseal_counts_a_record_that_moved_on_between_its_read_and_its_write() {
         .unwrap();
     assert_eq!((again.resealed, again.moved_on), (1, 0), "{again:?}");
 }
+
+/// The whole `Ledger` contract holds through the wrapper: the shared
+/// conformance suite on a sealed memory ledger (every outcome it writes is
+/// sealed, every one it reads back opened).
+mod through_the_wrapper {
+    use std::sync::Arc;
+
+    use oncely::MemoryLedger;
+    use oncely::codec::{Keyring, Sealed, SecretKey};
+
+    async fn ledger() -> Option<Arc<Sealed<MemoryLedger, Keyring>>> {
+        let keys = Keyring::new("k1", SecretKey::from_bytes([3; 32])).unwrap();
+        Some(Arc::new(Sealed::new(MemoryLedger::new(), keys)))
+    }
+
+    oncely::conformance::conformance_tests!(ledger);
+}
