@@ -59,3 +59,31 @@ async fn erased_records_pass_untouched() {
 async fn seals_in_the_callers_transaction() {
     c::codec_seals_in_the_callers_transaction(ledger().await.0).await;
 }
+
+/// The shared conformance suites, plain and transactional, through the
+/// wrapper on SQLite: the contract holds with every outcome sealed.
+mod through_the_wrapper {
+    use oncely::codec::{Keyring, Sealed, SecretKey};
+    use oncely_sqlite::{SqliteLedger, SqliteLedgerOptions, SqliteSynchronous};
+
+    async fn ledger() -> Option<Sealed<SqliteLedger, Keyring>> {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static SEQ: AtomicUsize = AtomicUsize::new(0);
+        let path = super::dir()
+            .path()
+            .join(format!("sealed-{}.db", SEQ.fetch_add(1, Ordering::Relaxed)));
+        // As tests/conformance.rs opens its files: a connection per racer,
+        // synchronous=NORMAL for the suite's short leases.
+        let options = SqliteLedgerOptions::default()
+            .max_connections(70)
+            .synchronous(SqliteSynchronous::Normal);
+        let inner = SqliteLedger::connect_with(&format!("sqlite:{}", path.display()), options)
+            .await
+            .expect("open the temporary SQLite database");
+        let keys = Keyring::new("k1", SecretKey::from_bytes([4; 32])).unwrap();
+        Some(Sealed::new(inner, keys))
+    }
+
+    oncely::conformance::conformance_tests!(ledger);
+    oncely::conformance::transactional_conformance_tests!(ledger);
+}
