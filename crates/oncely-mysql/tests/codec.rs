@@ -12,12 +12,16 @@ fn url() -> Option<String> {
 }
 
 async fn ledger() -> Option<MySqlLedger> {
+    ledger_with(MySqlLedgerOptions::default().table(TABLE)).await
+}
+
+async fn ledger_with(options: MySqlLedgerOptions) -> Option<MySqlLedger> {
     // Connecting migrates; one at a time, so two tests never create the
     // table at once.
     static CONNECT: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     let url = url()?;
     let _one = CONNECT.lock().await;
-    match MySqlLedger::connect_with(&url, MySqlLedgerOptions::default().table(TABLE)).await {
+    match MySqlLedger::connect_with(&url, options).await {
         Ok(l) => Some(l),
         Err(e) => skip_or_fail(&format!("MySQL at {url}: {e}")),
     }
@@ -75,4 +79,22 @@ fn dump_target(url: &str) -> (String, u16, String) {
     let database = path.split('?').next().unwrap_or("test").to_owned();
     let (host, port) = authority.split_once(':').unwrap_or((authority, "3306"));
     (host.to_owned(), port.parse().expect("a port number"), database)
+}
+
+/// The shared conformance suites, plain and transactional, through the
+/// wrapper on MySQL: the contract holds with every outcome sealed.
+mod through_the_wrapper {
+    use oncely::codec::{Keyring, Sealed, SecretKey};
+
+    use super::*;
+
+    async fn ledger() -> Option<Sealed<MySqlLedger, Keyring>> {
+        // A connection per racer of the suite's races.
+        let inner = ledger_with(MySqlLedgerOptions::default().table(TABLE).max_connections(70)).await?;
+        let keys = Keyring::new("k1", SecretKey::from_bytes([4; 32])).unwrap();
+        Some(Sealed::new(inner, keys))
+    }
+
+    oncely::conformance::conformance_tests!(ledger);
+    oncely::conformance::transactional_conformance_tests!(ledger);
 }

@@ -15,12 +15,16 @@ fn url() -> Option<String> {
 }
 
 async fn ledger() -> Option<PgLedger> {
+    ledger_with(PgLedgerOptions::default().table(TABLE)).await
+}
+
+async fn ledger_with(options: PgLedgerOptions) -> Option<PgLedger> {
     // Connecting migrates; one at a time, so two tests never create the
     // table at once.
     static CONNECT: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     let url = url()?;
     let _one = CONNECT.lock().await;
-    match PgLedger::connect_with(&url, PgLedgerOptions::default().table(TABLE)).await {
+    match PgLedger::connect_with(&url, options).await {
         Ok(l) => Some(l),
         Err(e) => skip_or_fail(&format!("PostgreSQL at {url}: {e}")),
     }
@@ -67,4 +71,22 @@ async fn erased_records_pass_untouched() {
 async fn seals_in_the_callers_transaction() {
     let Some(ledger) = ledger().await else { return };
     c::codec_seals_in_the_callers_transaction(ledger).await;
+}
+
+/// The shared conformance suites, plain and transactional, through the
+/// wrapper on PostgreSQL: the contract holds with every outcome sealed.
+mod through_the_wrapper {
+    use oncely::codec::{Keyring, Sealed, SecretKey};
+
+    use super::*;
+
+    async fn ledger() -> Option<Sealed<PgLedger, Keyring>> {
+        // A connection per racer of the suite's races.
+        let inner = ledger_with(PgLedgerOptions::default().table(TABLE).max_connections(70)).await?;
+        let keys = Keyring::new("k1", SecretKey::from_bytes([4; 32])).unwrap();
+        Some(Sealed::new(inner, keys))
+    }
+
+    oncely::conformance::conformance_tests!(ledger);
+    oncely::conformance::transactional_conformance_tests!(ledger);
 }
