@@ -1,5 +1,7 @@
-//! The outcome codec on MySQL and MariaDB: nothing plain in `mysqldump` (raw and `--hex-blob`), rotation,
-//! typed key errors, the caller's transaction. On a table of its own
+//! The outcome codec on MySQL and MariaDB: nothing plain in `mysqldump`
+//! (raw and `--hex-blob`), rotation,
+//! typed key errors, the caller's transaction, and the conformance suites
+//! through the wrapper. On a table of its own
 //! (`oncely_codec`); each case on a fresh tenant.
 
 use oncely::conformance::{self as c, service_url, skip_or_fail};

@@ -1,5 +1,6 @@
 //! The outcome codec on PostgreSQL: nothing plain in `pg_dump`, rotation,
-//! typed key errors, the caller's transaction. On a table of its own
+//! typed key errors, the caller's transaction, and the conformance suites
+//! through the wrapper. On a table of its own
 //! (`oncely_codec`); each case on a fresh tenant.
 
 use oncely::conformance::{self as c, service_url, skip_or_fail};

@@ -1,5 +1,6 @@
 //! The outcome codec on SQLite: nothing plain in `sqlite3 .dump`, rotation,
-//! typed key errors, the caller's transaction. Each test on a file of its own.
+//! typed key errors, the caller's transaction, and the conformance suites
+//! through the wrapper. Each test on a file of its own.
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
