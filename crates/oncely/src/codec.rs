@@ -431,8 +431,18 @@ impl Keyring {
                         entries.len() + 1
                     )));
                 };
-                let key = SecretKey::from_hex(hex)
-                    .map_err(|e| Error::Config(format!("outcome key {id:?}: {}", config_message(e))))?;
+                // Errors name the entry by number, never by what it holds: a
+                // line written the wrong way round has the key where the id is.
+                let n = entries.len() + 1;
+                if check_key_id(id).is_err() {
+                    return Err(Error::Config(format!(
+                        "outcome keys: entry {n}: the key id must be 1 to {MAX_KEY_ID} ASCII letters, \
+                         digits, '-', '_' or '.'"
+                    )));
+                }
+                let key = SecretKey::from_hex(hex).map_err(|e| {
+                    Error::Config(format!("outcome keys: entry {n} ({id}): {}", config_message(e)))
+                })?;
                 entries.push((marked, id.to_owned(), key));
             }
         }
@@ -1143,6 +1153,7 @@ mod tests {
             format!("*a={0} *b={0}", "11".repeat(32)),
             format!("a={0} a={0}", "11".repeat(32)),
             format!("bad/id={}", "11".repeat(32)),
+            format!("{}=k1", "11".repeat(32)),
         ] {
             let err = Keyring::parse(&bad).unwrap_err();
             assert!(matches!(err, Error::Config(_)), "{bad}: {err:?}");
