@@ -100,6 +100,7 @@ pub fn outcome_summary(o: &Outcome) -> String {
 /// `completed` or `released`.
 pub fn class_of(r: &Record) -> &'static str {
     match r.state {
+        RecordState::Completed if r.is_erased() => "erased",
         RecordState::Completed => "completed",
         RecordState::Released => "released",
         RecordState::Abandoned => "abandoned",
@@ -160,7 +161,8 @@ pub struct Inspection {
     /// The record as stored.
     #[serde(flatten)]
     pub record: RecordView,
-    /// `live`, `stuck`, `abandoned`, `completed` or `released` ([`class_of`]).
+    /// `live`, `stuck`, `abandoned`, `completed`, `erased` (completed, its
+    /// outcome erased) or `released` ([`class_of`]).
     pub class: &'static str,
     /// Seconds of lease left (negative: ended that long ago), in-progress
     /// records only.
@@ -255,6 +257,11 @@ pub(crate) mod tests {
         live.lease_expires_at = Some(live.read_at + Duration::from_micros(1));
         assert_eq!(class_of(&live), "live");
         assert_eq!(class_of(&record(0, RecordState::Released)), "released");
+        let mut done = record(0, RecordState::Completed);
+        done.outcome = Some(Outcome::value(&"ch_1").unwrap());
+        assert_eq!(class_of(&done), "completed");
+        done.outcome = None;
+        assert_eq!(class_of(&done), "erased");
     }
 
     #[test]

@@ -209,6 +209,8 @@ fn erase_story(url: &str, dir: &Path, dump: impl Fn() -> Vec<u8>) {
     ]);
     let view = json_of(&got);
     assert!(view["outcome"].is_null(), "{view}");
+    let inspected = oncely(&["inspect", capture.as_str(), "--json", "--database-url", url]);
+    assert_eq!(json_of(&inspected)["class"], "erased", "{}", stdout(&inspected));
 }
 
 /// A fixed 32-byte subject key for the tests.

@@ -555,6 +555,10 @@ impl RecordPage {
         let state = class_of(r);
         let meaning = match state {
             "completed" => "Done: duplicates are answered with the stored outcome.",
+            "erased" => {
+                "Done, and its outcome was erased on a data-protection request: duplicates are \
+                 refused (Error::Erased), never run again."
+            }
             "released" => "Given back: the next claim runs the effect again.",
             "abandoned" => {
                 "An at-most-once step whose lease ended before it completed: it may or may not have \
