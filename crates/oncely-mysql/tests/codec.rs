@@ -42,29 +42,7 @@ async fn a_dump_holds_no_plain_outcome() {
     .await;
 }
 
-#[tokio::test]
-async fn rotation_keeps_old_records_readable() {
-    let Some(ledger) = ledger().await else { return };
-    c::codec_rotation_keeps_old_records_readable(ledger).await;
-}
-
-#[tokio::test]
-async fn reseal_leaves_a_record_that_moved_on() {
-    let Some(ledger) = ledger().await else { return };
-    c::codec_reseal_leaves_a_record_that_moved_on(ledger).await;
-}
-
-#[tokio::test]
-async fn wrong_or_missing_key_is_a_typed_error() {
-    let Some(ledger) = ledger().await else { return };
-    c::codec_wrong_or_missing_key_is_a_typed_error(ledger).await;
-}
-
-#[tokio::test]
-async fn erased_records_pass_untouched() {
-    let Some(ledger) = ledger().await else { return };
-    c::codec_leaves_erased_records_alone(ledger).await;
-}
+oncely::conformance::codec_conformance_tests!(ledger);
 
 #[tokio::test]
 async fn seals_in_the_callers_transaction() {

@@ -36,25 +36,12 @@ async fn a_dump_holds_no_plain_outcome() {
     .await;
 }
 
-#[tokio::test]
-async fn rotation_keeps_old_records_readable() {
-    c::codec_rotation_keeps_old_records_readable(ledger().await.0).await;
+/// A ledger on a file of its own, for the shared codec cases.
+async fn on_its_own_file() -> Option<SqliteLedger> {
+    Some(ledger().await.0)
 }
 
-#[tokio::test]
-async fn reseal_leaves_a_record_that_moved_on() {
-    c::codec_reseal_leaves_a_record_that_moved_on(ledger().await.0).await;
-}
-
-#[tokio::test]
-async fn wrong_or_missing_key_is_a_typed_error() {
-    c::codec_wrong_or_missing_key_is_a_typed_error(ledger().await.0).await;
-}
-
-#[tokio::test]
-async fn erased_records_pass_untouched() {
-    c::codec_leaves_erased_records_alone(ledger().await.0).await;
-}
+oncely::conformance::codec_conformance_tests!(on_its_own_file);
 
 #[tokio::test]
 async fn seals_in_the_callers_transaction() {

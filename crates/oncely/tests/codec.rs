@@ -6,31 +6,14 @@
 use oncely::admin::{Admin, RecordQuery};
 use oncely::backend::{Claim, Ledger, Outcome};
 use oncely::codec::{Envelope, Keyring, OutcomeCodec, ResealOptions, Sealed, SecretKey, reseal};
-use oncely::conformance::{
-    codec_leaves_erased_records_alone, codec_reseal_leaves_a_record_that_moved_on,
-    codec_rotation_keeps_old_records_readable, codec_wrong_or_missing_key_is_a_typed_error, fresh_tenant,
-};
+use oncely::conformance::fresh_tenant;
 use oncely::{ClaimOptions, EffectKey, Error, MemoryLedger};
 
-#[tokio::test]
-async fn rotation_keeps_old_records_readable() {
-    codec_rotation_keeps_old_records_readable(MemoryLedger::new()).await;
+async fn memory() -> Option<MemoryLedger> {
+    Some(MemoryLedger::new())
 }
 
-#[tokio::test]
-async fn reseal_leaves_a_record_that_moved_on() {
-    codec_reseal_leaves_a_record_that_moved_on(MemoryLedger::new()).await;
-}
-
-#[tokio::test]
-async fn wrong_or_missing_key_is_a_typed_error() {
-    codec_wrong_or_missing_key_is_a_typed_error(MemoryLedger::new()).await;
-}
-
-#[tokio::test]
-async fn erased_records_pass_untouched() {
-    codec_leaves_erased_records_alone(MemoryLedger::new()).await;
-}
+oncely::conformance::codec_conformance_tests!(memory);
 
 fn ring() -> Keyring {
     Keyring::new("k1", SecretKey::from_bytes([7; 32])).unwrap()

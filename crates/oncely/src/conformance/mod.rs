@@ -61,6 +61,8 @@ use crate::{ClaimOptions, EffectKey, Tenant};
 #[doc(inline)]
 pub use crate::__admin_conformance_tests as admin_conformance_tests;
 #[doc(inline)]
+pub use crate::__codec_conformance_tests as codec_conformance_tests;
+#[doc(inline)]
 pub use crate::__conformance_tests as conformance_tests;
 #[doc(inline)]
 pub use crate::__nodes_conformance_tests as nodes_conformance_tests;
@@ -340,6 +342,26 @@ macro_rules! __transactional_nodes_conformance_tests {
         $crate::__conformance_tests!(@each $make;
             nodes_claim_in_transactions_on_two_nodes,
             nodes_complete_in_on_another_node,
+        );
+    };
+}
+
+/// Generates the outcome codec's cases ([`codec`](crate::codec)) for a
+/// ledger that implements [`Admin`](crate::admin::Admin): one
+/// `#[tokio::test]` per function, each calling `$make().await` (an
+/// `async fn() -> Option<L>`; `None` skips). A backend adds its own dump
+/// case ([`codec_dump_holds_no_plain_outcome`], with its dump tool) and,
+/// when it has one, the caller's transaction
+/// ([`codec_seals_in_the_callers_transaction`]).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __codec_conformance_tests {
+    ($make:path) => {
+        $crate::__conformance_tests!(@each $make;
+            codec_rotation_keeps_old_records_readable,
+            codec_reseal_leaves_a_record_that_moved_on,
+            codec_wrong_or_missing_key_is_a_typed_error,
+            codec_leaves_erased_records_alone,
         );
     };
 }
