@@ -105,7 +105,7 @@ fn erase_story(url: &str, dir: &Path, dump: impl Fn() -> Vec<u8>) {
     let forgot = oncely(&["forget", refund.as_str(), "--database-url", url]);
     assert!(forgot.status.success(), "{}", stderr(&forgot));
 
-    let args = |dry: bool| {
+    let run = |dry: bool| {
         let mut a = vec![
             "erase",
             "--tenant",
@@ -121,11 +121,7 @@ fn erase_story(url: &str, dir: &Path, dump: impl Fn() -> Vec<u8>) {
         if dry {
             a.push("--dry-run");
         }
-        a.into_iter().map(str::to_owned).collect::<Vec<_>>()
-    };
-    let run = |dry: bool| {
-        let a = args(dry);
-        oncely(&a.iter().map(String::as_str).collect::<Vec<_>>())
+        oncely(&a)
     };
     let dry = run(true);
     assert!(dry.status.success(), "{}", stderr(&dry));

@@ -342,6 +342,19 @@ impl Erasure {
         }
     }
 
+    /// Lists `key` by its `state`: erased when [`erasable`], pending
+    /// otherwise; returns whether it is erasable (the record's outcome and
+    /// fingerprint are to be removed). How every backend sorts what it found.
+    pub fn add(&mut self, key: EffectKey, state: RecordState) -> bool {
+        let erasable = erasable(state);
+        if erasable {
+            self.erased.push(key);
+        } else {
+            self.pending.push(key);
+        }
+        erasable
+    }
+
     /// Whether every record of the subject is erased (none is pending).
     pub fn is_complete(&self) -> bool {
         self.pending.is_empty()

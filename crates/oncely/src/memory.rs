@@ -358,12 +358,9 @@ impl crate::admin::Admin for MemoryLedger {
                 continue;
             }
             let r = &mut row.record;
-            if crate::admin::erasable(r.state) {
+            if erasure.add(key.clone(), r.state) {
                 r.outcome = None;
                 r.fingerprint = None;
-                erasure.erased.push(key.clone());
-            } else {
-                erasure.pending.push(key.clone());
             }
         }
         Ok(erasure.sorted())

@@ -2,9 +2,10 @@
 //! a data-protection request, without reopening its effects; recorded.
 
 use std::process::ExitCode;
+use std::time::SystemTime;
 
 use clap::Args as ClapArgs;
-use oncely::admin::{Admin, RecordQuery, erasable};
+use oncely::admin::{Admin, Erasure, RecordQuery};
 use oncely::{EffectKey, Result, Tenant};
 use oncely_any::{Access, AnyLedger};
 use serde::Serialize;
@@ -111,14 +112,12 @@ pub async fn erase(args: &Args) -> Result<Read<ErasureReport>> {
             at: None,
         };
         if dry_run {
+            let mut would = Erasure::new(SystemTime::UNIX_EPOCH);
             for r in all_pages(&ledger, RecordQuery::tenant(&tenant).subject(subject.clone())).await? {
-                let list = if erasable(r.state) {
-                    &mut report.erased
-                } else {
-                    &mut report.pending
-                };
-                list.push(r.key.to_string());
+                would.add(r.key, r.state);
             }
+            report.erased = would.erased.iter().map(EffectKey::to_string).collect();
+            report.pending = would.pending.iter().map(EffectKey::to_string).collect();
             report.audit_records_erased = audits.iter().map(EffectKey::to_string).collect();
             return Ok(report);
         }

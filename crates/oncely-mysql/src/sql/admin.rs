@@ -180,11 +180,7 @@ pub(crate) fn erasure(rows: &[MySqlRow]) -> Result<oncely::admin::Erasure> {
         let state: String = row.try_get("state").map_err(g)?;
         let state =
             oncely::backend::RecordState::parse(&state).map_err(|err| corrupt(format!("{k}: {err}")))?;
-        if oncely::backend::erasable(state) {
-            e.erased.push(k);
-        } else {
-            e.pending.push(k);
-        }
+        e.add(k, state);
     }
     let at = at.ok_or_else(|| corrupt("erase read no clock row".to_owned()))?;
     e.at = oncely::backend::from_micros(at);

@@ -57,7 +57,7 @@ impl Queries {
 /// the lock read; `None` when there are no rows (nothing to erase).
 pub(crate) fn erasure(rows: &[PgRow]) -> Result<Option<Erasure>> {
     let mut at = None;
-    let (mut erased, mut pending) = (Vec::new(), Vec::new());
+    let mut erasure = Erasure::new(std::time::SystemTime::UNIX_EPOCH);
     for row in rows {
         let now = micros(row, "now")?;
         at = Some(at.map_or(now, |a: i64| a.max(now)));
@@ -65,17 +65,11 @@ pub(crate) fn erasure(rows: &[PgRow]) -> Result<Option<Erasure>> {
         let k = EffectKey::parse(&k).map_err(|e| corrupt(format!("stored key {k:?}: {e}")))?;
         let state: String = get(row, "state")?;
         let state = oncely::backend::RecordState::parse(&state).map_err(|e| corrupt(format!("{k}: {e}")))?;
-        if oncely::backend::erasable(state) {
-            erased.push(k);
-        } else {
-            pending.push(k);
-        }
+        erasure.add(k, state);
     }
     Ok(at.map(|at| {
-        let mut e = Erasure::new(from_micros(at));
-        e.erased = erased;
-        e.pending = pending;
-        e.sorted()
+        erasure.at = from_micros(at);
+        erasure.sorted()
     }))
 }
 
