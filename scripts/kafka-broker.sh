@@ -63,12 +63,13 @@ pid_of() {
     echo "$pid"
 }
 
-# Ready: the port answers and the broker serves metadata.
+# Ready: the port answers. Exited: the pid the broker wrote names no live
+# process (only liveness here: a pid read too early must not read as a crash).
 wait_ready() {
-    local deadline=$((SECONDS + WAIT_SECS))
+    local deadline=$((SECONDS + WAIT_SECS)) pid
     while ((SECONDS < deadline)); do
         if tcp_open "$PORT"; then return 0; fi
-        if [[ -f $DIR/tansu.pid ]] && ! pid_of >/dev/null; then
+        if pid=$(cat "$DIR/tansu.pid" 2>/dev/null) && [[ -n $pid ]] && ! kill -0 "$pid" 2>/dev/null; then
             echo "tansu exited; see $DIR/tansu.log" >&2
             tail -n 20 "$DIR/tansu.log" >&2 || true
             return 1
@@ -76,7 +77,26 @@ wait_ready() {
         sleep 0.2
     done
     echo "Tansu did not answer on port $PORT after ${WAIT_SECS}s; see $DIR/tansu.log" >&2
+    tail -n 20 "$DIR/tansu.log" >&2 || true
     return 1
+}
+
+# Starts the broker once and waits for it.
+start() {
+    local bin=$1
+    # setsid + nohup: the broker outlives the test process that started it.
+    # The process that becomes the broker writes its own pid just before it
+    # execs: `$!` would be wrong when setsid forks (it does when the caller
+    # runs with job control), and a pid read before the exec names a process
+    # whose command line is not yet tansu's.
+    rm -f "$DIR/tansu.pid"
+    setsid nohup bash -c 'echo $$ >"$1.new" && mv "$1.new" "$1" && shift && exec "$@"' tansu-start "$DIR/tansu.pid" \
+        "$bin" broker \
+        --listener-url "tcp://127.0.0.1:$PORT" \
+        --advertised-listener-url "tcp://127.0.0.1:$PORT" \
+        --storage-engine memory://tansu/ \
+        </dev/null >"$DIR/tansu.log" 2>&1 9>&- &
+    wait_ready
 }
 
 cmd=${1:-}
@@ -98,14 +118,14 @@ case $cmd in
         fi
         bin=$(tansu_bin)
         mkdir -p "$DIR"
-        # setsid + nohup: the broker outlives the test process that started it.
-        setsid nohup "$bin" broker \
-            --listener-url "tcp://127.0.0.1:$PORT" \
-            --advertised-listener-url "tcp://127.0.0.1:$PORT" \
-            --storage-engine memory://tansu/ \
-            </dev/null >"$DIR/tansu.log" 2>&1 9>&- &
-        echo $! >"$DIR/tansu.pid"
-        wait_ready
+        # A broker that dies at start is started again, twice at most.
+        for attempt in 1 2 3; do
+            start "$bin" && break
+            ((attempt < 3)) || exit 1
+            echo "starting Tansu again (attempt $((attempt + 1)) of 3)" >&2
+            if pid=$(pid_of); then kill -9 "$pid" 2>/dev/null || true; fi
+            sleep 1
+        done
         echo "127.0.0.1:$PORT"
         ;;
     down)
