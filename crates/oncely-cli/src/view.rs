@@ -75,12 +75,14 @@ impl From<&Record> for RecordView {
 }
 
 /// A stored outcome as JSON: the JSON it holds; a sealed one
-/// ([`oncely::codec`]) as `{"encrypted": {"key_id": "k1", "bytes": 812}}`
-/// (a damaged envelope without `key_id`), never its bytes; anything else as
-/// `{"bytes": n}`.
+/// ([`oncely::codec`]) as `{"encrypted": {"key_id": "k1", "bytes": 812,
+/// "compressed": false}}` (a damaged envelope with `bytes` only), never its
+/// bytes; anything else as `{"bytes": n}`.
 pub fn outcome_json(o: &Outcome) -> serde_json::Value {
     if let Some(e) = Envelope::parse(o.as_bytes()) {
-        return serde_json::json!({ "encrypted": { "key_id": e.key_id(), "bytes": e.len() } });
+        return serde_json::json!({
+            "encrypted": { "key_id": e.key_id(), "bytes": e.len(), "compressed": e.is_compressed() }
+        });
     }
     if Envelope::is_sealed(o.as_bytes()) {
         return serde_json::json!({ "encrypted": { "bytes": o.len() } });

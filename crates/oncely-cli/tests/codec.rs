@@ -1,8 +1,8 @@
 //! Encrypted outcomes at the command line, as the built `oncely` binary on
 //! SQLite, PostgreSQL and MySQL: `get` and `inspect` show a sealed outcome as
 //! encrypted (key id and size), never its bytes; `reencrypt` moves outcomes
-//! to the active key (a dry run first), lists what it cannot open, and
-//! refuses to run without keys.
+//! to the active key (a dry run first, `--compress` deflating what shrinks),
+//! lists what it cannot open, and refuses to run without keys.
 
 use std::process::{Command, Output};
 
@@ -17,6 +17,16 @@ mod common;
 use common::{acquired, reachable, runtime, stderr, stdout};
 
 const SECRET: &str = "ch_secret_9931";
+
+/// The outcome stored for the `i`th key: the secret alone, and for the
+/// third a long, repetitive list that compresses.
+fn outcome(i: usize) -> Outcome {
+    if i < 2 {
+        Outcome::value(&SECRET).unwrap()
+    } else {
+        Outcome::value(&vec![SECRET; 300]).unwrap()
+    }
+}
 
 fn hex(byte: u8) -> String {
     format!("{byte:02x}").repeat(32)
@@ -51,7 +61,7 @@ fn key_id(url: &str, key: &EffectKey) -> String {
 
 fn operate_on(url: &str) {
     let tenant = oncely::conformance::fresh_tenant();
-    let keys: Vec<EffectKey> = (0..2)
+    let keys: Vec<EffectKey> = (0..3)
         .map(|i| EffectKey::new(&tenant, "capture", format!("o-{i}")).unwrap())
         .collect();
     let rt = runtime();
@@ -61,12 +71,9 @@ fn operate_on(url: &str) {
             ledger.clone(),
             Keyring::new("k1", SecretKey::from_hex(&hex(1)).unwrap()).unwrap(),
         );
-        for k in &keys {
+        for (i, k) in keys.iter().enumerate() {
             let lease = acquired(sealed.claim(k, &ClaimOptions::default()).await.unwrap());
-            sealed
-                .complete(&lease, &Outcome::value(&SECRET).unwrap())
-                .await
-                .unwrap();
+            sealed.complete(&lease, &outcome(i)).await.unwrap();
         }
         ledger.close().await;
     });
@@ -128,7 +135,7 @@ fn operate_on(url: &str) {
     );
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     let v = json(&out);
-    assert_eq!(v["failed"].as_array().unwrap().len(), 2, "{v}");
+    assert_eq!(v["failed"].as_array().unwrap().len(), 3, "{v}");
     assert!(
         v["failed"][0]["error"].as_str().unwrap().contains("\"k1\""),
         "{v}"
@@ -145,12 +152,12 @@ fn operate_on(url: &str) {
     assert!(dry.status.success(), "{}", stderr(&dry));
     assert_eq!(
         (json(&dry)["resealed"].as_u64(), json(&dry)["dry_run"].as_bool()),
-        (Some(2), Some(true))
+        (Some(3), Some(true))
     );
     assert_eq!(key_id(url, &keys[0]), "k1");
 
     let done = run(
-        &["reencrypt", "--tenant", tenant.as_str(), "--json"],
+        &["reencrypt", "--tenant", tenant.as_str(), "--compress", "--json"],
         url,
         Some(&rotated),
     );
@@ -158,14 +165,23 @@ fn operate_on(url: &str) {
     let v = json(&done);
     assert_eq!(
         (v["resealed"].as_u64(), v["active_key"].as_str()),
-        (Some(2), Some("k2")),
+        (Some(3), Some("k2")),
         "{v}"
     );
     for k in &keys {
         assert_eq!(key_id(url, k), "k2");
     }
+    // --compress deflated the long outcome and left the short ones as they were.
+    let compressed = |k: &EffectKey| {
+        let out = run(&["inspect", k.as_str(), "--json"], url, None);
+        json(&out)["outcome"]["encrypted"]["compressed"].as_bool()
+    };
+    assert_eq!(
+        keys.iter().map(compressed).collect::<Vec<_>>(),
+        [Some(false), Some(false), Some(true)]
+    );
     let again = run(&["reencrypt", "--tenant", tenant.as_str()], url, Some(&rotated));
-    assert!(stdout(&again).contains("re-sealed 0 of 2"), "{}", stdout(&again));
+    assert!(stdout(&again).contains("re-sealed 0 of 3"), "{}", stdout(&again));
 
     // The old key is no longer needed to read them.
     rt.block_on(async {
@@ -174,9 +190,9 @@ fn operate_on(url: &str) {
             ledger.clone(),
             Keyring::new("k2", SecretKey::from_hex(&hex(2)).unwrap()).unwrap(),
         );
-        for k in &keys {
+        for (i, k) in keys.iter().enumerate() {
             let r = only_k2.get(k).await.unwrap().unwrap();
-            assert_eq!(r.outcome, Some(Outcome::value(&SECRET).unwrap()));
+            assert_eq!(r.outcome, Some(outcome(i)));
         }
         ledger.close().await;
     });

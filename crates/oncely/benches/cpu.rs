@@ -2,7 +2,10 @@
 //! and rendering, the provider key, fingerprinting a payload, encoding and
 //! decoding an outcome, and a whole `Effects::run` (claim, run, complete) and
 //! a duplicate's replay on the in-process ledger, where the "round trip" is a
-//! mutex. Target: under 5 µs per claim.
+//! mutex. Target: under 5 µs per claim. The outcome codec (`oncely::codec`):
+//! sealing and opening a charge and a 16 KiB page, with and without
+//! compression, next to encoding the same outcome in plain (the baseline);
+//! the stored sizes are printed once.
 //!
 //! `cargo bench -p oncely --bench cpu`
 
@@ -11,6 +14,7 @@ use std::sync::Arc;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use oncely::backend::{Fingerprint, Outcome, StoredOutcome};
+use oncely::codec::{Keyring, OutcomeCodec, SecretKey};
 use oncely::{ClaimOptions, EffectKey, Effects, MemoryLedger, Tenant};
 use serde::{Deserialize, Serialize};
 
@@ -69,6 +73,55 @@ fn payloads(c: &mut Criterion) {
     });
 }
 
+/// A stored HTTP response's worth of JSON: 16 KiB of order lines.
+fn page() -> Vec<serde_json::Value> {
+    (0..150)
+        .map(|i| serde_json::json!({"line": i, "sku": format!("SKU-{:05}", i * 7), "qty": i % 4 + 1, "price": "19.90"}))
+        .collect()
+}
+
+fn codec(c: &mut Criterion) {
+    let key = EffectKey::new(&Tenant::new("acme-eu").unwrap(), "capture", "order-123456").unwrap();
+    let ring = Keyring::new("k1", SecretKey::from_bytes([7; 32])).unwrap();
+    let compressing = ring.clone().compress(true);
+    for (name, value) in [
+        ("charge", serde_json::to_value(charge()).unwrap()),
+        ("16 KiB page", serde_json::to_value(page()).unwrap()),
+    ] {
+        let plain = Outcome::value(&value).unwrap();
+        let sealed = ring.seal(&key, &plain).unwrap();
+        let deflated = compressing.seal(&key, &plain).unwrap();
+        eprintln!(
+            "codec, {name}: plain {} bytes, sealed {} bytes, compressed and sealed {} bytes",
+            plain.len(),
+            sealed.len(),
+            deflated.len()
+        );
+        c.bench_function(&format!("codec: {name}: encode plain (baseline)"), |b| {
+            b.iter(|| Outcome::value(black_box(&value)).unwrap())
+        });
+        c.bench_function(&format!("codec: {name}: encode and seal"), |b| {
+            b.iter(|| {
+                ring.seal(&key, &Outcome::value(black_box(&value)).unwrap())
+                    .unwrap()
+            })
+        });
+        c.bench_function(&format!("codec: {name}: encode, compress and seal"), |b| {
+            b.iter(|| {
+                compressing
+                    .seal(&key, &Outcome::value(black_box(&value)).unwrap())
+                    .unwrap()
+            })
+        });
+        c.bench_function(&format!("codec: {name}: open"), |b| {
+            b.iter(|| ring.open(&key, black_box(&sealed)).unwrap())
+        });
+        c.bench_function(&format!("codec: {name}: open and inflate"), |b| {
+            b.iter(|| ring.open(&key, black_box(&deflated)).unwrap())
+        });
+    }
+}
+
 fn runner(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
     let effects = Effects::new(Arc::new(MemoryLedger::new()));
@@ -94,5 +147,5 @@ fn runner(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, keys, payloads, runner);
+criterion_group!(benches, keys, payloads, codec, runner);
 criterion_main!(benches);

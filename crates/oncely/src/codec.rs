@@ -46,7 +46,7 @@
 //!
 //! | bytes | what |
 //! | --- | --- |
-//! | 17 | [`MAGIC`], `\0oncely-sealed-v1`: no JSON text starts with a NUL byte, so a sealed value is never taken for a plain outcome, nor the reverse |
+//! | 17 | [`MAGIC`], `\0oncely-sealed-v1`, or [`MAGIC_DEFLATE`], `\0oncely-sealed-d1`, when the outcome was compressed before it was sealed: no JSON text starts with a NUL byte, so a sealed value is never taken for a plain outcome, nor the reverse |
 //! | 1 | the key id's length, 1 to [`MAX_KEY_ID`] |
 //! | n | the key id, ASCII letters, digits, `-`, `_`, `.` ([`check_key_id`]) |
 //! | 24 | a random nonce (from the operating system, per seal) |
@@ -65,9 +65,25 @@
 //! the plain outcome in its [`Capabilities`], and an outcome over it fails
 //! with [`Error::OutcomeTooLarge`] before anything is written.
 //!
-//! Outcomes are not compressed: compressing before encrypting lets the
-//! stored length tell something about the content, and outcomes are small
-//! results (an id, a status), not payloads.
+//! ## Compression (opt-in)
+//!
+//! [`Keyring::compress`] deflates an outcome before sealing it, and keeps
+//! the deflated form only when it is smaller: stored HTTP responses and
+//! other repetitive JSON shrink several times, an id or a status stays as
+//! it was. The envelope says which in its magic ([`MAGIC_DEFLATE`]), inside
+//! the authenticated header, so no outcome's own bytes can pass for a
+//! compressed one; every [`Keyring`] opens both, whether or not it
+//! compresses, and inflates at most [`MAX_OUTCOME_BYTES`] (a forged
+//! envelope cannot make a reader allocate more). The limit on a plain
+//! outcome does not change with it: the caller's limit never depends on
+//! how well a value compresses.
+//!
+//! It is off by default because compressing before encrypting lets the
+//! stored length tell something about the content: if an attacker can put
+//! text of their choosing into an outcome that also holds a secret, the
+//! sizes of many stored records can reveal the secret a guess at a time
+//! (the CRIME and BREACH attacks on TLS). Turn it on for outcomes that hold
+//! no secret next to attacker-chosen text, or where storage matters more.
 //!
 //! ## Rotating keys
 //!
@@ -166,6 +182,10 @@ impl<C: OutcomeCodec + ?Sized> OutcomeCodec for std::sync::Arc<C> {
 /// The first bytes of every sealed outcome (see the [module docs](self)).
 pub const MAGIC: &[u8] = b"\0oncely-sealed-v1";
 
+/// The first bytes of a sealed outcome that was deflated before it was
+/// sealed ([`Keyring::compress`]); as long as [`MAGIC`].
+pub const MAGIC_DEFLATE: &[u8] = b"\0oncely-sealed-d1";
+
 /// The longest key id, in bytes.
 pub const MAX_KEY_ID: usize = 32;
 
@@ -200,20 +220,24 @@ pub struct Envelope<'a> {
     nonce: &'a [u8],
     ciphertext: &'a [u8],
     len: usize,
+    compressed: bool,
 }
 
 impl<'a> Envelope<'a> {
-    /// Whether `stored` starts with [`MAGIC`]: a sealed value (well formed
-    /// or not), never a plain outcome.
+    /// Whether `stored` starts with [`MAGIC`] or [`MAGIC_DEFLATE`]: a
+    /// sealed value (well formed or not), never a plain outcome.
     pub fn is_sealed(stored: &[u8]) -> bool {
-        stored.starts_with(MAGIC)
+        stored.starts_with(MAGIC) || stored.starts_with(MAGIC_DEFLATE)
     }
 
     /// The envelope in `stored`, or `None` when it is not a well-formed
     /// sealed value (a plain outcome, or a damaged one: see
     /// [`Envelope::is_sealed`]).
     pub fn parse(stored: &'a [u8]) -> Option<Self> {
-        let rest = stored.strip_prefix(MAGIC)?;
+        let (rest, compressed) = match stored.strip_prefix(MAGIC) {
+            Some(rest) => (rest, false),
+            None => (stored.strip_prefix(MAGIC_DEFLATE)?, true),
+        };
         let (&id_len, rest) = rest.split_first()?;
         let id_len = usize::from(id_len);
         if rest.len() < id_len + NONCE_BYTES + TAG_BYTES {
@@ -229,6 +253,7 @@ impl<'a> Envelope<'a> {
             nonce,
             ciphertext,
             len: stored.len(),
+            compressed,
         })
     }
 
@@ -247,9 +272,17 @@ impl<'a> Envelope<'a> {
         false
     }
 
-    /// The plain outcome's size in bytes (the ciphertext less its tag).
+    /// The size in bytes of what was sealed (the ciphertext less its tag):
+    /// the plain outcome's, or its deflated form's when
+    /// [`is_compressed`](Envelope::is_compressed).
     pub fn plain_len(&self) -> usize {
         self.ciphertext.len() - TAG_BYTES
+    }
+
+    /// Whether the outcome was deflated before it was sealed
+    /// ([`Keyring::compress`]).
+    pub fn is_compressed(&self) -> bool {
+        self.compressed
     }
 }
 
@@ -258,20 +291,28 @@ impl fmt::Debug for Envelope<'_> {
         f.debug_struct("Envelope")
             .field("key_id", &self.key_id)
             .field("len", &self.len)
+            .field("compressed", &self.compressed)
             .finish_non_exhaustive()
     }
 }
 
 impl fmt::Display for Envelope<'_> {
-    /// `encrypted (key k1, 812 bytes)`: how tools show a sealed outcome.
+    /// `encrypted (key k1, 812 bytes)`, or `encrypted (key k1, compressed,
+    /// 812 bytes)`: how tools show a sealed outcome.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "encrypted (key {}, {} bytes)", self.key_id, self.len)
+        let compressed = if self.compressed { ", compressed" } else { "" };
+        write!(
+            f,
+            "encrypted (key {}{compressed}, {} bytes)",
+            self.key_id, self.len
+        )
     }
 }
 
 /// How tools describe a stored outcome without any key: `Some("encrypted
 /// (key k1, 812 bytes)")` for a sealed one, `Some("encrypted (damaged
-/// envelope, 40 bytes)")` for a value with [`MAGIC`] that does not parse,
+/// envelope, 40 bytes)")` for a value with [`MAGIC`] (or
+/// [`MAGIC_DEFLATE`]) that does not parse,
 /// `None` for a plain outcome (show it as usual).
 pub fn describe_sealed(stored: &[u8]) -> Option<String> {
     match Envelope::parse(stored) {
@@ -356,6 +397,7 @@ pub struct Keyring {
     active: String,
     keys: BTreeMap<String, XChaCha20Poly1305>,
     require_sealed: bool,
+    compress: bool,
 }
 
 impl Keyring {
@@ -368,6 +410,7 @@ impl Keyring {
             active: id.to_owned(),
             keys,
             require_sealed: false,
+            compress: false,
         })
     }
 
@@ -390,6 +433,32 @@ impl Keyring {
     /// the keyring) is plain until `oncely reencrypt --plain` seals it.
     pub fn require_sealed(mut self, yes: bool) -> Self {
         self.require_sealed = yes;
+        self
+    }
+
+    /// Deflates each outcome before sealing it, keeping the deflated form
+    /// only when it is smaller (off by default; see the
+    /// [module docs](self#compression-opt-in) for when not to). Opening
+    /// does not depend on it: every keyring opens compressed and plain
+    /// envelopes alike.
+    ///
+    /// ```
+    /// use oncely::backend::Outcome;
+    /// use oncely::codec::{Envelope, Keyring, OutcomeCodec, SecretKey};
+    /// use oncely::{EffectKey, Tenant};
+    ///
+    /// # fn main() -> oncely::Result<()> {
+    /// let keys = Keyring::new("k1", SecretKey::generate()?)?.compress(true);
+    /// let key = EffectKey::new(&Tenant::global(), "render", "invoice-7")?;
+    /// let page = Outcome::from_json(&"<tr><td>line</td></tr>".repeat(200))?;
+    /// let stored = keys.seal(&key, &page)?;
+    /// assert!(Envelope::parse(stored.as_bytes()).unwrap().is_compressed());
+    /// assert!(stored.len() < page.len() / 10);
+    /// assert_eq!(keys.open(&key, &stored)?, page);
+    /// # Ok(()) }
+    /// ```
+    pub fn compress(mut self, yes: bool) -> Self {
+        self.compress = yes;
         self
     }
 
@@ -498,6 +567,7 @@ impl fmt::Debug for Keyring {
             .field("active", &self.active)
             .field("keys", &self.keys.keys().collect::<Vec<_>>())
             .field("require_sealed", &self.require_sealed)
+            .field("compress", &self.compress)
             .finish()
     }
 }
@@ -513,32 +583,17 @@ impl OutcomeCodec for Keyring {
                 max: limit,
             });
         }
-        let cipher = &self.keys[&self.active];
-        let mut nonce = [0u8; NONCE_BYTES];
-        getrandom::fill(&mut nonce).map_err(|e| Error::Codec {
-            key: key.to_string(),
-            message: format!("no randomness for a nonce: {e}"),
-        })?;
-        let mut out = Vec::with_capacity(plain.len() + self.overhead());
-        out.extend_from_slice(MAGIC);
-        out.push(self.active.len() as u8); // check_key_id: at most 32
-        out.extend_from_slice(self.active.as_bytes());
-        let aad = aad(&out, key);
-        let sealed = cipher
-            .encrypt(
-                &XNonce::from(nonce),
-                Payload {
-                    msg: plain.as_bytes(),
-                    aad: &aad,
-                },
-            )
-            .map_err(|_| Error::Codec {
-                key: key.to_string(),
-                message: "encryption failed".into(),
-            })?;
-        out.extend_from_slice(&nonce);
-        out.extend_from_slice(&sealed);
-        Outcome::from_bytes(out)
+        // Deflated only when that is smaller, so the overhead (and the
+        // limit above) holds whatever the content.
+        let deflated = self
+            .compress
+            .then(|| miniz_oxide::deflate::compress_to_vec(plain.as_bytes(), DEFLATE_LEVEL))
+            .filter(|d| d.len() < plain.len());
+        let (magic, msg) = match &deflated {
+            Some(d) => (MAGIC_DEFLATE, d.as_slice()),
+            None => (MAGIC, plain.as_bytes()),
+        };
+        self.seal_bytes(key, magic, msg)
     }
 
     fn open(&self, key: &EffectKey, stored: &Outcome) -> Result<Outcome> {
@@ -581,11 +636,53 @@ impl OutcomeCodec for Keyring {
                     envelope.key_id()
                 ),
             })?;
-        Outcome::from_bytes(plain)
+        if !envelope.is_compressed() {
+            return Outcome::from_bytes(plain);
+        }
+        // Authenticated, so written by a holder of the key; inflated with a
+        // limit all the same, so no stored value makes a reader allocate
+        // more than an outcome may hold.
+        let inflated = miniz_oxide::inflate::decompress_to_vec_with_limit(&plain, MAX_OUTCOME_BYTES)
+            .map_err(|e| Error::Codec {
+                key: key.to_string(),
+                message: format!("the compressed outcome does not inflate: {e}"),
+            })?;
+        Outcome::from_bytes(inflated)
     }
 
     fn overhead(&self) -> usize {
         MAGIC.len() + 1 + self.active.len() + NONCE_BYTES + TAG_BYTES
+    }
+}
+
+/// miniz's default level: most of the gain of the slowest at a fraction of
+/// its time, for outcomes of at most [`MAX_OUTCOME_BYTES`].
+const DEFLATE_LEVEL: u8 = 6;
+
+impl Keyring {
+    /// Seals `msg` under the active key behind `magic` (the header, with
+    /// the effect key, is the additional authenticated data).
+    fn seal_bytes(&self, key: &EffectKey, magic: &[u8], msg: &[u8]) -> Result<Outcome> {
+        let cipher = &self.keys[&self.active];
+        let mut nonce = [0u8; NONCE_BYTES];
+        getrandom::fill(&mut nonce).map_err(|e| Error::Codec {
+            key: key.to_string(),
+            message: format!("no randomness for a nonce: {e}"),
+        })?;
+        let mut out = Vec::with_capacity(msg.len() + self.overhead());
+        out.extend_from_slice(magic);
+        out.push(self.active.len() as u8); // check_key_id: at most 32
+        out.extend_from_slice(self.active.as_bytes());
+        let aad = aad(&out, key);
+        let sealed = cipher
+            .encrypt(&XNonce::from(nonce), Payload { msg, aad: &aad })
+            .map_err(|_| Error::Codec {
+                key: key.to_string(),
+                message: "encryption failed".into(),
+            })?;
+        out.extend_from_slice(&nonce);
+        out.extend_from_slice(&sealed);
+        Outcome::from_bytes(out)
     }
 }
 
@@ -1121,6 +1218,77 @@ mod tests {
             Err(Error::OutcomeTooLarge { size, max }) => assert_eq!((size, max), (limit + 1, limit)),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn compression_shrinks_repetitive_outcomes_and_every_keyring_opens_them() {
+        let ring = Keyring::new("k1", k(1)).unwrap().compress(true);
+        let rows: Vec<_> = (0..300)
+            .map(|i| serde_json::json!({"line": i, "sku": "SKU-1"}))
+            .collect();
+        let plain = Outcome::from_json(&rows).unwrap();
+        let sealed = ring.seal(&key("o-1"), &plain).unwrap();
+        let e = Envelope::parse(sealed.as_bytes()).unwrap();
+        assert!(e.is_compressed());
+        assert!(
+            sealed.len() < plain.len() / 4,
+            "{} of {}",
+            sealed.len(),
+            plain.len()
+        );
+        assert!(
+            e.to_string().starts_with("encrypted (key k1, compressed, "),
+            "{e}"
+        );
+        assert_eq!(ring.open(&key("o-1"), &sealed).unwrap(), plain);
+        // Opening never depends on the setting.
+        let reader = Keyring::new("k1", k(1)).unwrap();
+        assert_eq!(reader.open(&key("o-1"), &sealed).unwrap(), plain);
+        // The magic is authenticated: told it is not compressed, it does not open.
+        let mut flipped = sealed.clone().into_bytes();
+        flipped[..MAGIC.len()].copy_from_slice(MAGIC);
+        assert!(matches!(
+            ring.open(&key("o-1"), &Outcome::from_bytes(flipped).unwrap()),
+            Err(Error::Codec { .. })
+        ));
+    }
+
+    #[test]
+    fn what_does_not_shrink_is_sealed_as_it_is_within_the_same_limit() {
+        let ring = Keyring::new("k1", k(1)).unwrap().compress(true);
+        let mut noise = vec![0u8; 600];
+        getrandom::fill(&mut noise).unwrap();
+        let plain = Outcome::from_json(&"ch_3PqzK2Lk9x8v7w6u").unwrap();
+        for outcome in [plain, Outcome::from_bytes(noise).unwrap()] {
+            let sealed = ring.seal(&key("o-1"), &outcome).unwrap();
+            assert!(!Envelope::parse(sealed.as_bytes()).unwrap().is_compressed());
+            assert_eq!(sealed.len(), outcome.len() + ring.overhead());
+            assert_eq!(ring.open(&key("o-1"), &sealed).unwrap(), outcome);
+        }
+        let limit = MAX_OUTCOME_BYTES - ring.overhead();
+        let over = Outcome::from_bytes(vec![b'a'; limit + 1]).unwrap();
+        assert!(matches!(
+            ring.seal(&key("o-1"), &over),
+            Err(Error::OutcomeTooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn a_compressed_value_inflating_past_the_outcome_limit_is_refused() {
+        let ring = Keyring::new("k1", k(1)).unwrap();
+        let bomb = miniz_oxide::deflate::compress_to_vec(&vec![b'a'; MAX_OUTCOME_BYTES + 1], 6);
+        let sealed = ring.seal_bytes(&key("o-1"), MAGIC_DEFLATE, &bomb).unwrap();
+        match ring.open(&key("o-1"), &sealed) {
+            Err(Error::Codec { message, .. }) => assert!(message.contains("inflate"), "{message}"),
+            other => panic!("{other:?}"),
+        }
+        let garbage = ring
+            .seal_bytes(&key("o-1"), MAGIC_DEFLATE, b"not deflate")
+            .unwrap();
+        assert!(matches!(
+            ring.open(&key("o-1"), &garbage),
+            Err(Error::Codec { .. })
+        ));
     }
 
     #[test]

@@ -23,7 +23,8 @@ use crate::view::RecordView;
 /// subject is the raw identifier (acme/receipt:alice@example.com) and
 /// the record of its keyed hash is read.
 ///
-/// An encrypted outcome shows as {"encrypted": {"key_id", "bytes"}};
+/// An encrypted outcome shows as {"encrypted": {"key_id", "bytes",
+/// "compressed"}};
 /// with --decrypt it is opened with the outcome keyring (--keys-file,
 /// ONCELY_OUTCOME_KEYS_FILE or ONCELY_OUTCOME_KEYS, as for reencrypt) and
 /// shown in clear, with the key id in "decrypted_with".

@@ -43,6 +43,11 @@ pub struct Args {
     /// Seal plain (unencrypted) outcomes too.
     #[arg(long)]
     plain: bool,
+    /// Deflate each outcome it re-seals before sealing, where that makes it
+    /// smaller (off by default: the stored size then says something about
+    /// the content; see docs/privacy.md).
+    #[arg(long)]
+    compress: bool,
     /// Count what would be re-sealed; write nothing.
     #[arg(long)]
     dry_run: bool,
@@ -146,7 +151,7 @@ pub async fn reencrypt(
 
 /// Prints the counts; exit 1 when a record could not be opened.
 pub async fn run(args: Args) -> Result<ExitCode> {
-    let keys = load_keys(args.keys_file.as_deref())?;
+    let keys = load_keys(args.keys_file.as_deref())?.compress(args.compress);
     let mut options = ResealOptions::default().plain(args.plain).dry_run(args.dry_run);
     if let Some(tenant) = args.scope.tenant()? {
         options = options.tenant(tenant);

@@ -47,7 +47,10 @@ fn marker(tenant: &Tenant, what: &str) -> String {
 /// sequence of an outcome (raw or in hex); an outcome written without the
 /// codec, in the same table, is found by the same search, and so is the
 /// sealed row's stored envelope (the controls: the search sees rows, and
-/// this one was dumped). Duplicates still get the plain value back.
+/// this one was dumped). Duplicates still get the plain value back. The
+/// same holds for an outcome deflated before sealing
+/// ([`Keyring::compress`]), stored shorter than it is, and opened by a
+/// keyring that does not compress.
 pub async fn codec_dump_holds_no_plain_outcome<L: Admin + 'static>(
     ledger: L,
     dump: impl Fn() -> Vec<u8>,
@@ -84,22 +87,52 @@ pub async fn codec_dump_holds_no_plain_outcome<L: Admin + 'static>(
         Envelope::parse(&bytes).map(|e| e.key_id().to_owned()).as_deref(),
         Some("k1")
     );
-    let dump = dump();
+    let dumped = dump();
     assert!(
-        contains(&dump, control.as_bytes()),
+        contains(&dumped, control.as_bytes()),
         "control: the plain outcome {control} is not in the dump, so the search proves nothing"
     );
     assert!(
-        contains(&dump, &bytes),
+        contains(&dumped, &bytes),
         "the sealed row itself is not in the dump, so its absence proves nothing"
     );
     assert!(
-        !contains(&dump, secret.as_bytes()),
+        !contains(&dumped, secret.as_bytes()),
         "the sealed outcome {secret} appears in the dump"
     );
     // The whole stored plain outcome, not only the marker inside it.
     let plain = Outcome::value(&secret).unwrap();
-    assert!(!contains(&dump, plain.as_bytes()));
+    assert!(!contains(&dumped, plain.as_bytes()));
+
+    // Compressed, then sealed: shorter than the plain outcome, and no more
+    // readable in a dump.
+    let kz = key(&t, "render", "compressed");
+    let page = vec![marker(&t, "ch_deflated_5151"); 200];
+    let compressing = Effects::new(Sealed::new(ledger.clone(), ring("k1", 1).compress(true)));
+    let first: Vec<String> = compressing
+        .run(&kz, &ClaimOptions::default(), |_| {
+            let page = page.clone();
+            async move { Ok(page) }
+        })
+        .await
+        .unwrap();
+    let again: Vec<String> = effects
+        .run(&kz, &ClaimOptions::default(), |_| async { Ok(Vec::new()) })
+        .await
+        .unwrap();
+    assert_eq!((&first, &again), (&page, &page));
+    let bytes = stored(&ledger, &kz).await;
+    let envelope = Envelope::parse(&bytes).expect("sealed");
+    let plain = Outcome::value(&page).unwrap();
+    assert!(
+        envelope.is_compressed() && bytes.len() < plain.len() / 4,
+        "{} stored bytes for {} plain",
+        bytes.len(),
+        plain.len()
+    );
+    let dumped = dump();
+    assert!(contains(&dumped, &bytes), "the compressed row is not in the dump");
+    assert!(!contains(&dumped, page[0].as_bytes()));
 }
 
 /// Rotation: with a new active key and the old one decrypt-only, records
