@@ -75,7 +75,7 @@ fn payloads(c: &mut Criterion) {
 
 /// A stored HTTP response's worth of JSON: 16 KiB of order lines.
 fn page() -> Vec<serde_json::Value> {
-    (0..150)
+    (0..300)
         .map(|i| serde_json::json!({"line": i, "sku": format!("SKU-{:05}", i * 7), "qty": i % 4 + 1, "price": "19.90"}))
         .collect()
 }
