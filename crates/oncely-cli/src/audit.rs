@@ -113,18 +113,19 @@ pub(crate) async fn write_erasure(
     ledger: &AnyLedger,
     tenant: &oncely::Tenant,
     subject: &str,
-    erased: usize,
-    pending: usize,
-    at: SystemTime,
+    erasure: &oncely::admin::Erasure,
 ) -> Result<EffectKey> {
     let hash = subject_hash(tenant, subject);
+    let at = erasure.at;
     let at_us = oncely::backend::to_micros(at)?;
     let audit_key = EffectKey::new(tenant, AUDIT_KIND, format!("erase:{at_us}:{}", &hash[..32]))?;
     let entry = serde_json::json!({
         "action": "erase",
         "subject_hash": hash,
-        "erased": erased,
-        "pending": pending,
+        "erased": erasure.erased.len(),
+        "pending": erasure.pending.len(),
+        "messages_erased": erasure.messages.len(),
+        "messages_pending": erasure.messages_pending.len(),
         "at": rfc3339(at),
         "by": std::env::var("USER").ok(),
     });

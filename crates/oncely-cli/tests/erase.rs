@@ -3,7 +3,8 @@
 //! subject, are looked up from the raw subject with the subject key, erased
 //! by `oncely erase`, and afterwards a dump of the table made with the
 //! database's own tool (`sqlite3 .dump`, `pg_dump`, `mysqldump`) holds none
-//! of their outcome's or fingerprint's bytes, nor the raw subject, while a
+//! of their outcome's or fingerprint's bytes, nor the raw subject, nor the
+//! payload and headers of the outbox message sent for them, while a
 //! redelivery of an erased effect does not run.
 
 mod common;
@@ -13,6 +14,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use common::{oncely, reachable, runtime, stderr, stdout};
 use oncely::backend::{Fingerprint, Ledger, Outcome};
+use oncely::outbox::{Message, TransactionalOutbox};
 use oncely::{ClaimOptions, EffectKey, Effects, Error, Failure, SubjectKey, Tenant};
 use oncely_cli::AnyLedger;
 use oncely_testkit::dump;
@@ -21,6 +23,30 @@ use serde_json::Value;
 const PERSON: &str = "alice@example.com";
 const SECRET: &str = "secret-outcome-of-alice-4242";
 const KEPT: &str = "outcome-of-another-order-7777";
+const MAIL: &str = "mail-body-for-alice-5151";
+const MAIL_HEADER: &str = "mail-header-for-alice-5252";
+const MAIL_KEPT: &str = "mail-body-of-order-7-6161";
+
+/// Enqueues one outbox message per `(key, payload)` on the ledger's own
+/// outbox, then has them claimed and marked sent, as a relay would.
+async fn send<L: TransactionalOutbox>(ledger: &L, messages: &[(&EffectKey, &str)]) {
+    let mut tx = ledger.begin().await.unwrap();
+    for (key, payload) in messages {
+        let m = Message::new("mail", payload.as_bytes().to_vec())
+            .unwrap()
+            .header("x-note", MAIL_HEADER)
+            .unwrap();
+        ledger.enqueue_in(&mut tx, key, &m).await.unwrap();
+    }
+    ledger.commit(tx).await.unwrap();
+    let claimed = ledger
+        .claim_messages(10, std::time::Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), messages.len());
+    let tickets: Vec<_> = claimed.iter().map(|m| m.ticket()).collect();
+    assert!(ledger.mark_sent(&tickets).await.unwrap().iter().all(|&sent| sent));
+}
 
 fn json_of(out: &std::process::Output) -> Value {
     serde_json::from_str(&stdout(out)).unwrap_or_else(|e| panic!("{e}: {}{}", stdout(out), stderr(out)))
@@ -37,6 +63,8 @@ fn erase_story(url: &str, dir: &Path, dump: impl Fn() -> Vec<u8>) {
     let receipt = EffectKey::hashed(&tenant, "receipt", PERSON, &secret_key).unwrap();
     let refund = EffectKey::hashed(&tenant, "refund", PERSON, &secret_key).unwrap();
     let other = EffectKey::new(&tenant, "capture", "order-7").unwrap();
+    let mail = EffectKey::hashed(&tenant, "mail", PERSON, &secret_key).unwrap();
+    let other_mail = EffectKey::new(&tenant, "mail", "order-7").unwrap();
     let fp = Fingerprint::of_bytes(b"card 4242 4242 4242 4242, alice@example.com");
     let opts = ClaimOptions::default().fingerprint(fp);
 
@@ -51,6 +79,15 @@ fn erase_story(url: &str, dir: &Path, dump: impl Fn() -> Vec<u8>) {
         let other_fp = ClaimOptions::default().fingerprint(Fingerprint::of_bytes(b"order 7"));
         let lease = common::acquired(l.claim(&other, &other_fp).await.unwrap());
         l.complete(&lease, &Outcome::value(&KEPT).unwrap()).await.unwrap();
+        let messages = [(&mail, MAIL), (&other_mail, MAIL_KEPT)];
+        match &l {
+            AnyLedger::Sqlite(l) => send(l, &messages).await,
+            AnyLedger::Postgres(l) => send(l, &messages).await,
+            #[cfg(feature = "mysql")]
+            AnyLedger::MySql(l) => send(l, &messages).await,
+            #[allow(unreachable_patterns)]
+            _ => unreachable!("a SQL ledger"),
+        }
         l.close().await;
     });
     let before = dump();
@@ -66,6 +103,12 @@ fn erase_story(url: &str, dir: &Path, dump: impl Fn() -> Vec<u8>) {
         !dump::contains(&before, PERSON.as_bytes()),
         "a hashed subject is never stored raw"
     );
+    for control in [MAIL, MAIL_HEADER] {
+        assert!(
+            dump::contains(&before, control.as_bytes()),
+            "control: the dump shows the outbox"
+        );
+    }
 
     // The raw subject round-trips through the CLI's lookup with the key.
     let raw_key = format!("{tenant}/capture:{PERSON}");
@@ -151,6 +194,8 @@ fn erase_story(url: &str, dir: &Path, dump: impl Fn() -> Vec<u8>) {
     want.sort();
     assert_eq!(erased, want);
     assert!(report["pending"].as_array().unwrap().is_empty());
+    assert_eq!(report["messages_erased"], serde_json::json!([mail.to_string()]));
+    assert!(report["messages_pending"].as_array().unwrap().is_empty());
     assert!(
         report["audit_key"]
             .as_str()
@@ -174,6 +219,18 @@ fn erase_story(url: &str, dir: &Path, dump: impl Fn() -> Vec<u8>) {
     assert!(
         dump::contains(&after, KEPT.as_bytes()),
         "another subject's outcome is kept"
+    );
+    assert!(
+        !dump::contains(&after, MAIL.as_bytes()),
+        "no byte of the subject's sent message is left"
+    );
+    assert!(
+        dump::contains(&after, MAIL_KEPT.as_bytes()),
+        "another subject's message is kept"
+    );
+    assert!(
+        dump::contains(&after, MAIL_HEADER.as_bytes()),
+        "another subject's message keeps its headers"
     );
 
     // A redelivery of an erased effect does not run.
@@ -239,7 +296,9 @@ fn erase_on_postgres_leaves_nothing_in_a_dump() {
     let schema = format!("oncely_erase_{}", std::process::id());
     let url = format!("{base}?schema={schema}&table=effects");
     erase_story(&url, dir.path(), || {
-        dump::postgres(&base, &format!("{schema}.effects")).expect("pg_dump")
+        let mut d = dump::postgres(&base, &format!("{schema}.effects")).expect("pg_dump");
+        d.extend(dump::postgres(&base, &format!("{schema}.effects_outbox")).expect("pg_dump"));
+        d
     });
     runtime().block_on(async {
         let l = oncely_postgres::PgLedger::connect(&base).await.unwrap();
@@ -268,7 +327,9 @@ fn erase_on_mysql_leaves_nothing_in_a_dump() {
     let url = format!("{base}?table={table}");
     let (host, port, db) = mysql_parts(&base);
     erase_story(&url, dir.path(), || {
-        dump::mysql(&host, port, &db, &table).expect("mysqldump")
+        let mut d = dump::mysql(&host, port, &db, &table).expect("mysqldump");
+        d.extend(dump::mysql(&host, port, &db, &format!("{table}_outbox")).expect("mysqldump"));
+        d
     });
     runtime().block_on(async {
         let l = oncely_mysql::MySqlLedger::connect(&base).await.unwrap();

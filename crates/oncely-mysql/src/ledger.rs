@@ -829,8 +829,36 @@ impl Admin for MySqlLedger {
                         tx.rollback().await.map_err(retry_on_lock)?;
                         return Err(retry_on_lock(e));
                     }
+                    let mut erasure = match sql::erasure(&rows) {
+                        Ok(erasure) => erasure,
+                        Err(e) => {
+                            tx.rollback().await.map_err(retry_on_lock)?;
+                            return Err(Retry::Fail(e));
+                        }
+                    };
+                    let outbox = &this.sql().outbox;
+                    let messages = match outbox.bind_erase_lock(&t, &s).fetch_all(&mut *tx).await {
+                        Ok(rows) => rows,
+                        Err(e) => {
+                            tx.rollback().await.map_err(retry_on_lock)?;
+                            return Err(retry_on_lock(e));
+                        }
+                    };
+                    let ids = match sql::erase_messages(&mut erasure, &messages, &s) {
+                        Ok(ids) => ids,
+                        Err(e) => {
+                            tx.rollback().await.map_err(retry_on_lock)?;
+                            return Err(Retry::Fail(e));
+                        }
+                    };
+                    if !ids.is_empty()
+                        && let Err(e) = outbox.bind_erase(&ids).execute(&mut *tx).await
+                    {
+                        tx.rollback().await.map_err(retry_on_lock)?;
+                        return Err(retry_on_lock(e));
+                    }
                     tx.commit().await.map_err(retry_on_lock)?;
-                    sql::erasure(&rows).map_err(Retry::Fail)
+                    Ok(erasure)
                 })
             })
             .await?;

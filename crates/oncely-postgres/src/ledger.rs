@@ -992,21 +992,35 @@ impl Admin for PgLedger {
                 .fetch_all(&mut *tx)
                 .await
                 .map_err(map)?;
-            let Some(erasure) = sql::erasure(&rows)? else {
-                // Nothing of the subject: the clock only.
-                let row = sql::bind_listing(sql::CLOCK_NOW, &[])
-                    .fetch_one(&mut *tx)
-                    .await
-                    .map_err(map)?;
-                tx.commit().await.map_err(map)?;
-                return sql::clock_now(&row).map(Erasure::new);
+            let mut erasure = match sql::erasure(&rows)? {
+                Some(erasure) => {
+                    q.bind_erase(tenant, subject)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(map)?;
+                    erasure
+                }
+                None => {
+                    // No record of the subject: the clock only.
+                    let row = sql::bind_listing(sql::CLOCK_NOW, &[])
+                        .fetch_one(&mut *tx)
+                        .await
+                        .map_err(map)?;
+                    Erasure::new(sql::clock_now(&row)?)
+                }
             };
-            q.bind_erase(tenant, subject)
-                .execute(&mut *tx)
+            let messages = q
+                .outbox
+                .bind_erase_lock(tenant, subject)
+                .fetch_all(&mut *tx)
                 .await
                 .map_err(map)?;
+            let ids = sql::erase_messages(&mut erasure, &messages, subject)?;
+            if !ids.is_empty() {
+                q.outbox.bind_erase(ids).execute(&mut *tx).await.map_err(map)?;
+            }
             tx.commit().await.map_err(map)?;
-            Ok(erasure)
+            Ok(erasure.sorted())
         })
         .await
     }

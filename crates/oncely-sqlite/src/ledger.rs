@@ -738,7 +738,6 @@ impl Admin for SqliteLedger {
             .fetch_all(&mut *tx)
             .await
             .map_err(map)?;
-        tx.commit().await.map_err(map)?;
         let keys = |keys: Vec<String>| -> Result<Vec<EffectKey>> {
             keys.iter()
                 .map(|k| {
@@ -749,6 +748,24 @@ impl Admin for SqliteLedger {
         let mut erasure = Erasure::new(from_micros(now));
         erasure.erased = keys(erased)?;
         erasure.pending = keys(pending)?;
+        // The outbox in the same transaction: an error above or here drops
+        // it, which rolls it back.
+        let messages = self
+            .q
+            .outbox
+            .bind_erase_find(tenant, subject)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(map)?;
+        for id in sql::erase_messages(&mut erasure, &messages, subject)? {
+            self.q
+                .outbox
+                .bind_erase(id)
+                .execute(&mut *tx)
+                .await
+                .map_err(map)?;
+        }
+        tx.commit().await.map_err(map)?;
         Ok(erasure.sorted())
     }
 

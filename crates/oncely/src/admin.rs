@@ -328,6 +328,16 @@ pub struct Erasure {
     /// reconciliation) may still store an outcome. Erase again once they
     /// are settled.
     pub pending: Vec<EffectKey>,
+    /// The subject's outbox messages ([`outbox`](crate::outbox)) that the
+    /// relay is done with (sent, or failed for good): their payload,
+    /// headers, ordering key and last error are empty now (whether this
+    /// call or an earlier one emptied them). Their key, state and times
+    /// stay; [`Outbox::prune_sent`](crate::outbox::Outbox::prune_sent)
+    /// deletes sent ones as before.
+    pub messages: Vec<EffectKey>,
+    /// The subject's outbox messages not sent yet, left unchanged: the
+    /// relay still has to deliver them. Erase again once they are sent.
+    pub messages_pending: Vec<EffectKey>,
     /// The backend's clock when the erasure was written.
     pub at: SystemTime,
 }
@@ -338,6 +348,8 @@ impl Erasure {
         Erasure {
             erased: Vec::new(),
             pending: Vec::new(),
+            messages: Vec::new(),
+            messages_pending: Vec::new(),
             at,
         }
     }
@@ -355,15 +367,39 @@ impl Erasure {
         erasable
     }
 
-    /// Whether every record of the subject is erased (none is pending).
+    /// Lists the outbox message `key` (stored in the outbox state `state`:
+    /// `pending`, `sent` or `failed`) as emptied or pending; returns whether
+    /// it is to be emptied (the relay is done with it). `None` when the
+    /// message is not `subject`'s (a backend's subject match is a text
+    /// expression; this is the check on the parsed key) or the key does not
+    /// parse. How every backend sorts the messages it found.
+    pub fn add_message(&mut self, key: &str, subject: &str, state: &str) -> Option<bool> {
+        let key = EffectKey::parse(key).ok().filter(|k| k.subject() == subject)?;
+        let done = state != "pending";
+        if done {
+            self.messages.push(key);
+        } else {
+            self.messages_pending.push(key);
+        }
+        Some(done)
+    }
+
+    /// Whether every record and outbox message of the subject is erased
+    /// (none is pending).
     pub fn is_complete(&self) -> bool {
-        self.pending.is_empty()
+        self.pending.is_empty() && self.messages_pending.is_empty()
     }
 
     /// The lists in key order (backends return rows in no set order).
     pub fn sorted(mut self) -> Self {
-        self.erased.sort_by(|a, b| a.as_str().cmp(b.as_str()));
-        self.pending.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        for list in [
+            &mut self.erased,
+            &mut self.pending,
+            &mut self.messages,
+            &mut self.messages_pending,
+        ] {
+            list.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        }
         self
     }
 }
@@ -447,6 +483,12 @@ pub trait Admin: Ledger {
     /// [`Erasure::pending`]: a live holder (or a zombie past its lease, or
     /// the reconciliation of an abandoned step) may still store an outcome.
     /// Erase again once they are settled. Erasing twice is harmless.
+    ///
+    /// A ledger with an [`Outbox`](crate::outbox::Outbox) also empties, in
+    /// the same transaction, the payload, headers, ordering key and last
+    /// error of the subject's outbox messages that the relay is done with
+    /// (sent, or failed for good; [`Erasure::messages`]), and lists the
+    /// ones still to be sent in [`Erasure::messages_pending`], unchanged.
     fn erase(&self, tenant: &Tenant, subject: &str) -> impl Future<Output = Result<Erasure>> + Send;
 
     /// Replaces the stored outcome of a completed record, at exactly

@@ -26,8 +26,11 @@ use crate::time::rfc3339;
 /// retention like any other. Records still in progress (a live lease, a
 /// stuck one, an abandoned step) are left unchanged and listed as
 /// pending (exit 1): erase again once they are settled. The resolve and
-/// forget audit records that name the subject's keys are erased too.
-/// Recorded as an audit record (kind oncely-audit) that names the
+/// forget audit records that name the subject's keys are erased too, and
+/// so are the payload, headers and ordering key of the subject's outbox
+/// messages that were sent (or failed for good); messages still to be
+/// sent are listed as pending (exit 1). A dry run does not read the
+/// outbox. Recorded as an audit record (kind oncely-audit) that names the
 /// subject only by a hash. --dry-run lists what would change and writes
 /// nothing. With --subject-key-file, --subject is the raw identifier
 /// and is hashed as your producers hash it (EffectKey::hashed). SQL
@@ -69,6 +72,13 @@ pub struct ErasureReport {
     /// The `resolve`/`forget` audit records naming the subject's keys,
     /// emptied too.
     pub audit_records_erased: Vec<String>,
+    /// The subject's outbox messages that were sent (or failed for good):
+    /// payload, headers and ordering key emptied (none listed on a dry
+    /// run, which does not read the outbox).
+    pub messages_erased: Vec<String>,
+    /// The subject's outbox messages still to be sent, left unchanged:
+    /// erase again once they are sent.
+    pub messages_pending: Vec<String>,
     /// The audit record of this erasure (none on a dry run).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub audit_key: Option<String>,
@@ -77,10 +87,10 @@ pub struct ErasureReport {
     pub at: Option<String>,
 }
 
-/// Prints the report; exit 1 when records are pending.
+/// Prints the report; exit 1 when records or outbox messages are pending.
 pub async fn run(args: Args) -> Result<ExitCode> {
     let read = erase(&args).await?;
-    let pending = !read.value.pending.is_empty();
+    let pending = !read.value.pending.is_empty() || !read.value.messages_pending.is_empty();
     let code = if args.json {
         print_json(&read)
     } else {
@@ -108,6 +118,8 @@ pub async fn erase(args: &Args) -> Result<Read<ErasureReport>> {
             erased: Vec::new(),
             pending: Vec::new(),
             audit_records_erased: Vec::new(),
+            messages_erased: Vec::new(),
+            messages_pending: Vec::new(),
             audit_key: None,
             at: None,
         };
@@ -125,17 +137,12 @@ pub async fn erase(args: &Args) -> Result<Read<ErasureReport>> {
         for audit in &audits {
             ledger.erase(&tenant, audit.subject()).await?;
         }
-        let audit_key = audit::write_erasure(
-            &ledger,
-            &tenant,
-            &subject,
-            erasure.erased.len(),
-            erasure.pending.len(),
-            erasure.at,
-        )
-        .await?;
-        report.erased = erasure.erased.iter().map(EffectKey::to_string).collect();
-        report.pending = erasure.pending.iter().map(EffectKey::to_string).collect();
+        let audit_key = audit::write_erasure(&ledger, &tenant, &subject, &erasure).await?;
+        let strings = |keys: &[EffectKey]| keys.iter().map(EffectKey::to_string).collect();
+        report.erased = strings(&erasure.erased);
+        report.pending = strings(&erasure.pending);
+        report.messages_erased = strings(&erasure.messages);
+        report.messages_pending = strings(&erasure.messages_pending);
         report.audit_records_erased = audits.iter().map(EffectKey::to_string).collect();
         report.audit_key = Some(audit_key.to_string());
         report.at = Some(rfc3339(erasure.at));
@@ -183,12 +190,33 @@ impl Render for ErasureReport {
                 println!("  {k}");
             }
         }
+        if !r.messages_erased.is_empty() {
+            println!(
+                "{verb} {} sent outbox message(s) of the subject (payload, headers, ordering key)",
+                r.messages_erased.len()
+            );
+            for k in &r.messages_erased {
+                println!("  {k}");
+            }
+        }
+        if r.dry_run {
+            println!("outbox messages: not read by a dry run");
+        }
         if !r.pending.is_empty() {
             println!(
                 "pending: {} record(s) in progress, left unchanged; erase again once they are settled",
                 r.pending.len()
             );
             for k in &r.pending {
+                println!("  {k}");
+            }
+        }
+        if !r.messages_pending.is_empty() {
+            println!(
+                "pending: {} outbox message(s) not sent yet, left unchanged; erase again once they are sent",
+                r.messages_pending.len()
+            );
+            for k in &r.messages_pending {
                 println!("  {k}");
             }
         }

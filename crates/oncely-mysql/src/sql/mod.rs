@@ -67,8 +67,8 @@ pub(crate) use batch::{Settled, Watermark};
 pub(crate) use outbox::empty_outbox;
 pub(crate) use outbox::stats as outbox_stats;
 pub(crate) use outbox::{
-    FencedState, OutboxStatements, READ_COMMITTED_NEXT, enqueued, id as outbox_id, locked, outbox_table,
-    pending,
+    FencedState, OutboxStatements, READ_COMMITTED_NEXT, enqueued, erase_messages, id as outbox_id, locked,
+    outbox_table, pending,
 };
 pub(crate) use prune::{Candidate, Doomed};
 pub(crate) use record::{Stored, stored};

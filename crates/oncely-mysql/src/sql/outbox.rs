@@ -105,6 +105,8 @@ pub(crate) struct OutboxStatements {
     prunable: String,
     prune_prefix: String,
     stats: String,
+    erase_lock: String,
+    erase_prefix: String,
 }
 
 /// The columns a claimed message is read with ([`pending`] reads them by
@@ -248,8 +250,22 @@ impl OutboxStatements {
                CAST(MIN(CASE WHEN state = 'pending' THEN enqueued_us END) AS SIGNED) AS oldest_pending \
              FROM `{o}`"
         );
+        // `Admin::erase`, in its transaction: the subject's messages, locked
+        // (tenant, subject: the key's text after its first ':', which
+        // neither a tenant nor a kind holds), then the payload, headers,
+        // ordering key and last error of those the relay is done with
+        // emptied, by id: exactly the rows the lock read sorted.
+        let erase_lock = format!(
+            "SELECT id, effect_key, CAST(state AS CHAR) AS state FROM `{o}` \
+             WHERE tenant = ? AND SUBSTRING(effect_key, LOCATE(':', effect_key) + 1) = ? FOR UPDATE"
+        );
+        let erase_prefix = format!(
+            "UPDATE `{o}` SET payload = '', headers = '[]', ordering_key = '', last_error = NULL WHERE id IN "
+        );
         let (claim_skip, claim_wait) = (claim("FOR UPDATE SKIP LOCKED"), claim("FOR UPDATE"));
         OutboxStatements {
+            erase_lock,
+            erase_prefix,
             enqueue,
             claim_skip,
             claim_wait,
@@ -406,6 +422,45 @@ impl OutboxStatements {
     pub(crate) fn bind_stats(&self) -> Bound {
         query(&self.stats)
     }
+
+    /// `Admin::erase`, outbox step 1: `tenant`'s messages of `subject`,
+    /// locked (rows for [`erase_messages`]).
+    pub(crate) fn bind_erase_lock(&self, tenant: &oncely::Tenant, subject: &str) -> Bound {
+        query(&self.erase_lock)
+            .bind(tenant.as_str().to_owned())
+            .bind(subject.to_owned())
+    }
+
+    /// `Admin::erase`, outbox step 2, for `n` ids.
+    fn erase(&self, n: usize) -> String {
+        format!("{}{}", self.erase_prefix, placeholders(n, "?"))
+    }
+
+    /// `Admin::erase`, outbox step 2: the messages `ids` emptied. No rows.
+    pub(crate) fn bind_erase(&self, ids: &[u64]) -> Bound {
+        ids.iter()
+            .fold(query(&self.erase(ids.len())), |q, id| q.bind(*id))
+    }
+}
+
+/// Sorts the locked rows of the outbox step of `Admin::erase` into
+/// `erasure` ([`oncely::admin::Erasure::add_message`]); returns the ids to
+/// empty.
+pub(crate) fn erase_messages(
+    erasure: &mut oncely::admin::Erasure,
+    rows: &[MySqlRow],
+    subject: &str,
+) -> Result<Vec<u64>> {
+    let g = |e: sqlx::Error| corrupt(format!("unreadable outbox erase row: {e}"));
+    let mut ids = Vec::new();
+    for row in rows {
+        let key: String = row.try_get("effect_key").map_err(g)?;
+        let state: String = row.try_get("state").map_err(g)?;
+        if erasure.add_message(&key, subject, &state) == Some(true) {
+            ids.push(row.try_get("id").map_err(g)?);
+        }
+    }
+    Ok(ids)
 }
 
 /// Deletes every message of `<t>_outbox`: the tests' fresh start.

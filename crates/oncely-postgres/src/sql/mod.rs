@@ -33,7 +33,9 @@ mod write;
 
 pub(crate) use admin::{Arg, CLOCK_NOW, bind_listing, clock_now, erasure, kind_stats, records, stats};
 pub(crate) use claim::{ClaimRow, claim_leaked, claimed_key, own_lease};
-pub(crate) use outbox::{OutboxQueries, enqueued, pending, pruned, stats as outbox_stats, written_id};
+pub(crate) use outbox::{
+    OutboxQueries, enqueued, erase_messages, pending, pruned, stats as outbox_stats, written_id,
+};
 pub(crate) use prune::{prune_counts, watermark};
 pub(crate) use record::{RecordRow, has_record, key};
 pub(crate) use write::{completed, guard_ok, watched, written};

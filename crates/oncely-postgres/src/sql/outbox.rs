@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use oncely::admin::Erasure;
 use oncely::backend::{duration_micros, from_micros};
 use oncely::outbox::{Enqueued, Message, OutboxStats, Pending, Ticket, decode_headers};
 use oncely::{EffectKey, Result};
@@ -26,6 +27,8 @@ pub(crate) struct OutboxQueries {
     fail: Arc<str>,
     prune: Arc<str>,
     stats: Arc<str>,
+    erase_lock: Arc<str>,
+    erase: Arc<str>,
     /// `schema.<table>_outbox`'s name, for the schema check.
     pub(crate) table: String,
 }
@@ -179,7 +182,22 @@ impl OutboxQueries {
              FROM (SELECT {guard} AS ok OFFSET 0) g LEFT JOIN {o} o ON g.ok GROUP BY g.ok",
             guard = guard("true"),
         );
+        // `Admin::erase`, in its transaction: the subject's messages, locked
+        // (`$1` tenant, `$2` subject: the key's text after its first ':',
+        // which neither a tenant nor a kind holds), then the payload,
+        // headers, ordering key and last error of those the relay is done
+        // with emptied, by id (`$1`): exactly the rows the lock read sorted.
+        let erase_lock = format!(
+            "SELECT o.id, o.key, o.state FROM {o} o \
+             WHERE o.tenant = $1 AND substr(o.key, strpos(o.key, ':') + 1) = $2 FOR UPDATE"
+        );
+        let erase = format!(
+            "UPDATE {o} SET payload = ''::bytea, headers = '[]', ordering_key = '', last_error = NULL \
+             WHERE id = ANY($1)"
+        );
         OutboxQueries {
+            erase_lock: erase_lock.into(),
+            erase: erase.into(),
             enqueue: enqueue.into(),
             claim: claim.into(),
             mark_sent: mark_sent.into(),
@@ -245,6 +263,32 @@ impl OutboxQueries {
     pub(crate) fn bind_stats(&self) -> Bound {
         sqlx::query(AssertSqlSafe(self.stats.clone()))
     }
+
+    /// `Admin::erase`, outbox step 1: `tenant`'s messages of `subject`, locked.
+    pub(crate) fn bind_erase_lock(&self, tenant: &oncely::Tenant, subject: &str) -> Bound {
+        sqlx::query(AssertSqlSafe(self.erase_lock.clone()))
+            .bind(tenant.as_str().to_owned())
+            .bind(subject.to_owned())
+    }
+
+    /// `Admin::erase`, outbox step 2: the messages `ids` emptied.
+    pub(crate) fn bind_erase(&self, ids: Vec<i64>) -> Bound {
+        sqlx::query(AssertSqlSafe(self.erase.clone())).bind(ids)
+    }
+}
+
+/// Sorts the locked rows of the outbox step of `Admin::erase` into
+/// `erasure` ([`Erasure::add_message`]); returns the ids to empty.
+pub(crate) fn erase_messages(erasure: &mut Erasure, rows: &[PgRow], subject: &str) -> Result<Vec<i64>> {
+    let mut ids = Vec::new();
+    for row in rows {
+        let key: String = get(row, "key")?;
+        let state: String = get(row, "state")?;
+        if erasure.add_message(&key, subject, &state) == Some(true) {
+            ids.push(get(row, "id")?);
+        }
+    }
+    Ok(ids)
 }
 
 /// Ids and fences are `u64` in the API and `bigint` in the table; a value

@@ -31,7 +31,7 @@ mod write;
 
 pub(crate) use admin::{bind_listing, kind_stats, records, stats};
 pub(crate) use claim::{Found, found, lease};
-pub(crate) use outbox::{OutboxQueries, enqueued, pending, stats as outbox_stats, ticket};
+pub(crate) use outbox::{OutboxQueries, enqueued, erase_messages, pending, stats as outbox_stats, ticket};
 pub(crate) use record::record;
 pub(crate) use write::{fence_param, renewed_until};
 

@@ -34,6 +34,8 @@ pub(crate) struct OutboxQueries {
     fail: Arc<str>,
     prune: Arc<str>,
     stats: Arc<str>,
+    erase_find: Arc<str>,
+    erase: Arc<str>,
 }
 
 /// The outbox table and its indexes (schema version 3), on `<t>_outbox`.
@@ -175,6 +177,19 @@ impl OutboxQueries {
                     min(enqueued_at) FILTER (WHERE state = 'pending') AS oldest_pending
                  FROM \"{o}\""
             )),
+            // `Admin::erase`, in its `BEGIN IMMEDIATE` transaction: the
+            // subject's messages (?1 tenant, ?2 subject: the key's text after
+            // its first ':', which neither a tenant nor a kind holds), then
+            // the payload, headers, ordering key and last error of each one
+            // the relay is done with emptied, by id (?1).
+            erase_find: s(format!(
+                "SELECT id, key, state FROM \"{o}\"
+                 WHERE tenant = ?1 AND substr(key, instr(key, ':') + 1) = ?2"
+            )),
+            erase: s(format!(
+                "UPDATE \"{o}\" SET payload = x'', headers = '[]', ordering_key = '', last_error = NULL
+                 WHERE id = ?1"
+            )),
             table: o.into(),
         }
     }
@@ -239,6 +254,37 @@ impl OutboxQueries {
     pub(crate) fn bind_stats(&self) -> Bound {
         sqlx::query(AssertSqlSafe(self.stats.clone()))
     }
+
+    /// `Admin::erase`, outbox step 1: `tenant`'s messages of `subject`.
+    pub(crate) fn bind_erase_find(&self, tenant: &oncely::Tenant, subject: &str) -> Bound {
+        sqlx::query(AssertSqlSafe(self.erase_find.clone()))
+            .bind(tenant.as_str().to_owned())
+            .bind(subject.to_owned())
+    }
+
+    /// `Admin::erase`, outbox step 2: the message `id` emptied.
+    pub(crate) fn bind_erase(&self, id: i64) -> Bound {
+        sqlx::query(AssertSqlSafe(self.erase.clone())).bind(id)
+    }
+}
+
+/// Sorts the rows of the outbox step of `Admin::erase` into `erasure`
+/// ([`oncely::admin::Erasure::add_message`]); returns the ids to empty.
+pub(crate) fn erase_messages(
+    erasure: &mut oncely::admin::Erasure,
+    rows: &[SqliteRow],
+    subject: &str,
+) -> Result<Vec<i64>> {
+    let g = |e: sqlx::Error| corrupt(format!("unreadable outbox erase row: {e}"));
+    let mut ids = Vec::new();
+    for row in rows {
+        let key: String = row.try_get("key").map_err(g)?;
+        let state: String = row.try_get("state").map_err(g)?;
+        if erasure.add_message(&key, subject, &state) == Some(true) {
+            ids.push(row.try_get("id").map_err(g)?);
+        }
+    }
+    Ok(ids)
 }
 
 /// A stored id, fence or count as the API's unsigned number.

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{fresh_tenant, key};
+use crate::admin::Admin;
 use crate::error::Error;
 use crate::outbox::{Enqueued, Message, Pending, TransactionalOutbox};
 
@@ -326,6 +327,76 @@ pub async fn outbox_prune_deletes_only_sent<L: TransactionalOutbox + 'static>(le
     // record (kept as long) is what stops its step from running twice.
 }
 
+/// [`Admin::erase`] and the outbox: the subject's messages the relay is
+/// done with (one sent, one failed) are emptied in the erasure and listed in
+/// [`Erasure::messages`](crate::admin::Erasure::messages); one still to be
+/// sent is listed in `messages_pending` and left whole (the relay still
+/// claims it with its payload, headers and ordering key). Messages of
+/// another subject are not touched: one whose subject ends like this one's
+/// (`x:cust-42`), and this subject in another tenant. Erasing again lists
+/// the same.
+pub async fn outbox_erase_empties_what_the_relay_is_done_with<L: TransactionalOutbox + Admin + 'static>(
+    ledger: L,
+) {
+    let t = fresh_tenant();
+    let subject = "cust-42";
+    let sent = key(&t, "mail.sent", subject);
+    let failed = key(&t, "mail.failed", subject);
+    let waiting = key(&t, "mail.waiting", subject);
+    let lookalike = key(&t, "mail.sent", &format!("x:{subject}"));
+    let elsewhere = key(&fresh_tenant(), "mail.sent", subject);
+    let body = |k: &crate::EffectKey| {
+        Message::new("mail", format!("to alice@example.com about {k}").into_bytes())
+            .unwrap()
+            .header("to", "alice@example.com")
+            .unwrap()
+    };
+    // The subject's messages share their default ordering key, so the relay
+    // takes them one at a time, in order.
+    enqueue(&ledger, &sent, &body(&sent)).await;
+    let c = ledger.claim_messages(10, LEASE).await.unwrap();
+    assert_eq!(c.iter().map(|m| &m.key).collect::<Vec<_>>(), [&sent]);
+    assert_eq!(ledger.mark_sent(&[c[0].ticket()]).await.unwrap(), [true]);
+    enqueue(&ledger, &failed, &body(&failed)).await;
+    let c = ledger.claim_messages(10, LEASE).await.unwrap();
+    assert_eq!(c.iter().map(|m| &m.key).collect::<Vec<_>>(), [&failed]);
+    assert!(ledger.mark_failed(c[0].ticket(), "refused").await.unwrap());
+    for k in [&waiting, &lookalike, &elsewhere] {
+        enqueue(&ledger, k, &body(k)).await;
+    }
+
+    for _ in 0..2 {
+        let erasure = ledger.erase(&t, subject).await.unwrap();
+        let mut done = vec![sent.clone(), failed.clone()];
+        done.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        assert_eq!(erasure.messages, done);
+        assert_eq!(erasure.messages_pending, std::slice::from_ref(&waiting));
+        assert!(erasure.erased.is_empty() && erasure.pending.is_empty());
+        assert!(!erasure.is_complete(), "a message still to be sent is pending");
+    }
+
+    let mut c = ledger.claim_messages(10, LEASE).await.unwrap();
+    c.sort_by(|a, b| a.key.as_str().cmp(b.key.as_str()));
+    let mut expected = vec![waiting.clone(), lookalike.clone(), elsewhere.clone()];
+    expected.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+    assert_eq!(c.iter().map(|m| m.key.clone()).collect::<Vec<_>>(), expected);
+    for m in &c {
+        assert_eq!(m.payload, body(&m.key).payload(), "{}", m.key);
+        assert_eq!(m.headers, [("to".to_owned(), "alice@example.com".to_owned())]);
+        assert_eq!(m.ordering_key, format!("{}/{}", m.key.tenant(), m.key.subject()));
+    }
+    // Sent now, the last one is emptied by the next erasure.
+    let tickets: Vec<_> = c
+        .iter()
+        .filter(|m| m.key == waiting)
+        .map(Pending::ticket)
+        .collect();
+    assert_eq!(ledger.mark_sent(&tickets).await.unwrap(), [true]);
+    let erasure = ledger.erase(&t, subject).await.unwrap();
+    assert_eq!(erasure.messages.len(), 3);
+    assert!(erasure.messages_pending.is_empty() && erasure.is_complete());
+}
+
 /// Bad messages are refused before any round trip.
 pub async fn outbox_bad_messages_are_refused<L: TransactionalOutbox + 'static>(_ledger: L) {
     let bad = [
@@ -363,6 +434,7 @@ macro_rules! __outbox_conformance_tests {
             outbox_retries_and_failures,
             outbox_prune_deletes_only_sent,
             outbox_bad_messages_are_refused,
+            outbox_erase_empties_what_the_relay_is_done_with,
         );
     };
     (@each $make:path; $($name:ident),* $(,)?) => {
