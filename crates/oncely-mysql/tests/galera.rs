@@ -1,9 +1,10 @@
 //! oncely-mysql on a three-node MariaDB Galera cluster (ONCELY_GALERA_URLS,
 //! or the one scripts/galera-cluster.sh starts): the shared suite against
-//! one node, and the multi-node suite with one ledger per node racing for
-//! the same keys, on both claim paths; both suites again through a URL
-//! listing every node; the outbox's suite on one node, and its claims and
-//! marks through several.
+//! one node (the operator's suite too: erasure, forget, listings), and the
+//! multi-node suite with one ledger per node racing for the same keys, on
+//! both claim paths, with an erasure on one node racing claims on the
+//! others; both suites again through a URL listing every node; the
+//! outbox's suite on one node, and its claims and marks through several.
 
 mod common;
 
@@ -23,6 +24,7 @@ mod one_node {
 
     oncely::conformance::conformance_tests!(ledger);
     oncely::conformance::transactional_conformance_tests!(ledger);
+    oncely::conformance::admin_conformance_tests!(ledger);
 }
 
 mod detected {
@@ -34,6 +36,13 @@ mod detected {
 
     oncely::conformance::nodes_conformance_tests!(nodes);
     oncely::conformance::transactional_nodes_conformance_tests!(nodes);
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn erase_across_nodes_lists_every_record_once() {
+        if let Some(nodes) = nodes().await {
+            oncely::conformance::erase_across_nodes_lists_every_record_once(nodes).await;
+        }
+    }
 }
 
 /// Through one URL listing every node (`tests/galera_hosts.rs` has its

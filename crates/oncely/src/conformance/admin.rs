@@ -629,3 +629,57 @@ pub async fn erase_lists_every_record_once_under_concurrent_claims<L: Admin + 's
         assert_eq!(r.fingerprint, None, "{k}");
     }
 }
+
+/// [`erase_lists_every_record_once_under_concurrent_claims`] across nodes
+/// (one ledger per node of one replicated database: a Galera cluster's,
+/// whose row locks do not reach another node): the erasure runs on the
+/// first node while claims on the others take the subject's released
+/// records over, so one of each pair fails certification at commit and
+/// must run again. Each record is still listed once, erased or pending;
+/// and every node then answers the subject's completed effects with
+/// [`Error::Erased`], their outcome gone.
+pub async fn erase_across_nodes_lists_every_record_once<L: Admin + 'static>(nodes: Vec<L>) {
+    assert!(nodes.len() >= 2, "two nodes at least");
+    let nodes: Vec<std::sync::Arc<L>> = nodes.into_iter().map(std::sync::Arc::new).collect();
+    let t = fresh_tenant();
+    let subject = "person-9";
+    let released: Vec<EffectKey> = (0..30).map(|i| key(&t, &format!("step{i}"), subject)).collect();
+    let completed: Vec<EffectKey> = (0..10).map(|i| key(&t, &format!("done{i}"), subject)).collect();
+    for k in &released {
+        let l = acquired(nodes[0].claim(k, &opts()).await.unwrap());
+        nodes[0].release(&l).await.unwrap();
+    }
+    for k in &completed {
+        let l = acquired(nodes[0].claim(k, &opts()).await.unwrap());
+        nodes[0]
+            .complete(&l, &Outcome::from_json(&"alice@example.com").unwrap())
+            .await
+            .unwrap();
+    }
+    let claims: Vec<_> = released
+        .iter()
+        .cloned()
+        .enumerate()
+        .map(|(i, k)| {
+            let node = nodes[1 + i % (nodes.len() - 1)].clone();
+            tokio::spawn(async move { node.claim(&k, &opts()).await.map(|c| c.label()) })
+        })
+        .collect();
+    let erasure = nodes[0].erase(&t, subject).await.unwrap();
+    for c in claims {
+        c.await.unwrap().unwrap();
+    }
+    let mut listed: Vec<&EffectKey> = erasure.erased.iter().chain(&erasure.pending).collect();
+    listed.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+    let mut all: Vec<&EffectKey> = released.iter().chain(&completed).collect();
+    all.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+    assert_eq!(listed, all, "each record once, erased or pending: {erasure:?}");
+    for k in &completed {
+        assert!(erasure.erased.contains(k), "{k} is completed: erased");
+        for node in &nodes {
+            let e = node.claim(k, &opts()).await.unwrap_err();
+            assert!(matches!(e, Error::Erased { .. }), "{k}: {e:?}");
+            assert!(node.get(k).await.unwrap().unwrap().is_erased(), "{k}");
+        }
+    }
+}
