@@ -307,7 +307,7 @@ pub(crate) mod tests {
         let v = serde_json::to_value(Inspection::from(&r)).unwrap();
         assert_eq!(
             v["outcome"],
-            serde_json::json!({"encrypted": {"key_id": "k1", "bytes": sealed.len()}})
+            serde_json::json!({"encrypted": {"key_id": "k1", "bytes": sealed.len(), "compressed": false}})
         );
         let summary = format!("encrypted (key k1, {} bytes)", sealed.len());
         assert_eq!(v["outcome_summary"], summary.as_str());
