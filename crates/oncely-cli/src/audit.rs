@@ -1,4 +1,5 @@
-//! Operator actions are recorded: after `resolve`, `forget` or `erase` changes a
+//! Operator actions are recorded: after `resolve`, `forget`, `erase` or
+//! `reencrypt` changes a
 //! record, [`write`] stores an audit record in the ledger itself, a completed
 //! effect of the reserved kind [`AUDIT_KIND`] in the same tenant, whose
 //! outcome says what was done (`{"ok": {"action", "key", "fence",
@@ -130,6 +131,36 @@ pub(crate) async fn write_erasure(
         "by": std::env::var("USER").ok(),
     });
     record(ledger, &audit_key, &entry, "erase", &hash, 0, 0).await?;
+    Ok(audit_key)
+}
+
+/// Writes the audit record of a `reencrypt` run (not a dry run) and emits
+/// its tracing event: one record per run, with the counts, in the tenant it
+/// ran on (the global tenant for `--all-tenants`), keyed by the time and
+/// the active key id.
+pub(crate) async fn write_reencrypt(
+    ledger: &AnyLedger,
+    tenant: Option<&oncely::Tenant>,
+    active_key: &str,
+    report: &oncely::codec::ResealReport,
+) -> Result<EffectKey> {
+    let at = SystemTime::now();
+    let at_us = oncely::backend::to_micros(at)?;
+    let home = tenant.cloned().unwrap_or_else(oncely::Tenant::global);
+    let audit_key = EffectKey::new(&home, AUDIT_KIND, format!("reencrypt:{at_us}:{active_key}"))?;
+    let scope = tenant.map_or("all tenants".to_owned(), ToString::to_string);
+    let entry = serde_json::json!({
+        "action": "reencrypt",
+        "tenant": tenant.map(|t| t.as_str()),
+        "active_key": active_key,
+        "scanned": report.scanned,
+        "resealed": report.resealed,
+        "moved_on": report.moved_on,
+        "failed": report.failed.len(),
+        "at": rfc3339(at),
+        "by": std::env::var("USER").ok(),
+    });
+    record(ledger, &audit_key, &entry, "reencrypt", &scope, 0, 0).await?;
     Ok(audit_key)
 }
 

@@ -171,6 +171,25 @@ fn operate_on(url: &str) {
     for k in &keys {
         assert_eq!(key_id(url, k), "k2");
     }
+    // The run is recorded, with its counts; the dry run was not.
+    assert!(json(&dry).get("audit_key").is_none());
+    let audit_key = v["audit_key"].as_str().unwrap();
+    assert!(
+        audit_key.starts_with(&format!("{tenant}/oncely-audit:reencrypt:")),
+        "{audit_key}"
+    );
+    let audit = run(&["get", audit_key], url, None);
+    let entry = &json(&audit)["outcome"]["ok"];
+    assert_eq!(
+        (
+            entry["action"].as_str(),
+            entry["resealed"].as_u64(),
+            entry["active_key"].as_str()
+        ),
+        (Some("reencrypt"), Some(3), Some("k2")),
+        "{}",
+        stdout(&audit)
+    );
     // --compress deflated the long outcome and left the short ones as they were.
     let compressed = |k: &EffectKey| {
         let out = run(&["inspect", k.as_str(), "--json"], url, None);

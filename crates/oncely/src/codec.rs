@@ -978,6 +978,9 @@ pub struct ResealOptions {
     pub plain: bool,
     /// Count what would be rewritten, writing nothing.
     pub dry_run: bool,
+    /// Kinds left out altogether (not counted): records that tools must
+    /// read without a key, such as the `oncely` command's audit records.
+    pub skip_kinds: Vec<String>,
 }
 
 impl ResealOptions {
@@ -996,6 +999,12 @@ impl ResealOptions {
     /// Write nothing, count only.
     pub fn dry_run(mut self, yes: bool) -> Self {
         self.dry_run = yes;
+        self
+    }
+
+    /// Leaves the records of `kind` out (they stay as they are, uncounted).
+    pub fn skip_kind(mut self, kind: &str) -> Self {
+        self.skip_kinds.push(kind.to_owned());
         self
     }
 }
@@ -1053,6 +1062,9 @@ pub async fn reseal<A: Admin>(
             let Some(stored) = &record.outcome else {
                 continue; // erased
             };
+            if options.skip_kinds.iter().any(|k| k == record.key.kind()) {
+                continue;
+            }
             report.scanned += 1;
             let bytes = stored.as_bytes();
             if !keyring.needs_reseal(bytes, options.plain) {

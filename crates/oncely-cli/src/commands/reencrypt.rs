@@ -11,6 +11,7 @@ use oncely_any::Access;
 use serde::Serialize;
 
 use super::{DbArgs, Render, ScopeArgs};
+use crate::audit;
 use crate::read::{Read, with_admin};
 
 /// The environment variable holding the keyring itself (entries
@@ -28,11 +29,14 @@ pub const KEYS_ENV: &str = "ONCELY_OUTCOME_KEYS";
 /// Every completed record whose outcome is sealed under another key id is
 /// opened and sealed again under the active one, by one conditional write
 /// per record: a record that changed meanwhile is left alone and counted.
+/// The command's own audit records (kind oncely-audit) are left plain.
 /// With --plain, plain outcomes (written before encryption) are sealed
 /// too. Records that cannot be opened (a key the keyring lacks) are listed
 /// and left as they are (exit 1). Running it again is harmless. With
-/// --dry-run, counts and writes nothing. SQL backends only. Emits one
-/// tracing event (target oncely::audit) with the counts.
+/// --dry-run, counts and writes nothing. SQL backends only. Recorded as
+/// an audit record (kind oncely-audit, in the tenant, or the global
+/// tenant with --all-tenants) with the counts, and a tracing event
+/// (target oncely::audit).
 #[derive(Debug, ClapArgs)]
 pub struct Args {
     /// A file holding the keyring.
@@ -92,6 +96,9 @@ pub struct ReencryptReport {
     pub moved_on: u64,
     /// Records that could not be opened: key and reason.
     pub failed: Vec<Failed>,
+    /// The audit record of this run (none on a dry run).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub audit_key: Option<String>,
 }
 
 /// A record `reencrypt` could not open.
@@ -104,7 +111,7 @@ pub struct Failed {
 }
 
 /// Re-seals the stored outcomes of the ledger at `database_url`
-/// ([`reseal`]) and emits the audit tracing event.
+/// ([`reseal`]) and records the run (not a dry run) as an audit record.
 pub async fn reencrypt(
     database_url: &str,
     keys: &Keyring,
@@ -117,17 +124,12 @@ pub async fn reencrypt(
     };
     with_admin(database_url, access, |ledger| async move {
         let r = reseal(&ledger, keys, options).await?;
-        tracing::info!(
-            target: "oncely::audit",
-            action = "reencrypt",
-            active_key = keys.active(),
-            tenant = options.tenant.as_ref().map(|t| t.as_str()),
-            dry_run = options.dry_run,
-            resealed = r.resealed,
-            moved_on = r.moved_on,
-            failed = r.failed.len(),
-            "operator action"
-        );
+        let audit_key = if options.dry_run {
+            None
+        } else {
+            let key = audit::write_reencrypt(&ledger, options.tenant.as_ref(), keys.active(), &r).await?;
+            Some(key.to_string())
+        };
         Ok(ReencryptReport {
             active_key: keys.active().to_owned(),
             dry_run: options.dry_run,
@@ -144,6 +146,7 @@ pub async fn reencrypt(
                     error: error.to_string(),
                 })
                 .collect(),
+            audit_key,
         })
     })
     .await
@@ -152,7 +155,12 @@ pub async fn reencrypt(
 /// Prints the counts; exit 1 when a record could not be opened.
 pub async fn run(args: Args) -> Result<ExitCode> {
     let keys = load_keys(args.keys_file.as_deref())?.compress(args.compress);
-    let mut options = ResealOptions::default().plain(args.plain).dry_run(args.dry_run);
+    // Its own audit records stay plain: `history` and `erase` read them
+    // without a key.
+    let mut options = ResealOptions::default()
+        .plain(args.plain)
+        .dry_run(args.dry_run)
+        .skip_kind(audit::AUDIT_KIND);
     if let Some(tenant) = args.scope.tenant()? {
         options = options.tenant(tenant);
     }
@@ -183,6 +191,9 @@ impl Render for ReencryptReport {
         );
         for f in &self.failed {
             println!("  {}: {}", f.key, f.error);
+        }
+        if let Some(key) = &self.audit_key {
+            println!("recorded as {key}");
         }
     }
 }
