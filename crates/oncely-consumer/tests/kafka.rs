@@ -16,7 +16,11 @@
 //! headers; a revocation that waits for a running handler, and one whose
 //! grace runs out. Tansu 0.6 accepts commits made during a rebalance (real
 //! Kafka answers `REBALANCE_IN_PROGRESS`), so that case runs on rdkafka's
-//! in-process `MockCluster`, which refuses them as Kafka does.
+//! in-process `MockCluster`, which refuses them as Kafka does. Tansu 0.6
+//! also keeps a group's leader that leaves while the group re-forms, and
+//! the group never forms again: the end-to-end run aborts any member but
+//! the first (the leader), and a member aborted in the middle of a
+//! revocation is tested on the `MockCluster`.
 //!
 //! Skipped when the broker is not there unless `ONCELY_REQUIRE_SERVICES=1`.
 
@@ -296,6 +300,25 @@ fn member<H: Handler>(
     })
 }
 
+/// Each member's source as the stall message shows it.
+fn members_state(slots: &[Arc<Mutex<Option<KafkaHandle>>>]) -> String {
+    let states: Vec<String> = slots
+        .iter()
+        .enumerate()
+        .map(|(i, s)| match s.lock().unwrap().as_ref() {
+            None => format!("{i}: between sources"),
+            Some(h) => format!(
+                "{i}: {} open, {} revoked, revoking {}, {} commits refused",
+                h.in_flight(),
+                h.partitions_revoked(),
+                h.revoking(),
+                h.commit_failures()
+            ),
+        })
+        .collect();
+    states.join("; ")
+}
+
 async fn e2e<L: Ledger + Clone + 'static>(ledger: L, label: &str, kills: usize) {
     let Some(brokers) = brokers() else { return };
     let topic = unique(&format!("e2e-{label}"));
@@ -405,13 +428,17 @@ async fn exercise<L: Ledger + Clone + 'static>(
         ));
     }
 
-    // Abort a member while it has a handler running.
+    // Abort a member while it has a handler running: any but the first, the
+    // group's leader. Tansu 0.6 keeps a leader that leaves while the group
+    // re-forms (a member joining, another leaving) and the group never forms
+    // again; a leader aborted mid-rebalance is tested on the MockCluster
+    // (a_member_aborted_mid_revocation_hands_its_partitions_on_mock_cluster).
     let mut kills = 0;
     let mut turn = 0;
     let until = tokio::time::Instant::now() + Duration::from_secs(60);
     while kills < max_kills && provider.captures().len() < ORDERS && tokio::time::Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(10)).await;
-        turn = (turn + 1) % CONSUMERS;
+        turn = turn % (CONSUMERS - 1) + 1;
         if consumers[turn].stats().in_flight() == 0 {
             continue;
         }
@@ -450,10 +477,12 @@ async fn exercise<L: Ledger + Clone + 'static>(
         ));
         assert!(
             tokio::time::Instant::now() < deadline,
-            "not done: {} captured, {} sent, {delivered} of {} delivered, {in_flight} in flight, {open} open",
+            "not done: {} captured, {} sent, {delivered} of {} delivered, {in_flight} in flight, {open} open; \
+             members: {}",
             provider.captures().len(),
             mailer.sends().len(),
-            payloads.len()
+            payloads.len(),
+            members_state(&slots)
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -741,6 +770,13 @@ async fn dead_letter_copy_carries_the_reason_and_the_broker_id() {
 async fn six_orders(brokers: &str, label: &str) -> Option<(String, String, [i64; 2])> {
     let topic = unique(label);
     create_topics(brokers, &[(&topic, 2)]).await?;
+    let ends = publish_six(brokers, &topic).await;
+    Some((topic.clone(), format!("{topic}-g"), ends))
+}
+
+/// Publishes orders `o0`..`o5` (keys `k0`..) to the two-partition `topic`;
+/// each partition's end offset.
+async fn publish_six(brokers: &str, topic: &str) -> [i64; 2] {
     let p = producer(brokers);
     let mut ends = [0i64; 2];
     for i in 0..6 {
@@ -754,7 +790,7 @@ async fn six_orders(brokers: &str, label: &str) -> Option<(String, String, [i64;
         .await;
         ends[part as usize] = off + 1;
     }
-    Some((topic.clone(), format!("{topic}-g"), ends))
+    ends
 }
 
 /// A member handling a message when a second member joins: the revocation
@@ -946,5 +982,63 @@ async fn refused_commits_are_made_again_and_nothing_is_skipped_mock_cluster() {
         seen.values().filter(|n| **n > 1).count()
     );
     drop(p);
+    drop(mock);
+}
+
+/// A member aborted while its revocation waits for a running handler (a
+/// crash in the middle of a rebalance): its partitions go to the other
+/// member, which delivers the held message again and commits everything;
+/// the aborted member's late ack is refused.
+///
+/// On rdkafka's MockCluster: Tansu 0.6 keeps a leader that leaves while
+/// the group re-forms, and the group then never forms again (its
+/// `LeaveGroup` clears the leader only in a formed group), so there the
+/// other member would wait for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_aborted_mid_revocation_hands_its_partitions_on_mock_cluster() {
+    let mock = MockCluster::new(1).unwrap();
+    let brokers = mock.bootstrap_servers();
+    let (topic, group) = ("abort-revoking", "abort-revoking-g");
+    mock.create_topic(topic, 2, 1).unwrap();
+    let ends = publish_six(&brokers, topic).await;
+    let cfg = config(&brokers, group, topic).revoke_grace(Duration::from_secs(60));
+    let first = Recorder::new(Some("o0"));
+    let a = Arc::new(Consumer::new("a", first.clone()).options(ConsumerOptions::default().concurrency(6)));
+    let source = KafkaSource::subscribe(&cfg).unwrap();
+    let handle_a = source.handle();
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let run_a = spawn_run(a.clone(), source, stop_rx.clone());
+    wait_until("o0 held, the rest done", 60, async || {
+        first.holding.load(Ordering::Relaxed) == 1 && a.stats().ran == 5
+    })
+    .await;
+    let held = first.offsets()[0];
+    let second = Recorder::new(None);
+    let b = Arc::new(Consumer::new("b", second.clone()));
+    let run_b = spawn_run(b.clone(), KafkaSource::subscribe(&cfg).unwrap(), stop_rx);
+    wait_until("the rebalance waits for the held handler", 60, async || {
+        handle_a.revoking()
+    })
+    .await;
+    handle_a.abort();
+    handle_a.closed().await;
+    first.release.notify_waiters();
+    run_a.await.unwrap();
+    wait_until("everything committed by the other member", 60, async || {
+        committed(&brokers, group, topic, 2).await == ends
+    })
+    .await;
+    stop_tx.send(true).unwrap();
+    run_b.await.unwrap();
+    assert!(
+        second.offsets().contains(&held),
+        "the held message delivered again: {:?}",
+        second.offsets()
+    );
+    assert!(
+        a.stats().settle_errors >= 1,
+        "the late ack refused: {:?}",
+        a.stats()
+    );
     drop(mock);
 }
