@@ -782,7 +782,7 @@ async fn publish_six(brokers: &str, topic: &str) -> [i64; 2] {
     for i in 0..6 {
         let (part, off) = produce(
             &p,
-            &topic,
+            topic,
             &format!("k{i}"),
             &format!("m{i}"),
             &common::PayMsg::order(&format!("o{i}"), 1),
