@@ -471,6 +471,16 @@ macro_rules! define_any {
                 }
             }
 
+            async fn erase_dry_run(&self, tenant: &Tenant, subject: &str) -> Result<Erasure> {
+                match self {
+                    $(
+                        #[cfg(feature = $feature)]
+                        AnyLedger::$variant(l) => if_admin!($admin, l.erase_dry_run(tenant, subject).await, { let _ = l; Err(no_admin(self, "an erase dry run")) }),
+                    )+
+                    AnyLedger::Memory(l) => l.erase_dry_run(tenant, subject).await,
+                }
+            }
+
             async fn replace_outcome(&self, key: &EffectKey, fence: u64, expected: &Outcome, outcome: &Outcome) -> Result<bool> {
                 match self {
                     $(

@@ -175,10 +175,18 @@ fn erase_story(url: &str, dir: &Path, dump: impl Fn() -> Vec<u8>) {
         1,
         "{report}"
     );
-    assert!(
-        dump::contains(&dump(), SECRET.as_bytes()),
-        "a dry run writes nothing"
+    assert_eq!(
+        report["messages_erased"],
+        serde_json::json!([mail.to_string()]),
+        "a dry run lists the outbox too: {report}"
     );
+    let untouched = dump();
+    for kept in [SECRET, MAIL] {
+        assert!(
+            dump::contains(&untouched, kept.as_bytes()),
+            "a dry run writes nothing"
+        );
+    }
 
     let done = run(false);
     assert!(done.status.success(), "{}{}", stdout(&done), stderr(&done));

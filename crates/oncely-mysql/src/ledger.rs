@@ -757,55 +757,10 @@ impl FromUrl for MySqlLedger {
     }
 }
 
-/// The operator's view (`oncely::admin`): listings and stats are reads at
-/// one clock reading; forget is one guarded, fenced `UPDATE`, run to
-/// completion on the pool like every write.
-impl Admin for MySqlLedger {
-    async fn records(&self, query: &RecordQuery) -> Result<Vec<Record>> {
-        let (text, args) = sql::records(&self.inner.table, query)?;
-        let rows = self.admin_rows(text, args).await?;
-        rows.iter()
-            .map(|r| stored(r, false, false)?.record(None))
-            .collect()
-    }
-
-    async fn stats(&self, tenant: Option<&Tenant>) -> Result<Vec<KindStats>> {
-        let (text, args) = sql::stats(&self.inner.table, tenant);
-        let rows = self.admin_rows(text, args).await?;
-        rows.iter().map(sql::kind_stats).collect()
-    }
-
-    async fn forget(&self, key: &EffectKey, fence: u64) -> Result<()> {
-        self.writable("forget")?;
-        let k = key.clone();
-        let wrote = self
-            .on_pool(move |this, conn| {
-                let k = k.clone();
-                Box::pin(async move {
-                    let done = this
-                        .sql()
-                        .bind_forget(&k, fence, false)
-                        .execute(&mut *conn)
-                        .await
-                        .map_err(retry_on_lock)?;
-                    if done.rows_affected() == 0 {
-                        if this.heal_if_leaked(conn).await? {
-                            return Err(Retry::Leaked);
-                        }
-                        return Ok(false);
-                    }
-                    Ok(true)
-                })
-            })
-            .await?;
-        if wrote {
-            return Ok(());
-        }
-        // Nothing changed; the read only names the reason.
-        Err(forget_refusal(key, fence, self.get(key).await?))
-    }
-
-    async fn erase(&self, tenant: &Tenant, subject: &str) -> Result<Erasure> {
+impl MySqlLedger {
+    /// `Admin::erase` (`write`), or its dry run: the same statements, rolled
+    /// back.
+    async fn erase_as(&self, tenant: &Tenant, subject: &str, write: bool) -> Result<Erasure> {
         check_subject(subject)?;
         self.writable("erase")?;
         let (t, s) = (tenant.clone(), subject.to_owned());
@@ -857,12 +812,73 @@ impl Admin for MySqlLedger {
                         tx.rollback().await.map_err(retry_on_lock)?;
                         return Err(retry_on_lock(e));
                     }
-                    tx.commit().await.map_err(retry_on_lock)?;
+                    if write {
+                        tx.commit().await.map_err(retry_on_lock)?;
+                    } else {
+                        tx.rollback().await.map_err(retry_on_lock)?;
+                    }
                     Ok(erasure)
                 })
             })
             .await?;
         Ok(erasure.sorted())
+    }
+}
+
+/// The operator's view (`oncely::admin`): listings and stats are reads at
+/// one clock reading; forget is one guarded, fenced `UPDATE`, run to
+/// completion on the pool like every write.
+impl Admin for MySqlLedger {
+    async fn records(&self, query: &RecordQuery) -> Result<Vec<Record>> {
+        let (text, args) = sql::records(&self.inner.table, query)?;
+        let rows = self.admin_rows(text, args).await?;
+        rows.iter()
+            .map(|r| stored(r, false, false)?.record(None))
+            .collect()
+    }
+
+    async fn stats(&self, tenant: Option<&Tenant>) -> Result<Vec<KindStats>> {
+        let (text, args) = sql::stats(&self.inner.table, tenant);
+        let rows = self.admin_rows(text, args).await?;
+        rows.iter().map(sql::kind_stats).collect()
+    }
+
+    async fn forget(&self, key: &EffectKey, fence: u64) -> Result<()> {
+        self.writable("forget")?;
+        let k = key.clone();
+        let wrote = self
+            .on_pool(move |this, conn| {
+                let k = k.clone();
+                Box::pin(async move {
+                    let done = this
+                        .sql()
+                        .bind_forget(&k, fence, false)
+                        .execute(&mut *conn)
+                        .await
+                        .map_err(retry_on_lock)?;
+                    if done.rows_affected() == 0 {
+                        if this.heal_if_leaked(conn).await? {
+                            return Err(Retry::Leaked);
+                        }
+                        return Ok(false);
+                    }
+                    Ok(true)
+                })
+            })
+            .await?;
+        if wrote {
+            return Ok(());
+        }
+        // Nothing changed; the read only names the reason.
+        Err(forget_refusal(key, fence, self.get(key).await?))
+    }
+
+    async fn erase(&self, tenant: &Tenant, subject: &str) -> Result<Erasure> {
+        self.erase_as(tenant, subject, true).await
+    }
+
+    async fn erase_dry_run(&self, tenant: &Tenant, subject: &str) -> Result<Erasure> {
+        self.erase_as(tenant, subject, false).await
     }
 
     async fn replace_outcome(

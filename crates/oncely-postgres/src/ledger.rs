@@ -927,6 +927,58 @@ impl FromUrl for PgLedger {
 
 /// The operator's view (`oncely::admin`): listings and stats are reads at
 /// one `clock_timestamp()` reading; forget is one guarded, fenced `UPDATE`.
+impl PgLedger {
+    /// `Admin::erase` (`write`), or its dry run: the same statements, rolled
+    /// back.
+    async fn erase_as(&self, tenant: &Tenant, subject: &str, write: bool) -> Result<Erasure> {
+        check_subject(subject)?;
+        self.writable()?;
+        let q = &self.inner.q;
+        self.bounded(async {
+            let mut tx = self.begin().await?;
+            let rows = q
+                .bind_erase_lock(tenant, subject)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(map)?;
+            let mut erasure = match sql::erasure(&rows)? {
+                Some(erasure) => {
+                    q.bind_erase(tenant, subject)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(map)?;
+                    erasure
+                }
+                None => {
+                    // No record of the subject: the clock only.
+                    let row = sql::bind_listing(sql::CLOCK_NOW, &[])
+                        .fetch_one(&mut *tx)
+                        .await
+                        .map_err(map)?;
+                    Erasure::new(sql::clock_now(&row)?)
+                }
+            };
+            let messages = q
+                .outbox
+                .bind_erase_lock(tenant, subject)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(map)?;
+            let ids = sql::erase_messages(&mut erasure, &messages, subject)?;
+            if !ids.is_empty() {
+                q.outbox.bind_erase(ids).execute(&mut *tx).await.map_err(map)?;
+            }
+            if write {
+                tx.commit().await.map_err(map)?;
+            } else {
+                tx.rollback().await.map_err(map)?;
+            }
+            Ok(erasure.sorted())
+        })
+        .await
+    }
+}
+
 impl Admin for PgLedger {
     async fn records(&self, query: &RecordQuery) -> Result<Vec<Record>> {
         let (text, args) = sql::records(&self.inner.q_table(), query)?;
@@ -982,47 +1034,11 @@ impl Admin for PgLedger {
     }
 
     async fn erase(&self, tenant: &Tenant, subject: &str) -> Result<Erasure> {
-        check_subject(subject)?;
-        self.writable()?;
-        let q = &self.inner.q;
-        self.bounded(async {
-            let mut tx = self.begin().await?;
-            let rows = q
-                .bind_erase_lock(tenant, subject)
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(map)?;
-            let mut erasure = match sql::erasure(&rows)? {
-                Some(erasure) => {
-                    q.bind_erase(tenant, subject)
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(map)?;
-                    erasure
-                }
-                None => {
-                    // No record of the subject: the clock only.
-                    let row = sql::bind_listing(sql::CLOCK_NOW, &[])
-                        .fetch_one(&mut *tx)
-                        .await
-                        .map_err(map)?;
-                    Erasure::new(sql::clock_now(&row)?)
-                }
-            };
-            let messages = q
-                .outbox
-                .bind_erase_lock(tenant, subject)
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(map)?;
-            let ids = sql::erase_messages(&mut erasure, &messages, subject)?;
-            if !ids.is_empty() {
-                q.outbox.bind_erase(ids).execute(&mut *tx).await.map_err(map)?;
-            }
-            tx.commit().await.map_err(map)?;
-            Ok(erasure.sorted())
-        })
-        .await
+        self.erase_as(tenant, subject, true).await
+    }
+
+    async fn erase_dry_run(&self, tenant: &Tenant, subject: &str) -> Result<Erasure> {
+        self.erase_as(tenant, subject, false).await
     }
 
     async fn replace_outcome(

@@ -684,43 +684,10 @@ impl FromUrl for SqliteLedger {
     }
 }
 
-/// The operator's view (`oncely::admin`): listings and stats read on the
-/// pool with SQLite's clock; forget is one fenced `UPDATE`.
-impl Admin for SqliteLedger {
-    async fn records(&self, query: &RecordQuery) -> Result<Vec<Record>> {
-        let (text, args) = sql::records(&self.q.table, query)?;
-        let rows = sql::bind_listing(text, args)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(map)?;
-        rows.iter().map(sql::record).collect()
-    }
-
-    async fn stats(&self, tenant: Option<&Tenant>) -> Result<Vec<KindStats>> {
-        let (text, args) = sql::stats(&self.q.table, tenant);
-        let rows = sql::bind_listing(text, args)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(map)?;
-        rows.iter().map(sql::kind_stats).collect()
-    }
-
-    async fn forget(&self, key: &EffectKey, fence: u64) -> Result<()> {
-        self.writable("forget")?;
-        let done = self
-            .q
-            .bind_forget(key, sql::fence_param(fence))
-            .execute(&self.pool)
-            .await
-            .map_err(map)?;
-        if done.rows_affected() == 1 {
-            return Ok(());
-        }
-        // Nothing changed; the read only names the reason.
-        Err(forget_refusal(key, fence, self.get(key).await?))
-    }
-
-    async fn erase(&self, tenant: &Tenant, subject: &str) -> Result<Erasure> {
+impl SqliteLedger {
+    /// `Admin::erase` (`write`), or its dry run: the same statements, rolled
+    /// back.
+    async fn erase_as(&self, tenant: &Tenant, subject: &str, write: bool) -> Result<Erasure> {
         check_subject(subject)?;
         self.writable("erase")?;
         let mut conn = self.pool.acquire().await.map_err(map)?;
@@ -765,8 +732,57 @@ impl Admin for SqliteLedger {
                 .await
                 .map_err(map)?;
         }
-        tx.commit().await.map_err(map)?;
+        if write {
+            tx.commit().await.map_err(map)?;
+        } else {
+            tx.rollback().await.map_err(map)?;
+        }
         Ok(erasure.sorted())
+    }
+}
+
+/// The operator's view (`oncely::admin`): listings and stats read on the
+/// pool with SQLite's clock; forget is one fenced `UPDATE`.
+impl Admin for SqliteLedger {
+    async fn records(&self, query: &RecordQuery) -> Result<Vec<Record>> {
+        let (text, args) = sql::records(&self.q.table, query)?;
+        let rows = sql::bind_listing(text, args)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(map)?;
+        rows.iter().map(sql::record).collect()
+    }
+
+    async fn stats(&self, tenant: Option<&Tenant>) -> Result<Vec<KindStats>> {
+        let (text, args) = sql::stats(&self.q.table, tenant);
+        let rows = sql::bind_listing(text, args)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(map)?;
+        rows.iter().map(sql::kind_stats).collect()
+    }
+
+    async fn forget(&self, key: &EffectKey, fence: u64) -> Result<()> {
+        self.writable("forget")?;
+        let done = self
+            .q
+            .bind_forget(key, sql::fence_param(fence))
+            .execute(&self.pool)
+            .await
+            .map_err(map)?;
+        if done.rows_affected() == 1 {
+            return Ok(());
+        }
+        // Nothing changed; the read only names the reason.
+        Err(forget_refusal(key, fence, self.get(key).await?))
+    }
+
+    async fn erase(&self, tenant: &Tenant, subject: &str) -> Result<Erasure> {
+        self.erase_as(tenant, subject, true).await
+    }
+
+    async fn erase_dry_run(&self, tenant: &Tenant, subject: &str) -> Result<Erasure> {
+        self.erase_as(tenant, subject, false).await
     }
 
     async fn replace_outcome(

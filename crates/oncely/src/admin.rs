@@ -491,6 +491,14 @@ pub trait Admin: Ledger {
     /// ones still to be sent in [`Erasure::messages_pending`], unchanged.
     fn erase(&self, tenant: &Tenant, subject: &str) -> impl Future<Output = Result<Erasure>> + Send;
 
+    /// What [`Admin::erase`] would do now, writing nothing: a dry run. The
+    /// same statements run in a transaction that is rolled back instead of
+    /// committed (the subject's rows are locked for that long), so the
+    /// lists, outbox messages included, are the ones `erase` would return
+    /// at this moment, by the same rule. Needs a writable ledger, as
+    /// `erase` does.
+    fn erase_dry_run(&self, tenant: &Tenant, subject: &str) -> impl Future<Output = Result<Erasure>> + Send;
+
     /// Replaces the stored outcome of a completed record, at exactly
     /// `fence` and only while it still holds exactly `expected`, with
     /// `outcome`: one conditional write (what re-encrypting stored outcomes
@@ -522,6 +530,9 @@ impl<A: Admin + ?Sized> Admin for &A {
     fn erase(&self, tenant: &Tenant, subject: &str) -> impl Future<Output = Result<Erasure>> + Send {
         (**self).erase(tenant, subject)
     }
+    fn erase_dry_run(&self, tenant: &Tenant, subject: &str) -> impl Future<Output = Result<Erasure>> + Send {
+        (**self).erase_dry_run(tenant, subject)
+    }
     fn replace_outcome(
         &self,
         key: &EffectKey,
@@ -548,6 +559,9 @@ impl<A: Admin + ?Sized> Admin for std::sync::Arc<A> {
     }
     fn erase(&self, tenant: &Tenant, subject: &str) -> impl Future<Output = Result<Erasure>> + Send {
         (**self).erase(tenant, subject)
+    }
+    fn erase_dry_run(&self, tenant: &Tenant, subject: &str) -> impl Future<Output = Result<Erasure>> + Send {
+        (**self).erase_dry_run(tenant, subject)
     }
     fn replace_outcome(
         &self,

@@ -913,6 +913,10 @@ impl<L: Admin, C: OutcomeCodec> Admin for Sealed<L, C> {
         self.inner.erase(tenant, subject)
     }
 
+    fn erase_dry_run(&self, tenant: &Tenant, subject: &str) -> impl Future<Output = Result<Erasure>> + Send {
+        self.inner.erase_dry_run(tenant, subject)
+    }
+
     fn replace_outcome(
         &self,
         key: &EffectKey,

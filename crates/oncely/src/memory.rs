@@ -296,6 +296,26 @@ impl Ledger for MemoryLedger {
     }
 }
 
+impl MemoryLedger {
+    /// `Admin::erase` (`write`) or its dry run.
+    fn erase_as(&self, tenant: &Tenant, subject: &str, write: bool) -> Result<crate::admin::Erasure> {
+        backend::check_subject(subject)?;
+        let now = self.now();
+        let mut erasure = crate::admin::Erasure::new(now);
+        for (key, row) in self.rows().records.iter_mut() {
+            if key.tenant() != tenant || key.subject() != subject {
+                continue;
+            }
+            let r = &mut row.record;
+            if erasure.add(key.clone(), r.state) && write {
+                r.outcome = None;
+                r.fingerprint = None;
+            }
+        }
+        Ok(erasure.sorted())
+    }
+}
+
 impl crate::admin::Admin for MemoryLedger {
     async fn records(&self, query: &crate::admin::RecordQuery) -> Result<Vec<Record>> {
         let now = self.now();
@@ -350,20 +370,11 @@ impl crate::admin::Admin for MemoryLedger {
     }
 
     async fn erase(&self, tenant: &Tenant, subject: &str) -> Result<crate::admin::Erasure> {
-        backend::check_subject(subject)?;
-        let now = self.now();
-        let mut erasure = crate::admin::Erasure::new(now);
-        for (key, row) in self.rows().records.iter_mut() {
-            if key.tenant() != tenant || key.subject() != subject {
-                continue;
-            }
-            let r = &mut row.record;
-            if erasure.add(key.clone(), r.state) {
-                r.outcome = None;
-                r.fingerprint = None;
-            }
-        }
-        Ok(erasure.sorted())
+        self.erase_as(tenant, subject, true)
+    }
+
+    async fn erase_dry_run(&self, tenant: &Tenant, subject: &str) -> Result<crate::admin::Erasure> {
+        self.erase_as(tenant, subject, false)
     }
 
     async fn replace_outcome(

@@ -158,6 +158,13 @@ impl Admin for MovesOnceListed {
     async fn erase(&self, tenant: &oncely::Tenant, subject: &str) -> oncely::Result<oncely::admin::Erasure> {
         self.inner.erase(tenant, subject).await
     }
+    async fn erase_dry_run(
+        &self,
+        tenant: &oncely::Tenant,
+        subject: &str,
+    ) -> oncely::Result<oncely::admin::Erasure> {
+        self.inner.erase_dry_run(tenant, subject).await
+    }
     async fn replace_outcome(
         &self,
         key: &EffectKey,

@@ -2,10 +2,9 @@
 //! a data-protection request, without reopening its effects; recorded.
 
 use std::process::ExitCode;
-use std::time::SystemTime;
 
 use clap::Args as ClapArgs;
-use oncely::admin::{Admin, Erasure, RecordQuery};
+use oncely::admin::{Admin, RecordQuery};
 use oncely::{EffectKey, Result, Tenant};
 use oncely_any::{Access, AnyLedger};
 use serde::Serialize;
@@ -29,10 +28,10 @@ use crate::time::rfc3339;
 /// forget audit records that name the subject's keys are erased too, and
 /// so are the payload, headers and ordering key of the subject's outbox
 /// messages that were sent (or failed for good); messages still to be
-/// sent are listed as pending (exit 1). A dry run does not read the
-/// outbox. Recorded as an audit record (kind oncely-audit) that names the
-/// subject only by a hash. --dry-run lists what would change and writes
-/// nothing. With --subject-key-file, --subject is the raw identifier
+/// sent are listed as pending (exit 1). Recorded as an audit record
+/// (kind oncely-audit) that names the subject only by a hash. --dry-run
+/// runs the same statements and rolls them back: it lists what would
+/// change, outbox messages included, and writes nothing. With --subject-key-file, --subject is the raw identifier
 /// and is hashed as your producers hash it (EffectKey::hashed). SQL
 /// backends only.
 #[derive(Debug, ClapArgs)]
@@ -73,8 +72,7 @@ pub struct ErasureReport {
     /// emptied too.
     pub audit_records_erased: Vec<String>,
     /// The subject's outbox messages that were sent (or failed for good):
-    /// payload, headers and ordering key emptied (none listed on a dry
-    /// run, which does not read the outbox).
+    /// payload, headers and ordering key emptied.
     pub messages_erased: Vec<String>,
     /// The subject's outbox messages still to be sent, left unchanged:
     /// erase again once they are sent.
@@ -123,27 +121,24 @@ pub async fn erase(args: &Args) -> Result<Read<ErasureReport>> {
             audit_key: None,
             at: None,
         };
-        if dry_run {
-            let mut would = Erasure::new(SystemTime::UNIX_EPOCH);
-            for r in all_pages(&ledger, RecordQuery::tenant(&tenant).subject(subject.clone())).await? {
-                would.add(r.key, r.state);
-            }
-            report.erased = would.erased.iter().map(EffectKey::to_string).collect();
-            report.pending = would.pending.iter().map(EffectKey::to_string).collect();
-            report.audit_records_erased = audits.iter().map(EffectKey::to_string).collect();
-            return Ok(report);
-        }
-        let erasure = ledger.erase(&tenant, &subject).await?;
-        for audit in &audits {
-            ledger.erase(&tenant, audit.subject()).await?;
-        }
-        let audit_key = audit::write_erasure(&ledger, &tenant, &subject, &erasure).await?;
         let strings = |keys: &[EffectKey]| keys.iter().map(EffectKey::to_string).collect();
+        report.audit_records_erased = strings(&audits);
+        let erasure = if dry_run {
+            ledger.erase_dry_run(&tenant, &subject).await?
+        } else {
+            ledger.erase(&tenant, &subject).await?
+        };
         report.erased = strings(&erasure.erased);
         report.pending = strings(&erasure.pending);
         report.messages_erased = strings(&erasure.messages);
         report.messages_pending = strings(&erasure.messages_pending);
-        report.audit_records_erased = audits.iter().map(EffectKey::to_string).collect();
+        if dry_run {
+            return Ok(report);
+        }
+        for audit in &audits {
+            ledger.erase(&tenant, audit.subject()).await?;
+        }
+        let audit_key = audit::write_erasure(&ledger, &tenant, &subject, &erasure).await?;
         report.audit_key = Some(audit_key.to_string());
         report.at = Some(rfc3339(erasure.at));
         Ok(report)
@@ -198,9 +193,6 @@ impl Render for ErasureReport {
             for k in &r.messages_erased {
                 println!("  {k}");
             }
-        }
-        if r.dry_run {
-            println!("outbox messages: not read by a dry run");
         }
         if !r.pending.is_empty() {
             println!(

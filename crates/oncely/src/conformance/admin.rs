@@ -453,12 +453,31 @@ pub async fn erase_keeps_the_effect_done<L: Admin + 'static>(ledger: L) {
             .unwrap();
     }
 
+    // A dry run lists what erase does and writes nothing.
+    let dry = ledger.erase_dry_run(&t, subject).await.unwrap();
+    let r = ledger.get(&capture).await.unwrap().unwrap();
+    assert_eq!(
+        (&r.outcome, r.fingerprint, r.fence, r.updated_at),
+        (
+            &before.outcome,
+            before.fingerprint,
+            before.fence,
+            before.updated_at
+        ),
+        "a dry run leaves the outcome and the fingerprint"
+    );
+    assert!(matches!(
+        ledger.claim(&capture, &with_fp).await.unwrap(),
+        Claim::Completed(r) if r.outcome == before.outcome
+    ));
+
     let erasure = ledger.erase(&t, subject).await.unwrap();
     let mut erased = vec![capture.clone(), receipt.clone(), refund.clone()];
     erased.sort_by(|a, b| a.as_str().cmp(b.as_str()));
     assert_eq!(erasure.erased, erased);
     assert_eq!(erasure.pending, vec![email.clone()]);
     assert!(!erasure.is_complete());
+    assert_eq!((&dry.erased, &dry.pending), (&erasure.erased, &erasure.pending));
 
     let r = ledger.get(&capture).await.unwrap().unwrap();
     assert!(r.is_erased(), "{r:?}");

@@ -365,8 +365,14 @@ pub async fn outbox_erase_empties_what_the_relay_is_done_with<L: TransactionalOu
         enqueue(&ledger, k, &body(k)).await;
     }
 
+    // A dry run lists the same messages, in the transaction it rolls back.
+    let dry = ledger.erase_dry_run(&t, subject).await.unwrap();
     for _ in 0..2 {
         let erasure = ledger.erase(&t, subject).await.unwrap();
+        assert_eq!(
+            (&dry.messages, &dry.messages_pending),
+            (&erasure.messages, &erasure.messages_pending)
+        );
         let mut done = vec![sent.clone(), failed.clone()];
         done.sort_by(|a, b| a.as_str().cmp(b.as_str()));
         assert_eq!(erasure.messages, done);
