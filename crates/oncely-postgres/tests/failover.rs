@@ -428,3 +428,85 @@ async fn a_standby_is_refused_and_skipped() {
         other => panic!("{other:?}"),
     }
 }
+
+/// An erasure the primary acknowledged survives the primary's loss: with a
+/// synchronous standby, the promoted standby holds the subject's completed
+/// record erased (no outcome, no fingerprint; a redelivery fails with
+/// `Error::Erased` and does not run) and its sent outbox message emptied,
+/// and neither table holds a byte of the erased outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_erasure_survives_the_failover_with_a_synchronous_standby() {
+    use oncely::admin::Admin;
+    use oncely::backend::{Fingerprint, TransactionalLedger};
+    use oncely::outbox::{Message, Outbox, TransactionalOutbox};
+
+    let _pair = PAIR.lock().await;
+    let Some(url) = common::fresh_pair(PORT, "sync") else {
+        return;
+    };
+    let ledger = PgLedger::connect_with(&url, options()).await.expect("connects");
+    let tenant = oncely::conformance::fresh_tenant();
+    let (subject, secret) = ("person-7", "secret-outcome-of-person-7");
+    let opts = ClaimOptions::default().fingerprint(Fingerprint::of_bytes(b"card 4242"));
+    let capture = EffectKey::new(&tenant, "capture", subject).unwrap();
+    let mail = EffectKey::new(&tenant, "mail", subject).unwrap();
+    Effects::new(ledger.clone())
+        .run(&capture, &opts, |_| async { Ok(secret.to_owned()) })
+        .await
+        .unwrap();
+    let mut tx = ledger.begin().await.unwrap();
+    ledger
+        .enqueue_in(
+            &mut tx,
+            &mail,
+            &Message::new("mail", secret.as_bytes().to_vec()).unwrap(),
+        )
+        .await
+        .unwrap();
+    ledger.commit(tx).await.unwrap();
+    let claimed = ledger.claim_messages(10, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(ledger.mark_sent(&[claimed[0].ticket()]).await.unwrap(), [true]);
+    let dump =
+        |table: &str| oncely_testkit::dump::postgres(&url, &format!("public.{table}")).expect("pg_dump runs");
+    assert!(
+        oncely_testkit::dump::contains(&dump("oncely_failover_outbox"), secret.as_bytes()),
+        "control: the dump shows the message"
+    );
+
+    let erasure = ledger.erase(&tenant, subject).await.unwrap();
+    assert_eq!(erasure.erased, [capture.clone()]);
+    assert_eq!(erasure.messages, [mail.clone()]);
+    tokio::task::spawn_blocking(|| {
+        script(&["kill-primary"]);
+        script(&["promote"]);
+    })
+    .await
+    .unwrap();
+
+    let promoted = PgLedger::connect_with(&url, options())
+        .await
+        .expect("connects to the promoted standby");
+    let r = promoted.get(&capture).await.unwrap().expect("the record");
+    assert!(r.is_erased(), "{r:?}");
+    assert_eq!((r.outcome, r.fingerprint), (None, None));
+    let runs = AtomicU32::new(0);
+    let e = Effects::new(promoted.clone())
+        .run(&capture, &opts, |_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok(String::new())
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Erased { .. }), "{e:?}");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "the erased effect never runs again"
+    );
+    for table in ["oncely_failover", "oncely_failover_outbox"] {
+        assert!(
+            !oncely_testkit::dump::contains(&dump(table), secret.as_bytes()),
+            "{table} on the promoted standby holds no byte of the erased outcome"
+        );
+    }
+}
