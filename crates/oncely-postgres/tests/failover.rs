@@ -474,8 +474,8 @@ async fn an_erasure_survives_the_failover_with_a_synchronous_standby() {
     );
 
     let erasure = ledger.erase(&tenant, subject).await.unwrap();
-    assert_eq!(erasure.erased, [capture.clone()]);
-    assert_eq!(erasure.messages, [mail.clone()]);
+    assert_eq!(erasure.erased, std::slice::from_ref(&capture));
+    assert_eq!(erasure.messages, std::slice::from_ref(&mail));
     tokio::task::spawn_blocking(|| {
         script(&["kill-primary"]);
         script(&["promote"]);
