@@ -925,8 +925,6 @@ impl FromUrl for PgLedger {
     }
 }
 
-/// The operator's view (`oncely::admin`): listings and stats are reads at
-/// one `clock_timestamp()` reading; forget is one guarded, fenced `UPDATE`.
 impl PgLedger {
     /// `Admin::erase` (`write`), or its dry run: the same statements, rolled
     /// back.
@@ -979,6 +977,8 @@ impl PgLedger {
     }
 }
 
+/// The operator's view (`oncely::admin`): listings and stats are reads at
+/// one `clock_timestamp()` reading; forget is one guarded, fenced `UPDATE`.
 impl Admin for PgLedger {
     async fn records(&self, query: &RecordQuery) -> Result<Vec<Record>> {
         let (text, args) = sql::records(&self.inner.q_table(), query)?;
