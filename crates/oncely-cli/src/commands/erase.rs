@@ -31,9 +31,9 @@ use crate::time::rfc3339;
 /// sent are listed as pending (exit 1). Recorded as an audit record
 /// (kind oncely-audit) that names the subject only by a hash. --dry-run
 /// runs the same statements and rolls them back: it lists what would
-/// change, outbox messages included, and writes nothing. With --subject-key-file, --subject is the raw identifier
-/// and is hashed as your producers hash it (EffectKey::hashed). SQL
-/// backends only.
+/// change, outbox messages included, and writes nothing. With
+/// --subject-key-file, --subject is the raw identifier and is hashed as
+/// your producers hash it (EffectKey::hashed). SQL backends only.
 #[derive(Debug, ClapArgs)]
 pub struct Args {
     /// The tenant.
