@@ -384,6 +384,25 @@ impl Erasure {
         Some(done)
     }
 
+    /// Sorts the outbox rows an erasure found, each `(id, key, state)` as
+    /// the backend reads it, with [`Erasure::add_message`]; returns the ids
+    /// of the messages to empty. A row that cannot be read fails the whole
+    /// erasure (its transaction is not committed).
+    pub fn add_messages<I>(
+        &mut self,
+        rows: impl IntoIterator<Item = Result<(I, String, String)>>,
+        subject: &str,
+    ) -> Result<Vec<I>> {
+        let mut ids = Vec::new();
+        for row in rows {
+            let (id, key, state) = row?;
+            if self.add_message(&key, subject, &state) == Some(true) {
+                ids.push(id);
+            }
+        }
+        Ok(ids)
+    }
+
     /// Whether every record and outbox message of the subject is erased
     /// (none is pending).
     pub fn is_complete(&self) -> bool {

@@ -452,15 +452,14 @@ pub(crate) fn erase_messages(
     subject: &str,
 ) -> Result<Vec<u64>> {
     let g = |e: sqlx::Error| corrupt(format!("unreadable outbox erase row: {e}"));
-    let mut ids = Vec::new();
-    for row in rows {
-        let key: String = row.try_get("effect_key").map_err(g)?;
-        let state: String = row.try_get("state").map_err(g)?;
-        if erasure.add_message(&key, subject, &state) == Some(true) {
-            ids.push(row.try_get("id").map_err(g)?);
-        }
-    }
-    Ok(ids)
+    let read = |row: &MySqlRow| {
+        Ok((
+            row.try_get("id").map_err(g)?,
+            row.try_get("effect_key").map_err(g)?,
+            row.try_get("state").map_err(g)?,
+        ))
+    };
+    erasure.add_messages(rows.iter().map(read), subject)
 }
 
 /// Deletes every message of `<t>_outbox`: the tests' fresh start.

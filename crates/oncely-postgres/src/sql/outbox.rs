@@ -280,15 +280,8 @@ impl OutboxQueries {
 /// Sorts the locked rows of the outbox step of `Admin::erase` into
 /// `erasure` ([`Erasure::add_message`]); returns the ids to empty.
 pub(crate) fn erase_messages(erasure: &mut Erasure, rows: &[PgRow], subject: &str) -> Result<Vec<i64>> {
-    let mut ids = Vec::new();
-    for row in rows {
-        let key: String = get(row, "key")?;
-        let state: String = get(row, "state")?;
-        if erasure.add_message(&key, subject, &state) == Some(true) {
-            ids.push(get(row, "id")?);
-        }
-    }
-    Ok(ids)
+    let read = |row: &PgRow| Ok((get(row, "id")?, get(row, "key")?, get(row, "state")?));
+    erasure.add_messages(rows.iter().map(read), subject)
 }
 
 /// Ids and fences are `u64` in the API and `bigint` in the table; a value

@@ -276,15 +276,14 @@ pub(crate) fn erase_messages(
     subject: &str,
 ) -> Result<Vec<i64>> {
     let g = |e: sqlx::Error| corrupt(format!("unreadable outbox erase row: {e}"));
-    let mut ids = Vec::new();
-    for row in rows {
-        let key: String = row.try_get("key").map_err(g)?;
-        let state: String = row.try_get("state").map_err(g)?;
-        if erasure.add_message(&key, subject, &state) == Some(true) {
-            ids.push(row.try_get("id").map_err(g)?);
-        }
-    }
-    Ok(ids)
+    let read = |row: &SqliteRow| {
+        Ok((
+            row.try_get("id").map_err(g)?,
+            row.try_get("key").map_err(g)?,
+            row.try_get("state").map_err(g)?,
+        ))
+    };
+    erasure.add_messages(rows.iter().map(read), subject)
 }
 
 /// A stored id, fence or count as the API's unsigned number.
